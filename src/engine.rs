@@ -1,0 +1,709 @@
+//! One rank's runtime: owns the shards, slots and optimizer state, applies the pure decisions of
+//! [`crate::state`], [`crate::schedule`] and [`crate::grads`] through a backend and a communicator.
+
+use std::sync::Arc;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, Region, Stream};
+use crate::comm::Communicator;
+use crate::config::{EngineConfig, GradReduction};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::grads::{GradEffect, GradPipeline};
+use crate::plan::{ParamId, ParamLayout, Plan, Unit};
+use crate::schedule::{Phase, Schedule};
+use crate::state::{BufferState, GatherEffect, Gathers};
+
+/// What the engine did, counted since it was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// All-gathers issued, prefetches included.
+    pub all_gathers: u64,
+    /// All-gathers issued ahead of use.
+    pub prefetches: u64,
+    /// Uses served by a READY buffer without communication.
+    pub reuses: u64,
+    /// Gathered buffers given back.
+    pub evictions: u64,
+    pub reduce_scatters: u64,
+    /// Gather slots allocated beyond `double_buffer_limit` because a required gather found
+    /// every gathered buffer in use.
+    pub extra_slots: u64,
+    /// Times the host blocked on the device.
+    pub host_waits: u64,
+    pub steps: u64,
+}
+
+struct GatherSlot<E> {
+    buffer_index: usize,
+    /// Compute's last use of the group that held the slot.
+    free_after: Option<Arc<E>>,
+}
+
+struct GradSlot<Buf, E> {
+    buffer: Buf,
+    /// The reduction that last read the slot.
+    reduced: Option<E>,
+}
+
+/// One rank's FSDP runtime over backend `B` and communicator `C`.
+///
+/// A step is: for each micro-batch, the forward hooks of each unit in execution order
+/// ([`Engine::pre_forward`] / [`Engine::post_forward`]), then the backward hooks in reverse
+/// ([`Engine::pre_backward`] / [`Engine::post_backward`]) with one [`Engine::grad`] per trainable
+/// parameter; then [`Engine::finish_grad_sync`], [`Engine::optimizer_step`] and
+/// [`Engine::end_step`]. Gradients of several micro-batches add up until the step ends.
+pub struct Engine<B: Backend, C: Communicator<B>> {
+    plan: Arc<Plan>,
+    config: EngineConfig,
+    rank: usize,
+    backend: B,
+    comm: C,
+    shards: Vec<B::Buffer>,
+    grad_shards: Vec<Option<B::Buffer>>,
+    masters: Vec<Option<B::Buffer>>,
+    moments: Vec<Option<(B::Buffer, B::Buffer)>>,
+    master_stale: Vec<bool>,
+    slot_buffers: Vec<B::Buffer>,
+    free_slots: Vec<GatherSlot<B::Event>>,
+    slot_of: Vec<Option<GatherSlot<B::Event>>>,
+    gathered: Vec<Option<B::Event>>,
+    released: Vec<Option<Arc<B::Event>>>,
+    shards_updated: Option<Arc<B::Event>>,
+    grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
+    gathers: Gathers,
+    grads: GradPipeline,
+    schedule: Schedule,
+    forward_open: Vec<bool>,
+    backward_open: Vec<bool>,
+    optimizer_steps: u64,
+    stepped: bool,
+    counters: Counters,
+    gather_effects: Vec<GatherEffect>,
+    grad_effects: Vec<GradEffect>,
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Allocates every buffer the plan predicts (shards, gradient shards, optimizer state, gather
+    /// and gradient slots); parameters start at zero until [`Engine::load_param`].
+    pub fn new(plan: Arc<Plan>, config: EngineConfig, backend: B, comm: C) -> Result<Self> {
+        config.validate()?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if world != plan.world_size() {
+            return Err(Error::WorldSizeMismatch {
+                plan: plan.world_size(),
+                comm: world,
+            });
+        }
+        if rank >= world {
+            return Err(Error::RankOutOfRange {
+                rank,
+                world_size: world,
+            });
+        }
+        let groups = plan.groups();
+        let mut shards = Vec::with_capacity(groups.len());
+        let mut grad_shards = Vec::with_capacity(groups.len());
+        let mut masters = Vec::with_capacity(groups.len());
+        let mut moments = Vec::with_capacity(groups.len());
+        for g in groups {
+            shards.push(backend.alloc(g.shard_numel * g.dtype.size())?);
+            let f32_shard = || backend.alloc(g.shard_numel * 4);
+            let trains = g.trainable;
+            grad_shards.push(if trains { Some(f32_shard()?) } else { None });
+            masters.push(if trains && g.dtype != DType::F32 {
+                Some(f32_shard()?)
+            } else {
+                None
+            });
+            moments.push(if trains && config.optimizer.has_moments() {
+                Some((f32_shard()?, f32_shard()?))
+            } else {
+                None
+            });
+        }
+        let slot_bytes = plan.gather_slot_bytes();
+        let slot_buffers = (0..config.double_buffer_limit)
+            .map(|_| backend.alloc(slot_bytes))
+            .collect::<Result<Vec<_>>>()?;
+        let free_slots = (0..config.double_buffer_limit)
+            .rev()
+            .map(|buffer_index| GatherSlot {
+                buffer_index,
+                free_after: None,
+            })
+            .collect();
+        let grad_slot_bytes = plan.grad_slot_numel() * 4;
+        let grad_slots = (0..plan.grad_slot_count(&config))
+            .map(|_| {
+                Ok(GradSlot {
+                    buffer: backend.alloc(grad_slot_bytes)?,
+                    reduced: None,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut expected = vec![0; groups.len()];
+        for p in plan.params().iter().filter(|p| p.trainable) {
+            expected[p.group] += 1;
+        }
+        let grads = GradPipeline::new(
+            expected,
+            plan.params().len(),
+            grad_slots.len(),
+            config.max_reduces_in_flight,
+            config.overlap,
+        );
+        let units = plan.units().len();
+        Ok(Engine {
+            gathers: Gathers::new(groups.len(), config.double_buffer_limit),
+            schedule: Schedule::new(units),
+            grads,
+            slot_of: (0..groups.len()).map(|_| None).collect(),
+            gathered: (0..groups.len()).map(|_| None).collect(),
+            released: vec![None; groups.len()],
+            master_stale: vec![true; groups.len()],
+            shards,
+            grad_shards,
+            masters,
+            moments,
+            slot_buffers,
+            free_slots,
+            shards_updated: None,
+            grad_slots,
+            forward_open: vec![false; units],
+            backward_open: vec![false; units],
+            optimizer_steps: 0,
+            stepped: false,
+            counters: Counters::default(),
+            gather_effects: Vec::new(),
+            grad_effects: Vec::new(),
+            plan,
+            config,
+            rank,
+            backend,
+            comm,
+        })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// What the engine did so far.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            host_waits: self.backend.host_waits(),
+            ..self.counters
+        }
+    }
+
+    /// Bytes the backend holds now and at its peak.
+    pub fn memory(&self) -> MemoryUsage {
+        self.backend.memory()
+    }
+
+    /// The state of group `group`'s gathered buffer.
+    pub fn buffer_state(&self, group: usize) -> Result<BufferState> {
+        self.plan.group(group)?;
+        Ok(self.gathers.state(group))
+    }
+
+    /// Gathered buffers now (SYNCING, USING or READY).
+    pub fn gathered_count(&self) -> usize {
+        self.gathers.gathered()
+    }
+
+    fn unit_index(&self, unit: Unit) -> Result<usize> {
+        self.plan.unit_index(unit).ok_or(Error::UnknownUnit { unit })
+    }
+
+    /// Before `unit`'s forward: its groups are gathered (reused if READY) and compute waits for
+    /// them; the next unit expected is prefetched. Does not block the host on a GPU.
+    pub fn pre_forward(&mut self, unit: Unit) -> Result<()> {
+        let u = self.unit_index(unit)?;
+        if self.forward_open[u] {
+            return Err(Error::ForwardAlreadyOpen { unit });
+        }
+        self.begin(Phase::Forward, u)?;
+        self.forward_open[u] = true;
+        self.use_unit(u)
+    }
+
+    /// After `unit`'s forward: its groups become READY once no hook uses them.
+    pub fn post_forward(&mut self, unit: Unit) -> Result<()> {
+        let u = self.unit_index(unit)?;
+        if !self.forward_open[u] {
+            return Err(Error::ForwardNotOpen { unit });
+        }
+        self.forward_open[u] = false;
+        self.release_unit(u)
+    }
+
+    /// Before `unit`'s backward: as [`Engine::pre_forward`], prefetching the unit expected next in
+    /// backward order.
+    pub fn pre_backward(&mut self, unit: Unit) -> Result<()> {
+        let u = self.unit_index(unit)?;
+        if self.backward_open[u] {
+            return Err(Error::BackwardAlreadyOpen { unit });
+        }
+        self.begin(Phase::Backward, u)?;
+        self.backward_open[u] = true;
+        self.use_unit(u)
+    }
+
+    /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
+    pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
+        let u = self.unit_index(unit)?;
+        if !self.backward_open[u] {
+            return Err(Error::BackwardNotOpen { unit });
+        }
+        self.backward_open[u] = false;
+        self.release_unit(u)
+    }
+
+    /// Hands over `param`'s gradient for this backward pass, in the param's dtype or f32; it is
+    /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
+    /// have theirs. The gradient may be read after this returns (host input is consumed at once).
+    pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
+        let layout = self.plan.param(param)?;
+        if !layout.trainable {
+            return Err(Error::FrozenGradient {
+                name: layout.name.clone(),
+            });
+        }
+        let dtype = gradient.dtype();
+        if dtype != layout.dtype && dtype != DType::F32 {
+            return Err(Error::GradientDtype {
+                name: layout.name.clone(),
+                param: layout.dtype,
+                got: dtype,
+            });
+        }
+        if gradient.numel() != layout.numel {
+            return Err(Error::GradientLength {
+                name: layout.name.clone(),
+                expected: layout.numel,
+                got: gradient.numel(),
+            });
+        }
+        if self.grads.received(param.0) {
+            return Err(Error::DuplicateGradient {
+                name: layout.name.clone(),
+            });
+        }
+        let group = layout.group;
+        self.enter(Phase::Backward)?;
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        self.grads.on_grad(param.0, group, &mut fx);
+        let result = self.apply_grad_effects(&fx, Some(gradient));
+        self.grad_effects = fx;
+        result
+    }
+
+    /// Ends the backward passes of this step: ends any backward still open, reduces every group
+    /// (those whose last gradient never came too), and orders compute after the reductions. On a
+    /// GPU it does not block the host: later compute-stream work waits for the reduce stream.
+    pub fn finish_grad_sync(&mut self) -> Result<()> {
+        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+            return Err(Error::ForwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        for u in 0..self.backward_open.len() {
+            if self.backward_open[u] {
+                self.backward_open[u] = false;
+                self.release_unit(u)?;
+            }
+        }
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        self.grads.finish(&mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.grad_effects = fx;
+        result?;
+        let reduced = self.backend.record(Stream::Reduce)?;
+        self.backend.wait(Stream::Compute, &reduced)
+    }
+
+    /// Updates every trainable shard from its gradient shard with the configured optimizer, once
+    /// per step, after [`Engine::finish_grad_sync`].
+    pub fn optimizer_step(&mut self) -> Result<()> {
+        if !self.grads.synced() {
+            return Err(Error::GradsNotSynced {
+                action: "the optimizer step",
+            });
+        }
+        if self.stepped {
+            return Err(Error::OptimizerAlreadyStepped);
+        }
+        self.optimizer_steps += 1;
+        let update = self.config.optimizer.coefficients(self.optimizer_steps);
+        for g in self.plan.groups().iter().filter(|g| g.trainable) {
+            let i = g.index;
+            let Some(grad) = self.grad_shards[i].as_ref() else {
+                continue;
+            };
+            if self.master_stale[i] {
+                if let Some(master) = self.masters[i].as_mut() {
+                    let whole = Region::new(0, g.shard_numel, g.dtype);
+                    self.backend
+                        .widen(Stream::Compute, &self.shards[i], whole, master)?;
+                }
+                self.master_stale[i] = false;
+            }
+            let shard = OptimizerShard {
+                param: &mut self.shards[i],
+                dtype: g.dtype,
+                numel: g.shard_numel,
+                grad,
+                master: self.masters[i].as_mut(),
+                moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
+            };
+            self.backend.optimizer_step(Stream::Compute, &update, shard)?;
+        }
+        self.shards_updated = Some(Arc::new(self.backend.record(Stream::Compute)?));
+        self.stepped = true;
+        Ok(())
+    }
+
+    /// Ends the step: every gathered buffer is freed (its contents are stale once the shards
+    /// change) and the next step's first reductions overwrite the gradient shards.
+    pub fn end_step(&mut self) -> Result<()> {
+        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+            return Err(Error::ForwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        if let Some(u) = self.backward_open.iter().position(|&o| o) {
+            return Err(Error::BackwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        if self.grads.pending() {
+            return Err(Error::GradsNotSynced {
+                action: "ending the step",
+            });
+        }
+        let mut fx = std::mem::take(&mut self.gather_effects);
+        fx.clear();
+        self.gathers.reset(&mut fx)?;
+        let result = self.apply_gather_effects(&fx);
+        self.gather_effects = fx;
+        result?;
+        self.schedule.end_step();
+        self.grads.end_step();
+        self.stepped = false;
+        self.counters.steps += 1;
+        Ok(())
+    }
+
+    /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard: only
+    /// the part the rank holds is kept. Every rank loads every parameter. Allowed between steps.
+    pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
+        let layout = self.plan.param(param)?;
+        let Input::Host { bytes, dtype } = data else {
+            return Err(Error::Unsupported {
+                backend: self.backend.name(),
+                what: "device memory as a parameter's initial value",
+            });
+        };
+        if dtype != layout.dtype {
+            return Err(Error::DtypeMismatch {
+                name: layout.name.clone(),
+                param: layout.dtype,
+                requested: dtype,
+            });
+        }
+        if data.numel() != layout.numel {
+            return Err(Error::DataLength {
+                name: layout.name.clone(),
+                expected: layout.numel,
+                got: data.numel(),
+            });
+        }
+        if self.gathers.state(layout.group) != BufferState::Freed {
+            return Err(Error::Gathered {
+                name: layout.name.clone(),
+            });
+        }
+        let group = &self.plan.groups()[layout.group];
+        let shard = self.plan.shard_range(group, self.rank);
+        let start = layout.offset.max(shard.start);
+        let end = (layout.offset + layout.numel).min(shard.end);
+        if start < end {
+            let src = &bytes[(start - layout.offset) * dtype.size()..(end - layout.offset) * dtype.size()];
+            let region = Region::new(start - shard.start, end - start, dtype);
+            self.backend.upload(&mut self.shards[layout.group], region, src)?;
+        }
+        self.master_stale[layout.group] = true;
+        Ok(())
+    }
+
+    /// This rank's parameter shard of `group`, as bytes in the group's dtype.
+    pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
+        let g = self.plan.group(group)?;
+        let region = Region::new(0, g.shard_numel, g.dtype);
+        let mut out = vec![0u8; g.shard_numel * g.dtype.size()];
+        self.backend.download(&self.shards[group], region, &mut out)?;
+        Ok(out)
+    }
+
+    /// This rank's fp32 gradient shard of trainable `group`, as synced so far this step.
+    pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
+        let g = self.plan.group(group)?;
+        let mut out = vec![0f32; g.shard_numel];
+        if let Some(shard) = &self.grad_shards[group] {
+            let region = Region::new(0, g.shard_numel, DType::F32);
+            self.backend
+                .download(shard, region, bytemuck::cast_slice_mut(&mut out))?;
+        }
+        Ok(out)
+    }
+
+    /// The gathered view of a parameter: its slot, checked to be in use.
+    fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
+        let layout = self.plan.param(param)?;
+        match (&self.slot_of[layout.group], self.gathers.state(layout.group)) {
+            (Some(slot), BufferState::Using) => Ok((layout, &self.slot_buffers[slot.buffer_index])),
+            _ => Err(Error::NotGathered {
+                name: layout.name.clone(),
+            }),
+        }
+    }
+
+    fn begin(&mut self, phase: Phase, unit: usize) -> Result<()> {
+        self.enter(phase)?;
+        self.schedule.record(unit);
+        Ok(())
+    }
+
+    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients.
+    fn enter(&mut self, phase: Phase) -> Result<()> {
+        if self.schedule.enter(phase) != Some(Phase::Backward) {
+            return Ok(());
+        }
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        self.grads.end_pass(&mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.grad_effects = fx;
+        result
+    }
+
+    fn use_unit(&mut self, u: usize) -> Result<()> {
+        let mut fx = std::mem::take(&mut self.gather_effects);
+        fx.clear();
+        let plan = Arc::clone(&self.plan);
+        let mut result = Ok(());
+        for &g in plan.unit_groups(u) {
+            if self.gathers.state(g) == BufferState::Ready {
+                self.counters.reuses += 1;
+            }
+            result = self.gathers.acquire(g, &mut fx);
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() && self.config.overlap {
+            if let Some(next) = self.schedule.predict_next() {
+                for &g in plan.unit_groups(next) {
+                    let before = fx.len();
+                    match self.gathers.prefetch(g, &mut fx) {
+                        Ok(true) => self.counters.prefetches += (fx.len() > before) as u64,
+                        Ok(false) => {}
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let applied = self.apply_gather_effects(&fx);
+        self.gather_effects = fx;
+        result.and(applied)
+    }
+
+    fn release_unit(&mut self, u: usize) -> Result<()> {
+        let done = Arc::new(self.backend.record(Stream::Compute)?);
+        let plan = Arc::clone(&self.plan);
+        for &g in plan.unit_groups(u) {
+            self.gathers.release(g)?;
+            self.released[g] = Some(Arc::clone(&done));
+        }
+        Ok(())
+    }
+
+    fn apply_gather_effects(&mut self, effects: &[GatherEffect]) -> Result<()> {
+        for &effect in effects {
+            match effect {
+                GatherEffect::Evict(g) => {
+                    if let Some(mut slot) = self.slot_of[g].take() {
+                        slot.free_after = self.released[g].take();
+                        self.free_slots.push(slot);
+                    }
+                    self.gathered[g] = None;
+                    self.counters.evictions += 1;
+                }
+                GatherEffect::Gather(g) => self.gather(g)?,
+                GatherEffect::Wait(g) => {
+                    if let Some(done) = self.gathered[g].take() {
+                        self.backend.wait(Stream::Compute, &done)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn gather(&mut self, g: usize) -> Result<()> {
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slot_buffers
+                    .push(self.backend.alloc(self.plan.gather_slot_bytes())?);
+                self.counters.extra_slots += 1;
+                GatherSlot {
+                    buffer_index: self.slot_buffers.len() - 1,
+                    free_after: None,
+                }
+            }
+        };
+        if let Some(done) = &slot.free_after {
+            self.backend.wait(Stream::Gather, done)?;
+        }
+        if let Some(updated) = &self.shards_updated {
+            self.backend.wait(Stream::Gather, updated)?;
+        }
+        let group = &self.plan.groups()[g];
+        let shard_region = Region::new(0, group.shard_numel, group.dtype);
+        let full_region = Region::new(0, group.padded_numel, group.dtype);
+        let result = self.comm.all_gather(
+            &self.backend,
+            Stream::Gather,
+            &self.shards[g],
+            shard_region,
+            &mut self.slot_buffers[slot.buffer_index],
+            full_region,
+        );
+        self.slot_of[g] = Some(GatherSlot {
+            free_after: None,
+            ..slot
+        });
+        result?;
+        self.gathered[g] = Some(self.backend.record(Stream::Gather)?);
+        self.counters.all_gathers += 1;
+        Ok(())
+    }
+
+    fn apply_grad_effects(&mut self, effects: &[GradEffect], input: Option<Input<'_>>) -> Result<()> {
+        for &effect in effects {
+            match effect {
+                GradEffect::Retire { slot } => {
+                    if let Some(reduced) = self.grad_slots[slot].reduced.take() {
+                        self.backend.wait(Stream::Compute, &reduced)?;
+                    }
+                }
+                GradEffect::Zero { slot, group } => {
+                    let numel = self.plan.groups()[group].padded_numel;
+                    let region = Region::new(0, numel, DType::F32);
+                    self.backend
+                        .zero(Stream::Compute, &mut self.grad_slots[slot].buffer, region)?;
+                }
+                GradEffect::Write { param, slot } => {
+                    let layout = &self.plan.params()[param];
+                    let region = Region::new(layout.offset, layout.numel, DType::F32);
+                    if let Some(input) = input {
+                        self.backend.accumulate_input(
+                            Stream::Compute,
+                            input,
+                            &mut self.grad_slots[slot].buffer,
+                            region,
+                            1.0,
+                            false,
+                        )?;
+                    }
+                }
+                GradEffect::Reduce {
+                    group,
+                    slot,
+                    overwrite,
+                } => self.reduce(group, slot, overwrite)?,
+                GradEffect::ZeroShard { group } => {
+                    let numel = self.plan.groups()[group].shard_numel;
+                    if let Some(shard) = self.grad_shards[group].as_mut() {
+                        let region = Region::new(0, numel, DType::F32);
+                        self.backend.zero(Stream::Reduce, shard, region)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce(&mut self, group: usize, slot: usize, overwrite: bool) -> Result<()> {
+        let g = &self.plan.groups()[group];
+        let written = self.backend.record(Stream::Compute)?;
+        self.backend.wait(Stream::Reduce, &written)?;
+        let buffer = &mut self.grad_slots[slot].buffer;
+        self.comm.reduce_scatter(
+            &self.backend,
+            Stream::Reduce,
+            buffer,
+            Region::new(0, g.padded_numel, DType::F32),
+        )?;
+        self.counters.reduce_scatters += 1;
+        let scale = match self.config.grad_reduction {
+            GradReduction::Mean => 1.0 / self.plan.world_size() as f32,
+            GradReduction::Sum => 1.0,
+        };
+        let own = Region::new(self.rank * g.shard_numel, g.shard_numel, DType::F32);
+        let Some(shard) = self.grad_shards[group].as_mut() else {
+            return Ok(());
+        };
+        self.backend.accumulate(
+            Stream::Reduce,
+            buffer,
+            own,
+            shard,
+            Region::new(0, g.shard_numel, DType::F32),
+            scale,
+            !overwrite,
+        )?;
+        self.grad_slots[slot].reduced = Some(self.backend.record(Stream::Reduce)?);
+        Ok(())
+    }
+}
+
+impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
+    /// The gathered values of `param`, readable while one of its unit's hooks is open.
+    pub fn param<T: Element>(&self, param: ParamId) -> Result<&[T]> {
+        let (layout, slot) = self.gathered_view(param)?;
+        if layout.dtype != T::DTYPE {
+            return Err(Error::DtypeMismatch {
+                name: layout.name.clone(),
+                param: layout.dtype,
+                requested: T::DTYPE,
+            });
+        }
+        let bytes = slot.region(Region::new(layout.offset, layout.numel, layout.dtype))?;
+        bytemuck::try_cast_slice(bytes).map_err(|_| Error::OutOfRange {
+            offset: layout.offset,
+            len: layout.numel,
+            capacity: bytes.len() / layout.dtype.size(),
+        })
+    }
+}

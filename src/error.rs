@@ -1,0 +1,156 @@
+//! The crate's one error type.
+
+use crate::dtype::DType;
+use crate::plan::Unit;
+use crate::state::BufferState;
+
+/// Every failure the crate reports. Variants carry the values a caller needs to find the cause.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    #[error("cannot read model file {path}: {source}")]
+    ModelFile {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("malformed model JSON at line {line}, column {column}: {message}")]
+    Json {
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("a model needs at least one parameter")]
+    EmptyModel,
+    #[error("parameter #{index} has an empty name")]
+    EmptyName { index: usize },
+    #[error("parameter name {name:?} is declared twice (#{first} and #{second})")]
+    DuplicateName {
+        name: String,
+        first: usize,
+        second: usize,
+    },
+    #[error("parameter {name:?}: the element count of shape {shape:?} overflows")]
+    NumelOverflow { name: String, shape: Vec<u64> },
+    #[error("parameter {name:?}: unknown dtype {given:?} (expected bf16, f16 or f32)")]
+    UnknownDtype { name: String, given: String },
+    #[error("world size must be at least 1")]
+    ZeroWorldSize,
+    #[error("rank {rank} is out of range for world size {world_size}")]
+    RankOutOfRange { rank: usize, world_size: usize },
+    #[error("group {group}: its padded length overflows at world size {world_size}")]
+    LayoutOverflow { group: usize, world_size: usize },
+    #[error("invalid configuration: {field} {reason}")]
+    InvalidConfig {
+        field: &'static str,
+        reason: String,
+    },
+    #[error("the plan has world size {plan}, the communicator {comm}")]
+    WorldSizeMismatch { plan: usize, comm: usize },
+
+    #[error("no parameter named {name:?}")]
+    UnknownParam { name: String },
+    #[error("parameter id {id} is out of range ({count} parameters)")]
+    ParamIdOutOfRange { id: usize, count: usize },
+    #[error("group index {group} is out of range ({count} groups)")]
+    GroupOutOfRange { group: usize, count: usize },
+    #[error("{unit} has no parameters in this plan")]
+    UnknownUnit { unit: Unit },
+    #[error("{unit}: forward started twice without ending")]
+    ForwardAlreadyOpen { unit: Unit },
+    #[error("{unit}: forward ended but was not started (or was already ended)")]
+    ForwardNotOpen { unit: Unit },
+    #[error("{unit}: backward started twice without ending")]
+    BackwardAlreadyOpen { unit: Unit },
+    #[error("{unit}: backward ended but was not started (or was already ended)")]
+    BackwardNotOpen { unit: Unit },
+    #[error("{unit}: forward is still open; end it before syncing gradients or ending the step")]
+    ForwardStillOpen { unit: Unit },
+    #[error("{unit}: backward is still open; end the backward pass before ending the step")]
+    BackwardStillOpen { unit: Unit },
+    #[error("parameter {name:?} is frozen and takes no gradient")]
+    FrozenGradient { name: String },
+    #[error("parameter {name:?} already received a gradient in this backward pass")]
+    DuplicateGradient { name: String },
+    #[error("parameter {name:?}: gradient has {got} elements, the parameter {expected}")]
+    GradientLength {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("parameter {name:?} is {param}: its gradient must be {param} or f32, not {got}")]
+    GradientDtype {
+        name: String,
+        param: DType,
+        got: DType,
+    },
+    #[error("parameter {name:?}: data has {got} elements, the parameter {expected}")]
+    DataLength {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("parameter {name:?} is {param}, not {requested}")]
+    DtypeMismatch {
+        name: String,
+        param: DType,
+        requested: DType,
+    },
+    #[error("gradients are not synced: call finish_grad_sync before {action}")]
+    GradsNotSynced { action: &'static str },
+    #[error("parameter {name:?} is gathered: load parameters between steps, outside every unit")]
+    Gathered { name: String },
+    #[error("the optimizer already stepped in this step")]
+    OptimizerAlreadyStepped,
+    #[error("parameter {name:?} is not gathered: its unit's forward or backward must be open")]
+    NotGathered { name: String },
+    #[error("group {group}: transition {from:?} -> {to:?} is not allowed")]
+    ForbiddenTransition {
+        group: usize,
+        from: BufferState,
+        to: BufferState,
+    },
+
+    #[error("collective #{seq}: rank {rank} issued {got}, rank 0 issued {expected}")]
+    CollectiveMismatch {
+        seq: u64,
+        rank: usize,
+        expected: String,
+        got: String,
+    },
+    #[error("collective #{seq}: rank {rank} left the group before taking part")]
+    RankLeft { seq: u64, rank: usize },
+
+    #[error("CUDA is not available: {reason}")]
+    CudaUnavailable { reason: String },
+    #[error("the CUDA kernels are not in this build: nvcc was not found when it was compiled")]
+    KernelsUnavailable,
+    #[error("CUDA call {call} failed: {message} (code {code})")]
+    Cuda {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
+    #[error("NCCL is not available: {reason}")]
+    NcclUnavailable { reason: String },
+    #[error("NCCL call {call} failed: {message} (code {code})")]
+    Nccl {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
+    #[error("{backend} backend cannot take {what}")]
+    Unsupported {
+        backend: &'static str,
+        what: &'static str,
+    },
+    #[error("buffer access out of range: {offset} + {len} > {capacity} elements")]
+    OutOfRange {
+        offset: usize,
+        len: usize,
+        capacity: usize,
+    },
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

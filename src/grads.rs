@@ -1,0 +1,348 @@
+//! Pure decisions for the gradient path: temporary fp32 slots, reduce-scatters in flight, and
+//! accumulation into the persistent fp32 shards. No I/O: each call returns the effects to apply.
+
+use std::collections::VecDeque;
+
+/// An effect the engine applies, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradEffect {
+    /// The reduction that used `slot` must complete before anything writes the slot again.
+    Retire { slot: usize },
+    /// Fill the slot's first `group`-sized part with zeros: padding and parameters without a
+    /// gradient add nothing.
+    Zero { slot: usize, group: usize },
+    /// Write the parameter's gradient into its place in the slot.
+    Write { param: usize, slot: usize },
+    /// Reduce-scatter the slot and add (or, for the step's first, write) this rank's part,
+    /// scaled, into the group's persistent shard.
+    Reduce {
+        group: usize,
+        slot: usize,
+        overwrite: bool,
+    },
+    /// Zero the group's shard: it received no gradient this step.
+    ZeroShard { group: usize },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Free,
+    Filling,
+    Reducing,
+}
+
+/// The gradient pipeline of one rank.
+#[derive(Clone, Debug)]
+pub struct GradPipeline {
+    expected: Vec<usize>,
+    received: Vec<bool>,
+    received_count: Vec<usize>,
+    filling: Vec<Option<usize>>,
+    fill_order: VecDeque<usize>,
+    slots: Vec<Slot>,
+    in_flight: VecDeque<usize>,
+    max_in_flight: usize,
+    overlap: bool,
+    written: Vec<bool>,
+    pending: bool,
+    synced: bool,
+}
+
+impl GradPipeline {
+    /// `expected[g]`: trainable parameters of group `g` (0 for a frozen group); `params`: number of
+    /// parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any group trains.
+    pub fn new(
+        expected: Vec<usize>,
+        params: usize,
+        slots: usize,
+        max_in_flight: usize,
+        overlap: bool,
+    ) -> GradPipeline {
+        let groups = expected.len();
+        GradPipeline {
+            expected,
+            received: vec![false; params],
+            received_count: vec![0; groups],
+            filling: vec![None; groups],
+            fill_order: VecDeque::new(),
+            slots: vec![Slot::Free; slots],
+            in_flight: VecDeque::new(),
+            max_in_flight,
+            overlap,
+            written: vec![false; groups],
+            pending: false,
+            synced: false,
+        }
+    }
+
+    /// Whether `param` already has a gradient in this backward pass.
+    pub fn received(&self, param: usize) -> bool {
+        self.received[param]
+    }
+
+    /// Gradients arrived since the last [`GradPipeline::finish`].
+    pub fn pending(&self) -> bool {
+        self.pending
+    }
+
+    /// [`GradPipeline::finish`] ran this step and no gradient arrived since.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// Reductions launched and not yet retired.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn retire_oldest(&mut self, effects: &mut Vec<GradEffect>) -> Option<usize> {
+        let slot = self.in_flight.pop_front()?;
+        self.slots[slot] = Slot::Free;
+        effects.push(GradEffect::Retire { slot });
+        Some(slot)
+    }
+
+    fn launch(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+        let Some(slot) = self.filling[group].take() else {
+            return;
+        };
+        self.fill_order.retain(|&g| g != group);
+        if self.in_flight.len() >= self.max_in_flight {
+            self.retire_oldest(effects);
+        }
+        effects.push(GradEffect::Reduce {
+            group,
+            slot,
+            overwrite: !self.written[group],
+        });
+        self.written[group] = true;
+        self.slots[slot] = Slot::Reducing;
+        self.in_flight.push_back(slot);
+        if !self.overlap {
+            self.retire_oldest(effects);
+        }
+    }
+
+    fn claim_slot(&mut self, effects: &mut Vec<GradEffect>) -> usize {
+        if let Some(free) = self.slots.iter().position(|&s| s == Slot::Free) {
+            return free;
+        }
+        if let Some(slot) = self.retire_oldest(effects) {
+            return slot;
+        }
+        // Every slot is being filled: reduce the oldest group's gradients so far. Reduction is
+        // linear, so its later gradients reduced from a fresh slot add up to the same result.
+        if let Some(&oldest) = self.fill_order.front() {
+            self.launch(oldest, effects);
+        }
+        match self.retire_oldest(effects) {
+            Some(slot) => slot,
+            None => unreachable!("a launched reduction holds a slot"),
+        }
+    }
+
+    /// A gradient for `param` of `group` arrives. The caller has checked that the parameter is
+    /// trainable and has no gradient yet in this pass.
+    pub fn on_grad(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
+        debug_assert!(!self.received[param] && self.expected[group] > 0);
+        self.pending = true;
+        self.synced = false;
+        let slot = match self.filling[group] {
+            Some(slot) => slot,
+            None => {
+                let slot = self.claim_slot(effects);
+                effects.push(GradEffect::Zero { slot, group });
+                self.slots[slot] = Slot::Filling;
+                self.filling[group] = Some(slot);
+                self.fill_order.push_back(group);
+                slot
+            }
+        };
+        effects.push(GradEffect::Write { param, slot });
+        self.received[param] = true;
+        self.received_count[group] += 1;
+        if self.received_count[group] == self.expected[group] {
+            self.launch(group, effects);
+        }
+    }
+
+    /// The backward pass ended: groups still missing gradients are reduced with what they have.
+    pub fn end_pass(&mut self, effects: &mut Vec<GradEffect>) {
+        while let Some(&group) = self.fill_order.front() {
+            self.launch(group, effects);
+        }
+        self.received.fill(false);
+        self.received_count.fill(0);
+    }
+
+    /// Reduces everything outstanding and retires every reduction; groups that received nothing
+    /// this step get a zero shard.
+    pub fn finish(&mut self, effects: &mut Vec<GradEffect>) {
+        self.end_pass(effects);
+        while self.retire_oldest(effects).is_some() {}
+        for group in 0..self.expected.len() {
+            if self.expected[group] > 0 && !self.written[group] {
+                effects.push(GradEffect::ZeroShard { group });
+                self.written[group] = true;
+            }
+        }
+        self.pending = false;
+        self.synced = true;
+    }
+
+    /// A new step begins: the next reduction of each group overwrites its shard.
+    pub fn end_step(&mut self) {
+        self.written.fill(false);
+        self.synced = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GradEffect::*;
+    use super::*;
+
+    fn reduces(effects: &[GradEffect]) -> usize {
+        effects.iter().filter(|e| matches!(e, Reduce { .. })).count()
+    }
+
+    #[test]
+    fn a_group_reduces_once_its_last_gradient_arrives() {
+        // Group 0: params 0 and 1.
+        let mut p = GradPipeline::new(vec![2], 2, 3, 2, true);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        assert_eq!(fx, vec![Zero { slot: 0, group: 0 }, Write { param: 0, slot: 0 }]);
+        fx.clear();
+        p.on_grad(1, 0, &mut fx);
+        assert_eq!(
+            fx,
+            vec![Write { param: 1, slot: 0 }, Reduce { group: 0, slot: 0, overwrite: true }]
+        );
+        assert_eq!(p.in_flight(), 1);
+    }
+
+    #[test]
+    fn at_most_max_in_flight_reductions() {
+        let groups = 6;
+        let mut p = GradPipeline::new(vec![1; groups], groups, 3, 2, true);
+        let mut fx = Vec::new();
+        for g in 0..groups {
+            p.on_grad(g, g, &mut fx);
+            assert!(p.in_flight() <= 2);
+        }
+        assert_eq!(reduces(&fx), groups);
+        // The third reduction retired the first before launching.
+        let first_retire = fx.iter().position(|e| matches!(e, Retire { .. })).unwrap();
+        let third_reduce = fx
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| matches!(e, Reduce { .. }))
+            .nth(2)
+            .unwrap()
+            .0;
+        assert!(first_retire < third_reduce);
+    }
+
+    #[test]
+    fn overlap_off_retires_each_reduction_at_once() {
+        let mut p = GradPipeline::new(vec![1, 1], 2, 3, 2, false);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        assert_eq!(p.in_flight(), 0);
+        assert_eq!(fx.last(), Some(&Retire { slot: 0 }));
+    }
+
+    #[test]
+    fn full_slots_flush_the_oldest_partial_group() {
+        // Three groups of two params each, two slots: the third group forces a partial reduce.
+        let mut p = GradPipeline::new(vec![2, 2, 2], 6, 2, 1, true);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        p.on_grad(2, 1, &mut fx);
+        fx.clear();
+        p.on_grad(4, 2, &mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                Reduce { group: 0, slot: 0, overwrite: true },
+                Retire { slot: 0 },
+                Zero { slot: 0, group: 2 },
+                Write { param: 4, slot: 0 },
+            ]
+        );
+        // Group 0's second gradient goes to a fresh slot and adds to the shard.
+        // Group 0's second gradient needs a slot: group 1, the oldest filling, is reduced early.
+        fx.clear();
+        p.on_grad(1, 0, &mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                Reduce { group: 1, slot: 1, overwrite: true },
+                Retire { slot: 1 },
+                Zero { slot: 1, group: 0 },
+                Write { param: 1, slot: 1 },
+                Reduce { group: 0, slot: 1, overwrite: false },
+            ]
+        );
+        fx.clear();
+        p.finish(&mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                Retire { slot: 1 },
+                Reduce { group: 2, slot: 0, overwrite: true },
+                Retire { slot: 0 },
+            ]
+        );
+        assert_eq!(p.in_flight(), 0);
+    }
+
+    #[test]
+    fn passes_accumulate_and_steps_overwrite() {
+        let mut p = GradPipeline::new(vec![1], 1, 2, 1, true);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        p.end_pass(&mut fx);
+        assert!(!p.received(0));
+        p.on_grad(0, 0, &mut fx);
+        p.finish(&mut fx);
+        let overwrites: Vec<bool> = fx
+            .iter()
+            .filter_map(|e| match e {
+                Reduce { overwrite, .. } => Some(*overwrite),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(overwrites, vec![true, false]);
+        assert!(p.synced() && !p.pending());
+        p.end_step();
+        fx.clear();
+        p.on_grad(0, 0, &mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                Zero { slot: 0, group: 0 },
+                Write { param: 0, slot: 0 },
+                Reduce { group: 0, slot: 0, overwrite: true },
+            ]
+        );
+    }
+
+    #[test]
+    fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
+        let mut p = GradPipeline::new(vec![2, 0, 1], 4, 3, 2, true);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        fx.clear();
+        p.finish(&mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                Reduce { group: 0, slot: 0, overwrite: true },
+                Retire { slot: 0 },
+                ZeroShard { group: 2 },
+            ]
+        );
+    }
+}

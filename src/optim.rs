@@ -1,0 +1,228 @@
+//! Optimizers on the shards, and the exact element-wise arithmetic every backend follows.
+//!
+//! Each update is written as a fixed sequence of single-precision operations with no fused
+//! multiply-add, so the CPU backend, the CUDA kernels and the unsharded reference agree bit for bit.
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// The optimizer the engine runs on each rank's shards.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum OptimizerConfig {
+    /// `p -= lr * g`.
+    Sgd { lr: f32 },
+    /// Adam with decoupled weight decay (Loshchilov and Hutter), as PyTorch's `AdamW`.
+    AdamW {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+    },
+}
+
+impl Default for OptimizerConfig {
+    /// PyTorch's `AdamW` defaults.
+    fn default() -> OptimizerConfig {
+        OptimizerConfig::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+fn check(ok: bool, field: &'static str, value: f32, expected: &str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidConfig {
+            field,
+            reason: format!("is {value}, expected {expected}"),
+        })
+    }
+}
+
+impl OptimizerConfig {
+    /// Checks the hyper-parameters' ranges.
+    pub fn validate(&self) -> Result<()> {
+        match *self {
+            OptimizerConfig::Sgd { lr } => check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0"),
+            OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0")?;
+                check((0.0..1.0).contains(&beta1), "beta1", beta1, "in [0, 1)")?;
+                check((0.0..1.0).contains(&beta2), "beta2", beta2, "in [0, 1)")?;
+                check(eps.is_finite() && eps > 0.0, "eps", eps, "finite, > 0")?;
+                check(
+                    weight_decay.is_finite() && weight_decay >= 0.0,
+                    "weight_decay",
+                    weight_decay,
+                    "finite, >= 0",
+                )
+            }
+        }
+    }
+
+    /// Bytes of state per trainable group shard: an fp32 master copy for bf16/f16 params, and
+    /// AdamW's two fp32 moments.
+    pub fn state_bytes(&self, dtype: DType, shard_numel: usize) -> usize {
+        let master = if dtype == DType::F32 { 0 } else { 4 };
+        let moments = match self {
+            OptimizerConfig::Sgd { .. } => 0,
+            OptimizerConfig::AdamW { .. } => 8,
+        };
+        (master + moments) * shard_numel
+    }
+
+    /// Whether the optimizer keeps AdamW moments.
+    pub fn has_moments(&self) -> bool {
+        matches!(self, OptimizerConfig::AdamW { .. })
+    }
+
+    /// The coefficients of update number `step` (counting from 1).
+    pub fn coefficients(&self, step: u64) -> Update {
+        match *self {
+            OptimizerConfig::Sgd { lr } => Update::Sgd { lr },
+            OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let t = step.min(i32::MAX as u64) as i32;
+                let (lr, b1, b2) = (f64::from(lr), f64::from(beta1), f64::from(beta2));
+                let bias1 = 1.0 - b1.powi(t);
+                let bias2 = 1.0 - b2.powi(t);
+                Update::AdamW(AdamwCoefficients {
+                    decay: (1.0 - lr * f64::from(weight_decay)) as f32,
+                    beta1,
+                    one_minus_beta1: (1.0 - b1) as f32,
+                    beta2,
+                    one_minus_beta2: (1.0 - b2) as f32,
+                    step_size: (lr / bias1) as f32,
+                    sqrt_bias2: bias2.sqrt() as f32,
+                    eps,
+                })
+            }
+        }
+    }
+}
+
+/// One step's coefficients, computed once on the host.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Update {
+    Sgd { lr: f32 },
+    AdamW(AdamwCoefficients),
+}
+
+/// AdamW's per-step coefficients, in the form the kernels take them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct AdamwCoefficients {
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    pub beta1: f32,
+    pub one_minus_beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub sqrt_bias2: f32,
+    pub eps: f32,
+}
+
+/// One element of AdamW: returns the new `(param, m, v)`.
+#[inline]
+pub fn adamw_element(p: f32, m: f32, v: f32, g: f32, c: &AdamwCoefficients) -> (f32, f32, f32) {
+    let p = p * c.decay;
+    let m = c.beta1 * m + c.one_minus_beta1 * g;
+    let v = c.beta2 * v + (c.one_minus_beta2 * g) * g;
+    let denom = v.sqrt() / c.sqrt_bias2 + c.eps;
+    (p - c.step_size * (m / denom), m, v)
+}
+
+/// One element of SGD.
+#[inline]
+pub fn sgd_element(p: f32, g: f32, lr: f32) -> f32 {
+    p - lr * g
+}
+
+/// One element of a gradient or shard accumulation: `dst = scale * src` or `dst + scale * src`.
+#[inline]
+pub fn accumulate_element(dst: f32, src: f32, scale: f32, add: bool) -> f32 {
+    if add { dst + scale * src } else { scale * src }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adamw_first_step_moves_each_param_by_about_lr() {
+        let cfg = OptimizerConfig::AdamW {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let Update::AdamW(c) = cfg.coefficients(1) else { unreachable!() };
+        for g in [3.0f32, -0.002, 1e4] {
+            let (p, m, v) = adamw_element(1.0, 0.0, 0.0, g, &c);
+            // After bias correction, m_hat / sqrt(v_hat) = sign(g).
+            assert!((p - (1.0 - 0.1 * g.signum())).abs() < 1e-5, "g={g} p={p}");
+            assert!((m - 0.1 * g).abs() <= 1e-6 * g.abs());
+            assert!((v - 0.001 * g * g).abs() <= 1e-6 * g * g);
+        }
+    }
+
+    #[test]
+    fn adamw_decay_is_decoupled() {
+        let cfg = OptimizerConfig::AdamW {
+            lr: 0.5,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
+        let Update::AdamW(c) = cfg.coefficients(3) else { unreachable!() };
+        assert_eq!(c.decay, 0.95);
+        // A zero gradient with zero moments leaves only the decay.
+        assert_eq!(adamw_element(2.0, 0.0, 0.0, 0.0, &c).0, 1.9);
+    }
+
+    #[test]
+    fn invalid_hyper_parameters_are_named() {
+        let bad = OptimizerConfig::AdamW {
+            lr: 1e-3,
+            beta1: 1.0,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        assert!(matches!(bad.validate(), Err(Error::InvalidConfig { field: "beta1", .. })));
+        let bad = OptimizerConfig::Sgd { lr: f32::NAN };
+        assert!(matches!(bad.validate(), Err(Error::InvalidConfig { field: "lr", .. })));
+        assert!(OptimizerConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn state_bytes_count_master_and_moments() {
+        let adamw = OptimizerConfig::default();
+        let sgd = OptimizerConfig::Sgd { lr: 0.1 };
+        assert_eq!(adamw.state_bytes(DType::F32, 10), 80);
+        assert_eq!(adamw.state_bytes(DType::Bf16, 10), 120);
+        assert_eq!(sgd.state_bytes(DType::F32, 10), 0);
+        assert_eq!(sgd.state_bytes(DType::F16, 10), 40);
+    }
+}

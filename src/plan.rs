@@ -1,0 +1,484 @@
+//! Pure layout: groups, their order, padded offsets, shard ranges and the memory each rank holds.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::Range;
+
+use serde::Serialize;
+
+use crate::config::EngineConfig;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::spec::ModelSpec;
+
+/// Every parameter starts this many bytes after the start of its group's buffer, times an integer.
+pub const ALIGNMENT_BYTES: usize = 256;
+
+/// An FSDP unit: a layer, or the root that holds every parameter outside the layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Unit {
+    Layer(u32),
+    Root,
+}
+
+impl From<Option<u32>> for Unit {
+    fn from(unit: Option<u32>) -> Unit {
+        unit.map_or(Unit::Root, Unit::Layer)
+    }
+}
+
+impl Unit {
+    /// The model file's form: the layer index, or `None` for the root.
+    pub fn layer(self) -> Option<u32> {
+        match self {
+            Unit::Layer(i) => Some(i),
+            Unit::Root => None,
+        }
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unit::Layer(i) => write!(f, "unit {i}"),
+            Unit::Root => f.write_str("the root unit"),
+        }
+    }
+}
+
+/// A parameter's index in model order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ParamId(pub usize);
+
+/// Where one parameter lives in its group's flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamLayout {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    pub trainable: bool,
+    pub unit: Unit,
+    pub numel: usize,
+    pub group: usize,
+    /// First element in the group's buffer.
+    pub offset: usize,
+    /// Elements reserved: `numel` rounded up to the group's alignment.
+    pub padded_numel: usize,
+}
+
+/// Parameters that share dtype, trainability, unit and tying, packed into one flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Group {
+    pub index: usize,
+    pub dtype: DType,
+    pub trainable: bool,
+    pub unit: Unit,
+    pub tied: bool,
+    /// Buffer length: a multiple of the world size.
+    pub padded_numel: usize,
+    /// Elements each rank holds: `padded_numel / world_size`.
+    pub shard_numel: usize,
+    /// Members in model order.
+    pub params: Vec<ParamId>,
+}
+
+impl Group {
+    /// Bytes of the gathered buffer.
+    pub fn padded_bytes(&self) -> usize {
+        self.padded_numel * self.dtype.size()
+    }
+}
+
+/// Bytes one rank holds, all allocated before the first step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryPerRank {
+    pub param_shards: usize,
+    pub grad_shards: usize,
+    pub optimizer_state: usize,
+    pub gathered_slots: usize,
+    pub grad_slots: usize,
+    pub peak: usize,
+}
+
+/// The layout of a model at one world size.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    world_size: usize,
+    params: Vec<ParamLayout>,
+    groups: Vec<Group>,
+    units: Vec<Unit>,
+    unit_groups: Vec<Vec<usize>>,
+    by_name: HashMap<String, ParamId>,
+}
+
+#[derive(PartialEq, Eq)]
+struct GroupKey {
+    dtype: DType,
+    trainable: bool,
+    unit: Unit,
+    tied: bool,
+}
+
+impl Plan {
+    /// Groups, orders and pads `model`'s parameters for `world_size` ranks.
+    pub fn new(model: &ModelSpec, world_size: usize) -> Result<Plan> {
+        if world_size == 0 {
+            return Err(Error::ZeroWorldSize);
+        }
+        // Groups in order of first appearance, members in model order.
+        let mut keys: Vec<GroupKey> = Vec::new();
+        let mut members: Vec<Vec<usize>> = Vec::new();
+        for (i, p) in model.params.iter().enumerate() {
+            let key = GroupKey {
+                dtype: p.dtype,
+                trainable: p.trainable,
+                unit: Unit::from(p.unit),
+                tied: p.tied,
+            };
+            match keys.iter().position(|k| *k == key) {
+                Some(g) => members[g].push(i),
+                None => {
+                    keys.push(key);
+                    members.push(vec![i]);
+                }
+            }
+        }
+        // Stable sort: tied first, then frozen, then trainable; by unit within, the root last.
+        let mut order: Vec<usize> = (0..keys.len()).collect();
+        order.sort_by_key(|&g| {
+            let k = &keys[g];
+            let class = if k.tied {
+                0
+            } else if !k.trainable {
+                1
+            } else {
+                2
+            };
+            (class, k.unit)
+        });
+
+        let mut params: Vec<Option<ParamLayout>> = vec![None; model.params.len()];
+        let mut groups = Vec::with_capacity(order.len());
+        for (index, &g) in order.iter().enumerate() {
+            let key = &keys[g];
+            let overflow = || Error::LayoutOverflow { group: index, world_size };
+            let align = (ALIGNMENT_BYTES / key.dtype.size())
+                .checked_mul(world_size)
+                .ok_or_else(overflow)?;
+            let mut offset = 0usize;
+            for &i in &members[g] {
+                let spec = &model.params[i];
+                let numel = spec.numel().ok_or_else(|| Error::NumelOverflow {
+                    name: spec.name.clone(),
+                    shape: spec.shape.clone(),
+                })?;
+                let padded_numel = numel
+                    .div_ceil(align)
+                    .checked_mul(align)
+                    .ok_or_else(overflow)?;
+                params[i] = Some(ParamLayout {
+                    name: spec.name.clone(),
+                    shape: spec.shape.clone(),
+                    dtype: spec.dtype,
+                    trainable: spec.trainable,
+                    unit: key.unit,
+                    numel,
+                    group: index,
+                    offset,
+                    padded_numel,
+                });
+                offset = offset.checked_add(padded_numel).ok_or_else(overflow)?;
+            }
+            offset.checked_mul(key.dtype.size()).ok_or_else(overflow)?;
+            groups.push(Group {
+                index,
+                dtype: key.dtype,
+                trainable: key.trainable,
+                unit: key.unit,
+                tied: key.tied,
+                padded_numel: offset,
+                shard_numel: offset / world_size,
+                params: members[g].iter().map(|&i| ParamId(i)).collect(),
+            });
+        }
+        let params: Vec<ParamLayout> = params.into_iter().flatten().collect();
+
+        let mut units: Vec<Unit> = Vec::new();
+        let mut unit_groups: Vec<Vec<usize>> = Vec::new();
+        for g in &groups {
+            match units.iter().position(|&u| u == g.unit) {
+                Some(u) => unit_groups[u].push(g.index),
+                None => {
+                    units.push(g.unit);
+                    unit_groups.push(vec![g.index]);
+                }
+            }
+        }
+        let by_name = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), ParamId(i)))
+            .collect();
+        Ok(Plan {
+            world_size,
+            params,
+            groups,
+            units,
+            unit_groups,
+            by_name,
+        })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Parameters in model order.
+    pub fn params(&self) -> &[ParamLayout] {
+        &self.params
+    }
+
+    /// Groups in buffer order.
+    pub fn groups(&self) -> &[Group] {
+        &self.groups
+    }
+
+    /// Units in order of their first group.
+    pub fn units(&self) -> &[Unit] {
+        &self.units
+    }
+
+    /// The position of `unit` in [`Plan::units`].
+    pub fn unit_index(&self, unit: Unit) -> Option<usize> {
+        self.units.iter().position(|&u| u == unit)
+    }
+
+    /// The groups of the unit at `unit_index` in [`Plan::units`].
+    pub fn unit_groups(&self, unit_index: usize) -> &[usize] {
+        &self.unit_groups[unit_index]
+    }
+
+    /// Looks a parameter up by name.
+    pub fn param_id(&self, name: &str) -> Result<ParamId> {
+        self.by_name
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::UnknownParam { name: name.to_string() })
+    }
+
+    /// The layout of a parameter, or an error for an id past the end.
+    pub fn param(&self, id: ParamId) -> Result<&ParamLayout> {
+        self.params.get(id.0).ok_or(Error::ParamIdOutOfRange {
+            id: id.0,
+            count: self.params.len(),
+        })
+    }
+
+    /// The layout of a group, or an error for an index past the end.
+    pub fn group(&self, index: usize) -> Result<&Group> {
+        self.groups.get(index).ok_or(Error::GroupOutOfRange {
+            group: index,
+            count: self.groups.len(),
+        })
+    }
+
+    /// The elements of group `group`'s buffer that rank `rank` holds.
+    pub fn shard_range(&self, group: &Group, rank: usize) -> Range<usize> {
+        group.shard_numel * rank..group.shard_numel * (rank + 1)
+    }
+
+    /// Bytes of the largest gathered buffer: the size of one gather slot.
+    pub fn gather_slot_bytes(&self) -> usize {
+        self.groups.iter().map(Group::padded_bytes).max().unwrap_or(0)
+    }
+
+    /// Elements of the largest trainable group: the size of one fp32 gradient slot.
+    pub fn grad_slot_numel(&self) -> usize {
+        self.groups
+            .iter()
+            .filter(|g| g.trainable)
+            .map(|g| g.padded_numel)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Number of temporary fp32 gradient slots: one being filled beside each reduction in flight.
+    pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
+        if self.groups.iter().any(|g| g.trainable) {
+            config.max_reduces_in_flight + 1
+        } else {
+            0
+        }
+    }
+
+    /// The bytes each rank allocates for this plan under `config`.
+    pub fn memory_per_rank(&self, config: &EngineConfig) -> MemoryPerRank {
+        let mut m = MemoryPerRank::default();
+        for g in &self.groups {
+            m.param_shards += g.shard_numel * g.dtype.size();
+            if g.trainable {
+                m.grad_shards += g.shard_numel * 4;
+                m.optimizer_state += config.optimizer.state_bytes(g.dtype, g.shard_numel);
+            }
+        }
+        m.gathered_slots = config.double_buffer_limit * self.gather_slot_bytes();
+        m.grad_slots = self.grad_slot_count(config) * self.grad_slot_numel() * 4;
+        m.peak = m.param_shards + m.grad_shards + m.optimizer_state + m.gathered_slots + m.grad_slots;
+        m
+    }
+
+    /// The plan as JSON: world size, alignment, groups with their params, memory per rank.
+    pub fn to_json(&self, config: &EngineConfig) -> serde_json::Value {
+        let groups: Vec<serde_json::Value> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let params: Vec<serde_json::Value> = g
+                    .params
+                    .iter()
+                    .map(|&id| {
+                        let p = &self.params[id.0];
+                        serde_json::json!({
+                            "name": p.name,
+                            "shape": p.shape,
+                            "numel": p.numel,
+                            "offset": p.offset,
+                            "padded_numel": p.padded_numel,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "index": g.index,
+                    "dtype": g.dtype,
+                    "trainable": g.trainable,
+                    "unit": g.unit.layer(),
+                    "tied": g.tied,
+                    "padded_numel": g.padded_numel,
+                    "shard_numel": g.shard_numel,
+                    "params": params,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "world_size": self.world_size,
+            "alignment_bytes": ALIGNMENT_BYTES,
+            "double_buffer_limit": config.double_buffer_limit,
+            "max_reduces_in_flight": config.max_reduces_in_flight,
+            "groups": groups,
+            "memory_per_rank": self.memory_per_rank(config),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ParamSpec;
+
+    fn model(params: Vec<ParamSpec>) -> ModelSpec {
+        ModelSpec::new(params).unwrap()
+    }
+
+    #[test]
+    fn groups_sort_tied_then_frozen_then_trainable_with_the_root_last() {
+        let m = model(vec![
+            ParamSpec::new("head_bias", &[3], DType::F32),
+            ParamSpec::new("w1", &[4, 4], DType::Bf16).in_unit(1),
+            ParamSpec::new("g1", &[4], DType::Bf16).in_unit(1).frozen(),
+            ParamSpec::new("w0", &[4, 4], DType::Bf16).in_unit(0),
+            ParamSpec::new("b0", &[4], DType::Bf16).in_unit(0),
+            ParamSpec::new("embed", &[10, 4], DType::Bf16).tied(),
+            ParamSpec::new("norm", &[4], DType::F32).frozen(),
+        ]);
+        let plan = Plan::new(&m, 2).unwrap();
+        let names: Vec<Vec<&str>> = plan
+            .groups()
+            .iter()
+            .map(|g| g.params.iter().map(|&p| plan.params()[p.0].name.as_str()).collect())
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                vec!["embed"],
+                vec!["g1"],
+                vec!["norm"],
+                vec!["w0", "b0"],
+                vec!["w1"],
+                vec!["head_bias"],
+            ]
+        );
+        assert_eq!(plan.units(), &[Unit::Root, Unit::Layer(1), Unit::Layer(0)]);
+        assert_eq!(plan.unit_groups(0), &[0, 2, 5]);
+    }
+
+    #[test]
+    fn offsets_pad_to_256_bytes_times_world_size() {
+        let m = model(vec![
+            ParamSpec::new("a", &[3], DType::Bf16),
+            ParamSpec::new("b", &[300], DType::Bf16),
+            ParamSpec::new("c", &[], DType::Bf16),
+        ]);
+        let plan = Plan::new(&m, 3).unwrap();
+        // 128 bf16 elements per 256 bytes, times 3 ranks.
+        let layout: Vec<(usize, usize)> =
+            plan.params().iter().map(|p| (p.offset, p.padded_numel)).collect();
+        assert_eq!(layout, vec![(0, 384), (384, 384), (768, 384)]);
+        let g = &plan.groups()[0];
+        assert_eq!((g.padded_numel, g.shard_numel), (1152, 384));
+        assert_eq!(plan.shard_range(g, 2), 768..1152);
+    }
+
+    #[test]
+    fn memory_counts_every_fixed_allocation() {
+        let m = model(vec![
+            ParamSpec::new("w", &[1000], DType::Bf16).in_unit(0),
+            ParamSpec::new("f", &[10], DType::F32).in_unit(0).frozen(),
+        ]);
+        let plan = Plan::new(&m, 4).unwrap();
+        let config = EngineConfig::default();
+        let mem = plan.memory_per_rank(&config);
+        // bf16 aligns to 128 elements per rank, 512 at 4 ranks: 1000 pads to 1024.
+        let w = &plan.groups()[1];
+        assert_eq!(w.padded_numel, 1024);
+        let f = &plan.groups()[0];
+        assert_eq!(f.padded_numel, 256);
+        assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
+        assert_eq!(mem.grad_shards, 256 * 4);
+        // AdamW on bf16: fp32 master plus two moments.
+        assert_eq!(mem.optimizer_state, 256 * 12);
+        assert_eq!(mem.gathered_slots, 2 * 2048);
+        assert_eq!(mem.grad_slots, 3 * 1024 * 4);
+        assert_eq!(
+            mem.peak,
+            mem.param_shards + mem.grad_shards + mem.optimizer_state + mem.gathered_slots + mem.grad_slots
+        );
+    }
+
+    #[test]
+    fn zero_world_size_is_an_error() {
+        let m = model(vec![ParamSpec::new("a", &[1], DType::F32)]);
+        assert!(matches!(Plan::new(&m, 0), Err(Error::ZeroWorldSize)));
+    }
+
+    #[test]
+    fn huge_world_size_overflows_with_an_error() {
+        let m = model(vec![ParamSpec::new("a", &[u32::MAX as u64, 4], DType::F32)]);
+        assert!(matches!(
+            Plan::new(&m, usize::MAX / 8),
+            Err(Error::LayoutOverflow { group: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn lookups_fail_with_specific_errors() {
+        let plan = Plan::new(&model(vec![ParamSpec::new("a", &[1], DType::F32)]), 1).unwrap();
+        assert_eq!(plan.param_id("a").unwrap(), ParamId(0));
+        assert!(matches!(plan.param_id("b"), Err(Error::UnknownParam { name }) if name == "b"));
+        assert!(matches!(
+            plan.param(ParamId(5)),
+            Err(Error::ParamIdOutOfRange { id: 5, count: 1 })
+        ));
+        assert!(matches!(plan.group(1), Err(Error::GroupOutOfRange { group: 1, count: 1 })));
+        assert_eq!(plan.unit_index(Unit::Layer(0)), None);
+    }
+}

@@ -1,0 +1,140 @@
+//! Pure prefetch prediction: the order in which units ran in the last pass of each kind.
+
+/// Forward or backward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    Backward,
+}
+
+impl Phase {
+    fn index(self) -> usize {
+        match self {
+            Phase::Forward => 0,
+            Phase::Backward => 1,
+        }
+    }
+}
+
+/// Records the units each forward and backward pass starts, in order, and predicts the next one
+/// from the last complete pass of the same kind. Before any pass completed, the plan's unit order
+/// (forward) or its reverse (backward) stands in.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    default_order: Vec<usize>,
+    last: [Vec<usize>; 2],
+    current: [Vec<usize>; 2],
+    phase: Option<Phase>,
+}
+
+impl Schedule {
+    /// `units` units, in plan order `0..units`.
+    pub fn new(units: usize) -> Schedule {
+        Schedule {
+            default_order: (0..units).collect(),
+            last: [Vec::new(), Vec::new()],
+            current: [Vec::new(), Vec::new()],
+            phase: None,
+        }
+    }
+
+    pub fn phase(&self) -> Option<Phase> {
+        self.phase
+    }
+
+    /// Enters `phase`. Returns the phase left, if any: a new pass of `phase` begins, and the
+    /// record of the pass it replaces becomes the prediction.
+    pub fn enter(&mut self, phase: Phase) -> Option<Phase> {
+        if self.phase == Some(phase) {
+            return None;
+        }
+        let left = self.phase.replace(phase);
+        let current = &mut self.current[phase.index()];
+        if !current.is_empty() {
+            self.last[phase.index()] = std::mem::take(current);
+        }
+        left
+    }
+
+    /// Records that `unit` starts in the current phase, which must have been entered.
+    pub fn record(&mut self, unit: usize) {
+        if let Some(phase) = self.phase {
+            self.current[phase.index()].push(unit);
+        }
+    }
+
+    /// The unit expected to start next in the current phase.
+    pub fn predict_next(&self) -> Option<usize> {
+        let phase = self.phase?;
+        let current = &self.current[phase.index()];
+        let last = &self.last[phase.index()];
+        if !last.is_empty() {
+            return last.get(current.len()).copied();
+        }
+        let &now = current.last()?;
+        let at = self.default_order.iter().position(|&u| u == now)?;
+        match phase {
+            Phase::Forward => self.default_order.get(at + 1).copied(),
+            Phase::Backward => at.checked_sub(1).map(|i| self.default_order[i]),
+        }
+    }
+
+    /// Ends the step: the passes in progress become the predictions.
+    pub fn end_step(&mut self) {
+        for phase in [Phase::Forward, Phase::Backward] {
+            let current = &mut self.current[phase.index()];
+            if !current.is_empty() {
+                self.last[phase.index()] = std::mem::take(current);
+            }
+        }
+        self.phase = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_pass_predicts_plan_order_then_the_recorded_order() {
+        let mut s = Schedule::new(4);
+        assert_eq!(s.enter(Phase::Forward), None);
+        s.record(1);
+        assert_eq!(s.predict_next(), Some(2));
+        s.record(3);
+        assert_eq!(s.predict_next(), None);
+        assert_eq!(s.enter(Phase::Backward), Some(Phase::Forward));
+        s.record(3);
+        assert_eq!(s.predict_next(), Some(2));
+        s.end_step();
+
+        // The recorded forward order was [1, 3]: the prediction follows it, not the plan.
+        s.enter(Phase::Forward);
+        s.record(1);
+        assert_eq!(s.predict_next(), Some(3));
+        s.record(3);
+        assert_eq!(s.predict_next(), None);
+    }
+
+    #[test]
+    fn a_unit_used_twice_in_a_pass_is_predicted_at_each_place() {
+        let mut s = Schedule::new(3);
+        s.enter(Phase::Forward);
+        for u in [0, 1, 2, 0] {
+            s.record(u);
+        }
+        s.enter(Phase::Backward);
+        s.enter(Phase::Forward);
+        s.record(0);
+        assert_eq!(s.predict_next(), Some(1));
+        s.record(1);
+        s.record(2);
+        assert_eq!(s.predict_next(), Some(0));
+    }
+
+    #[test]
+    fn nothing_is_predicted_outside_a_phase() {
+        let s = Schedule::new(2);
+        assert_eq!(s.predict_next(), None);
+    }
+}

@@ -1,0 +1,236 @@
+//! What a caller declares: the parameters of a model.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// One parameter as a caller declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSpec {
+    pub name: String,
+    /// Dimensions; empty for a scalar.
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    /// The FSDP unit (a layer) the parameter belongs to; `None` for parameters outside every unit.
+    pub unit: Option<u32>,
+    pub trainable: bool,
+    /// Shared between the input embedding and the output head.
+    pub tied: bool,
+}
+
+impl ParamSpec {
+    /// A trainable, untied parameter outside every unit.
+    pub fn new(name: impl Into<String>, shape: &[u64], dtype: DType) -> ParamSpec {
+        ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype,
+            unit: None,
+            trainable: true,
+            tied: false,
+        }
+    }
+
+    /// Places the parameter in FSDP unit `unit`.
+    pub fn in_unit(mut self, unit: u32) -> ParamSpec {
+        self.unit = Some(unit);
+        self
+    }
+
+    /// Marks the parameter frozen: gathered for compute, never given a gradient.
+    pub fn frozen(mut self) -> ParamSpec {
+        self.trainable = false;
+        self
+    }
+
+    /// Marks the parameter as shared by the input and output ends of the model.
+    pub fn tied(mut self) -> ParamSpec {
+        self.tied = true;
+        self
+    }
+
+    /// The element count, or `None` when it overflows.
+    pub fn numel(&self) -> Option<usize> {
+        self.shape.iter().try_fold(1usize, |acc, &d| {
+            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+        })
+    }
+}
+
+/// A model: its parameters in model order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSpec {
+    pub params: Vec<ParamSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelFile {
+    params: Vec<ParamEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParamEntry {
+    name: String,
+    shape: Vec<u64>,
+    dtype: String,
+    #[serde(default)]
+    unit: Option<u32>,
+    #[serde(default = "default_trainable")]
+    trainable: bool,
+    #[serde(default)]
+    tied: bool,
+}
+
+fn default_trainable() -> bool {
+    true
+}
+
+impl ModelSpec {
+    /// Checks the declared parameters: names non-empty and unique, element counts that fit.
+    pub fn new(params: Vec<ParamSpec>) -> Result<ModelSpec> {
+        if params.is_empty() {
+            return Err(Error::EmptyModel);
+        }
+        let mut seen: HashMap<&str, usize> = HashMap::with_capacity(params.len());
+        for (index, p) in params.iter().enumerate() {
+            if p.name.is_empty() {
+                return Err(Error::EmptyName { index });
+            }
+            if let Some(&first) = seen.get(p.name.as_str()) {
+                return Err(Error::DuplicateName {
+                    name: p.name.clone(),
+                    first,
+                    second: index,
+                });
+            }
+            seen.insert(&p.name, index);
+            if p.numel().is_none() {
+                return Err(Error::NumelOverflow {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                });
+            }
+        }
+        Ok(ModelSpec { params })
+    }
+
+    /// Parses a model file's JSON text: `{"params": [{"name", "shape", "dtype", "unit"?,
+    /// "trainable"?, "tied"?}, ...]}`.
+    pub fn from_json(text: &str) -> Result<ModelSpec> {
+        let file: ModelFile = serde_json::from_str(text).map_err(|e| Error::Json {
+            line: e.line(),
+            column: e.column(),
+            message: e.to_string(),
+        })?;
+        let params = file
+            .params
+            .into_iter()
+            .map(|p| {
+                let dtype = DType::parse(&p.dtype).ok_or_else(|| Error::UnknownDtype {
+                    name: p.name.clone(),
+                    given: p.dtype.clone(),
+                })?;
+                Ok(ParamSpec {
+                    name: p.name,
+                    shape: p.shape,
+                    dtype,
+                    unit: p.unit,
+                    trainable: p.trainable,
+                    tied: p.tied,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ModelSpec::new(params)
+    }
+
+    /// Reads and parses a model file.
+    pub fn from_path(path: &Path) -> Result<ModelSpec> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::ModelFile {
+            path: path.display().to_string(),
+            source,
+        })?;
+        ModelSpec::from_json(&text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_apply_to_omitted_fields() {
+        let m = ModelSpec::from_json(
+            r#"{"params": [
+                {"name": "embed", "shape": [10, 4], "dtype": "bf16", "unit": null, "tied": true},
+                {"name": "w", "shape": [4, 4], "dtype": "f32", "unit": 0},
+                {"name": "s", "shape": [], "dtype": "f16", "trainable": false}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.params[0], ParamSpec::new("embed", &[10, 4], DType::Bf16).tied());
+        assert_eq!(m.params[1], ParamSpec::new("w", &[4, 4], DType::F32).in_unit(0));
+        assert_eq!(m.params[2], ParamSpec::new("s", &[], DType::F16).frozen());
+        assert_eq!(m.params[2].numel(), Some(1));
+    }
+
+    #[test]
+    fn malformed_json_reports_line_and_column() {
+        let err = ModelSpec::from_json("{\"params\": [\n  {\"name\": \"a\",, }\n]}").unwrap_err();
+        match err {
+            Error::Json { line, column, .. } => assert_eq!((line, column), (2, 16)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unknown_field_is_rejected_with_its_position() {
+        let err = ModelSpec::from_json(
+            r#"{"params": [{"name": "a", "shape": [1], "dtype": "f32", "trainabel": false}]}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Json { line: 1, .. }), "{err}");
+        assert!(err.to_string().contains("trainabel"), "{err}");
+    }
+
+    #[test]
+    fn unknown_dtype_names_the_param() {
+        let err =
+            ModelSpec::from_json(r#"{"params": [{"name": "a", "shape": [1], "dtype": "fp8"}]}"#)
+                .unwrap_err();
+        assert!(
+            matches!(&err, Error::UnknownDtype { name, given } if name == "a" && given == "fp8"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_declarations_are_rejected() {
+        let p = |n: &str| ParamSpec::new(n, &[2], DType::F32);
+        assert!(matches!(ModelSpec::new(vec![]), Err(Error::EmptyModel)));
+        assert!(matches!(
+            ModelSpec::new(vec![p("a"), p("")]),
+            Err(Error::EmptyName { index: 1 })
+        ));
+        assert!(matches!(
+            ModelSpec::new(vec![p("a"), p("b"), p("a")]),
+            Err(Error::DuplicateName { first: 0, second: 2, .. })
+        ));
+        let huge = ParamSpec::new("h", &[u64::MAX / 2, 3], DType::F32);
+        assert!(matches!(
+            ModelSpec::new(vec![huge]),
+            Err(Error::NumelOverflow { name, .. }) if name == "h"
+        ));
+    }
+
+    #[test]
+    fn missing_file_names_the_path() {
+        let err = ModelSpec::from_path(Path::new("no/such/model.json")).unwrap_err();
+        assert!(err.to_string().contains("no/such/model.json"), "{err}");
+    }
+}
