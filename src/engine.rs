@@ -474,7 +474,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// The gathered view of a parameter: its slot, checked to be in use.
-    fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
+    pub(crate) fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
         let layout = self.plan.param(param)?;
         match (&self.slot_of[layout.group], self.gathers.state(layout.group)) {
             (Some(slot), BufferState::Using) => Ok((layout, &self.slot_buffers[slot.buffer_index])),

@@ -5,6 +5,7 @@
 //! (the CPU backend completes each operation before returning), but the engine never relies on it.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::dtype::DType;
 use crate::error::Result;

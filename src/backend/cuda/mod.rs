@@ -1,0 +1,3 @@
+//! The CUDA backend.
+
+pub mod kernels;
