@@ -452,6 +452,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
+    /// A copy of the gathered values of `param`, as bytes in its dtype; allowed while one of its
+    /// unit's hooks is open. Blocks the host until the copy is done.
+    pub fn param_bytes(&self, param: ParamId) -> Result<Vec<u8>> {
+        let (layout, slot) = self.gathered_view(param)?;
+        let mut out = vec![0u8; layout.numel * layout.dtype.size()];
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        self.backend.download(slot, region, &mut out)?;
+        Ok(out)
+    }
+
     /// This rank's parameter shard of `group`, as bytes in the group's dtype.
     pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
         let g = self.plan.group(group)?;

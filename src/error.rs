@@ -118,6 +118,8 @@ pub enum Error {
         expected: String,
         got: String,
     },
+    #[error("rank {rank}'s thread panicked")]
+    RankPanicked { rank: usize },
     #[error("collective #{seq}: rank {rank} left the group before taking part")]
     RankLeft { seq: u64, rank: usize },
 

@@ -7,6 +7,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod grads;
+pub mod mlp;
 pub mod optim;
 pub mod plan;
 pub mod schedule;

@@ -287,6 +287,32 @@ impl Plan {
         group.shard_numel * rank..group.shard_numel * (rank + 1)
     }
 
+    /// Reassembles parameter `param` (bytes in its dtype) from every rank's shard of its group,
+    /// `shards[r]` being rank `r`'s.
+    pub fn assemble_param(&self, param: ParamId, shards: &[Vec<u8>]) -> Result<Vec<u8>> {
+        let layout = self.param(param)?;
+        let group = &self.groups[layout.group];
+        let size = layout.dtype.size();
+        let shard_bytes = group.shard_numel * size;
+        if shards.len() != self.world_size {
+            return Err(Error::WorldSizeMismatch {
+                plan: self.world_size,
+                comm: shards.len(),
+            });
+        }
+        if let Some(bad) = shards.iter().find(|s| s.len() != shard_bytes) {
+            return Err(Error::DataLength {
+                name: layout.name.clone(),
+                expected: group.shard_numel,
+                got: bad.len() / size,
+            });
+        }
+        let start = layout.offset * size;
+        Ok((start..start + layout.numel * size)
+            .map(|byte| shards[byte / shard_bytes][byte % shard_bytes])
+            .collect())
+    }
+
     /// Bytes of the largest gathered buffer: the size of one gather slot.
     pub fn gather_slot_bytes(&self) -> usize {
         self.groups.iter().map(Group::padded_bytes).max().unwrap_or(0)

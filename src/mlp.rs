@@ -1,0 +1,655 @@
+//! The example model: a stack of dense residual layers between a tied input/output projection,
+//! its CPU math, synthetic data from a fixed teacher, and an unsharded reference trainer.
+//!
+//! Layer `i` computes `h + gain_i * tanh(h W_i + b_i)`, with `gain_i` frozen. The input projection
+//! `x E` and the output `h E^T + c` share `E` (tied); `c` sits outside every layer. The loss is
+//! `0.5 * mean((out - y)^2)` against the teacher's output `y`, a model of the same shape with other
+//! weights. Both trainers run the same functions in the same order, so a correct sharded engine
+//! reproduces the reference exactly.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, Input, MemoryUsage};
+use crate::comm::local::LocalComm;
+use crate::config::EngineConfig;
+use crate::engine::Counters;
+use crate::comm::Communicator;
+use crate::dtype::{DType, load_f32};
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::optim::{OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element};
+use crate::plan::{ParamId, Plan, Unit};
+use crate::spec::{ModelSpec, ParamSpec};
+
+/// The shape of the example model and of its data.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlpConfig {
+    pub layers: usize,
+    pub width: usize,
+    /// Width of the input and of the output.
+    pub inputs: usize,
+    /// Rows of each rank's micro-batch.
+    pub batch: usize,
+    pub dtype: DType,
+    pub seed: u64,
+}
+
+impl Default for MlpConfig {
+    fn default() -> MlpConfig {
+        MlpConfig {
+            layers: 4,
+            width: 64,
+            inputs: 32,
+            batch: 16,
+            dtype: DType::F32,
+            seed: 7,
+        }
+    }
+}
+
+/// A small deterministic generator (splitmix64).
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-1, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    pub fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.uniform() * scale).collect()
+    }
+}
+
+/// The example model's parameters, by id.
+#[derive(Clone, Copy, Debug)]
+pub struct MlpParams {
+    layers: usize,
+}
+
+impl MlpParams {
+    pub fn embed(&self) -> ParamId {
+        ParamId(0)
+    }
+    pub fn weight(&self, layer: usize) -> ParamId {
+        ParamId(1 + 3 * layer)
+    }
+    pub fn bias(&self, layer: usize) -> ParamId {
+        ParamId(2 + 3 * layer)
+    }
+    pub fn gain(&self, layer: usize) -> ParamId {
+        ParamId(3 + 3 * layer)
+    }
+    pub fn head_bias(&self) -> ParamId {
+        ParamId(1 + 3 * self.layers)
+    }
+}
+
+/// `c = op(a) op(b)`, `op(a)` being `m x k` and `op(b)` `k x n`, all row-major.
+fn matmul(a: &[f32], ta: bool, b: &[f32], tb: bool, m: usize, k: usize, n: usize) -> Vec<f32> {
+    assert!(a.len() == m * k && b.len() == k * n, "matmul shapes");
+    let mut c = vec![0f32; m * n];
+    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    // SAFETY: a holds m*k, b k*n and c m*n elements, and the strides stay inside them.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+    c
+}
+
+fn sum_rows(x: &[f32], cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; cols];
+    for row in x.chunks_exact(cols) {
+        for (o, v) in out.iter_mut().zip(row) {
+            *o += v;
+        }
+    }
+    out
+}
+
+/// What a trainer's pass needs from whoever holds the parameters.
+pub trait Params {
+    /// Before or after a unit's forward or backward.
+    fn hook(&mut self, hook: Hook, unit: Unit) -> Result<()>;
+    /// The current value of a parameter, widened to f32.
+    fn value(&mut self, param: ParamId) -> Result<Vec<f32>>;
+    /// A parameter's gradient for this pass.
+    fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()>;
+}
+
+/// The hook points of a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    PreForward,
+    PostForward,
+    PreBackward,
+    PostBackward,
+}
+
+/// The example model.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    pub config: MlpConfig,
+    pub ids: MlpParams,
+}
+
+impl Mlp {
+    pub fn new(config: MlpConfig) -> Mlp {
+        let ids = MlpParams {
+            layers: config.layers,
+        };
+        Mlp { config, ids }
+    }
+
+    /// The declared parameters, in id order.
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let c = &self.config;
+        let (w, d) = (c.width as u64, c.dtype);
+        let mut params = vec![ParamSpec::new("embed", &[c.inputs as u64, w], d).tied()];
+        for i in 0..c.layers {
+            let u = i as u32;
+            params.push(ParamSpec::new(format!("layers.{i}.weight"), &[w, w], d).in_unit(u));
+            params.push(ParamSpec::new(format!("layers.{i}.bias"), &[w], d).in_unit(u));
+            params.push(ParamSpec::new(format!("layers.{i}.gain"), &[w], d).in_unit(u).frozen());
+        }
+        params.push(ParamSpec::new("head.bias", &[c.inputs as u64], d));
+        ModelSpec::new(params)
+    }
+
+    /// Initial values from `seed`, in id order, before rounding to the dtype.
+    pub fn init(&self, seed: u64) -> Vec<Vec<f32>> {
+        let c = &self.config;
+        let mut rng = Rng::new(seed);
+        let mut out = vec![rng.fill(c.inputs * c.width, 1.0 / (c.inputs as f32).sqrt())];
+        for _ in 0..c.layers {
+            out.push(rng.fill(c.width * c.width, 1.0 / (c.width as f32).sqrt()));
+            out.push(rng.fill(c.width, 0.1));
+            out.push((0..c.width).map(|_| 0.5 + 0.25 * rng.uniform()).collect());
+        }
+        out.push(rng.fill(c.inputs, 0.1));
+        out
+    }
+
+    /// Rank `rank`'s micro-batch `pass` of step `step`: inputs and the teacher's outputs.
+    pub fn batch(&self, step: u64, pass: u64, rank: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        let c = &self.config;
+        let mut rng = Rng::new(c.seed ^ (step << 32) ^ (pass << 16) ^ rank as u64);
+        let x = rng.fill(c.batch * c.inputs, 1.0);
+        let mut teacher = TeacherParams(self.init(c.seed.wrapping_add(1)));
+        let y = self.forward(&mut teacher, &x)?;
+        Ok((x, y))
+    }
+
+    /// The model's output for inputs `x`, with no hooks and no gradients.
+    fn forward(&self, params: &mut impl Params, x: &[f32]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (b, n, w) = (c.batch, c.inputs, c.width);
+        let embed = params.value(self.ids.embed())?;
+        let mut h = matmul(x, false, &embed, false, b, n, w);
+        for i in 0..c.layers {
+            h = self.layer(params, i, &h)?.1;
+        }
+        self.head(params, &embed, &h)
+    }
+
+    fn layer(&self, params: &mut impl Params, i: usize, h: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (b, w) = (self.config.batch, self.config.width);
+        let weight = params.value(self.ids.weight(i))?;
+        let bias = params.value(self.ids.bias(i))?;
+        let gain = params.value(self.ids.gain(i))?;
+        let mut a = matmul(h, false, &weight, false, b, w, w);
+        for row in a.chunks_exact_mut(w) {
+            for (z, bj) in row.iter_mut().zip(&bias) {
+                *z = (*z + bj).tanh();
+            }
+        }
+        let mut out = h.to_vec();
+        for (row_out, row_a) in out.chunks_exact_mut(w).zip(a.chunks_exact(w)) {
+            for j in 0..w {
+                row_out[j] += gain[j] * row_a[j];
+            }
+        }
+        Ok((a, out))
+    }
+
+    fn head(&self, params: &mut impl Params, embed: &[f32], h: &[f32]) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let bias = params.value(self.ids.head_bias())?;
+        let mut out = matmul(h, false, embed, true, c.batch, c.width, c.inputs);
+        for row in out.chunks_exact_mut(c.inputs) {
+            for (o, bj) in row.iter_mut().zip(&bias) {
+                *o += bj;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One forward and backward pass on a micro-batch, with every hook; returns the loss.
+    pub fn pass(&self, params: &mut impl Params, x: &[f32], y: &[f32]) -> Result<f32> {
+        let c = &self.config;
+        let (b, n, w, ids) = (c.batch, c.inputs, c.width, self.ids);
+
+        params.hook(Hook::PreForward, Unit::Root)?;
+        let embed = params.value(ids.embed())?;
+        let mut hs = vec![matmul(x, false, &embed, false, b, n, w)];
+        params.hook(Hook::PostForward, Unit::Root)?;
+        let mut acts = Vec::with_capacity(c.layers);
+        for i in 0..c.layers {
+            params.hook(Hook::PreForward, Unit::Layer(i as u32))?;
+            let (a, h) = self.layer(params, i, &hs[i])?;
+            params.hook(Hook::PostForward, Unit::Layer(i as u32))?;
+            acts.push(a);
+            hs.push(h);
+        }
+        params.hook(Hook::PreForward, Unit::Root)?;
+        let embed = params.value(ids.embed())?;
+        let out = self.head(params, &embed, &hs[c.layers])?;
+        params.hook(Hook::PostForward, Unit::Root)?;
+
+        let count = (b * n) as f32;
+        let mut loss = 0f32;
+        let dout: Vec<f32> = out
+            .iter()
+            .zip(y)
+            .map(|(o, t)| {
+                let d = o - t;
+                loss += d * d;
+                d / count
+            })
+            .collect();
+        let loss = 0.5 * loss / count;
+
+        params.hook(Hook::PreBackward, Unit::Root)?;
+        let embed = params.value(ids.embed())?;
+        params.grad(ids.head_bias(), &sum_rows(&dout, n))?;
+        let mut d_embed = matmul(&dout, true, &hs[c.layers], false, n, b, w);
+        let mut dh = matmul(&dout, false, &embed, false, b, n, w);
+        params.hook(Hook::PostBackward, Unit::Root)?;
+        for i in (0..c.layers).rev() {
+            let unit = Unit::Layer(i as u32);
+            params.hook(Hook::PreBackward, unit)?;
+            let weight = params.value(ids.weight(i))?;
+            let gain = params.value(ids.gain(i))?;
+            let mut dz = vec![0f32; b * w];
+            for (r, dz_row) in dz.chunks_exact_mut(w).enumerate() {
+                for j in 0..w {
+                    let a = acts[i][r * w + j];
+                    dz_row[j] = dh[r * w + j] * gain[j] * (1.0 - a * a);
+                }
+            }
+            params.grad(ids.weight(i), &matmul(&hs[i], true, &dz, false, w, b, w))?;
+            params.grad(ids.bias(i), &sum_rows(&dz, w))?;
+            let back = matmul(&dz, false, &weight, true, b, w, w);
+            for (d, v) in dh.iter_mut().zip(back) {
+                *d += v;
+            }
+            params.hook(Hook::PostBackward, unit)?;
+        }
+        let from_input = matmul(x, true, &dh, false, n, b, w);
+        for (d, v) in d_embed.iter_mut().zip(from_input) {
+            *d += v;
+        }
+        params.grad(ids.embed(), &d_embed)?;
+        Ok(loss)
+    }
+}
+
+/// The teacher's parameters: values only.
+struct TeacherParams(Vec<Vec<f32>>);
+
+impl Params for TeacherParams {
+    fn hook(&mut self, _: Hook, _: Unit) -> Result<()> {
+        Ok(())
+    }
+    fn value(&mut self, param: ParamId) -> Result<Vec<f32>> {
+        Ok(self.0[param.0].clone())
+    }
+    fn grad(&mut self, _: ParamId, _: &[f32]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Round-trips f32 values through `dtype`.
+pub fn round_to(dtype: DType, values: &[f32]) -> Vec<f32> {
+    widen(dtype, &narrow(dtype, values))
+}
+
+/// Widens little-endian bytes of `dtype` to f32.
+pub fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
+    (0..bytes.len() / dtype.size())
+        .map(|i| load_f32(bytes, dtype, i))
+        .collect()
+}
+
+/// Narrows f32 values to little-endian bytes of `dtype`.
+pub fn narrow(dtype: DType, values: &[f32]) -> Vec<u8> {
+    let mut bytes = vec![0u8; values.len() * dtype.size()];
+    for (i, &v) in values.iter().enumerate() {
+        crate::dtype::store_f32(&mut bytes, dtype, i, v);
+    }
+    bytes
+}
+
+/// A rank's engine as the trainer's parameter holder.
+pub struct EngineParams<'a, B: Backend, C: Communicator<B>>(pub &'a mut Engine<B, C>);
+
+impl<B: Backend, C: Communicator<B>> Params for EngineParams<'_, B, C> {
+    fn hook(&mut self, hook: Hook, unit: Unit) -> Result<()> {
+        match hook {
+            Hook::PreForward => self.0.pre_forward(unit),
+            Hook::PostForward => self.0.post_forward(unit),
+            Hook::PreBackward => self.0.pre_backward(unit),
+            Hook::PostBackward => self.0.post_backward(unit),
+        }
+    }
+    fn value(&mut self, param: ParamId) -> Result<Vec<f32>> {
+        let dtype = self.0.plan().param(param)?.dtype;
+        Ok(widen(dtype, &self.0.param_bytes(param)?))
+    }
+    fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()> {
+        self.0.grad(param, Input::host(grad))
+    }
+}
+
+/// Loads the model's initial values into a rank's engine.
+pub fn load<B: Backend, C: Communicator<B>>(
+    engine: &mut Engine<B, C>,
+    values: &[Vec<f32>],
+) -> Result<()> {
+    for (i, v) in values.iter().enumerate() {
+        let id = ParamId(i);
+        let dtype = engine.plan().param(id)?.dtype;
+        let bytes = narrow(dtype, v);
+        engine.load_param(id, Input::Host { bytes: &bytes, dtype })?;
+    }
+    Ok(())
+}
+
+/// One sharded training step on a rank: `passes` micro-batches, gradient sync, optimizer step.
+/// Returns the mean loss of the rank's micro-batches.
+pub fn sharded_step<B: Backend, C: Communicator<B>>(
+    model: &Mlp,
+    engine: &mut Engine<B, C>,
+    step: u64,
+    passes: u64,
+) -> Result<f32> {
+    let rank = engine.rank();
+    let mut loss = 0.0;
+    for pass in 0..passes {
+        let (x, y) = model.batch(step, pass, rank)?;
+        loss += model.pass(&mut EngineParams(engine), &x, &y)?;
+    }
+    engine.finish_grad_sync()?;
+    engine.optimizer_step()?;
+    engine.end_step()?;
+    Ok(loss / passes as f32)
+}
+
+/// The unsharded trainer: every parameter whole, gradients of each rank's micro-batch summed in
+/// rank order and scaled as the engine's reduction does, the same optimizer arithmetic.
+pub struct Reference {
+    model: Mlp,
+    world_size: usize,
+    optimizer: OptimizerConfig,
+    scale: f32,
+    trainable: Vec<bool>,
+    /// Current values, as rounded to the dtype.
+    values: Vec<Vec<f32>>,
+    masters: Vec<Vec<f32>>,
+    moments: Vec<(Vec<f32>, Vec<f32>)>,
+    grads: Vec<Vec<f32>>,
+    steps: u64,
+}
+
+struct PassGrads<'a> {
+    values: &'a [Vec<f32>],
+    grads: Vec<Option<Vec<f32>>>,
+}
+
+impl Params for PassGrads<'_> {
+    fn hook(&mut self, _: Hook, _: Unit) -> Result<()> {
+        Ok(())
+    }
+    fn value(&mut self, param: ParamId) -> Result<Vec<f32>> {
+        Ok(self.values[param.0].clone())
+    }
+    fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()> {
+        self.grads[param.0] = Some(grad.to_vec());
+        Ok(())
+    }
+}
+
+impl Reference {
+    /// A reference for `world_size` ranks, starting from `init` (rounded to the dtype), with the
+    /// given optimizer and gradient scale (`1 / world_size` to average, `1` to sum).
+    pub fn new(
+        model: Mlp,
+        init: &[Vec<f32>],
+        world_size: usize,
+        optimizer: OptimizerConfig,
+        scale: f32,
+    ) -> Result<Reference> {
+        let spec = model.spec()?;
+        let dtype = model.config.dtype;
+        let values: Vec<Vec<f32>> = init.iter().map(|v| round_to(dtype, v)).collect();
+        let zeros = |v: &Vec<f32>| vec![0f32; v.len()];
+        Ok(Reference {
+            trainable: spec.params.iter().map(|p| p.trainable).collect(),
+            masters: values.clone(),
+            moments: values.iter().map(|v| (zeros(v), zeros(v))).collect(),
+            grads: values.iter().map(zeros).collect(),
+            values,
+            model,
+            world_size,
+            optimizer,
+            scale,
+            steps: 0,
+        })
+    }
+
+    /// Current values of every parameter, in id order.
+    pub fn values(&self) -> &[Vec<f32>] {
+        &self.values
+    }
+
+    /// One step of `passes` micro-batches per rank; returns the mean loss over ranks and passes.
+    pub fn step(&mut self, step: u64, passes: u64) -> Result<f32> {
+        let mut loss = 0.0;
+        for pass in 0..passes {
+            let mut summed: Vec<Option<Vec<f32>>> = vec![None; self.values.len()];
+            for rank in 0..self.world_size {
+                let (x, y) = self.model.batch(step, pass, rank)?;
+                let mut pg = PassGrads {
+                    values: &self.values,
+                    grads: vec![None; self.values.len()],
+                };
+                loss += self.model.pass(&mut pg, &x, &y)?;
+                for (sum, g) in summed.iter_mut().zip(pg.grads) {
+                    match (sum.as_mut(), g) {
+                        (None, g) => *sum = g,
+                        (Some(s), Some(g)) => s.iter_mut().zip(&g).for_each(|(s, g)| *s += g),
+                        (Some(_), None) => {}
+                    }
+                }
+            }
+            for (i, sum) in summed.into_iter().enumerate() {
+                if let Some(sum) = sum {
+                    for (g, s) in self.grads[i].iter_mut().zip(sum) {
+                        *g = accumulate_element(*g, s, self.scale, pass > 0);
+                    }
+                }
+            }
+        }
+        self.steps += 1;
+        let update = self.optimizer.coefficients(self.steps);
+        let dtype = self.model.config.dtype;
+        for i in 0..self.values.len() {
+            if !self.trainable[i] {
+                continue;
+            }
+            let (m, v) = &mut self.moments[i];
+            for j in 0..self.values[i].len() {
+                let g = self.grads[i][j];
+                let p = self.masters[i][j];
+                let p = match update {
+                    Update::Sgd { lr } => sgd_element(p, g, lr),
+                    Update::AdamW(c) => {
+                        let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
+                        m[j] = mj;
+                        v[j] = vj;
+                        p
+                    }
+                };
+                self.masters[i][j] = p;
+            }
+            self.values[i] = round_to(dtype, &self.masters[i]);
+        }
+        Ok(loss / (passes as usize * self.world_size) as f32)
+    }
+}
+
+/// The largest difference between two sets of values, relative to the largest magnitude of the
+/// reference's parameter: `max_i |a_i - b_i| / max_i |b_i|`, maximised over parameters.
+pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| {
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| {
+                if x.is_nan() != y.is_nan() { f32::INFINITY } else { m.max((x - y).abs()) }
+            });
+            if scale > 0.0 { diff / scale } else { diff }
+        })
+        .fold(0f32, f32::max)
+}
+
+/// One rank's state after a step.
+#[derive(Clone, Debug)]
+pub struct RankStep {
+    pub loss: f32,
+    /// The rank's parameter shard of every group, as bytes.
+    pub shards: Vec<Vec<u8>>,
+}
+
+/// What a rank measured over a run.
+#[derive(Clone, Copy, Debug)]
+pub struct RankSummary {
+    pub memory: MemoryUsage,
+    pub counters: Counters,
+}
+
+/// Every parameter's values, assembled from each rank's shards after a step.
+pub fn assemble(plan: &Plan, ranks: &[RankStep]) -> Result<Vec<Vec<f32>>> {
+    (0..plan.params().len())
+        .map(|i| {
+            let id = ParamId(i);
+            let layout = plan.param(id)?;
+            let shards: Vec<Vec<u8>> = ranks.iter().map(|r| r.shards[layout.group].clone()).collect();
+            Ok(widen(layout.dtype, &plan.assemble_param(id, &shards)?))
+        })
+        .collect()
+}
+
+/// Trains `model` on `plan.world_size()` CPU ranks, one thread each, for `steps` steps of `passes`
+/// micro-batches; after every step `on_step(step, ranks)` sees each rank's loss and shards.
+pub fn train_local(
+    model: &Mlp,
+    plan: &Arc<Plan>,
+    config: &EngineConfig,
+    init: &[Vec<f32>],
+    steps: u64,
+    passes: u64,
+    mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+) -> Result<Vec<RankSummary>> {
+    let world = plan.world_size();
+    let comms = LocalComm::group(world)?;
+    let (tx, rx) = mpsc::channel::<(usize, RankStep)>();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let tx = tx.clone();
+                scope.spawn(move || -> Result<RankSummary> {
+                    let rank = comm.rank();
+                    let mut engine = Engine::new(Arc::clone(plan), config.clone(), CpuBackend::new(), comm)?;
+                    load(&mut engine, init)?;
+                    for step in 0..steps {
+                        let loss = sharded_step(model, &mut engine, step, passes)?;
+                        let shards = (0..plan.groups().len())
+                            .map(|g| engine.param_shard(g))
+                            .collect::<Result<Vec<_>>>()?;
+                        if tx.send((rank, RankStep { loss, shards })).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(RankSummary {
+                        memory: engine.memory(),
+                        counters: engine.counters(),
+                    })
+                })
+            })
+            .collect();
+        drop(tx);
+        let mut outcome = Ok(());
+        'steps: for step in 0..steps {
+            let mut ranks: Vec<Option<RankStep>> = vec![None; world];
+            for _ in 0..world {
+                match rx.recv() {
+                    Ok((rank, record)) => ranks[rank] = Some(record),
+                    Err(_) => break 'steps,
+                }
+            }
+            let ranks: Vec<RankStep> = ranks.into_iter().flatten().collect();
+            if let Err(e) = on_step(step, &ranks) {
+                outcome = Err(e);
+                break;
+            }
+        }
+        drop(rx);
+        let mut summaries = Vec::with_capacity(world);
+        let mut failure: Option<Error> = None;
+        for (rank, handle) in handles.into_iter().enumerate() {
+            match handle.join().unwrap_or(Err(Error::RankPanicked { rank })) {
+                Ok(summary) => summaries.push(summary),
+                // A failing rank makes the others fail with RankLeft: report the cause.
+                Err(e) => match failure {
+                    Some(Error::RankLeft { .. }) | None => failure = Some(e),
+                    Some(_) => {}
+                },
+            }
+        }
+        outcome?;
+        failure.map_or(Ok(summaries), Err)
+    })
+}
