@@ -1,0 +1,173 @@
+//! The gather and reduce machinery, observed through the engine's counters and buffer states.
+
+use std::sync::Arc;
+
+use fsdp_fusion::state::BufferState;
+use fsdp_fusion::{
+    CpuBackend, DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
+};
+
+type CpuEngine = Engine<CpuBackend, LocalComm>;
+
+fn engine(model: ModelSpec, config: EngineConfig) -> CpuEngine {
+    let plan = Arc::new(Plan::new(&model, 1).unwrap());
+    let comm = LocalComm::group(1).unwrap().pop().unwrap();
+    Engine::new(plan, config, CpuBackend::new(), comm).unwrap()
+}
+
+/// A tied embedding and `layers` units of one trainable weight each (and a frozen gain when
+/// `frozen`).
+fn stack(layers: u32, frozen: bool) -> ModelSpec {
+    let mut params = vec![ParamSpec::new("embed", &[8, 4], DType::F32).tied()];
+    for i in 0..layers {
+        params.push(ParamSpec::new(format!("w{i}"), &[4, 4], DType::F32).in_unit(i));
+        if frozen {
+            params.push(ParamSpec::new(format!("g{i}"), &[4], DType::Bf16).in_unit(i).frozen());
+        }
+    }
+    ModelSpec::new(params).unwrap()
+}
+
+fn no_overlap() -> EngineConfig {
+    EngineConfig {
+        overlap: false,
+        ..EngineConfig::default()
+    }
+}
+
+fn groups_of(e: &CpuEngine, unit: Unit) -> Vec<usize> {
+    let u = e.plan().unit_index(unit).unwrap();
+    e.plan().unit_groups(u).to_vec()
+}
+
+#[test]
+fn a_ready_reuse_issues_no_all_gather() {
+    let mut e = engine(stack(2, false), no_overlap());
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    assert_eq!(e.counters().all_gathers, 1);
+    e.post_forward(Unit::Layer(0)).unwrap();
+    let g = groups_of(&e, Unit::Layer(0))[0];
+    assert_eq!(e.buffer_state(g).unwrap(), BufferState::Ready);
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    let c = e.counters();
+    assert_eq!((c.all_gathers, c.reuses), (1, 1));
+    assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+}
+
+/// Runs one training step's hooks over every unit, checking `check` after each hook.
+fn walk_step(e: &mut CpuEngine, layers: u32, check: &mut impl FnMut(&CpuEngine)) {
+    let w = |e: &CpuEngine, i: u32| e.plan().param_id(&format!("w{i}")).unwrap();
+    e.pre_forward(Unit::Root).unwrap();
+    check(e);
+    e.post_forward(Unit::Root).unwrap();
+    for i in 0..layers {
+        e.pre_forward(Unit::Layer(i)).unwrap();
+        check(e);
+        e.post_forward(Unit::Layer(i)).unwrap();
+    }
+    for i in (0..layers).rev() {
+        e.pre_backward(Unit::Layer(i)).unwrap();
+        check(e);
+        let id = w(e, i);
+        e.grad(id, Input::host(&[0.5f32; 16])).unwrap();
+        e.post_backward(Unit::Layer(i)).unwrap();
+        check(e);
+    }
+    let embed = e.plan().param_id("embed").unwrap();
+    e.grad(embed, Input::host(&[0.25f32; 32])).unwrap();
+    e.finish_grad_sync().unwrap();
+    e.optimizer_step().unwrap();
+    e.end_step().unwrap();
+}
+
+#[test]
+fn prefetch_never_pushes_the_gathered_count_past_the_limit() {
+    for limit in [1, 2, 3] {
+        let config = EngineConfig {
+            double_buffer_limit: limit,
+            ..EngineConfig::default()
+        };
+        let mut e = engine(stack(6, false), config);
+        let mut worst = 0;
+        for _ in 0..3 {
+            walk_step(&mut e, 6, &mut |e| worst = worst.max(e.gathered_count()));
+        }
+        assert!(worst <= limit, "limit {limit}: {worst} gathered");
+        let c = e.counters();
+        assert_eq!(c.extra_slots, 0);
+        if limit > 1 {
+            assert!(c.prefetches > 0, "limit {limit}: nothing prefetched");
+        }
+    }
+}
+
+#[test]
+fn in_steady_state_every_gather_after_the_first_is_a_prefetch() {
+    let mut e = engine(stack(6, false), EngineConfig::default());
+    walk_step(&mut e, 6, &mut |_| {});
+    let before = e.counters();
+    walk_step(&mut e, 6, &mut |_| {});
+    let after = e.counters();
+    let gathers = after.all_gathers - before.all_gathers;
+    let prefetches = after.prefetches - before.prefetches;
+    // Forward: root + 6 layers; backward: 4 layers, the last two still READY from forward.
+    assert_eq!(gathers, 11);
+    assert_eq!(prefetches, gathers - 1);
+}
+
+#[test]
+fn a_required_gather_at_the_limit_proceeds() {
+    // Unit 0 has two groups (trainable f32, frozen bf16) and the limit is 1.
+    let config = EngineConfig {
+        double_buffer_limit: 1,
+        overlap: false,
+        ..EngineConfig::default()
+    };
+    let mut e = engine(stack(1, true), config);
+    let predicted = e.plan().memory_per_rank(e.config()).peak;
+    assert_eq!(e.memory().current, predicted);
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    assert_eq!(e.gathered_count(), 2);
+    let c = e.counters();
+    assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
+    assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
+    for g in groups_of(&e, Unit::Layer(0)) {
+        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+    }
+}
+
+#[test]
+fn prefetch_follows_the_recorded_order_not_the_group_order() {
+    // Frozen groups sort before every trainable one, so group order is not execution order.
+    let mut e = engine(stack(3, true), EngineConfig {
+        double_buffer_limit: 4,
+        ..EngineConfig::default()
+    });
+    let order = [Unit::Layer(2), Unit::Layer(0), Unit::Layer(1)];
+    for _ in 0..2 {
+        for &u in &order {
+            e.pre_forward(u).unwrap();
+            e.post_forward(u).unwrap();
+        }
+        e.end_step().unwrap();
+    }
+    e.pre_forward(Unit::Layer(2)).unwrap();
+    for g in groups_of(&e, Unit::Layer(0)) {
+        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Syncing, "group {g}");
+    }
+    for g in groups_of(&e, Unit::Layer(1)) {
+        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Freed, "group {g}");
+    }
+}
+
+#[test]
+fn memory_is_fixed_up_front_and_matches_the_plan() {
+    let mut e = engine(stack(4, true), EngineConfig::default());
+    let predicted = e.plan().memory_per_rank(e.config()).peak;
+    assert_eq!(e.memory().current, predicted);
+    for _ in 0..3 {
+        walk_step(&mut e, 4, &mut |_| {});
+    }
+    assert_eq!(e.memory().peak, predicted);
+    assert_eq!(e.counters().steps, 3);
+}

@@ -1,0 +1,402 @@
+//! Every bad input and every misuse of the hooks gives a specific error and changes nothing: after
+//! it, a correct step gives exactly what it gives on an engine that never saw the mistake.
+
+use std::sync::Arc;
+
+use fsdp_fusion::backend::Stream;
+use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
+use fsdp_fusion::backend::Region;
+use fsdp_fusion::{
+    Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,
+    ParamId, ParamSpec, Plan, Unit,
+};
+
+type CpuEngine = Engine<CpuBackend, LocalComm>;
+
+/// embed (tied, root), w (unit 0), b (unit 0, bf16), g (unit 0, frozen), head (root).
+fn model() -> ModelSpec {
+    ModelSpec::new(vec![
+        ParamSpec::new("embed", &[4, 3], DType::F32).tied(),
+        ParamSpec::new("w", &[3, 3], DType::F32).in_unit(0),
+        ParamSpec::new("b", &[3], DType::Bf16).in_unit(0),
+        ParamSpec::new("g", &[3], DType::F32).in_unit(0).frozen(),
+        ParamSpec::new("head", &[4], DType::F32),
+    ])
+    .unwrap()
+}
+
+fn engine() -> CpuEngine {
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    let comm = LocalComm::group(1).unwrap().pop().unwrap();
+    let mut e = Engine::new(plan, EngineConfig::default(), CpuBackend::new(), comm).unwrap();
+    for (i, p) in model().params.iter().enumerate() {
+        let n = p.numel().unwrap();
+        let values: Vec<f32> = (0..n).map(|j| (i * 10 + j) as f32 * 0.1).collect();
+        let input = if p.dtype == DType::Bf16 {
+            let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            e.load_param(ParamId(i), Input::host(&v)).unwrap();
+            continue;
+        } else {
+            Input::host(&values)
+        };
+        e.load_param(ParamId(i), input).unwrap();
+    }
+    e
+}
+
+fn id(e: &CpuEngine, name: &str) -> ParamId {
+    e.plan().param_id(name).unwrap()
+}
+
+fn grad(e: &mut CpuEngine, name: &str) -> fsdp_fusion::Result<()> {
+    let p = id(e, name);
+    let layout = e.plan().param(p).unwrap().clone();
+    let g: Vec<f32> = (0..layout.numel).map(|j| 0.5 - j as f32 * 0.25).collect();
+    e.grad(p, Input::host(&g))
+}
+
+/// A whole correct step; returns every shard afterwards.
+fn step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    e.pre_forward(Unit::Root).unwrap();
+    e.post_forward(Unit::Root).unwrap();
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    e.post_forward(Unit::Layer(0)).unwrap();
+    e.pre_backward(Unit::Layer(0)).unwrap();
+    for name in ["w", "b"] {
+        grad(e, name).unwrap();
+    }
+    e.post_backward(Unit::Layer(0)).unwrap();
+    for name in ["head", "embed"] {
+        grad(e, name).unwrap();
+    }
+    e.finish_grad_sync().unwrap();
+    e.optimizer_step().unwrap();
+    e.end_step().unwrap();
+    (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+}
+
+/// Runs `mistake` on a fresh engine after `setup`, checks its error with `expected`, then checks
+/// that finishing the step gives the same shards as an engine that never made the mistake.
+fn assert_harmless(
+    setup: impl Fn(&mut CpuEngine),
+    mistake: impl Fn(&mut CpuEngine) -> fsdp_fusion::Result<()>,
+    expected: impl Fn(&Error) -> bool,
+    finish: impl Fn(&mut CpuEngine) -> Vec<Vec<u8>>,
+) {
+    let mut control = engine();
+    setup(&mut control);
+    let want = finish(&mut control);
+    let mut e = engine();
+    setup(&mut e);
+    let counters = e.counters();
+    let err = mistake(&mut e).unwrap_err();
+    assert!(expected(&err), "unexpected error: {err:?}");
+    assert!(!err.to_string().is_empty());
+    assert_eq!(e.counters(), counters, "the failed call changed the counters");
+    assert_eq!(finish(&mut e), want, "the failed call changed the outcome");
+}
+
+fn nothing(_: &mut CpuEngine) {}
+
+#[test]
+fn hook_for_an_unknown_unit() {
+    assert_harmless(
+        nothing,
+        |e| e.pre_forward(Unit::Layer(7)),
+        |err| matches!(err, Error::UnknownUnit { unit: Unit::Layer(7) }),
+        step,
+    );
+}
+
+#[test]
+fn forward_ended_twice() {
+    let finish = |e: &mut CpuEngine| {
+        // Root's forward already ran in setup.
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        e.post_forward(Unit::Layer(0)).unwrap();
+        e.pre_backward(Unit::Layer(0)).unwrap();
+        grad(e, "w").unwrap();
+        grad(e, "b").unwrap();
+        grad(e, "head").unwrap();
+        grad(e, "embed").unwrap();
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+    };
+    assert_harmless(
+        |e| {
+            e.pre_forward(Unit::Root).unwrap();
+            e.post_forward(Unit::Root).unwrap();
+        },
+        |e| e.post_forward(Unit::Root),
+        |err| matches!(err, Error::ForwardNotOpen { unit: Unit::Root }),
+        finish,
+    );
+}
+
+#[test]
+fn forward_started_twice() {
+    let finish = |e: &mut CpuEngine| {
+        e.post_forward(Unit::Root).unwrap();
+        step(e)
+    };
+    assert_harmless(
+        |e| e.pre_forward(Unit::Root).unwrap(),
+        |e| e.pre_forward(Unit::Root),
+        |err| matches!(err, Error::ForwardAlreadyOpen { unit: Unit::Root }),
+        finish,
+    );
+}
+
+#[test]
+fn backward_ended_without_starting() {
+    assert_harmless(
+        nothing,
+        |e| e.post_backward(Unit::Layer(0)),
+        |err| matches!(err, Error::BackwardNotOpen { unit: Unit::Layer(0) }),
+        step,
+    );
+}
+
+#[test]
+fn gradient_for_a_frozen_param() {
+    assert_harmless(
+        nothing,
+        |e| grad(e, "g"),
+        |err| matches!(err, Error::FrozenGradient { name } if name == "g"),
+        step,
+    );
+}
+
+#[test]
+fn gradient_for_an_unknown_param() {
+    assert_harmless(
+        nothing,
+        |e| e.grad(ParamId(99), Input::host(&[1.0f32])),
+        |err| matches!(err, Error::ParamIdOutOfRange { id: 99, count: 5 }),
+        step,
+    );
+    let e = engine();
+    assert!(matches!(e.plan().param_id("nope"), Err(Error::UnknownParam { name }) if name == "nope"));
+}
+
+#[test]
+fn gradient_of_the_wrong_length() {
+    assert_harmless(
+        nothing,
+        |e| e.grad(id(e, "w"), Input::host(&[1.0f32; 8])),
+        |err| matches!(err, Error::GradientLength { name, expected: 9, got: 8 } if name == "w"),
+        step,
+    );
+}
+
+#[test]
+fn gradient_of_the_wrong_dtype() {
+    // "b" is bf16: f16 is neither its dtype nor f32.
+    let g = [half::f16::from_f32(1.0); 3];
+    assert_harmless(
+        nothing,
+        |e| e.grad(id(e, "b"), Input::host(&g)),
+        |err| {
+            matches!(err, Error::GradientDtype { name, param: DType::Bf16, got: DType::F16 } if name == "b")
+        },
+        step,
+    );
+}
+
+#[test]
+fn second_gradient_in_one_pass() {
+    let finish = |e: &mut CpuEngine| {
+        grad(e, "b").unwrap();
+        grad(e, "head").unwrap();
+        grad(e, "embed").unwrap();
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+    };
+    assert_harmless(
+        |e| grad(e, "w").unwrap(),
+        |e| grad(e, "w"),
+        |err| matches!(err, Error::DuplicateGradient { name } if name == "w"),
+        finish,
+    );
+}
+
+#[test]
+fn end_of_step_before_gradients_are_synced() {
+    let finish = |e: &mut CpuEngine| {
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+    };
+    assert_harmless(
+        |e| grad(e, "w").unwrap(),
+        |e| e.end_step(),
+        |err| matches!(err, Error::GradsNotSynced { .. }),
+        finish,
+    );
+}
+
+#[test]
+fn optimizer_before_sync_and_twice_in_a_step() {
+    let finish = |e: &mut CpuEngine| {
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+    };
+    assert_harmless(
+        |e| grad(e, "w").unwrap(),
+        |e| e.optimizer_step(),
+        |err| matches!(err, Error::GradsNotSynced { .. }),
+        finish,
+    );
+    let mut e = engine();
+    step(&mut e);
+    grad(&mut e, "w").unwrap();
+    e.finish_grad_sync().unwrap();
+    e.optimizer_step().unwrap();
+    assert!(matches!(e.optimizer_step(), Err(Error::OptimizerAlreadyStepped)));
+}
+
+#[test]
+fn sync_or_end_with_a_forward_open() {
+    let finish = |e: &mut CpuEngine| {
+        e.post_forward(Unit::Layer(0)).unwrap();
+        step(e)
+    };
+    assert_harmless(
+        |e| e.pre_forward(Unit::Layer(0)).unwrap(),
+        |e| e.finish_grad_sync(),
+        |err| matches!(err, Error::ForwardStillOpen { unit: Unit::Layer(0) }),
+        finish,
+    );
+    assert_harmless(
+        |e| e.pre_forward(Unit::Layer(0)).unwrap(),
+        |e| e.end_step(),
+        |err| matches!(err, Error::ForwardStillOpen { unit: Unit::Layer(0) }),
+        finish,
+    );
+}
+
+#[test]
+fn views_only_while_gathered_and_in_their_dtype() {
+    let mut e = engine();
+    let w = id(&e, "w");
+    assert!(matches!(e.param::<f32>(w), Err(Error::NotGathered { name }) if name == "w"));
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    let loaded: Vec<f32> = (0..9).map(|j| (10 + j) as f32 * 0.1).collect();
+    assert_eq!(e.param::<f32>(w).unwrap(), &loaded[..]);
+    assert!(matches!(
+        e.param::<half::bf16>(w),
+        Err(Error::DtypeMismatch { param: DType::F32, requested: DType::Bf16, .. })
+    ));
+    assert!(matches!(e.load_param(w, Input::host(&[0f32; 9])), Err(Error::Gathered { .. })));
+    e.post_forward(Unit::Layer(0)).unwrap();
+    // READY still holds the values but is not in use: no view.
+    assert!(matches!(e.param::<f32>(w), Err(Error::NotGathered { .. })));
+}
+
+#[test]
+fn loads_of_the_wrong_length_or_dtype() {
+    let mut e = engine();
+    let w = id(&e, "w");
+    assert!(matches!(
+        e.load_param(w, Input::host(&[0f32; 4])),
+        Err(Error::DataLength { expected: 9, got: 4, .. })
+    ));
+    assert!(matches!(
+        e.load_param(w, Input::host(&[half::f16::ZERO; 9])),
+        Err(Error::DtypeMismatch { requested: DType::F16, .. })
+    ));
+}
+
+#[test]
+fn bad_configurations_and_sizes() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let one = LocalComm::group(1).unwrap().pop().unwrap();
+    assert!(matches!(
+        Engine::new(Arc::clone(&plan), EngineConfig::default(), CpuBackend::new(), one),
+        Err(Error::WorldSizeMismatch { plan: 2, comm: 1 })
+    ));
+    let comm = LocalComm::group(2).unwrap().pop().unwrap();
+    let config = EngineConfig {
+        double_buffer_limit: 0,
+        ..EngineConfig::default()
+    };
+    assert!(matches!(
+        Engine::new(Arc::clone(&plan), config, CpuBackend::new(), comm),
+        Err(Error::InvalidConfig { field: "double_buffer_limit", .. })
+    ));
+    let comm = LocalComm::group(2).unwrap().pop().unwrap();
+    let config = EngineConfig {
+        optimizer: OptimizerConfig::Sgd { lr: -1.0 },
+        ..EngineConfig::default()
+    };
+    assert!(matches!(
+        Engine::new(plan, config, CpuBackend::new(), comm),
+        Err(Error::InvalidConfig { field: "lr", .. })
+    ));
+    assert!(matches!(Plan::new(&model(), 0), Err(Error::ZeroWorldSize)));
+    assert!(matches!(LocalComm::group(0), Err(Error::ZeroWorldSize)));
+}
+
+/// A communicator that claims a rank outside its group.
+struct BadRank;
+
+impl Communicator<CpuBackend> for BadRank {
+    fn rank(&self) -> usize {
+        2
+    }
+    fn world_size(&self) -> usize {
+        2
+    }
+    fn all_gather(
+        &mut self,
+        _: &CpuBackend,
+        _: Stream,
+        _: &CpuBuffer,
+        _: Region,
+        _: &mut CpuBuffer,
+        _: Region,
+    ) -> fsdp_fusion::Result<()> {
+        Ok(())
+    }
+    fn reduce_scatter(&mut self, _: &CpuBackend, _: Stream, _: &mut CpuBuffer, _: Region) -> fsdp_fusion::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn rank_at_or_past_the_world_size() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    assert!(matches!(
+        Engine::new(plan, EngineConfig::default(), CpuBackend::new(), BadRank),
+        Err(Error::RankOutOfRange { rank: 2, world_size: 2 })
+    ));
+}
+
+#[test]
+fn bad_model_files() {
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "a", "shape": [2], "dtype": "int8"}]}"#).unwrap_err();
+    assert!(matches!(&err, Error::UnknownDtype { name, given } if name == "a" && given == "int8"));
+    let err = ModelSpec::from_json("{\n \"params\": [\n  {\"name\": \"a\" \"shape\": [2]}\n ]\n}").unwrap_err();
+    assert!(matches!(err, Error::Json { line: 3, column: 16, .. }), "{err:?}");
+    let err = ModelSpec::from_json(
+        r#"{"params": [{"name": "a", "shape": [2], "dtype": "f32"}, {"name": "a", "shape": [1], "dtype": "f32"}]}"#,
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::DuplicateName { first: 0, second: 1, .. }));
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "", "shape": [2], "dtype": "f32"}]}"#).unwrap_err();
+    assert!(matches!(err, Error::EmptyName { index: 0 }));
+    let err = ModelSpec::from_json(
+        r#"{"params": [{"name": "big", "shape": [4294967296, 4294967296, 4], "dtype": "f32"}]}"#,
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::NumelOverflow { name, .. } if name == "big"));
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "n", "shape": [-1], "dtype": "f32"}]}"#).unwrap_err();
+    assert!(matches!(err, Error::Json { line: 1, .. }));
+}
