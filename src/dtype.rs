@@ -133,6 +133,9 @@ mod tests {
         store_f32(&mut bytes, DType::F32, 1, -2.5);
         assert_eq!(load_f32(&bytes, DType::F32, 1), -2.5);
         store_f32(&mut bytes, DType::F16, 0, 0.333_333);
-        assert_eq!(load_f32(&bytes, DType::F16, 0), f16::from_f32(0.333_333).to_f32());
+        assert_eq!(
+            load_f32(&bytes, DType::F16, 0),
+            f16::from_f32(0.333_333).to_f32()
+        );
     }
 }

@@ -226,7 +226,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn unit_index(&self, unit: Unit) -> Result<usize> {
-        self.plan.unit_index(unit).ok_or(Error::UnknownUnit { unit })
+        self.plan
+            .unit_index(unit)
+            .ok_or(Error::UnknownUnit { unit })
     }
 
     /// Before `unit`'s forward: its groups are gathered (reused if READY) and compute waits for
@@ -372,7 +374,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 master: self.masters[i].as_mut(),
                 moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
             };
-            self.backend.optimizer_step(Stream::Compute, &update, shard)?;
+            self.backend
+                .optimizer_step(Stream::Compute, &update, shard)?;
         }
         self.shards_updated = Some(Arc::new(self.backend.record(Stream::Compute)?));
         self.stepped = true;
@@ -444,9 +447,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let start = layout.offset.max(shard.start);
         let end = (layout.offset + layout.numel).min(shard.end);
         if start < end {
-            let src = &bytes[(start - layout.offset) * dtype.size()..(end - layout.offset) * dtype.size()];
+            let src = &bytes
+                [(start - layout.offset) * dtype.size()..(end - layout.offset) * dtype.size()];
             let region = Region::new(start - shard.start, end - start, dtype);
-            self.backend.upload(&mut self.shards[layout.group], region, src)?;
+            self.backend
+                .upload(&mut self.shards[layout.group], region, src)?;
         }
         self.master_stale[layout.group] = true;
         Ok(())
@@ -467,7 +472,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let g = self.plan.group(group)?;
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = vec![0u8; g.shard_numel * g.dtype.size()];
-        self.backend.download(&self.shards[group], region, &mut out)?;
+        self.backend
+            .download(&self.shards[group], region, &mut out)?;
         Ok(out)
     }
 
@@ -486,7 +492,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The gathered view of a parameter: its slot, checked to be in use.
     pub(crate) fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
         let layout = self.plan.param(param)?;
-        match (&self.slot_of[layout.group], self.gathers.state(layout.group)) {
+        match (
+            &self.slot_of[layout.group],
+            self.gathers.state(layout.group),
+        ) {
             (Some(slot), BufferState::Using) => Ok((layout, &self.slot_buffers[slot.buffer_index])),
             _ => Err(Error::NotGathered {
                 name: layout.name.clone(),
@@ -619,7 +628,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    fn apply_grad_effects(&mut self, effects: &[GradEffect], input: Option<Input<'_>>) -> Result<()> {
+    fn apply_grad_effects(
+        &mut self,
+        effects: &[GradEffect],
+        input: Option<Input<'_>>,
+    ) -> Result<()> {
         for &effect in effects {
             match effect {
                 GradEffect::Retire { slot } => {
@@ -630,8 +643,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 GradEffect::Zero { slot, group } => {
                     let numel = self.plan.groups()[group].padded_numel;
                     let region = Region::new(0, numel, DType::F32);
-                    self.backend
-                        .zero(Stream::Compute, &mut self.grad_slots[slot].buffer, region)?;
+                    self.backend.zero(
+                        Stream::Compute,
+                        &mut self.grad_slots[slot].buffer,
+                        region,
+                    )?;
                 }
                 GradEffect::Write { param, slot } => {
                     let layout = &self.plan.params()[param];

@@ -41,10 +41,7 @@ pub enum Error {
     #[error("group {group}: its padded length overflows at world size {world_size}")]
     LayoutOverflow { group: usize, world_size: usize },
     #[error("invalid configuration: {field} {reason}")]
-    InvalidConfig {
-        field: &'static str,
-        reason: String,
-    },
+    InvalidConfig { field: &'static str, reason: String },
     #[error("the plan has world size {plan}, the communicator {comm}")]
     WorldSizeMismatch { plan: usize, comm: usize },
 

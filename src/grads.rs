@@ -203,7 +203,10 @@ mod tests {
     use super::*;
 
     fn reduces(effects: &[GradEffect]) -> usize {
-        effects.iter().filter(|e| matches!(e, Reduce { .. })).count()
+        effects
+            .iter()
+            .filter(|e| matches!(e, Reduce { .. }))
+            .count()
     }
 
     #[test]
@@ -212,12 +215,22 @@ mod tests {
         let mut p = GradPipeline::new(vec![2], 2, 3, 2, true);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
-        assert_eq!(fx, vec![Zero { slot: 0, group: 0 }, Write { param: 0, slot: 0 }]);
+        assert_eq!(
+            fx,
+            vec![Zero { slot: 0, group: 0 }, Write { param: 0, slot: 0 }]
+        );
         fx.clear();
         p.on_grad(1, 0, &mut fx);
         assert_eq!(
             fx,
-            vec![Write { param: 1, slot: 0 }, Reduce { group: 0, slot: 0, overwrite: true }]
+            vec![
+                Write { param: 1, slot: 0 },
+                Reduce {
+                    group: 0,
+                    slot: 0,
+                    overwrite: true
+                }
+            ]
         );
         assert_eq!(p.in_flight(), 1);
     }
@@ -265,7 +278,11 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                Reduce { group: 0, slot: 0, overwrite: true },
+                Reduce {
+                    group: 0,
+                    slot: 0,
+                    overwrite: true
+                },
                 Retire { slot: 0 },
                 Zero { slot: 0, group: 2 },
                 Write { param: 4, slot: 0 },
@@ -278,11 +295,19 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                Reduce { group: 1, slot: 1, overwrite: true },
+                Reduce {
+                    group: 1,
+                    slot: 1,
+                    overwrite: true
+                },
                 Retire { slot: 1 },
                 Zero { slot: 1, group: 0 },
                 Write { param: 1, slot: 1 },
-                Reduce { group: 0, slot: 1, overwrite: false },
+                Reduce {
+                    group: 0,
+                    slot: 1,
+                    overwrite: false
+                },
             ]
         );
         fx.clear();
@@ -291,7 +316,11 @@ mod tests {
             fx,
             vec![
                 Retire { slot: 1 },
-                Reduce { group: 2, slot: 0, overwrite: true },
+                Reduce {
+                    group: 2,
+                    slot: 0,
+                    overwrite: true
+                },
                 Retire { slot: 0 },
             ]
         );
@@ -324,7 +353,11 @@ mod tests {
             vec![
                 Zero { slot: 0, group: 0 },
                 Write { param: 0, slot: 0 },
-                Reduce { group: 0, slot: 0, overwrite: true },
+                Reduce {
+                    group: 0,
+                    slot: 0,
+                    overwrite: true
+                },
             ]
         );
     }
@@ -339,7 +372,11 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                Reduce { group: 0, slot: 0, overwrite: true },
+                Reduce {
+                    group: 0,
+                    slot: 0,
+                    overwrite: true
+                },
                 Retire { slot: 0 },
                 ZeroShard { group: 2 },
             ]

@@ -12,11 +12,11 @@ use std::sync::mpsc;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Input, MemoryUsage};
+use crate::comm::Communicator;
 use crate::comm::local::LocalComm;
 use crate::config::EngineConfig;
-use crate::engine::Counters;
-use crate::comm::Communicator;
 use crate::dtype::{DType, load_f32};
+use crate::engine::Counters;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element};
@@ -181,7 +181,11 @@ impl Mlp {
             let u = i as u32;
             params.push(ParamSpec::new(format!("layers.{i}.weight"), &[w, w], d).in_unit(u));
             params.push(ParamSpec::new(format!("layers.{i}.bias"), &[w], d).in_unit(u));
-            params.push(ParamSpec::new(format!("layers.{i}.gain"), &[w], d).in_unit(u).frozen());
+            params.push(
+                ParamSpec::new(format!("layers.{i}.gain"), &[w], d)
+                    .in_unit(u)
+                    .frozen(),
+            );
         }
         params.push(ParamSpec::new("head.bias", &[c.inputs as u64], d));
         ModelSpec::new(params)
@@ -391,7 +395,13 @@ pub fn load<B: Backend, C: Communicator<B>>(
         let id = ParamId(i);
         let dtype = engine.plan().param(id)?.dtype;
         let bytes = narrow(dtype, v);
-        engine.load_param(id, Input::Host { bytes: &bytes, dtype })?;
+        engine.load_param(
+            id,
+            Input::Host {
+                bytes: &bytes,
+                dtype,
+            },
+        )?;
     }
     Ok(())
 }
@@ -547,7 +557,11 @@ pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
         .map(|(a, b)| {
             let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
             let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| {
-                if x.is_nan() != y.is_nan() { f32::INFINITY } else { m.max((x - y).abs()) }
+                if x.is_nan() != y.is_nan() {
+                    f32::INFINITY
+                } else {
+                    m.max((x - y).abs())
+                }
             });
             if scale > 0.0 { diff / scale } else { diff }
         })
@@ -575,7 +589,10 @@ pub fn assemble(plan: &Plan, ranks: &[RankStep]) -> Result<Vec<Vec<f32>>> {
         .map(|i| {
             let id = ParamId(i);
             let layout = plan.param(id)?;
-            let shards: Vec<Vec<u8>> = ranks.iter().map(|r| r.shards[layout.group].clone()).collect();
+            let shards: Vec<Vec<u8>> = ranks
+                .iter()
+                .map(|r| r.shards[layout.group].clone())
+                .collect();
             Ok(widen(layout.dtype, &plan.assemble_param(id, &shards)?))
         })
         .collect()
@@ -602,7 +619,8 @@ pub fn train_local(
                 let tx = tx.clone();
                 scope.spawn(move || -> Result<RankSummary> {
                     let rank = comm.rank();
-                    let mut engine = Engine::new(Arc::clone(plan), config.clone(), CpuBackend::new(), comm)?;
+                    let mut engine =
+                        Engine::new(Arc::clone(plan), config.clone(), CpuBackend::new(), comm)?;
                     load(&mut engine, init)?;
                     for step in 0..steps {
                         let loss = sharded_step(model, &mut engine, step, passes)?;

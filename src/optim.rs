@@ -49,7 +49,9 @@ impl OptimizerConfig {
     /// Checks the hyper-parameters' ranges.
     pub fn validate(&self) -> Result<()> {
         match *self {
-            OptimizerConfig::Sgd { lr } => check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0"),
+            OptimizerConfig::Sgd { lr } => {
+                check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0")
+            }
             OptimizerConfig::AdamW {
                 lr,
                 beta1,
@@ -176,7 +178,9 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.0,
         };
-        let Update::AdamW(c) = cfg.coefficients(1) else { unreachable!() };
+        let Update::AdamW(c) = cfg.coefficients(1) else {
+            unreachable!()
+        };
         for g in [3.0f32, -0.002, 1e4] {
             let (p, m, v) = adamw_element(1.0, 0.0, 0.0, g, &c);
             // After bias correction, m_hat / sqrt(v_hat) = sign(g).
@@ -195,7 +199,9 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
         };
-        let Update::AdamW(c) = cfg.coefficients(3) else { unreachable!() };
+        let Update::AdamW(c) = cfg.coefficients(3) else {
+            unreachable!()
+        };
         assert_eq!(c.decay, 0.95);
         // A zero gradient with zero moments leaves only the decay.
         assert_eq!(adamw_element(2.0, 0.0, 0.0, 0.0, &c).0, 1.9);
@@ -210,9 +216,15 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.0,
         };
-        assert!(matches!(bad.validate(), Err(Error::InvalidConfig { field: "beta1", .. })));
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidConfig { field: "beta1", .. })
+        ));
         let bad = OptimizerConfig::Sgd { lr: f32::NAN };
-        assert!(matches!(bad.validate(), Err(Error::InvalidConfig { field: "lr", .. })));
+        assert!(matches!(
+            bad.validate(),
+            Err(Error::InvalidConfig { field: "lr", .. })
+        ));
         assert!(OptimizerConfig::default().validate().is_ok());
     }
 

@@ -161,7 +161,10 @@ impl Plan {
         let mut groups = Vec::with_capacity(order.len());
         for (index, &g) in order.iter().enumerate() {
             let key = &keys[g];
-            let overflow = || Error::LayoutOverflow { group: index, world_size };
+            let overflow = || Error::LayoutOverflow {
+                group: index,
+                world_size,
+            };
             let align = (ALIGNMENT_BYTES / key.dtype.size())
                 .checked_mul(world_size)
                 .ok_or_else(overflow)?;
@@ -263,7 +266,9 @@ impl Plan {
         self.by_name
             .get(name)
             .copied()
-            .ok_or_else(|| Error::UnknownParam { name: name.to_string() })
+            .ok_or_else(|| Error::UnknownParam {
+                name: name.to_string(),
+            })
     }
 
     /// The layout of a parameter, or an error for an id past the end.
@@ -315,7 +320,11 @@ impl Plan {
 
     /// Bytes of the largest gathered buffer: the size of one gather slot.
     pub fn gather_slot_bytes(&self) -> usize {
-        self.groups.iter().map(Group::padded_bytes).max().unwrap_or(0)
+        self.groups
+            .iter()
+            .map(Group::padded_bytes)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Elements of the largest trainable group: the size of one fp32 gradient slot.
@@ -349,7 +358,8 @@ impl Plan {
         }
         m.gathered_slots = config.double_buffer_limit * self.gather_slot_bytes();
         m.grad_slots = self.grad_slot_count(config) * self.grad_slot_numel() * 4;
-        m.peak = m.param_shards + m.grad_shards + m.optimizer_state + m.gathered_slots + m.grad_slots;
+        m.peak =
+            m.param_shards + m.grad_shards + m.optimizer_state + m.gathered_slots + m.grad_slots;
         m
     }
 
@@ -420,7 +430,12 @@ mod tests {
         let names: Vec<Vec<&str>> = plan
             .groups()
             .iter()
-            .map(|g| g.params.iter().map(|&p| plan.params()[p.0].name.as_str()).collect())
+            .map(|g| {
+                g.params
+                    .iter()
+                    .map(|&p| plan.params()[p.0].name.as_str())
+                    .collect()
+            })
             .collect();
         assert_eq!(
             names,
@@ -446,8 +461,11 @@ mod tests {
         ]);
         let plan = Plan::new(&m, 3).unwrap();
         // 128 bf16 elements per 256 bytes, times 3 ranks.
-        let layout: Vec<(usize, usize)> =
-            plan.params().iter().map(|p| (p.offset, p.padded_numel)).collect();
+        let layout: Vec<(usize, usize)> = plan
+            .params()
+            .iter()
+            .map(|p| (p.offset, p.padded_numel))
+            .collect();
         assert_eq!(layout, vec![(0, 384), (384, 384), (768, 384)]);
         let g = &plan.groups()[0];
         assert_eq!((g.padded_numel, g.shard_numel), (1152, 384));
@@ -476,7 +494,11 @@ mod tests {
         assert_eq!(mem.grad_slots, 3 * 1024 * 4);
         assert_eq!(
             mem.peak,
-            mem.param_shards + mem.grad_shards + mem.optimizer_state + mem.gathered_slots + mem.grad_slots
+            mem.param_shards
+                + mem.grad_shards
+                + mem.optimizer_state
+                + mem.gathered_slots
+                + mem.grad_slots
         );
     }
 
@@ -504,7 +526,10 @@ mod tests {
             plan.param(ParamId(5)),
             Err(Error::ParamIdOutOfRange { id: 5, count: 1 })
         ));
-        assert!(matches!(plan.group(1), Err(Error::GroupOutOfRange { group: 1, count: 1 })));
+        assert!(matches!(
+            plan.group(1),
+            Err(Error::GroupOutOfRange { group: 1, count: 1 })
+        ));
         assert_eq!(plan.unit_index(Unit::Layer(0)), None);
     }
 }

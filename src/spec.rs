@@ -173,8 +173,14 @@ mod tests {
             ]}"#,
         )
         .unwrap();
-        assert_eq!(m.params[0], ParamSpec::new("embed", &[10, 4], DType::Bf16).tied());
-        assert_eq!(m.params[1], ParamSpec::new("w", &[4, 4], DType::F32).in_unit(0));
+        assert_eq!(
+            m.params[0],
+            ParamSpec::new("embed", &[10, 4], DType::Bf16).tied()
+        );
+        assert_eq!(
+            m.params[1],
+            ParamSpec::new("w", &[4, 4], DType::F32).in_unit(0)
+        );
         assert_eq!(m.params[2], ParamSpec::new("s", &[], DType::F16).frozen());
         assert_eq!(m.params[2].numel(), Some(1));
     }
@@ -219,7 +225,11 @@ mod tests {
         ));
         assert!(matches!(
             ModelSpec::new(vec![p("a"), p("b"), p("a")]),
-            Err(Error::DuplicateName { first: 0, second: 2, .. })
+            Err(Error::DuplicateName {
+                first: 0,
+                second: 2,
+                ..
+            })
         ));
         let huge = ParamSpec::new("h", &[u64::MAX / 2, 3], DType::F32);
         assert!(matches!(

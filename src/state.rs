@@ -84,7 +84,10 @@ impl Gathers {
 
     /// Buffers SYNCING, USING or READY: derived from the states, never counted separately.
     pub fn gathered(&self) -> usize {
-        self.states.iter().filter(|&&s| s != BufferState::Freed).count()
+        self.states
+            .iter()
+            .filter(|&&s| s != BufferState::Freed)
+            .count()
     }
 
     fn set(&mut self, group: usize, to: BufferState) -> Result<()> {
@@ -212,7 +215,11 @@ mod tests {
         ];
         for from in BufferState::ALL {
             for to in BufferState::ALL {
-                assert_eq!(from.allows(to), allowed.contains(&(from, to)), "{from:?} -> {to:?}");
+                assert_eq!(
+                    from.allows(to),
+                    allowed.contains(&(from, to)),
+                    "{from:?} -> {to:?}"
+                );
             }
         }
     }
@@ -311,7 +318,11 @@ mod tests {
         assert_eq!(g.state(0), Ready);
         assert!(matches!(
             g.release(0),
-            Err(Error::ForbiddenTransition { from: Ready, to: Ready, .. })
+            Err(Error::ForbiddenTransition {
+                from: Ready,
+                to: Ready,
+                ..
+            })
         ));
     }
 

@@ -22,7 +22,11 @@ fn stack(layers: u32, frozen: bool) -> ModelSpec {
     for i in 0..layers {
         params.push(ParamSpec::new(format!("w{i}"), &[4, 4], DType::F32).in_unit(i));
         if frozen {
-            params.push(ParamSpec::new(format!("g{i}"), &[4], DType::Bf16).in_unit(i).frozen());
+            params.push(
+                ParamSpec::new(format!("g{i}"), &[4], DType::Bf16)
+                    .in_unit(i)
+                    .frozen(),
+            );
         }
     }
     ModelSpec::new(params).unwrap()
@@ -139,10 +143,13 @@ fn a_required_gather_at_the_limit_proceeds() {
 #[test]
 fn prefetch_follows_the_recorded_order_not_the_group_order() {
     // Frozen groups sort before every trainable one, so group order is not execution order.
-    let mut e = engine(stack(3, true), EngineConfig {
-        double_buffer_limit: 4,
-        ..EngineConfig::default()
-    });
+    let mut e = engine(
+        stack(3, true),
+        EngineConfig {
+            double_buffer_limit: 4,
+            ..EngineConfig::default()
+        },
+    );
     let order = [Unit::Layer(2), Unit::Layer(0), Unit::Layer(1)];
     for _ in 0..2 {
         for &u in &order {
@@ -153,7 +160,11 @@ fn prefetch_follows_the_recorded_order_not_the_group_order() {
     }
     e.pre_forward(Unit::Layer(2)).unwrap();
     for g in groups_of(&e, Unit::Layer(0)) {
-        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Syncing, "group {g}");
+        assert_eq!(
+            e.buffer_state(g).unwrap(),
+            BufferState::Syncing,
+            "group {g}"
+        );
     }
     for g in groups_of(&e, Unit::Layer(1)) {
         assert_eq!(e.buffer_state(g).unwrap(), BufferState::Freed, "group {g}");

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use fsdp_fusion::backend::Region;
 use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
-use fsdp_fusion::backend::Region;
 use fsdp_fusion::{
     Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,
     ParamId, ParamSpec, Plan, Unit,
@@ -72,7 +72,9 @@ fn step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
     e.end_step().unwrap();
-    (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+    (0..e.plan().groups().len())
+        .map(|g| e.param_shard(g).unwrap())
+        .collect()
 }
 
 /// Runs `mistake` on a fresh engine after `setup`, checks its error with `expected`, then checks
@@ -92,7 +94,11 @@ fn assert_harmless(
     let err = mistake(&mut e).unwrap_err();
     assert!(expected(&err), "unexpected error: {err:?}");
     assert!(!err.to_string().is_empty());
-    assert_eq!(e.counters(), counters, "the failed call changed the counters");
+    assert_eq!(
+        e.counters(),
+        counters,
+        "the failed call changed the counters"
+    );
     assert_eq!(finish(&mut e), want, "the failed call changed the outcome");
 }
 
@@ -103,7 +109,14 @@ fn hook_for_an_unknown_unit() {
     assert_harmless(
         nothing,
         |e| e.pre_forward(Unit::Layer(7)),
-        |err| matches!(err, Error::UnknownUnit { unit: Unit::Layer(7) }),
+        |err| {
+            matches!(
+                err,
+                Error::UnknownUnit {
+                    unit: Unit::Layer(7)
+                }
+            )
+        },
         step,
     );
 }
@@ -122,7 +135,9 @@ fn forward_ended_twice() {
         e.finish_grad_sync().unwrap();
         e.optimizer_step().unwrap();
         e.end_step().unwrap();
-        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect()
     };
     assert_harmless(
         |e| {
@@ -154,7 +169,14 @@ fn backward_ended_without_starting() {
     assert_harmless(
         nothing,
         |e| e.post_backward(Unit::Layer(0)),
-        |err| matches!(err, Error::BackwardNotOpen { unit: Unit::Layer(0) }),
+        |err| {
+            matches!(
+                err,
+                Error::BackwardNotOpen {
+                    unit: Unit::Layer(0)
+                }
+            )
+        },
         step,
     );
 }
@@ -178,7 +200,9 @@ fn gradient_for_an_unknown_param() {
         step,
     );
     let e = engine();
-    assert!(matches!(e.plan().param_id("nope"), Err(Error::UnknownParam { name }) if name == "nope"));
+    assert!(
+        matches!(e.plan().param_id("nope"), Err(Error::UnknownParam { name }) if name == "nope")
+    );
 }
 
 #[test]
@@ -198,9 +222,7 @@ fn gradient_of_the_wrong_dtype() {
     assert_harmless(
         nothing,
         |e| e.grad(id(e, "b"), Input::host(&g)),
-        |err| {
-            matches!(err, Error::GradientDtype { name, param: DType::Bf16, got: DType::F16 } if name == "b")
-        },
+        |err| matches!(err, Error::GradientDtype { name, param: DType::Bf16, got: DType::F16 } if name == "b"),
         step,
     );
 }
@@ -214,7 +236,9 @@ fn second_gradient_in_one_pass() {
         e.finish_grad_sync().unwrap();
         e.optimizer_step().unwrap();
         e.end_step().unwrap();
-        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect()
     };
     assert_harmless(
         |e| grad(e, "w").unwrap(),
@@ -230,7 +254,9 @@ fn end_of_step_before_gradients_are_synced() {
         e.finish_grad_sync().unwrap();
         e.optimizer_step().unwrap();
         e.end_step().unwrap();
-        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect()
     };
     assert_harmless(
         |e| grad(e, "w").unwrap(),
@@ -246,7 +272,9 @@ fn optimizer_before_sync_and_twice_in_a_step() {
         e.finish_grad_sync().unwrap();
         e.optimizer_step().unwrap();
         e.end_step().unwrap();
-        (0..e.plan().groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect()
     };
     assert_harmless(
         |e| grad(e, "w").unwrap(),
@@ -259,7 +287,10 @@ fn optimizer_before_sync_and_twice_in_a_step() {
     grad(&mut e, "w").unwrap();
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
-    assert!(matches!(e.optimizer_step(), Err(Error::OptimizerAlreadyStepped)));
+    assert!(matches!(
+        e.optimizer_step(),
+        Err(Error::OptimizerAlreadyStepped)
+    ));
 }
 
 #[test]
@@ -271,13 +302,27 @@ fn sync_or_end_with_a_forward_open() {
     assert_harmless(
         |e| e.pre_forward(Unit::Layer(0)).unwrap(),
         |e| e.finish_grad_sync(),
-        |err| matches!(err, Error::ForwardStillOpen { unit: Unit::Layer(0) }),
+        |err| {
+            matches!(
+                err,
+                Error::ForwardStillOpen {
+                    unit: Unit::Layer(0)
+                }
+            )
+        },
         finish,
     );
     assert_harmless(
         |e| e.pre_forward(Unit::Layer(0)).unwrap(),
         |e| e.end_step(),
-        |err| matches!(err, Error::ForwardStillOpen { unit: Unit::Layer(0) }),
+        |err| {
+            matches!(
+                err,
+                Error::ForwardStillOpen {
+                    unit: Unit::Layer(0)
+                }
+            )
+        },
         finish,
     );
 }
@@ -292,9 +337,16 @@ fn views_only_while_gathered_and_in_their_dtype() {
     assert_eq!(e.param::<f32>(w).unwrap(), &loaded[..]);
     assert!(matches!(
         e.param::<half::bf16>(w),
-        Err(Error::DtypeMismatch { param: DType::F32, requested: DType::Bf16, .. })
+        Err(Error::DtypeMismatch {
+            param: DType::F32,
+            requested: DType::Bf16,
+            ..
+        })
     ));
-    assert!(matches!(e.load_param(w, Input::host(&[0f32; 9])), Err(Error::Gathered { .. })));
+    assert!(matches!(
+        e.load_param(w, Input::host(&[0f32; 9])),
+        Err(Error::Gathered { .. })
+    ));
     e.post_forward(Unit::Layer(0)).unwrap();
     // READY still holds the values but is not in use: no view.
     assert!(matches!(e.param::<f32>(w), Err(Error::NotGathered { .. })));
@@ -306,11 +358,18 @@ fn loads_of_the_wrong_length_or_dtype() {
     let w = id(&e, "w");
     assert!(matches!(
         e.load_param(w, Input::host(&[0f32; 4])),
-        Err(Error::DataLength { expected: 9, got: 4, .. })
+        Err(Error::DataLength {
+            expected: 9,
+            got: 4,
+            ..
+        })
     ));
     assert!(matches!(
         e.load_param(w, Input::host(&[half::f16::ZERO; 9])),
-        Err(Error::DtypeMismatch { requested: DType::F16, .. })
+        Err(Error::DtypeMismatch {
+            requested: DType::F16,
+            ..
+        })
     ));
 }
 
@@ -319,7 +378,12 @@ fn bad_configurations_and_sizes() {
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
     let one = LocalComm::group(1).unwrap().pop().unwrap();
     assert!(matches!(
-        Engine::new(Arc::clone(&plan), EngineConfig::default(), CpuBackend::new(), one),
+        Engine::new(
+            Arc::clone(&plan),
+            EngineConfig::default(),
+            CpuBackend::new(),
+            one
+        ),
         Err(Error::WorldSizeMismatch { plan: 2, comm: 1 })
     ));
     let comm = LocalComm::group(2).unwrap().pop().unwrap();
@@ -329,7 +393,10 @@ fn bad_configurations_and_sizes() {
     };
     assert!(matches!(
         Engine::new(Arc::clone(&plan), config, CpuBackend::new(), comm),
-        Err(Error::InvalidConfig { field: "double_buffer_limit", .. })
+        Err(Error::InvalidConfig {
+            field: "double_buffer_limit",
+            ..
+        })
     ));
     let comm = LocalComm::group(2).unwrap().pop().unwrap();
     let config = EngineConfig {
@@ -365,7 +432,13 @@ impl Communicator<CpuBackend> for BadRank {
     ) -> fsdp_fusion::Result<()> {
         Ok(())
     }
-    fn reduce_scatter(&mut self, _: &CpuBackend, _: Stream, _: &mut CpuBuffer, _: Region) -> fsdp_fusion::Result<()> {
+    fn reduce_scatter(
+        &mut self,
+        _: &CpuBackend,
+        _: Stream,
+        _: &mut CpuBuffer,
+        _: Region,
+    ) -> fsdp_fusion::Result<()> {
         Ok(())
     }
 }
@@ -375,28 +448,52 @@ fn rank_at_or_past_the_world_size() {
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
     assert!(matches!(
         Engine::new(plan, EngineConfig::default(), CpuBackend::new(), BadRank),
-        Err(Error::RankOutOfRange { rank: 2, world_size: 2 })
+        Err(Error::RankOutOfRange {
+            rank: 2,
+            world_size: 2
+        })
     ));
 }
 
 #[test]
 fn bad_model_files() {
-    let err = ModelSpec::from_json(r#"{"params": [{"name": "a", "shape": [2], "dtype": "int8"}]}"#).unwrap_err();
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "a", "shape": [2], "dtype": "int8"}]}"#)
+        .unwrap_err();
     assert!(matches!(&err, Error::UnknownDtype { name, given } if name == "a" && given == "int8"));
-    let err = ModelSpec::from_json("{\n \"params\": [\n  {\"name\": \"a\" \"shape\": [2]}\n ]\n}").unwrap_err();
-    assert!(matches!(err, Error::Json { line: 3, column: 16, .. }), "{err:?}");
+    let err = ModelSpec::from_json("{\n \"params\": [\n  {\"name\": \"a\" \"shape\": [2]}\n ]\n}")
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Json {
+                line: 3,
+                column: 16,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     let err = ModelSpec::from_json(
         r#"{"params": [{"name": "a", "shape": [2], "dtype": "f32"}, {"name": "a", "shape": [1], "dtype": "f32"}]}"#,
     )
     .unwrap_err();
-    assert!(matches!(err, Error::DuplicateName { first: 0, second: 1, .. }));
-    let err = ModelSpec::from_json(r#"{"params": [{"name": "", "shape": [2], "dtype": "f32"}]}"#).unwrap_err();
+    assert!(matches!(
+        err,
+        Error::DuplicateName {
+            first: 0,
+            second: 1,
+            ..
+        }
+    ));
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "", "shape": [2], "dtype": "f32"}]}"#)
+        .unwrap_err();
     assert!(matches!(err, Error::EmptyName { index: 0 }));
     let err = ModelSpec::from_json(
         r#"{"params": [{"name": "big", "shape": [4294967296, 4294967296, 4], "dtype": "f32"}]}"#,
     )
     .unwrap_err();
     assert!(matches!(err, Error::NumelOverflow { name, .. } if name == "big"));
-    let err = ModelSpec::from_json(r#"{"params": [{"name": "n", "shape": [-1], "dtype": "f32"}]}"#).unwrap_err();
+    let err = ModelSpec::from_json(r#"{"params": [{"name": "n", "shape": [-1], "dtype": "f32"}]}"#)
+        .unwrap_err();
     assert!(matches!(err, Error::Json { line: 1, .. }));
 }

@@ -25,24 +25,39 @@ fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
         GradReduction::Mean => 1.0 / world as f32,
         GradReduction::Sum => 1.0,
     };
-    let mut reference = Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
+    let mut reference =
+        Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
     let mut worst = 0f32;
     let mut losses = Vec::new();
-    train_local(&model, &plan, &config, &init, STEPS, PASSES, |step, ranks| {
-        let ref_loss = reference.step(step, PASSES)?;
-        let sharded = assemble(&plan, ranks)?;
-        worst = worst.max(max_relative_difference(&sharded, reference.values()));
-        let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / world as f32;
-        losses.push((loss, ref_loss));
-        Ok(())
-    })
+    train_local(
+        &model,
+        &plan,
+        &config,
+        &init,
+        STEPS,
+        PASSES,
+        |step, ranks| {
+            let ref_loss = reference.step(step, PASSES)?;
+            let sharded = assemble(&plan, ranks)?;
+            worst = worst.max(max_relative_difference(&sharded, reference.values()));
+            let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / world as f32;
+            losses.push((loss, ref_loss));
+            Ok(())
+        },
+    )
     .unwrap();
     assert_eq!(losses.len() as u64, STEPS);
     for (loss, ref_loss) in &losses {
-        assert!((loss - ref_loss).abs() <= 1e-6 * ref_loss.abs(), "{losses:?}");
+        assert!(
+            (loss - ref_loss).abs() <= 1e-6 * ref_loss.abs(),
+            "{losses:?}"
+        );
     }
     // Training moved the parameters: a run that did nothing would also "agree".
-    let start: Vec<Vec<f32>> = init.iter().map(|v| fsdp_fusion::mlp::round_to(dtype, v)).collect();
+    let start: Vec<Vec<f32>> = init
+        .iter()
+        .map(|v| fsdp_fusion::mlp::round_to(dtype, v))
+        .collect();
     let moved = max_relative_difference(reference.values(), &start);
     assert!(moved > 1e-3, "parameters barely moved: {moved}");
     worst

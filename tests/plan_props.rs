@@ -3,7 +3,10 @@
 use std::sync::Arc;
 
 use fsdp_fusion::plan::ALIGNMENT_BYTES;
-use fsdp_fusion::{CpuBackend, DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamId, ParamSpec, Plan, Unit};
+use fsdp_fusion::{
+    CpuBackend, DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamId, ParamSpec, Plan,
+    Unit,
+};
 use proptest::prelude::*;
 
 fn dtype() -> impl Strategy<Value = DType> {

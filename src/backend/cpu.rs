@@ -45,11 +45,17 @@ impl CpuBuffer {
 
     /// `region` as f32 values.
     fn f32s(&self, region: Region) -> Result<&[f32]> {
-        Ok(bytemuck::cast_slice(self.region(Region { dtype: DType::F32, ..region })?))
+        Ok(bytemuck::cast_slice(self.region(Region {
+            dtype: DType::F32,
+            ..region
+        })?))
     }
 
     fn f32s_mut(&mut self, region: Region) -> Result<&mut [f32]> {
-        Ok(bytemuck::cast_slice_mut(self.region_mut(Region { dtype: DType::F32, ..region })?))
+        Ok(bytemuck::cast_slice_mut(self.region_mut(Region {
+            dtype: DType::F32,
+            ..region
+        })?))
     }
 }
 
@@ -196,6 +202,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn accumulate(
         &self,
         _stream: Stream,
@@ -293,9 +300,21 @@ mod tests {
         let b = CpuBackend::new();
         let x = b.alloc(100).unwrap();
         let y = b.alloc(28).unwrap();
-        assert_eq!(b.memory(), MemoryUsage { current: 128, peak: 128 });
+        assert_eq!(
+            b.memory(),
+            MemoryUsage {
+                current: 128,
+                peak: 128
+            }
+        );
         drop(x);
-        assert_eq!(b.memory(), MemoryUsage { current: 28, peak: 128 });
+        assert_eq!(
+            b.memory(),
+            MemoryUsage {
+                current: 28,
+                peak: 128
+            }
+        );
         assert_eq!(y.bytes(), &[0u8; 28][..]);
     }
 
@@ -306,7 +325,11 @@ mod tests {
         let r = Region::new(3, 2, DType::F32);
         assert!(matches!(
             b.zero(Stream::Compute, &mut x, r),
-            Err(Error::OutOfRange { offset: 3, len: 2, capacity: 4 })
+            Err(Error::OutOfRange {
+                offset: 3,
+                len: 2,
+                capacity: 4
+            })
         ));
     }
 
@@ -315,7 +338,11 @@ mod tests {
         let b = CpuBackend::new();
         let mut dst = b.alloc(12).unwrap();
         let r = Region::new(0, 3, DType::F32);
-        let g = [half::bf16::from_f32(1.5), half::bf16::from_f32(-2.0), half::bf16::from_f32(0.25)];
+        let g = [
+            half::bf16::from_f32(1.5),
+            half::bf16::from_f32(-2.0),
+            half::bf16::from_f32(0.25),
+        ];
         b.accumulate_input(Stream::Compute, Input::host(&g), &mut dst, r, 2.0, false)
             .unwrap();
         b.accumulate_input(Stream::Compute, Input::host(&g), &mut dst, r, 1.0, true)

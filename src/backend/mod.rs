@@ -44,9 +44,16 @@ impl Region {
 /// A caller's tensor handed to the engine: host memory, or device memory on the compute stream.
 #[derive(Clone, Copy, Debug)]
 pub enum Input<'a> {
-    Host { bytes: &'a [u8], dtype: DType },
+    Host {
+        bytes: &'a [u8],
+        dtype: DType,
+    },
     /// A device address valid for `numel` elements until the compute stream has consumed it.
-    Device { ptr: u64, numel: usize, dtype: DType },
+    Device {
+        ptr: u64,
+        numel: usize,
+        dtype: DType,
+    },
 }
 
 impl<'a> Input<'a> {
@@ -141,6 +148,7 @@ pub trait Backend: Send {
     ) -> Result<()>;
 
     /// `dst = scale * src` (or `dst += scale * src` when `add`), both f32 regions of one length.
+    #[allow(clippy::too_many_arguments)]
     fn accumulate(
         &self,
         stream: Stream,

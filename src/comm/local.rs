@@ -41,7 +41,9 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Round> {
         // A rank that panicked while holding the lock left the round as it was: keep going.
-        self.round.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.round
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Waits until every rank arrived at this barrier; fails if a rank left first.
@@ -121,7 +123,9 @@ impl LocalComm {
                         seq,
                         rank,
                         expected: expected.as_ref().map_or("nothing".into(), Op::describe),
-                        got: other.as_ref().map_or("nothing".into(), |(op, _)| op.describe()),
+                        got: other
+                            .as_ref()
+                            .map_or("nothing".into(), |(op, _)| op.describe()),
                     });
                     break;
                 }
@@ -226,8 +230,12 @@ mod tests {
         let out = run(3, |mut c, b| {
             let r = c.rank() as f32;
             let mut shard = b.alloc(8).unwrap();
-            b.upload(&mut shard, Region::new(0, 2, DType::F32), bytemuck::cast_slice(&[r, r + 0.5]))
-                .unwrap();
+            b.upload(
+                &mut shard,
+                Region::new(0, 2, DType::F32),
+                bytemuck::cast_slice(&[r, r + 0.5]),
+            )
+            .unwrap();
             let mut full = b.alloc(24).unwrap();
             c.all_gather(
                 &b,
@@ -252,12 +260,15 @@ mod tests {
         let out = run(4, |mut c, b| {
             let v = vals[c.rank()];
             let mut buf = b.alloc(16).unwrap();
-            b.upload(&mut buf, Region::new(0, 4, DType::F32), bytemuck::cast_slice(&[v; 4]))
-                .unwrap();
+            b.upload(
+                &mut buf,
+                Region::new(0, 4, DType::F32),
+                bytemuck::cast_slice(&[v; 4]),
+            )
+            .unwrap();
             c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 4, DType::F32))
                 .unwrap();
-            let own = bytemuck::cast_slice::<u8, f32>(buf.bytes())[c.rank()];
-            own
+            bytemuck::cast_slice::<u8, f32>(buf.bytes())[c.rank()]
         });
         let ordered = ((vals[0] + vals[1]) + vals[2]) + vals[3];
         assert_eq!(out, vec![ordered; 4]);
@@ -272,7 +283,14 @@ mod tests {
         });
         for r in out {
             assert!(
-                matches!(&r, Err(Error::CollectiveMismatch { seq: 0, rank: 1, .. })),
+                matches!(
+                    &r,
+                    Err(Error::CollectiveMismatch {
+                        seq: 0,
+                        rank: 1,
+                        ..
+                    })
+                ),
                 "{r:?}"
             );
         }

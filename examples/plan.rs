@@ -1,0 +1,163 @@
+//! Prints the plan of a model file: groups, params, padding and the bytes each rank holds.
+//!
+//! cargo run --release --example plan -- --model examples/models/tiny.json --world-size 4 [--json]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use fsdp_fusion::plan::ALIGNMENT_BYTES;
+use fsdp_fusion::{EngineConfig, ModelSpec, OptimizerConfig, Plan};
+
+#[derive(Parser)]
+#[command(about = "Print how fsdp-fusion groups, pads and shards a model")]
+struct Args {
+    /// Model file: {"params": [{"name", "shape", "dtype", "unit"?, "trainable"?, "tied"?}]}
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    world_size: usize,
+    /// Gathered buffers kept at once (double_buffer_limit).
+    #[arg(long, default_value_t = 2)]
+    limit: usize,
+    /// Gradient reduce-scatters in flight.
+    #[arg(long, default_value_t = 2)]
+    reduces: usize,
+    /// adamw or sgd: decides the optimizer state counted per rank.
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:>10.3} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+fn run(args: &Args) -> fsdp_fusion::Result<()> {
+    let model = ModelSpec::from_path(&args.model)?;
+    let plan = Plan::new(&model, args.world_size)?;
+    let optimizer = match args.optimizer.as_str() {
+        "adamw" => OptimizerConfig::default(),
+        "sgd" => OptimizerConfig::Sgd { lr: 0.01 },
+        other => {
+            return Err(fsdp_fusion::Error::InvalidConfig {
+                field: "optimizer",
+                reason: format!("is {other:?}, expected adamw or sgd"),
+            });
+        }
+    };
+    let config = EngineConfig {
+        double_buffer_limit: args.limit,
+        max_reduces_in_flight: args.reduces,
+        optimizer,
+        ..EngineConfig::default()
+    };
+    config.validate()?;
+    if args.json {
+        println!("{:#}", plan.to_json(&config));
+        return Ok(());
+    }
+    println!(
+        "{}: {} params, world size {}, alignment {} bytes",
+        args.model.display(),
+        plan.params().len(),
+        plan.world_size(),
+        ALIGNMENT_BYTES
+    );
+    println!();
+    println!(
+        "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>8}",
+        "group",
+        "dtype",
+        "trainable",
+        "unit",
+        "tied",
+        "params",
+        "numel",
+        "padded",
+        "shard",
+        "padding"
+    );
+    let (mut numel_all, mut padded_all) = (0usize, 0usize);
+    for g in plan.groups() {
+        let numel: usize = g.params.iter().map(|&p| plan.params()[p.0].numel).sum();
+        numel_all += numel;
+        padded_all += g.padded_numel;
+        println!(
+            "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>7.1}%",
+            g.index,
+            g.dtype.name(),
+            if g.trainable { "yes" } else { "frozen" },
+            g.unit.layer().map_or("-".to_string(), |u| u.to_string()),
+            if g.tied { "yes" } else { "" },
+            g.params.len(),
+            numel,
+            g.padded_numel,
+            g.shard_numel,
+            overhead(numel, g.padded_numel)
+        );
+    }
+    println!();
+    println!(
+        "{:>5}  {:<28}  {:<14}  {:>12}  {:>12}  {:>12}",
+        "group", "param", "shape", "numel", "offset", "padded"
+    );
+    for g in plan.groups() {
+        for &id in &g.params {
+            let p = &plan.params()[id.0];
+            println!(
+                "{:>5}  {:<28}  {:<14}  {:>12}  {:>12}  {:>12}",
+                g.index,
+                p.name,
+                format!("{:?}", p.shape),
+                p.numel,
+                p.offset,
+                p.padded_numel
+            );
+        }
+    }
+    let m = plan.memory_per_rank(&config);
+    println!();
+    println!(
+        "padding overhead: {:.2}% ({} of {} elements)",
+        overhead(numel_all, padded_all),
+        padded_all - numel_all,
+        padded_all
+    );
+    println!(
+        "bytes per rank (limit {}, {} reduce-scatters in flight, {}):",
+        args.limit, args.reduces, args.optimizer
+    );
+    for (name, bytes) in [
+        ("param shards", m.param_shards),
+        ("fp32 grad shards", m.grad_shards),
+        ("optimizer state", m.optimizer_state),
+        ("gathered slots", m.gathered_slots),
+        ("fp32 grad slots", m.grad_slots),
+        ("peak", m.peak),
+    ] {
+        println!("  {name:<18} {} ({bytes} bytes)", mib(bytes));
+    }
+    Ok(())
+}
+
+fn overhead(numel: usize, padded: usize) -> f64 {
+    if numel == 0 {
+        0.0
+    } else {
+        100.0 * (padded - numel) as f64 / numel as f64
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
