@@ -1,9 +1,15 @@
 //! The hand-written kernels of `kernels/*.cu`, embedded as one fatbin, and their launches.
 //!
-//! SKELETON: the signatures are the contract with the CUDA backend; the bodies are to be written.
+//! Each launch takes raw device addresses and goes on the caller's stream; nothing here
+//! allocates, records events or waits. A zero-length call launches nothing. Addresses must be
+//! aligned to their element size (a misaligned one is an error, not a fault); beyond that any
+//! element offset works, and the kernels use 16-byte accesses wherever the operands allow.
 
+use std::ffi::{CStr, CString, c_void};
 use std::sync::Arc;
 
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::dtype::DType;
@@ -23,26 +29,281 @@ pub struct PackEntry {
     pub padded: u64,
 }
 
+// The kernels read the table with this exact layout (`fsdp::PackEntry` in kernels/pack.cu).
+const _: () = assert!(std::mem::size_of::<PackEntry>() == 32);
+
+/// The fatbin that build.rs compiled; empty when nvcc was not found.
+static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
+
+/// The driver parses the fatbin in place, so give it the alignment of its headers and more.
+#[repr(C, align(64))]
+struct Aligned<T: ?Sized>(T);
+
+/// Threads per block: `kBlock` in kernels/common.cuh.
+const BLOCK: u32 = 256;
+
+/// Elements each thread handles per round, about: sizes the grid of a small launch so that no
+/// block is left without work. Large launches fill the GPU.
+const ELEMENTS_PER_THREAD: usize = 16;
+
+/// Bytes of one pack tile: `kTileVectors` 16-byte vectors in kernels/pack.cu.
+const PACK_TILE_BYTES: usize = 2048 * 16;
+
+/// Kernel names by dtype, in the order of [`dtype_index`].
+const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
+const PACK: [&CStr; 3] = [c"pack_bf16", c"pack_f16", c"pack_f32"];
+const UNPACK: [&CStr; 3] = [c"unpack_bf16", c"unpack_f16", c"unpack_f32"];
+const ACCUMULATE: [&CStr; 3] = [c"accumulate_bf16", c"accumulate_f16", c"accumulate_f32"];
+const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
+const SGD: [&CStr; 3] = [c"sgd_bf16", c"sgd_f16", c"sgd_f32"];
+/// `CAST[src][dst]`; a same-dtype cast is a copy.
+const CAST: [[Option<&CStr>; 3]; 3] = [
+    [None, Some(c"cast_bf16_f16"), Some(c"cast_bf16_f32")],
+    [Some(c"cast_f16_bf16"), None, Some(c"cast_f16_f32")],
+    [Some(c"cast_f32_bf16"), Some(c"cast_f32_f16"), None],
+];
+
+fn dtype_index(dtype: DType) -> usize {
+    match dtype {
+        DType::Bf16 => 0,
+        DType::F16 => 1,
+        DType::F32 => 2,
+    }
+}
+
+/// A loaded kernel and the grid that fills the GPU with it.
+#[derive(Clone, Copy)]
+struct Kernel {
+    function: sys::CUfunction,
+    full_grid: u32,
+}
+
+impl Kernel {
+    /// Blocks for `units` units of work at `per_block` units per block: at least one, at most a
+    /// full GPU (the kernels stride over whatever is left).
+    fn grid(&self, units: usize, per_block: usize) -> u32 {
+        let wanted = units.div_ceil(per_block).max(1);
+        u32::try_from(wanted).map_or(self.full_grid, |w| w.min(self.full_grid))
+    }
+
+    fn elementwise_grid(&self, n: usize) -> u32 {
+        self.grid(n, BLOCK as usize * ELEMENTS_PER_THREAD)
+    }
+}
+
+/// The loaded module; unloaded when dropped.
+struct Module {
+    handle: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+impl Module {
+    fn kernel(&self, name: &CStr, sm_count: u32) -> Result<Kernel> {
+        // SAFETY: the module is loaded and stays loaded while `self` lives.
+        let function = unsafe { result::module::get_function(self.handle, CString::from(name)) }
+            .map_err(|e| cuda_error_for("cuModuleGetFunction", name, e))?;
+        // SAFETY: `function` was just returned by the driver.
+        let per_sm = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(function, BLOCK as i32, 0)
+        }
+        .map_err(|e| cuda_error_for("cuOccupancyMaxActiveBlocksPerMultiprocessor", name, e))?;
+        let per_sm = u32::try_from(per_sm).unwrap_or(1).max(1);
+        Ok(Kernel {
+            function,
+            full_grid: sm_count.saturating_mul(per_sm),
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // Drop cannot report an error; a module that fails to unload is only leaked.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the handle was loaded by `Kernels::load` and is unloaded only here.
+            let _ = unsafe { result::module::unload(self.handle) };
+        }
+    }
+}
+
 /// The loaded kernels of one CUDA context.
-pub struct Kernels {}
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    sm_count: u32,
+    fill_zero: Kernel,
+    copy: [Kernel; 3],
+    pack: [Kernel; 3],
+    unpack: [Kernel; 3],
+    accumulate: [Kernel; 3],
+    adamw: [Kernel; 3],
+    sgd: [Kernel; 3],
+    cast: [[Option<Kernel>; 3]; 3],
+    reduce_sum: Kernel,
+    /// Owns the functions above; unloaded when the kernels are dropped.
+    _module: Module,
+}
+
+// SAFETY: module and function handles are plain driver handles, valid on any thread once the
+// context is current, and every launch binds the context first; nothing here is mutated after load.
+unsafe impl Send for Kernels {}
+// SAFETY: as for Send: all methods take `&self` and only read the handles.
+unsafe impl Sync for Kernels {}
+
+/// Whether the kernels can be loaded at all: a non-empty fatbin and a CUDA driver library.
+fn available(fatbin: &[u8]) -> Result<()> {
+    if fatbin.is_empty() {
+        return Err(Error::KernelsUnavailable);
+    }
+    // SAFETY: only tries to open the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable {
+            reason: "the CUDA driver library (libcuda) was not found".into(),
+        });
+    }
+    Ok(())
+}
+
+fn describe(e: DriverError) -> String {
+    let name = e
+        .error_name()
+        .map_or_else(|_| format!("{:?}", e.0), |s| s.to_string_lossy().into_owned());
+    let text = e
+        .error_string()
+        .map_or_else(|_| "no description".to_owned(), |s| s.to_string_lossy().into_owned());
+    format!("{name}: {text}")
+}
+
+fn cuda_error(call: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: describe(e),
+    }
+}
+
+fn cuda_error_for(call: &'static str, kernel: &CStr, e: DriverError) -> Error {
+    Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: format!("{}: {}", kernel.to_string_lossy(), describe(e)),
+    }
+}
+
+/// A misaligned address would fault on the device and poison the whole context; refuse it here.
+fn check_aligned(addr: u64, align: usize) -> Result<()> {
+    if addr % align as u64 == 0 {
+        Ok(())
+    } else {
+        Err(Error::Unsupported {
+            backend: "cuda",
+            what: "a device address that is not aligned to its element size",
+        })
+    }
+}
+
+/// A kernel argument: the driver copies the value behind the pointer at launch.
+fn arg<T>(value: &T) -> *mut c_void {
+    (value as *const T).cast_mut().cast()
+}
 
 impl Kernels {
-    pub fn load(_ctx: &Arc<CudaContext>) -> Result<Kernels> {
-        Err(Error::KernelsUnavailable)
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        available(&FATBIN.0)?;
+        ctx.bind_to_thread().map_err(cuda_error("cuCtxSetCurrent"))?;
+        // SAFETY: FATBIN is a fatbin written by nvcc, aligned, and lives for the whole program.
+        let handle = unsafe { result::module::load_data(FATBIN.0.as_ptr().cast()) }
+            .map_err(cuda_error("cuModuleLoadData"))?;
+        let module = Module {
+            handle,
+            ctx: Arc::clone(ctx),
+        };
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_error("cuDeviceGetAttribute"))?;
+        let sm_count = u32::try_from(sm_count).unwrap_or(1).max(1);
+        let each = |names: &[&CStr; 3]| -> Result<[Kernel; 3]> {
+            Ok([
+                module.kernel(names[0], sm_count)?,
+                module.kernel(names[1], sm_count)?,
+                module.kernel(names[2], sm_count)?,
+            ])
+        };
+        let mut cast = [[None; 3]; 3];
+        for (row, names) in cast.iter_mut().zip(CAST) {
+            for (slot, name) in row.iter_mut().zip(names) {
+                *slot = name.map(|name| module.kernel(name, sm_count)).transpose()?;
+            }
+        }
+        Ok(Kernels {
+            ctx: Arc::clone(ctx),
+            sm_count,
+            fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
+            copy: each(&COPY)?,
+            pack: each(&PACK)?,
+            unpack: each(&UNPACK)?,
+            accumulate: each(&ACCUMULATE)?,
+            adamw: each(&ADAMW)?,
+            sgd: each(&SGD)?,
+            cast,
+            reduce_sum: module.kernel(c"reduce_sum_f32", sm_count)?,
+            _module: module,
+        })
+    }
+
+    /// Streaming multiprocessors of the context's device; grids are sized from it.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// # Safety
+    /// The arguments match the kernel's parameters, and the addresses are valid for the launch.
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        kernel: Kernel,
+        grid: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(cuda_error("cuCtxSetCurrent"))?;
+        // SAFETY: the caller's contract; `kernel` belongs to this context's loaded module.
+        unsafe {
+            result::launch_kernel(kernel.function, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.cu_stream(), args)
+        }
+        .map_err(cuda_error("cuLaunchKernel"))
     }
 
     /// # Safety
     /// `dst` is valid for `bytes` bytes on `stream`.
-    pub unsafe fn fill_zero(&self, _stream: &CudaStream, _dst: u64, _bytes: usize) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+    pub unsafe fn fill_zero(&self, stream: &CudaStream, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let kernel = self.fill_zero;
+        let n = bytes as u64;
+        // SAFETY: fill_zero_bytes(uint8_t* dst, uint64_t bytes); the caller's contract.
+        unsafe { self.launch(stream, kernel, kernel.elementwise_grid(bytes), &mut [arg(&dst), arg(&n)]) }
     }
 
     /// `dst[i] = src[i]` for `i < n`, any alignment of either address.
     ///
     /// # Safety
     /// `src` and `dst` are valid for `n` elements of `dtype` and do not overlap.
-    pub unsafe fn copy(&self, _stream: &CudaStream, _dtype: DType, _src: u64, _dst: u64, _n: usize) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+    pub unsafe fn copy(&self, stream: &CudaStream, dtype: DType, src: u64, dst: u64, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(src, dtype.size())?;
+        check_aligned(dst, dtype.size())?;
+        let kernel = self.copy[dtype_index(dtype)];
+        let n64 = n as u64;
+        // SAFETY: copy_<dtype>(const T* src, T* dst, uint64_t n); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&src), arg(&dst), arg(&n64)],
+            )
+        }
     }
 
     /// `dst = scale * src` or `dst = dst + scale * src` (f32 `dst`), exactly as
@@ -53,15 +314,32 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn accumulate(
         &self,
-        _stream: &CudaStream,
-        _src_dtype: DType,
-        _src: u64,
-        _dst: u64,
-        _n: usize,
-        _scale: f32,
-        _add: bool,
+        stream: &CudaStream,
+        src_dtype: DType,
+        src: u64,
+        dst: u64,
+        n: usize,
+        scale: f32,
+        add: bool,
     ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(src, src_dtype.size())?;
+        check_aligned(dst, DType::F32.size())?;
+        let kernel = self.accumulate[dtype_index(src_dtype)];
+        let n64 = n as u64;
+        let add = u32::from(add);
+        // SAFETY: accumulate_<src>(const S* src, float* dst, uint64_t n, float scale,
+        // uint32_t add); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale), arg(&add)],
+            )
+        }
     }
 
     /// `dst[i] = convert(src[i])`, rounding to nearest even when narrowing.
@@ -70,14 +348,32 @@ impl Kernels {
     /// `src` and `dst` are valid for `n` elements of their dtypes and do not overlap.
     pub unsafe fn cast(
         &self,
-        _stream: &CudaStream,
-        _src_dtype: DType,
-        _src: u64,
-        _dst_dtype: DType,
-        _dst: u64,
-        _n: usize,
+        stream: &CudaStream,
+        src_dtype: DType,
+        src: u64,
+        dst_dtype: DType,
+        dst: u64,
+        n: usize,
     ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+        let Some(kernel) = self.cast[dtype_index(src_dtype)][dtype_index(dst_dtype)] else {
+            // SAFETY: the caller's contract, with one dtype.
+            return unsafe { self.copy(stream, src_dtype, src, dst, n) };
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(src, src_dtype.size())?;
+        check_aligned(dst, dst_dtype.size())?;
+        let n64 = n as u64;
+        // SAFETY: cast_<src>_<dst>(const S* src, D* dst, uint64_t n); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&src), arg(&dst), arg(&n64)],
+            )
+        }
     }
 
     /// AdamW exactly as [`crate::optim::adamw_element`] on fp32 `master`, `m`, `v`, `grad`, writing
@@ -89,17 +385,36 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn adamw(
         &self,
-        _stream: &CudaStream,
-        _param_dtype: DType,
-        _master: u64,
-        _m: u64,
-        _v: u64,
-        _grad: u64,
-        _param: u64,
-        _n: usize,
-        _c: &AdamwCoefficients,
+        stream: &CudaStream,
+        param_dtype: DType,
+        master: u64,
+        m: u64,
+        v: u64,
+        grad: u64,
+        param: u64,
+        n: usize,
+        c: &AdamwCoefficients,
     ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+        if n == 0 {
+            return Ok(());
+        }
+        for addr in [master, m, v, grad] {
+            check_aligned(addr, DType::F32.size())?;
+        }
+        check_aligned(param, param_dtype.size())?;
+        let kernel = self.adamw[dtype_index(param_dtype)];
+        let n64 = n as u64;
+        // SAFETY: adamw_<param>(float* master, float* m, float* v, const float* grad, P* param,
+        // uint64_t n, AdamwCoefficients c), the struct laid out as the #[repr(C)] one; the
+        // caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&master), arg(&m), arg(&v), arg(&grad), arg(&param), arg(&n64), arg(c)],
+            )
+        }
     }
 
     /// SGD exactly as [`crate::optim::sgd_element`]; `master` may equal `param` for f32 params.
@@ -109,15 +424,32 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn sgd(
         &self,
-        _stream: &CudaStream,
-        _param_dtype: DType,
-        _master: u64,
-        _grad: u64,
-        _param: u64,
-        _n: usize,
-        _lr: f32,
+        stream: &CudaStream,
+        param_dtype: DType,
+        master: u64,
+        grad: u64,
+        param: u64,
+        n: usize,
+        lr: f32,
     ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(master, DType::F32.size())?;
+        check_aligned(grad, DType::F32.size())?;
+        check_aligned(param, param_dtype.size())?;
+        let kernel = self.sgd[dtype_index(param_dtype)];
+        let n64 = n as u64;
+        // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, float lr);
+        // the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&master), arg(&grad), arg(&param), arg(&n64), arg(&lr)],
+            )
+        }
     }
 
     /// Packs `count` params (a device array of [`PackEntry`]) into `flat` in one launch; the
@@ -125,31 +457,62 @@ impl Kernels {
     ///
     /// # Safety
     /// `table` holds `count` entries whose addresses are valid; `flat` holds `flat_numel` elements.
+    /// The entries are sorted by offset (each starts where the previous one's padding ends), and
+    /// each `ptr` is aligned to the element size.
     pub unsafe fn pack(
         &self,
-        _stream: &CudaStream,
-        _dtype: DType,
-        _table: u64,
-        _count: usize,
-        _flat: u64,
-        _flat_numel: usize,
+        stream: &CudaStream,
+        dtype: DType,
+        table: u64,
+        count: usize,
+        flat: u64,
+        flat_numel: usize,
     ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+        if count == 0 || flat_numel == 0 {
+            return Ok(());
+        }
+        check_aligned(table, std::mem::align_of::<PackEntry>())?;
+        check_aligned(flat, dtype.size())?;
+        let kernel = self.pack[dtype_index(dtype)];
+        let grid = kernel.grid(flat_numel.saturating_mul(dtype.size()), PACK_TILE_BYTES);
+        let count64 = count as u64;
+        let numel = flat_numel as u64;
+        // SAFETY: pack_<dtype>(const PackEntry* table, uint64_t count, T* flat, uint64_t numel);
+        // the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                grid,
+                &mut [arg(&table), arg(&count64), arg(&flat), arg(&numel)],
+            )
+        }
     }
 
     /// The reverse of `pack`: each entry's `numel` elements copied out of `flat`.
     ///
     /// # Safety
     /// As `pack`.
-    pub unsafe fn unpack(
-        &self,
-        _stream: &CudaStream,
-        _dtype: DType,
-        _table: u64,
-        _count: usize,
-        _flat: u64,
-    ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+    pub unsafe fn unpack(&self, stream: &CudaStream, dtype: DType, table: u64, count: usize, flat: u64) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        check_aligned(table, std::mem::align_of::<PackEntry>())?;
+        check_aligned(flat, dtype.size())?;
+        let kernel = self.unpack[dtype_index(dtype)];
+        let count64 = count as u64;
+        // The flat length is in the table, on the device: launch a full grid, and the blocks
+        // past the last tile return at once.
+        // SAFETY: unpack_<dtype>(const PackEntry* table, uint64_t count, T* flat); the caller's
+        // contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.full_grid,
+                &mut [arg(&table), arg(&count64), arg(&flat)],
+            )
+        }
     }
 
     /// `dst[i] = ((src0[i] + src1[i]) + src2[i]) + ...` in f32, in source order, `srcs` a device
@@ -157,14 +520,33 @@ impl Kernels {
     ///
     /// # Safety
     /// Every source and `dst` is valid for `n` f32.
-    pub unsafe fn reduce_sum(
-        &self,
-        _stream: &CudaStream,
-        _srcs: u64,
-        _count: usize,
-        _dst: u64,
-        _n: usize,
-    ) -> Result<()> {
-        Err(Error::KernelsUnavailable)
+    pub unsafe fn reduce_sum(&self, stream: &CudaStream, srcs: u64, count: usize, dst: u64, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(count32) = u32::try_from(count).ok().filter(|&c| c > 0) else {
+            return Err(Error::Unsupported {
+                backend: "cuda",
+                what: "a sum over zero sources, or over more than 2^32 - 1",
+            });
+        };
+        check_aligned(srcs, std::mem::align_of::<u64>())?;
+        check_aligned(dst, DType::F32.size())?;
+        let kernel = self.reduce_sum;
+        let n64 = n as u64;
+        // SAFETY: reduce_sum_f32(const float* const* srcs, uint32_t count, float* dst,
+        // uint64_t n); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64)],
+            )
+        }
     }
 }
+
+#[cfg(test)]
+#[path = "kernel_tests.rs"]
+mod tests;
