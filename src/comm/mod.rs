@@ -1,6 +1,7 @@
 //! Collectives on a stream, between the ranks of one data-parallel group.
 
 pub mod local;
+pub mod loopback;
 
 use crate::backend::{Backend, Region, Stream};
 use crate::error::{Error, Result};

@@ -1,3 +1,464 @@
-//! The CUDA backend.
+//! The CUDA backend: one rank on one device, with three streams.
+//!
+//! - **compute**: the caller's stream (passed in, adopted from a raw handle, or created here);
+//!   gradients are read and the optimizer runs on it.
+//! - **gather**: created here, for all-gathers into gathered slots.
+//! - **reduce**: created here at the device's highest priority, so reductions are not starved by
+//!   compute; reduce-scatters and the accumulation into gradient shards run on it.
+//!
+//! Order between streams comes only from [`Backend::record`] / [`Backend::wait`]
+//! (`cuEventRecord` / `cuStreamWaitEvent`). Only [`Backend::synchronize`], [`Backend::upload`],
+//! [`Backend::download`] and a host-memory [`Input`] block the host, and each counts in
+//! [`Backend::host_waits`]. Dropping a buffer frees it with `cuMemFree`, which waits for the device
+//! work still using it.
 
+mod driver;
 pub mod kernels;
+mod memory;
+mod staging;
+pub mod views;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::sys::{CUcontext, CUresult, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
+
+use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, Region, Stream};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::Update;
+
+pub use driver::is_driver_present;
+pub(crate) use driver::{bind, cuda, primary_context};
+use kernels::Kernels;
+pub use memory::CudaBuffer;
+pub(crate) use memory::DeviceMemory;
+use memory::{Tracker, byte_range};
+use staging::Staging;
+
+const NAME: &str = "cuda";
+
+/// A point in one of a backend's streams: a CUDA event without timing.
+#[derive(Debug)]
+pub struct CudaBackendEvent(CudaEvent);
+
+/// The CUDA backend of one rank.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    gather: Arc<CudaStream>,
+    reduce: Arc<CudaStream>,
+    kernels: Kernels,
+    tracker: Arc<Tracker>,
+    host_waits: AtomicU64,
+    staging: Mutex<Staging>,
+}
+
+impl CudaBackend {
+    /// A backend on device `ordinal`'s primary context with a compute stream of its own.
+    /// `Error::CudaUnavailable` without a driver; `Error::Cuda` for a device that does not exist.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let ctx = primary_context(ordinal)?;
+        let compute = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        CudaBackend::build(ctx, compute)
+    }
+
+    /// A backend whose compute stream is the caller's `stream`, on that stream's context.
+    /// Turns off cudarc's per-slice event tracking on that context (see the module doc).
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<CudaBackend> {
+        let ctx = Arc::clone(stream.context());
+        driver::untrack(&ctx);
+        CudaBackend::build(ctx, stream)
+    }
+
+    /// A backend whose compute stream is a foreign stream handle (a `CUstream` / `cudaStream_t`,
+    /// e.g. PyTorch's `torch.cuda.current_stream().cuda_stream`), on device `ordinal`'s primary
+    /// context; 0 is the legacy default stream.
+    ///
+    /// The handle is checked to belong to that context (`Error::Cuda` from `cuStreamGetCtx`
+    /// otherwise). The caller keeps ownership: the stream must stay alive until the backend is
+    /// dropped, and it is never destroyed here.
+    pub fn with_raw_stream(ordinal: usize, stream: u64) -> Result<CudaBackend> {
+        let ctx = primary_context(ordinal)?;
+        bind(&ctx)?;
+        let raw = stream as usize as CUstream;
+        let mut owner: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context handle; the driver validates the stream handle.
+        unsafe { cudarc::driver::sys::cuStreamGetCtx(raw, &mut owner) }
+            .result()
+            .map_err(cuda("cuStreamGetCtx"))?;
+        if owner != ctx.cu_ctx() {
+            return Err(driver::cuda_error(
+                "cuStreamGetCtx",
+                CUresult::CUDA_ERROR_INVALID_CONTEXT,
+                format!(
+                    "stream {stream:#x} belongs to another context than device {ordinal}'s primary context"
+                ),
+            ));
+        }
+        // SAFETY: the stream belongs to `ctx`; the caller keeps it alive (documented above) and
+        // the wrapper never destroys it.
+        let compute = unsafe { ctx.wrap_borrowed_stream(raw) };
+        CudaBackend::build(ctx, compute)
+    }
+
+    fn build(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<CudaBackend> {
+        bind(&ctx)?;
+        let (_least, greatest) =
+            result::stream::get_priority_range().map_err(cuda("cuCtxGetStreamPriorityRange"))?;
+        let gather = ctx.new_stream().map_err(cuda("cuStreamCreate"))?;
+        let reduce = ctx
+            .new_stream_with_priority(greatest)
+            .map_err(cuda("cuStreamCreateWithPriority"))?;
+        let kernels = Kernels::load(&ctx)?;
+        Ok(CudaBackend {
+            ctx,
+            compute,
+            gather,
+            reduce,
+            kernels,
+            tracker: Arc::default(),
+            host_waits: AtomicU64::new(0),
+            staging: Mutex::default(),
+        })
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// One of the rank's streams; the compute stream is the one to launch the model's work on.
+    pub fn stream(&self, stream: Stream) -> &Arc<CudaStream> {
+        match stream {
+            Stream::Compute => &self.compute,
+            Stream::Gather => &self.gather,
+            Stream::Reduce => &self.reduce,
+        }
+    }
+
+    pub(crate) fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    pub(crate) fn record_raw(&self, stream: Stream) -> Result<CudaEvent> {
+        self.stream(stream)
+            .record_event(None)
+            .map_err(cuda("cuEventRecord"))
+    }
+
+    /// Counts a host wait, then blocks until `stream`'s work so far completed.
+    fn block_on(&self, stream: Stream) -> Result<()> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.stream(stream)
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))
+    }
+
+    /// Makes the compute stream wait for the gather and reduce streams' work so far, so that a
+    /// copy on it is ordered after every use of a buffer on any of the rank's streams.
+    fn join_on_compute(&self) -> Result<()> {
+        for other in [Stream::Gather, Stream::Reduce] {
+            let event = self.record_raw(other)?;
+            self.compute
+                .wait(&event)
+                .map_err(cuda("cuStreamWaitEvent"))?;
+        }
+        Ok(())
+    }
+
+    fn staging(&self) -> MutexGuard<'_, Staging> {
+        // A panic while staging leaves at worst an area whose readers are waited on: keep going.
+        self.staging.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The f32 view of `region`, as the gradient operations read it whatever its dtype says.
+fn f32_region(region: Region) -> Region {
+    Region {
+        dtype: DType::F32,
+        ..region
+    }
+}
+
+/// The error for two lengths that must agree, as the CPU backend reports it.
+fn length_mismatch(len: usize, capacity: usize) -> Error {
+    Error::OutOfRange {
+        offset: 0,
+        len,
+        capacity,
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Event = CudaBackendEvent;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    /// Allocates with `cuMemAlloc` and zero-fills on the compute stream; the gather and reduce
+    /// streams wait for the fill, so the zeros are what any stream sees first.
+    fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
+        let memory = DeviceMemory::alloc(&self.ctx, bytes)?;
+        if bytes > 0 {
+            // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything.
+            unsafe { result::memset_d8_async(memory.ptr(), 0, bytes, self.compute.cu_stream()) }
+                .map_err(cuda("cuMemsetD8Async"))?;
+            let zeroed = self.record_raw(Stream::Compute)?;
+            for other in [&self.gather, &self.reduce] {
+                other.wait(&zeroed).map_err(cuda("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(CudaBuffer::new(memory, &self.tracker))
+    }
+
+    fn memory(&self) -> MemoryUsage {
+        MemoryUsage {
+            current: self.tracker.current(),
+            peak: self.tracker.peak(),
+        }
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
+    fn record(&self, stream: Stream) -> Result<CudaBackendEvent> {
+        Ok(CudaBackendEvent(self.record_raw(stream)?))
+    }
+
+    fn wait(&self, stream: Stream, event: &CudaBackendEvent) -> Result<()> {
+        self.stream(stream)
+            .wait(&event.0)
+            .map_err(cuda("cuStreamWaitEvent"))
+    }
+
+    fn synchronize(&self, event: &CudaBackendEvent) -> Result<()> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        event.0.synchronize().map_err(cuda("cuEventSynchronize"))
+    }
+
+    fn zero(&self, stream: Stream, buf: &mut CudaBuffer, region: Region) -> Result<()> {
+        let dst = buf.addr(region)?;
+        let bytes = region.len * region.dtype.size();
+        if bytes == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: `dst` is checked to hold `bytes` bytes of `buf`, which `&mut` keeps alive.
+        unsafe { self.kernels.fill_zero(self.stream(stream), dst, bytes) }
+    }
+
+    /// Copies on the compute stream after every stream's earlier work, and blocks until done.
+    fn upload(&self, buf: &mut CudaBuffer, region: Region, data: &[u8]) -> Result<()> {
+        let range = byte_range(region, buf.bytes())?;
+        if range.len() != data.len() {
+            return Err(length_mismatch(
+                data.len() / region.dtype.size(),
+                region.len,
+            ));
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        self.join_on_compute()?;
+        let dst = buf.ptr() + range.start as u64;
+        // SAFETY: `dst` holds `data.len()` bytes; `data` outlives the copy (synchronized below).
+        unsafe { result::memcpy_htod_async(dst, data, self.compute.cu_stream()) }
+            .map_err(cuda("cuMemcpyHtoDAsync"))?;
+        self.block_on(Stream::Compute)
+    }
+
+    /// Copies on the compute stream after every stream's earlier work, and blocks until done.
+    fn download(&self, buf: &CudaBuffer, region: Region, out: &mut [u8]) -> Result<()> {
+        let range = byte_range(region, buf.bytes())?;
+        if range.len() != out.len() {
+            return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        self.join_on_compute()?;
+        let src = buf.ptr() + range.start as u64;
+        // SAFETY: `src` holds `out.len()` bytes; `out` outlives the copy (synchronized below).
+        unsafe { result::memcpy_dtoh_async(out, src, self.compute.cu_stream()) }
+            .map_err(cuda("cuMemcpyDtoHAsync"))?;
+        self.block_on(Stream::Compute)
+    }
+
+    /// A device input is read in place on `stream`. A host input is copied into a staging area
+    /// first, which blocks the host (counted as a host wait): pass device gradients to keep the
+    /// host free.
+    fn accumulate_input(
+        &self,
+        stream: Stream,
+        src: Input<'_>,
+        dst: &mut CudaBuffer,
+        dst_region: Region,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        let dst_region = f32_region(dst_region);
+        let dst_ptr = dst.addr(dst_region)?;
+        let (dtype, numel) = (src.dtype(), src.numel());
+        let exact = match src {
+            Input::Host { bytes, .. } => bytes.len() == numel * dtype.size(),
+            Input::Device { .. } => true,
+        };
+        if !exact || numel != dst_region.len {
+            return Err(length_mismatch(numel, dst_region.len));
+        }
+        if numel == 0 {
+            return Ok(());
+        }
+        let on = self.stream(stream);
+        bind(&self.ctx)?;
+        match src {
+            Input::Device { ptr, .. } => {
+                if ptr == 0 {
+                    return Err(Error::Unsupported {
+                        backend: NAME,
+                        what: "a null device address as input",
+                    });
+                }
+                // SAFETY: the caller vouches that `ptr` holds `numel` elements of `dtype` until
+                // `stream` consumed them (the documented contract of `Input::Device`); `dst_ptr`
+                // is checked to hold `numel` f32.
+                unsafe {
+                    self.kernels
+                        .accumulate(on, dtype, ptr, dst_ptr, numel, scale, add)
+                }
+            }
+            Input::Host { bytes, .. } => {
+                self.host_waits.fetch_add(1, Ordering::Relaxed);
+                self.staging().with_staged(&self.ctx, on, bytes, |staged| {
+                    // SAFETY: the staging area holds the `numel` elements just copied, and
+                    // `dst_ptr` is checked to hold `numel` f32.
+                    unsafe {
+                        self.kernels
+                            .accumulate(on, dtype, staged, dst_ptr, numel, scale, add)
+                    }
+                })
+            }
+        }
+    }
+
+    fn accumulate(
+        &self,
+        stream: Stream,
+        src: &CudaBuffer,
+        src_region: Region,
+        dst: &mut CudaBuffer,
+        dst_region: Region,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        let (src_region, dst_region) = (f32_region(src_region), f32_region(dst_region));
+        let src_ptr = src.addr(src_region)?;
+        let dst_ptr = dst.addr(dst_region)?;
+        if src_region.len != dst_region.len {
+            return Err(length_mismatch(src_region.len, dst_region.len));
+        }
+        if src_region.len == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: both addresses are checked to hold `len` f32 of distinct live buffers.
+        unsafe {
+            self.kernels.accumulate(
+                self.stream(stream),
+                DType::F32,
+                src_ptr,
+                dst_ptr,
+                src_region.len,
+                scale,
+                add,
+            )
+        }
+    }
+
+    fn optimizer_step(
+        &self,
+        stream: Stream,
+        update: &Update,
+        shard: OptimizerShard<'_, CudaBackend>,
+    ) -> Result<()> {
+        let n = shard.numel;
+        let whole = Region::new(0, n, DType::F32);
+        let param = shard.param.addr(Region::new(0, n, shard.dtype))?;
+        let grad = shard.grad.addr(whole)?;
+        let master = match (shard.master, shard.dtype) {
+            (Some(master), _) => master.addr(whole)?,
+            // An f32 shard is its own master copy.
+            (None, DType::F32) => param,
+            (None, _) => {
+                return Err(Error::Unsupported {
+                    backend: NAME,
+                    what: "a bf16/f16 optimizer step without an fp32 master copy",
+                });
+            }
+        };
+        let moments = match shard.moments {
+            Some((m, v)) => Some((m.addr(whole)?, v.addr(whole)?)),
+            None => None,
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let on = self.stream(stream);
+        bind(&self.ctx)?;
+        // SAFETY (both arms): every address is checked to hold `n` elements of a live buffer
+        // borrowed for this call.
+        match (update, moments) {
+            (Update::Sgd { lr }, _) => unsafe {
+                self.kernels
+                    .sgd(on, shard.dtype, master, grad, param, n, *lr)
+            },
+            (Update::AdamW(c), Some((m, v))) => unsafe {
+                self.kernels
+                    .adamw(on, shard.dtype, master, m, v, grad, param, n, c)
+            },
+            (Update::AdamW(_), None) => Err(Error::InvalidConfig {
+                field: "optimizer",
+                reason: "AdamW needs moment buffers".into(),
+            }),
+        }
+    }
+
+    fn widen(
+        &self,
+        stream: Stream,
+        src: &CudaBuffer,
+        src_region: Region,
+        dst: &mut CudaBuffer,
+    ) -> Result<()> {
+        let n = src_region.len;
+        let src_ptr = src.addr(src_region)?;
+        let dst_ptr = dst.addr(Region::new(0, n, DType::F32))?;
+        if n == 0 {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: both addresses are checked to hold `n` elements of distinct live buffers.
+        unsafe {
+            self.kernels.cast(
+                self.stream(stream),
+                src_region.dtype,
+                src_ptr,
+                DType::F32,
+                dst_ptr,
+                n,
+            )
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! N ranks on one GPU, one thread and one [`CudaBackend`] each: collectives as device copies and
+//! rank-ordered sums, so results equal [`crate::comm::local::LocalComm`]'s bit for bit. For tests
+//! of multi-rank runs on a single GPU, which NCCL refuses.
+//!
+//! Each collective meets twice on the host (threads wait for each other; the host never waits for
+//! the device):
+//! 1. every rank records an event where its stream reached the collective and deposits it with
+//!    its data's address; each rank's stream then waits for every rank's event and does its own
+//!    part: it only writes its own buffer, reading the others'.
+//! 2. every rank deposits an event at the end of its part; each rank's stream waits for all of
+//!    them, so no rank's later work (reusing a buffer another rank reads) starts before the
+//!    collective is done everywhere.
+
+mod rendezvous;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaStream, result};
+
+use crate::backend::Region;
+use crate::backend::Stream;
+use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
+use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use rendezvous::Rendezvous;
+
+/// What a rank issued; every rank must issue the same, on the same device and context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Op {
+    AllGather { bytes: usize, place: Place },
+    ReduceScatter { numel: usize, place: Place },
+}
+
+/// The device and context a rank's buffers live in: kernels of one context cannot read another's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Place {
+    device: usize,
+    context: usize,
+}
+
+impl Op {
+    fn describe(&self) -> String {
+        let (what, place) = match self {
+            Op::AllGather { bytes, place } => {
+                (format!("all-gather of {bytes} bytes per rank"), place)
+            }
+            Op::ReduceScatter { numel, place } => (format!("reduce-scatter of {numel} f32"), place),
+        };
+        format!(
+            "{what} on device {} (context {:#x})",
+            place.device, place.context
+        )
+    }
+}
+
+/// What a rank deposits at one of a collective's two meetings.
+#[derive(Clone, Debug)]
+enum Deposit {
+    /// The rank's stream reached the collective at `reached`; `data` is its source address.
+    Arrive {
+        op: Op,
+        reached: Arc<CudaEvent>,
+        data: u64,
+    },
+    /// The rank failed on the device before taking part.
+    Failed,
+    /// The rank's part ends at this event (none if even recording it failed).
+    Done(Option<Arc<CudaEvent>>),
+}
+
+/// Checks that every rank arrived with rank 0's operation. A rank that failed before taking part
+/// is reported as having left; a different operation as a mismatch, naming the first such rank.
+fn check_ops(seq: u64, ops: &[Option<&Op>]) -> Result<()> {
+    if let Some(rank) = ops.iter().position(Option::is_none) {
+        return Err(Error::RankLeft { seq, rank });
+    }
+    let expected = ops.first().copied().flatten();
+    match ops.iter().position(|op| *op != expected) {
+        Some(rank) => Err(Error::CollectiveMismatch {
+            seq,
+            rank,
+            expected: expected.map_or_else(|| "nothing".into(), Op::describe),
+            got: ops[rank].map_or_else(|| "nothing".into(), Op::describe),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The device array of source addresses that `reduce_sum` reads, one per rank.
+#[derive(Debug)]
+struct SourceTable {
+    memory: DeviceMemory,
+    /// The end of the last reduction that read the table, on whichever stream it ran.
+    last_read: Option<CudaEvent>,
+}
+
+/// One rank's handle on a group of threads sharing one GPU. Dropping it tells the others it left.
+#[derive(Debug)]
+pub struct LoopbackComm {
+    rendezvous: Arc<Rendezvous<Deposit>>,
+    rank: usize,
+    world_size: usize,
+    seq: u64,
+    table: Option<SourceTable>,
+}
+
+impl LoopbackComm {
+    /// Handles for `world_size` ranks, one per thread, in rank order. Each thread pairs its handle
+    /// with its own [`CudaBackend`] on the same device.
+    pub fn group(world_size: usize) -> Result<Vec<LoopbackComm>> {
+        if world_size == 0 {
+            return Err(Error::ZeroWorldSize);
+        }
+        let rendezvous = Arc::new(Rendezvous::new(world_size));
+        Ok((0..world_size)
+            .map(|rank| LoopbackComm {
+                rendezvous: Arc::clone(&rendezvous),
+                rank,
+                world_size,
+                seq: 0,
+                table: None,
+            })
+            .collect())
+    }
+
+    /// Runs one collective whose arguments were checked: meets the others, runs `work` with every
+    /// rank's data address on this rank's stream once all streams reached the collective, meets
+    /// again and holds this rank's stream until every rank's work is done.
+    fn run(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        op: Op,
+        data: u64,
+        work: impl FnOnce(&mut Self, &CudaStream, &[u64]) -> Result<()>,
+    ) -> Result<()> {
+        let seq = self.seq;
+        self.seq += 1;
+        let on = backend.stream(stream);
+        let (deposit, failure) =
+            match bind(backend.context()).and_then(|()| backend.record_raw(stream)) {
+                Ok(event) => {
+                    let reached = Arc::new(event);
+                    (Deposit::Arrive { op, reached, data }, None)
+                }
+                // Still meet the others, so they fail too instead of pairing with a later collective.
+                Err(e) => (Deposit::Failed, Some(e)),
+            };
+        let arrivals = self.rendezvous.exchange(self.rank, seq, deposit)?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let ops: Vec<Option<&Op>> = arrivals
+            .iter()
+            .map(|d| match d {
+                Deposit::Arrive { op, .. } => Some(op),
+                _ => None,
+            })
+            .collect();
+        check_ops(seq, &ops)?;
+        let mut addresses = Vec::with_capacity(arrivals.len());
+        let mut waited = Ok(());
+        for (rank, d) in arrivals.iter().enumerate() {
+            if let Deposit::Arrive { reached, data, .. } = d {
+                addresses.push(*data);
+                if rank != self.rank && waited.is_ok() {
+                    waited = on.wait(reached).map_err(cuda("cuStreamWaitEvent"));
+                }
+            }
+        }
+        let launched = waited.and_then(|()| work(self, on, &addresses));
+        let done = backend.record_raw(stream).ok().map(Arc::new);
+        let finished = self
+            .rendezvous
+            .exchange(self.rank, seq, Deposit::Done(done))?;
+        for (rank, d) in finished.iter().enumerate() {
+            if let (false, Deposit::Done(Some(event))) = (rank == self.rank, d) {
+                on.wait(event).map_err(cuda("cuStreamWaitEvent"))?;
+            }
+        }
+        launched
+    }
+
+    /// The source table, allocated on first use in `backend`'s context (outside its counted
+    /// memory: it is the communicator's, not the engine's).
+    fn table(&mut self, backend: &CudaBackend) -> Result<&mut SourceTable> {
+        let table = match self.table.take() {
+            Some(table) => table,
+            None => SourceTable {
+                memory: DeviceMemory::alloc(backend.context(), self.world_size * 8)?,
+                last_read: None,
+            },
+        };
+        Ok(self.table.insert(table))
+    }
+}
+
+impl Drop for LoopbackComm {
+    fn drop(&mut self) {
+        self.rendezvous.leave(self.rank);
+    }
+}
+
+fn place(backend: &CudaBackend) -> Place {
+    Place {
+        device: backend.ordinal(),
+        context: backend.context().cu_ctx() as usize,
+    }
+}
+
+/// Writes `addresses` into the table on `stream` with stream-ordered 32-bit memsets: the values
+/// travel as arguments, so no host memory has to outlive the call and the host never waits.
+fn write_table(table: &SourceTable, stream: &CudaStream, addresses: &[u64]) -> Result<()> {
+    for (i, &address) in addresses.iter().enumerate() {
+        let at = table.memory.ptr() + 8 * i as u64;
+        // Little-endian: the low word first.
+        for (word, value) in [(at, address as u32), (at + 4, (address >> 32) as u32)] {
+            // SAFETY: the table holds one 8-byte entry per rank, and `i` is a rank.
+            unsafe { cudarc::driver::sys::cuMemsetD32Async(word, value, 1, stream.cu_stream()) }
+                .result()
+                .map_err(cuda("cuMemsetD32Async"))?;
+        }
+    }
+    Ok(())
+}
+
+impl Communicator<CudaBackend> for LoopbackComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_gather(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        shard: &CudaBuffer,
+        shard_region: Region,
+        out: &mut CudaBuffer,
+        out_region: Region,
+    ) -> Result<()> {
+        check_all_gather(self.world_size, shard_region, out_region)?;
+        let src = shard.addr(shard_region)?;
+        let dst = out.addr(out_region)?;
+        let bytes = shard_region.len * shard_region.dtype.size();
+        let op = Op::AllGather {
+            bytes,
+            place: place(backend),
+        };
+        self.run(backend, stream, op, src, |_, on, sources| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            for (rank, &source) in sources.iter().enumerate() {
+                let to = dst + (rank * bytes) as u64;
+                // SAFETY: `out_region` is checked to hold `world_size * bytes` bytes and every
+                // rank checked its shard to hold `bytes`; the streams' events order the copies
+                // after every rank's writes and before its later reuse.
+                unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
+                    .map_err(cuda("cuMemcpyDtoDAsync"))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        buf: &mut CudaBuffer,
+        region: Region,
+    ) -> Result<()> {
+        check_reduce_scatter(self.world_size, region)?;
+        let base = buf.addr(region)?;
+        let part = region.len / self.world_size;
+        let op = Op::ReduceScatter {
+            numel: region.len,
+            place: place(backend),
+        };
+        let rank = self.rank;
+        let own = (rank * part * DType::F32.size()) as u64;
+        // Allocated before meeting the others: a failure here is an ordinary early error.
+        self.table(backend)?;
+        self.run(backend, stream, op, base, |comm, on, bases| {
+            if part == 0 {
+                return Ok(());
+            }
+            let table = comm.table(backend)?;
+            if let Some(last) = &table.last_read {
+                on.wait(last).map_err(cuda("cuStreamWaitEvent"))?;
+            }
+            // Every rank's copy of this rank's part, in rank order.
+            let sources: Vec<u64> = bases.iter().map(|&b| b + own).collect();
+            write_table(table, on, &sources)?;
+            // SAFETY: the table lists `world_size` addresses of `part` f32 each, checked by their
+            // ranks; the destination is one of them (this rank's own part), which `reduce_sum`
+            // allows; the streams' events order the reads after every rank's writes.
+            let summed = unsafe {
+                backend.kernels().reduce_sum(
+                    on,
+                    table.memory.ptr(),
+                    sources.len(),
+                    base + own,
+                    part,
+                )
+            };
+            table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
+            summed
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gather(bytes: usize) -> Op {
+        Op::AllGather {
+            bytes,
+            place: Place {
+                device: 0,
+                context: 0x10,
+            },
+        }
+    }
+
+    #[test]
+    fn the_same_operation_everywhere_passes() {
+        let op = gather(64);
+        assert!(check_ops(3, &[Some(&op), Some(&op), Some(&op)]).is_ok());
+    }
+
+    #[test]
+    fn the_first_differing_rank_is_named() {
+        let (a, b) = (gather(64), gather(32));
+        let err = check_ops(3, &[Some(&a), Some(&a), Some(&b), Some(&b)]).unwrap_err();
+        match err {
+            Error::CollectiveMismatch {
+                seq: 3,
+                rank: 2,
+                expected,
+                got,
+            } => {
+                assert!(expected.starts_with("all-gather of 64 bytes"), "{expected}");
+                assert!(got.starts_with("all-gather of 32 bytes"), "{got}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn another_context_is_a_mismatch() {
+        let a = gather(64);
+        let mut b = gather(64);
+        if let Op::AllGather { place, .. } = &mut b {
+            place.context = 0x20;
+        }
+        assert!(matches!(
+            check_ops(0, &[Some(&a), Some(&b)]),
+            Err(Error::CollectiveMismatch { rank: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_rank_that_failed_before_taking_part_has_left() {
+        let op = gather(64);
+        assert!(matches!(
+            check_ops(5, &[Some(&op), None, Some(&op)]),
+            Err(Error::RankLeft { seq: 5, rank: 1 })
+        ));
+    }
+
+    #[test]
+    fn a_group_needs_a_rank() {
+        assert!(matches!(LoopbackComm::group(0), Err(Error::ZeroWorldSize)));
+        let comms = LoopbackComm::group(3).unwrap();
+        let ranks: Vec<_> = comms.iter().map(|c| (c.rank, c.world_size)).collect();
+        assert_eq!(ranks, vec![(0, 3), (1, 3), (2, 3)]);
+    }
+}

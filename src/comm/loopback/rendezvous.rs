@@ -1,0 +1,145 @@
+//! A host rendezvous of the threads of a group: each deposits a value, all get every value.
+
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use crate::error::{Error, Result};
+
+#[derive(Debug)]
+struct State<T> {
+    /// Completed exchanges.
+    generation: u64,
+    arrived: usize,
+    /// Deposits of even and odd generations. A rank can deposit into a generation's half again
+    /// only after the next exchange completed, and so after every rank read this one.
+    deposits: [Vec<Option<T>>; 2],
+    left: Vec<bool>,
+}
+
+/// The meeting point of `world_size` ranks, one thread each.
+#[derive(Debug)]
+pub(super) struct Rendezvous<T> {
+    world_size: usize,
+    state: Mutex<State<T>>,
+    changed: Condvar,
+}
+
+impl<T: Clone> Rendezvous<T> {
+    pub(super) fn new(world_size: usize) -> Rendezvous<T> {
+        Rendezvous {
+            world_size,
+            state: Mutex::new(State {
+                generation: 0,
+                arrived: 0,
+                deposits: [vec![None; world_size], vec![None; world_size]],
+                left: vec![false; world_size],
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // A rank that panicked while holding the lock left the state consistent: keep going.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Deposits `value` as `rank`'s, waits until every rank deposited, and returns the values in
+    /// rank order. Fails with `Error::RankLeft` (for collective `seq`) if a rank left first.
+    pub(super) fn exchange(&self, rank: usize, seq: u64, value: T) -> Result<Vec<T>> {
+        let mut state = self.lock();
+        let generation = state.generation;
+        let half = (generation % 2) as usize;
+        state.deposits[half][rank] = Some(value);
+        state.arrived += 1;
+        if state.arrived == self.world_size {
+            state.arrived = 0;
+            state.generation += 1;
+            self.changed.notify_all();
+        }
+        while state.generation == generation {
+            if let Some(rank) = state.left.iter().position(|&l| l) {
+                return Err(Error::RankLeft { seq, rank });
+            }
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        let deposits = &state.deposits[half];
+        deposits
+            .iter()
+            .enumerate()
+            .map(|(rank, d)| d.clone().ok_or(Error::RankLeft { seq, rank }))
+            .collect()
+    }
+
+    /// Marks `rank` as gone: ranks waiting now or later fail instead of hanging.
+    pub(super) fn leave(&self, rank: usize) {
+        let mut state = self.lock();
+        state.left[rank] = true;
+        self.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn every_rank_gets_every_value_in_rank_order_round_after_round() {
+        let world = 4;
+        let rv = Arc::new(Rendezvous::<(usize, u64)>::new(world));
+        let rounds = 500;
+        std::thread::scope(|s| {
+            for rank in 0..world {
+                let rv = Arc::clone(&rv);
+                s.spawn(move || {
+                    for seq in 0..rounds {
+                        let got = rv.exchange(rank, seq, (rank, seq)).unwrap();
+                        let expected: Vec<_> = (0..world).map(|r| (r, seq)).collect();
+                        assert_eq!(got, expected, "rank {rank}, round {seq}");
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_rank_that_leaves_fails_the_waiting_ranks() {
+        let rv = Arc::new(Rendezvous::<u8>::new(3));
+        std::thread::scope(|s| {
+            let waiters: Vec<_> = (0..2)
+                .map(|rank| {
+                    let rv = Arc::clone(&rv);
+                    s.spawn(move || rv.exchange(rank, 7, 0))
+                })
+                .collect();
+            rv.leave(2);
+            for w in waiters {
+                let r = w.join().unwrap();
+                assert!(
+                    matches!(r, Err(Error::RankLeft { seq: 7, rank: 2 })),
+                    "{r:?}"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn leaving_after_the_last_exchange_does_not_fail_it() {
+        let rv = Arc::new(Rendezvous::<u8>::new(2));
+        std::thread::scope(|s| {
+            let other = {
+                let rv = Arc::clone(&rv);
+                s.spawn(move || {
+                    let r = rv.exchange(1, 0, 1);
+                    rv.leave(1);
+                    r
+                })
+            };
+            assert_eq!(rv.exchange(0, 0, 0).unwrap(), vec![0, 1]);
+            assert_eq!(other.join().unwrap().unwrap(), vec![0, 1]);
+            assert!(matches!(
+                rv.exchange(0, 1, 0),
+                Err(Error::RankLeft { seq: 1, rank: 1 })
+            ));
+        });
+    }
+}
