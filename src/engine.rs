@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, Region, Stream};
+use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
 use crate::comm::Communicator;
 use crate::config::{EngineConfig, GradReduction};
 use crate::dtype::{DType, Element};
@@ -78,6 +78,7 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     backward_open: Vec<bool>,
     optimizer_steps: u64,
     stepped: bool,
+    open_slot: Option<ParamId>,
     counters: Counters,
     gather_effects: Vec<GatherEffect>,
     grad_effects: Vec<GradEffect>,
@@ -174,6 +175,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             backward_open: vec![false; units],
             optimizer_steps: 0,
             stepped: false,
+            open_slot: None,
             counters: Counters::default(),
             gather_effects: Vec::new(),
             grad_effects: Vec::new(),
@@ -279,33 +281,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
     /// have theirs. The gradient may be read after this returns (host input is consumed at once).
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
-        let layout = self.plan.param(param)?;
-        if !layout.trainable {
-            return Err(Error::FrozenGradient {
-                name: layout.name.clone(),
-            });
-        }
-        let dtype = gradient.dtype();
-        if dtype != layout.dtype && dtype != DType::F32 {
-            return Err(Error::GradientDtype {
-                name: layout.name.clone(),
-                param: layout.dtype,
-                got: dtype,
-            });
-        }
-        if gradient.numel() != layout.numel {
-            return Err(Error::GradientLength {
-                name: layout.name.clone(),
-                expected: layout.numel,
-                got: gradient.numel(),
-            });
-        }
-        if self.grads.received(param.0) {
-            return Err(Error::DuplicateGradient {
-                name: layout.name.clone(),
-            });
-        }
-        let group = layout.group;
+        let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
         self.enter(Phase::Backward)?;
         let mut fx = std::mem::take(&mut self.grad_effects);
         fx.clear();
@@ -315,10 +291,83 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         result
     }
 
+    /// Checks a gradient for `param` before anything changes; returns its group.
+    fn check_grad(&self, param: ParamId, dtype: DType, numel: usize) -> Result<usize> {
+        let layout = self.plan.param(param)?;
+        let name = || layout.name.clone();
+        if let Some(open) = self.open_slot {
+            return Err(Error::GradSlotOpen {
+                name: self.plan.params()[open.0].name.clone(),
+            });
+        }
+        if !layout.trainable {
+            return Err(Error::FrozenGradient { name: name() });
+        }
+        if dtype != layout.dtype && dtype != DType::F32 {
+            return Err(Error::GradientDtype {
+                name: name(),
+                param: layout.dtype,
+                got: dtype,
+            });
+        }
+        if numel != layout.numel {
+            return Err(Error::GradientLength {
+                name: name(),
+                expected: layout.numel,
+                got: numel,
+            });
+        }
+        if self.grads.received(param.0) {
+            return Err(Error::DuplicateGradient { name: name() });
+        }
+        Ok(layout.group)
+    }
+
+    /// Opens `param`'s fp32 place in its group's gradient slot for the caller to write this
+    /// pass's gradient into (zero-filled; on a GPU, written on the compute stream); returns the
+    /// slot index and the region. [`Engine::commit_grad`] must follow before any other gradient.
+    fn open_grad_slot(&mut self, param: ParamId) -> Result<(usize, Region)> {
+        let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
+        self.enter(Phase::Backward)?;
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        let slot = self.grads.open(group, &mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.grad_effects = fx;
+        result?;
+        self.open_slot = Some(param);
+        let layout = &self.plan.params()[param.0];
+        Ok((slot, Region::new(layout.offset, layout.numel, DType::F32)))
+    }
+
+    /// Declares `param`'s gradient written into the slot [`Engine::grad_slot_address`] (or, on the
+    /// CPU, `grad_slot`) opened; the group's last gradient launches its reduce-scatter.
+    pub fn commit_grad(&mut self, param: ParamId) -> Result<()> {
+        let layout = self.plan.param(param)?;
+        if self.open_slot != Some(param) {
+            return Err(Error::GradSlotNotOpen {
+                name: layout.name.clone(),
+            });
+        }
+        let group = layout.group;
+        self.open_slot = None;
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        self.grads.commit(param.0, group, &mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.grad_effects = fx;
+        result
+    }
+
     /// Ends the backward passes of this step: ends any backward still open, reduces every group
     /// (those whose last gradient never came too), and orders compute after the reductions. On a
     /// GPU it does not block the host: later compute-stream work waits for the reduce stream.
     pub fn finish_grad_sync(&mut self) -> Result<()> {
+        if let Some(open) = self.open_slot {
+            return Err(Error::GradSlotOpen {
+                name: self.plan.params()[open.0].name.clone(),
+            });
+        }
         if let Some(u) = self.forward_open.iter().position(|&o| o) {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
@@ -504,6 +553,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn begin(&mut self, phase: Phase, unit: usize) -> Result<()> {
+        if let Some(open) = self.open_slot {
+            return Err(Error::GradSlotOpen {
+                name: self.plan.params()[open.0].name.clone(),
+            });
+        }
         self.enter(phase)?;
         self.schedule.record(unit);
         Ok(())
@@ -731,5 +785,33 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
             len: layout.numel,
             capacity: bytes.len() / layout.dtype.size(),
         })
+    }
+
+    /// `param`'s zero-filled fp32 place in its gradient slot, to write this pass's gradient into
+    /// before [`Engine::commit_grad`].
+    pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
+        let (slot, region) = self.open_grad_slot(param)?;
+        let bytes = self.grad_slots[slot].buffer.region_mut(region)?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|_| Error::OutOfRange {
+            offset: region.offset,
+            len: region.len,
+            capacity: 0,
+        })
+    }
+}
+
+impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
+    /// The address of `param`'s gathered values (host on the CPU, device on a GPU), valid while
+    /// one of its unit's hooks is open; read only.
+    pub fn param_address(&self, param: ParamId) -> Result<u64> {
+        let (layout, slot) = self.gathered_view(param)?;
+        B::address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
+    }
+
+    /// The address of `param`'s zero-filled fp32 place in its gradient slot, for the caller to
+    /// write this pass's gradient into before [`Engine::commit_grad`].
+    pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
+        let (slot, region) = self.open_grad_slot(param)?;
+        B::address_mut(&mut self.grad_slots[slot].buffer, region)
     }
 }

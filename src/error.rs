@@ -93,6 +93,10 @@ pub enum Error {
         param: DType,
         requested: DType,
     },
+    #[error("the gradient slot of {name:?} is open: commit it before any other gradient")]
+    GradSlotOpen { name: String },
+    #[error("parameter {name:?} has no open gradient slot to commit")]
+    GradSlotNotOpen { name: String },
     #[error("gradients are not synced: call finish_grad_sync before {action}")]
     GradsNotSynced { action: &'static str },
     #[error("parameter {name:?} is gathered: load parameters between steps, outside every unit")]

@@ -144,10 +144,18 @@ impl GradPipeline {
     /// A gradient for `param` of `group` arrives. The caller has checked that the parameter is
     /// trainable and has no gradient yet in this pass.
     pub fn on_grad(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
-        debug_assert!(!self.received[param] && self.expected[group] > 0);
+        let slot = self.open(group, effects);
+        effects.push(GradEffect::Write { param, slot });
+        self.commit(param, group, effects);
+    }
+
+    /// The slot that collects `group`'s gradients in this pass, taken (and zeroed) if it has none.
+    /// It stays the group's until a later `open` of another group needs its place, so a caller
+    /// writing into it commits before asking for another slot.
+    pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> usize {
         self.pending = true;
         self.synced = false;
-        let slot = match self.filling[group] {
+        match self.filling[group] {
             Some(slot) => slot,
             None => {
                 let slot = self.claim_slot(effects);
@@ -157,8 +165,12 @@ impl GradPipeline {
                 self.fill_order.push_back(group);
                 slot
             }
-        };
-        effects.push(GradEffect::Write { param, slot });
+        }
+    }
+
+    /// `param`'s gradient is in `group`'s open slot; the group's last one launches its reduction.
+    pub fn commit(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
+        debug_assert!(!self.received[param] && self.filling[group].is_some());
         self.received[param] = true;
         self.received_count[group] += 1;
         if self.received_count[group] == self.expected[group] {

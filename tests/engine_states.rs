@@ -182,3 +182,41 @@ fn memory_is_fixed_up_front_and_matches_the_plan() {
     assert_eq!(e.memory().peak, predicted);
     assert_eq!(e.counters().steps, 3);
 }
+
+#[test]
+fn writing_into_the_slot_equals_handing_over_the_gradient() {
+    let run = |zero_copy: bool| {
+        let mut e = engine(stack(2, false), EngineConfig::default());
+        for _ in 0..2 {
+            for i in (0..2).rev() {
+                e.pre_backward(Unit::Layer(i)).unwrap();
+                let id = e.plan().param_id(&format!("w{i}")).unwrap();
+                let g: Vec<f32> = (0..16).map(|j| (i as f32 + 1.0) * j as f32).collect();
+                if zero_copy {
+                    e.grad_slot(id).unwrap().copy_from_slice(&g);
+                    e.commit_grad(id).unwrap();
+                } else {
+                    e.grad(id, Input::host(&g)).unwrap();
+                }
+                e.post_backward(Unit::Layer(i)).unwrap();
+            }
+            e.finish_grad_sync().unwrap();
+            e.optimizer_step().unwrap();
+            e.end_step().unwrap();
+        }
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let copied = run(false);
+    assert_eq!(run(true), copied);
+    let start = run_untrained();
+    assert_ne!(copied, start);
+}
+
+fn run_untrained() -> Vec<Vec<u8>> {
+    let e = engine(stack(2, false), EngineConfig::default());
+    (0..e.plan().groups().len())
+        .map(|g| e.param_shard(g).unwrap())
+        .collect()
+}

@@ -497,3 +497,37 @@ fn bad_model_files() {
         .unwrap_err();
     assert!(matches!(err, Error::Json { line: 1, .. }));
 }
+
+#[test]
+fn another_gradient_while_a_slot_is_open() {
+    let open = |e: &mut CpuEngine| {
+        let w = id(e, "w");
+        e.grad_slot(w).unwrap().fill(0.0);
+    };
+    // The test step gives "w" a gradient again: commit this pass's zero gradient first.
+    let finish_after_commit = |e: &mut CpuEngine| {
+        let w = id(e, "w");
+        e.commit_grad(w).unwrap();
+        e.finish_grad_sync().unwrap();
+        e.end_step().unwrap();
+        step(e)
+    };
+    assert_harmless(
+        open,
+        |e| grad(e, "b"),
+        |err| matches!(err, Error::GradSlotOpen { name } if name == "w"),
+        finish_after_commit,
+    );
+    assert_harmless(
+        open,
+        |e| e.finish_grad_sync(),
+        |err| matches!(err, Error::GradSlotOpen { name } if name == "w"),
+        finish_after_commit,
+    );
+    assert_harmless(
+        nothing,
+        |e| e.commit_grad(id(e, "w")),
+        |err| matches!(err, Error::GradSlotNotOpen { name } if name == "w"),
+        step,
+    );
+}

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, Region, Stream};
+use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
 use crate::dtype::{DType, load_f32, store_f32};
 use crate::error::{Error, Result};
 use crate::optim::{Update, accumulate_element, adamw_element, sgd_element};
@@ -288,6 +288,16 @@ impl Backend for CpuBackend {
             *d = load_f32(bytes, src_region.dtype, i);
         }
         Ok(())
+    }
+}
+
+impl RawAddress for CpuBackend {
+    fn address(buf: &CpuBuffer, region: Region) -> Result<u64> {
+        Ok(buf.region(region)?.as_ptr() as u64)
+    }
+
+    fn address_mut(buf: &mut CpuBuffer, region: Region) -> Result<u64> {
+        Ok(buf.region_mut(region)?.as_mut_ptr() as u64)
     }
 }
 

@@ -177,3 +177,11 @@ pub trait Backend: Send {
         dst: &mut Self::Buffer,
     ) -> Result<()>;
 }
+
+/// Addresses of buffer regions for callers outside Rust (the C API): host addresses on the CPU,
+/// device addresses on a GPU. A region past the end of its buffer is an error.
+pub trait RawAddress: Backend {
+    fn address(buf: &Self::Buffer, region: Region) -> Result<u64>;
+    /// An address the caller may write through.
+    fn address_mut(buf: &mut Self::Buffer, region: Region) -> Result<u64>;
+}
