@@ -2,6 +2,7 @@
 
 pub mod local;
 pub mod loopback;
+pub mod nccl;
 
 use crate::backend::{Backend, Region, Stream};
 use crate::error::{Error, Result};

@@ -34,7 +34,8 @@ pub(crate) use driver::{bind, cuda, primary_context};
 use kernels::Kernels;
 pub use memory::CudaBuffer;
 pub(crate) use memory::DeviceMemory;
-use memory::{Tracker, byte_range};
+use memory::Tracker;
+pub(crate) use memory::byte_range;
 use staging::Staging;
 
 const NAME: &str = "cuda";

@@ -1,0 +1,606 @@
+//! NCCL collectives, one rank per GPU: across processes (a unique id made by one rank and passed
+//! to the others by the caller) or from one process driving several GPUs.
+//!
+//! Calls go on the stream the engine names (the backend's gather or reduce stream) and do not
+//! block the host; creating a communicator does, until every rank joined. All-gathers are out of
+//! place; reduce-scatters sum f32 in NCCL's in-place form (`recv == send + rank * count`), which
+//! is the layout [`Communicator::reduce_scatter`] asks for. Lengths, bounds and the device are
+//! checked before every call. The library is loaded as `libnccl.so.2`, then `libnccl.so`, or from
+//! the path in [`NCCL_LIBRARY_ENV`].
+
+mod library;
+
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+
+use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, byte_range, primary_context};
+use crate::backend::{Region, Stream};
+use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use library::Nccl;
+
+pub use library::NCCL_LIBRARY_ENV;
+
+/// Bytes of an NCCL unique id.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+// The id crosses as bytes; cudarc's binding of `ncclUniqueId` must be exactly those bytes.
+const _: () = assert!(std::mem::size_of::<ncclUniqueId>() == UNIQUE_ID_BYTES);
+
+/// The version of the NCCL library this process loads, as (major, minor, patch).
+pub fn nccl_version() -> Result<(u32, u32, u32)> {
+    let nccl = library::nccl()?;
+    let mut code: c_int = 0;
+    // SAFETY: writes one int.
+    let status = unsafe { (nccl.get_version)(&mut code) };
+    nccl.check("ncclGetVersion", status, std::ptr::null_mut())?;
+    Ok(split_version(code))
+}
+
+/// NCCL's version code (`major * 10000 + minor * 100 + patch` since 2.9) as its three parts.
+fn split_version(code: c_int) -> (u32, u32, u32) {
+    let code = u32::try_from(code).unwrap_or(0);
+    (code / 10_000, code / 100 % 100, code % 100)
+}
+
+/// `rank` and `world_size` as NCCL takes them, checked.
+fn membership(rank: usize, world_size: usize) -> Result<(c_int, c_int)> {
+    if world_size == 0 {
+        return Err(Error::ZeroWorldSize);
+    }
+    if rank >= world_size {
+        return Err(Error::RankOutOfRange { rank, world_size });
+    }
+    let world = c_int::try_from(world_size).map_err(|_| Error::InvalidConfig {
+        field: "world_size",
+        reason: format!("is {world_size}, NCCL takes at most {} ranks", c_int::MAX),
+    })?;
+    // rank < world_size <= c_int::MAX.
+    Ok((rank as c_int, world))
+}
+
+/// `devices` as NCCL takes them: at least one, each once.
+fn device_list(devices: &[usize]) -> Result<Vec<c_int>> {
+    if devices.is_empty() {
+        return Err(Error::ZeroWorldSize);
+    }
+    let mut list = Vec::with_capacity(devices.len());
+    for (i, &device) in devices.iter().enumerate() {
+        if devices[..i].contains(&device) {
+            return Err(Error::InvalidConfig {
+                field: "devices",
+                reason: format!("device {device} is listed twice; NCCL takes one rank per GPU"),
+            });
+        }
+        list.push(c_int::try_from(device).map_err(|_| Error::InvalidConfig {
+            field: "devices",
+            reason: format!("device {device} is not a CUDA device ordinal"),
+        })?);
+    }
+    membership(0, list.len())?;
+    Ok(list)
+}
+
+fn nccl_dtype(dtype: DType) -> ncclDataType_t {
+    match dtype {
+        DType::Bf16 => ncclDataType_t::ncclBfloat16,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::F32 => ncclDataType_t::ncclFloat32,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    AllGather,
+    ReduceScatter,
+}
+
+/// One NCCL call, its arguments checked: device addresses, and `count` elements per rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Call {
+    kind: Kind,
+    send: u64,
+    recv: u64,
+    count: usize,
+    dtype: DType,
+}
+
+/// A buffer's base address and size in bytes.
+#[derive(Clone, Copy, Debug)]
+struct Extent {
+    base: u64,
+    bytes: usize,
+}
+
+impl Extent {
+    fn of(buf: &CudaBuffer) -> Extent {
+        Extent {
+            base: buf.ptr(),
+            bytes: buf.bytes(),
+        }
+    }
+
+    /// The address of `region`, checked to lie inside.
+    fn addr(self, region: Region) -> Result<u64> {
+        Ok(self.base + byte_range(region, self.bytes)?.start as u64)
+    }
+}
+
+fn all_gather_call(
+    world_size: usize,
+    shard: Extent,
+    shard_region: Region,
+    out: Extent,
+    out_region: Region,
+) -> Result<Call> {
+    check_all_gather(world_size, shard_region, out_region)?;
+    Ok(Call {
+        kind: Kind::AllGather,
+        send: shard.addr(shard_region)?,
+        recv: out.addr(out_region)?,
+        count: shard_region.len,
+        dtype: shard_region.dtype,
+    })
+}
+
+/// NCCL's in-place form: the rank's result lands at its own part of the input.
+fn reduce_scatter_call(
+    world_size: usize,
+    rank: usize,
+    buf: Extent,
+    region: Region,
+) -> Result<Call> {
+    check_reduce_scatter(world_size, region)?;
+    let send = buf.addr(region)?;
+    let count = region.len / world_size;
+    Ok(Call {
+        kind: Kind::ReduceScatter,
+        send,
+        recv: send + (rank * count * DType::F32.size()) as u64,
+        count,
+        dtype: DType::F32,
+    })
+}
+
+/// One collective of a [`NcclComm::batch`], with the buffers it reads and writes.
+pub enum Collective<'a> {
+    /// As [`Communicator::all_gather`].
+    AllGather {
+        shard: &'a CudaBuffer,
+        shard_region: Region,
+        out: &'a mut CudaBuffer,
+        out_region: Region,
+    },
+    /// As [`Communicator::reduce_scatter`].
+    ReduceScatter {
+        buf: &'a mut CudaBuffer,
+        region: Region,
+    },
+}
+
+/// One rank's NCCL communicator, on one GPU. Used from one thread at a time.
+pub struct NcclComm {
+    nccl: &'static Nccl,
+    comm: ncclComm_t,
+    rank: usize,
+    world_size: usize,
+    device: usize,
+    /// Keeps the device's primary context, which NCCL's resources live in, until the comm is gone.
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time; `NcclComm` is not
+// `Sync` and every call takes `&mut self` or happens in `Drop`.
+unsafe impl Send for NcclComm {}
+
+impl NcclComm {
+    /// A fresh unique id: made by one rank and passed, as bytes, to every rank's [`NcclComm::new`].
+    pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
+        let nccl = library::nccl()?;
+        let mut id = ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
+        // SAFETY: writes one `ncclUniqueId`.
+        let status = unsafe { (nccl.get_unique_id)(&mut id) };
+        nccl.check("ncclGetUniqueId", status, std::ptr::null_mut())?;
+        Ok(id.internal.map(|c| c as u8))
+    }
+
+    /// Joins the group of `world_size` ranks named by `id` as `rank`, on `backend`'s device.
+    /// Blocks until every rank joined.
+    pub fn new(
+        id: &[u8; UNIQUE_ID_BYTES],
+        rank: usize,
+        world_size: usize,
+        backend: &CudaBackend,
+    ) -> Result<NcclComm> {
+        let (rank32, world32) = membership(rank, world_size)?;
+        let nccl = library::nccl()?;
+        // NCCL creates its resources on the calling thread's current device.
+        bind(backend.context())?;
+        let id = ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: writes one communicator handle; the id is passed by value.
+        let status = unsafe { (nccl.comm_init_rank)(&mut comm, world32, id, rank32) };
+        nccl.check("ncclCommInitRank", status, std::ptr::null_mut())?;
+        Ok(NcclComm {
+            nccl,
+            comm,
+            rank,
+            world_size,
+            device: backend.ordinal(),
+            ctx: Arc::clone(backend.context()),
+        })
+    }
+
+    /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for
+    /// one process driving several GPUs: pair each with a backend on its device, one thread each.
+    pub fn group(devices: &[usize]) -> Result<Vec<NcclComm>> {
+        let list = device_list(devices)?;
+        let nccl = library::nccl()?;
+        let contexts = devices
+            .iter()
+            .map(|&d| primary_context(d))
+            .collect::<Result<Vec<_>>>()?;
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); list.len()];
+        // SAFETY: writes `list.len()` handles into `comms`, which holds as many.
+        let status =
+            unsafe { (nccl.comm_init_all)(comms.as_mut_ptr(), list.len() as c_int, list.as_ptr()) };
+        nccl.check("ncclCommInitAll", status, std::ptr::null_mut())?;
+        Ok(comms
+            .into_iter()
+            .zip(contexts)
+            .enumerate()
+            .map(|(rank, (comm, ctx))| NcclComm {
+                nccl,
+                comm,
+                rank,
+                world_size: devices.len(),
+                device: devices[rank],
+                ctx,
+            })
+            .collect())
+    }
+
+    /// The device the communicator runs on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Issues `ops` in order as one NCCL group (`ncclGroupStart` / `ncclGroupEnd`), so that NCCL
+    /// may run them together. Every op is checked before any is issued.
+    pub fn batch(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        ops: &[Collective<'_>],
+    ) -> Result<()> {
+        let calls = ops
+            .iter()
+            .map(|op| match op {
+                Collective::AllGather {
+                    shard,
+                    shard_region,
+                    out,
+                    out_region,
+                } => all_gather_call(
+                    self.world_size,
+                    Extent::of(shard),
+                    *shard_region,
+                    Extent::of(out),
+                    *out_region,
+                ),
+                Collective::ReduceScatter { buf, region } => {
+                    reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), *region)
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let on = self.prepare(backend, stream, "ncclGroupStart")?;
+        // SAFETY: starts a group that the call below ends on every path.
+        let started = unsafe { (self.nccl.group_start)() };
+        self.nccl
+            .check("ncclGroupStart", started, std::ptr::null_mut())?;
+        let issued = calls.iter().try_for_each(|call| self.issue(call, on));
+        // SAFETY: ends the group started above.
+        let ended = unsafe { (self.nccl.group_end)() };
+        issued.and(self.nccl.check("ncclGroupEnd", ended, self.comm))
+    }
+
+    /// Checks that `backend` is on the communicator's device and makes its context current;
+    /// returns the stream to issue on.
+    fn prepare<'b>(
+        &self,
+        backend: &'b CudaBackend,
+        stream: Stream,
+        call: &'static str,
+    ) -> Result<&'b CudaStream> {
+        if backend.ordinal() != self.device {
+            return Err(Error::Nccl {
+                call,
+                code: NCCL_INVALID_ARGUMENT,
+                message: format!(
+                    "the backend is on device {}, the communicator on device {}",
+                    backend.ordinal(),
+                    self.device
+                ),
+            });
+        }
+        bind(backend.context())?;
+        Ok(backend.stream(stream))
+    }
+
+    fn issue(&self, call: &Call, stream: &CudaStream) -> Result<()> {
+        if call.count == 0 {
+            return Ok(());
+        }
+        let s = stream.cu_stream() as cudaStream_t;
+        let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
+        let dtype = nccl_dtype(call.dtype);
+        // SAFETY: the addresses were checked against live buffers the caller borrows for this
+        // call: `count` elements at `send`, and `count` (reduce-scatter, in place) or
+        // `world_size * count` (all-gather, in another buffer) at `recv`; NCCL orders its work
+        // on `stream` only.
+        let (name, status) = unsafe {
+            match call.kind {
+                Kind::AllGather => (
+                    "ncclAllGather",
+                    (self.nccl.all_gather)(send, recv, call.count, dtype, self.comm, s),
+                ),
+                Kind::ReduceScatter => (
+                    "ncclReduceScatter",
+                    (self.nccl.reduce_scatter)(
+                        send,
+                        recv,
+                        call.count,
+                        dtype,
+                        ncclRedOp_t::ncclSum,
+                        self.comm,
+                        s,
+                    ),
+                ),
+            }
+        };
+        self.nccl.check(name, status, self.comm)
+    }
+}
+
+/// `ncclInvalidArgument`.
+const NCCL_INVALID_ARGUMENT: i32 = 4;
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // Errors cannot be reported here; the process keeps running without the communicator.
+        let _ = bind(&self.ctx);
+        // SAFETY: the handle came from NCCL and is destroyed once.
+        let _ = unsafe { (self.nccl.comm_destroy)(self.comm) };
+    }
+}
+
+impl Communicator<CudaBackend> for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_gather(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        shard: &CudaBuffer,
+        shard_region: Region,
+        out: &mut CudaBuffer,
+        out_region: Region,
+    ) -> Result<()> {
+        let call = all_gather_call(
+            self.world_size,
+            Extent::of(shard),
+            shard_region,
+            Extent::of(out),
+            out_region,
+        )?;
+        let on = self.prepare(backend, stream, "ncclAllGather")?;
+        self.issue(&call, on)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        buf: &mut CudaBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let call = reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), region)?;
+        let on = self.prepare(backend, stream, "ncclReduceScatter")?;
+        self.issue(&call, on)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: u64 = 0x7f00_0000_0000;
+
+    fn extent(bytes: usize) -> Extent {
+        Extent { base: BASE, bytes }
+    }
+
+    #[test]
+    fn ranks_and_world_sizes_are_checked() {
+        assert!(matches!(membership(0, 0), Err(Error::ZeroWorldSize)));
+        assert!(matches!(
+            membership(2, 2),
+            Err(Error::RankOutOfRange {
+                rank: 2,
+                world_size: 2
+            })
+        ));
+        assert!(matches!(
+            membership(0, c_int::MAX as usize + 1),
+            Err(Error::InvalidConfig {
+                field: "world_size",
+                ..
+            })
+        ));
+        assert_eq!(membership(1, 2).unwrap(), (1, 2));
+    }
+
+    #[test]
+    fn device_lists_are_checked() {
+        assert!(matches!(device_list(&[]), Err(Error::ZeroWorldSize)));
+        assert!(matches!(
+            device_list(&[0, 1, 0]),
+            Err(Error::InvalidConfig {
+                field: "devices",
+                ..
+            })
+        ));
+        assert!(matches!(
+            device_list(&[usize::MAX]),
+            Err(Error::InvalidConfig {
+                field: "devices",
+                ..
+            })
+        ));
+        assert_eq!(device_list(&[3, 1]).unwrap(), vec![3, 1]);
+    }
+
+    #[test]
+    fn reduce_scatter_is_in_place_at_the_ranks_part() {
+        let region = Region::new(8, 12, DType::F32);
+        let call = reduce_scatter_call(3, 2, extent(80), region).unwrap();
+        assert_eq!(
+            call,
+            Call {
+                kind: Kind::ReduceScatter,
+                send: BASE + 32,
+                recv: BASE + 32 + 2 * 4 * 4,
+                count: 4,
+                dtype: DType::F32,
+            }
+        );
+    }
+
+    #[test]
+    fn reduce_scatter_arguments_are_checked() {
+        let err = reduce_scatter_call(2, 0, extent(64), Region::new(0, 3, DType::F32)).unwrap_err();
+        assert!(matches!(err, Error::OutOfRange { len: 3, .. }), "{err:?}");
+        let err =
+            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::Bf16)).unwrap_err();
+        assert!(matches!(err, Error::OutOfRange { len: 4, .. }), "{err:?}");
+        let err = reduce_scatter_call(2, 1, extent(16), Region::new(2, 4, DType::F32)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfRange {
+                    offset: 2,
+                    len: 4,
+                    capacity: 4
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn all_gather_is_out_of_place_with_a_count_per_rank() {
+        let call = all_gather_call(
+            4,
+            extent(8),
+            Region::new(1, 3, DType::Bf16),
+            Extent {
+                base: BASE + 4096,
+                bytes: 64,
+            },
+            Region::new(2, 12, DType::Bf16),
+        )
+        .unwrap();
+        assert_eq!(
+            call,
+            Call {
+                kind: Kind::AllGather,
+                send: BASE + 2,
+                recv: BASE + 4096 + 4,
+                count: 3,
+                dtype: DType::Bf16,
+            }
+        );
+    }
+
+    #[test]
+    fn all_gather_arguments_are_checked() {
+        let shard = Region::new(0, 2, DType::F32);
+        let err = all_gather_call(
+            2,
+            extent(8),
+            shard,
+            extent(64),
+            Region::new(0, 5, DType::F32),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfRange {
+                    len: 5,
+                    capacity: 4,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let err = all_gather_call(
+            2,
+            extent(8),
+            shard,
+            extent(64),
+            Region::new(0, 4, DType::F16),
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::OutOfRange { .. }), "{err:?}");
+        let err = all_gather_call(
+            2,
+            extent(4),
+            shard,
+            extent(64),
+            Region::new(0, 4, DType::F32),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfRange {
+                    offset: 0,
+                    len: 2,
+                    capacity: 1
+                }
+            ),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn version_codes_split_into_their_parts() {
+        assert_eq!(split_version(22803), (2, 28, 3));
+        assert_eq!(split_version(-1), (0, 0, 0));
+    }
+
+    #[test]
+    fn dtypes_map_to_nccls() {
+        assert_eq!(nccl_dtype(DType::Bf16), ncclDataType_t::ncclBfloat16);
+        assert_eq!(nccl_dtype(DType::F16), ncclDataType_t::ncclFloat16);
+        assert_eq!(nccl_dtype(DType::F32), ncclDataType_t::ncclFloat32);
+    }
+}
