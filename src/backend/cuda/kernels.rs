@@ -33,7 +33,8 @@ pub struct PackEntry {
 const _: () = assert!(std::mem::size_of::<PackEntry>() == 32);
 
 /// The fatbin that build.rs compiled; empty when nvcc was not found.
-static FATBIN: &Aligned<[u8]> = &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
+static FATBIN: &Aligned<[u8]> =
+    &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
 
 /// The driver parses the fatbin in place, so give it the alignment of its headers and more.
 #[repr(C, align(64))]
@@ -163,12 +164,14 @@ fn available(fatbin: &[u8]) -> Result<()> {
 }
 
 fn describe(e: DriverError) -> String {
-    let name = e
-        .error_name()
-        .map_or_else(|_| format!("{:?}", e.0), |s| s.to_string_lossy().into_owned());
-    let text = e
-        .error_string()
-        .map_or_else(|_| "no description".to_owned(), |s| s.to_string_lossy().into_owned());
+    let name = e.error_name().map_or_else(
+        |_| format!("{:?}", e.0),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    let text = e.error_string().map_or_else(
+        |_| "no description".to_owned(),
+        |s| s.to_string_lossy().into_owned(),
+    );
     format!("{name}: {text}")
 }
 
@@ -208,7 +211,8 @@ fn arg<T>(value: &T) -> *mut c_void {
 impl Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
         available(&FATBIN.0)?;
-        ctx.bind_to_thread().map_err(cuda_error("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent"))?;
         // SAFETY: FATBIN is a fatbin written by nvcc, aligned, and lives for the whole program.
         let handle = unsafe { result::module::load_data(FATBIN.0.as_ptr().cast()) }
             .map_err(cuda_error("cuModuleLoadData"))?;
@@ -263,10 +267,19 @@ impl Kernels {
         grid: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(cuda_error("cuCtxSetCurrent"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent"))?;
         // SAFETY: the caller's contract; `kernel` belongs to this context's loaded module.
         unsafe {
-            result::launch_kernel(kernel.function, (grid, 1, 1), (BLOCK, 1, 1), 0, stream.cu_stream(), args)
+            result::launch_kernel(
+                kernel.function,
+                (grid, 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.cu_stream(),
+                args,
+            )
         }
         .map_err(cuda_error("cuLaunchKernel"))
     }
@@ -280,14 +293,28 @@ impl Kernels {
         let kernel = self.fill_zero;
         let n = bytes as u64;
         // SAFETY: fill_zero_bytes(uint8_t* dst, uint64_t bytes); the caller's contract.
-        unsafe { self.launch(stream, kernel, kernel.elementwise_grid(bytes), &mut [arg(&dst), arg(&n)]) }
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(bytes),
+                &mut [arg(&dst), arg(&n)],
+            )
+        }
     }
 
     /// `dst[i] = src[i]` for `i < n`, any alignment of either address.
     ///
     /// # Safety
     /// `src` and `dst` are valid for `n` elements of `dtype` and do not overlap.
-    pub unsafe fn copy(&self, stream: &CudaStream, dtype: DType, src: u64, dst: u64, n: usize) -> Result<()> {
+    pub unsafe fn copy(
+        &self,
+        stream: &CudaStream,
+        dtype: DType,
+        src: u64,
+        dst: u64,
+        n: usize,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -412,7 +439,15 @@ impl Kernels {
                 stream,
                 kernel,
                 kernel.elementwise_grid(n),
-                &mut [arg(&master), arg(&m), arg(&v), arg(&grad), arg(&param), arg(&n64), arg(c)],
+                &mut [
+                    arg(&master),
+                    arg(&m),
+                    arg(&v),
+                    arg(&grad),
+                    arg(&param),
+                    arg(&n64),
+                    arg(c),
+                ],
             )
         }
     }
@@ -493,7 +528,14 @@ impl Kernels {
     ///
     /// # Safety
     /// As `pack`.
-    pub unsafe fn unpack(&self, stream: &CudaStream, dtype: DType, table: u64, count: usize, flat: u64) -> Result<()> {
+    pub unsafe fn unpack(
+        &self,
+        stream: &CudaStream,
+        dtype: DType,
+        table: u64,
+        count: usize,
+        flat: u64,
+    ) -> Result<()> {
         if count == 0 {
             return Ok(());
         }
@@ -520,7 +562,14 @@ impl Kernels {
     ///
     /// # Safety
     /// Every source and `dst` is valid for `n` f32.
-    pub unsafe fn reduce_sum(&self, stream: &CudaStream, srcs: u64, count: usize, dst: u64, n: usize) -> Result<()> {
+    pub unsafe fn reduce_sum(
+        &self,
+        stream: &CudaStream,
+        srcs: u64,
+        count: usize,
+        dst: u64,
+        n: usize,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }

@@ -1,0 +1,292 @@
+// Shared by every kernel family: element types with exact conversions, 16-byte vector access, the
+// alignment phase of an element-wise range, and the grid- (or block-) stride driver.
+//
+// Every size and index is 64-bit: buffers of several GiB are ordinary here.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace fsdp {
+
+// Threads per block of every kernel; the host launches with the same number.
+constexpr int kBlock = 256;
+
+// One element per step when the operands cannot be vectorized together; several steps in flight
+// per thread so that scalar loads still overlap.
+constexpr int kScalarUnroll = 4;
+
+// Element types carry raw bits: moves never touch the values, and the conversions below follow
+// Rust's `half` crate bit for bit, NaN payloads included (the hardware conversions return a
+// canonical NaN, `half` keeps sign and payload and sets the quiet bit).
+struct Bf16 {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_f32(uint32_t b) {
+    const uint32_t quiet = (b & 0x7FFFu) > 0x7F80u ? 0x00400000u : 0u;
+    return __uint_as_float((b << 16) | quiet);
+  }
+  static __device__ __forceinline__ uint32_t from_f32(float x) {
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+      return (u >> 16) | 0x0040u;
+    }
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+};
+
+struct F16 {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_f32(uint32_t b) {
+    if ((b & 0x7C00u) == 0x7C00u && (b & 0x03FFu) != 0) {
+      return __uint_as_float(((b & 0x8000u) << 16) | 0x7FC00000u | ((b & 0x03FFu) << 13));
+    }
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ uint32_t from_f32(float x) {
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+      return ((u >> 16) & 0x8000u) | 0x7E00u | ((u & 0x007FFFFFu) >> 13);
+    }
+    return __half_as_ushort(__float2half_rn(x));
+  }
+};
+
+struct F32 {
+  using Bits = uint32_t;
+  static __device__ __forceinline__ float to_f32(uint32_t b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ uint32_t from_f32(float x) { return __float_as_uint(x); }
+};
+
+// Elements per 16-byte vector.
+template <class Bits>
+constexpr int kPerVector = 16 / static_cast<int>(sizeof(Bits));
+
+// The vector accesses are written in PTX so that they are 128-bit global accesses even through
+// addresses read from a device table, which the compiler cannot prove global. The memory clobber
+// keeps them in source order with the scalar accesses around them.
+__device__ __forceinline__ uint4 load16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               :
+               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// N consecutive elements of T as floats: whole 16-byte vectors (p then 16-byte aligned), or one
+// element when N == 1.
+template <class T, int N>
+__device__ __forceinline__ void load_f32(const typename T::Bits* p, float (&x)[N]) {
+  if constexpr (N == 1) {
+    x[0] = T::to_f32(*p);
+  } else {
+    constexpr int kPer = kPerVector<typename T::Bits>;
+    static_assert(N % kPer == 0, "a chunk spans whole vectors");
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      const uint4 w = load16(p + v * kPer);
+      const uint32_t word[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kPer == 4) {
+          x[v * 4 + k] = T::to_f32(word[k]);
+        } else {
+          x[v * 8 + 2 * k] = T::to_f32(word[k] & 0xFFFFu);
+          x[v * 8 + 2 * k + 1] = T::to_f32(word[k] >> 16);
+        }
+      }
+    }
+  }
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_f32(typename T::Bits* p, const float (&x)[N]) {
+  using Bits = typename T::Bits;
+  if constexpr (N == 1) {
+    *p = static_cast<Bits>(T::from_f32(x[0]));
+  } else {
+    constexpr int kPer = kPerVector<Bits>;
+    static_assert(N % kPer == 0, "a chunk spans whole vectors");
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      uint32_t word[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kPer == 4) {
+          word[k] = T::from_f32(x[v * 4 + k]);
+        } else {
+          word[k] = T::from_f32(x[v * 8 + 2 * k]) | (T::from_f32(x[v * 8 + 2 * k + 1]) << 16);
+        }
+      }
+      store16(p + v * kPer, make_uint4(word[0], word[1], word[2], word[3]));
+    }
+  }
+}
+
+// N consecutive elements as raw bits, for moves: whole 16-byte vectors, or one element.
+template <class Bits, int N>
+struct Raw {
+  static_assert(N * sizeof(Bits) % 16 == 0, "a chunk spans whole vectors");
+  static constexpr int kVectors = N * static_cast<int>(sizeof(Bits)) / 16;
+  uint4 v[kVectors];
+  __device__ __forceinline__ void load(const Bits* p) {
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) v[k] = load16(p + k * kPerVector<Bits>);
+  }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) v[k] = make_uint4(0, 0, 0, 0);
+  }
+  __device__ __forceinline__ void store(Bits* p) const {
+#pragma unroll
+    for (int k = 0; k < kVectors; ++k) store16(p + k * kPerVector<Bits>, v[k]);
+  }
+};
+
+template <class Bits>
+struct Raw<Bits, 1> {
+  Bits x;
+  __device__ __forceinline__ void load(const Bits* p) { x = *p; }
+  __device__ __forceinline__ void clear() { x = 0; }
+  __device__ __forceinline__ void store(Bits* p) const { *p = x; }
+};
+
+// Where the vector body of an element-wise range starts: after `head` elements every operand is
+// 16-byte aligned, if the operands agree on that point (`ok`). Each operand constrains the start
+// modulo its elements per vector; the moduli are powers of two, so agreement is checked modulo
+// the smaller one. Operands are assumed aligned to their element size (the host checks).
+struct Phase {
+  uint32_t head = 0;
+  uint32_t mod = 1;
+  bool ok = true;
+
+  template <class Bits>
+  __device__ __forceinline__ void add(const Bits* p) {
+    constexpr uint32_t kPer = kPerVector<Bits>;
+    const uint32_t past = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) & 15u) / sizeof(Bits);
+    const uint32_t first = (kPer - past) % kPer;
+    const uint32_t common = kPer < mod ? kPer : mod;
+    ok = ok && first % common == head % common;
+    if (kPer > mod) {
+      head = first;
+      mod = kPer;
+    }
+  }
+};
+
+__device__ __forceinline__ uint64_t grid_thread() {
+  return static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ uint64_t grid_threads() {
+  return static_cast<uint64_t>(gridDim.x) * blockDim.x;
+}
+
+// Runs `chunks` chunks of N elements from element `start`: chunk c is handled by thread
+// c % threads, U chunks per thread per round, every load of a round issued before its stores.
+// An op reads its inputs in `steps()` passes (one, except for a sum over many sources), then
+// computes and writes in `store`.
+template <int N, int U, class Op>
+__device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_t chunks,
+                                           uint64_t thread, uint64_t threads) {
+  for (uint64_t c0 = thread; c0 < chunks; c0 += threads * U) {
+    typename Op::template Regs<N> r[U];
+    for (int s = 0; s < op.steps(); ++s) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint64_t c = c0 + u * threads;
+        if (c < chunks) op.template load<N>(s, start + c * N, r[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint64_t c = c0 + u * threads;
+      if (c < chunks) op.template store<N>(start + c * N, r[u]);
+    }
+  }
+}
+
+// Runs `op` over elements [0, n): the 16-byte aligned body in chunks of E elements, U chunks in
+// flight per thread, and the unaligned head and tail one element at a time; everything one element
+// at a time when the operands' alignment phases differ. `thread` of `threads` is the caller's
+// position in the grid (grid-stride) or in its block (block-stride).
+template <int E, int U, class Op>
+__device__ __forceinline__ void elementwise(const Op& op, uint64_t n, const Phase& phase,
+                                            uint64_t thread, uint64_t threads) {
+  if (!phase.ok) {
+    run_chunks<1, kScalarUnroll>(op, 0, n, thread, threads);
+    return;
+  }
+  const uint64_t head = phase.head < n ? phase.head : n;
+  const uint64_t chunks = (n - head) / E;
+  const uint64_t tail = head + chunks * E;
+  for (uint64_t k = thread; k < head + (n - tail); k += threads) {
+    const uint64_t i = k < head ? k : tail + (k - head);
+    typename Op::template Regs<1> r;
+    for (int s = 0; s < op.steps(); ++s) op.template load<1>(s, i, r);
+    op.template store<1>(i, r);
+  }
+  run_chunks<E, U>(op, head, chunks, thread, threads);
+}
+
+// Copies elements: the op of copy, pack and unpack.
+template <class Bits>
+struct CopyOp {
+  const Bits* src;
+  Bits* dst;
+  template <int N>
+  using Regs = Raw<Bits, N>;
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
+    r.load(src + i);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    r.store(dst + i);
+  }
+};
+
+// Writes zeros: the op of fill_zero and of pack's padding.
+template <class Bits>
+struct ZeroOp {
+  Bits* dst;
+  template <int N>
+  using Regs = Raw<Bits, N>;
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t, Regs<N>& r) const {
+    r.clear();
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    r.store(dst + i);
+  }
+};
+
+template <class Bits, int U>
+__device__ __forceinline__ void copy_range(const Bits* src, Bits* dst, uint64_t n, uint64_t thread,
+                                           uint64_t threads) {
+  Phase phase;
+  phase.add(src);
+  phase.add(dst);
+  elementwise<kPerVector<Bits>, U>(CopyOp<Bits>{src, dst}, n, phase, thread, threads);
+}
+
+template <class Bits, int U>
+__device__ __forceinline__ void zero_range(Bits* dst, uint64_t n, uint64_t thread,
+                                           uint64_t threads) {
+  Phase phase;
+  phase.add(dst);
+  elementwise<kPerVector<Bits>, U>(ZeroOp<Bits>{dst}, n, phase, thread, threads);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,99 @@
+// Gradient arithmetic in f32: scaled accumulation and the element-wise sum of many buffers.
+//
+// The arithmetic is written with round-to-nearest intrinsics so that nvcc cannot contract a
+// multiply and an add into an FMA: the host computes each step separately, and so must we.
+#include "common.cuh"
+
+namespace fsdp {
+
+// `dst = scale * src`, or `dst = dst + scale * src` when `add`, as `accumulate_element`.
+template <class S>
+struct AccumulateOp {
+  const typename S::Bits* src;
+  float* dst;
+  float scale;
+  bool add;
+  template <int N>
+  struct Regs {
+    float s[N];
+    float d[N];
+  };
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
+    load_f32<S, N>(src + i, r.s);
+    if (add) load_f32<F32, N>(reinterpret_cast<const uint32_t*>(dst) + i, r.d);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    float out[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float scaled = __fmul_rn(scale, r.s[k]);
+      out[k] = add ? __fadd_rn(r.d[k], scaled) : scaled;
+    }
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(dst) + i, out);
+  }
+};
+
+template <class S>
+__device__ __forceinline__ void accumulate(const typename S::Bits* src, float* dst, uint64_t n,
+                                           float scale, bool add) {
+  Phase phase;
+  phase.add(src);
+  phase.add(dst);
+  elementwise<kPerVector<typename S::Bits>, 4>(AccumulateOp<S>{src, dst, scale, add}, n, phase,
+                                                 grid_thread(), grid_threads());
+}
+
+// `dst = ((src0 + src1) + src2) + ...`: step k reads source k, so every chunk of a round has its
+// load of one source in flight together. `dst` may be one of the sources: each element is read
+// from every source before it is written, by the same thread.
+struct SumOp {
+  const float* const* srcs;
+  int count;
+  float* dst;
+  template <int N>
+  struct Regs {
+    float acc[N];
+  };
+  __device__ __forceinline__ int steps() const { return count; }
+  template <int N>
+  __device__ __forceinline__ void load(int step, uint64_t i, Regs<N>& r) const {
+    float x[N];
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(srcs[step]) + i, x);
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.acc[k] = step == 0 ? x[k] : __fadd_rn(r.acc[k], x[k]);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(dst) + i, r.acc);
+  }
+};
+
+__device__ __forceinline__ void reduce_sum(const float* const* srcs, int count, float* dst,
+                                           uint64_t n) {
+  Phase phase;
+  phase.add(dst);
+  for (int k = 0; k < count; ++k) phase.add(srcs[k]);
+  elementwise<4, 4>(SumOp{srcs, count, dst}, n, phase, grid_thread(), grid_threads());
+}
+
+}  // namespace fsdp
+
+using fsdp::kBlock;
+
+#define FSDP_ACCUMULATE(name, S)                                                          \
+  extern "C" __global__ void __launch_bounds__(kBlock) accumulate_##name(                 \
+      const S::Bits* src, float* dst, uint64_t n, float scale, uint32_t add) {            \
+    fsdp::accumulate<S>(src, dst, n, scale, add != 0);                                    \
+  }
+
+FSDP_ACCUMULATE(bf16, fsdp::Bf16)
+FSDP_ACCUMULATE(f16, fsdp::F16)
+FSDP_ACCUMULATE(f32, fsdp::F32)
+
+extern "C" __global__ void __launch_bounds__(kBlock)
+    reduce_sum_f32(const float* const* srcs, uint32_t count, float* dst, uint64_t n) {
+  fsdp::reduce_sum(srcs, static_cast<int>(count), dst, n);
+}

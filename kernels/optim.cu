@@ -1,0 +1,139 @@
+// Optimizer updates on a shard: fp32 master weights and moments, the param written rounded to its
+// dtype. Each formula is `crate::optim`'s, operation for operation, with round-to-nearest
+// intrinsics so that nvcc cannot contract into FMAs or approximate the division and square root.
+#include "common.cuh"
+
+namespace fsdp {
+
+// `crate::optim::AdamwCoefficients`, field for field.
+struct AdamwCoefficients {
+  float decay;
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float step_size;
+  float sqrt_bias2;
+  float eps;
+};
+
+// For f32 params `param` may be `master`; then the second store is skipped, it would write the
+// same bits again.
+template <class P>
+struct AdamwOp {
+  float* master;
+  float* m;
+  float* v;
+  const float* grad;
+  typename P::Bits* param;
+  AdamwCoefficients c;
+  bool aliased;
+  template <int N>
+  struct Regs {
+    float p[N];
+    float m[N];
+    float v[N];
+    float g[N];
+  };
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(master) + i, r.p);
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(m) + i, r.m);
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(v) + i, r.v);
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(grad) + i, r.g);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    float p[N];
+    float mo[N];
+    float vo[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float g = r.g[k];
+      const float decayed = __fmul_rn(r.p[k], c.decay);
+      mo[k] = __fadd_rn(__fmul_rn(c.beta1, r.m[k]), __fmul_rn(c.one_minus_beta1, g));
+      vo[k] = __fadd_rn(__fmul_rn(c.beta2, r.v[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vo[k]), c.sqrt_bias2), c.eps);
+      p[k] = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(mo[k], denom)));
+    }
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(master) + i, p);
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(m) + i, mo);
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(v) + i, vo);
+    if (!aliased) store_f32<P, N>(param + i, p);
+  }
+};
+
+template <class P>
+struct SgdOp {
+  float* master;
+  const float* grad;
+  typename P::Bits* param;
+  float lr;
+  bool aliased;
+  template <int N>
+  struct Regs {
+    float p[N];
+    float g[N];
+  };
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(master) + i, r.p);
+    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(grad) + i, r.g);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    float p[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = __fsub_rn(r.p[k], __fmul_rn(lr, r.g[k]));
+    store_f32<F32, N>(reinterpret_cast<uint32_t*>(master) + i, p);
+    if (!aliased) store_f32<P, N>(param + i, p);
+  }
+};
+
+template <class P>
+__device__ __forceinline__ void adamw(float* master, float* m, float* v, const float* grad,
+                                      typename P::Bits* param, uint64_t n,
+                                      const AdamwCoefficients& c) {
+  Phase phase;
+  phase.add(master);
+  phase.add(m);
+  phase.add(v);
+  phase.add(grad);
+  phase.add(param);
+  const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
+  elementwise<kPerVector<typename P::Bits>, 2>(AdamwOp<P>{master, m, v, grad, param, c, aliased},
+                                                 n, phase, grid_thread(), grid_threads());
+}
+
+template <class P>
+__device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
+                                    uint64_t n, float lr) {
+  Phase phase;
+  phase.add(master);
+  phase.add(grad);
+  phase.add(param);
+  const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
+  elementwise<kPerVector<typename P::Bits>, 4>(SgdOp<P>{master, grad, param, lr, aliased}, n,
+                                                 phase, grid_thread(), grid_threads());
+}
+
+}  // namespace fsdp
+
+using fsdp::kBlock;
+
+#define FSDP_OPTIM(name, P)                                                                     \
+  extern "C" __global__ void __launch_bounds__(kBlock)                                          \
+      adamw_##name(float* master, float* m, float* v, const float* grad, P::Bits* param,        \
+                   uint64_t n, fsdp::AdamwCoefficients c) {                                     \
+    fsdp::adamw<P>(master, m, v, grad, param, n, c);                                            \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(kBlock)                                          \
+      sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n, float lr) {      \
+    fsdp::sgd<P>(master, grad, param, n, lr);                                                   \
+  }
+
+FSDP_OPTIM(bf16, fsdp::Bf16)
+FSDP_OPTIM(f16, fsdp::F16)
+FSDP_OPTIM(f32, fsdp::F32)
