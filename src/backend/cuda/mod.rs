@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::sys::{CUcontext, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 
-use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, Region, Stream};
+use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
@@ -461,5 +461,16 @@ impl Backend for CudaBackend {
                 n,
             )
         }
+    }
+}
+
+/// Device addresses, for the caller's kernels on the compute stream.
+impl RawAddress for CudaBackend {
+    fn address(buf: &CudaBuffer, region: Region) -> Result<u64> {
+        buf.addr(region)
+    }
+
+    fn address_mut(buf: &mut CudaBuffer, region: Region) -> Result<u64> {
+        buf.addr(region)
     }
 }
