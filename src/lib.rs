@@ -75,6 +75,7 @@ pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod ffi;
 pub mod grads;
 pub mod mlp;
 pub mod optim;

@@ -1,0 +1,138 @@
+//! The C consumer, `examples/c/train.c`, compiled with the system C compiler against the static
+//! library and the checked-in header, trains the example model and matches the Rust trainer.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use fsdp_fusion::mlp::{Mlp, MlpConfig, train_local};
+use fsdp_fusion::{DType, EngineConfig, OptimizerConfig, Plan};
+
+/// The cargo target directory this test runs from: `<target>/<profile>/deps/<test>`.
+fn target_dir() -> (PathBuf, String) {
+    let exe = std::env::current_exe().expect("test executable path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>");
+    let profile = profile_dir
+        .file_name()
+        .expect("profile")
+        .to_string_lossy()
+        .to_string();
+    (profile_dir.parent().expect("target").to_path_buf(), profile)
+}
+
+/// Builds the static library into this test's target directory and the C program beside it.
+fn build_c_consumer() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (target, profile) = target_dir();
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .current_dir(root)
+        .args(["build", "--lib", "--target-dir"])
+        .arg(&target);
+    if profile == "release" {
+        cargo.arg("--release");
+    }
+    let status = cargo.status().expect("run cargo");
+    assert!(status.success(), "cargo build --lib failed");
+    let lib = target.join(&profile).join("libfsdp_fusion.a");
+    let exe = target.join(&profile).join("c-train");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let out = Command::new(cc)
+        .current_dir(root)
+        .args([
+            "-std=c11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Iinclude",
+            "examples/c/train.c",
+        ])
+        .arg(&lib)
+        .args(["-lpthread", "-ldl", "-lm", "-lrt", "-o"])
+        .arg(&exe)
+        .output()
+        .expect("run the C compiler");
+    assert!(
+        out.status.success(),
+        "compiling examples/c/train.c failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+fn rust_losses(world: usize, steps: u64) -> Vec<f32> {
+    let model = Mlp::new(MlpConfig {
+        layers: 2,
+        width: 16,
+        inputs: 8,
+        batch: 4,
+        dtype: DType::F32,
+        seed: 7,
+    });
+    let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
+    let config = EngineConfig {
+        double_buffer_limit: 4,
+        optimizer: OptimizerConfig::AdamW {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        ..EngineConfig::default()
+    };
+    let mut losses = Vec::new();
+    train_local(
+        &model,
+        &plan,
+        &config,
+        &model.init(1),
+        steps,
+        2,
+        |_, ranks| {
+            losses.push(ranks.iter().map(|r| r.loss).sum::<f32>() / world as f32);
+            Ok(())
+        },
+    )
+    .unwrap();
+    losses
+}
+
+#[test]
+fn the_c_consumer_trains_like_the_rust_trainer() {
+    let exe = build_c_consumer();
+    for (world, steps) in [(2usize, 6u64), (3, 4)] {
+        let out = Command::new(&exe)
+            .args([world.to_string(), steps.to_string()])
+            .output()
+            .expect("run the C consumer");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let c: Vec<f32> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("step <n> loss <v>")
+            })
+            .collect();
+        let rust = rust_losses(world, steps);
+        assert_eq!(c.len(), rust.len());
+        // The C program multiplies matrices in another order than the Rust one: equal to rounding.
+        for (step, (c, r)) in c.iter().zip(&rust).enumerate() {
+            assert!(
+                (c - r).abs() <= 1e-4 * r.abs(),
+                "world {world} step {step}: C {c} Rust {r}"
+            );
+        }
+        assert!(rust.last() < rust.first(), "no training happened: {rust:?}");
+    }
+}
