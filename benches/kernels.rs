@@ -1,0 +1,557 @@
+//! GPU bench of every kernel at 1 GiB and at 16 MiB, beside a device-to-device copy
+//! (`cuMemcpyDtoDAsync`) of the same size measured in the same run.
+//!
+//!     cargo bench --bench kernels [-- --quick]       (on the GPU machine: .gpu/bin/bench-kernels)
+//!
+//! A size is the bytes of a kernel's output: the flat buffer for pack, the params for unpack, the
+//! f32 destination for accumulate and reduce_sum, the param for the optimizers. Each figure is
+//! the median of its repetitions, each timed alone between two CUDA events after a warm-up;
+//! bandwidth counts the bytes the kernel must read plus those it writes, and the last column is
+//! that bandwidth over the copy's. Repetitions rotate over buffer sets that together far exceed
+//! the L2 cache, so that the 16 MiB figures measure memory, not cache, as in training.
+//! Without a GPU (or without kernels in the build) it says so and exits 0.
+
+use std::error::Error as StdError;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, result, sys};
+use fsdp_fusion::backend::cuda::kernels::{Kernels, PackEntry};
+use fsdp_fusion::optim::AdamwCoefficients;
+use fsdp_fusion::{DType, Error};
+
+type Outcome<T> = Result<T, Box<dyn StdError>>;
+/// Work on one buffer set, given its operands' addresses.
+type OnSet = Box<dyn Fn(&Gpu, &[u64]) -> Outcome<()>>;
+
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+/// The buffer sets of one measurement add up to at least this: several times an H200's L2.
+const ROTATION_BYTES: usize = 512 * MIB;
+/// The figure every kernel should reach at 1 GiB, as a fraction of the copy.
+const TARGET: f64 = 0.9;
+const DTYPES: [DType; 3] = [DType::Bf16, DType::F16, DType::F32];
+
+struct Settings {
+    warmup: usize,
+    reps: usize,
+}
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+}
+
+fn main() -> ExitCode {
+    let quick = std::env::args().skip(1).any(|a| a == "--quick");
+    let settings = if quick {
+        Settings {
+            warmup: 3,
+            reps: 20,
+        }
+    } else {
+        Settings {
+            warmup: 10,
+            reps: 50,
+        }
+    };
+    let result = open().and_then(|gpu| match gpu {
+        Some(gpu) => run(&gpu, &settings),
+        None => Ok(()),
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kernels bench failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The GPU, or `None` after saying why there is nothing to measure.
+fn open() -> Outcome<Option<Gpu>> {
+    // SAFETY: only tries to open the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        println!("kernels bench: no CUDA driver on this machine, nothing to measure");
+        return Ok(None);
+    }
+    let ctx = match CudaContext::new(0) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            println!("kernels bench: no CUDA device ({e}), nothing to measure");
+            return Ok(None);
+        }
+    };
+    let kernels = match Kernels::load(&ctx) {
+        Ok(kernels) => kernels,
+        Err(e @ Error::KernelsUnavailable) => {
+            println!("kernels bench: {e}");
+            return Ok(None);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let stream = ctx.new_stream()?;
+    Ok(Some(Gpu {
+        ctx,
+        stream,
+        kernels,
+    }))
+}
+
+fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
+    println!(
+        "device: {} ({} SMs); median of {} repetitions after {} warm-up",
+        gpu.ctx.name()?,
+        gpu.kernels.sm_count(),
+        settings.reps,
+        settings.warmup
+    );
+    println!(
+        "{:<12} {:<14} {:>8} {:>9} {:>9} {:>8}",
+        "kernel", "dtype", "size", "ms", "GB/s", "of copy"
+    );
+    let mut short = Vec::new();
+    for size in [GIB, 16 * MIB] {
+        let label = if size >= GIB {
+            format!("{} GiB", size / GIB)
+        } else {
+            format!("{} MiB", size / MIB)
+        };
+        let copy = measure(gpu, settings, &memcpy(size))?;
+        print_row("cuMemcpyDtoD", "bytes", &label, copy, 1.0);
+        for item in items(size) {
+            let figure = measure(gpu, settings, &item)?;
+            let fraction = figure.gb_per_s / copy.gb_per_s;
+            print_row(item.kernel, &item.dtype, &label, figure, fraction);
+            if size >= GIB && fraction < TARGET {
+                short.push(format!("{} {}", item.kernel, item.dtype));
+            }
+        }
+    }
+    if short.is_empty() {
+        println!(
+            "every kernel at 1 GiB reaches {:.0}% of the copy",
+            TARGET * 100.0
+        );
+    } else {
+        println!(
+            "below {:.0}% of the copy at 1 GiB: {}",
+            TARGET * 100.0,
+            short.join(", ")
+        );
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+struct Figure {
+    ms: f64,
+    gb_per_s: f64,
+}
+
+fn print_row(kernel: &str, dtype: &str, size: &str, figure: Figure, fraction: f64) {
+    println!(
+        "{kernel:<12} {dtype:<14} {size:>8} {:>9.4} {:>9.1} {:>8.3}",
+        figure.ms, figure.gb_per_s, fraction
+    );
+}
+
+/// One call to time. Each buffer set holds `operands` (bytes each, allocated and filled with
+/// finite values); `setup` writes a set's tables once, `call` launches on one set.
+struct Item {
+    kernel: &'static str,
+    dtype: String,
+    operands: Vec<usize>,
+    /// Bytes the call reads plus bytes it writes.
+    moved: usize,
+    setup: OnSet,
+    call: OnSet,
+}
+
+impl Item {
+    fn new(
+        kernel: &'static str,
+        dtype: String,
+        operands: Vec<usize>,
+        moved: usize,
+        call: impl Fn(&Gpu, &[u64]) -> Outcome<()> + 'static,
+    ) -> Item {
+        Item {
+            kernel,
+            dtype,
+            operands,
+            moved,
+            setup: Box::new(|_, _| Ok(())),
+            call: Box::new(call),
+        }
+    }
+}
+
+/// Device memory for the bench, freed on drop.
+struct Device {
+    ptr: u64,
+}
+
+impl Device {
+    /// `bytes` bytes of 0x3F: finite, positive values in every dtype (0.75 as f32, 1.8 as f16).
+    fn alloc(gpu: &Gpu, bytes: usize) -> Outcome<Device> {
+        // SAFETY: a fresh allocation, freed on drop.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
+        let device = Device { ptr };
+        // SAFETY: `ptr` holds `bytes` bytes.
+        unsafe { result::memset_d8_async(ptr, 0x3F, bytes, gpu.stream.cu_stream()) }?;
+        Ok(device)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `alloc`, freed once; the bench synchronizes before dropping.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+fn upload(gpu: &Gpu, ptr: u64, bytes: &[u8]) -> Outcome<()> {
+    // SAFETY: `ptr` is a table operand sized for `bytes`; the sync keeps `bytes` alive until done.
+    unsafe { result::memcpy_htod_async(ptr, bytes, gpu.stream.cu_stream()) }?;
+    gpu.stream.synchronize()?;
+    Ok(())
+}
+
+/// Allocates enough buffer sets to defeat the L2, times `item` on them in rotation, and frees them.
+fn measure(gpu: &Gpu, settings: &Settings, item: &Item) -> Outcome<Figure> {
+    let set_bytes: usize = item.operands.iter().sum();
+    let count = ROTATION_BYTES.div_ceil(set_bytes).clamp(1, 64);
+    let mut memory = Vec::new();
+    let mut sets = Vec::new();
+    for _ in 0..count {
+        let mut addresses = Vec::new();
+        for &bytes in &item.operands {
+            let device = Device::alloc(gpu, bytes)?;
+            addresses.push(device.ptr);
+            memory.push(device);
+        }
+        (item.setup)(gpu, &addresses)?;
+        sets.push(addresses);
+    }
+    gpu.stream.synchronize()?;
+    let timed = time(gpu, settings, &sets, &item.call);
+    gpu.stream.synchronize()?;
+    drop(memory);
+    let ms = timed?;
+    Ok(Figure {
+        ms,
+        gb_per_s: item.moved as f64 / (ms * 1e-3) / 1e9,
+    })
+}
+
+/// The median milliseconds of one call, each repetition between its own pair of events.
+fn time(gpu: &Gpu, settings: &Settings, sets: &[Vec<u64>], call: &OnSet) -> Outcome<f64> {
+    let mut set = sets.iter().cycle();
+    for _ in 0..settings.warmup {
+        call(gpu, set.next().ok_or("no buffer set")?)?;
+    }
+    let mut events = Vec::new();
+    for _ in 0..settings.reps {
+        let start = gpu
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        let end = gpu
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        start.record(&gpu.stream)?;
+        call(gpu, set.next().ok_or("no buffer set")?)?;
+        end.record(&gpu.stream)?;
+        events.push((start, end));
+    }
+    gpu.stream.synchronize()?;
+    let mut ms = Vec::new();
+    for (start, end) in &events {
+        ms.push(f64::from(start.elapsed_ms(end)?));
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
+/// The peer every kernel is compared with: a device-to-device copy of `size` bytes.
+fn memcpy(size: usize) -> Item {
+    Item::new(
+        "cuMemcpyDtoD",
+        "bytes".into(),
+        vec![size, size],
+        2 * size,
+        move |gpu, a| {
+            // SAFETY: both operands hold `size` bytes.
+            unsafe { result::memcpy_dtod_async(a[1], a[0], size, gpu.stream.cu_stream()) }?;
+            Ok(())
+        },
+    )
+}
+
+/// Every kernel and dtype combination with a `size`-byte output.
+fn items(size: usize) -> Vec<Item> {
+    let mut items = Vec::new();
+    for dtype in DTYPES {
+        items.push(copy(size, dtype));
+    }
+    items.push(fill_zero(size));
+    for from in DTYPES {
+        for to in DTYPES.into_iter().filter(|&to| to != from) {
+            items.push(cast(size, from, to));
+        }
+    }
+    for src in DTYPES {
+        for add in [false, true] {
+            items.push(accumulate(size, src, add));
+        }
+    }
+    for param in DTYPES {
+        items.push(adamw(size, param));
+    }
+    for param in DTYPES {
+        items.push(sgd(size, param));
+    }
+    for dtype in DTYPES {
+        items.push(pack(size, dtype, true));
+        items.push(pack(size, dtype, false));
+    }
+    for count in [2, 8] {
+        items.push(reduce_sum(size, count));
+    }
+    items
+}
+
+fn copy(size: usize, dtype: DType) -> Item {
+    let n = size / dtype.size();
+    Item::new(
+        "copy",
+        dtype.to_string(),
+        vec![size, size],
+        2 * size,
+        move |gpu, a| {
+            // SAFETY: both operands hold `n` elements of `dtype`.
+            Ok(unsafe { gpu.kernels.copy(&gpu.stream, dtype, a[0], a[1], n) }?)
+        },
+    )
+}
+
+fn fill_zero(size: usize) -> Item {
+    Item::new(
+        "fill_zero",
+        "bytes".into(),
+        vec![size],
+        size,
+        move |gpu, a| {
+            // SAFETY: the operand holds `size` bytes.
+            Ok(unsafe { gpu.kernels.fill_zero(&gpu.stream, a[0], size) }?)
+        },
+    )
+}
+
+fn cast(size: usize, from: DType, to: DType) -> Item {
+    let n = size / to.size();
+    let operands = vec![n * from.size(), size];
+    let moved = n * (from.size() + to.size());
+    Item::new(
+        "cast",
+        format!("{from} -> {to}"),
+        operands,
+        moved,
+        move |gpu, a| {
+            // SAFETY: each operand holds `n` elements of its dtype.
+            Ok(unsafe { gpu.kernels.cast(&gpu.stream, from, a[0], to, a[1], n) }?)
+        },
+    )
+}
+
+fn accumulate(size: usize, src: DType, add: bool) -> Item {
+    let n = size / 4;
+    let operands = vec![n * src.size(), size];
+    let moved = n * (src.size() + 4 + if add { 4 } else { 0 });
+    let what = format!("{src} {}", if add { "+=" } else { "=" });
+    Item::new("accumulate", what, operands, moved, move |gpu, a| {
+        // SAFETY: `src` holds `n` elements of its dtype, `dst` `n` f32.
+        Ok(unsafe {
+            gpu.kernels
+                .accumulate(&gpu.stream, src, a[0], a[1], n, 0.5, add)
+        }?)
+    })
+}
+
+/// AdamW's coefficients at lr 1e-3, step 10; any finite ones time the same.
+const COEFFICIENTS: AdamwCoefficients = AdamwCoefficients {
+    decay: 0.999_99,
+    beta1: 0.9,
+    one_minus_beta1: 0.1,
+    beta2: 0.999,
+    one_minus_beta2: 0.001,
+    step_size: 0.001_535,
+    sqrt_bias2: 0.099_55,
+    eps: 1e-8,
+};
+
+/// Optimizer operands: f32 master (the param itself for f32), the f32 state, then a bf16/f16
+/// param; the dtype column says which.
+fn optimizer_operands(
+    size: usize,
+    param: DType,
+    f32_state: usize,
+) -> (usize, Vec<usize>, usize, String) {
+    let n = size / param.size();
+    let mut operands = vec![4 * n; 1 + f32_state];
+    let mut moved = n * 4 * (2 * (1 + f32_state) - 1);
+    let what = if param == DType::F32 {
+        "f32 (master)".to_owned()
+    } else {
+        operands.push(size);
+        moved += size;
+        param.to_string()
+    };
+    (n, operands, moved, what)
+}
+
+fn adamw(size: usize, param: DType) -> Item {
+    // Reads master, m, v, grad; writes master, m, v and, apart from an f32 param, the param.
+    let (n, operands, moved, what) = optimizer_operands(size, param, 3);
+    Item::new("adamw", what, operands, moved, move |gpu, a| {
+        let param_ptr = a.get(4).copied().unwrap_or(a[0]);
+        // SAFETY: every operand holds `n` elements of its dtype.
+        Ok(unsafe {
+            gpu.kernels.adamw(
+                &gpu.stream,
+                param,
+                a[0],
+                a[1],
+                a[2],
+                a[3],
+                param_ptr,
+                n,
+                &COEFFICIENTS,
+            )
+        }?)
+    })
+}
+
+fn sgd(size: usize, param: DType) -> Item {
+    // Reads master and grad; writes master and, apart from an f32 param, the param.
+    let (n, operands, moved, what) = optimizer_operands(size, param, 1);
+    Item::new("sgd", what, operands, moved, move |gpu, a| {
+        let param_ptr = a.get(2).copied().unwrap_or(a[0]);
+        // SAFETY: every operand holds `n` elements of its dtype.
+        Ok(unsafe {
+            gpu.kernels
+                .sgd(&gpu.stream, param, a[0], a[1], param_ptr, n, 0.01)
+        }?)
+    })
+}
+
+/// A transformer layer's params in about `n` elements: four d x d attention weights, two
+/// d x 4d MLP weights, six d-vectors and a 4d-vector. Each param sits at a 256-byte aligned
+/// address of an arena, and is padded in the flat buffer to 256 bytes, as the plan does.
+struct Layer {
+    /// Elements: arena offset, flat offset, numel, padded.
+    params: Vec<(usize, usize, usize, usize)>,
+    arena_numel: usize,
+    flat_numel: usize,
+}
+
+impl Layer {
+    fn new(n: usize, dtype: DType) -> Layer {
+        let d = ((n / 12) as f64).sqrt() as usize;
+        let align = 256 / dtype.size();
+        let mut numels = vec![d * d; 4];
+        numels.extend([4 * d * d; 2]);
+        numels.extend([d; 6]);
+        numels.push(4 * d);
+        let (mut arena, mut flat) = (0, 0);
+        let mut params = Vec::new();
+        for numel in numels {
+            let padded = numel.div_ceil(align) * align;
+            params.push((arena, flat, numel, padded));
+            arena += padded;
+            flat += padded;
+        }
+        Layer {
+            params,
+            arena_numel: arena,
+            flat_numel: flat,
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.2).sum()
+    }
+
+    /// The pack table of params in the arena at `arena`, as the device reads it.
+    fn table(&self, arena: u64, dtype: DType) -> Vec<u8> {
+        let entry = |&(at, offset, numel, padded): &(usize, usize, usize, usize)| PackEntry {
+            ptr: arena + (at * dtype.size()) as u64,
+            offset: offset as u64,
+            numel: numel as u64,
+            padded: padded as u64,
+        };
+        self.params
+            .iter()
+            .map(entry)
+            .flat_map(|e| [e.ptr, e.offset, e.numel, e.padded])
+            .flat_map(u64::to_le_bytes)
+            .collect()
+    }
+}
+
+/// Pack (params into the flat buffer, padding zeroed) or unpack (back out), one launch per layer.
+fn pack(size: usize, dtype: DType, packing: bool) -> Item {
+    let layer = Arc::new(Layer::new(size / dtype.size(), dtype));
+    let w = dtype.size();
+    let count = layer.params.len();
+    let operands = vec![layer.arena_numel * w, layer.flat_numel * w, 32 * count];
+    let moved = if packing {
+        (layer.numel() + layer.flat_numel) * w
+    } else {
+        2 * layer.numel() * w
+    };
+    let flat_numel = layer.flat_numel;
+    let kernel = if packing { "pack" } else { "unpack" };
+    let mut item = Item::new(kernel, dtype.to_string(), operands, moved, move |gpu, a| {
+        // SAFETY: the table (a[2]) holds `count` entries into the arena (a[0]), in offset order;
+        // the flat buffer (a[1]) holds `flat_numel` elements.
+        let done = unsafe {
+            if packing {
+                gpu.kernels
+                    .pack(&gpu.stream, dtype, a[2], count, a[1], flat_numel)
+            } else {
+                gpu.kernels.unpack(&gpu.stream, dtype, a[2], count, a[1])
+            }
+        };
+        Ok(done?)
+    });
+    item.setup = Box::new(move |gpu, a| upload(gpu, a[2], &layer.table(a[0], dtype)));
+    item
+}
+
+fn reduce_sum(size: usize, count: usize) -> Item {
+    let n = size / 4;
+    let mut operands = vec![size; count + 1];
+    operands.push(8 * count);
+    let moved = (count + 1) * size;
+    let mut item = Item::new(
+        "reduce_sum",
+        format!("f32 x{count}"),
+        operands,
+        moved,
+        move |gpu, a| {
+            // SAFETY: the table (last operand) holds the `count` source addresses, each of `n` f32,
+            // and a[count] is the destination.
+            Ok(unsafe {
+                gpu.kernels
+                    .reduce_sum(&gpu.stream, a[count + 1], count, a[count], n)
+            }?)
+        },
+    );
+    item.setup = Box::new(move |gpu, a| {
+        let table: Vec<u8> = a[..count].iter().flat_map(|p| p.to_le_bytes()).collect();
+        upload(gpu, a[count + 1], &table)
+    });
+    item
+}
