@@ -533,9 +533,9 @@ fn a_null_device_input_is_refused() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn a_low_precision_step_needs_a_master_copy() {
+fn optimizer_steps_without_their_state_are_refused() {
     let b = gpu();
-    let mut param = b.alloc(8).unwrap();
+    let mut param = b.alloc(16).unwrap();
     let grad = b.alloc(16).unwrap();
     let shard = OptimizerShard {
         param: &mut param,
@@ -545,16 +545,33 @@ fn a_low_precision_step_needs_a_master_copy() {
         master: None,
         moments: None,
     };
-    let r = b.optimizer_step(
-        Stream::Compute,
-        &OptimizerConfig::Sgd { lr: 0.1 }.coefficients(1),
-        shard,
-    );
+    let sgd = OptimizerConfig::Sgd { lr: 0.1 }.coefficients(1);
+    let r = b.optimizer_step(Stream::Compute, &sgd, shard);
     assert!(
         matches!(
             r,
             Err(Error::Unsupported {
                 backend: "cuda",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    let shard = OptimizerShard {
+        param: &mut param,
+        dtype: DType::F32,
+        numel: 4,
+        grad: &grad,
+        master: None,
+        moments: None,
+    };
+    let adamw = OptimizerConfig::default().coefficients(1);
+    let r = b.optimizer_step(Stream::Compute, &adamw, shard);
+    assert!(
+        matches!(
+            r,
+            Err(Error::InvalidConfig {
+                field: "optimizer",
                 ..
             })
         ),

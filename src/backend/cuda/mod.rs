@@ -66,7 +66,8 @@ impl CudaBackend {
     }
 
     /// A backend whose compute stream is the caller's `stream`, on that stream's context.
-    /// Turns off cudarc's per-slice event tracking on that context (see the module doc).
+    /// Turns off cudarc's per-slice event tracking on that `CudaContext` object: `CudaSlice`s the
+    /// caller allocates through it afterwards are not ordered across streams by cudarc.
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<CudaBackend> {
         let ctx = Arc::clone(stream.context());
         driver::untrack(&ctx);
