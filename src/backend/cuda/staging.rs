@@ -31,9 +31,11 @@ impl Staging {
         let capacity = self.memory.as_ref().map_or(0, DeviceMemory::bytes);
         if capacity < data.len() {
             // Growing frees the old area, which waits for its readers (cuMemFree synchronizes).
+            // Powers of two keep regrowth rare as inputs get larger.
             self.memory = None;
             self.last_read = None;
-            self.memory = Some(DeviceMemory::alloc(ctx, data.len().next_power_of_two())?);
+            let bytes = data.len().checked_next_power_of_two().unwrap_or(data.len());
+            self.memory = Some(DeviceMemory::alloc(ctx, bytes)?);
         }
         let ptr = self.memory.as_ref().map_or(0, DeviceMemory::ptr);
         if let Some(last) = &self.last_read {
