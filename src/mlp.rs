@@ -607,20 +607,43 @@ pub fn train_local(
     init: &[Vec<f32>],
     steps: u64,
     passes: u64,
+    on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+) -> Result<Vec<RankSummary>> {
+    let ranks = LocalComm::group(plan.world_size())?
+        .into_iter()
+        .map(|comm| (CpuBackend::new(), comm))
+        .collect();
+    train_ranks(model, plan, config, init, steps, passes, ranks, on_step)
+}
+
+/// As [`train_local`], on the given ranks' backends and communicators, in rank order.
+#[allow(clippy::too_many_arguments)]
+pub fn train_ranks<B: Backend, C: Communicator<B>>(
+    model: &Mlp,
+    plan: &Arc<Plan>,
+    config: &EngineConfig,
+    init: &[Vec<f32>],
+    steps: u64,
+    passes: u64,
+    ranks: Vec<(B, C)>,
     mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
 ) -> Result<Vec<RankSummary>> {
     let world = plan.world_size();
-    let comms = LocalComm::group(world)?;
+    if ranks.len() != world {
+        return Err(Error::WorldSizeMismatch {
+            plan: world,
+            comm: ranks.len(),
+        });
+    }
     let (tx, rx) = mpsc::channel::<(usize, RankStep)>();
     std::thread::scope(|scope| {
-        let handles: Vec<_> = comms
+        let handles: Vec<_> = ranks
             .into_iter()
-            .map(|comm| {
+            .map(|(backend, comm)| {
                 let tx = tx.clone();
                 scope.spawn(move || -> Result<RankSummary> {
                     let rank = comm.rank();
-                    let mut engine =
-                        Engine::new(Arc::clone(plan), config.clone(), CpuBackend::new(), comm)?;
+                    let mut engine = Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
                     load(&mut engine, init)?;
                     for step in 0..steps {
                         let loss = sharded_step(model, &mut engine, step, passes)?;

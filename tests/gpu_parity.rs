@@ -1,0 +1,86 @@
+//! The engine on the CUDA backend trains the example model exactly like the unsharded reference
+//! (and so like the CPU backend), parameter by parameter after every step: loopback at world sizes
+//! 1, 2, 4 and 8 on one GPU, and NCCL at world size 1.
+
+use std::sync::Arc;
+
+use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::comm::loopback::LoopbackComm;
+use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, assemble, max_relative_difference, train_ranks};
+use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, GradReduction, Plan};
+
+const STEPS: u64 = 4;
+const PASSES: u64 = 2;
+
+fn model(dtype: DType) -> Mlp {
+    Mlp::new(MlpConfig {
+        layers: 3,
+        width: 96,
+        inputs: 40,
+        batch: 6,
+        dtype,
+        seed: 5,
+    })
+}
+
+/// Trains on `ranks` and returns the largest relative difference from the reference over all
+/// steps, and the host waits each rank counted.
+fn parity<B: Backend, C: Communicator<B>>(dtype: DType, config: EngineConfig, ranks: Vec<(B, C)>) -> (f32, Vec<u64>) {
+    let world = ranks.len();
+    let model = model(dtype);
+    let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
+    let init = model.init(9);
+    let scale = match config.grad_reduction {
+        GradReduction::Mean => 1.0 / world as f32,
+        GradReduction::Sum => 1.0,
+    };
+    let mut reference = Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
+    let mut worst = 0f32;
+    let summaries = train_ranks(&model, &plan, &config, &init, STEPS, PASSES, ranks, |step, ranks| {
+        reference.step(step, PASSES)?;
+        worst = worst.max(max_relative_difference(&assemble(&plan, ranks)?, reference.values()));
+        Ok(())
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    (worst, summaries.iter().map(|s| s.counters.host_waits).collect())
+}
+
+fn loopback(world: usize) -> Vec<(CudaBackend, LoopbackComm)> {
+    LoopbackComm::group(world)
+        .unwrap()
+        .into_iter()
+        .map(|c| (CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}")), c))
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_engines_equal_the_reference() {
+    for world in [1, 2, 4, 8] {
+        for dtype in [DType::F32, DType::Bf16] {
+            for overlap in [true, false] {
+                let config = EngineConfig {
+                    overlap,
+                    ..EngineConfig::default()
+                };
+                let (diff, _) = parity(dtype, config, loopback(world));
+                eprintln!("loopback world {world} {dtype} overlap {overlap}: max relative difference {diff:e}");
+                assert!(diff <= 1e-6, "world {world} {dtype} overlap {overlap}: {diff}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_engine_at_world_size_1_equals_the_reference() {
+    for dtype in [DType::F32, DType::Bf16] {
+        let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+        let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
+        let comm = NcclComm::new(&id, 0, 1, &backend).unwrap_or_else(|e| panic!("{e}"));
+        let (diff, _) = parity(dtype, EngineConfig::default(), vec![(backend, comm)]);
+        eprintln!("nccl world 1 {dtype}: max relative difference {diff:e}");
+        assert!(diff <= 1e-6, "{dtype}: {diff}");
+    }
+}
