@@ -63,14 +63,15 @@ template <class Bits>
 constexpr int kPerVector = 16 / static_cast<int>(sizeof(Bits));
 
 // The vector accesses are written in PTX so that they are 128-bit global accesses even through
-// addresses read from a device table, which the compiler cannot prove global. The memory clobber
-// keeps them in source order with the scalar accesses around them.
+// addresses read from a device table, which the compiler cannot prove global. Being volatile, they
+// keep their source order (every load of a round before its stores, which matters when `dst` is
+// also a source); the stores also clobber memory, so that no ordinary access moves across them.
+// The loads do not, so that values such as a source address stay in registers across a round.
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
+               : "l"(p));
   return v;
 }
 
@@ -81,57 +82,9 @@ __device__ __forceinline__ void store16(void* p, uint4 v) {
                : "memory");
 }
 
-// N consecutive elements of T as floats: whole 16-byte vectors (p then 16-byte aligned), or one
-// element when N == 1.
-template <class T, int N>
-__device__ __forceinline__ void load_f32(const typename T::Bits* p, float (&x)[N]) {
-  if constexpr (N == 1) {
-    x[0] = T::to_f32(*p);
-  } else {
-    constexpr int kPer = kPerVector<typename T::Bits>;
-    static_assert(N % kPer == 0, "a chunk spans whole vectors");
-#pragma unroll
-    for (int v = 0; v < N / kPer; ++v) {
-      const uint4 w = load16(p + v * kPer);
-      const uint32_t word[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (kPer == 4) {
-          x[v * 4 + k] = T::to_f32(word[k]);
-        } else {
-          x[v * 8 + 2 * k] = T::to_f32(word[k] & 0xFFFFu);
-          x[v * 8 + 2 * k + 1] = T::to_f32(word[k] >> 16);
-        }
-      }
-    }
-  }
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_f32(typename T::Bits* p, const float (&x)[N]) {
-  using Bits = typename T::Bits;
-  if constexpr (N == 1) {
-    *p = static_cast<Bits>(T::from_f32(x[0]));
-  } else {
-    constexpr int kPer = kPerVector<Bits>;
-    static_assert(N % kPer == 0, "a chunk spans whole vectors");
-#pragma unroll
-    for (int v = 0; v < N / kPer; ++v) {
-      uint32_t word[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (kPer == 4) {
-          word[k] = T::from_f32(x[v * 4 + k]);
-        } else {
-          word[k] = T::from_f32(x[v * 8 + 2 * k]) | (T::from_f32(x[v * 8 + 2 * k + 1]) << 16);
-        }
-      }
-      store16(p + v * kPer, make_uint4(word[0], word[1], word[2], word[3]));
-    }
-  }
-}
-
-// N consecutive elements as raw bits, for moves: whole 16-byte vectors, or one element.
+// N consecutive elements as raw bits: whole 16-byte vectors (the address then 16-byte aligned), or
+// one element when N == 1. Operands stay raw from load to store: narrow types take half the
+// registers that way, and are converted only when they are used.
 template <class Bits, int N>
 struct Raw {
   static_assert(N * sizeof(Bits) % 16 == 0, "a chunk spans whole vectors");
@@ -158,6 +111,60 @@ struct Raw<Bits, 1> {
   __device__ __forceinline__ void clear() { x = 0; }
   __device__ __forceinline__ void store(Bits* p) const { *p = x; }
 };
+
+// The N elements of `r`, of type T, as floats.
+template <class T, int N>
+__device__ __forceinline__ void to_floats(const Raw<typename T::Bits, N>& r, float (&x)[N]) {
+  if constexpr (N == 1) {
+    x[0] = T::to_f32(r.x);
+  } else {
+    constexpr int kPer = kPerVector<typename T::Bits>;
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      const uint32_t word[4] = {r.v[v].x, r.v[v].y, r.v[v].z, r.v[v].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kPer == 4) {
+          x[v * 4 + k] = T::to_f32(word[k]);
+        } else {
+          x[v * 8 + 2 * k] = T::to_f32(word[k] & 0xFFFFu);
+          x[v * 8 + 2 * k + 1] = T::to_f32(word[k] >> 16);
+        }
+      }
+    }
+  }
+}
+
+// N floats rounded to T, into `r`.
+template <class T, int N>
+__device__ __forceinline__ void from_floats(const float (&x)[N], Raw<typename T::Bits, N>& r) {
+  if constexpr (N == 1) {
+    r.x = static_cast<typename T::Bits>(T::from_f32(x[0]));
+  } else {
+    constexpr int kPer = kPerVector<typename T::Bits>;
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      uint32_t word[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (kPer == 4) {
+          word[k] = T::from_f32(x[v * 4 + k]);
+        } else {
+          word[k] = T::from_f32(x[v * 8 + 2 * k]) | (T::from_f32(x[v * 8 + 2 * k + 1]) << 16);
+        }
+      }
+      r.v[v] = make_uint4(word[0], word[1], word[2], word[3]);
+    }
+  }
+}
+
+// Stores N floats at `p` as elements of T.
+template <class T, int N>
+__device__ __forceinline__ void store_floats(typename T::Bits* p, const float (&x)[N]) {
+  Raw<typename T::Bits, N> r;
+  from_floats<T>(x, r);
+  r.store(p);
+}
 
 // Where the vector body of an element-wise range starts: after `head` elements every operand is
 // 16-byte aligned, if the operands agree on that point (`ok`). Each operand constrains the start
@@ -190,28 +197,39 @@ __device__ __forceinline__ uint64_t grid_threads() {
   return static_cast<uint64_t>(gridDim.x) * blockDim.x;
 }
 
-// Runs `chunks` chunks of N elements from element `start`: chunk c is handled by thread
-// c % threads, U chunks per thread per round, every load of a round issued before its stores.
-// An op reads its inputs in `steps()` passes (one, except for a sum over many sources), then
-// computes and writes in `store`.
-template <int N, int U, class Op>
-__device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_t chunks,
-                                           uint64_t thread, uint64_t threads) {
-  for (uint64_t c0 = thread; c0 < chunks; c0 += threads * U) {
-    typename Op::template Regs<N> r[U];
-    for (int s = 0; s < op.steps(); ++s) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint64_t c = c0 + u * threads;
-        if (c < chunks) op.template load<N>(s, start + c * N, r[u]);
-      }
-    }
+// One round of a thread: chunks c0, c0 + threads, ... (U of them) of N elements from element
+// `start`, every load issued before the first store. An op reads its inputs in `steps()` passes
+// (one, except for a sum over many sources), then computes and writes in `store`. `kChecked`
+// skips the chunks past `chunks`; only the last round needs it.
+template <int N, int U, bool kChecked, class Op>
+__device__ __forceinline__ void run_round(const Op& op, uint64_t start, uint64_t chunks, uint64_t c0,
+                                          uint64_t threads) {
+  typename Op::template Regs<N> r[U];
+  for (int s = 0; s < op.steps(); ++s) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const uint64_t c = c0 + u * threads;
-      if (c < chunks) op.template store<N>(start + c * N, r[u]);
+      if (!kChecked || c < chunks) op.template load<N>(s, start + c * N, r[u]);
     }
   }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint64_t c = c0 + u * threads;
+    if (!kChecked || c < chunks) op.template store<N>(start + c * N, r[u]);
+  }
+}
+
+// Runs `chunks` chunks of N elements from element `start`: chunk c is handled by thread
+// c % threads, in rounds of U chunks per thread.
+template <int N, int U, class Op>
+__device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_t chunks,
+                                           uint64_t thread, uint64_t threads) {
+  const uint64_t round = threads * U;
+  const uint64_t full = chunks / round * round;
+  for (uint64_t c0 = thread; c0 < full; c0 += round) {
+    run_round<N, U, false>(op, start, chunks, c0, threads);
+  }
+  if (full < chunks) run_round<N, U, true>(op, start, chunks, full + thread, threads);
 }
 
 // Runs `op` over elements [0, n): the 16-byte aligned body in chunks of E elements, U chunks in

@@ -15,24 +15,29 @@ struct AccumulateOp {
   bool add;
   template <int N>
   struct Regs {
-    float s[N];
-    float d[N];
+    Raw<typename S::Bits, N> s;
+    Raw<uint32_t, N> d;
   };
   __device__ __forceinline__ int steps() const { return 1; }
   template <int N>
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
-    load_f32<S, N>(src + i, r.s);
-    if (add) load_f32<F32, N>(reinterpret_cast<const uint32_t*>(dst) + i, r.d);
+    r.s.load(src + i);
+    if (add) r.d.load(reinterpret_cast<const uint32_t*>(dst) + i);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    float s[N];
+    to_floats<S>(r.s, s);
     float out[N];
+    if (add) {
+      to_floats<F32>(r.d, out);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const float scaled = __fmul_rn(scale, r.s[k]);
-      out[k] = add ? __fadd_rn(r.d[k], scaled) : scaled;
+      for (int k = 0; k < N; ++k) out[k] = __fadd_rn(out[k], __fmul_rn(scale, s[k]));
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[k] = __fmul_rn(scale, s[k]);
     }
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(dst) + i, out);
+    store_floats<F32>(reinterpret_cast<uint32_t*>(dst) + i, out);
   }
 };
 
@@ -60,14 +65,16 @@ struct SumOp {
   __device__ __forceinline__ int steps() const { return count; }
   template <int N>
   __device__ __forceinline__ void load(int step, uint64_t i, Regs<N>& r) const {
+    Raw<uint32_t, N> raw;
+    raw.load(reinterpret_cast<const uint32_t*>(srcs[step]) + i);
     float x[N];
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(srcs[step]) + i, x);
+    to_floats<F32>(raw, x);
 #pragma unroll
     for (int k = 0; k < N; ++k) r.acc[k] = step == 0 ? x[k] : __fadd_rn(r.acc[k], x[k]);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(dst) + i, r.acc);
+    store_floats<F32>(reinterpret_cast<uint32_t*>(dst) + i, r.acc);
   }
 };
 

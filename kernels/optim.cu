@@ -30,37 +30,41 @@ struct AdamwOp {
   bool aliased;
   template <int N>
   struct Regs {
-    float p[N];
-    float m[N];
-    float v[N];
-    float g[N];
+    Raw<uint32_t, N> p;
+    Raw<uint32_t, N> m;
+    Raw<uint32_t, N> v;
+    Raw<uint32_t, N> g;
   };
   __device__ __forceinline__ int steps() const { return 1; }
   template <int N>
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(master) + i, r.p);
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(m) + i, r.m);
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(v) + i, r.v);
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(grad) + i, r.g);
+    r.p.load(reinterpret_cast<const uint32_t*>(master) + i);
+    r.m.load(reinterpret_cast<const uint32_t*>(m) + i);
+    r.v.load(reinterpret_cast<const uint32_t*>(v) + i);
+    r.g.load(reinterpret_cast<const uint32_t*>(grad) + i);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
     float p[N];
     float mo[N];
     float vo[N];
+    float g[N];
+    to_floats<F32>(r.p, p);
+    to_floats<F32>(r.m, mo);
+    to_floats<F32>(r.v, vo);
+    to_floats<F32>(r.g, g);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const float g = r.g[k];
-      const float decayed = __fmul_rn(r.p[k], c.decay);
-      mo[k] = __fadd_rn(__fmul_rn(c.beta1, r.m[k]), __fmul_rn(c.one_minus_beta1, g));
-      vo[k] = __fadd_rn(__fmul_rn(c.beta2, r.v[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+      const float decayed = __fmul_rn(p[k], c.decay);
+      mo[k] = __fadd_rn(__fmul_rn(c.beta1, mo[k]), __fmul_rn(c.one_minus_beta1, g[k]));
+      vo[k] = __fadd_rn(__fmul_rn(c.beta2, vo[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g[k]), g[k]));
       const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vo[k]), c.sqrt_bias2), c.eps);
       p[k] = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(mo[k], denom)));
     }
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(master) + i, p);
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(m) + i, mo);
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(v) + i, vo);
-    if (!aliased) store_f32<P, N>(param + i, p);
+    store_floats<F32>(reinterpret_cast<uint32_t*>(master) + i, p);
+    store_floats<F32>(reinterpret_cast<uint32_t*>(m) + i, mo);
+    store_floats<F32>(reinterpret_cast<uint32_t*>(v) + i, vo);
+    if (!aliased) store_floats<P>(param + i, p);
   }
 };
 
@@ -73,22 +77,25 @@ struct SgdOp {
   bool aliased;
   template <int N>
   struct Regs {
-    float p[N];
-    float g[N];
+    Raw<uint32_t, N> p;
+    Raw<uint32_t, N> g;
   };
   __device__ __forceinline__ int steps() const { return 1; }
   template <int N>
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(master) + i, r.p);
-    load_f32<F32, N>(reinterpret_cast<const uint32_t*>(grad) + i, r.g);
+    r.p.load(reinterpret_cast<const uint32_t*>(master) + i);
+    r.g.load(reinterpret_cast<const uint32_t*>(grad) + i);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
     float p[N];
+    float g[N];
+    to_floats<F32>(r.p, p);
+    to_floats<F32>(r.g, g);
 #pragma unroll
-    for (int k = 0; k < N; ++k) p[k] = __fsub_rn(r.p[k], __fmul_rn(lr, r.g[k]));
-    store_f32<F32, N>(reinterpret_cast<uint32_t*>(master) + i, p);
-    if (!aliased) store_f32<P, N>(param + i, p);
+    for (int k = 0; k < N; ++k) p[k] = __fsub_rn(p[k], __fmul_rn(lr, g[k]));
+    store_floats<F32>(reinterpret_cast<uint32_t*>(master) + i, p);
+    if (!aliased) store_floats<P>(param + i, p);
   }
 };
 

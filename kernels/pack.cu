@@ -84,17 +84,17 @@ struct CastOp {
   const typename S::Bits* src;
   typename D::Bits* dst;
   template <int N>
-  struct Regs {
-    float x[N];
-  };
+  using Regs = Raw<typename S::Bits, N>;
   __device__ __forceinline__ int steps() const { return 1; }
   template <int N>
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
-    load_f32<S, N>(src + i, r.x);
+    r.load(src + i);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
-    store_f32<D, N>(dst + i, r.x);
+    float x[N];
+    to_floats<S>(r, x);
+    store_floats<D>(dst + i, x);
   }
 };
 
