@@ -31,6 +31,9 @@ const ROTATION_BYTES: usize = 512 * MIB;
 /// The figure every kernel should reach at 1 GiB, as a fraction of the copy.
 const TARGET: f64 = 0.9;
 const DTYPES: [DType; 3] = [DType::Bf16, DType::F16, DType::F32];
+/// Bytes zeroed ahead of the timed repetitions: long enough (over half a millisecond) for the host
+/// to queue every repetition behind it.
+const GATE_BYTES: usize = 2 * GIB;
 
 struct Settings {
     warmup: usize,
@@ -38,6 +41,8 @@ struct Settings {
 }
 
 struct Gpu {
+    /// First, so that it is freed while the context is still alive.
+    gate: Device,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -92,10 +97,12 @@ fn open() -> Outcome<Option<Gpu>> {
         Err(e) => return Err(e.into()),
     };
     let stream = ctx.new_stream()?;
+    let gate = Device::alloc(&stream, GATE_BYTES)?;
     Ok(Some(Gpu {
         ctx,
         stream,
         kernels,
+        gate,
     }))
 }
 
@@ -195,12 +202,12 @@ struct Device {
 
 impl Device {
     /// `bytes` bytes of 0x3F: finite, positive values in every dtype (0.75 as f32, 1.8 as f16).
-    fn alloc(gpu: &Gpu, bytes: usize) -> Outcome<Device> {
+    fn alloc(stream: &CudaStream, bytes: usize) -> Outcome<Device> {
         // SAFETY: a fresh allocation, freed on drop.
         let ptr = unsafe { result::malloc_sync(bytes.max(1)) }?;
         let device = Device { ptr };
         // SAFETY: `ptr` holds `bytes` bytes.
-        unsafe { result::memset_d8_async(ptr, 0x3F, bytes, gpu.stream.cu_stream()) }?;
+        unsafe { result::memset_d8_async(ptr, 0x3F, bytes, stream.cu_stream()) }?;
         Ok(device)
     }
 }
@@ -228,7 +235,7 @@ fn measure(gpu: &Gpu, settings: &Settings, item: &Item) -> Outcome<Figure> {
     for _ in 0..count {
         let mut addresses = Vec::new();
         for &bytes in &item.operands {
-            let device = Device::alloc(gpu, bytes)?;
+            let device = Device::alloc(&gpu.stream, bytes)?;
             addresses.push(device.ptr);
             memory.push(device);
         }
@@ -260,10 +267,16 @@ fn time(gpu: &Gpu, settings: &Settings, sets: &[Vec<u64>], call: &OnSet) -> Outc
         let end = gpu
             .ctx
             .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        events.push((start, end));
+    }
+    // Busy the stream while the repetitions are queued, so that they run back to back and no
+    // figure includes the host's launch latency.
+    // SAFETY: the gate holds GATE_BYTES bytes.
+    unsafe { result::memset_d8_async(gpu.gate.ptr, 0, GATE_BYTES, gpu.stream.cu_stream()) }?;
+    for (start, end) in &events {
         start.record(&gpu.stream)?;
         call(gpu, set.next().ok_or("no buffer set")?)?;
         end.record(&gpu.stream)?;
-        events.push((start, end));
     }
     gpu.stream.synchronize()?;
     let mut ms = Vec::new();
