@@ -573,12 +573,14 @@ impl Kernels {
         if n == 0 {
             return Ok(());
         }
-        let Some(count32) = u32::try_from(count).ok().filter(|&c| c > 0) else {
+        // The kernel counts sources in an `int`.
+        let Some(count32) = i32::try_from(count).ok().filter(|&c| c > 0) else {
             return Err(Error::Unsupported {
                 backend: "cuda",
-                what: "a sum over zero sources, or over more than 2^32 - 1",
+                what: "a sum over zero sources, or over more than 2^31 - 1",
             });
         };
+        let count32 = count32 as u32;
         check_aligned(srcs, std::mem::align_of::<u64>())?;
         check_aligned(dst, DType::F32.size())?;
         let kernel = self.reduce_sum;
