@@ -34,6 +34,39 @@ pub struct Counters {
     pub steps: u64,
 }
 
+/// What a traced span covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanKind {
+    /// The compute stream waiting for a unit's gathers, at the start of one of its hooks.
+    GatherWait(Unit),
+    Forward(Unit),
+    Backward(Unit),
+    AllGather {
+        group: usize,
+    },
+    /// A reduce-scatter and the accumulation of its result into the group's gradient shard.
+    ReduceScatter {
+        group: usize,
+    },
+    Optimizer,
+}
+
+/// An interval of one stream's work, between two timed events.
+#[derive(Debug)]
+pub struct Span<E> {
+    pub stream: Stream,
+    pub kind: SpanKind,
+    pub start: E,
+    pub end: E,
+}
+
+/// The spans being collected, and the open forward and backward of each unit.
+struct Trace<E> {
+    spans: Vec<Span<E>>,
+    forward: Vec<Option<E>>,
+    backward: Vec<Option<E>>,
+}
+
 struct GatherSlot<E> {
     buffer_index: usize,
     /// Compute's last use of the group that held the slot.
@@ -82,6 +115,7 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     counters: Counters,
     gather_effects: Vec<GatherEffect>,
     grad_effects: Vec<GradEffect>,
+    trace: Option<Trace<B::Event>>,
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -179,6 +213,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             counters: Counters::default(),
             gather_effects: Vec::new(),
             grad_effects: Vec::new(),
+            trace: None,
             plan,
             config,
             rank,
@@ -242,7 +277,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.begin(Phase::Forward, u)?;
         self.forward_open[u] = true;
-        self.use_unit(u)
+        self.use_unit_traced(u, Phase::Forward)
     }
 
     /// After `unit`'s forward: its groups become READY once no hook uses them.
@@ -252,6 +287,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::ForwardNotOpen { unit });
         }
         self.forward_open[u] = false;
+        self.end_span(u, Phase::Forward)?;
         self.release_unit(u)
     }
 
@@ -264,7 +300,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.begin(Phase::Backward, u)?;
         self.backward_open[u] = true;
-        self.use_unit(u)
+        self.use_unit_traced(u, Phase::Backward)
     }
 
     /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
@@ -274,6 +310,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::BackwardNotOpen { unit });
         }
         self.backward_open[u] = false;
+        self.end_span(u, Phase::Backward)?;
         self.release_unit(u)
     }
 
@@ -401,6 +438,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::OptimizerAlreadyStepped);
         }
         self.optimizer_steps += 1;
+        let start = self.mark(Stream::Compute)?;
         let update = self.config.optimizer.coefficients(self.optimizer_steps);
         for g in self.plan.groups().iter().filter(|g| g.trainable) {
             let i = g.index;
@@ -426,6 +464,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.backend
                 .optimizer_step(Stream::Compute, &update, shard)?;
         }
+        self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
         self.shards_updated = Some(Arc::new(self.backend.record(Stream::Compute)?));
         self.stepped = true;
         Ok(())
@@ -576,6 +615,75 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         result
     }
 
+    /// Starts collecting spans of every stream's work (clearing earlier ones), or stops.
+    pub fn set_tracing(&mut self, on: bool) {
+        let units = self.plan.units().len();
+        self.trace = on.then(|| Trace {
+            spans: Vec::new(),
+            forward: (0..units).map(|_| None).collect(),
+            backward: (0..units).map(|_| None).collect(),
+        });
+    }
+
+    /// The spans collected since tracing started or since the last call.
+    pub fn take_trace(&mut self) -> Vec<Span<B::Event>> {
+        self.trace
+            .as_mut()
+            .map(|t| std::mem::take(&mut t.spans))
+            .unwrap_or_default()
+    }
+
+    /// A timed event on `stream` when tracing, to delimit a span.
+    fn mark(&self, stream: Stream) -> Result<Option<B::Event>> {
+        match self.trace {
+            Some(_) => self.backend.record_timed(stream).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn push_span(&mut self, stream: Stream, kind: SpanKind, start: Option<B::Event>) -> Result<()> {
+        if let Some(start) = start {
+            let end = self.backend.record_timed(stream)?;
+            if let Some(trace) = self.trace.as_mut() {
+                trace.spans.push(Span {
+                    stream,
+                    kind,
+                    start,
+                    end,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Uses unit `u` for `phase`; when tracing, records the compute stream's wait for its gathers
+    /// and opens the unit's compute span.
+    fn use_unit_traced(&mut self, u: usize, phase: Phase) -> Result<()> {
+        let before = self.mark(Stream::Compute)?;
+        self.use_unit(u)?;
+        let unit = self.plan.units()[u];
+        self.push_span(Stream::Compute, SpanKind::GatherWait(unit), before)?;
+        let start = self.mark(Stream::Compute)?;
+        if let Some(trace) = self.trace.as_mut() {
+            match phase {
+                Phase::Forward => trace.forward[u] = start,
+                Phase::Backward => trace.backward[u] = start,
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes unit `u`'s compute span of `phase`, if tracing opened one.
+    fn end_span(&mut self, u: usize, phase: Phase) -> Result<()> {
+        let unit = self.plan.units()[u];
+        let (start, kind) = match (self.trace.as_mut(), phase) {
+            (Some(t), Phase::Forward) => (t.forward[u].take(), SpanKind::Forward(unit)),
+            (Some(t), Phase::Backward) => (t.backward[u].take(), SpanKind::Backward(unit)),
+            (None, _) => return Ok(()),
+        };
+        self.push_span(Stream::Compute, kind, start)
+    }
+
     fn use_unit(&mut self, u: usize) -> Result<()> {
         let mut fx = std::mem::take(&mut self.gather_effects);
         fx.clear();
@@ -661,6 +769,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if let Some(updated) = &self.shards_updated {
             self.backend.wait(Stream::Gather, updated)?;
         }
+        let start = self.mark(Stream::Gather)?;
         let group = &self.plan.groups()[g];
         let shard_region = Region::new(0, group.shard_numel, group.dtype);
         let full_region = Region::new(0, group.padded_numel, group.dtype);
@@ -677,6 +786,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             ..slot
         });
         result?;
+        self.push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)?;
         self.gathered[g] = Some(self.backend.record(Stream::Gather)?);
         self.counters.all_gathers += 1;
         Ok(())
@@ -738,6 +848,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let g = &self.plan.groups()[group];
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;
+        let start = self.mark(Stream::Reduce)?;
         let buffer = &mut self.grad_slots[slot].buffer;
         self.comm.reduce_scatter(
             &self.backend,
@@ -763,6 +874,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             scale,
             !overwrite,
         )?;
+        self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
         self.grad_slots[slot].reduced = Some(self.backend.record(Stream::Reduce)?);
         Ok(())
     }

@@ -14,6 +14,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("malformed model JSON at line {line}, column {column}: {message}")]
     Json {
         line: usize,

@@ -76,6 +76,7 @@ pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod gpu_stack;
 pub mod grads;
 pub mod mlp;
 pub mod optim;
@@ -83,6 +84,7 @@ pub mod plan;
 pub mod schedule;
 pub mod spec;
 pub mod state;
+pub mod trace;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, Input, MemoryUsage};

@@ -335,7 +335,13 @@ fn loopback_a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         results[0]
     );
     assert!(
-        matches!(results[2], Err(Error::RankLeft { seq: 0, rank: 0 | 1 })),
+        matches!(
+            results[2],
+            Err(Error::RankLeft {
+                seq: 0,
+                rank: 0 | 1
+            })
+        ),
         "rank 2: {:?}",
         results[2]
     );

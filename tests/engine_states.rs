@@ -220,3 +220,44 @@ fn run_untrained() -> Vec<Vec<u8>> {
         .map(|g| e.param_shard(g).unwrap())
         .collect()
 }
+
+#[test]
+fn tracing_records_a_span_for_every_hook_and_collective() {
+    use fsdp_fusion::backend::Stream;
+    use fsdp_fusion::engine::SpanKind;
+    let mut e = engine(stack(2, false), EngineConfig::default());
+    walk_step(&mut e, 2, &mut |_| {});
+    let before = e.counters();
+    e.set_tracing(true);
+    let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
+    walk_step(&mut e, 2, &mut |_| {});
+    let after = e.counters();
+    let raw = e.take_trace();
+    let spans = fsdp_fusion::trace::resolve(e.backend(), &origin, &raw).unwrap();
+    let count = |f: &dyn Fn(SpanKind) -> bool| spans.iter().filter(|s| f(s.kind)).count() as u64;
+    // Root forward, two layers forward, two layers backward.
+    assert_eq!(count(&|k| matches!(k, SpanKind::GatherWait(_))), 5);
+    assert_eq!(count(&|k| matches!(k, SpanKind::Forward(_))), 3);
+    assert_eq!(count(&|k| matches!(k, SpanKind::Backward(_))), 2);
+    assert_eq!(count(&|k| matches!(k, SpanKind::Optimizer)), 1);
+    assert_eq!(
+        count(&|k| matches!(k, SpanKind::AllGather { .. })),
+        after.all_gathers - before.all_gathers
+    );
+    assert_eq!(
+        count(&|k| matches!(k, SpanKind::ReduceScatter { .. })),
+        after.reduce_scatters - before.reduce_scatters
+    );
+    for s in &spans {
+        let stream = match s.kind {
+            SpanKind::AllGather { .. } => Stream::Gather,
+            SpanKind::ReduceScatter { .. } => Stream::Reduce,
+            _ => Stream::Compute,
+        };
+        assert_eq!(s.stream, stream, "{:?}", s.kind);
+        assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
+    }
+    e.set_tracing(false);
+    walk_step(&mut e, 2, &mut |_| {});
+    assert!(e.take_trace().is_empty());
+}

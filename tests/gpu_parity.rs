@@ -26,7 +26,11 @@ fn model(dtype: DType) -> Mlp {
 
 /// Trains on `ranks` and returns the largest relative difference from the reference over all
 /// steps, and the host waits each rank counted.
-fn parity<B: Backend, C: Communicator<B>>(dtype: DType, config: EngineConfig, ranks: Vec<(B, C)>) -> (f32, Vec<u64>) {
+fn parity<B: Backend, C: Communicator<B>>(
+    dtype: DType,
+    config: EngineConfig,
+    ranks: Vec<(B, C)>,
+) -> (f32, Vec<u64>) {
     let world = ranks.len();
     let model = model(dtype);
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
@@ -35,15 +39,31 @@ fn parity<B: Backend, C: Communicator<B>>(dtype: DType, config: EngineConfig, ra
         GradReduction::Mean => 1.0 / world as f32,
         GradReduction::Sum => 1.0,
     };
-    let mut reference = Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
+    let mut reference =
+        Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
     let mut worst = 0f32;
-    let summaries = train_ranks(&model, &plan, &config, &init, STEPS, PASSES, ranks, |step, ranks| {
-        reference.step(step, PASSES)?;
-        worst = worst.max(max_relative_difference(&assemble(&plan, ranks)?, reference.values()));
-        Ok(())
-    })
+    let summaries = train_ranks(
+        &model,
+        &plan,
+        &config,
+        &init,
+        STEPS,
+        PASSES,
+        ranks,
+        |step, ranks| {
+            reference.step(step, PASSES)?;
+            worst = worst.max(max_relative_difference(
+                &assemble(&plan, ranks)?,
+                reference.values(),
+            ));
+            Ok(())
+        },
+    )
     .unwrap_or_else(|e| panic!("{e}"));
-    (worst, summaries.iter().map(|s| s.counters.host_waits).collect())
+    (
+        worst,
+        summaries.iter().map(|s| s.counters.host_waits).collect(),
+    )
 }
 
 fn loopback(world: usize) -> Vec<(CudaBackend, LoopbackComm)> {
@@ -65,8 +85,13 @@ fn loopback_engines_equal_the_reference() {
                     ..EngineConfig::default()
                 };
                 let (diff, _) = parity(dtype, config, loopback(world));
-                eprintln!("loopback world {world} {dtype} overlap {overlap}: max relative difference {diff:e}");
-                assert!(diff <= 1e-6, "world {world} {dtype} overlap {overlap}: {diff}");
+                eprintln!(
+                    "loopback world {world} {dtype} overlap {overlap}: max relative difference {diff:e}"
+                );
+                assert!(
+                    diff <= 1e-6,
+                    "world {world} {dtype} overlap {overlap}: {diff}"
+                );
             }
         }
     }

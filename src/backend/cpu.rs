@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
 
 use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
 use crate::dtype::{DType, load_f32, store_f32};
@@ -82,9 +83,9 @@ fn checked(region: Region, capacity_bytes: usize) -> Result<std::ops::Range<usiz
     Ok(region.bytes())
 }
 
-/// A completed point in a stream.
+/// A completed point in a stream, and when the host reached it.
 #[derive(Clone, Copy, Debug)]
-pub struct CpuEvent;
+pub struct CpuEvent(Instant);
 
 /// The CPU backend of one rank.
 #[derive(Debug, Default)]
@@ -130,7 +131,7 @@ impl Backend for CpuBackend {
     }
 
     fn record(&self, _stream: Stream) -> Result<CpuEvent> {
-        Ok(CpuEvent)
+        Ok(CpuEvent(Instant::now()))
     }
 
     fn wait(&self, _stream: Stream, _event: &CpuEvent) -> Result<()> {
@@ -140,6 +141,19 @@ impl Backend for CpuBackend {
     fn synchronize(&self, _event: &CpuEvent) -> Result<()> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn record_timed(&self, stream: Stream) -> Result<CpuEvent> {
+        self.record(stream)
+    }
+
+    fn elapsed_ms(&self, start: &CpuEvent, end: &CpuEvent) -> Result<f32> {
+        let (start, end) = (start.0, end.0);
+        Ok(if end >= start {
+            (end - start).as_secs_f32() * 1e3
+        } else {
+            -((start - end).as_secs_f32() * 1e3)
+        })
     }
 
     fn zero(&self, _stream: Stream, buf: &mut CpuBuffer, region: Region) -> Result<()> {

@@ -126,6 +126,13 @@ pub trait Backend: Send {
     /// Blocks the host until `event` completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
 
+    /// As [`Backend::record`], with a timestamp, for traces and measurements.
+    fn record_timed(&self, stream: Stream) -> Result<Self::Event>;
+
+    /// Milliseconds from `start` to `end`, both from [`Backend::record_timed`]. Blocks the host
+    /// until `end` completed: read timings after the work they measure.
+    fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
+
     /// Zero-fills `region` of `buf`.
     fn zero(&self, stream: Stream, buf: &mut Self::Buffer, region: Region) -> Result<()>;
 

@@ -21,7 +21,7 @@ pub mod views;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use cudarc::driver::sys::{CUcontext, CUresult, CUstream};
+use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 
 use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
@@ -40,7 +40,8 @@ use staging::Staging;
 
 const NAME: &str = "cuda";
 
-/// A point in one of a backend's streams: a CUDA event without timing.
+/// A point in one of a backend's streams: a CUDA event, timed only when made by
+/// [`Backend::record_timed`].
 #[derive(Debug)]
 pub struct CudaBackendEvent(CudaEvent);
 
@@ -246,6 +247,22 @@ impl Backend for CudaBackend {
     fn synchronize(&self, event: &CudaBackendEvent) -> Result<()> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);
         event.0.synchronize().map_err(cuda("cuEventSynchronize"))
+    }
+
+    fn record_timed(&self, stream: Stream) -> Result<CudaBackendEvent> {
+        self.stream(stream)
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map(CudaBackendEvent)
+            .map_err(cuda("cuEventRecord"))
+    }
+
+    /// Blocks until `end` completed (counted as a host wait).
+    fn elapsed_ms(&self, start: &CudaBackendEvent, end: &CudaBackendEvent) -> Result<f32> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        start
+            .0
+            .elapsed_ms(&end.0)
+            .map_err(cuda("cuEventElapsedTime"))
     }
 
     fn zero(&self, stream: Stream, buf: &mut CudaBuffer, region: Region) -> Result<()> {

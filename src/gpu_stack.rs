@@ -1,0 +1,463 @@
+//! A stack of dense layers on one GPU, driven by an engine's hooks: bf16 weights, each layer an FSDP
+//! unit, forward and backward GEMMs through cuBLAS on the compute stream, and each weight's fp32
+//! gradient written by its GEMM straight into the engine's gradient slot. The workload of the
+//! pipeline benchmark and of the host-blocking test; [`UnshardedStack`] runs the same GEMMs with no
+//! engine, as the baseline.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublas::sys::{self as blas, cublasOperation_t, cudaDataType_t};
+use cudarc::driver::{CudaStream, result};
+
+use crate::backend::Stream;
+use crate::backend::cuda::{CudaBackend, DeviceMemory, bind, cuda};
+use crate::comm::Communicator;
+use crate::dtype::DType;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::mlp::{Rng, narrow};
+use crate::plan::{ParamId, Unit};
+use crate::spec::{ModelSpec, ParamSpec};
+
+/// Layers, their width, and the rows of the batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StackShape {
+    pub layers: usize,
+    pub width: usize,
+    pub batch: usize,
+}
+
+impl StackShape {
+    /// One bf16 `width x width` weight per layer, layer `i` in unit `i`.
+    pub fn spec(&self) -> Result<ModelSpec> {
+        let w = self.width as u64;
+        ModelSpec::new(
+            (0..self.layers)
+                .map(|i| {
+                    ParamSpec::new(format!("layers.{i}.weight"), &[w, w], DType::Bf16)
+                        .in_unit(i as u32)
+                })
+                .collect(),
+        )
+    }
+
+    /// Floating-point operations of one forward and backward pass.
+    pub fn flops(&self) -> f64 {
+        6.0 * self.layers as f64 * self.batch as f64 * (self.width * self.width) as f64
+    }
+
+    /// Random initial weights, as bf16 bytes, in layer order.
+    pub fn init(&self, seed: u64) -> Vec<Vec<u8>> {
+        let mut rng = Rng::new(seed);
+        let scale = 1.0 / (self.width as f32).sqrt();
+        (0..self.layers)
+            .map(|_| narrow(DType::Bf16, &rng.fill(self.width * self.width, scale)))
+            .collect()
+    }
+}
+
+fn cublas(call: &'static str) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: format!("{:?}", e.0),
+    }
+}
+
+/// Row-major GEMMs on one stream through a cuBLAS handle: bf16 operands, fp32 accumulation.
+pub struct Gemm {
+    blas: CudaBlas,
+}
+
+impl Gemm {
+    /// A handle whose work goes on `stream`. `Error::CudaUnavailable` without libcublas.
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Gemm> {
+        // SAFETY: only opens and closes the library under cudarc's candidate names.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(Error::CudaUnavailable {
+                reason: "the cuBLAS library (libcublas.so) was not found".into(),
+            });
+        }
+        bind(stream.context())?;
+        Ok(Gemm {
+            blas: CudaBlas::new(Arc::clone(stream)).map_err(cublas("cublasCreate"))?,
+        })
+    }
+
+    /// Column-major `c[m x n] = op(a) op(b)` with `op(a)` `m x k`; `c` of `c_type`, beta 0.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        (a, lda): (u64, usize),
+        (b, ldb): (u64, usize),
+        (c, ldc): (u64, usize),
+        c_type: cudaDataType_t,
+    ) -> Result<()> {
+        let op = |t| {
+            if t {
+                cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| Error::OutOfRange {
+                offset: 0,
+                len: v,
+                capacity: i32::MAX as usize,
+            })
+        };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the caller vouches for the operands' sizes; alpha and beta live on the host
+        // for the duration of the call (host pointer mode).
+        unsafe {
+            blas::cublasGemmEx(
+                *self.blas.handle(),
+                op(ta),
+                op(tb),
+                int(m)?,
+                int(n)?,
+                int(k)?,
+                (&alpha as *const f32).cast(),
+                a as usize as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                int(lda)?,
+                b as usize as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                int(ldb)?,
+                (&beta as *const f32).cast(),
+                c as usize as *mut _,
+                c_type,
+                int(ldc)?,
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .result()
+        .map_err(cublas("cublasGemmEx"))
+    }
+
+    /// `y = x w` (bf16): `x` is `rows x k`, `w` `k x n`, `y` `rows x n`, all row-major.
+    ///
+    /// # Safety
+    /// Each address holds its matrix on the handle's stream's device.
+    pub unsafe fn forward(
+        &self,
+        x: u64,
+        w: u64,
+        y: u64,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        // Row-major y = x w is column-major y^T = w^T x^T.
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.gemm(
+                (false, false),
+                (n, rows, k),
+                (w, n),
+                (x, k),
+                (y, n),
+                cudaDataType_t::CUDA_R_16BF,
+            )
+        }
+    }
+
+    /// `dx = dy w^T` (bf16), shapes as [`Gemm::forward`].
+    ///
+    /// # Safety
+    /// As [`Gemm::forward`].
+    pub unsafe fn backward_input(
+        &self,
+        dy: u64,
+        w: u64,
+        dx: u64,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.gemm(
+                (true, false),
+                (k, rows, n),
+                (w, n),
+                (dy, n),
+                (dx, k),
+                cudaDataType_t::CUDA_R_16BF,
+            )
+        }
+    }
+
+    /// `dw = x^T dy` in fp32, overwriting `dw` (`k x n`).
+    ///
+    /// # Safety
+    /// As [`Gemm::forward`]; `dw` holds `k x n` f32.
+    pub unsafe fn backward_weight(
+        &self,
+        x: u64,
+        dy: u64,
+        dw: u64,
+        rows: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.gemm(
+                (false, true),
+                (n, k, rows),
+                (dy, n),
+                (x, k),
+                (dw, n),
+                cudaDataType_t::CUDA_R_32F,
+            )
+        }
+    }
+}
+
+/// Host time spent inside engine calls, and their number.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HookTime {
+    pub calls: u64,
+    pub total: Duration,
+}
+
+impl HookTime {
+    fn time<T>(&mut self, call: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        let out = call();
+        self.total += start.elapsed();
+        self.calls += 1;
+        out
+    }
+
+    /// Mean host microseconds per call.
+    pub fn mean_us(&self) -> f64 {
+        if self.calls == 0 {
+            0.0
+        } else {
+            self.total.as_secs_f64() * 1e6 / self.calls as f64
+        }
+    }
+}
+
+/// Activations and the output gradient of one rank's stack.
+struct Activations {
+    /// `layers + 1` activations, `batch x width` bf16; the first is the input.
+    acts: Vec<DeviceMemory>,
+    /// The gradient at the output, then two buffers the backward pass alternates between.
+    grads: [DeviceMemory; 3],
+}
+
+impl Activations {
+    fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<Activations> {
+        let ctx = backend.context();
+        let bytes = shape.batch * shape.width * 2;
+        let mut rng = Rng::new(seed);
+        let random = |rng: &mut Rng| -> Result<DeviceMemory> {
+            let memory = DeviceMemory::alloc(ctx, bytes)?;
+            let values = narrow(DType::Bf16, &rng.fill(shape.batch * shape.width, 1.0));
+            bind(ctx)?;
+            // SAFETY: the allocation holds `bytes` bytes; the copy completes before returning.
+            unsafe { result::memcpy_htod_sync(memory.ptr(), &values) }
+                .map_err(cuda("cuMemcpyHtoD"))?;
+            Ok(memory)
+        };
+        let mut acts = vec![random(&mut rng)?];
+        for _ in 0..shape.layers {
+            acts.push(DeviceMemory::alloc(ctx, bytes)?);
+        }
+        let grads = [
+            random(&mut rng)?,
+            DeviceMemory::alloc(ctx, bytes)?,
+            DeviceMemory::alloc(ctx, bytes)?,
+        ];
+        Ok(Activations { acts, grads })
+    }
+}
+
+/// One rank's stack, run through its engine.
+pub struct Stack {
+    shape: StackShape,
+    gemm: Gemm,
+    data: Activations,
+}
+
+impl Stack {
+    /// GEMMs on `backend`'s compute stream, with random input and output gradient from `seed`.
+    pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<Stack> {
+        Ok(Stack {
+            shape,
+            gemm: Gemm::new(backend.stream(Stream::Compute))?,
+            data: Activations::new(backend, shape, seed)?,
+        })
+    }
+
+    /// Loads the weights of [`StackShape::init`] into `engine`.
+    pub fn load<C: Communicator<CudaBackend>>(
+        &self,
+        engine: &mut Engine<CudaBackend, C>,
+        seed: u64,
+    ) -> Result<()> {
+        for (i, w) in self.shape.init(seed).iter().enumerate() {
+            engine.load_param(
+                ParamId(i),
+                crate::backend::Input::Host {
+                    bytes: w,
+                    dtype: DType::Bf16,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// One forward and backward pass with every hook, then the gradient sync; no host wait.
+    /// Host time inside engine calls goes to `hooks`.
+    pub fn step<C: Communicator<CudaBackend>>(
+        &mut self,
+        engine: &mut Engine<CudaBackend, C>,
+        hooks: &mut HookTime,
+    ) -> Result<()> {
+        let StackShape {
+            layers,
+            width,
+            batch,
+        } = self.shape;
+        let d = &self.data;
+        for i in 0..layers {
+            let unit = Unit::Layer(i as u32);
+            hooks.time(|| engine.pre_forward(unit))?;
+            let w = engine.param_device(ParamId(i))?.ptr;
+            // SAFETY: the gathered weight is valid on the compute stream while the unit is open;
+            // the activations hold batch x width bf16.
+            unsafe {
+                self.gemm
+                    .forward(d.acts[i].ptr(), w, d.acts[i + 1].ptr(), batch, width, width)
+            }?;
+            hooks.time(|| engine.post_forward(unit))?;
+        }
+        for i in (0..layers).rev() {
+            let unit = Unit::Layer(i as u32);
+            let dy = if i + 1 == layers {
+                d.grads[0].ptr()
+            } else {
+                d.grads[1 + (i + 1) % 2].ptr()
+            };
+            let dx = d.grads[1 + i % 2].ptr();
+            hooks.time(|| engine.pre_backward(unit))?;
+            let w = engine.param_device(ParamId(i))?.ptr;
+            let slot = hooks.time(|| engine.grad_slot_address(ParamId(i)))?;
+            // SAFETY: as in forward; the gradient slot holds width x width f32 until committed.
+            unsafe {
+                self.gemm
+                    .backward_weight(d.acts[i].ptr(), dy, slot, batch, width, width)?;
+                self.gemm.backward_input(dy, w, dx, batch, width, width)?;
+            }
+            hooks.time(|| engine.commit_grad(ParamId(i)))?;
+            hooks.time(|| engine.post_backward(unit))?;
+        }
+        hooks.time(|| engine.finish_grad_sync())
+    }
+}
+
+/// The same GEMMs with plain device weights and fp32 gradients: no sharding, no engine.
+pub struct UnshardedStack {
+    shape: StackShape,
+    stream: Arc<CudaStream>,
+    gemm: Gemm,
+    data: Activations,
+    weights: Vec<DeviceMemory>,
+    grads: Vec<DeviceMemory>,
+}
+
+impl UnshardedStack {
+    pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<UnshardedStack> {
+        let ctx = backend.context();
+        let mut weights = Vec::with_capacity(shape.layers);
+        for w in shape.init(seed) {
+            let memory = DeviceMemory::alloc(ctx, w.len())?;
+            bind(ctx)?;
+            // SAFETY: the allocation holds the weight's bytes; the copy completes before returning.
+            unsafe { result::memcpy_htod_sync(memory.ptr(), &w) }.map_err(cuda("cuMemcpyHtoD"))?;
+            weights.push(memory);
+        }
+        let grads = (0..shape.layers)
+            .map(|_| DeviceMemory::alloc(ctx, shape.width * shape.width * 4))
+            .collect::<Result<Vec<_>>>()?;
+        let stream = Arc::clone(backend.stream(Stream::Compute));
+        Ok(UnshardedStack {
+            shape,
+            gemm: Gemm::new(&stream)?,
+            stream,
+            data: Activations::new(backend, shape, seed)?,
+            weights,
+            grads,
+        })
+    }
+
+    /// One forward and backward pass.
+    pub fn step(&mut self) -> Result<()> {
+        let StackShape {
+            layers,
+            width,
+            batch,
+        } = self.shape;
+        let d = &self.data;
+        // SAFETY: every buffer was allocated for its matrix above.
+        unsafe {
+            for i in 0..layers {
+                self.gemm.forward(
+                    d.acts[i].ptr(),
+                    self.weights[i].ptr(),
+                    d.acts[i + 1].ptr(),
+                    batch,
+                    width,
+                    width,
+                )?;
+            }
+            for i in (0..layers).rev() {
+                let dy = if i + 1 == layers {
+                    d.grads[0].ptr()
+                } else {
+                    d.grads[1 + (i + 1) % 2].ptr()
+                };
+                let dx = d.grads[1 + i % 2].ptr();
+                self.gemm.backward_weight(
+                    d.acts[i].ptr(),
+                    dy,
+                    self.grads[i].ptr(),
+                    batch,
+                    width,
+                    width,
+                )?;
+                self.gemm
+                    .backward_input(dy, self.weights[i].ptr(), dx, batch, width, width)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `layer`'s fp32 weight gradient of the last step. Blocks until it is copied.
+    pub fn weight_grad(&self, layer: usize) -> Result<Vec<f32>> {
+        let n = self.shape.width * self.shape.width;
+        let mut out = vec![0f32; n];
+        let memory = self.grads.get(layer).ok_or(Error::ParamIdOutOfRange {
+            id: layer,
+            count: self.grads.len(),
+        })?;
+        self.stream
+            .synchronize()
+            .map_err(cuda("cuStreamSynchronize"))?;
+        // SAFETY: the gradient holds n f32 written by the finished stream; the copy completes
+        // before returning.
+        unsafe { result::memcpy_dtoh_sync(&mut out, memory.ptr()) }
+            .map_err(cuda("cuMemcpyDtoH"))?;
+        Ok(out)
+    }
+}
