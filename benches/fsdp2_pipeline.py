@@ -33,7 +33,7 @@ def build(layers, width, dtype):
 
 
 def timed(fn, warmup, iters):
-    """Median-free mean over `iters` back-to-back steps, by CUDA events, and host ms per step."""
+    """Mean ms per step over `iters` back-to-back steps by CUDA events, and host ms per step."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
