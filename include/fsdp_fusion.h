@@ -53,6 +53,10 @@ typedef struct fsdp_engine fsdp_engine;
 // The communicators of CPU ranks that run as threads of one process.
 typedef struct fsdp_local_group fsdp_local_group;
 
+// The communicators of ranks that share one GPU, each driven by its own thread of one process
+// (for tests of several ranks without several GPUs).
+typedef struct fsdp_loopback_group fsdp_loopback_group;
+
 // A plan: the grouped, padded layout of a model at one world size.
 typedef struct fsdp_plan fsdp_plan;
 
@@ -213,8 +217,76 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
                                         size_t rank,
                                         struct fsdp_engine **out);
 
-// Releases an engine and everything it allocated; NULL is accepted. Other ranks still in a
-// collective with it fail with `FSDP_COMM_ERROR` instead of waiting forever.
+// Writes a fresh NCCL unique id (`len` bytes, which must be 128) to `out`. One rank makes it and
+// passes the same bytes to every rank's `fsdp_engine_create_cuda_nccl`, through the caller's own
+// channel (its launcher, `torch.distributed`, a file). Does not need a GPU, but loads NCCL
+// (`libnccl.so.2`, or the library named by `FSDP_NCCL_LIBRARY`): `FSDP_UNAVAILABLE` without it.
+// May be called from any thread.
+//
+// # Safety
+// `out` is NULL or valid for `len` bytes.
+enum fsdp_status fsdp_nccl_unique_id(uint8_t *out, size_t len);
+
+// Creates rank `rank` of `world_size` on CUDA device `device` with NCCL: one process (or thread)
+// per GPU, every rank with the same `unique_id` (`id_len` bytes, 128, from
+// `fsdp_nccl_unique_id` on one rank) and a plan made for `world_size`.
+//
+// `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
+// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
+// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
+// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
+// own gather and reduce streams.
+//
+// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
+// device; parameters start at zero until `fsdp_engine_load_param`. Release with
+// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
+// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
+//
+// # Safety
+// `config` is NULL or valid for a read; `unique_id` is NULL or valid for `id_len` bytes; `out` is
+// NULL or valid for a write.
+enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
+                                              const struct fsdp_config *config,
+                                              int device,
+                                              const uint8_t *unique_id,
+                                              size_t id_len,
+                                              size_t rank,
+                                              size_t world_size,
+                                              uint64_t stream,
+                                              struct fsdp_engine **out);
+
+// Creates the communicators of `world_size` ranks that share one GPU, one thread of this process
+// each: NCCL refuses two ranks on one device, this group does not. Each rank's engine takes its
+// communicator with `fsdp_engine_create_cuda_loopback`; every rank must then issue the same hooks
+// in the same order, from its own thread. Needs no GPU itself. Release with
+// `fsdp_loopback_group_destroy` (engines keep theirs).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_loopback_group_create(size_t world_size, struct fsdp_loopback_group **out);
+
+// Releases a loopback group; NULL is accepted.
+enum fsdp_status fsdp_loopback_group_destroy(struct fsdp_loopback_group *group);
+
+// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
+// `group` (once per rank, and only once the device is found usable: a failed call leaves it in
+// the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
+// each rank its own. Does not block on the other ranks. Release with `fsdp_engine_destroy`.
+//
+// # Safety
+// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
+                                                  const struct fsdp_config *config,
+                                                  int device,
+                                                  struct fsdp_loopback_group *group,
+                                                  size_t rank,
+                                                  uint64_t stream,
+                                                  struct fsdp_engine **out);
+
+// Releases an engine and everything it allocated; NULL is accepted. On a GPU it blocks until the
+// device finished the work still using the engine's memory. CPU and loopback ranks still in a
+// collective with it fail with `FSDP_COMM_ERROR` instead of waiting forever; NCCL ranks must all
+// destroy their engines at the same point of the training.
 enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);
 
 // Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
@@ -222,17 +294,20 @@ enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);
 enum fsdp_status fsdp_engine_pre_forward(struct fsdp_engine *engine, int64_t unit);
 
 // After `unit`'s forward: its parameter views stay valid only while another of its hooks is open.
+// Does not block the host.
 enum fsdp_status fsdp_engine_post_forward(struct fsdp_engine *engine, int64_t unit);
 
 // Before `unit`'s backward: as `fsdp_engine_pre_forward`, prefetching in backward order.
 enum fsdp_status fsdp_engine_pre_backward(struct fsdp_engine *engine, int64_t unit);
 
-// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open.
+// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
+// not block the host.
 enum fsdp_status fsdp_engine_post_backward(struct fsdp_engine *engine, int64_t unit);
 
 // Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
-// the rank's part is kept. `data` is host memory, read before the call returns. Every rank loads
-// every parameter, between steps.
+// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
+// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+// is done (after the work already queued on the engine's streams).
 //
 // # Safety
 // `data` is NULL or valid for `numel` elements of `dtype`.
@@ -242,8 +317,12 @@ enum fsdp_status fsdp_engine_load_param(struct fsdp_engine *engine,
                                         size_t numel,
                                         uint32_t dtype);
 
-// The address of `param`'s gathered values and their count and dtype: host memory on the CPU
-// backend. Read only, valid while one of the parameter's unit's hooks is open.
+// The address of `param`'s gathered values and their count and dtype, valid while one of the
+// parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
+// memory, which holds another group once the unit's hooks closed and the unit was evicted.
+//
+// CPU engine: host memory. CUDA engine: a device address, to read on the compute stream only
+// (the hook that opened the unit made that stream wait for the gather). Does not block.
 //
 // # Safety
 // Each out-pointer is NULL or valid for a write.
@@ -254,11 +333,17 @@ enum fsdp_status fsdp_engine_param(struct fsdp_engine *engine,
                                    uint32_t *dtype);
 
 // Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
-// parameter's dtype or `FSDP_F32`) in host memory on the CPU backend, read before the call
-// returns. The group's last gradient launches its reduce-scatter (a collective).
+// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. The group's
+// last gradient launches its reduce-scatter (a collective). The caller keeps ownership of `data`.
+//
+// CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
+// device address, read on the compute stream (the caller's stream) after the work already queued
+// there; it must stay valid until that stream passed this point, which PyTorch's caching
+// allocator ensures for a tensor made on that stream. Does not block the host.
 //
 // # Safety
-// `data` is NULL or valid for `numel` elements of `dtype`.
+// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: `data` is 0
+// or a device address valid for `numel` elements of `dtype` until the compute stream read them.
 enum fsdp_status fsdp_engine_grad(struct fsdp_engine *engine,
                                   size_t param,
                                   const void *data,
@@ -267,23 +352,28 @@ enum fsdp_status fsdp_engine_grad(struct fsdp_engine *engine,
 
 // Opens `param`'s zero-filled fp32 place in its gradient slot (`numel` floats at `*out`) for
 // the caller to write this pass's gradient into; `fsdp_engine_commit_grad` must follow before
-// any other gradient or hook.
+// any other gradient or hook. The engine owns the memory; it is the caller's to write until the
+// commit. CPU engine: host memory. CUDA engine: a device address, zero-filled on the compute
+// stream, to write on that stream. Does not block.
 //
 // # Safety
 // `out` is NULL or valid for a write.
 enum fsdp_status fsdp_engine_grad_slot(struct fsdp_engine *engine, size_t param, float **out);
 
-// Declares the gradient written into the slot `fsdp_engine_grad_slot` opened.
+// Declares the gradient written into the slot `fsdp_engine_grad_slot` opened (on a GPU: queued
+// on the compute stream before this call). Does not block.
 enum fsdp_status fsdp_engine_commit_grad(struct fsdp_engine *engine, size_t param);
 
 // Ends the step's backward passes: reduces every group and orders the optimizer after the
 // reductions. A collective. On a GPU it does not block the host.
 enum fsdp_status fsdp_engine_finish_grad_sync(struct fsdp_engine *engine);
 
-// Steps the optimizer on this rank's shards, once per step, after the gradient sync.
+// Steps the optimizer on this rank's shards, once per step, after the gradient sync. On a GPU it
+// runs on the compute stream and does not block the host.
 enum fsdp_status fsdp_engine_optimizer_step(struct fsdp_engine *engine);
 
-// Ends the step: gathered buffers are released; the next step starts.
+// Ends the step: gathered buffers are released (views from `fsdp_engine_param` are stale); the
+// next step starts. Does not block the host.
 enum fsdp_status fsdp_engine_end_step(struct fsdp_engine *engine);
 
 // What the engine did so far.
@@ -299,7 +389,8 @@ enum fsdp_status fsdp_engine_counters(struct fsdp_engine *engine, struct fsdp_co
 enum fsdp_status fsdp_engine_memory(struct fsdp_engine *engine, size_t *current, size_t *peak);
 
 // Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
-// which holds `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is done.
+// host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
+// done (on a GPU, after the work already queued on the engine's streams).
 //
 // # Safety
 // `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.

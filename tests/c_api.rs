@@ -484,3 +484,456 @@ fn views_and_plan_queries_return_the_values() {
         ok(fsdp_plan_destroy(plan));
     }
 }
+
+const BAD: fsdp_status = fsdp_status::FSDP_INVALID_ARGUMENT;
+const UNAVAILABLE: fsdp_status = fsdp_status::FSDP_UNAVAILABLE;
+
+fn gpu_present() -> bool {
+    fsdp_fusion::backend::cuda::is_driver_present()
+}
+
+#[test]
+fn nccl_unique_id_checks_its_buffer_and_reports_a_missing_nccl() {
+    let mut id = [0u8; 128];
+    // SAFETY: valid pointers, or NULL on purpose.
+    unsafe {
+        expect(fsdp_nccl_unique_id(null_mut(), 128), NULL, "out");
+        expect(
+            fsdp_nccl_unique_id(id.as_mut_ptr(), 64),
+            BAD,
+            "128 bytes, not 64",
+        );
+        match fsdp_nccl_unique_id(id.as_mut_ptr(), 128) {
+            fsdp_status::FSDP_OK => assert!(id.iter().any(|&b| b != 0), "an empty id"),
+            status => expect(status, UNAVAILABLE, "NCCL is not available"),
+        }
+    }
+}
+
+#[test]
+fn cuda_nccl_engine_checks_its_arguments_before_touching_a_device() {
+    let plan = plan(1);
+    let config = config();
+    let id = [0u8; 128];
+    let mut engine = null_mut();
+    // SAFETY: valid pointers, or NULL on purpose.
+    unsafe {
+        let create = |plan, config, device, id, id_len, rank, world, out| {
+            fsdp_engine_create_cuda_nccl(plan, config, device, id, id_len, rank, world, 0, out)
+        };
+        let id = id.as_ptr();
+        expect(
+            create(null(), &config, 0, id, 128, 0, 1, &mut engine),
+            NULL,
+            "plan",
+        );
+        expect(
+            create(plan, null(), 0, id, 128, 0, 1, &mut engine),
+            NULL,
+            "config",
+        );
+        expect(
+            create(plan, &config, 0, null(), 128, 0, 1, &mut engine),
+            NULL,
+            "unique_id",
+        );
+        expect(
+            create(plan, &config, 0, id, 128, 0, 1, null_mut()),
+            NULL,
+            "out",
+        );
+        expect(
+            create(plan, &config, 0, id, 127, 0, 1, &mut engine),
+            BAD,
+            "128 bytes, not 127",
+        );
+        expect(
+            create(plan, &config, -1, id, 128, 0, 1, &mut engine),
+            BAD,
+            "device -1",
+        );
+        expect(
+            create(plan, &config, 0, id, 128, 0, 2, &mut engine),
+            BAD,
+            "world size 1, the communicator 2",
+        );
+        expect(
+            create(plan, &config, 0, id, 128, 1, 1, &mut engine),
+            BAD,
+            "rank 1 is out of range",
+        );
+        if !gpu_present() {
+            expect(
+                create(plan, &config, 0, id, 128, 0, 1, &mut engine),
+                UNAVAILABLE,
+                "CUDA is not available",
+            );
+            assert!(engine.is_null(), "no engine on failure");
+        }
+        ok(fsdp_plan_destroy(plan));
+    }
+}
+
+#[test]
+fn cuda_loopback_engine_checks_its_group_and_keeps_it_when_the_device_fails() {
+    let plan = plan(2);
+    let config = config();
+    let mut loopback = null_mut();
+    let mut local = null_mut();
+    let mut engine = null_mut();
+    // SAFETY: valid pointers, or NULL and wrong handles on purpose.
+    unsafe {
+        expect(fsdp_loopback_group_create(2, null_mut()), NULL, "out");
+        expect(
+            fsdp_loopback_group_create(0, &mut loopback),
+            BAD,
+            "world size",
+        );
+        ok(fsdp_loopback_group_create(2, &mut loopback));
+        ok(fsdp_local_group_create(2, &mut local));
+        let create = |plan, config, device, group, rank, out| {
+            fsdp_engine_create_cuda_loopback(plan, config, device, group, rank, 0, out)
+        };
+        expect(
+            create(null(), &config, 0, loopback, 0, &mut engine),
+            NULL,
+            "plan",
+        );
+        expect(
+            create(plan, null(), 0, loopback, 0, &mut engine),
+            NULL,
+            "config",
+        );
+        expect(
+            create(plan, &config, 0, null_mut(), 0, &mut engine),
+            NULL,
+            "group",
+        );
+        expect(
+            create(plan, &config, 0, loopback, 0, null_mut()),
+            NULL,
+            "out",
+        );
+        expect(
+            create(plan, &config, -3, loopback, 0, &mut engine),
+            BAD,
+            "device -3",
+        );
+        let stale = fsdp_status::FSDP_INVALID_HANDLE;
+        expect(
+            create(plan, &config, 0, local.cast(), 0, &mut engine),
+            stale,
+            "another kind",
+        );
+        expect(
+            fsdp_engine_create_cpu(plan, &config, loopback.cast(), 0, &mut engine),
+            stale,
+            "another kind",
+        );
+        expect(
+            fsdp_local_group_destroy(loopback.cast()),
+            stale,
+            "another kind",
+        );
+        expect(
+            fsdp_loopback_group_destroy(local.cast()),
+            stale,
+            "another kind",
+        );
+        if !gpu_present() {
+            // Twice: the failed call left rank 0's communicator in the group.
+            for _ in 0..2 {
+                expect(
+                    create(plan, &config, 0, loopback, 0, &mut engine),
+                    UNAVAILABLE,
+                    "CUDA is not available",
+                );
+            }
+        }
+        ok(fsdp_loopback_group_destroy(loopback));
+        ok(fsdp_loopback_group_destroy(null_mut()));
+        ok(fsdp_local_group_destroy(local));
+        ok(fsdp_plan_destroy(plan));
+    }
+}
+
+/// Device memory for the GPU tests, through the driver as a C caller would use it.
+mod device {
+    use cudarc::driver::sys::CUstream;
+    use cudarc::driver::{CudaContext, result};
+    use std::sync::Arc;
+
+    /// Device 0's primary context, current on the calling thread.
+    pub fn context() -> Arc<CudaContext> {
+        let ctx = CudaContext::new(0).unwrap_or_else(|e| panic!("device 0: {e}"));
+        ctx.bind_to_thread().unwrap();
+        ctx
+    }
+
+    /// Waits for the engine's compute stream: views were gathered before it, gradients and slots
+    /// are read and zeroed on it.
+    pub fn sync(stream: u64) {
+        // SAFETY: a live stream of the current context (0: the legacy default stream).
+        unsafe { result::stream::synchronize(stream as CUstream) }.unwrap();
+    }
+
+    /// A fresh device copy of `values`, written on `stream`.
+    pub fn upload(stream: u64, values: &[f32]) -> u64 {
+        // SAFETY: a fresh allocation of exactly the bytes copied.
+        let ptr = unsafe { result::malloc_sync(values.len() * 4) }.unwrap();
+        write(stream, ptr, values);
+        ptr
+    }
+
+    /// Copies `values` to `ptr` on `stream`, after the work queued there, and waits.
+    pub fn write(stream: u64, ptr: u64, values: &[f32]) {
+        // SAFETY: `ptr` holds `values.len()` floats (the engine or `upload` vouches); `values`
+        // outlives the copy, waited for below.
+        unsafe { result::memcpy_htod_async(ptr, values, stream as CUstream) }.unwrap();
+        sync(stream);
+    }
+
+    /// Copies `numel` floats from `ptr` on `stream`, after the work queued there, and waits.
+    pub fn download(stream: u64, ptr: u64, numel: usize) -> Vec<f32> {
+        let mut out = vec![0f32; numel];
+        // SAFETY: `ptr` holds `numel` floats (the engine vouches); `out` outlives the copy,
+        // waited for below.
+        unsafe { result::memcpy_dtoh_async(&mut out, ptr, stream as CUstream) }.unwrap();
+        sync(stream);
+        out
+    }
+
+    pub fn free(stream: u64, ptr: u64) {
+        sync(stream);
+        // SAFETY: allocated by `upload`, no longer used once the device is idle.
+        unsafe { result::free_sync(ptr) }.unwrap();
+    }
+
+    /// A non-blocking stream of the current context; the caller destroys it.
+    pub fn stream() -> u64 {
+        let s = result::stream::create(result::stream::StreamKind::NonBlocking).unwrap();
+        s as u64
+    }
+
+    pub fn destroy_stream(stream: u64) {
+        sync(stream);
+        // SAFETY: made by `stream`, idle after the sync.
+        unsafe { result::stream::destroy(stream as CUstream) }.unwrap();
+    }
+}
+
+/// The values of the test model's parameters: embed, w, g.
+fn initial_values() -> [Vec<f32>; 3] {
+    [
+        (0..12).map(|i| i as f32 * 0.25).collect(),
+        (0..9).map(|i| 1.0 - i as f32 * 0.125).collect(),
+        vec![1.0; 3],
+    ]
+}
+
+/// One SGD step (lr 0.5) on a CUDA engine through the C functions: views, a device gradient for
+/// `w`, the slot for `embed`, on compute stream `stream`; returns what the updated shards hold for
+/// `embed` and `w`.
+fn sgd_step_on_gpu(
+    engine: *mut fsdp_engine,
+    plan: *mut fsdp_plan,
+    rank: usize,
+    stream: u64,
+) -> [Vec<f32>; 2] {
+    let values = initial_values();
+    let scale = (rank + 1) as f32;
+    let w_grad: Vec<f32> = (0..9).map(|i| scale * 0.1 * i as f32).collect();
+    let embed_grad: Vec<f32> = (0..12).map(|i| scale * 0.01 * i as f32).collect();
+    let mut data: *const c_void = null();
+    let mut numel = 0usize;
+    let mut dtype = 9u32;
+    let mut slot: *mut f32 = null_mut();
+    // SAFETY: valid pointers; device addresses are used while the engine says they are valid.
+    unsafe {
+        for (id, v) in values.iter().enumerate() {
+            ok(fsdp_engine_load_param(
+                engine,
+                id,
+                v.as_ptr().cast(),
+                v.len(),
+                FSDP_F32,
+            ));
+        }
+        ok(fsdp_engine_pre_forward(engine, FSDP_ROOT));
+        ok(fsdp_engine_param(
+            engine, 0, &mut data, &mut numel, &mut dtype,
+        ));
+        assert_eq!((numel, dtype), (12, FSDP_F32));
+        assert_eq!(device::download(stream, data as u64, numel), values[0]);
+        ok(fsdp_engine_post_forward(engine, FSDP_ROOT));
+        ok(fsdp_engine_pre_forward(engine, 0));
+        ok(fsdp_engine_param(
+            engine, 1, &mut data, &mut numel, &mut dtype,
+        ));
+        assert_eq!(device::download(stream, data as u64, numel), values[1]);
+        ok(fsdp_engine_post_forward(engine, 0));
+
+        ok(fsdp_engine_pre_backward(engine, 0));
+        expect(
+            fsdp_engine_grad(engine, 1, null(), 9, FSDP_F32),
+            NULL,
+            "data",
+        );
+        let grad = device::upload(stream, &w_grad);
+        ok(fsdp_engine_grad(
+            engine,
+            1,
+            grad as *const c_void,
+            9,
+            FSDP_F32,
+        ));
+        ok(fsdp_engine_post_backward(engine, 0));
+        ok(fsdp_engine_pre_backward(engine, FSDP_ROOT));
+        ok(fsdp_engine_grad_slot(engine, 0, &mut slot));
+        device::write(stream, slot as u64, &embed_grad);
+        ok(fsdp_engine_commit_grad(engine, 0));
+        ok(fsdp_engine_post_backward(engine, FSDP_ROOT));
+        ok(fsdp_engine_finish_grad_sync(engine));
+        ok(fsdp_engine_optimizer_step(engine));
+        ok(fsdp_engine_end_step(engine));
+        device::free(stream, grad);
+    }
+    [0, 1].map(|id| shard_values(engine, plan, id))
+}
+
+/// Parameter `id`'s part of this rank's shard (the whole parameter at world size 1).
+fn shard_values(engine: *mut fsdp_engine, plan: *mut fsdp_plan, id: usize) -> Vec<f32> {
+    let mut info = fsdp_param_info::default();
+    let mut bytes = vec![0u8; 1 << 16];
+    let mut written = 0usize;
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_plan_param_info(plan, id, &mut info));
+        ok(fsdp_engine_param_shard(
+            engine,
+            info.group,
+            bytes.as_mut_ptr().cast(),
+            bytes.len(),
+            &mut written,
+        ));
+    }
+    let floats: Vec<f32> = bytes[..written]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    floats[info.offset..(info.offset + info.numel).min(floats.len())].to_vec()
+}
+
+fn sgd_config() -> fsdp_config {
+    fsdp_config {
+        optimizer: FSDP_SGD,
+        lr: 0.5,
+        ..config()
+    }
+}
+
+/// `initial - 0.5 * mean gradient`, the gradient of rank r being `(r + 1)` times the base one.
+fn after_sgd(initial: &[f32], base: impl Fn(usize) -> f32, world: usize) -> Vec<f32> {
+    let mean = (1..=world).sum::<usize>() as f32 / world as f32;
+    initial
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v - 0.5 * mean * base(i))
+        .collect()
+}
+
+#[track_caller]
+fn assert_close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() <= 1e-6, "{got:?} != {want:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
+    let _ctx = device::context();
+    let plan = plan(1);
+    let config = sgd_config();
+    let mut id = [0u8; 128];
+    let mut engine = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
+        ok(fsdp_engine_create_cuda_nccl(
+            plan,
+            &config,
+            0,
+            id.as_ptr(),
+            id.len(),
+            0,
+            1,
+            0,
+            &mut engine,
+        ));
+    }
+    let [embed, w] = sgd_step_on_gpu(engine, plan, 0, 0);
+    let values = initial_values();
+    assert_close(&w, &after_sgd(&values[1], |i| 0.1 * i as f32, 1));
+    assert_close(&embed, &after_sgd(&values[0], |i| 0.01 * i as f32, 1));
+    let mut counters = fsdp_counters::default();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_engine_counters(engine, &mut counters));
+        assert_eq!((counters.steps, counters.reduce_scatters), (1, 2));
+        ok(fsdp_engine_destroy(engine));
+        ok(fsdp_plan_destroy(plan));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_loopback_engines_of_2_ranks_average_their_gradients_through_the_c_api() {
+    let plan = plan(2);
+    let config = sgd_config();
+    let mut group = null_mut();
+    // SAFETY: valid pointer.
+    unsafe { ok(fsdp_loopback_group_create(2, &mut group)) };
+    let (plan_handle, group_handle) = (plan as usize, group as usize);
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let _ctx = device::context();
+                let (plan, group) = (plan_handle as *mut fsdp_plan, group_handle as *mut _);
+                let stream = device::stream();
+                let mut engine = null_mut();
+                // SAFETY: valid pointers; the stream outlives the engine.
+                unsafe {
+                    ok(fsdp_engine_create_cuda_loopback(
+                        plan,
+                        &config,
+                        0,
+                        group,
+                        rank,
+                        stream,
+                        &mut engine,
+                    ));
+                }
+                let shards = sgd_step_on_gpu(engine, plan, rank, stream);
+                ok(fsdp_engine_destroy(engine));
+                device::destroy_stream(stream);
+                shards
+            })
+        })
+        .collect();
+    let values = initial_values();
+    let w = after_sgd(&values[1], |i| 0.1 * i as f32, 2);
+    for (rank, r) in ranks.into_iter().enumerate() {
+        let [_, shard] = r.join().expect("rank thread");
+        // Rank r holds its part of w's padded group: here the part of the 9 values it owns.
+        let mut info = fsdp_param_info::default();
+        // SAFETY: valid pointers.
+        unsafe { ok(fsdp_plan_param_info(plan, 1, &mut info)) };
+        let part = info.padded_numel / 2;
+        let own = (rank * part).min(9)..((rank + 1) * part).min(9);
+        assert_close(&shard[..own.len()], &w[own]);
+    }
+    ok(fsdp_loopback_group_destroy(group));
+    ok(fsdp_plan_destroy(plan));
+}

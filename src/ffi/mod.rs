@@ -1,27 +1,35 @@
 //! The C ABI: `include/fsdp_fusion.h`, generated from this module by cbindgen.
 //!
 //! Conventions: every function returns an [`fsdp_status`]; on failure, [`fsdp_last_error`] gives
-//! the calling thread's message. Handles (`fsdp_plan`, `fsdp_local_group`, `fsdp_engine`) are
-//! opaque numbers made by a `*_create` function and released by the matching `*_destroy`
-//! (which accepts NULL); a destroyed handle is reported as `FSDP_INVALID_HANDLE`, never
+//! the calling thread's message. Handles (`fsdp_plan`, `fsdp_local_group`, `fsdp_loopback_group`,
+//! `fsdp_engine`) are opaque numbers made by a `*_create` function and released by the matching
+//! `*_destroy` (which accepts NULL); a destroyed handle is reported as `FSDP_INVALID_HANDLE`, never
 //! dereferenced. Every function catches panics (`FSDP_PANIC`). Sizes are `size_t`. Handles may be
 //! used from any thread; calls on one engine are serialized, and an engine is meant to be driven by
-//! one thread (one rank). Pointers passed in are borrowed for the call only unless a function says
-//! otherwise.
+//! one thread at a time (one rank). Pointers passed in are borrowed for the call only unless a
+//! function says otherwise.
+//!
+//! Engines run on the CPU backend (`fsdp_engine_create_cpu`: every address is host memory) or on
+//! the CUDA backend (`fsdp_engine_create_cuda_nccl`, `fsdp_engine_create_cuda_loopback`): there
+//! parameter views, gradients and gradient slots are device addresses used on the caller's stream,
+//! while initial values and shard copies stay in host memory.
 
 #![allow(non_camel_case_types)]
 
 mod registry;
 
 use std::cell::RefCell;
-use std::ffi::{CStr, CString, c_char, c_void};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::{Arc, LazyLock, Mutex};
 
 use crate::backend::Input;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
 use crate::comm::local::LocalComm;
+use crate::comm::loopback::LoopbackComm;
+use crate::comm::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use crate::config::{EngineConfig, GradReduction};
 use crate::dtype::DType;
 use crate::engine::Engine;
@@ -76,6 +84,12 @@ pub struct fsdp_plan {
 
 /// The communicators of CPU ranks that run as threads of one process.
 pub struct fsdp_local_group {
+    _opaque: [u8; 0],
+}
+
+/// The communicators of ranks that share one GPU, each driven by its own thread of one process
+/// (for tests of several ranks without several GPUs).
+pub struct fsdp_loopback_group {
     _opaque: [u8; 0],
 }
 
@@ -341,6 +355,8 @@ fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 /// The engines the C API can create.
 pub(crate) enum AnyEngine {
     Cpu(Engine<CpuBackend, LocalComm>),
+    CudaNccl(Engine<CudaBackend, NcclComm>),
+    CudaLoopback(Engine<CudaBackend, LoopbackComm>),
 }
 
 /// Runs `$body` with `$e` bound to the engine inside any variant.
@@ -348,13 +364,21 @@ macro_rules! with_engine {
     ($any:expr, $e:ident => $body:expr) => {
         match $any {
             AnyEngine::Cpu($e) => $body,
+            AnyEngine::CudaNccl($e) => $body,
+            AnyEngine::CudaLoopback($e) => $body,
         }
     };
 }
 
+/// The communicators of a group handle; each rank's engine takes its own once.
+pub(crate) enum Comms {
+    Local(Mutex<Vec<Option<LocalComm>>>),
+    Loopback(Mutex<Vec<Option<LoopbackComm>>>),
+}
+
 /// What a live handle names.
-type Entry = Object<Arc<Plan>, Vec<Option<LocalComm>>, AnyEngine>;
-type Handles = Registry<Arc<Plan>, Vec<Option<LocalComm>>, AnyEngine>;
+type Entry = Object<Arc<Plan>, Comms, AnyEngine>;
+type Handles = Registry<Arc<Plan>, Comms, AnyEngine>;
 
 static HANDLES: LazyLock<Mutex<Handles>> = LazyLock::new(|| Mutex::new(Registry::new()));
 
@@ -652,6 +676,41 @@ pub unsafe extern "C" fn fsdp_plan_memory(
     })
 }
 
+/// Stores a group of `comms` under a new handle and writes it to `out`, checked for NULL first.
+fn new_group<C, H>(
+    comms: Vec<C>,
+    kind: fn(Mutex<Vec<Option<C>>>) -> Comms,
+    out: *mut *mut H,
+) -> Outcome {
+    let comms = kind(Mutex::new(comms.into_iter().map(Some).collect()));
+    let handle = handles()?.insert(Object::Group(comms));
+    // SAFETY: the caller checked `out` and guarantees it is valid for a write.
+    unsafe { put(out, "out", handle as *mut H) }
+}
+
+/// Takes rank `rank`'s communicator out of a group, once.
+fn take_comm<C>(comms: &Mutex<Vec<Option<C>>>, rank: usize) -> Outcome<C> {
+    let mut comms = lock(comms)?;
+    let world_size = comms.len();
+    let slot = comms
+        .get_mut(rank)
+        .ok_or(Error::RankOutOfRange { rank, world_size })?;
+    slot.take()
+        .ok_or_else(|| invalid(format!("rank {rank}'s communicator was already taken")))
+}
+
+/// Stores an engine under a new handle and writes it to `out`, checked for NULL first.
+fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Outcome {
+    let handle = handles()?.insert(Object::Engine(Mutex::new(engine)));
+    // SAFETY: the caller checked `out` and guarantees it is valid for a write.
+    unsafe { put(out, "out", handle as *mut fsdp_engine) }
+}
+
+/// A CUDA device ordinal from C's `int`.
+fn device_ordinal(device: c_int) -> Outcome<usize> {
+    usize::try_from(device).map_err(|_| invalid(format!("device {device} is not a device ordinal")))
+}
+
 /// Creates the communicators of `world_size` CPU ranks running as threads of this process. Each
 /// rank's engine takes its communicator with `fsdp_engine_create_cpu`; every rank must then issue
 /// the same hooks in the same order. Release with `fsdp_local_group_destroy` (engines keep theirs).
@@ -667,20 +726,17 @@ pub unsafe extern "C" fn fsdp_local_group_create(
         if out.is_null() {
             return Err(null("out"));
         }
-        let comms = LocalComm::group(world_size)?
-            .into_iter()
-            .map(Some)
-            .collect();
-        let handle = handles()?.insert(Object::Group(Mutex::new(comms)));
-        // SAFETY: the caller's contract.
-        unsafe { put(out, "out", handle as *mut fsdp_local_group) }
+        new_group(LocalComm::group(world_size)?, Comms::Local, out)
     })
 }
 
 /// Releases a local group; NULL is accepted.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_local_group_destroy(group: *mut fsdp_local_group) -> fsdp_status {
-    boundary(|| destroy(group as u64, |o| matches!(o, Object::Group(_)), "group"))
+    boundary(|| {
+        let is_local = |o: &Entry| matches!(o, Object::Group(Comms::Local(_)));
+        destroy(group as u64, is_local, "group")
+    })
 }
 
 /// Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
@@ -705,27 +761,188 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
             return Err(null("out"));
         }
         let group = object(group as u64, "group")?;
-        let Object::Group(comms) = &*group else {
+        let Object::Group(Comms::Local(comms)) = &*group else {
             return Err(wrong_kind("group"));
         };
-        let comm = {
-            let mut comms = lock(comms)?;
-            let world_size = comms.len();
-            let slot = comms
-                .get_mut(rank)
-                .ok_or(Error::RankOutOfRange { rank, world_size })?;
-            slot.take()
-                .ok_or_else(|| invalid(format!("rank {rank}'s communicator was already taken")))?
-        };
+        let comm = take_comm(comms, rank)?;
         let engine = Engine::new(plan, config, CpuBackend::new(), comm)?;
-        let handle = handles()?.insert(Object::Engine(Mutex::new(AnyEngine::Cpu(engine))));
-        // SAFETY: the caller's contract.
-        unsafe { put(out, "out", handle as *mut fsdp_engine) }
+        store_engine(AnyEngine::Cpu(engine), out)
     })
 }
 
-/// Releases an engine and everything it allocated; NULL is accepted. Other ranks still in a
-/// collective with it fail with `FSDP_COMM_ERROR` instead of waiting forever.
+/// Writes a fresh NCCL unique id (`len` bytes, which must be 128) to `out`. One rank makes it and
+/// passes the same bytes to every rank's `fsdp_engine_create_cuda_nccl`, through the caller's own
+/// channel (its launcher, `torch.distributed`, a file). Does not need a GPU, but loads NCCL
+/// (`libnccl.so.2`, or the library named by `FSDP_NCCL_LIBRARY`): `FSDP_UNAVAILABLE` without it.
+/// May be called from any thread.
+///
+/// # Safety
+/// `out` is NULL or valid for `len` bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_nccl_unique_id(out: *mut u8, len: usize) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        if len != UNIQUE_ID_BYTES {
+            return Err(invalid(format!(
+                "a unique id has {UNIQUE_ID_BYTES} bytes, not {len}"
+            )));
+        }
+        let id = NcclComm::unique_id()?;
+        // SAFETY: non-null and valid for `len` == `id.len()` bytes by the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(id.as_ptr(), out, id.len()) };
+        Ok(())
+    })
+}
+
+/// Creates rank `rank` of `world_size` on CUDA device `device` with NCCL: one process (or thread)
+/// per GPU, every rank with the same `unique_id` (`id_len` bytes, 128, from
+/// `fsdp_nccl_unique_id` on one rank) and a plan made for `world_size`.
+///
+/// `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
+/// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
+/// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
+/// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
+/// own gather and reduce streams.
+///
+/// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
+/// device; parameters start at zero until `fsdp_engine_load_param`. Release with
+/// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
+/// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
+///
+/// # Safety
+/// `config` is NULL or valid for a read; `unique_id` is NULL or valid for `id_len` bytes; `out` is
+/// NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    device: c_int,
+    unique_id: *const u8,
+    id_len: usize,
+    rank: usize,
+    world_size: usize,
+    stream: u64,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let plan = plan_of(plan)?;
+        // SAFETY: the caller's contract.
+        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: the caller's contract.
+        let id = unsafe { unique_id_of(unique_id, id_len) }?;
+        let device = device_ordinal(device)?;
+        // Checked before joining: a rank that joins with the wrong world size hangs the others.
+        if world_size != plan.world_size() {
+            return Err(Error::WorldSizeMismatch {
+                plan: plan.world_size(),
+                comm: world_size,
+            }
+            .into());
+        }
+        if rank >= world_size {
+            return Err(Error::RankOutOfRange { rank, world_size }.into());
+        }
+        let backend = CudaBackend::with_raw_stream(device, stream)?;
+        let comm = NcclComm::new(&id, rank, world_size, &backend)?;
+        let engine = Engine::new(plan, config, backend, comm)?;
+        store_engine(AnyEngine::CudaNccl(engine), out)
+    })
+}
+
+/// A unique id from C.
+///
+/// # Safety
+/// `id` is NULL or valid for `len` bytes.
+unsafe fn unique_id_of(id: *const u8, len: usize) -> Outcome<[u8; UNIQUE_ID_BYTES]> {
+    if id.is_null() {
+        return Err(null("unique_id"));
+    }
+    if len != UNIQUE_ID_BYTES {
+        return Err(invalid(format!(
+            "a unique id has {UNIQUE_ID_BYTES} bytes, not {len}"
+        )));
+    }
+    let mut bytes = [0u8; UNIQUE_ID_BYTES];
+    // SAFETY: non-null and valid for `len` == `bytes.len()` bytes by the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(id, bytes.as_mut_ptr(), len) };
+    Ok(bytes)
+}
+
+/// Creates the communicators of `world_size` ranks that share one GPU, one thread of this process
+/// each: NCCL refuses two ranks on one device, this group does not. Each rank's engine takes its
+/// communicator with `fsdp_engine_create_cuda_loopback`; every rank must then issue the same hooks
+/// in the same order, from its own thread. Needs no GPU itself. Release with
+/// `fsdp_loopback_group_destroy` (engines keep theirs).
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_loopback_group_create(
+    world_size: usize,
+    out: *mut *mut fsdp_loopback_group,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        new_group(LoopbackComm::group(world_size)?, Comms::Loopback, out)
+    })
+}
+
+/// Releases a loopback group; NULL is accepted.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_loopback_group_destroy(group: *mut fsdp_loopback_group) -> fsdp_status {
+    boundary(|| {
+        let is_loopback = |o: &Entry| matches!(o, Object::Group(Comms::Loopback(_)));
+        destroy(group as u64, is_loopback, "group")
+    })
+}
+
+/// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
+/// `group` (once per rank, and only once the device is found usable: a failed call leaves it in
+/// the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
+/// each rank its own. Does not block on the other ranks. Release with `fsdp_engine_destroy`.
+///
+/// # Safety
+/// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    device: c_int,
+    group: *mut fsdp_loopback_group,
+    rank: usize,
+    stream: u64,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let plan = plan_of(plan)?;
+        // SAFETY: the caller's contract.
+        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let device = device_ordinal(device)?;
+        let group = object(group as u64, "group")?;
+        let Object::Group(Comms::Loopback(comms)) = &*group else {
+            return Err(wrong_kind("group"));
+        };
+        let backend = CudaBackend::with_raw_stream(device, stream)?;
+        let comm = take_comm(comms, rank)?;
+        let engine = Engine::new(plan, config, backend, comm)?;
+        store_engine(AnyEngine::CudaLoopback(engine), out)
+    })
+}
+
+/// Releases an engine and everything it allocated; NULL is accepted. On a GPU it blocks until the
+/// device finished the work still using the engine's memory. CPU and loopback ranks still in a
+/// collective with it fail with `FSDP_COMM_ERROR` instead of waiting forever; NCCL ranks must all
+/// destroy their engines at the same point of the training.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_destroy(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| destroy(engine as u64, |o| matches!(o, Object::Engine(_)), "engine"))
@@ -744,6 +961,7 @@ pub extern "C" fn fsdp_engine_pre_forward(engine: *mut fsdp_engine, unit: i64) -
 }
 
 /// After `unit`'s forward: its parameter views stay valid only while another of its hooks is open.
+/// Does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
     boundary(|| {
@@ -765,7 +983,8 @@ pub extern "C" fn fsdp_engine_pre_backward(engine: *mut fsdp_engine, unit: i64) 
     })
 }
 
-/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open.
+/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
+/// not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
     boundary(|| {
@@ -777,8 +996,9 @@ pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64)
 }
 
 /// Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
-/// the rank's part is kept. `data` is host memory, read before the call returns. Every rank loads
-/// every parameter, between steps.
+/// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
+/// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+/// is done (after the work already queued on the engine's streams).
 ///
 /// # Safety
 /// `data` is NULL or valid for `numel` elements of `dtype`.
@@ -822,8 +1042,12 @@ unsafe fn host_bytes<'a>(
     Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) })
 }
 
-/// The address of `param`'s gathered values and their count and dtype: host memory on the CPU
-/// backend. Read only, valid while one of the parameter's unit's hooks is open.
+/// The address of `param`'s gathered values and their count and dtype, valid while one of the
+/// parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
+/// memory, which holds another group once the unit's hooks closed and the unit was evicted.
+///
+/// CPU engine: host memory. CUDA engine: a device address, to read on the compute stream only
+/// (the hook that opened the unit made that stream wait for the gather). Does not block.
 ///
 /// # Safety
 /// Each out-pointer is NULL or valid for a write.
@@ -855,11 +1079,17 @@ pub unsafe extern "C" fn fsdp_engine_param(
 }
 
 /// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
-/// parameter's dtype or `FSDP_F32`) in host memory on the CPU backend, read before the call
-/// returns. The group's last gradient launches its reduce-scatter (a collective).
+/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. The group's
+/// last gradient launches its reduce-scatter (a collective). The caller keeps ownership of `data`.
+///
+/// CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
+/// device address, read on the compute stream (the caller's stream) after the work already queued
+/// there; it must stay valid until that stream passed this point, which PyTorch's caching
+/// allocator ensures for a tensor made on that stream. Does not block the host.
 ///
 /// # Safety
-/// `data` is NULL or valid for `numel` elements of `dtype`.
+/// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: `data` is 0
+/// or a device address valid for `numel` elements of `dtype` until the compute stream read them.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_grad(
     engine: *mut fsdp_engine,
@@ -870,18 +1100,50 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 ) -> fsdp_status {
     boundary(|| {
         let dtype = dtype_of(dtype)?;
-        // SAFETY: the caller's contract.
-        let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
-        let input = Input::Host { bytes, dtype };
         on_engine(engine, |any| {
+            // SAFETY: the caller's contract.
+            let input = unsafe { caller_input(any, data, numel, dtype) }?;
             Ok(with_engine!(any, e => e.grad(ParamId(param), input))?)
         })
     })
 }
 
+/// A caller's tensor as `any` reads it: host memory for a CPU engine, a device address on the
+/// compute stream for a CUDA engine.
+///
+/// # Safety
+/// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: as
+/// `Input::Device` requires.
+unsafe fn caller_input<'a>(
+    any: &AnyEngine,
+    data: *const c_void,
+    numel: usize,
+    dtype: DType,
+) -> Outcome<Input<'a>> {
+    match any {
+        AnyEngine::Cpu(_) => {
+            // SAFETY: the caller's contract.
+            let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
+            Ok(Input::Host { bytes, dtype })
+        }
+        AnyEngine::CudaNccl(_) | AnyEngine::CudaLoopback(_) => {
+            if data.is_null() && numel > 0 {
+                return Err(null("data"));
+            }
+            Ok(Input::Device {
+                ptr: data as u64,
+                numel,
+                dtype,
+            })
+        }
+    }
+}
+
 /// Opens `param`'s zero-filled fp32 place in its gradient slot (`numel` floats at `*out`) for
 /// the caller to write this pass's gradient into; `fsdp_engine_commit_grad` must follow before
-/// any other gradient or hook.
+/// any other gradient or hook. The engine owns the memory; it is the caller's to write until the
+/// commit. CPU engine: host memory. CUDA engine: a device address, zero-filled on the compute
+/// stream, to write on that stream. Does not block.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -903,7 +1165,8 @@ pub unsafe extern "C" fn fsdp_engine_grad_slot(
     })
 }
 
-/// Declares the gradient written into the slot `fsdp_engine_grad_slot` opened.
+/// Declares the gradient written into the slot `fsdp_engine_grad_slot` opened (on a GPU: queued
+/// on the compute stream before this call). Does not block.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_commit_grad(engine: *mut fsdp_engine, param: usize) -> fsdp_status {
     boundary(|| {
@@ -924,7 +1187,8 @@ pub extern "C" fn fsdp_engine_finish_grad_sync(engine: *mut fsdp_engine) -> fsdp
     })
 }
 
-/// Steps the optimizer on this rank's shards, once per step, after the gradient sync.
+/// Steps the optimizer on this rank's shards, once per step, after the gradient sync. On a GPU it
+/// runs on the compute stream and does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_optimizer_step(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
@@ -934,7 +1198,8 @@ pub extern "C" fn fsdp_engine_optimizer_step(engine: *mut fsdp_engine) -> fsdp_s
     })
 }
 
-/// Ends the step: gathered buffers are released; the next step starts.
+/// Ends the step: gathered buffers are released (views from `fsdp_engine_param` are stale); the
+/// next step starts. Does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_end_step(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.end_step())?)))
@@ -990,7 +1255,8 @@ pub unsafe extern "C" fn fsdp_engine_memory(
 }
 
 /// Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
-/// which holds `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is done.
+/// host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
+/// done (on a GPU, after the work already queued on the engine's streams).
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.

@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::ffi::{Failure, fsdp_status};
 
-/// What a handle names.
+/// What a handle names. A group guards its own parts (it may hold communicators of several
+/// kinds, each behind its own lock); an engine is used by one call at a time.
 pub(crate) enum Object<P, G, E> {
     Plan(P),
-    Group(Mutex<G>),
+    Group(G),
     Engine(Mutex<E>),
 }
 
