@@ -26,8 +26,8 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-from ctypes import POINTER, byref, c_bool, c_char_p, c_int, c_int64, c_size_t, c_uint8
-from ctypes import c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, byref, c_bool, c_char_p, c_int, c_int32, c_int64, c_size_t
+from ctypes import c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
 
 import torch
@@ -193,6 +193,9 @@ class _Param:
     tensor: torch.nn.Parameter
     unit: int
     tied: bool
+    # What `.data` holds while the parameter is not gathered: one NaN broadcast to its shape, so
+    # that the shape stays right and a use outside its unit shows.
+    placeholder: torch.Tensor | None = None
 
 
 def _owners(module: torch.nn.Module, units: list[torch.nn.Module]):
@@ -243,21 +246,60 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class _DeviceMemory:
-    """A device address as `__cuda_array_interface__`, for a zero-copy torch tensor over it."""
-
-    def __init__(self, address: int, numel: int, typestr: str):
-        self.__cuda_array_interface__ = {
-            "shape": (numel,),
-            "typestr": typestr,
-            "data": (address, False),
-            "strides": None,
-            "version": 3,
-        }
+# Gathered memory becomes a torch tensor through DLPack, for host and device memory alike: no
+# copy, no NumPy, and bf16 is a DLPack type (the CUDA array interface has none).
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", c_int32), ("device_id", c_int32)]
 
 
-# bf16 has no array-interface type string: it travels as int16 and is viewed back.
-_TYPESTR = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", c_uint8), ("bits", c_uint8), ("lanes", c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("device", _DLDevice),
+        ("ndim", c_int32),
+        ("dtype", _DLDataType),
+        ("shape", POINTER(c_int64)),
+        ("strides", POINTER(c_int64)),
+        ("byte_offset", c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", c_void_p), ("deleter", c_void_p)]
+
+
+class _Export(ctypes.Structure):
+    """A 1-D DLPack tensor with its shape and stride beside it."""
+
+    _fields_ = [("managed", _DLManagedTensor), ("shape", c_int64), ("stride", c_int64)]
+
+
+_DL_DEVICES = {"cpu": 1, "cuda": 2}  # kDLCPU, kDLCUDA
+_DL_DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16)}
+_DLTENSOR = b"dltensor"  # the capsule keeps a pointer to its name: a module constant outlives it
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.argtypes, _capsule_new.restype = [c_void_p, c_char_p, c_void_p], ctypes.py_object
+# The engine owns the memory, so the exports have no deleter; torch still reads that field when a
+# tensor dies, so they are kept for the process's life (one per parameter and gather slot).
+_EXPORTS = []
+
+
+def _wrap_memory(address: int, numel: int, dtype: torch.dtype, device: torch.device):
+    """A zero-copy 1-D tensor over `numel` elements of `dtype` at `address` on `device`."""
+    export = _Export(shape=numel, stride=1)
+    base = ctypes.addressof(export)
+    t = export.managed.dl_tensor
+    t.data, t.ndim, t.byte_offset = address, 1, 0
+    t.device = _DLDevice(_DL_DEVICES[device.type], device.index or 0)
+    t.dtype = _DLDataType(*_DL_DTYPES[dtype], 1)
+    t.shape = ctypes.cast(base + _Export.shape.offset, POINTER(c_int64))
+    t.strides = ctypes.cast(base + _Export.stride.offset, POINTER(c_int64))
+    _EXPORTS.append(export)
+    return torch.from_dlpack(_capsule_new(base, _DLTENSOR, None))
 
 
 class FusedFSDP(torch.nn.Module):
@@ -375,17 +417,15 @@ class FusedFSDP(torch.nn.Module):
 
     def _load_and_release(self):
         """Loads each parameter's value (a host copy) and replaces its storage by a placeholder
-        of the same shape (one NaN, broadcast) until the parameter is gathered."""
+        until the parameter is gathered."""
         for p in self._params:
             host = p.tensor.detach().to("cpu").contiguous()
             self._lib.call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
                            host.numel(), _DTYPE_CODES[host.dtype])
         for p in self._params:
-            p.tensor.data = self._placeholder(p.tensor)
-
-    @staticmethod
-    def _placeholder(t: torch.Tensor) -> torch.Tensor:
-        return torch.full((), math.nan, dtype=t.dtype, device=t.device).expand(t.shape)
+            t = p.tensor
+            p.placeholder = torch.full((), math.nan, dtype=t.dtype, device=t.device).expand(t.shape)
+            t.data = p.placeholder
 
     def _install_hooks(self, units):
         for index, unit in enumerate(units):
@@ -511,7 +551,7 @@ class FusedFSDP(torch.nn.Module):
             view = self._mapped.pop(p.id, None)
             if view is not None:
                 self._param_at.pop(view.data_ptr(), None)
-            p.tensor.data = self._placeholder(p.tensor)
+            p.tensor.data = p.placeholder
         self._lib.call(hook, self._engine, unit)
 
     def _view(self, p: _Param) -> torch.Tensor:
@@ -529,12 +569,7 @@ class FusedFSDP(torch.nn.Module):
         """A zero-copy 1-D tensor over the engine's memory at `address`."""
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=self._device)
-        if self._device.type == "cpu":
-            size = numel * torch.empty((), dtype=dtype).element_size()
-            memory = (ctypes.c_byte * size).from_address(address)
-            return torch.frombuffer(memory, dtype=dtype, count=numel)
-        memory = _DeviceMemory(address, numel, _TYPESTR[dtype])
-        return torch.as_tensor(memory, device=self._device).view(dtype)
+        return _wrap_memory(address, numel, dtype, self._device)
 
     # -- saved tensors ---------------------------------------------------------------------
     # Autograd keeps tensors of the forward for backward, among them parameters and views of

@@ -6,14 +6,16 @@
 The library is the argument, else $FSDP_FUSION_LIBRARY, else target/release/libfsdp_fusion.so.
 A small GPT (embedding tied with the LM head, a frozen root parameter, frozen parameters inside two
 blocks) trains through `FusedFSDP` and, beside it, as a plain module with a torch optimizer, on the
-same batches (two backward passes per step). Prints one line per check and exits non-zero if any
-fails.
+same batches (two backward passes per step); then train.py runs small on the CPU. Prints one line
+per check and exits non-zero if any fails.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -170,10 +172,25 @@ def check_eval_forward_and_placeholders():
     return f"no-grad logits within {difference:.1e}; outside hooks parameters are placeholders"
 
 
+def check_train_script_runs_on_the_cpu():
+    """train.py's three trainers, small, on the CPU backend and gloo: bf16 end to end."""
+    script = Path(__file__).resolve().parent / "train.py"
+    small = ["--device", "cpu", "--steps", "4", "--warmup", "1", "--vocab", "128", "--dim", "32",
+             "--heads", "2", "--layers", "2", "--seq", "16", "--batch", "2"]
+    run = subprocess.run([sys.executable, str(script), "--library", library(), *small],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = re.findall(r"(\S+): mean step .* plain PyTorch (\S+)", run.stdout)
+    assert [name for name, _ in found] == ["fsdp-fusion", "PyTorch", "FSDP2"], run.stdout
+    worst = max(float(difference) for _, difference in found)
+    assert worst <= 1e-3, run.stdout
+    return f"three trainers agree within {worst:.1e} (relative loss)"
+
+
 def main() -> int:
     checks = [check_adamw_matches_torch, check_sgd_gradients_match_torch,
               check_stale_views_would_be_wrong, check_frozen_and_tied,
-              check_eval_forward_and_placeholders]
+              check_eval_forward_and_placeholders, check_train_script_runs_on_the_cpu]
     failed = 0
     for check in checks:
         try:

@@ -1,0 +1,239 @@
+"""Trains a small GPT (examples/torch/gpt.py) three ways in one process, on the same synthetic
+batches from the same initial weights, and prints each one's loss and step time per step:
+
+- fsdp-fusion: the model wrapped in `FusedFSDP` (bf16 parameter shards with fp32 master weights,
+  gradients reduced and accumulated in fp32, AdamW on the shards), CUDA backend with NCCL.
+- plain PyTorch: bf16 parameters for compute, an fp32 master copy that AdamW steps (the bf16
+  gradients widened to fp32), the bf16 copy refreshed from it before each step.
+- FSDP2: `fully_shard` on every block and the root with `MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`: fp32 sharded parameters gathered as bf16, fp32 gradient reduction.
+
+All three compute the forward and backward in bf16 with bf16 weights equal to their fp32 masters
+rounded, and update fp32 masters from fp32 gradients with the same AdamW: the same arithmetic up to
+the order of floating-point operations. The plain reference is "bf16 parameters with fp32 master"
+rather than "fp32 parameters under bf16 autocast" for that reason: autocast would keep layer norms,
+softmax and the loss in fp32 and cast weights per op, which neither FSDP run does. The initial
+weights are rounded to bf16 first, so that every master starts from the same values.
+
+    NCCL_NVLS_ENABLE=0 python examples/torch/train.py --library .gpu/lib/libfsdp_fusion.so
+
+World size 1: torch.distributed is initialized with NCCL over tcp://127.0.0.1 for FSDP2, and the
+fsdp-fusion engine joins its own NCCL group of one rank. `--device cpu` runs the same on the CPU
+backend (gloo for FSDP2, host timers), small, as a smoke test without a GPU. Step times are CUDA
+events around forward, backward and optimizer (the loss is read on the host only to print it);
+the summary's means leave out the first `--warmup` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp_fusion_torch import FusedFSDP  # noqa: E402
+from gpt import GPT, loss_of  # noqa: E402
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--library", help="libfsdp_fusion.so (default: $FSDP_FUSION_LIBRARY)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the mean times")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
+    parser.add_argument("--eps", type=float, default=1e-8)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--double-buffer-limit", type=int, default=4,
+                        help="fsdp-fusion's gathered groups: 2 root groups, the unit, a prefetch")
+    return parser.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def batches(args, device):
+    """Synthetic sequences that a model can learn: each token follows from the one before by a
+    fixed random map, except one in ten drawn at random. The same for every trainer."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    follow = torch.randperm(args.vocab, generator=g)
+    for _ in range(args.steps):
+        tokens = torch.empty(args.batch, args.seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, args.vocab, (args.batch,), generator=g)
+        for t in range(1, args.seq + 1):
+            noise = torch.randint(0, args.vocab, (args.batch,), generator=g)
+            keep = torch.rand(args.batch, generator=g) < 0.9
+            tokens[:, t] = torch.where(keep, follow[tokens[:, t - 1]], noise)
+        yield tokens.to(device)
+
+
+def initial_model(args) -> GPT:
+    """The fp32 initial weights, rounded to bf16 so that every trainer's master starts equal."""
+    torch.manual_seed(args.seed)
+    model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def adamw(args, params):
+    return torch.optim.AdamW(params, lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+                             weight_decay=args.weight_decay)
+
+
+class Timer:
+    """Step times: CUDA events on a GPU (read after the run), the host clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def start(self):
+        self.marks.append([self._mark(), None])
+
+    def stop(self):
+        self.marks[-1][1] = self._mark()
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def milliseconds(self) -> list[float]:
+        if not self.cuda:
+            return [(end - start) * 1e3 for start, end in self.marks]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in self.marks]
+
+
+class FusionTrainer:
+    name = "fsdp-fusion"
+
+    def __init__(self, args, model, device):
+        module = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+        self.model = FusedFSDP(module, list(module.blocks), args.library, lr=args.lr,
+                               betas=tuple(args.betas), eps=args.eps,
+                               weight_decay=args.weight_decay,
+                               double_buffer_limit=args.double_buffer_limit)
+
+    def step(self, tokens):
+        loss = loss_of(self.model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        self.model.step()
+        return loss
+
+
+class PlainTrainer:
+    name = "plain PyTorch"
+
+    def __init__(self, args, model, device):
+        self.master = copy.deepcopy(model).to(device)
+        self.compute = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.pairs = list(zip(self.master.parameters(), self.compute.parameters()))
+        self.optimizer = adamw(args, self.master.parameters())
+
+    def step(self, tokens):
+        with torch.no_grad():
+            for master, compute in self.pairs:
+                compute.copy_(master)
+        loss = loss_of(self.compute(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        for master, compute in self.pairs:
+            master.grad = compute.grad.float()
+            compute.grad = None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+class Fsdp2Trainer:
+    name = "FSDP2"
+
+    def __init__(self, args, model, device):
+        self.model = copy.deepcopy(model).to(device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in self.model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)
+        self.optimizer = adamw(args, self.model.parameters())
+
+    def step(self, tokens):
+        loss = loss_of(self.model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+def run(trainer, data, device):
+    """Trains on every batch; returns the losses (read after each step) and the step times."""
+    timer, losses = Timer(device), []
+    for tokens in data:
+        timer.start()
+        loss = trainer.step(tokens)
+        timer.stop()
+        losses.append(loss.item())
+    return losses, timer.milliseconds()
+
+
+def main() -> int:
+    args = arguments()
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    model = initial_model(args)
+    data = list(batches(args, device))
+    trainers = [FusionTrainer, PlainTrainer, Fsdp2Trainer]
+    results = {}
+    for make in trainers:
+        trainer = make(args, model, device)
+        results[make.name] = run(trainer, data, device)
+        if isinstance(trainer, FusionTrainer):
+            trainer.model.close()  # the engine's memory and NCCL group, now rather than at exit
+    names = [t.name for t in trainers]
+    print(f"{args.layers} blocks, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x "
+          f"{args.seq} tokens, bf16, AdamW lr {args.lr}, {args.device}, world size 1")
+    print("step " + " ".join(f"{n + ' loss':>19} {'ms':>8}" for n in names))
+    for step in range(args.steps):
+        row = " ".join(f"{results[n][0][step]:19.6f} {results[n][1][step]:8.2f}" for n in names)
+        print(f"{step:4d} {row}")
+    plain = results["plain PyTorch"][0]
+    for name in names:
+        losses, times = results[name]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain))
+        mean = statistics.mean(times[args.warmup:] or times)
+        print(f"{name:>14}: mean step {mean:8.2f} ms (steps {args.warmup}..{args.steps - 1}), "
+              f"max relative loss difference vs plain PyTorch {worst:.2e}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
