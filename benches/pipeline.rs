@@ -11,7 +11,7 @@
 //!     .gpu/bin/bench-pipeline [--json] [--trace step.json] [--shapes 32x1024x64,...]
 
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 
 use clap::Parser;
 use fsdp_fusion::backend::Stream;
@@ -85,13 +85,16 @@ fn time_unsharded(backend: &CudaBackend, shape: StackShape, args: &Args) -> Resu
     Ok(median(times))
 }
 
-/// One rank: the unsharded baseline, then the engine's steps, then one traced step.
+/// One rank: the unsharded baseline, then the engine's steps, then one traced step. The ranks
+/// of a loopback group share the GPU, so their baselines run together too (`start` lines them up).
 fn run_rank<C: Communicator<CudaBackend>>(
     backend: CudaBackend,
     comm: C,
     shape: StackShape,
     args: &Args,
+    start: &Barrier,
 ) -> Result<RankResult> {
+    start.wait();
     let unsharded_ms = time_unsharded(&backend, shape, args)?;
     let plan = Arc::new(Plan::new(&shape.spec()?, comm.world_size())?);
     let config = EngineConfig::default();
@@ -154,10 +157,12 @@ fn run_ranks<C: Communicator<CudaBackend> + 'static>(
     shape: StackShape,
     args: &Args,
 ) -> Result<Vec<RankResult>> {
+    let start = Barrier::new(ranks.len());
     std::thread::scope(|s| {
+        let start = &start;
         let handles: Vec<_> = ranks
             .into_iter()
-            .map(|(b, c)| s.spawn(move || run_rank(b, c, shape, args)))
+            .map(|(b, c)| s.spawn(move || run_rank(b, c, shape, args, start)))
             .collect();
         handles
             .into_iter()

@@ -67,6 +67,13 @@ struct Trace<E> {
     backward: Vec<Option<E>>,
 }
 
+/// Where a gathered group's values live.
+enum Placement<E> {
+    Slot(GatherSlot<E>),
+    /// At world size 1 the shard is the whole buffer: the view is the shard itself.
+    Shard,
+}
+
 struct GatherSlot<E> {
     buffer_index: usize,
     /// Compute's last use of the group that held the slot.
@@ -99,10 +106,12 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     master_stale: Vec<bool>,
     slot_buffers: Vec<B::Buffer>,
     free_slots: Vec<GatherSlot<B::Event>>,
-    slot_of: Vec<Option<GatherSlot<B::Event>>>,
+    placed: Vec<Option<Placement<B::Event>>>,
+    /// Per group, the regions of its layout that no gradient covers (padding), as f32.
+    padding: Vec<Vec<Region>>,
     gathered: Vec<Option<B::Event>>,
     released: Vec<Option<Arc<B::Event>>>,
-    shards_updated: Option<Arc<B::Event>>,
+    shards_updated: Option<B::Event>,
     grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
     gathers: Gathers,
     grads: GradPipeline,
@@ -158,10 +167,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         let slot_bytes = plan.gather_slot_bytes();
-        let slot_buffers = (0..config.double_buffer_limit)
+        let slot_count = plan.gather_slot_count(&config);
+        let slot_buffers = (0..slot_count)
             .map(|_| backend.alloc(slot_bytes))
             .collect::<Result<Vec<_>>>()?;
-        let free_slots = (0..config.double_buffer_limit)
+        let free_slots = (0..slot_count)
             .rev()
             .map(|buffer_index| GatherSlot {
                 buffer_index,
@@ -177,12 +187,29 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut expected = vec![0; groups.len()];
-        for p in plan.params().iter().filter(|p| p.trainable) {
-            expected[p.group] += 1;
-        }
+        let members = groups
+            .iter()
+            .map(|g| {
+                if g.trainable {
+                    g.params.iter().map(|p| p.0).collect()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let padding = groups
+            .iter()
+            .map(|g| {
+                g.params
+                    .iter()
+                    .map(|&p| &plan.params()[p.0])
+                    .filter(|p| p.padded_numel > p.numel)
+                    .map(|p| Region::new(p.offset + p.numel, p.padded_numel - p.numel, DType::F32))
+                    .collect()
+            })
+            .collect();
         let grads = GradPipeline::new(
-            expected,
+            members,
             plan.params().len(),
             grad_slots.len(),
             config.max_reduces_in_flight,
@@ -193,7 +220,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             gathers: Gathers::new(groups.len(), config.double_buffer_limit),
             schedule: Schedule::new(units),
             grads,
-            slot_of: (0..groups.len()).map(|_| None).collect(),
+            placed: (0..groups.len()).map(|_| None).collect(),
+            padding,
             gathered: (0..groups.len()).map(|_| None).collect(),
             released: vec![None; groups.len()],
             master_stale: vec![true; groups.len()],
@@ -361,8 +389,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Opens `param`'s fp32 place in its group's gradient slot for the caller to write this
-    /// pass's gradient into (zero-filled; on a GPU, written on the compute stream); returns the
-    /// slot index and the region. [`Engine::commit_grad`] must follow before any other gradient.
+    /// pass's gradient into; returns the slot index and the region. The place holds old values:
+    /// the caller writes every element (on a GPU, on the compute stream), which spares a fill
+    /// of the slot. [`Engine::commit_grad`] must follow before any other gradient.
     fn open_grad_slot(&mut self, param: ParamId) -> Result<(usize, Region)> {
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
         self.enter(Phase::Backward)?;
@@ -465,7 +494,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 .optimizer_step(Stream::Compute, &update, shard)?;
         }
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
-        self.shards_updated = Some(Arc::new(self.backend.record(Stream::Compute)?));
+        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
         self.stepped = true;
         Ok(())
     }
@@ -580,11 +609,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The gathered view of a parameter: its slot, checked to be in use.
     pub(crate) fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
         let layout = self.plan.param(param)?;
-        match (
-            &self.slot_of[layout.group],
-            self.gathers.state(layout.group),
-        ) {
-            (Some(slot), BufferState::Using) => Ok((layout, &self.slot_buffers[slot.buffer_index])),
+        match (&self.placed[layout.group], self.gathers.state(layout.group)) {
+            (Some(Placement::Slot(slot)), BufferState::Using) => {
+                Ok((layout, &self.slot_buffers[slot.buffer_index]))
+            }
+            (Some(Placement::Shard), BufferState::Using) => {
+                Ok((layout, &self.shards[layout.group]))
+            }
             _ => Err(Error::NotGathered {
                 name: layout.name.clone(),
             }),
@@ -732,7 +763,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         for &effect in effects {
             match effect {
                 GatherEffect::Evict(g) => {
-                    if let Some(mut slot) = self.slot_of[g].take() {
+                    if let Some(Placement::Slot(mut slot)) = self.placed[g].take() {
                         slot.free_after = self.released[g].take();
                         self.free_slots.push(slot);
                     }
@@ -751,6 +782,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn gather(&mut self, g: usize) -> Result<()> {
+        self.counters.all_gathers += 1;
+        if self.plan.world_size() == 1 {
+            self.placed[g] = Some(Placement::Shard);
+            return Ok(());
+        }
         let slot = match self.free_slots.pop() {
             Some(slot) => slot,
             None => {
@@ -766,8 +802,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if let Some(done) = &slot.free_after {
             self.backend.wait(Stream::Gather, done)?;
         }
-        if let Some(updated) = &self.shards_updated {
-            self.backend.wait(Stream::Gather, updated)?;
+        // The first gather after an optimizer step waits for it; later ones follow on the stream.
+        if let Some(updated) = self.shards_updated.take() {
+            self.backend.wait(Stream::Gather, &updated)?;
         }
         let start = self.mark(Stream::Gather)?;
         let group = &self.plan.groups()[g];
@@ -781,14 +818,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             &mut self.slot_buffers[slot.buffer_index],
             full_region,
         );
-        self.slot_of[g] = Some(GatherSlot {
+        self.placed[g] = Some(Placement::Slot(GatherSlot {
             free_after: None,
             ..slot
-        });
+        }));
         result?;
         self.push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)?;
         self.gathered[g] = Some(self.backend.record(Stream::Gather)?);
-        self.counters.all_gathers += 1;
         Ok(())
     }
 
@@ -804,9 +840,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                         self.backend.wait(Stream::Compute, &reduced)?;
                     }
                 }
-                GradEffect::Zero { slot, group } => {
-                    let numel = self.plan.groups()[group].padded_numel;
-                    let region = Region::new(0, numel, DType::F32);
+                GradEffect::ZeroPadding { slot, group } => {
+                    for &region in &self.padding[group] {
+                        self.backend.zero(
+                            Stream::Compute,
+                            &mut self.grad_slots[slot].buffer,
+                            region,
+                        )?;
+                    }
+                }
+                GradEffect::ZeroParam { slot, param } => {
+                    let layout = &self.plan.params()[param];
+                    let region = Region::new(layout.offset, layout.numel, DType::F32);
                     self.backend.zero(
                         Stream::Compute,
                         &mut self.grad_slots[slot].buffer,
@@ -850,12 +895,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.backend.wait(Stream::Reduce, &written)?;
         let start = self.mark(Stream::Reduce)?;
         let buffer = &mut self.grad_slots[slot].buffer;
-        self.comm.reduce_scatter(
-            &self.backend,
-            Stream::Reduce,
-            buffer,
-            Region::new(0, g.padded_numel, DType::F32),
-        )?;
+        // At world size 1 the sum over ranks is the slot itself.
+        if self.plan.world_size() > 1 {
+            self.comm.reduce_scatter(
+                &self.backend,
+                Stream::Reduce,
+                buffer,
+                Region::new(0, g.padded_numel, DType::F32),
+            )?;
+        }
         self.counters.reduce_scatters += 1;
         let scale = match self.config.grad_reduction {
             GradReduction::Mean => 1.0 / self.plan.world_size() as f32,
@@ -899,8 +947,8 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
         })
     }
 
-    /// `param`'s zero-filled fp32 place in its gradient slot, to write this pass's gradient into
-    /// before [`Engine::commit_grad`].
+    /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
+    /// before [`Engine::commit_grad`] (it holds old values).
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
         let (slot, region) = self.open_grad_slot(param)?;
         let bytes = self.grad_slots[slot].buffer.region_mut(region)?;
@@ -920,8 +968,9 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
         B::address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
     }
 
-    /// The address of `param`'s zero-filled fp32 place in its gradient slot, for the caller to
-    /// write this pass's gradient into before [`Engine::commit_grad`].
+    /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite
+    /// whole with this pass's gradient (on a GPU, on the compute stream) before
+    /// [`Engine::commit_grad`]; it holds old values.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (slot, region) = self.open_grad_slot(param)?;
         B::address_mut(&mut self.grad_slots[slot].buffer, region)

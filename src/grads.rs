@@ -8,9 +8,11 @@ use std::collections::VecDeque;
 pub enum GradEffect {
     /// The reduction that used `slot` must complete before anything writes the slot again.
     Retire { slot: usize },
-    /// Fill the slot's first `group`-sized part with zeros: padding and parameters without a
-    /// gradient add nothing.
-    Zero { slot: usize, group: usize },
+    /// Zero the padding of `group`'s layout in the slot: the gradients written later cover
+    /// everything else.
+    ZeroPadding { slot: usize, group: usize },
+    /// Zero a parameter's place in the slot: it got no gradient before its group was reduced.
+    ZeroParam { slot: usize, param: usize },
     /// Write the parameter's gradient into its place in the slot.
     Write { param: usize, slot: usize },
     /// Reduce-scatter the slot and add (or, for the step's first, write) this rank's part,
@@ -34,8 +36,11 @@ enum Slot {
 /// The gradient pipeline of one rank.
 #[derive(Clone, Debug)]
 pub struct GradPipeline {
-    expected: Vec<usize>,
+    /// Trainable parameters of each group.
+    members: Vec<Vec<usize>>,
     received: Vec<bool>,
+    /// Parameters written into their group's current slot since it was taken.
+    in_slot: Vec<bool>,
     received_count: Vec<usize>,
     filling: Vec<Option<usize>>,
     fill_order: VecDeque<usize>,
@@ -49,19 +54,21 @@ pub struct GradPipeline {
 }
 
 impl GradPipeline {
-    /// `expected[g]`: trainable parameters of group `g` (0 for a frozen group); `params`: number of
-    /// parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any group trains.
+    /// `members[g]`: the trainable parameters of group `g` (none for a frozen group); `params`:
+    /// number of parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any
+    /// group trains.
     pub fn new(
-        expected: Vec<usize>,
+        members: Vec<Vec<usize>>,
         params: usize,
         slots: usize,
         max_in_flight: usize,
         overlap: bool,
     ) -> GradPipeline {
-        let groups = expected.len();
+        let groups = members.len();
         GradPipeline {
-            expected,
+            members,
             received: vec![false; params],
+            in_slot: vec![false; params],
             received_count: vec![0; groups],
             filling: vec![None; groups],
             fill_order: VecDeque::new(),
@@ -107,6 +114,11 @@ impl GradPipeline {
             return;
         };
         self.fill_order.retain(|&g| g != group);
+        for &param in &self.members[group] {
+            if !std::mem::take(&mut self.in_slot[param]) {
+                effects.push(GradEffect::ZeroParam { slot, param });
+            }
+        }
         if self.in_flight.len() >= self.max_in_flight {
             self.retire_oldest(effects);
         }
@@ -159,7 +171,7 @@ impl GradPipeline {
             Some(slot) => slot,
             None => {
                 let slot = self.claim_slot(effects);
-                effects.push(GradEffect::Zero { slot, group });
+                effects.push(GradEffect::ZeroPadding { slot, group });
                 self.slots[slot] = Slot::Filling;
                 self.filling[group] = Some(slot);
                 self.fill_order.push_back(group);
@@ -172,8 +184,9 @@ impl GradPipeline {
     pub fn commit(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
         debug_assert!(!self.received[param] && self.filling[group].is_some());
         self.received[param] = true;
+        self.in_slot[param] = true;
         self.received_count[group] += 1;
-        if self.received_count[group] == self.expected[group] {
+        if self.received_count[group] == self.members[group].len() {
             self.launch(group, effects);
         }
     }
@@ -192,8 +205,8 @@ impl GradPipeline {
     pub fn finish(&mut self, effects: &mut Vec<GradEffect>) {
         self.end_pass(effects);
         while self.retire_oldest(effects).is_some() {}
-        for group in 0..self.expected.len() {
-            if self.expected[group] > 0 && !self.written[group] {
+        for group in 0..self.members.len() {
+            if !self.members[group].is_empty() && !self.written[group] {
                 effects.push(GradEffect::ZeroShard { group });
                 self.written[group] = true;
             }
@@ -224,12 +237,15 @@ mod tests {
     #[test]
     fn a_group_reduces_once_its_last_gradient_arrives() {
         // Group 0: params 0 and 1.
-        let mut p = GradPipeline::new(vec![2], 2, 3, 2, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 3, 2, true);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(
             fx,
-            vec![Zero { slot: 0, group: 0 }, Write { param: 0, slot: 0 }]
+            vec![
+                ZeroPadding { slot: 0, group: 0 },
+                Write { param: 0, slot: 0 }
+            ]
         );
         fx.clear();
         p.on_grad(1, 0, &mut fx);
@@ -250,7 +266,7 @@ mod tests {
     #[test]
     fn at_most_max_in_flight_reductions() {
         let groups = 6;
-        let mut p = GradPipeline::new(vec![1; groups], groups, 3, 2, true);
+        let mut p = GradPipeline::new((0..groups).map(|g| vec![g]).collect(), groups, 3, 2, true);
         let mut fx = Vec::new();
         for g in 0..groups {
             p.on_grad(g, g, &mut fx);
@@ -271,7 +287,7 @@ mod tests {
 
     #[test]
     fn overlap_off_retires_each_reduction_at_once() {
-        let mut p = GradPipeline::new(vec![1, 1], 2, 3, 2, false);
+        let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, 3, 2, false);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(p.in_flight(), 0);
@@ -281,40 +297,45 @@ mod tests {
     #[test]
     fn full_slots_flush_the_oldest_partial_group() {
         // Three groups of two params each, two slots: the third group forces a partial reduce.
-        let mut p = GradPipeline::new(vec![2, 2, 2], 6, 2, 1, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1], vec![2, 3], vec![4, 5]], 6, 2, 1, true);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.on_grad(2, 1, &mut fx);
         fx.clear();
         p.on_grad(4, 2, &mut fx);
+        // Group 0 is reduced with what it has: param 1's place is zeroed first.
         assert_eq!(
             fx,
             vec![
+                ZeroParam { slot: 0, param: 1 },
                 Reduce {
                     group: 0,
                     slot: 0,
                     overwrite: true
                 },
                 Retire { slot: 0 },
-                Zero { slot: 0, group: 2 },
+                ZeroPadding { slot: 0, group: 2 },
                 Write { param: 4, slot: 0 },
             ]
         );
-        // Group 0's second gradient goes to a fresh slot and adds to the shard.
-        // Group 0's second gradient needs a slot: group 1, the oldest filling, is reduced early.
+        // Group 0's second gradient needs a slot: group 1, the oldest filling, is reduced early;
+        // then group 0 completes in the fresh slot, where param 0's place is zeroed (it was
+        // reduced already), and adds to its shard.
         fx.clear();
         p.on_grad(1, 0, &mut fx);
         assert_eq!(
             fx,
             vec![
+                ZeroParam { slot: 1, param: 3 },
                 Reduce {
                     group: 1,
                     slot: 1,
                     overwrite: true
                 },
                 Retire { slot: 1 },
-                Zero { slot: 1, group: 0 },
+                ZeroPadding { slot: 1, group: 0 },
                 Write { param: 1, slot: 1 },
+                ZeroParam { slot: 1, param: 0 },
                 Reduce {
                     group: 0,
                     slot: 1,
@@ -327,6 +348,7 @@ mod tests {
         assert_eq!(
             fx,
             vec![
+                ZeroParam { slot: 0, param: 5 },
                 Retire { slot: 1 },
                 Reduce {
                     group: 2,
@@ -341,7 +363,7 @@ mod tests {
 
     #[test]
     fn passes_accumulate_and_steps_overwrite() {
-        let mut p = GradPipeline::new(vec![1], 1, 2, 1, true);
+        let mut p = GradPipeline::new(vec![vec![0]], 1, 2, 1, true);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.end_pass(&mut fx);
@@ -363,7 +385,7 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                Zero { slot: 0, group: 0 },
+                ZeroPadding { slot: 0, group: 0 },
                 Write { param: 0, slot: 0 },
                 Reduce {
                     group: 0,
@@ -376,7 +398,7 @@ mod tests {
 
     #[test]
     fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
-        let mut p = GradPipeline::new(vec![2, 0, 1], 4, 3, 2, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1], vec![], vec![3]], 4, 3, 2, true);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         fx.clear();
@@ -384,6 +406,7 @@ mod tests {
         assert_eq!(
             fx,
             vec![
+                ZeroParam { slot: 0, param: 1 },
                 Reduce {
                     group: 0,
                     slot: 0,

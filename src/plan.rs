@@ -327,6 +327,16 @@ impl Plan {
             .unwrap_or(0)
     }
 
+    /// Number of gather slots: the limit, or none at world size 1, where each shard is its whole
+    /// buffer and serves as the gathered view.
+    pub fn gather_slot_count(&self, config: &EngineConfig) -> usize {
+        if self.world_size == 1 {
+            0
+        } else {
+            config.double_buffer_limit
+        }
+    }
+
     /// Elements of the largest trainable group: the size of one fp32 gradient slot.
     pub fn grad_slot_numel(&self) -> usize {
         self.groups
@@ -356,7 +366,7 @@ impl Plan {
                 m.optimizer_state += config.optimizer.state_bytes(g.dtype, g.shard_numel);
             }
         }
-        m.gathered_slots = config.double_buffer_limit * self.gather_slot_bytes();
+        m.gathered_slots = self.gather_slot_count(config) * self.gather_slot_bytes();
         m.grad_slots = self.grad_slot_count(config) * self.grad_slot_numel() * 4;
         m.peak =
             m.param_shards + m.grad_shards + m.optimizer_state + m.gathered_slots + m.grad_slots;

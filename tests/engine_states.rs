@@ -15,6 +15,27 @@ fn engine(model: ModelSpec, config: EngineConfig) -> CpuEngine {
     Engine::new(plan, config, CpuBackend::new(), comm).unwrap()
 }
 
+/// Runs `f` on both ranks of a two-rank group, one thread each: at world size 1 a shard is its
+/// whole buffer, so gathers use no slot and move no data.
+fn on_two_ranks<R: Send>(
+    model: ModelSpec,
+    config: EngineConfig,
+    f: impl Fn(CpuEngine) -> R + Sync,
+) -> Vec<R> {
+    let plan = Arc::new(Plan::new(&model, 2).unwrap());
+    std::thread::scope(|s| {
+        let handles: Vec<_> = LocalComm::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|comm| {
+                let (plan, config, f) = (Arc::clone(&plan), config.clone(), &f);
+                s.spawn(move || f(Engine::new(plan, config, CpuBackend::new(), comm).unwrap()))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A tied embedding and `layers` units of one trainable weight each (and a frozen gain when
 /// `frozen`).
 fn stack(layers: u32, frozen: bool) -> ModelSpec {
@@ -127,17 +148,34 @@ fn a_required_gather_at_the_limit_proceeds() {
         overlap: false,
         ..EngineConfig::default()
     };
-    let mut e = engine(stack(1, true), config);
-    let predicted = e.plan().memory_per_rank(e.config()).peak;
-    assert_eq!(e.memory().current, predicted);
+    on_two_ranks(stack(1, true), config, |mut e| {
+        let predicted = e.plan().memory_per_rank(e.config()).peak;
+        assert_eq!(e.memory().current, predicted);
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        assert_eq!(e.gathered_count(), 2);
+        let c = e.counters();
+        assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
+        assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
+        for g in groups_of(&e, Unit::Layer(0)) {
+            assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+        }
+    });
+}
+
+#[test]
+fn at_world_size_1_the_shard_is_the_view_and_no_slot_is_allocated() {
+    let mut e = engine(stack(2, true), EngineConfig::default());
+    assert_eq!(e.plan().memory_per_rank(e.config()).gathered_slots, 0);
+    assert_eq!(
+        e.memory().current,
+        e.plan().memory_per_rank(e.config()).peak
+    );
+    let w0 = e.plan().param_id("w0").unwrap();
+    e.load_param(w0, Input::host(&[2.5f32; 16])).unwrap();
     e.pre_forward(Unit::Layer(0)).unwrap();
-    assert_eq!(e.gathered_count(), 2);
+    assert_eq!(e.param::<f32>(w0).unwrap(), &[2.5f32; 16]);
     let c = e.counters();
-    assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
-    assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
-    for g in groups_of(&e, Unit::Layer(0)) {
-        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
-    }
+    assert_eq!((c.all_gathers, c.extra_slots), (2, 0));
 }
 
 #[test]
@@ -225,39 +263,40 @@ fn run_untrained() -> Vec<Vec<u8>> {
 fn tracing_records_a_span_for_every_hook_and_collective() {
     use fsdp_fusion::backend::Stream;
     use fsdp_fusion::engine::SpanKind;
-    let mut e = engine(stack(2, false), EngineConfig::default());
-    walk_step(&mut e, 2, &mut |_| {});
-    let before = e.counters();
-    e.set_tracing(true);
-    let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
-    walk_step(&mut e, 2, &mut |_| {});
-    let after = e.counters();
-    let raw = e.take_trace();
-    let spans = fsdp_fusion::trace::resolve(e.backend(), &origin, &raw).unwrap();
-    let count = |f: &dyn Fn(SpanKind) -> bool| spans.iter().filter(|s| f(s.kind)).count() as u64;
-    // Root forward, two layers forward, two layers backward.
-    assert_eq!(count(&|k| matches!(k, SpanKind::GatherWait(_))), 5);
-    assert_eq!(count(&|k| matches!(k, SpanKind::Forward(_))), 3);
-    assert_eq!(count(&|k| matches!(k, SpanKind::Backward(_))), 2);
-    assert_eq!(count(&|k| matches!(k, SpanKind::Optimizer)), 1);
-    assert_eq!(
-        count(&|k| matches!(k, SpanKind::AllGather { .. })),
-        after.all_gathers - before.all_gathers
-    );
-    assert_eq!(
-        count(&|k| matches!(k, SpanKind::ReduceScatter { .. })),
-        after.reduce_scatters - before.reduce_scatters
-    );
-    for s in &spans {
-        let stream = match s.kind {
-            SpanKind::AllGather { .. } => Stream::Gather,
-            SpanKind::ReduceScatter { .. } => Stream::Reduce,
-            _ => Stream::Compute,
-        };
-        assert_eq!(s.stream, stream, "{:?}", s.kind);
-        assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
-    }
-    e.set_tracing(false);
-    walk_step(&mut e, 2, &mut |_| {});
-    assert!(e.take_trace().is_empty());
+    on_two_ranks(stack(2, false), EngineConfig::default(), |mut e| {
+        walk_step(&mut e, 2, &mut |_| {});
+        let before = e.counters();
+        e.set_tracing(true);
+        let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
+        walk_step(&mut e, 2, &mut |_| {});
+        let after = e.counters();
+        let raw = e.take_trace();
+        let spans = fsdp_fusion::trace::resolve(e.backend(), &origin, &raw).unwrap();
+        let count =
+            |f: &dyn Fn(SpanKind) -> bool| spans.iter().filter(|s| f(s.kind)).count() as u64;
+        // Root forward, two layers forward, two layers backward.
+        assert_eq!(count(&|k| matches!(k, SpanKind::GatherWait(_))), 5);
+        assert_eq!(count(&|k| matches!(k, SpanKind::Forward(_))), 3);
+        assert_eq!(count(&|k| matches!(k, SpanKind::Backward(_))), 2);
+        assert_eq!(count(&|k| matches!(k, SpanKind::Optimizer)), 1);
+        let gathers = after.all_gathers - before.all_gathers;
+        assert!(gathers > 0);
+        assert_eq!(count(&|k| matches!(k, SpanKind::AllGather { .. })), gathers);
+        assert_eq!(
+            count(&|k| matches!(k, SpanKind::ReduceScatter { .. })),
+            after.reduce_scatters - before.reduce_scatters
+        );
+        for s in &spans {
+            let stream = match s.kind {
+                SpanKind::AllGather { .. } => Stream::Gather,
+                SpanKind::ReduceScatter { .. } => Stream::Reduce,
+                _ => Stream::Compute,
+            };
+            assert_eq!(s.stream, stream, "{:?}", s.kind);
+            assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
+        }
+        e.set_tracing(false);
+        walk_step(&mut e, 2, &mut |_| {});
+        assert!(e.take_trace().is_empty());
+    });
 }
