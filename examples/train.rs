@@ -3,12 +3,20 @@
 //! same data, and prints both losses, the largest parameter difference and the memory per rank.
 //!
 //! cargo run --release --example train [-- --ranks 4 --layers 4 --width 64 --steps 20 ...]
+//! cargo run --release --example train -- --backend cuda --comm loopback   # ranks on one GPU
+//! cargo run --release --example train -- --backend cuda --comm nccl       # one GPU per rank
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, assemble, max_relative_difference, train_local};
+use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::comm::loopback::LoopbackComm;
+use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::mlp::{
+    Mlp, MlpConfig, RankStep, Reference, assemble, max_relative_difference, train_local,
+    train_ranks,
+};
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -17,6 +25,22 @@ enum Dtype {
     F32,
     Bf16,
     F16,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CommKind {
+    /// CPU ranks as threads (the CPU backend's only communicator).
+    Local,
+    /// Every rank on GPU 0, collectives as device copies (CUDA backend).
+    Loopback,
+    /// NCCL, rank r on GPU r, all driven by this process (CUDA backend).
+    Nccl,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -65,12 +89,38 @@ struct Args {
     /// Sum gradients over ranks instead of averaging.
     #[arg(long)]
     sum: bool,
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendKind,
+    /// Defaults to local on the CPU backend, loopback on the CUDA backend.
+    #[arg(long, value_enum)]
+    comm: Option<CommKind>,
 }
 
 /// Runs longer than this show a progress bar and print a line every few steps.
 const QUIET_AFTER: u64 = 50;
 
+/// The backends and communicators that go together.
+enum Setup {
+    CpuLocal,
+    CudaLoopback,
+    CudaNccl,
+}
+
+fn setup(args: &Args) -> fsdp_fusion::Result<Setup> {
+    match (args.backend, args.comm) {
+        (BackendKind::Cpu, None | Some(CommKind::Local)) => Ok(Setup::CpuLocal),
+        (BackendKind::Cuda, None | Some(CommKind::Loopback)) => Ok(Setup::CudaLoopback),
+        (BackendKind::Cuda, Some(CommKind::Nccl)) => Ok(Setup::CudaNccl),
+        _ => Err(fsdp_fusion::Error::InvalidConfig {
+            field: "comm",
+            reason: "local goes with the CPU backend, loopback and nccl with the CUDA backend"
+                .into(),
+        }),
+    }
+}
+
 fn run(args: &Args) -> fsdp_fusion::Result<()> {
+    let setup = setup(args)?;
     let dtype = match args.dtype {
         Dtype::F32 => DType::F32,
         Dtype::Bf16 => DType::Bf16,
@@ -116,8 +166,12 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     let mut reference = Reference::new(model.clone(), &init, args.ranks, optimizer, scale)?;
 
     println!(
-        "fsdp-fusion: {} CPU ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step",
+        "fsdp-fusion: {} {} ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step",
         args.ranks,
+        match args.backend {
+            BackendKind::Cpu => "CPU",
+            BackendKind::Cuda => "CUDA",
+        },
         args.layers,
         args.width,
         dtype,
@@ -145,31 +199,42 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         "step", "loss sharded", "loss reference", "max rel. param diff"
     ));
     let mut worst = 0f32;
-    let summaries = train_local(
-        &model,
-        &plan,
-        &config,
-        &init,
-        args.steps,
-        args.passes,
-        |step, ranks| {
-            let ref_loss = reference.step(step, args.passes)?;
-            let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32;
-            let diff = max_relative_difference(&assemble(&plan, ranks)?, reference.values());
-            worst = worst.max(diff);
-            if (step + 1) % every.max(1) == 0 || step == 0 {
-                say(format!(
-                    "{:>6}  {loss:>14.7}  {ref_loss:>14.7}  {diff:>20.3e}",
-                    step + 1
-                ));
-            }
-            if let Some(bar) = &bar {
-                bar.set_message(format!("loss {loss:.6}"));
-                bar.inc(1);
-            }
-            Ok(())
-        },
-    )?;
+    let on_step = |step: u64, ranks: &[RankStep]| -> fsdp_fusion::Result<()> {
+        let ref_loss = reference.step(step, args.passes)?;
+        let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32;
+        let diff = max_relative_difference(&assemble(&plan, ranks)?, reference.values());
+        worst = worst.max(diff);
+        if (step + 1) % every.max(1) == 0 || step == 0 {
+            say(format!(
+                "{:>6}  {loss:>14.7}  {ref_loss:>14.7}  {diff:>20.3e}",
+                step + 1
+            ));
+        }
+        if let Some(bar) = &bar {
+            bar.set_message(format!("loss {loss:.6}"));
+            bar.inc(1);
+        }
+        Ok(())
+    };
+    let (steps, passes) = (args.steps, args.passes);
+    let summaries = match setup {
+        Setup::CpuLocal => train_local(&model, &plan, &config, &init, steps, passes, on_step)?,
+        Setup::CudaLoopback => {
+            let ranks = LoopbackComm::group(args.ranks)?
+                .into_iter()
+                .map(|c| Ok((CudaBackend::new(0)?, c)))
+                .collect::<fsdp_fusion::Result<Vec<_>>>()?;
+            train_ranks(&model, &plan, &config, &init, steps, passes, ranks, on_step)?
+        }
+        Setup::CudaNccl => {
+            let devices: Vec<usize> = (0..args.ranks).collect();
+            let ranks = NcclComm::group(&devices)?
+                .into_iter()
+                .map(|c| Ok((CudaBackend::new(c.device())?, c)))
+                .collect::<fsdp_fusion::Result<Vec<_>>>()?;
+            train_ranks(&model, &plan, &config, &init, steps, passes, ranks, on_step)?
+        }
+    };
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }
