@@ -281,8 +281,9 @@ class _Export(ctypes.Structure):
 _DL_DEVICES = {"cpu": 1, "cuda": 2}  # kDLCPU, kDLCUDA
 _DL_DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16)}
 _DLTENSOR = b"dltensor"  # the capsule keeps a pointer to its name: a module constant outlives it
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.argtypes, _capsule_new.restype = [c_void_p, c_char_p, c_void_p], ctypes.py_object
+# A prototype of its own, so that ctypes.pythonapi.PyCapsule_New keeps whatever types others set.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, c_void_p, c_char_p, c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
 # The engine owns the memory, so the exports have no deleter; torch still reads that field when a
 # tensor dies, so they are kept for the process's life (one per parameter and gather slot).
 _EXPORTS = []
@@ -339,7 +340,13 @@ class FusedFSDP(torch.nn.Module):
         config = self._config(optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
                               max_reduces_in_flight, overlap, grad_reduction)
         self._group = c_void_p()
-        self._engine = self._make_engine(config)
+        if self._device.type == "cpu":
+            self._stream = None
+            self._engine = self._make_cpu_engine(config)
+        else:
+            # The engine's compute stream is the caller's: keep the object so the stream lives on.
+            self._stream = torch.cuda.current_stream(self._device)
+            self._engine = self._make_cuda_engine(config)
         self._units = [[p for p in self._params if p.unit == u] for u in range(len(units))]
         self._root = [p for p in self._params if p.unit == ROOT]
         self._load_and_release()
@@ -355,8 +362,8 @@ class FusedFSDP(torch.nn.Module):
     # -- construction ----------------------------------------------------------------------
 
     def _make_plan(self) -> c_void_p:
+        # ctypes keeps the names and shapes assigned to `specs` alive as long as `specs`.
         specs = (_ParamSpec * len(self._params))()
-        keep = []  # the names and shapes stay alive until the plan is made
         for spec, p in zip(specs, self._params):
             dtype = _DTYPE_CODES.get(p.tensor.dtype)
             if dtype is None:
@@ -364,10 +371,8 @@ class FusedFSDP(torch.nn.Module):
             if p.tensor.device != self._device:
                 raise FsdpError(f"{p.name} is on {p.tensor.device}, the first parameter on "
                                 f"{self._device}")
-            name = p.name.encode()
             shape = (c_uint64 * max(p.tensor.dim(), 1))(*p.tensor.shape)
-            keep += [name, shape]
-            spec.name, spec.shape, spec.ndim = name, shape, p.tensor.dim()
+            spec.name, spec.shape, spec.ndim = p.name.encode(), shape, p.tensor.dim()
             spec.dtype, spec.unit = dtype, p.unit
             spec.trainable, spec.tied = p.tensor.requires_grad, p.tied
         plan = c_void_p()
@@ -387,25 +392,28 @@ class FusedFSDP(torch.nn.Module):
         config.overlap = overlap
         return config
 
-    def _make_engine(self, config: _Config) -> c_void_p:
+    def _make_cpu_engine(self, config: _Config) -> c_void_p:
+        """One rank on the CPU backend, with a local group of one."""
+        if self._world != 1:
+            raise FsdpError("the CPU backend runs one rank per process here: world size 1")
         engine = c_void_p()
-        if self._device.type == "cpu":
-            if self._world != 1:
-                raise FsdpError("the CPU backend runs one rank per process here: world size 1")
-            self._lib.call("fsdp_local_group_create", 1, byref(self._group))
-            self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), self._group, 0,
-                           byref(engine))
-            self._stream = None
-            return engine
+        self._lib.call("fsdp_local_group_create", 1, byref(self._group))
+        self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), self._group, 0,
+                       byref(engine))
+        return engine
+
+    def _make_cuda_engine(self, config: _Config) -> c_void_p:
+        """This process's rank on its GPU with NCCL; blocks until every rank joined."""
+        engine = c_void_p()
         uid = self._unique_id()
-        # The engine's compute stream is the caller's: keep the object so the stream lives on.
-        self._stream = torch.cuda.current_stream(self._device)
         self._lib.call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
                        self._device.index or 0, uid, len(uid), self._rank, self._world,
                        self._stream.cuda_stream, byref(engine))
         return engine
 
     def _unique_id(self):
+        """Rank 0's fresh NCCL id, sent to the others through torch.distributed (whose current
+        device each rank has set)."""
         uid = (c_uint8 * _UNIQUE_ID_BYTES)()
         if self._rank == 0:
             self._lib.call("fsdp_nccl_unique_id", uid, len(uid))

@@ -204,10 +204,12 @@ def run(trainer, data, device):
 def main() -> int:
     args = arguments()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    init = dict(init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("nccl", device_id=device, **init)
+    else:
+        dist.init_process_group("gloo", **init)
     model = initial_model(args)
     data = list(batches(args, device))
     trainers = [FusionTrainer, PlainTrainer, Fsdp2Trainer]
