@@ -13,10 +13,7 @@ use clap::{Parser, ValueEnum};
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::mlp::{
-    Mlp, MlpConfig, RankStep, Reference, assemble, max_relative_difference, train_local,
-    train_ranks,
-};
+use fsdp_fusion::mlp::{Comparison, Mlp, MlpConfig, Training};
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -158,12 +155,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     config.validate()?;
     let plan = Arc::new(Plan::new(&model.spec()?, args.ranks)?);
     let init = model.init(1);
-    let scale = if args.sum {
-        1.0
-    } else {
-        1.0 / args.ranks as f32
+    let training = Training {
+        model: &model,
+        plan: &plan,
+        config: &config,
+        init: &init,
+        steps: args.steps,
+        passes: args.passes,
     };
-    let mut reference = Reference::new(model.clone(), &init, args.ranks, optimizer, scale)?;
 
     println!(
         "fsdp-fusion: {} {} ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step",
@@ -199,15 +198,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         "step", "loss sharded", "loss reference", "max rel. param diff"
     ));
     let mut worst = 0f32;
-    let on_step = |step: u64, ranks: &[RankStep]| -> fsdp_fusion::Result<()> {
-        let ref_loss = reference.step(step, args.passes)?;
-        let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32;
-        let diff = max_relative_difference(&assemble(&plan, ranks)?, reference.values());
+    let on_step = |step: u64, c: &Comparison| -> fsdp_fusion::Result<()> {
+        let (loss, diff) = (c.loss, c.difference);
         worst = worst.max(diff);
         if (step + 1) % every.max(1) == 0 || step == 0 {
             say(format!(
-                "{:>6}  {loss:>14.7}  {ref_loss:>14.7}  {diff:>20.3e}",
-                step + 1
+                "{:>6}  {loss:>14.7}  {:>14.7}  {diff:>20.3e}",
+                step + 1,
+                c.reference_loss
             ));
         }
         if let Some(bar) = &bar {
@@ -216,15 +214,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         }
         Ok(())
     };
-    let (steps, passes) = (args.steps, args.passes);
     let summaries = match setup {
-        Setup::CpuLocal => train_local(&model, &plan, &config, &init, steps, passes, on_step)?,
+        Setup::CpuLocal => training.compare_on_cpu(on_step)?,
         Setup::CudaLoopback => {
             let ranks = LoopbackComm::group(args.ranks)?
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(0)?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
-            train_ranks(&model, &plan, &config, &init, steps, passes, ranks, on_step)?
+            training.compare(ranks, on_step)?
         }
         Setup::CudaNccl => {
             let devices: Vec<usize> = (0..args.ranks).collect();
@@ -232,7 +229,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(c.device())?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
-            train_ranks(&model, &plan, &config, &init, steps, passes, ranks, on_step)?
+            training.compare(ranks, on_step)?
         }
     };
     if let Some(bar) = &bar {

@@ -14,7 +14,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, Input, MemoryUsage};
 use crate::comm::Communicator;
 use crate::comm::local::LocalComm;
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, GradReduction};
 use crate::dtype::{DType, load_f32};
 use crate::engine::Counters;
 use crate::engine::Engine;
@@ -598,99 +598,167 @@ pub fn assemble(plan: &Plan, ranks: &[RankStep]) -> Result<Vec<Vec<f32>>> {
         .collect()
 }
 
-/// Trains `model` on `plan.world_size()` CPU ranks, one thread each, for `steps` steps of `passes`
-/// micro-batches; after every step `on_step(step, ranks)` sees each rank's loss and shards.
-pub fn train_local(
-    model: &Mlp,
-    plan: &Arc<Plan>,
-    config: &EngineConfig,
-    init: &[Vec<f32>],
-    steps: u64,
-    passes: u64,
-    on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
-) -> Result<Vec<RankSummary>> {
-    let ranks = LocalComm::group(plan.world_size())?
-        .into_iter()
-        .map(|comm| (CpuBackend::new(), comm))
-        .collect();
-    train_ranks(model, plan, config, init, steps, passes, ranks, on_step)
+/// A training run of the example model: what every rank and the reference share.
+#[derive(Clone, Copy)]
+pub struct Training<'a> {
+    pub model: &'a Mlp,
+    pub plan: &'a Arc<Plan>,
+    pub config: &'a EngineConfig,
+    /// Initial values, in id order, before rounding to the dtype.
+    pub init: &'a [Vec<f32>],
+    pub steps: u64,
+    /// Micro-batches (backward passes) per step.
+    pub passes: u64,
 }
 
-/// As [`train_local`], on the given ranks' backends and communicators, in rank order.
-#[allow(clippy::too_many_arguments)]
-pub fn train_ranks<B: Backend, C: Communicator<B>>(
-    model: &Mlp,
-    plan: &Arc<Plan>,
-    config: &EngineConfig,
-    init: &[Vec<f32>],
-    steps: u64,
-    passes: u64,
-    ranks: Vec<(B, C)>,
-    mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
-) -> Result<Vec<RankSummary>> {
-    let world = plan.world_size();
-    if ranks.len() != world {
-        return Err(Error::WorldSizeMismatch {
-            plan: world,
-            comm: ranks.len(),
-        });
-    }
-    let (tx, rx) = mpsc::channel::<(usize, RankStep)>();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = ranks
+/// One step of a sharded run beside the reference.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Comparison {
+    /// Mean over ranks of each rank's mean loss.
+    pub loss: f32,
+    pub reference_loss: f32,
+    /// [`max_relative_difference`] of every parameter after the step.
+    pub difference: f32,
+}
+
+impl Training<'_> {
+    /// Trains on `plan.world_size()` CPU ranks, one thread each; after every step
+    /// `on_step(step, ranks)` sees each rank's loss and shards.
+    pub fn on_cpu(
+        &self,
+        on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        let ranks = LocalComm::group(self.plan.world_size())?
             .into_iter()
-            .map(|(backend, comm)| {
-                let tx = tx.clone();
-                scope.spawn(move || -> Result<RankSummary> {
-                    let rank = comm.rank();
-                    let mut engine = Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
-                    load(&mut engine, init)?;
-                    for step in 0..steps {
-                        let loss = sharded_step(model, &mut engine, step, passes)?;
-                        let shards = (0..plan.groups().len())
-                            .map(|g| engine.param_shard(g))
-                            .collect::<Result<Vec<_>>>()?;
-                        if tx.send((rank, RankStep { loss, shards })).is_err() {
-                            break;
+            .map(|comm| (CpuBackend::new(), comm))
+            .collect();
+        self.on_ranks(ranks, on_step)
+    }
+
+    /// Trains beside the [`Reference`] on the given ranks, comparing after
+    /// every step; `on_step` sees each comparison as it comes.
+    pub fn compare<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C)>,
+        mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        let world = self.plan.world_size();
+        let scale = match self.config.grad_reduction {
+            GradReduction::Mean => 1.0 / world as f32,
+            GradReduction::Sum => 1.0,
+        };
+        let mut reference = Reference::new(
+            self.model.clone(),
+            self.init,
+            world,
+            self.config.optimizer,
+            scale,
+        )?;
+        self.on_ranks(ranks, |step, ranks| {
+            let reference_loss = reference.step(step, self.passes)?;
+            let comparison = Comparison {
+                loss: ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32,
+                reference_loss,
+                difference: max_relative_difference(
+                    &assemble(self.plan, ranks)?,
+                    reference.values(),
+                ),
+            };
+            on_step(step, &comparison)
+        })
+    }
+
+    /// [`Training::compare`] on CPU ranks.
+    pub fn compare_on_cpu(
+        &self,
+        on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        let ranks = LocalComm::group(self.plan.world_size())?
+            .into_iter()
+            .map(|comm| (CpuBackend::new(), comm))
+            .collect();
+        self.compare(ranks, on_step)
+    }
+
+    /// Trains on the given ranks' backends and communicators, in rank order, one thread each.
+    pub fn on_ranks<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C)>,
+        mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        let Training {
+            model,
+            plan,
+            config,
+            init,
+            steps,
+            passes,
+        } = *self;
+        let world = plan.world_size();
+        if ranks.len() != world {
+            return Err(Error::WorldSizeMismatch {
+                plan: world,
+                comm: ranks.len(),
+            });
+        }
+        let (tx, rx) = mpsc::channel::<(usize, RankStep)>();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|(backend, comm)| {
+                    let tx = tx.clone();
+                    scope.spawn(move || -> Result<RankSummary> {
+                        let rank = comm.rank();
+                        let mut engine =
+                            Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
+                        load(&mut engine, init)?;
+                        for step in 0..steps {
+                            let loss = sharded_step(model, &mut engine, step, passes)?;
+                            let shards = (0..plan.groups().len())
+                                .map(|g| engine.param_shard(g))
+                                .collect::<Result<Vec<_>>>()?;
+                            if tx.send((rank, RankStep { loss, shards })).is_err() {
+                                break;
+                            }
                         }
-                    }
-                    Ok(RankSummary {
-                        memory: engine.memory(),
-                        counters: engine.counters(),
+                        Ok(RankSummary {
+                            memory: engine.memory(),
+                            counters: engine.counters(),
+                        })
                     })
                 })
-            })
-            .collect();
-        drop(tx);
-        let mut outcome = Ok(());
-        'steps: for step in 0..steps {
-            let mut ranks: Vec<Option<RankStep>> = vec![None; world];
-            for _ in 0..world {
-                match rx.recv() {
-                    Ok((rank, record)) => ranks[rank] = Some(record),
-                    Err(_) => break 'steps,
+                .collect();
+            drop(tx);
+            let mut outcome = Ok(());
+            'steps: for step in 0..steps {
+                let mut ranks: Vec<Option<RankStep>> = vec![None; world];
+                for _ in 0..world {
+                    match rx.recv() {
+                        Ok((rank, record)) => ranks[rank] = Some(record),
+                        Err(_) => break 'steps,
+                    }
+                }
+                let ranks: Vec<RankStep> = ranks.into_iter().flatten().collect();
+                if let Err(e) = on_step(step, &ranks) {
+                    outcome = Err(e);
+                    break;
                 }
             }
-            let ranks: Vec<RankStep> = ranks.into_iter().flatten().collect();
-            if let Err(e) = on_step(step, &ranks) {
-                outcome = Err(e);
-                break;
+            drop(rx);
+            let mut summaries = Vec::with_capacity(world);
+            let mut failure: Option<Error> = None;
+            for (rank, handle) in handles.into_iter().enumerate() {
+                match handle.join().unwrap_or(Err(Error::RankPanicked { rank })) {
+                    Ok(summary) => summaries.push(summary),
+                    // A failing rank makes the others fail with RankLeft: report the cause.
+                    Err(e) => match failure {
+                        Some(Error::RankLeft { .. }) | None => failure = Some(e),
+                        Some(_) => {}
+                    },
+                }
             }
-        }
-        drop(rx);
-        let mut summaries = Vec::with_capacity(world);
-        let mut failure: Option<Error> = None;
-        for (rank, handle) in handles.into_iter().enumerate() {
-            match handle.join().unwrap_or(Err(Error::RankPanicked { rank })) {
-                Ok(summary) => summaries.push(summary),
-                // A failing rank makes the others fail with RankLeft: report the cause.
-                Err(e) => match failure {
-                    Some(Error::RankLeft { .. }) | None => failure = Some(e),
-                    Some(_) => {}
-                },
-            }
-        }
-        outcome?;
-        failure.map_or(Ok(summaries), Err)
-    })
+            outcome?;
+            failure.map_or(Ok(summaries), Err)
+        })
+    }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use fsdp_fusion::mlp::{Mlp, MlpConfig, train_local};
+use fsdp_fusion::mlp::{Mlp, MlpConfig, Training};
 use fsdp_fusion::{DType, EngineConfig, OptimizerConfig, Plan};
 
 /// The cargo target directory this test runs from: `<target>/<profile>/deps/<test>`.
@@ -85,20 +85,22 @@ fn rust_losses(world: usize, steps: u64) -> Vec<f32> {
         },
         ..EngineConfig::default()
     };
-    let mut losses = Vec::new();
-    train_local(
-        &model,
-        &plan,
-        &config,
-        &model.init(1),
+    let init = model.init(1);
+    let training = Training {
+        model: &model,
+        plan: &plan,
+        config: &config,
+        init: &init,
         steps,
-        2,
-        |_, ranks| {
+        passes: 2,
+    };
+    let mut losses = Vec::new();
+    training
+        .on_cpu(|_, ranks| {
             losses.push(ranks.iter().map(|r| r.loss).sum::<f32>() / world as f32);
             Ok(())
-        },
-    )
-    .unwrap();
+        })
+        .unwrap();
     losses
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, assemble, max_relative_difference, train_ranks};
-use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, GradReduction, Plan};
+use fsdp_fusion::mlp::{Mlp, MlpConfig, Training};
+use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, Plan};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
@@ -24,46 +24,32 @@ fn model(dtype: DType) -> Mlp {
     })
 }
 
-/// Trains on `ranks` and returns the largest relative difference from the reference over all
-/// steps, and the host waits each rank counted.
+/// Trains on `ranks` beside the reference and returns the largest relative difference over all
+/// steps.
 fn parity<B: Backend, C: Communicator<B>>(
     dtype: DType,
     config: EngineConfig,
     ranks: Vec<(B, C)>,
-) -> (f32, Vec<u64>) {
-    let world = ranks.len();
+) -> f32 {
     let model = model(dtype);
-    let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
+    let plan = Arc::new(Plan::new(&model.spec().unwrap(), ranks.len()).unwrap());
     let init = model.init(9);
-    let scale = match config.grad_reduction {
-        GradReduction::Mean => 1.0 / world as f32,
-        GradReduction::Sum => 1.0,
+    let training = Training {
+        model: &model,
+        plan: &plan,
+        config: &config,
+        init: &init,
+        steps: STEPS,
+        passes: PASSES,
     };
-    let mut reference =
-        Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
     let mut worst = 0f32;
-    let summaries = train_ranks(
-        &model,
-        &plan,
-        &config,
-        &init,
-        STEPS,
-        PASSES,
-        ranks,
-        |step, ranks| {
-            reference.step(step, PASSES)?;
-            worst = worst.max(max_relative_difference(
-                &assemble(&plan, ranks)?,
-                reference.values(),
-            ));
+    training
+        .compare(ranks, |_, c| {
+            worst = worst.max(c.difference);
             Ok(())
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    (
-        worst,
-        summaries.iter().map(|s| s.counters.host_waits).collect(),
-    )
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    worst
 }
 
 fn loopback(world: usize) -> Vec<(CudaBackend, LoopbackComm)> {
@@ -84,7 +70,7 @@ fn loopback_engines_equal_the_reference() {
                     overlap,
                     ..EngineConfig::default()
                 };
-                let (diff, _) = parity(dtype, config, loopback(world));
+                let diff = parity(dtype, config, loopback(world));
                 eprintln!(
                     "loopback world {world} {dtype} overlap {overlap}: max relative difference {diff:e}"
                 );
@@ -104,7 +90,7 @@ fn nccl_engine_at_world_size_1_equals_the_reference() {
         let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
         let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
         let comm = NcclComm::new(&id, 0, 1, &backend).unwrap_or_else(|e| panic!("{e}"));
-        let (diff, _) = parity(dtype, EngineConfig::default(), vec![(backend, comm)]);
+        let diff = parity(dtype, EngineConfig::default(), vec![(backend, comm)]);
         eprintln!("nccl world 1 {dtype}: max relative difference {diff:e}");
         assert!(diff <= 1e-6, "{dtype}: {diff}");
     }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, assemble, max_relative_difference, train_local};
+use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, Training, max_relative_difference};
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 
 const STEPS: u64 = 4;
@@ -21,46 +21,35 @@ fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
     });
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
     let init = model.init(3);
-    let scale = match config.grad_reduction {
-        GradReduction::Mean => 1.0 / world as f32,
-        GradReduction::Sum => 1.0,
+    let training = Training {
+        model: &model,
+        plan: &plan,
+        config: &config,
+        init: &init,
+        steps: STEPS,
+        passes: PASSES,
     };
-    let mut reference =
-        Reference::new(model.clone(), &init, world, config.optimizer, scale).unwrap();
-    let mut worst = 0f32;
-    let mut losses = Vec::new();
-    train_local(
-        &model,
-        &plan,
-        &config,
-        &init,
-        STEPS,
-        PASSES,
-        |step, ranks| {
-            let ref_loss = reference.step(step, PASSES)?;
-            let sharded = assemble(&plan, ranks)?;
-            worst = worst.max(max_relative_difference(&sharded, reference.values()));
-            let loss = ranks.iter().map(|r| r.loss).sum::<f32>() / world as f32;
-            losses.push((loss, ref_loss));
+    let mut steps = Vec::new();
+    training
+        .compare_on_cpu(|_, c| {
+            steps.push(*c);
             Ok(())
-        },
-    )
-    .unwrap();
-    assert_eq!(losses.len() as u64, STEPS);
-    for (loss, ref_loss) in &losses {
+        })
+        .unwrap();
+    assert_eq!(steps.len() as u64, STEPS);
+    for c in &steps {
         assert!(
-            (loss - ref_loss).abs() <= 1e-6 * ref_loss.abs(),
-            "{losses:?}"
+            (c.loss - c.reference_loss).abs() <= 1e-6 * c.reference_loss.abs(),
+            "{steps:?}"
         );
     }
     // Training moved the parameters: a run that did nothing would also "agree".
-    let start: Vec<Vec<f32>> = init
-        .iter()
-        .map(|v| fsdp_fusion::mlp::round_to(dtype, v))
-        .collect();
+    let mut reference = Reference::new(model.clone(), &init, world, config.optimizer, 1.0).unwrap();
+    let start = reference.values().to_vec();
+    reference.step(0, PASSES).unwrap();
     let moved = max_relative_difference(reference.values(), &start);
     assert!(moved > 1e-3, "parameters barely moved: {moved}");
-    worst
+    steps.iter().map(|c| c.difference).fold(0.0, f32::max)
 }
 
 fn config(overlap: bool) -> EngineConfig {
