@@ -324,46 +324,113 @@ impl Stack {
         engine: &mut Engine<CudaBackend, C>,
         hooks: &mut HookTime,
     ) -> Result<()> {
-        let StackShape {
-            layers,
-            width,
-            batch,
-        } = self.shape;
-        let d = &self.data;
-        for i in 0..layers {
-            let unit = Unit::Layer(i as u32);
-            hooks.time(|| engine.pre_forward(unit))?;
-            let w = engine.param_device(ParamId(i))?.ptr;
-            // SAFETY: the gathered weight is valid on the compute stream while the unit is open;
-            // the activations hold batch x width bf16.
-            unsafe {
-                self.gemm
-                    .forward(d.acts[i].ptr(), w, d.acts[i + 1].ptr(), batch, width, width)
-            }?;
-            hooks.time(|| engine.post_forward(unit))?;
-        }
-        for i in (0..layers).rev() {
-            let unit = Unit::Layer(i as u32);
-            let dy = if i + 1 == layers {
-                d.grads[0].ptr()
-            } else {
-                d.grads[1 + (i + 1) % 2].ptr()
-            };
-            let dx = d.grads[1 + i % 2].ptr();
-            hooks.time(|| engine.pre_backward(unit))?;
-            let w = engine.param_device(ParamId(i))?.ptr;
-            let slot = hooks.time(|| engine.grad_slot_address(ParamId(i)))?;
-            // SAFETY: as in forward; the gradient slot holds width x width f32 until committed.
-            unsafe {
-                self.gemm
-                    .backward_weight(d.acts[i].ptr(), dy, slot, batch, width, width)?;
-                self.gemm.backward_input(dy, w, dx, batch, width, width)?;
-            }
-            hooks.time(|| engine.commit_grad(ParamId(i)))?;
-            hooks.time(|| engine.post_backward(unit))?;
-        }
+        pass(
+            &self.gemm,
+            &self.data,
+            self.shape,
+            &mut EngineWeights { engine, hooks },
+        )?;
         hooks.time(|| engine.finish_grad_sync())
     }
+}
+
+/// Where a pass finds each layer's weight and puts its fp32 gradient.
+trait Weights {
+    /// Before layer `layer`'s forward (`backward` false) or backward: its weight's address.
+    fn open(&mut self, layer: usize, backward: bool) -> Result<u64>;
+    /// Where the weight gradient goes (backward only).
+    fn grad(&mut self, layer: usize) -> Result<u64>;
+    /// After the gradient was written (backward) and the layer is done.
+    fn close(&mut self, layer: usize, backward: bool) -> Result<()>;
+}
+
+/// The engine's gathered weights and gradient slots, with the hooks timed.
+struct EngineWeights<'a, C: Communicator<CudaBackend>> {
+    engine: &'a mut Engine<CudaBackend, C>,
+    hooks: &'a mut HookTime,
+}
+
+impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
+    fn open(&mut self, layer: usize, backward: bool) -> Result<u64> {
+        let unit = Unit::Layer(layer as u32);
+        let engine = &mut *self.engine;
+        if backward {
+            self.hooks.time(|| engine.pre_backward(unit))?;
+        } else {
+            self.hooks.time(|| engine.pre_forward(unit))?;
+        }
+        Ok(self.engine.param_device(ParamId(layer))?.ptr)
+    }
+
+    fn grad(&mut self, layer: usize) -> Result<u64> {
+        let engine = &mut *self.engine;
+        self.hooks.time(|| engine.grad_slot_address(ParamId(layer)))
+    }
+
+    fn close(&mut self, layer: usize, backward: bool) -> Result<()> {
+        let unit = Unit::Layer(layer as u32);
+        let engine = &mut *self.engine;
+        if backward {
+            self.hooks.time(|| engine.commit_grad(ParamId(layer)))?;
+            self.hooks.time(|| engine.post_backward(unit))
+        } else {
+            self.hooks.time(|| engine.post_forward(unit))
+        }
+    }
+}
+
+/// Plain device weights and gradients.
+struct PlainWeights<'a> {
+    weights: &'a [DeviceMemory],
+    grads: &'a [DeviceMemory],
+}
+
+impl Weights for PlainWeights<'_> {
+    fn open(&mut self, layer: usize, _backward: bool) -> Result<u64> {
+        Ok(self.weights[layer].ptr())
+    }
+
+    fn grad(&mut self, layer: usize) -> Result<u64> {
+        Ok(self.grads[layer].ptr())
+    }
+
+    fn close(&mut self, _layer: usize, _backward: bool) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// One forward and backward pass of the stack's GEMMs on `gemm`'s stream.
+fn pass(gemm: &Gemm, d: &Activations, shape: StackShape, weights: &mut impl Weights) -> Result<()> {
+    let StackShape {
+        layers,
+        width,
+        batch,
+    } = shape;
+    for i in 0..layers {
+        let w = weights.open(i, false)?;
+        // SAFETY: the weight is valid on the compute stream until `close`; the activations hold
+        // batch x width bf16.
+        unsafe { gemm.forward(d.acts[i].ptr(), w, d.acts[i + 1].ptr(), batch, width, width) }?;
+        weights.close(i, false)?;
+    }
+    for i in (0..layers).rev() {
+        // The output gradient feeds the last layer; the others alternate between two buffers.
+        let dy = if i + 1 == layers {
+            d.grads[0].ptr()
+        } else {
+            d.grads[1 + (i + 1) % 2].ptr()
+        };
+        let dx = d.grads[1 + i % 2].ptr();
+        let w = weights.open(i, true)?;
+        let dw = weights.grad(i)?;
+        // SAFETY: as in forward; the gradient target holds width x width f32.
+        unsafe {
+            gemm.backward_weight(d.acts[i].ptr(), dy, dw, batch, width, width)?;
+            gemm.backward_input(dy, w, dx, batch, width, width)?;
+        }
+        weights.close(i, true)?;
+    }
+    Ok(())
 }
 
 /// The same GEMMs with plain device weights and fp32 gradients: no sharding, no engine.
@@ -403,44 +470,11 @@ impl UnshardedStack {
 
     /// One forward and backward pass.
     pub fn step(&mut self) -> Result<()> {
-        let StackShape {
-            layers,
-            width,
-            batch,
-        } = self.shape;
-        let d = &self.data;
-        // SAFETY: every buffer was allocated for its matrix above.
-        unsafe {
-            for i in 0..layers {
-                self.gemm.forward(
-                    d.acts[i].ptr(),
-                    self.weights[i].ptr(),
-                    d.acts[i + 1].ptr(),
-                    batch,
-                    width,
-                    width,
-                )?;
-            }
-            for i in (0..layers).rev() {
-                let dy = if i + 1 == layers {
-                    d.grads[0].ptr()
-                } else {
-                    d.grads[1 + (i + 1) % 2].ptr()
-                };
-                let dx = d.grads[1 + i % 2].ptr();
-                self.gemm.backward_weight(
-                    d.acts[i].ptr(),
-                    dy,
-                    self.grads[i].ptr(),
-                    batch,
-                    width,
-                    width,
-                )?;
-                self.gemm
-                    .backward_input(dy, self.weights[i].ptr(), dx, batch, width, width)?;
-            }
-        }
-        Ok(())
+        let mut weights = PlainWeights {
+            weights: &self.weights,
+            grads: &self.grads,
+        };
+        pass(&self.gemm, &self.data, self.shape, &mut weights)
     }
 
     /// Layer `layer`'s fp32 weight gradient of the last step. Blocks until it is copied.
