@@ -303,6 +303,29 @@ def _wrap_memory(address: int, numel: int, dtype: torch.dtype, device: torch.dev
     return torch.from_dlpack(_capsule_new(base, _DLTENSOR, None))
 
 
+class LocalGroup:
+    """The communicators of `world_size` CPU ranks that run as threads of this process: give it,
+    with its rank, to each rank's `FusedFSDP` of a CPU module, and drive each from its own thread."""
+
+    def __init__(self, world_size: int, library: str | os.PathLike | None = None):
+        self.world_size = world_size
+        self._lib = Library(library)
+        self.handle = c_void_p()
+        self._lib.call("fsdp_local_group_create", world_size, byref(self.handle))
+
+    def close(self):
+        """Releases the group; the engines made from it keep their communicators."""
+        if self.handle is not None and self.handle.value:
+            self._lib.call("fsdp_local_group_destroy", self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
+            pass
+
+
 class FusedFSDP(torch.nn.Module):
     """Trains `module` through an fsdp-fusion engine; `units` are its FSDP units in forward order
     (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
@@ -312,6 +335,8 @@ class FusedFSDP(torch.nn.Module):
     only), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
     `double_buffer_limit` counts gathered parameter groups: the root's stay gathered throughout,
     so leave room for them plus the unit in use and the one prefetched.
+
+    A CPU module trains at world size 1, or as rank `rank` of `local_group` (ranks as threads).
     """
 
     def __init__(
@@ -329,13 +354,21 @@ class FusedFSDP(torch.nn.Module):
         max_reduces_in_flight: int = 2,
         overlap: bool = True,
         grad_reduction: str = "mean",
+        local_group: LocalGroup | None = None,
+        rank: int = 0,
     ):
         super().__init__()
         self.module = module
         self._lib = Library(library)
         self._params = _owners(module, units)
         self._device = self._params[0].tensor.device
-        self._rank, self._world = _membership(self._device)
+        self._local_group = local_group
+        if local_group is not None:
+            if self._device.type != "cpu":
+                raise FsdpError("a local group runs CPU ranks; this module is on the GPU")
+            self._rank, self._world = rank, local_group.world_size
+        else:
+            self._rank, self._world = _membership(self._device)
         self._plan = self._make_plan()
         config = self._config(optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
                               max_reduces_in_flight, overlap, grad_reduction)
@@ -393,12 +426,16 @@ class FusedFSDP(torch.nn.Module):
         return config
 
     def _make_cpu_engine(self, config: _Config) -> c_void_p:
-        """One rank on the CPU backend, with a local group of one."""
-        if self._world != 1:
-            raise FsdpError("the CPU backend runs one rank per process here: world size 1")
+        """This rank on the CPU backend: of the caller's local group, else of a group of one."""
+        if self._local_group is not None:
+            group = self._local_group.handle
+        elif self._world != 1:
+            raise FsdpError("CPU ranks of several processes do not exist: pass a local group")
+        else:
+            self._lib.call("fsdp_local_group_create", 1, byref(self._group))
+            group = self._group
         engine = c_void_p()
-        self._lib.call("fsdp_local_group_create", 1, byref(self._group))
-        self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), self._group, 0,
+        self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), group, self._rank,
                        byref(engine))
         return engine
 
