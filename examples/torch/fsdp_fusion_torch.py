@@ -15,7 +15,8 @@ initial values and drops the module's own parameter storage. Hooks then point ea
 `.data` at its gathered view while its unit runs, forward and backward, and hand every gradient to
 the engine as soon as autograd accumulated it. A module on a GPU trains on the CUDA backend with
 NCCL (world size and rank from `torch.distributed` when it is initialized, else 1), a module on
-the CPU on the CPU backend (world size 1), where the same hooks can be tested without a GPU.
+the CPU on the CPU backend (world size 1, or ranks as threads of a `LocalGroup`), where the same
+hooks can be tested without a GPU.
 
 Forward and backward must run on the stream that was current when the wrapper was made: the engine
 makes it wait for gathers and reads gradients on it.
