@@ -299,6 +299,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Before `unit`'s forward: its groups are gathered (reused if READY) and compute waits for
     /// them; the next unit expected is prefetched. Does not block the host on a GPU.
     pub fn pre_forward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("pre_forward", unit);
         let u = self.unit_index(unit)?;
         if self.forward_open[u] {
             return Err(Error::ForwardAlreadyOpen { unit });
@@ -310,6 +311,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// After `unit`'s forward: its groups become READY once no hook uses them.
     pub fn post_forward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("post_forward", unit);
         let u = self.unit_index(unit)?;
         if !self.forward_open[u] {
             return Err(Error::ForwardNotOpen { unit });
@@ -322,6 +324,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Before `unit`'s backward: as [`Engine::pre_forward`], prefetching the unit expected next in
     /// backward order.
     pub fn pre_backward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("pre_backward", unit);
         let u = self.unit_index(unit)?;
         if self.backward_open[u] {
             return Err(Error::BackwardAlreadyOpen { unit });
@@ -333,6 +336,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
     pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("post_backward", unit);
         let u = self.unit_index(unit)?;
         if !self.backward_open[u] {
             return Err(Error::BackwardNotOpen { unit });
@@ -346,6 +350,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
     /// have theirs. The gradient may be read after this returns (host input is consumed at once).
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
+        let _range = crate::nvtx::range("grad", param.0);
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
         self.enter(Phase::Backward)?;
         let mut fx = std::mem::take(&mut self.grad_effects);
@@ -393,6 +398,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// the caller writes every element (on a GPU, on the compute stream), which spares a fill
     /// of the slot. [`Engine::commit_grad`] must follow before any other gradient.
     fn open_grad_slot(&mut self, param: ParamId) -> Result<(usize, Region)> {
+        let _range = crate::nvtx::range("grad_slot", param.0);
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
         self.enter(Phase::Backward)?;
         let mut fx = std::mem::take(&mut self.grad_effects);
@@ -409,6 +415,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Declares `param`'s gradient written into the slot [`Engine::grad_slot_address`] (or, on the
     /// CPU, `grad_slot`) opened; the group's last gradient launches its reduce-scatter.
     pub fn commit_grad(&mut self, param: ParamId) -> Result<()> {
+        let _range = crate::nvtx::range("commit_grad", param.0);
         let layout = self.plan.param(param)?;
         if self.open_slot != Some(param) {
             return Err(Error::GradSlotNotOpen {
@@ -429,6 +436,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// (those whose last gradient never came too), and orders compute after the reductions. On a
     /// GPU it does not block the host: later compute-stream work waits for the reduce stream.
     pub fn finish_grad_sync(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("finish_grad_sync", "");
         if let Some(open) = self.open_slot {
             return Err(Error::GradSlotOpen {
                 name: self.plan.params()[open.0].name.clone(),
@@ -458,6 +466,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Updates every trainable shard from its gradient shard with the configured optimizer, once
     /// per step, after [`Engine::finish_grad_sync`].
     pub fn optimizer_step(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("optimizer_step", "");
         if !self.grads.synced() {
             return Err(Error::GradsNotSynced {
                 action: "the optimizer step",
@@ -502,6 +511,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Ends the step: every gathered buffer is freed (its contents are stale once the shards
     /// change) and the next step's first reductions overwrite the gradient shards.
     pub fn end_step(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("end_step", "");
         if let Some(u) = self.forward_open.iter().position(|&o| o) {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],

@@ -79,6 +79,7 @@ pub mod ffi;
 pub mod gpu_stack;
 pub mod grads;
 pub mod mlp;
+mod nvtx;
 pub mod optim;
 pub mod plan;
 pub mod schedule;
