@@ -62,16 +62,28 @@ struct F32 {
 template <class Bits>
 constexpr int kPerVector = 16 / static_cast<int>(sizeof(Bits));
 
-// The vector accesses are written in PTX so that they are 128-bit global accesses even through
-// addresses read from a device table, which the compiler cannot prove global. Being volatile, they
-// keep their source order (every load of a round before its stores, which matters when `dst` is
-// also a source); the stores also clobber memory, so that no ordinary access moves across them.
-// The loads do not, so that values such as a source address stay in registers across a round.
+// Elements per chunk of an element-wise op whose widest operand has elements of `Wide` (see
+// `elementwise`).
+template <class Wide>
+constexpr int kChunk = kPerVector<Wide>;
+
+// The vector accesses are written in PTX so that they are 128-bit (or 64-bit) global accesses even
+// through addresses read from a device table, which the compiler cannot prove global. Being
+// volatile, they keep their source order (every load of a round before its stores, which matters
+// when `dst` is also a source); the stores also clobber memory, so that no ordinary access moves
+// across them. The loads do not, so that values such as a source address stay in registers across
+// a round.
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 load8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
 
@@ -82,25 +94,43 @@ __device__ __forceinline__ void store16(void* p, uint4 v) {
                : "memory");
 }
 
-// N consecutive elements as raw bits: whole 16-byte vectors (the address then 16-byte aligned), or
-// one element when N == 1. Operands stay raw from load to store: narrow types take half the
-// registers that way, and are converted only when they are used.
+__device__ __forceinline__ void store8(void* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" : : "l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// N consecutive elements as raw bits, in 32-bit words (two elements to a word for 16-bit types):
+// one 16-byte vector, or 8 bytes (the address then aligned to that size); or one element when
+// N == 1. Operands stay raw from load to store: narrow types take half the registers that way, and
+// are converted only when they are used.
 template <class Bits, int N>
 struct Raw {
-  static_assert(N * sizeof(Bits) % 16 == 0, "a chunk spans whole vectors");
-  static constexpr int kVectors = N * static_cast<int>(sizeof(Bits)) / 16;
-  uint4 v[kVectors];
+  static constexpr int kBytes = N * static_cast<int>(sizeof(Bits));
+  static_assert(kBytes == 8 || kBytes == 16, "a chunk spans one vector, or 8 bytes");
+  static constexpr int kWords = kBytes / 4;
+  uint32_t w[kWords];
   __device__ __forceinline__ void load(const Bits* p) {
-#pragma unroll
-    for (int k = 0; k < kVectors; ++k) v[k] = load16(p + k * kPerVector<Bits>);
+    if constexpr (kBytes == 8) {
+      const uint2 v = load8(p);
+      w[0] = v.x;
+      w[1] = v.y;
+    } else {
+      const uint4 v = load16(p);
+      w[0] = v.x;
+      w[1] = v.y;
+      w[2] = v.z;
+      w[3] = v.w;
+    }
   }
   __device__ __forceinline__ void clear() {
 #pragma unroll
-    for (int k = 0; k < kVectors; ++k) v[k] = make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < kWords; ++k) w[k] = 0;
   }
   __device__ __forceinline__ void store(Bits* p) const {
-#pragma unroll
-    for (int k = 0; k < kVectors; ++k) store16(p + k * kPerVector<Bits>, v[k]);
+    if constexpr (kBytes == 8) {
+      store8(p, make_uint2(w[0], w[1]));
+    } else {
+      store16(p, make_uint4(w[0], w[1], w[2], w[3]));
+    }
   }
 };
 
@@ -117,20 +147,14 @@ template <class T, int N>
 __device__ __forceinline__ void to_floats(const Raw<typename T::Bits, N>& r, float (&x)[N]) {
   if constexpr (N == 1) {
     x[0] = T::to_f32(r.x);
+  } else if constexpr (sizeof(typename T::Bits) == 4) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = T::to_f32(r.w[k]);
   } else {
-    constexpr int kPer = kPerVector<typename T::Bits>;
 #pragma unroll
-    for (int v = 0; v < N / kPer; ++v) {
-      const uint32_t word[4] = {r.v[v].x, r.v[v].y, r.v[v].z, r.v[v].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (kPer == 4) {
-          x[v * 4 + k] = T::to_f32(word[k]);
-        } else {
-          x[v * 8 + 2 * k] = T::to_f32(word[k] & 0xFFFFu);
-          x[v * 8 + 2 * k + 1] = T::to_f32(word[k] >> 16);
-        }
-      }
+    for (int k = 0; k < N / 2; ++k) {
+      x[2 * k] = T::to_f32(r.w[k] & 0xFFFFu);
+      x[2 * k + 1] = T::to_f32(r.w[k] >> 16);
     }
   }
 }
@@ -140,20 +164,13 @@ template <class T, int N>
 __device__ __forceinline__ void from_floats(const float (&x)[N], Raw<typename T::Bits, N>& r) {
   if constexpr (N == 1) {
     r.x = static_cast<typename T::Bits>(T::from_f32(x[0]));
+  } else if constexpr (sizeof(typename T::Bits) == 4) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.w[k] = T::from_f32(x[k]);
   } else {
-    constexpr int kPer = kPerVector<typename T::Bits>;
 #pragma unroll
-    for (int v = 0; v < N / kPer; ++v) {
-      uint32_t word[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (kPer == 4) {
-          word[k] = T::from_f32(x[v * 4 + k]);
-        } else {
-          word[k] = T::from_f32(x[v * 8 + 2 * k]) | (T::from_f32(x[v * 8 + 2 * k + 1]) << 16);
-        }
-      }
-      r.v[v] = make_uint4(word[0], word[1], word[2], word[3]);
+    for (int k = 0; k < N / 2; ++k) {
+      r.w[k] = T::from_f32(x[2 * k]) | (T::from_f32(x[2 * k + 1]) << 16);
     }
   }
 }
@@ -167,9 +184,10 @@ __device__ __forceinline__ void store_floats(typename T::Bits* p, const float (&
 }
 
 // Where the vector body of an element-wise range starts: after `head` elements every operand is
-// 16-byte aligned, if the operands agree on that point (`ok`). Each operand constrains the start
-// modulo its elements per vector; the moduli are powers of two, so agreement is checked modulo
-// the smaller one. Operands are assumed aligned to their element size (the host checks).
+// 16-byte aligned, if the operands agree on that point (`ok`); an operand that moves 8 bytes per
+// chunk then stays 8-byte aligned. Each operand constrains the start modulo its elements per
+// vector; the moduli are powers of two, so agreement is checked modulo the smaller one. Operands
+// are assumed aligned to their element size (the host checks).
 struct Phase {
   uint32_t head = 0;
   uint32_t mod = 1;
@@ -236,6 +254,13 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
 // flight per thread, and the unaligned head and tail one element at a time; everything one element
 // at a time when the operands' alignment phases differ. `thread` of `threads` is the caller's
 // position in the grid (grid-stride) or in its block (block-stride).
+//
+// E is one 16-byte vector of the op's widest operand (kChunk), so that a narrower operand moves 8
+// bytes per chunk. Each load or store instruction of a warp then covers one contiguous span of an
+// operand, 512 or 256 bytes of whole 32-byte sectors. Chunks of a narrow operand's vector (two
+// f32 vectors per 16 bytes of bf16) make each store instruction of a warp write half of every
+// sector over 1 KiB, the other half coming from the next instruction; on an H200 the kernels that
+// wrote f32 that way without reading it first ran at 53-78% of a copy.
 template <int E, int U, class Op>
 __device__ __forceinline__ void elementwise(const Op& op, uint64_t n, const Phase& phase,
                                             uint64_t thread, uint64_t threads) {
@@ -296,7 +321,7 @@ __device__ __forceinline__ void copy_range(const Bits* src, Bits* dst, uint64_t 
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kPerVector<Bits>, U>(CopyOp<Bits>{src, dst}, n, phase, thread, threads);
+  elementwise<kChunk<Bits>, U>(CopyOp<Bits>{src, dst}, n, phase, thread, threads);
 }
 
 template <class Bits, int U>
@@ -304,7 +329,7 @@ __device__ __forceinline__ void zero_range(Bits* dst, uint64_t n, uint64_t threa
                                            uint64_t threads) {
   Phase phase;
   phase.add(dst);
-  elementwise<kPerVector<Bits>, U>(ZeroOp<Bits>{dst}, n, phase, thread, threads);
+  elementwise<kChunk<Bits>, U>(ZeroOp<Bits>{dst}, n, phase, thread, threads);
 }
 
 }  // namespace fsdp

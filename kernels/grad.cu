@@ -47,8 +47,8 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, float* d
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kPerVector<typename S::Bits>, 4>(AccumulateOp<S>{src, dst, scale, add}, n, phase,
-                                                 grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, 4>(AccumulateOp<S>{src, dst, scale, add}, n, phase, grid_thread(),
+                                   grid_threads());
 }
 
 // `dst = ((src0 + src1) + src2) + ...`: step k reads source k, so every chunk of a round has its
@@ -83,7 +83,8 @@ __device__ __forceinline__ void reduce_sum(const float* const* srcs, int count, 
   Phase phase;
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
-  elementwise<4, 4>(SumOp{srcs, count, dst}, n, phase, grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, 4>(SumOp{srcs, count, dst}, n, phase, grid_thread(),
+                                   grid_threads());
 }
 
 }  // namespace fsdp

@@ -110,8 +110,8 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kPerVector<typename P::Bits>, 2>(AdamwOp<P>{master, m, v, grad, param, c, aliased},
-                                                 n, phase, grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, 2>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
+                                   grid_thread(), grid_threads());
 }
 
 template <class P>
@@ -122,8 +122,8 @@ __device__ __forceinline__ void sgd(float* master, const float* grad, typename P
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kPerVector<typename P::Bits>, 4>(SgdOp<P>{master, grad, param, lr, aliased}, n,
-                                                 phase, grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, aliased}, n, phase,
+                                   grid_thread(), grid_threads());
 }
 
 }  // namespace fsdp

@@ -3,7 +3,7 @@
 
 namespace fsdp {
 
-// 16-byte vectors in flight per thread for a plain move.
+// Chunks (16-byte vectors of the wider operand) in flight per thread for a move or a cast.
 constexpr int kMoveUnroll = 4;
 
 // One param of a pack table, in elements; the layout of the host's `PackEntry`.
@@ -101,12 +101,13 @@ struct CastOp {
 template <class S, class D>
 __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bits* dst,
                                      uint64_t n) {
+  // A chunk is one vector of the wider type (see `elementwise`): the fewer elements per vector.
   constexpr int kS = kPerVector<typename S::Bits>;
   constexpr int kD = kPerVector<typename D::Bits>;
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<(kS > kD ? kS : kD), kMoveUnroll>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
+  elementwise<(kS < kD ? kS : kD), kMoveUnroll>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
                                                 grid_threads());
 }
 
