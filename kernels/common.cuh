@@ -215,39 +215,46 @@ __device__ __forceinline__ uint64_t grid_threads() {
   return static_cast<uint64_t>(gridDim.x) * blockDim.x;
 }
 
-// One round of a thread: chunks c0, c0 + threads, ... (U of them) of N elements from element
-// `start`, every load issued before the first store. An op reads its inputs in `steps()` passes
-// (one, except for a sum over many sources), then computes and writes in `store`. `kChecked`
-// skips the chunks past `chunks`; only the last round needs it.
+// One round of a thread: chunks c0, c0 + 32, ... (U of them) of N elements from element `start`,
+// every load issued before the first store. An op reads its inputs in `steps()` passes (one,
+// except for a sum over many sources), then computes and writes in `store`. `kChecked` skips the
+// chunks past `chunks`; only the last round needs it.
 template <int N, int U, bool kChecked, class Op>
-__device__ __forceinline__ void run_round(const Op& op, uint64_t start, uint64_t chunks, uint64_t c0,
-                                          uint64_t threads) {
+__device__ __forceinline__ void run_round(const Op& op, uint64_t start, uint64_t chunks,
+                                          uint64_t c0) {
   typename Op::template Regs<N> r[U];
   for (int s = 0; s < op.steps(); ++s) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const uint64_t c = c0 + u * threads;
+      const uint64_t c = c0 + u * 32;
       if (!kChecked || c < chunks) op.template load<N>(s, start + c * N, r[u]);
     }
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const uint64_t c = c0 + u * threads;
+    const uint64_t c = c0 + u * 32;
     if (!kChecked || c < chunks) op.template store<N>(start + c * N, r[u]);
   }
 }
 
-// Runs `chunks` chunks of N elements from element `start`: chunk c is handled by thread
-// c % threads, in rounds of U chunks per thread.
+// Runs `chunks` chunks of N elements from element `start`, in rounds of U chunks per thread. In a
+// round each warp takes 32 U consecutive chunks, lane l the chunks l, l + 32, ...: every access
+// instruction of the warp covers 32 consecutive chunks, and a thread's U accesses to an operand
+// are one address plus constant offsets, so that a round holds one address per operand in
+// registers rather than U. `threads` is a multiple of 32 (blocks of kBlock threads), and all lanes
+// of a warp run the same rounds: a round is full for all of them or for none.
 template <int N, int U, class Op>
 __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_t chunks,
                                            uint64_t thread, uint64_t threads) {
+  static_assert(kBlock % 32 == 0, "whole warps");
   const uint64_t round = threads * U;
   const uint64_t full = chunks / round * round;
-  for (uint64_t c0 = thread; c0 < full; c0 += round) {
-    run_round<N, U, false>(op, start, chunks, c0, threads);
+  const uint64_t lane = thread % 32;
+  const uint64_t first = (thread - lane) * U + lane;
+  for (uint64_t c0 = first; c0 < full; c0 += round) {
+    run_round<N, U, false>(op, start, chunks, c0);
   }
-  if (full < chunks) run_round<N, U, true>(op, start, chunks, full + thread, threads);
+  if (full < chunks) run_round<N, U, true>(op, start, chunks, full + first);
 }
 
 // Runs `op` over elements [0, n): the 16-byte aligned body in chunks of E elements, U chunks in
