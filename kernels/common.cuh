@@ -230,6 +230,12 @@ __device__ __forceinline__ void run_round(const Op& op, uint64_t start, uint64_t
       if (!kChecked || c < chunks) op.template load<N>(s, start + c * N, r[u]);
     }
   }
+  // A point the loads are not moved below (a memory barrier among the warp's lanes; CUDA 13.0
+  // emits it as a divergence check that also ends the basic block). Without it ptxas issued the
+  // last loads of a 16-bit cast's round after converting the first chunks, which wait for the
+  // first loads: the round paid the memory latency twice. A converged warp passes it in two
+  // instructions. Every lane of a warp gets here equally often: the lanes run the same rounds.
+  __syncwarp();
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const uint64_t c = c0 + u * 32;
