@@ -72,10 +72,11 @@ constexpr int kChunk = kPerVector<Wide>;
 // volatile, they keep their source order (every load of a round before its stores, which matters
 // when `dst` is also a source); the stores also clobber memory, so that no ordinary access moves
 // across them. The loads do not, so that values such as a source address stay in registers across
-// a round.
+// a round. The loads do not allocate in L1: no kernel reads a byte of an operand twice, and what is
+// read again (pack's table of entries) then stays in L1 instead of being evicted by the stream.
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -83,7 +84,9 @@ __device__ __forceinline__ uint4 load16(const void* p) {
 
 __device__ __forceinline__ uint2 load8(const void* p) {
   uint2 v;
-  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
   return v;
 }
 
