@@ -1,7 +1,7 @@
 //! The overlapped pipeline on one GPU, beside the same GEMMs with no sharding.
 //!
 //! For each shape (layers, width, batch) and each communicator (NCCL at world size 1; loopback at
-//! 4 and 8 ranks on one GPU), a stack of dense bf16 layers (each an FSDP unit) trains through the
+//! 4 and 8 ranks on one GPU; NCCL on N GPUs with `--comms ncclN`), a stack of dense bf16 layers (each an FSDP unit) trains through the
 //! engine: forward and backward GEMMs through cuBLAS on the compute stream, weight gradients
 //! written in fp32 by their GEMM into the engine's slots, every hook, the gradient sync; the AdamW
 //! step is timed on its own. Prints a table, or JSON lines (`--json`) that
@@ -30,7 +30,8 @@ struct Args {
         default_value = "32x1024x64,32x4096x1024,16x8192x2048,64x2048x512"
     )]
     shapes: String,
-    /// Comma-separated communicators: nccl1, loop4, loop8, ...
+    /// Comma-separated communicators: ncclN (N GPUs, one NCCL rank each, driven by this process),
+    /// loopN (N ranks on GPU 0).
     #[arg(long, default_value = "nccl1,loop4,loop8")]
     comms: String,
     #[arg(long, default_value_t = 3)]
@@ -183,11 +184,14 @@ fn run_comm(comm: &str, shape: StackShape, args: &Args) -> Result<Vec<RankResult
             .map(|c| Ok((CudaBackend::new(0)?, c)))
             .collect::<Result<Vec<_>>>()?;
         run_ranks(ranks, shape, args)
-    } else if comm == "nccl1" {
-        let backend = CudaBackend::new(0)?;
-        let id = NcclComm::unique_id()?;
-        let nccl = NcclComm::new(&id, 0, 1, &backend)?;
-        run_ranks(vec![(backend, nccl)], shape, args)
+    } else if let Some(world) = comm.strip_prefix("nccl") {
+        // One process drives GPUs 0..world, one NCCL rank each.
+        let devices: Vec<usize> = (0..world.parse().map_err(|_| bad_comm(comm))?).collect();
+        let ranks = NcclComm::group(&devices)?
+            .into_iter()
+            .map(|c| Ok((CudaBackend::new(c.device())?, c)))
+            .collect::<Result<Vec<_>>>()?;
+        run_ranks(ranks, shape, args)
     } else {
         Err(bad_comm(comm))
     }
@@ -196,7 +200,7 @@ fn run_comm(comm: &str, shape: StackShape, args: &Args) -> Result<Vec<RankResult
 fn bad_comm(comm: &str) -> fsdp_fusion::Error {
     fsdp_fusion::Error::InvalidConfig {
         field: "comms",
-        reason: format!("{comm:?} is neither nccl1 nor loopN"),
+        reason: format!("{comm:?} is neither ncclN nor loopN"),
     }
 }
 

@@ -9,7 +9,7 @@ use crate::comm::Communicator;
 use crate::config::{EngineConfig, GradReduction};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::grads::{GradEffect, GradPipeline};
+use crate::grads::{GradEffect, GradPipeline, Place};
 use crate::plan::{ParamId, ParamLayout, Plan, Unit};
 use crate::schedule::{Phase, Schedule};
 use crate::state::{BufferState, GatherEffect, Gathers};
@@ -17,7 +17,8 @@ use crate::state::{BufferState, GatherEffect, Gathers};
 /// What the engine did, counted since it was created.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counters {
-    /// All-gathers issued, prefetches included.
+    /// All-gathers issued, prefetches included (at world size 1 a gather marks the shard as the
+    /// view and moves nothing).
     pub all_gathers: u64,
     /// All-gathers issued ahead of use.
     pub prefetches: u64,
@@ -25,6 +26,8 @@ pub struct Counters {
     pub reuses: u64,
     /// Gathered buffers given back.
     pub evictions: u64,
+    /// Reductions of a gradient slot into a shard (at world size 1 a step's first gradients are
+    /// written straight into the shards, with no reduction).
     pub reduce_scatters: u64,
     /// Gather slots allocated beyond `double_buffer_limit` because a required gather found
     /// every gathered buffer in use.
@@ -78,6 +81,25 @@ struct GatherSlot<E> {
     buffer_index: usize,
     /// Compute's last use of the group that held the slot.
     free_after: Option<Arc<E>>,
+}
+
+/// The buffer behind a place for gradients: a slot, or (world size 1) a group's shard, whose
+/// layout is the group's.
+fn place_buffer<'a, Buf, E>(
+    slots: &'a mut [GradSlot<Buf, E>],
+    shards: &'a mut [Option<Buf>],
+    place: Place,
+) -> Result<&'a mut Buf> {
+    match place {
+        Place::Slot(slot) => Ok(&mut slots[slot].buffer),
+        Place::Shard(group) => {
+            let count = shards.len();
+            shards
+                .get_mut(group)
+                .and_then(Option::as_mut)
+                .ok_or(Error::GroupOutOfRange { group, count })
+        }
+    }
 }
 
 struct GradSlot<Buf, E> {
@@ -214,6 +236,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             grad_slots.len(),
             config.max_reduces_in_flight,
             config.overlap,
+            plan.world_size() == 1,
         );
         let units = plan.units().len();
         Ok(Engine {
@@ -397,19 +420,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// pass's gradient into; returns the slot index and the region. The place holds old values:
     /// the caller writes every element (on a GPU, on the compute stream), which spares a fill
     /// of the slot. [`Engine::commit_grad`] must follow before any other gradient.
-    fn open_grad_slot(&mut self, param: ParamId) -> Result<(usize, Region)> {
+    fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
         self.enter(Phase::Backward)?;
         let mut fx = std::mem::take(&mut self.grad_effects);
         fx.clear();
-        let slot = self.grads.open(group, &mut fx);
+        let place = self.grads.open(group, &mut fx);
         let result = self.apply_grad_effects(&fx, None);
         self.grad_effects = fx;
         result?;
         self.open_slot = Some(param);
         let layout = &self.plan.params()[param.0];
-        Ok((slot, Region::new(layout.offset, layout.numel, DType::F32)))
+        Ok((place, Region::new(layout.offset, layout.numel, DType::F32)))
     }
 
     /// Declares `param`'s gradient written into the slot [`Engine::grad_slot_address`] (or, on the
@@ -850,32 +873,30 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                         self.backend.wait(Stream::Compute, &reduced)?;
                     }
                 }
-                GradEffect::ZeroPadding { slot, group } => {
-                    for &region in &self.padding[group] {
-                        self.backend.zero(
-                            Stream::Compute,
-                            &mut self.grad_slots[slot].buffer,
-                            region,
-                        )?;
+                GradEffect::ZeroPadding { place, group } => {
+                    for i in 0..self.padding[group].len() {
+                        let region = self.padding[group][i];
+                        let buffer =
+                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                        self.backend.zero(Stream::Compute, buffer, region)?;
                     }
                 }
-                GradEffect::ZeroParam { slot, param } => {
+                GradEffect::ZeroParam { place, param } => {
                     let layout = &self.plan.params()[param];
                     let region = Region::new(layout.offset, layout.numel, DType::F32);
-                    self.backend.zero(
-                        Stream::Compute,
-                        &mut self.grad_slots[slot].buffer,
-                        region,
-                    )?;
+                    let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                    self.backend.zero(Stream::Compute, buffer, region)?;
                 }
-                GradEffect::Write { param, slot } => {
+                GradEffect::Write { param, place } => {
                     let layout = &self.plan.params()[param];
                     let region = Region::new(layout.offset, layout.numel, DType::F32);
                     if let Some(input) = input {
+                        let buffer =
+                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
                         self.backend.accumulate_input(
                             Stream::Compute,
                             input,
-                            &mut self.grad_slots[slot].buffer,
+                            buffer,
                             region,
                             1.0,
                             false,
@@ -960,8 +981,9 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
     /// before [`Engine::commit_grad`] (it holds old values).
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
-        let (slot, region) = self.open_grad_slot(param)?;
-        let bytes = self.grad_slots[slot].buffer.region_mut(region)?;
+        let (place, region) = self.open_grad_slot(param)?;
+        let bytes =
+            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?.region_mut(region)?;
         bytemuck::try_cast_slice_mut(bytes).map_err(|_| Error::OutOfRange {
             offset: region.offset,
             len: region.len,
@@ -982,7 +1004,10 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// whole with this pass's gradient (on a GPU, on the compute stream) before
     /// [`Engine::commit_grad`]; it holds old values.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
-        let (slot, region) = self.open_grad_slot(param)?;
-        B::address_mut(&mut self.grad_slots[slot].buffer, region)
+        let (place, region) = self.open_grad_slot(param)?;
+        B::address_mut(
+            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?,
+            region,
+        )
     }
 }

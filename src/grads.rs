@@ -3,18 +3,28 @@
 
 use std::collections::VecDeque;
 
+/// Where a group's gradients of one pass are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// A temporary fp32 slot, reduce-scattered into the group's shard once the group is complete.
+    Slot(usize),
+    /// Group `.0`'s persistent fp32 shard itself: at world size 1 the shard is the whole buffer,
+    /// so a step's first gradients need no slot, no reduction and no copy.
+    Shard(usize),
+}
+
 /// An effect the engine applies, in order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GradEffect {
     /// The reduction that used `slot` must complete before anything writes the slot again.
     Retire { slot: usize },
-    /// Zero the padding of `group`'s layout in the slot: the gradients written later cover
+    /// Zero the padding of `group`'s layout at `place`: the gradients written later cover
     /// everything else.
-    ZeroPadding { slot: usize, group: usize },
-    /// Zero a parameter's place in the slot: it got no gradient before its group was reduced.
-    ZeroParam { slot: usize, param: usize },
-    /// Write the parameter's gradient into its place in the slot.
-    Write { param: usize, slot: usize },
+    ZeroPadding { place: Place, group: usize },
+    /// Zero a parameter's place: it got no gradient before its group was reduced.
+    ZeroParam { place: Place, param: usize },
+    /// Write the parameter's gradient into its place.
+    Write { param: usize, place: Place },
     /// Reduce-scatter the slot and add (or, for the step's first, write) this rank's part,
     /// scaled, into the group's persistent shard.
     Reduce {
@@ -42,12 +52,14 @@ pub struct GradPipeline {
     /// Parameters written into their group's current slot since it was taken.
     in_slot: Vec<bool>,
     received_count: Vec<usize>,
-    filling: Vec<Option<usize>>,
+    filling: Vec<Option<Place>>,
     fill_order: VecDeque<usize>,
     slots: Vec<Slot>,
     in_flight: VecDeque<usize>,
     max_in_flight: usize,
     overlap: bool,
+    /// A step's first gradients of a group go straight into its shard (world size 1).
+    direct: bool,
     written: Vec<bool>,
     pending: bool,
     synced: bool,
@@ -56,13 +68,15 @@ pub struct GradPipeline {
 impl GradPipeline {
     /// `members[g]`: the trainable parameters of group `g` (none for a frozen group); `params`:
     /// number of parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any
-    /// group trains.
+    /// group trains; `direct` at world size 1, where a step's first gradients of a group go
+    /// straight into its shard.
     pub fn new(
         members: Vec<Vec<usize>>,
         params: usize,
         slots: usize,
         max_in_flight: usize,
         overlap: bool,
+        direct: bool,
     ) -> GradPipeline {
         let groups = members.len();
         GradPipeline {
@@ -76,6 +90,7 @@ impl GradPipeline {
             in_flight: VecDeque::new(),
             max_in_flight,
             overlap,
+            direct,
             written: vec![false; groups],
             pending: false,
             synced: false,
@@ -110,15 +125,20 @@ impl GradPipeline {
     }
 
     fn launch(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
-        let Some(slot) = self.filling[group].take() else {
+        let Some(place) = self.filling[group].take() else {
             return;
         };
         self.fill_order.retain(|&g| g != group);
         for &param in &self.members[group] {
             if !std::mem::take(&mut self.in_slot[param]) {
-                effects.push(GradEffect::ZeroParam { slot, param });
+                effects.push(GradEffect::ZeroParam { place, param });
             }
         }
+        let Place::Slot(slot) = place else {
+            // The gradients are in the shard already.
+            self.written[group] = true;
+            return;
+        };
         if self.in_flight.len() >= self.max_in_flight {
             self.retire_oldest(effects);
         }
@@ -144,7 +164,12 @@ impl GradPipeline {
         }
         // Every slot is being filled: reduce the oldest group's gradients so far. Reduction is
         // linear, so its later gradients reduced from a fresh slot add up to the same result.
-        if let Some(&oldest) = self.fill_order.front() {
+        let filling = &self.filling;
+        if let Some(&oldest) = self
+            .fill_order
+            .iter()
+            .find(|&&g| matches!(filling[g], Some(Place::Slot(_))))
+        {
             self.launch(oldest, effects);
         }
         match self.retire_oldest(effects) {
@@ -156,28 +181,32 @@ impl GradPipeline {
     /// A gradient for `param` of `group` arrives. The caller has checked that the parameter is
     /// trainable and has no gradient yet in this pass.
     pub fn on_grad(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
-        let slot = self.open(group, effects);
-        effects.push(GradEffect::Write { param, slot });
+        let place = self.open(group, effects);
+        effects.push(GradEffect::Write { param, place });
         self.commit(param, group, effects);
     }
 
-    /// The slot that collects `group`'s gradients in this pass, taken (and zeroed) if it has none.
-    /// It stays the group's until a later `open` of another group needs its place, so a caller
-    /// writing into it commits before asking for another slot.
-    pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> usize {
+    /// Where `group`'s gradients go in this pass: its shard for a step's first at world size 1,
+    /// else a slot, taken (its padding zeroed) if the group has none. A slot stays the group's
+    /// until a later `open` of another group needs its place, so a caller writing into it
+    /// commits before asking for another.
+    pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> Place {
         self.pending = true;
         self.synced = false;
-        match self.filling[group] {
-            Some(slot) => slot,
-            None => {
-                let slot = self.claim_slot(effects);
-                effects.push(GradEffect::ZeroPadding { slot, group });
-                self.slots[slot] = Slot::Filling;
-                self.filling[group] = Some(slot);
-                self.fill_order.push_back(group);
-                slot
-            }
+        if let Some(place) = self.filling[group] {
+            return place;
         }
+        let place = if self.direct && !self.written[group] {
+            Place::Shard(group)
+        } else {
+            let slot = self.claim_slot(effects);
+            self.slots[slot] = Slot::Filling;
+            Place::Slot(slot)
+        };
+        effects.push(GradEffect::ZeroPadding { place, group });
+        self.filling[group] = Some(place);
+        self.fill_order.push_back(group);
+        place
     }
 
     /// `param`'s gradient is in `group`'s open slot; the group's last one launches its reduction.
@@ -237,14 +266,20 @@ mod tests {
     #[test]
     fn a_group_reduces_once_its_last_gradient_arrives() {
         // Group 0: params 0 and 1.
-        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 3, 2, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 3, 2, true, false);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(
             fx,
             vec![
-                ZeroPadding { slot: 0, group: 0 },
-                Write { param: 0, slot: 0 }
+                ZeroPadding {
+                    place: Place::Slot(0),
+                    group: 0
+                },
+                Write {
+                    param: 0,
+                    place: Place::Slot(0)
+                }
             ]
         );
         fx.clear();
@@ -252,7 +287,10 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                Write { param: 1, slot: 0 },
+                Write {
+                    param: 1,
+                    place: Place::Slot(0)
+                },
                 Reduce {
                     group: 0,
                     slot: 0,
@@ -266,7 +304,14 @@ mod tests {
     #[test]
     fn at_most_max_in_flight_reductions() {
         let groups = 6;
-        let mut p = GradPipeline::new((0..groups).map(|g| vec![g]).collect(), groups, 3, 2, true);
+        let mut p = GradPipeline::new(
+            (0..groups).map(|g| vec![g]).collect(),
+            groups,
+            3,
+            2,
+            true,
+            false,
+        );
         let mut fx = Vec::new();
         for g in 0..groups {
             p.on_grad(g, g, &mut fx);
@@ -287,7 +332,7 @@ mod tests {
 
     #[test]
     fn overlap_off_retires_each_reduction_at_once() {
-        let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, 3, 2, false);
+        let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, 3, 2, false, false);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(p.in_flight(), 0);
@@ -297,7 +342,14 @@ mod tests {
     #[test]
     fn full_slots_flush_the_oldest_partial_group() {
         // Three groups of two params each, two slots: the third group forces a partial reduce.
-        let mut p = GradPipeline::new(vec![vec![0, 1], vec![2, 3], vec![4, 5]], 6, 2, 1, true);
+        let mut p = GradPipeline::new(
+            vec![vec![0, 1], vec![2, 3], vec![4, 5]],
+            6,
+            2,
+            1,
+            true,
+            false,
+        );
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.on_grad(2, 1, &mut fx);
@@ -307,15 +359,24 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                ZeroParam { slot: 0, param: 1 },
+                ZeroParam {
+                    place: Place::Slot(0),
+                    param: 1
+                },
                 Reduce {
                     group: 0,
                     slot: 0,
                     overwrite: true
                 },
                 Retire { slot: 0 },
-                ZeroPadding { slot: 0, group: 2 },
-                Write { param: 4, slot: 0 },
+                ZeroPadding {
+                    place: Place::Slot(0),
+                    group: 2
+                },
+                Write {
+                    param: 4,
+                    place: Place::Slot(0)
+                },
             ]
         );
         // Group 0's second gradient needs a slot: group 1, the oldest filling, is reduced early;
@@ -326,16 +387,28 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                ZeroParam { slot: 1, param: 3 },
+                ZeroParam {
+                    place: Place::Slot(1),
+                    param: 3
+                },
                 Reduce {
                     group: 1,
                     slot: 1,
                     overwrite: true
                 },
                 Retire { slot: 1 },
-                ZeroPadding { slot: 1, group: 0 },
-                Write { param: 1, slot: 1 },
-                ZeroParam { slot: 1, param: 0 },
+                ZeroPadding {
+                    place: Place::Slot(1),
+                    group: 0
+                },
+                Write {
+                    param: 1,
+                    place: Place::Slot(1)
+                },
+                ZeroParam {
+                    place: Place::Slot(1),
+                    param: 0
+                },
                 Reduce {
                     group: 0,
                     slot: 1,
@@ -348,7 +421,10 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                ZeroParam { slot: 0, param: 5 },
+                ZeroParam {
+                    place: Place::Slot(0),
+                    param: 5
+                },
                 Retire { slot: 1 },
                 Reduce {
                     group: 2,
@@ -362,8 +438,63 @@ mod tests {
     }
 
     #[test]
+    fn at_world_size_1_a_steps_first_gradients_go_straight_to_the_shard() {
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 2, 1, true, true);
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        p.on_grad(1, 0, &mut fx);
+        let shard = Place::Shard(0);
+        assert_eq!(
+            fx,
+            vec![
+                ZeroPadding {
+                    place: shard,
+                    group: 0
+                },
+                Write {
+                    param: 0,
+                    place: shard
+                },
+                Write {
+                    param: 1,
+                    place: shard
+                },
+            ]
+        );
+        // The second pass adds through a slot; param 0 gets no gradient in it.
+        p.end_pass(&mut fx);
+        fx.clear();
+        p.on_grad(1, 0, &mut fx);
+        p.finish(&mut fx);
+        let slot = Place::Slot(0);
+        assert_eq!(
+            fx,
+            vec![
+                ZeroPadding {
+                    place: slot,
+                    group: 0
+                },
+                Write {
+                    param: 1,
+                    place: slot
+                },
+                ZeroParam {
+                    place: slot,
+                    param: 0
+                },
+                Reduce {
+                    group: 0,
+                    slot: 0,
+                    overwrite: false
+                },
+                Retire { slot: 0 },
+            ]
+        );
+    }
+
+    #[test]
     fn passes_accumulate_and_steps_overwrite() {
-        let mut p = GradPipeline::new(vec![vec![0]], 1, 2, 1, true);
+        let mut p = GradPipeline::new(vec![vec![0]], 1, 2, 1, true, false);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.end_pass(&mut fx);
@@ -385,8 +516,14 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                ZeroPadding { slot: 0, group: 0 },
-                Write { param: 0, slot: 0 },
+                ZeroPadding {
+                    place: Place::Slot(0),
+                    group: 0
+                },
+                Write {
+                    param: 0,
+                    place: Place::Slot(0)
+                },
                 Reduce {
                     group: 0,
                     slot: 0,
@@ -398,7 +535,7 @@ mod tests {
 
     #[test]
     fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
-        let mut p = GradPipeline::new(vec![vec![0, 1], vec![], vec![3]], 4, 3, 2, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1], vec![], vec![3]], 4, 3, 2, true, false);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         fx.clear();
@@ -406,7 +543,10 @@ mod tests {
         assert_eq!(
             fx,
             vec![
-                ZeroParam { slot: 0, param: 1 },
+                ZeroParam {
+                    place: Place::Slot(0),
+                    param: 1
+                },
                 Reduce {
                     group: 0,
                     slot: 0,

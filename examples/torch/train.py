@@ -53,7 +53,7 @@ def arguments():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the mean times")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--layers", type=int, default=12)
