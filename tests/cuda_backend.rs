@@ -146,7 +146,10 @@ fn without_a_driver_constructors_report_cuda_unavailable() {
         eprintln!("a CUDA driver is installed: covered by the GPU tests");
         return;
     }
-    for result in [CudaBackend::new(0), CudaBackend::with_raw_stream(0, 0)] {
+    // SAFETY: 0 is the legacy default stream, alive for the whole process.
+    for result in [CudaBackend::new(0), unsafe {
+        CudaBackend::with_raw_stream(0, 0)
+    }] {
         match result {
             Err(Error::CudaUnavailable { reason }) => {
                 assert!(reason.contains("libcuda"), "{reason}")
@@ -706,14 +709,16 @@ fn a_raw_stream_of_the_primary_context_is_adopted() {
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let raw = stream.cu_stream() as u64;
-    let b = CudaBackend::with_raw_stream(0, raw).unwrap();
+    // SAFETY: `raw` is a live stream of device 0 that outlives the backend.
+    let b = unsafe { CudaBackend::with_raw_stream(0, raw) }.unwrap();
     assert_eq!(b.stream(Stream::Compute).cu_stream() as u64, raw);
     smoke(&b);
     drop(b);
     // The backend never owned the stream: it still works.
     stream.synchronize().unwrap();
     // 0 is the legacy default stream.
-    smoke(&CudaBackend::with_raw_stream(0, 0).unwrap());
+    // SAFETY: 0 is the legacy default stream.
+    smoke(&unsafe { CudaBackend::with_raw_stream(0, 0) }.unwrap());
 }
 
 #[test]
@@ -721,7 +726,8 @@ fn a_raw_stream_of_the_primary_context_is_adopted() {
 fn a_raw_stream_of_another_context_is_refused() {
     let other = CudaContext::new_non_primary(0, 0).unwrap();
     let stream = other.new_stream().unwrap();
-    match CudaBackend::with_raw_stream(0, stream.cu_stream() as u64) {
+    // SAFETY: the stream is live for the whole call.
+    match unsafe { CudaBackend::with_raw_stream(0, stream.cu_stream() as u64) } {
         Err(Error::Cuda { call, code, .. }) => assert_eq!((call, code), ("cuStreamGetCtx", 201)),
         Err(other) => panic!("expected Error::Cuda from cuStreamGetCtx, got {other:?}"),
         Ok(_) => panic!("adopted a stream of another context"),

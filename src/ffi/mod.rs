@@ -188,7 +188,7 @@ impl From<Error> for Failure {
     fn from(e: Error) -> Failure {
         use fsdp_status::*;
         let status = match &e {
-            Error::ModelFile { .. } => FSDP_IO_ERROR,
+            Error::ModelFile { .. } | Error::Write { .. } => FSDP_IO_ERROR,
             Error::UnknownUnit { .. }
             | Error::ForwardAlreadyOpen { .. }
             | Error::ForwardNotOpen { .. }
@@ -847,7 +847,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
         if rank >= world_size {
             return Err(Error::RankOutOfRange { rank, world_size }.into());
         }
-        let backend = CudaBackend::with_raw_stream(device, stream)?;
+        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
+        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
         let comm = NcclComm::new(&id, rank, world_size, &backend)?;
         let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::CudaNccl(engine), out)
@@ -932,7 +933,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
         let Object::Group(Comms::Loopback(comms)) = &*group else {
             return Err(wrong_kind("group"));
         };
-        let backend = CudaBackend::with_raw_stream(device, stream)?;
+        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
+        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
         let comm = take_comm(comms, rank)?;
         let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::CudaLoopback(engine), out)

@@ -82,7 +82,11 @@ impl CudaBackend {
     /// The handle is checked to belong to that context (`Error::Cuda` from `cuStreamGetCtx`
     /// otherwise). The caller keeps ownership: the stream must stay alive until the backend is
     /// dropped, and it is never destroyed here.
-    pub fn with_raw_stream(ordinal: usize, stream: u64) -> Result<CudaBackend> {
+    ///
+    /// # Safety
+    /// `stream` is 0 or a live stream handle (the driver cannot tell a freed handle from a live
+    /// one), and it outlives the backend.
+    pub unsafe fn with_raw_stream(ordinal: usize, stream: u64) -> Result<CudaBackend> {
         let ctx = primary_context(ordinal)?;
         bind(&ctx)?;
         let raw = stream as usize as CUstream;
