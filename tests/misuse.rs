@@ -69,6 +69,11 @@ fn step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     for name in ["head", "embed"] {
         grad(e, name).unwrap();
     }
+    end_step(e)
+}
+
+/// Syncs gradients, steps the optimizer, ends the step; returns every shard afterwards.
+fn end_step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
     e.end_step().unwrap();
@@ -132,12 +137,7 @@ fn forward_ended_twice() {
         grad(e, "b").unwrap();
         grad(e, "head").unwrap();
         grad(e, "embed").unwrap();
-        e.finish_grad_sync().unwrap();
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
-        (0..e.plan().groups().len())
-            .map(|g| e.param_shard(g).unwrap())
-            .collect()
+        end_step(e)
     };
     assert_harmless(
         |e| {
@@ -233,12 +233,7 @@ fn second_gradient_in_one_pass() {
         grad(e, "b").unwrap();
         grad(e, "head").unwrap();
         grad(e, "embed").unwrap();
-        e.finish_grad_sync().unwrap();
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
-        (0..e.plan().groups().len())
-            .map(|g| e.param_shard(g).unwrap())
-            .collect()
+        end_step(e)
     };
     assert_harmless(
         |e| grad(e, "w").unwrap(),
@@ -250,14 +245,7 @@ fn second_gradient_in_one_pass() {
 
 #[test]
 fn end_of_step_before_gradients_are_synced() {
-    let finish = |e: &mut CpuEngine| {
-        e.finish_grad_sync().unwrap();
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
-        (0..e.plan().groups().len())
-            .map(|g| e.param_shard(g).unwrap())
-            .collect()
-    };
+    let finish = |e: &mut CpuEngine| end_step(e);
     assert_harmless(
         |e| grad(e, "w").unwrap(),
         |e| e.end_step(),
@@ -268,14 +256,7 @@ fn end_of_step_before_gradients_are_synced() {
 
 #[test]
 fn optimizer_before_sync_and_twice_in_a_step() {
-    let finish = |e: &mut CpuEngine| {
-        e.finish_grad_sync().unwrap();
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
-        (0..e.plan().groups().len())
-            .map(|g| e.param_shard(g).unwrap())
-            .collect()
-    };
+    let finish = |e: &mut CpuEngine| end_step(e);
     assert_harmless(
         |e| grad(e, "w").unwrap(),
         |e| e.optimizer_step(),
