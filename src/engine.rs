@@ -4,7 +4,9 @@
 use std::sync::Arc;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
+use crate::backend::{
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream,
+};
 use crate::comm::Communicator;
 use crate::config::{EngineConfig, GradReduction};
 use crate::dtype::{DType, Element};
@@ -313,6 +315,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.gathers.gathered()
     }
 
+    /// Between [`Engine::optimizer_step`] and [`Engine::end_step`] the gathered buffers hold the
+    /// weights from before the update, and gathers would race the optimizer's writes: nothing but
+    /// the end of the step is allowed.
+    fn check_not_stepped(&self, action: &'static str) -> Result<()> {
+        if self.stepped {
+            return Err(Error::OptimizerStepped { action });
+        }
+        Ok(())
+    }
+
     fn unit_index(&self, unit: Unit) -> Result<usize> {
         self.plan
             .unit_index(unit)
@@ -323,6 +335,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// them; the next unit expected is prefetched. Does not block the host on a GPU.
     pub fn pre_forward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("pre_forward", unit);
+        self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
         if self.forward_open[u] {
             return Err(Error::ForwardAlreadyOpen { unit });
@@ -335,6 +348,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// After `unit`'s forward: its groups become READY once no hook uses them.
     pub fn post_forward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("post_forward", unit);
+        self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
         if !self.forward_open[u] {
             return Err(Error::ForwardNotOpen { unit });
@@ -348,6 +362,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// backward order.
     pub fn pre_backward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("pre_backward", unit);
+        self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
         if self.backward_open[u] {
             return Err(Error::BackwardAlreadyOpen { unit });
@@ -360,6 +375,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
     pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("post_backward", unit);
+        self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
         if !self.backward_open[u] {
             return Err(Error::BackwardNotOpen { unit });
@@ -386,6 +402,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Checks a gradient for `param` before anything changes; returns its group.
     fn check_grad(&self, param: ParamId, dtype: DType, numel: usize) -> Result<usize> {
+        self.check_not_stepped("a gradient")?;
         let layout = self.plan.param(param)?;
         let name = || layout.name.clone();
         if let Some(open) = self.open_slot {
@@ -439,6 +456,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// CPU, `grad_slot`) opened; the group's last gradient launches its reduce-scatter.
     pub fn commit_grad(&mut self, param: ParamId) -> Result<()> {
         let _range = crate::nvtx::range("commit_grad", param.0);
+        self.check_not_stepped("a gradient")?;
         let layout = self.plan.param(param)?;
         if self.open_slot != Some(param) {
             return Err(Error::GradSlotNotOpen {
@@ -498,6 +516,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.stepped {
             return Err(Error::OptimizerAlreadyStepped);
         }
+        // A gather still in flight (a prefetch no hook used) reads the shards the optimizer writes.
+        if self.plan.world_size() > 1 {
+            let gathered = self.backend.record(Stream::Gather)?;
+            self.backend.wait(Stream::Compute, &gathered)?;
+        }
         self.optimizer_steps += 1;
         let start = self.mark(Stream::Compute)?;
         let update = self.config.optimizer.coefficients(self.optimizer_steps);
@@ -509,8 +532,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             if self.master_stale[i] {
                 if let Some(master) = self.masters[i].as_mut() {
                     let whole = Region::new(0, g.shard_numel, g.dtype);
-                    self.backend
-                        .widen(Stream::Compute, &self.shards[i], whole, master)?;
+                    // SAFETY: as the optimizer's accesses below.
+                    unsafe {
+                        self.backend
+                            .widen(Stream::Compute, &self.shards[i], whole, master)
+                    }?;
                 }
                 self.master_stale[i] = false;
             }
@@ -522,8 +548,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 master: self.masters[i].as_mut(),
                 moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
             };
-            self.backend
-                .optimizer_step(Stream::Compute, &update, shard)?;
+            // SAFETY: on the compute stream, which waited for every reduction into the gradient
+            // shards (`finish_grad_sync`) and for every gather reading the parameter shards
+            // (above); the masters and moments are only ever used on the compute stream. The
+            // step's next gather waits for this one (`shards_updated`), and the next step's first
+            // reductions are queued after it with compute's event.
+            unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }?;
         }
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
         self.shards_updated = Some(self.backend.record(Stream::Compute)?);
@@ -566,8 +596,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard: only
     /// the part the rank holds is kept. Every rank loads every parameter. Allowed between steps.
     pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
+        self.check_not_stepped("loading a parameter")?;
         let layout = self.plan.param(param)?;
-        let Input::Host { bytes, dtype } = data else {
+        let Source::Host { bytes, dtype } = data.0 else {
             return Err(Error::Unsupported {
                 backend: self.backend.name(),
                 what: "device memory as a parameter's initial value",
@@ -843,14 +874,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let group = &self.plan.groups()[g];
         let shard_region = Region::new(0, group.shard_numel, group.dtype);
         let full_region = Region::new(0, group.padded_numel, group.dtype);
-        let result = self.comm.all_gather(
-            &self.backend,
-            Stream::Gather,
-            &self.shards[g],
-            shard_region,
-            &mut self.slot_buffers[slot.buffer_index],
-            full_region,
-        );
+        // SAFETY: the gather stream writes the slot after compute's last use of the group that
+        // held it (`free_after`, waited above) and reads the shard after the optimizer's last
+        // write (`shards_updated`, waited above for the step's first gather; later ones follow it
+        // on the gather stream). The optimizer waits for the gather stream before it writes.
+        let result = unsafe {
+            self.comm.all_gather(
+                &self.backend,
+                Stream::Gather,
+                &self.shards[g],
+                shard_region,
+                &mut self.slot_buffers[slot.buffer_index],
+                full_region,
+            )
+        };
         self.placed[g] = Some(Placement::Slot(GatherSlot {
             free_after: None,
             ..slot
@@ -873,19 +910,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                         self.backend.wait(Stream::Compute, &reduced)?;
                     }
                 }
+                // SAFETY (the three compute-stream writes of a place): a slot is written only
+                // once the compute stream waited for the reduction that last read it (`Retire`,
+                // which the pipeline issues before it hands the slot out again); a shard (world
+                // size 1) only for a step's first gradients, after `finish_grad_sync` made compute
+                // wait for every reduction of the step before.
                 GradEffect::ZeroPadding { place, group } => {
                     for i in 0..self.padding[group].len() {
                         let region = self.padding[group][i];
                         let buffer =
                             place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
-                        self.backend.zero(Stream::Compute, buffer, region)?;
+                        // SAFETY: see above.
+                        unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                     }
                 }
                 GradEffect::ZeroParam { place, param } => {
                     let layout = &self.plan.params()[param];
                     let region = Region::new(layout.offset, layout.numel, DType::F32);
                     let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
-                    self.backend.zero(Stream::Compute, buffer, region)?;
+                    // SAFETY: see above.
+                    unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                 }
                 GradEffect::Write { param, place } => {
                     let layout = &self.plan.params()[param];
@@ -893,14 +937,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     if let Some(input) = input {
                         let buffer =
                             place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
-                        self.backend.accumulate_input(
-                            Stream::Compute,
-                            input,
-                            buffer,
-                            region,
-                            1.0,
-                            false,
-                        )?;
+                        // SAFETY: see above.
+                        unsafe {
+                            self.backend.accumulate_input(
+                                Stream::Compute,
+                                input,
+                                buffer,
+                                region,
+                                1.0,
+                                false,
+                            )
+                        }?;
                     }
                 }
                 GradEffect::Reduce {
@@ -912,7 +959,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     let numel = self.plan.groups()[group].shard_numel;
                     if let Some(shard) = self.grad_shards[group].as_mut() {
                         let region = Region::new(0, numel, DType::F32);
-                        self.backend.zero(Stream::Reduce, shard, region)?;
+                        // SAFETY: on the compute stream, after the previous step's optimizer read
+                        // the shard there; no reduction of this step writes it (the group got no
+                        // gradient), and the previous step's were waited for by its sync.
+                        unsafe { self.backend.zero(Stream::Compute, shard, region) }?;
                     }
                 }
             }
@@ -928,12 +978,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let buffer = &mut self.grad_slots[slot].buffer;
         // At world size 1 the sum over ranks is the slot itself.
         if self.plan.world_size() > 1 {
-            self.comm.reduce_scatter(
-                &self.backend,
-                Stream::Reduce,
-                buffer,
-                Region::new(0, g.padded_numel, DType::F32),
-            )?;
+            // SAFETY: the reduce stream waited (above) for compute's writes of the slot; compute
+            // writes it again only after waiting for this reduction (`Retire`).
+            unsafe {
+                self.comm.reduce_scatter(
+                    &self.backend,
+                    Stream::Reduce,
+                    buffer,
+                    Region::new(0, g.padded_numel, DType::F32),
+                )
+            }?;
         }
         self.counters.reduce_scatters += 1;
         let scale = match self.config.grad_reduction {
@@ -944,15 +998,21 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let Some(shard) = self.grad_shards[group].as_mut() else {
             return Ok(());
         };
-        self.backend.accumulate(
-            Stream::Reduce,
-            buffer,
-            own,
-            shard,
-            Region::new(0, g.shard_numel, DType::F32),
-            scale,
-            !overwrite,
-        )?;
+        // SAFETY: the slot as above; the gradient shard is written after every compute-stream
+        // use of it so far (the wait above: the previous step's optimizer, this step's direct
+        // writes at world size 1) and read by compute only after `finish_grad_sync` waited for
+        // the reduce stream.
+        unsafe {
+            self.backend.accumulate(
+                Stream::Reduce,
+                buffer,
+                own,
+                shard,
+                Region::new(0, g.shard_numel, DType::F32),
+                scale,
+                !overwrite,
+            )
+        }?;
         self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
         self.grad_slots[slot].reduced = Some(self.backend.record(Stream::Reduce)?);
         Ok(())
@@ -961,6 +1021,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
 impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     /// The gathered values of `param`, readable while one of its unit's hooks is open.
+    ///
+    /// On an asynchronous backend it first waits for the compute stream (the host reads the view
+    /// as compute-stream work).
     pub fn param<T: Element>(&self, param: ParamId) -> Result<&[T]> {
         let (layout, slot) = self.gathered_view(param)?;
         if layout.dtype != T::DTYPE {
@@ -970,7 +1033,13 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
                 requested: T::DTYPE,
             });
         }
-        let bytes = slot.region(Region::new(layout.offset, layout.numel, layout.dtype))?;
+        self.backend.drain(Stream::Compute)?;
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        // SAFETY: the compute stream completed its work, which waited for the gather (the hook
+        // that opened the unit); no stream writes a gathered buffer in use (a slot is reused only
+        // once its group was evicted, which needs every hook of its unit closed, hence `&mut
+        // self`), nor a shard viewed at world size 1 outside the optimizer (compute, drained).
+        let bytes = unsafe { self.backend.host_bytes(slot, region) }?;
         bytemuck::try_cast_slice(bytes).map_err(|_| Error::OutOfRange {
             offset: layout.offset,
             len: layout.numel,
@@ -980,10 +1049,17 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
 
     /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
     /// before [`Engine::commit_grad`] (it holds old values).
+    ///
+    /// On an asynchronous backend it first waits for the compute stream (the host writes the slot
+    /// as compute-stream work).
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
         let (place, region) = self.open_grad_slot(param)?;
-        let bytes =
-            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?.region_mut(region)?;
+        self.backend.drain(Stream::Compute)?;
+        let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+        // SAFETY: the compute stream completed its work, which waited for the reduction that last
+        // read the place (see `apply_grad_effects`); no stream touches the place again before
+        // `commit_grad` queues its reduction after this write.
+        let bytes = unsafe { self.backend.host_bytes_mut(buffer, region) }?;
         bytemuck::try_cast_slice_mut(bytes).map_err(|_| Error::OutOfRange {
             offset: region.offset,
             len: region.len,
@@ -997,7 +1073,8 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// one of its unit's hooks is open; read only.
     pub fn param_address(&self, param: ParamId) -> Result<u64> {
         let (layout, slot) = self.gathered_view(param)?;
-        B::address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
+        self.backend
+            .address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
     }
 
     /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite
@@ -1005,7 +1082,7 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::commit_grad`]; it holds old values.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (place, region) = self.open_grad_slot(param)?;
-        B::address_mut(
+        self.backend.address_mut(
             place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?,
             region,
         )

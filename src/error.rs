@@ -1,5 +1,9 @@
 //! The crate's one error type.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backend::Stream;
 use crate::dtype::DType;
 use crate::plan::Unit;
 use crate::state::BufferState;
@@ -109,6 +113,8 @@ pub enum Error {
     Gathered { name: String },
     #[error("the optimizer already stepped in this step")]
     OptimizerAlreadyStepped,
+    #[error("the optimizer stepped: end the step before {action}")]
+    OptimizerStepped { action: &'static str },
     #[error("parameter {name:?} is not gathered: its unit's forward or backward must be open")]
     NotGathered { name: String },
     #[error("group {group}: transition {from:?} -> {to:?} is not allowed")]
@@ -153,6 +159,24 @@ pub enum Error {
         backend: &'static str,
         what: &'static str,
     },
+    #[error("{backend}: cannot allocate {bytes} bytes: out of memory")]
+    OutOfMemory { bytes: usize, backend: &'static str },
+    #[error("{op} timed out after {waited:?}")]
+    Timeout { op: String, waited: Duration },
+    #[error("the {stream:?} stream failed, and everything queued after it was skipped: {cause}")]
+    StreamFailed {
+        stream: Stream,
+        #[source]
+        cause: Arc<Error>,
+    },
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the {stream:?} stream's worker panicked")]
+    WorkerPanicked { stream: Stream },
     #[error("buffer access out of range: {offset} + {len} > {capacity} elements")]
     OutOfRange {
         offset: usize,

@@ -308,10 +308,7 @@ impl Stack {
         for (i, w) in self.shape.init(seed).iter().enumerate() {
             engine.load_param(
                 ParamId(i),
-                crate::backend::Input::Host {
-                    bytes: w,
-                    dtype: DType::Bf16,
-                },
+                crate::backend::Input::host_bytes(w, DType::Bf16),
             )?;
         }
         Ok(())

@@ -395,13 +395,7 @@ pub fn load<B: Backend, C: Communicator<B>>(
         let id = ParamId(i);
         let dtype = engine.plan().param(id)?.dtype;
         let bytes = narrow(dtype, v);
-        engine.load_param(
-            id,
-            Input::Host {
-                bytes: &bytes,
-                dtype,
-            },
-        )?;
+        engine.load_param(id, Input::host_bytes(&bytes, dtype))?;
     }
     Ok(())
 }

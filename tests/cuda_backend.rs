@@ -1,6 +1,10 @@
 //! The CUDA backend against the CPU backend, op by op on the same random data (bit for bit), and
 //! its streams, events, host waits, foreign streams and errors. Tests marked "needs a CUDA GPU"
 //! run on the GPU machine (`bash .gpu/run-tests.sh`); the others run everywhere.
+//!
+//! The backends' data operations are `unsafe` because they run after they return: every test
+//! here uses each buffer on one stream at a time (or orders the streams with events, where that is
+//! what it tests), and reads results with a download, which orders itself after every stream.
 
 use std::sync::Arc;
 
@@ -75,6 +79,14 @@ fn all(len: usize, dtype: DType) -> Region {
     Region::new(0, len, dtype)
 }
 
+/// Every byte of a CPU buffer (an even number of them).
+fn cpu_download(b: &CpuBackend, buf: &CpuBuffer) -> Vec<u8> {
+    let mut out = vec![0u8; buf.len()];
+    b.download(buf, all(buf.len() / 2, DType::Bf16), &mut out)
+        .unwrap();
+    out
+}
+
 /// Every byte of `buf` (an even number of them).
 fn download(b: &CudaBackend, buf: &CudaBuffer) -> Vec<u8> {
     let bytes = buf.bytes();
@@ -136,7 +148,11 @@ impl Both {
     }
 
     fn assert_same(&self, t: &Twin, what: &str) {
-        assert_same(t.cpu.bytes(), &download(&self.gpu, &t.gpu), what);
+        assert_same(
+            &cpu_download(&self.cpu, &t.cpu),
+            &download(&self.gpu, &t.gpu),
+            what,
+        );
     }
 }
 
@@ -210,8 +226,10 @@ fn zero_matches_the_cpu_on_every_stream() {
     for (i, dtype) in DTYPES.into_iter().enumerate() {
         let mut t = both.twin(dtype, &rng.bytes(dtype, 1001));
         let region = Region::new(5 + i, 777, dtype);
-        both.cpu.zero(STREAMS[i], &mut t.cpu, region).unwrap();
-        both.gpu.zero(STREAMS[i], &mut t.gpu, region).unwrap();
+        // SAFETY: see the module note.
+        unsafe { both.cpu.zero(STREAMS[i], &mut t.cpu, region) }.unwrap();
+        // SAFETY: see the module note.
+        unsafe { both.gpu.zero(STREAMS[i], &mut t.gpu, region) }.unwrap();
         both.assert_same(&t, &format!("zero {dtype} on {:?}", STREAMS[i]));
     }
 }
@@ -228,12 +246,18 @@ fn accumulate_matches_the_cpu() {
             Region::new(7, 4001, DType::F32),
             Region::new(90, 4001, DType::F32),
         );
-        both.cpu
-            .accumulate(Stream::Reduce, &src.cpu, s, &mut dst.cpu, d, scale, add)
-            .unwrap();
-        both.gpu
-            .accumulate(Stream::Reduce, &src.gpu, s, &mut dst.gpu, d, scale, add)
-            .unwrap();
+        // SAFETY: see the module note.
+        unsafe {
+            both.cpu
+                .accumulate(Stream::Reduce, &src.cpu, s, &mut dst.cpu, d, scale, add)
+        }
+        .unwrap();
+        // SAFETY: see the module note.
+        unsafe {
+            both.gpu
+                .accumulate(Stream::Reduce, &src.gpu, s, &mut dst.gpu, d, scale, add)
+        }
+        .unwrap();
         both.assert_same(&dst, &format!("accumulate scale {scale} add {add}"));
     }
 }
@@ -250,21 +274,22 @@ fn accumulate_input_from_device_memory_matches_the_cpu() {
         let mut dst = both.twin(DType::F32, &rng.bytes(DType::F32, n + 11));
         let d = Region::new(11, n, DType::F32);
         for (scale, add) in [(1.0, false), (0.25, true)] {
-            let host = Input::Host {
-                bytes: &data[3 * dtype.size()..],
-                dtype,
-            };
-            let device = Input::Device {
-                ptr: src.gpu.ptr() + 3 * dtype.size() as u64,
-                numel: n,
-                dtype,
-            };
-            both.cpu
-                .accumulate_input(Stream::Compute, host, &mut dst.cpu, d, scale, add)
-                .unwrap();
-            both.gpu
-                .accumulate_input(Stream::Compute, device, &mut dst.gpu, d, scale, add)
-                .unwrap();
+            let host = Input::host_bytes(&data[3 * dtype.size()..], dtype);
+            // SAFETY: `src` holds `n + 3` elements and outlives the test's work.
+            let device =
+                unsafe { Input::device(src.gpu.ptr() + 3 * dtype.size() as u64, n, dtype) };
+            // SAFETY: see the module note.
+            unsafe {
+                both.cpu
+                    .accumulate_input(Stream::Compute, host, &mut dst.cpu, d, scale, add)
+            }
+            .unwrap();
+            // SAFETY: see the module note.
+            unsafe {
+                both.gpu
+                    .accumulate_input(Stream::Compute, device, &mut dst.gpu, d, scale, add)
+            }
+            .unwrap();
             both.assert_same(
                 &dst,
                 &format!("device input {dtype} scale {scale} add {add}"),
@@ -282,14 +307,12 @@ fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
         // Growing sizes make the staging area grow too.
         for n in [17, 4096, 100_003] {
             let data = rng.bytes(dtype, n);
-            let input = Input::Host {
-                bytes: &data,
-                dtype,
-            };
+            let input = Input::host_bytes(&data, dtype);
             let mut dst = both.twin(DType::F32, &rng.bytes(DType::F32, n));
             let before = both.gpu.host_waits();
-            both.cpu
-                .accumulate_input(
+            // SAFETY: see the module note.
+            unsafe {
+                both.cpu.accumulate_input(
                     Stream::Compute,
                     input,
                     &mut dst.cpu,
@@ -297,9 +320,11 @@ fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
                     2.0,
                     true,
                 )
-                .unwrap();
-            both.gpu
-                .accumulate_input(
+            }
+            .unwrap();
+            // SAFETY: see the module note.
+            unsafe {
+                both.gpu.accumulate_input(
                     Stream::Compute,
                     input,
                     &mut dst.gpu,
@@ -307,7 +332,8 @@ fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
                     2.0,
                     true,
                 )
-                .unwrap();
+            }
+            .unwrap();
             assert_eq!(
                 both.gpu.host_waits(),
                 before + 1,
@@ -327,12 +353,18 @@ fn widen_matches_the_cpu() {
         let src = both.twin(dtype, &rng.bytes(dtype, 3000));
         let mut dst = both.zeros(2900 * 4 + 8);
         let region = Region::new(33, 2900, dtype);
-        both.cpu
-            .widen(Stream::Compute, &src.cpu, region, &mut dst.cpu)
-            .unwrap();
-        both.gpu
-            .widen(Stream::Compute, &src.gpu, region, &mut dst.gpu)
-            .unwrap();
+        // SAFETY: see the module note.
+        unsafe {
+            both.cpu
+                .widen(Stream::Compute, &src.cpu, region, &mut dst.cpu)
+        }
+        .unwrap();
+        // SAFETY: see the module note.
+        unsafe {
+            both.gpu
+                .widen(Stream::Compute, &src.gpu, region, &mut dst.gpu)
+        }
+        .unwrap();
         both.assert_same(&dst, &format!("widen {dtype}"));
     }
 }
@@ -365,12 +397,18 @@ fn optimizer_steps_match_the_cpu() {
                     .then(|| (both.zeros(n * 4), both.zeros(n * 4))),
             };
             if let Some(m) = s.master.as_mut() {
-                both.cpu
-                    .widen(Stream::Compute, &s.param.cpu, all(n, dtype), &mut m.cpu)
-                    .unwrap();
-                both.gpu
-                    .widen(Stream::Compute, &s.param.gpu, all(n, dtype), &mut m.gpu)
-                    .unwrap();
+                // SAFETY: see the module note.
+                unsafe {
+                    both.cpu
+                        .widen(Stream::Compute, &s.param.cpu, all(n, dtype), &mut m.cpu)
+                }
+                .unwrap();
+                // SAFETY: see the module note.
+                unsafe {
+                    both.gpu
+                        .widen(Stream::Compute, &s.param.gpu, all(n, dtype), &mut m.gpu)
+                }
+                .unwrap();
             }
             for step in 1..=3 {
                 let grad = rng.bytes(DType::F32, n);
@@ -389,9 +427,8 @@ fn optimizer_steps_match_the_cpu() {
                     master: s.master.as_mut().map(|m| &mut m.cpu),
                     moments: s.moments.as_mut().map(|(m, v)| (&mut m.cpu, &mut v.cpu)),
                 };
-                both.cpu
-                    .optimizer_step(Stream::Compute, &update, cpu)
-                    .unwrap();
+                // SAFETY: see the module note.
+                unsafe { both.cpu.optimizer_step(Stream::Compute, &update, cpu) }.unwrap();
                 let gpu = OptimizerShard {
                     param: &mut s.param.gpu,
                     dtype,
@@ -400,9 +437,8 @@ fn optimizer_steps_match_the_cpu() {
                     master: s.master.as_mut().map(|m| &mut m.gpu),
                     moments: s.moments.as_mut().map(|(m, v)| (&mut m.gpu, &mut v.gpu)),
                 };
-                both.gpu
-                    .optimizer_step(Stream::Compute, &update, gpu)
-                    .unwrap();
+                // SAFETY: see the module note.
+                unsafe { both.gpu.optimizer_step(Stream::Compute, &update, gpu) }.unwrap();
                 let what = format!("{config:?} {dtype} step {step}");
                 both.assert_same(&s.param, &format!("{what}: param"));
                 if let Some(m) = &s.master {
@@ -433,27 +469,35 @@ fn regions_past_the_end_are_errors_before_any_work() {
         other => panic!("{what}: expected OutOfRange 10 + 7 > 16, got {other:?}"),
     };
     let ok = all(16, DType::F32);
-    out_of_range(b.zero(Stream::Compute, &mut x, past), "zero");
+    out_of_range(
+        // SAFETY: refused before anything is queued.
+        unsafe { b.zero(Stream::Compute, &mut x, past) },
+        "zero",
+    );
     out_of_range(b.upload(&mut x, past, &[0; 28]), "upload");
     out_of_range(b.download(&x, past, &mut [0; 28]), "download");
     out_of_range(
-        b.accumulate(Stream::Compute, &x, past, &mut y, ok, 1.0, false),
+        // SAFETY: refused before anything is queued.
+        unsafe { b.accumulate(Stream::Compute, &x, past, &mut y, ok, 1.0, false) },
         "accumulate src",
     );
     out_of_range(
-        b.accumulate(Stream::Compute, &x, ok, &mut y, past, 1.0, false),
+        // SAFETY: refused before anything is queued.
+        unsafe { b.accumulate(Stream::Compute, &x, ok, &mut y, past, 1.0, false) },
         "accumulate dst",
     );
-    let input = Input::Device {
-        ptr: x.ptr(),
-        numel: 7,
-        dtype: DType::F32,
-    };
+    // SAFETY: a buffer of the backend that outlives the test's work.
+    let input = unsafe { Input::device(x.ptr(), 7, DType::F32) };
     out_of_range(
-        b.accumulate_input(Stream::Compute, input, &mut y, past, 1.0, false),
+        // SAFETY: refused before anything is queued.
+        unsafe { b.accumulate_input(Stream::Compute, input, &mut y, past, 1.0, false) },
         "input",
     );
-    out_of_range(b.widen(Stream::Compute, &x, past, &mut y), "widen");
+    out_of_range(
+        // SAFETY: refused before anything is queued.
+        unsafe { b.widen(Stream::Compute, &x, past, &mut y) },
+        "widen",
+    );
     assert_eq!(b.host_waits(), 0, "a refused upload or download waited");
     assert_eq!(download(&b, &y), vec![0u8; 64], "a refused op wrote");
 }
@@ -466,20 +510,17 @@ fn lengths_that_disagree_are_errors() {
     let mut y = b.alloc(64).unwrap();
     let (four, five) = (all(4, DType::F32), all(5, DType::F32));
     assert!(matches!(
-        b.accumulate(Stream::Compute, &x, four, &mut y, five, 1.0, true),
+        unsafe { b.accumulate(Stream::Compute, &x, four, &mut y, five, 1.0, true) },
         Err(Error::OutOfRange {
             offset: 0,
             len: 4,
             capacity: 5
         })
     ));
-    let input = Input::Device {
-        ptr: x.ptr(),
-        numel: 4,
-        dtype: DType::Bf16,
-    };
+    // SAFETY: a buffer of the backend that outlives the test's work.
+    let input = unsafe { Input::device(x.ptr(), 4, DType::Bf16) };
     assert!(matches!(
-        b.accumulate_input(Stream::Compute, input, &mut y, five, 1.0, true),
+        unsafe { b.accumulate_input(Stream::Compute, input, &mut y, five, 1.0, true) },
         Err(Error::OutOfRange {
             offset: 0,
             len: 4,
@@ -509,19 +550,18 @@ fn lengths_that_disagree_are_errors() {
 fn a_null_device_input_is_refused() {
     let b = gpu();
     let mut y = b.alloc(16).unwrap();
-    let input = Input::Device {
-        ptr: 0,
-        numel: 4,
-        dtype: DType::F32,
+    // SAFETY: a null address, refused before any use.
+    let input = unsafe { Input::device(0, 4, DType::F32) };
+    let r = unsafe {
+        b.accumulate_input(
+            Stream::Compute,
+            input,
+            &mut y,
+            all(4, DType::F32),
+            1.0,
+            true,
+        )
     };
-    let r = b.accumulate_input(
-        Stream::Compute,
-        input,
-        &mut y,
-        all(4, DType::F32),
-        1.0,
-        true,
-    );
     assert!(
         matches!(
             r,
@@ -549,7 +589,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         moments: None,
     };
     let sgd = OptimizerConfig::Sgd { lr: 0.1 }.coefficients(1);
-    let r = b.optimizer_step(Stream::Compute, &sgd, shard);
+    let r = unsafe { b.optimizer_step(Stream::Compute, &sgd, shard) };
     assert!(
         matches!(
             r,
@@ -569,7 +609,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         moments: None,
     };
     let adamw = OptimizerConfig::default().coefficients(1);
-    let r = b.optimizer_step(Stream::Compute, &adamw, shard);
+    let r = unsafe { b.optimizer_step(Stream::Compute, &adamw, shard) };
     assert!(
         matches!(
             r,
@@ -597,16 +637,16 @@ fn events_streams_and_launches_never_block_the_host() {
         for to in STREAMS {
             b.wait(to, &e).unwrap();
         }
-        b.zero(from, &mut f, r).unwrap();
-        b.accumulate(from, &f, r, &mut g, r, 0.5, true).unwrap();
-        let input = Input::Device {
-            ptr: g.ptr(),
-            numel: n,
-            dtype: DType::F32,
-        };
-        b.accumulate_input(from, input, &mut f, r, 2.0, false)
-            .unwrap();
-        b.widen(from, &h, all(n, DType::Bf16), &mut f).unwrap();
+        // SAFETY: see the module note.
+        unsafe { b.zero(from, &mut f, r) }.unwrap();
+        // SAFETY: see the module note.
+        unsafe { b.accumulate(from, &f, r, &mut g, r, 0.5, true) }.unwrap();
+        // SAFETY: a buffer of the backend that outlives the test's work.
+        let input = unsafe { Input::device(g.ptr(), n, DType::F32) };
+        // SAFETY: see the module note.
+        unsafe { b.accumulate_input(from, input, &mut f, r, 2.0, false) }.unwrap();
+        // SAFETY: see the module note.
+        unsafe { b.widen(from, &h, all(n, DType::Bf16), &mut f) }.unwrap();
     }
     let shard = OptimizerShard {
         param: &mut h,
@@ -616,11 +656,14 @@ fn events_streams_and_launches_never_block_the_host() {
         master: Some(&mut f),
         moments: Some((&mut m, &mut v)),
     };
-    b.optimizer_step(
-        Stream::Compute,
-        &OptimizerConfig::default().coefficients(1),
-        shard,
-    )
+    // SAFETY: see the module note.
+    unsafe {
+        b.optimizer_step(
+            Stream::Compute,
+            &OptimizerConfig::default().coefficients(1),
+            shard,
+        )
+    }
     .unwrap();
     assert_eq!(
         b.host_waits(),
@@ -646,12 +689,13 @@ fn event_orders(from: Stream, to: Stream) {
     b.upload(&mut ones, r, bytemuck::cast_slice(&vec![1f32; n]))
         .unwrap();
     for _ in 0..passes {
-        b.accumulate(from, &ones, r, &mut acc, r, 1.0, true)
-            .unwrap();
+        // SAFETY: see the module note.
+        unsafe { b.accumulate(from, &ones, r, &mut acc, r, 1.0, true) }.unwrap();
     }
     let done = b.record(from).unwrap();
     b.wait(to, &done).unwrap();
-    b.accumulate(to, &acc, r, &mut copy, r, 1.0, false).unwrap();
+    // SAFETY: see the module note.
+    unsafe { b.accumulate(to, &acc, r, &mut copy, r, 1.0, false) }.unwrap();
     let got = download(&b, &copy);
     let got: &[f32] = bytemuck::cast_slice(&got);
     let early = got.iter().filter(|&&x| x != passes as f32).count();
@@ -686,8 +730,8 @@ fn smoke(b: &CudaBackend) {
     let r = all(4, DType::F32);
     b.upload(&mut x, r, bytemuck::cast_slice(&[1f32, 2.0, 3.0, 4.0]))
         .unwrap();
-    b.accumulate(Stream::Compute, &x, r, &mut y, r, 2.0, false)
-        .unwrap();
+    // SAFETY: see the module note.
+    unsafe { b.accumulate(Stream::Compute, &x, r, &mut y, r, 2.0, false) }.unwrap();
     let got = download(b, &y);
     assert_eq!(bytemuck::cast_slice::<u8, f32>(&got), &[2.0, 4.0, 6.0, 8.0]);
 }
@@ -753,14 +797,7 @@ fn param_device_points_at_the_gathered_values_while_the_unit_is_open() {
     ] {
         let id = e.plan().param_id(name).unwrap();
         let bytes = encode(dtype, v);
-        e.load_param(
-            id,
-            Input::Host {
-                bytes: &bytes,
-                dtype,
-            },
-        )
-        .unwrap();
+        e.load_param(id, Input::host_bytes(&bytes, dtype)).unwrap();
     }
     e.pre_forward(Unit::Layer(0)).unwrap();
     for (name, v, dtype) in [
@@ -775,15 +812,19 @@ fn param_device_points_at_the_gathered_values_while_the_unit_is_open() {
         let b = e.backend();
         let mut out = b.alloc(t.numel * 4).unwrap();
         let DeviceTensor { ptr, numel, dtype } = t;
-        let input = Input::Device { ptr, numel, dtype };
-        b.accumulate_input(
-            Stream::Compute,
-            input,
-            &mut out,
-            all(numel, DType::F32),
-            1.0,
-            false,
-        )
+        // SAFETY: the gathered view, read on the compute stream after the hook's wait.
+        let input = unsafe { Input::device(ptr, numel, dtype) };
+        // SAFETY: see the module note.
+        unsafe {
+            b.accumulate_input(
+                Stream::Compute,
+                input,
+                &mut out,
+                all(numel, DType::F32),
+                1.0,
+                false,
+            )
+        }
         .unwrap();
         let expected: Vec<f32> = v
             .iter()

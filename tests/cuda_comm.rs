@@ -1,6 +1,10 @@
 //! The GPU communicators: the loopback one (N ranks on one GPU) against `LocalComm` on the CPU,
 //! bit for bit, collective by collective and through whole training runs; NCCL at world size 1.
 //! Tests marked "needs a CUDA GPU" run on the GPU machine; the others run everywhere.
+//!
+//! Collectives and the backends' data operations are `unsafe` because they run after they return:
+//! each scenario orders its streams with events (or uses a buffer on one stream only) and reads
+//! results with a download, which orders itself after every stream.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -142,14 +146,16 @@ impl Scenario for AllGather {
             Region::new(5, len, dtype),
             Region::new(9, world * len, dtype),
         );
-        c.all_gather(
-            b,
-            Stream::Gather,
-            &shard,
-            shard_region,
-            &mut out,
-            out_region,
-        )
+        unsafe {
+            c.all_gather(
+                b,
+                Stream::Gather,
+                &shard,
+                shard_region,
+                &mut out,
+                out_region,
+            )
+        }
         .unwrap();
         read(b, &out, out_bytes)
     }
@@ -169,8 +175,7 @@ impl Scenario for ReduceScatter {
         let bytes = values.len() * 4;
         let mut buf = buffer(b, bytes, 0, DType::F32, &encode(DType::F32, &values));
         let region = Region::new(3, world * part, DType::F32);
-        c.reduce_scatter(b, Stream::Reduce, &mut buf, region)
-            .unwrap();
+        unsafe { c.reduce_scatter(b, Stream::Reduce, &mut buf, region) }.unwrap();
         read(b, &buf, bytes)
     }
 }
@@ -225,29 +230,28 @@ impl Scenario for BackToBack {
         let waits_before = b.host_waits();
         for _ in 0..self.rounds {
             let g = Stream::Gather;
-            b.accumulate(g, &delta, shard_region, &mut shard, shard_region, 1.0, true)
+            unsafe { b.accumulate(g, &delta, shard_region, &mut shard, shard_region, 1.0, true) }
                 .unwrap();
-            c.all_gather(b, g, &shard, shard_region, &mut out, whole)
-                .unwrap();
-            b.accumulate(
-                g,
-                &delta,
-                shard_region,
-                &mut shard,
-                shard_region,
-                -0.5,
-                true,
-            )
+            unsafe { c.all_gather(b, g, &shard, shard_region, &mut out, whole) }.unwrap();
+            unsafe {
+                b.accumulate(
+                    g,
+                    &delta,
+                    shard_region,
+                    &mut shard,
+                    shard_region,
+                    -0.5,
+                    true,
+                )
+            }
             .unwrap();
             let gathered = b.record(g).unwrap();
             let r = Stream::Reduce;
             b.wait(r, &gathered).unwrap();
-            b.accumulate(r, &out, whole, &mut grads, whole, 0.75, true)
-                .unwrap();
-            c.reduce_scatter(b, r, &mut grads, whole).unwrap();
-            b.accumulate(r, &grads, own, &mut sums, shard_region, 1.0, true)
-                .unwrap();
-            b.zero(r, &mut grads, whole).unwrap();
+            unsafe { b.accumulate(r, &out, whole, &mut grads, whole, 0.75, true) }.unwrap();
+            unsafe { c.reduce_scatter(b, r, &mut grads, whole) }.unwrap();
+            unsafe { b.accumulate(r, &grads, own, &mut sums, shard_region, 1.0, true) }.unwrap();
+            unsafe { b.zero(r, &mut grads, whole) }.unwrap();
             // The next all-gather overwrites `out`, which the reduce stream read this round.
             let reduced = b.record(r).unwrap();
             b.wait(g, &reduced).unwrap();
@@ -299,7 +303,7 @@ fn loopback_mismatched_collectives_are_reported_on_every_rank() {
         let b = gpu();
         let n = 2 + c.rank() * 2;
         let mut buf = b.alloc(n * 4).unwrap();
-        c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, n, DType::F32))
+        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, n, DType::F32)) }
     });
     for r in results {
         assert!(
@@ -326,7 +330,7 @@ fn loopback_a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         }
         let b = gpu();
         let mut buf = b.alloc(12).unwrap();
-        c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32))
+        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32)) }
     });
     // Rank 0 sees rank 1 gone; rank 2 may see rank 1 or rank 0, which left after its error.
     assert!(
@@ -356,9 +360,11 @@ fn loopback_arguments_are_checked_before_communicating() {
     let mut buf = b.alloc(64).unwrap();
     let shard = b.alloc(8).unwrap();
     let c = &mut comms[0];
-    let r = c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32));
+    let r =
+        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32)) };
     assert!(matches!(r, Err(Error::OutOfRange { len: 3, .. })), "{r:?}");
-    let r = c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32));
+    let r =
+        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32)) };
     assert!(
         matches!(
             r,
@@ -371,7 +377,7 @@ fn loopback_arguments_are_checked_before_communicating() {
         "{r:?}"
     );
     let (s, o) = (Region::new(0, 2, DType::F32), Region::new(0, 5, DType::F32));
-    let r = c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o);
+    let r = unsafe { c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
     assert!(
         matches!(
             r,
@@ -384,7 +390,7 @@ fn loopback_arguments_are_checked_before_communicating() {
         "{r:?}"
     );
     let o = Region::new(0, 4, DType::Bf16);
-    let r = c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o);
+    let r = unsafe { c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
     assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
 }
 
@@ -422,10 +428,7 @@ impl Training {
         let params = self.plan.params().to_vec();
         for (i, p) in params.iter().enumerate() {
             let init = encode(p.dtype, &Rng::new(1000 + i as u64).values(p.numel));
-            let input = Input::Host {
-                bytes: &init,
-                dtype: p.dtype,
-            };
+            let input = Input::host_bytes(&init, p.dtype);
             e.load_param(e.plan().param_id(&p.name).unwrap(), input)
                 .unwrap();
         }
@@ -648,7 +651,7 @@ fn nccl_batches_go_out_as_one_group() {
             region: r,
         },
     ];
-    comm.batch(&b, Stream::Gather, &ops).unwrap();
+    unsafe { comm.batch(&b, Stream::Gather, &ops) }.unwrap();
     assert!(read(&b, &out, 4000) == bytes, "batched all-gather");
     assert!(read(&b, &grads, 4000) == bytes, "batched reduce-scatter");
 }
@@ -672,7 +675,9 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
     let mut comm = nccl_of_one(&b);
     let mut buf = b.alloc(64).unwrap();
     let shard = b.alloc(64).unwrap();
-    let r = comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32));
+    let r = unsafe {
+        comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32))
+    };
     assert!(
         matches!(
             r,
@@ -684,10 +689,12 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
         ),
         "{r:?}"
     );
-    let r = comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 8, DType::Bf16));
+    let r = unsafe {
+        comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 8, DType::Bf16))
+    };
     assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
     let (s, o) = (Region::new(0, 4, DType::F32), Region::new(0, 5, DType::F32));
-    let r = comm.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o);
+    let r = unsafe { comm.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
     assert!(
         matches!(
             r,
@@ -703,7 +710,7 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
         buf: &mut buf,
         region: Region::new(0, 17, DType::F32),
     }];
-    let r = comm.batch(&b, Stream::Reduce, &ops);
+    let r = unsafe { comm.batch(&b, Stream::Reduce, &ops) };
     assert!(matches!(r, Err(Error::OutOfRange { len: 17, .. })), "{r:?}");
 }
 

@@ -402,7 +402,7 @@ impl Communicator<CpuBackend> for BadRank {
     fn world_size(&self) -> usize {
         2
     }
-    fn all_gather(
+    unsafe fn all_gather(
         &mut self,
         _: &CpuBackend,
         _: Stream,
@@ -413,7 +413,7 @@ impl Communicator<CpuBackend> for BadRank {
     ) -> fsdp_fusion::Result<()> {
         Ok(())
     }
-    fn reduce_scatter(
+    unsafe fn reduce_scatter(
         &mut self,
         _: &CpuBackend,
         _: Stream,

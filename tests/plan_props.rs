@@ -98,7 +98,7 @@ proptest! {
             for (i, v) in values.iter().enumerate() {
                 let dtype = plan.params()[i].dtype;
                 let bytes = fsdp_fusion::mlp::narrow(dtype, v);
-                e.load_param(ParamId(i), Input::Host { bytes: &bytes, dtype }).unwrap();
+                e.load_param(ParamId(i), Input::host_bytes(&bytes, dtype)).unwrap();
             }
             shards.push((0..plan.groups().len()).map(|g| e.param_shard(g).unwrap()).collect());
         }

@@ -7,8 +7,10 @@
 pub mod cpu;
 pub mod cuda;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::optim::Update;
 
 /// The three streams of a rank.
@@ -35,20 +37,37 @@ impl Region {
         Region { offset, len, dtype }
     }
 
-    /// The byte range of the region.
-    pub fn bytes(&self) -> std::ops::Range<usize> {
-        self.offset * self.dtype.size()..(self.offset + self.len) * self.dtype.size()
+    /// The byte range of the region in a buffer of `capacity` bytes, or `Error::OutOfRange` when
+    /// it runs past the end (or its end overflows).
+    pub fn byte_range(&self, capacity: usize) -> Result<std::ops::Range<usize>> {
+        let size = self.dtype.size();
+        let start = self.offset.checked_mul(size);
+        let end = self
+            .offset
+            .checked_add(self.len)
+            .and_then(|end| end.checked_mul(size));
+        match (start, end) {
+            (Some(start), Some(end)) if end <= capacity => Ok(start..end),
+            _ => Err(Error::OutOfRange {
+                offset: self.offset,
+                len: self.len,
+                capacity: capacity / size,
+            }),
+        }
     }
 }
 
-/// A caller's tensor handed to the engine: host memory, or device memory on the compute stream.
+/// A caller's tensor handed to the engine: host memory, or device memory read on the compute
+/// stream.
 #[derive(Clone, Copy, Debug)]
-pub enum Input<'a> {
+pub struct Input<'a>(pub(crate) Source<'a>);
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Source<'a> {
     Host {
         bytes: &'a [u8],
         dtype: DType,
     },
-    /// A device address valid for `numel` elements until the compute stream has consumed it.
     Device {
         ptr: u64,
         numel: usize,
@@ -59,22 +78,35 @@ pub enum Input<'a> {
 impl<'a> Input<'a> {
     /// A host slice of any element type.
     pub fn host<T: crate::dtype::Element>(data: &'a [T]) -> Input<'a> {
-        Input::Host {
-            bytes: bytemuck::cast_slice(data),
-            dtype: T::DTYPE,
-        }
+        Input::host_bytes(bytemuck::cast_slice(data), T::DTYPE)
+    }
+
+    /// Host bytes holding elements of `dtype`, little-endian (a length that is not a whole number
+    /// of elements is refused where the input is used).
+    pub fn host_bytes(bytes: &'a [u8], dtype: DType) -> Input<'a> {
+        Input(Source::Host { bytes, dtype })
+    }
+
+    /// `numel` elements of `dtype` at device address `ptr`, read on the compute stream.
+    ///
+    /// # Safety
+    /// `ptr` is a device address of the engine's device, valid for `numel` elements of `dtype`
+    /// until the compute stream has read them (after the work queued on it when the input is
+    /// handed over); nothing writes them before then.
+    pub unsafe fn device(ptr: u64, numel: usize, dtype: DType) -> Input<'static> {
+        Input(Source::Device { ptr, numel, dtype })
     }
 
     pub fn dtype(&self) -> DType {
-        match *self {
-            Input::Host { dtype, .. } | Input::Device { dtype, .. } => dtype,
+        match self.0 {
+            Source::Host { dtype, .. } | Source::Device { dtype, .. } => dtype,
         }
     }
 
     pub fn numel(&self) -> usize {
-        match *self {
-            Input::Host { bytes, dtype } => bytes.len() / dtype.size(),
-            Input::Device { numel, .. } => numel,
+        match self.0 {
+            Source::Host { bytes, dtype } => bytes.len() / dtype.size(),
+            Source::Device { numel, .. } => numel,
         }
     }
 }
@@ -84,6 +116,31 @@ impl<'a> Input<'a> {
 pub struct MemoryUsage {
     pub current: usize,
     pub peak: usize,
+}
+
+/// Bytes a backend's buffers hold now and at most.
+#[derive(Debug, Default)]
+pub(crate) struct Tracker {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Tracker {
+    pub(crate) fn add(&self, bytes: usize) {
+        let current = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(current, Ordering::Relaxed);
+    }
+
+    pub(crate) fn remove(&self, bytes: usize) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    pub(crate) fn usage(&self) -> MemoryUsage {
+        MemoryUsage {
+            current: self.current.load(Ordering::Relaxed),
+            peak: self.peak.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// One trainable group's shard and optimizer state, for an optimizer step.
@@ -101,6 +158,12 @@ pub struct OptimizerShard<'a, B: Backend + ?Sized> {
 }
 
 /// Memory, streams, events and data operations of one rank's device.
+///
+/// The data operations are queued on a stream and may still run after they return (on a GPU, and
+/// on the asynchronous CPU backend), so they are `unsafe`: the caller orders every use of a buffer
+/// on one stream after every conflicting use on another with events ([`Backend::record`],
+/// [`Backend::wait`]). [`Backend::upload`] and [`Backend::download`] order themselves after every
+/// stream's work and complete before they return.
 pub trait Backend: Send {
     /// A device allocation, untyped; regions give it a dtype.
     type Buffer: Send;
@@ -109,7 +172,7 @@ pub trait Backend: Send {
     /// A short name for errors and reports.
     fn name(&self) -> &'static str;
 
-    /// Allocates `bytes` bytes, zero-filled.
+    /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 
     fn memory(&self) -> MemoryUsage;
@@ -134,17 +197,27 @@ pub trait Backend: Send {
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32>;
 
     /// Zero-fills `region` of `buf`.
-    fn zero(&self, stream: Stream, buf: &mut Self::Buffer, region: Region) -> Result<()>;
+    ///
+    /// # Safety
+    /// No work on another stream uses the region concurrently: the caller orders the uses with
+    /// events (the trait's contract).
+    unsafe fn zero(&self, stream: Stream, buf: &mut Self::Buffer, region: Region) -> Result<()>;
 
-    /// Copies host bytes into `region` of `buf`; blocks until done.
+    /// Copies host bytes into `region` of `buf`, after every stream's earlier work; blocks until
+    /// done.
     fn upload(&self, buf: &mut Self::Buffer, region: Region, data: &[u8]) -> Result<()>;
 
-    /// Copies `region` of `buf` to the host; blocks until done.
+    /// Copies `region` of `buf` to the host, after every stream's earlier work; blocks until done.
     fn download(&self, buf: &Self::Buffer, region: Region, out: &mut [u8]) -> Result<()>;
 
     /// `dst = scale * src` (or `dst += scale * src` when `add`), `dst` an f32 region, `src` a
-    /// caller's tensor of any dtype with `dst.len` elements.
-    fn accumulate_input(
+    /// caller's tensor of any dtype with `dst.len` elements. Host input is copied before the call
+    /// returns.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for `dst`; a device `src` is the caller's to keep valid (see
+    /// [`Input::device`]).
+    unsafe fn accumulate_input(
         &self,
         stream: Stream,
         src: Input<'_>,
@@ -155,8 +228,11 @@ pub trait Backend: Send {
     ) -> Result<()>;
 
     /// `dst = scale * src` (or `dst += scale * src` when `add`), both f32 regions of one length.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both regions.
     #[allow(clippy::too_many_arguments)]
-    fn accumulate(
+    unsafe fn accumulate(
         &self,
         stream: Stream,
         src: &Self::Buffer,
@@ -168,7 +244,10 @@ pub trait Backend: Send {
     ) -> Result<()>;
 
     /// Applies one optimizer update to a shard.
-    fn optimizer_step(
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for every buffer of the shard.
+    unsafe fn optimizer_step(
         &self,
         stream: Stream,
         update: &Update,
@@ -176,7 +255,10 @@ pub trait Backend: Send {
     ) -> Result<()>;
 
     /// Copies `region` of `src` (any dtype) to f32 `dst`.
-    fn widen(
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both buffers.
+    unsafe fn widen(
         &self,
         stream: Stream,
         src: &Self::Buffer,
@@ -187,8 +269,48 @@ pub trait Backend: Send {
 
 /// Addresses of buffer regions for callers outside Rust (the C API): host addresses on the CPU,
 /// device addresses on a GPU. A region past the end of its buffer is an error.
+///
+/// The caller uses an address as compute-stream work: on a GPU, kernels it queues on the compute
+/// stream; on the CPU, where the host is the compute stream, the call first waits for the compute
+/// stream's work so far.
 pub trait RawAddress: Backend {
-    fn address(buf: &Self::Buffer, region: Region) -> Result<u64>;
+    fn address(&self, buf: &Self::Buffer, region: Region) -> Result<u64>;
     /// An address the caller may write through.
-    fn address_mut(buf: &mut Self::Buffer, region: Region) -> Result<u64>;
+    fn address_mut(&self, buf: &mut Self::Buffer, region: Region) -> Result<u64>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_inside_the_buffer_give_their_bytes() {
+        let r = Region::new(3, 2, DType::Bf16).byte_range(10).unwrap();
+        assert_eq!(r, 6..10);
+        assert_eq!(Region::new(0, 0, DType::F32).byte_range(0).unwrap(), 0..0);
+    }
+
+    #[test]
+    fn regions_past_the_end_or_overflowing_are_out_of_range() {
+        assert!(matches!(
+            Region::new(3, 2, DType::F32).byte_range(16),
+            Err(Error::OutOfRange {
+                offset: 3,
+                len: 2,
+                capacity: 4
+            })
+        ));
+        assert!(matches!(
+            Region::new(usize::MAX, 2, DType::F32).byte_range(16),
+            Err(Error::OutOfRange {
+                offset: usize::MAX,
+                len: 2,
+                capacity: 4
+            })
+        ));
+        assert!(matches!(
+            Region::new(0, usize::MAX / 2, DType::F32).byte_range(16),
+            Err(Error::OutOfRange { capacity: 4, .. })
+        ));
+    }
 }

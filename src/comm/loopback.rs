@@ -234,7 +234,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
         self.world_size
     }
 
-    fn all_gather(
+    unsafe fn all_gather(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
@@ -267,7 +267,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
         })
     }
 
-    fn reduce_scatter(
+    unsafe fn reduce_scatter(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,

@@ -9,14 +9,21 @@ use crate::error::{Error, Result};
 
 /// All-gather and reduce-scatter for one rank, over buffers of backend `B`.
 ///
-/// Every rank must issue the same collectives, with the same lengths, in the same order.
+/// Every rank must issue the same collectives, with the same lengths, in the same order. A
+/// collective is queued on a stream like the backend's data operations, and runs when the stream
+/// gets there; so, like them, it is `unsafe`: the caller orders every use of its buffers on other
+/// streams with events.
 pub trait Communicator<B: Backend>: Send {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
 
     /// Gathers every rank's `shard_region` of `shard` into `out_region` of `out`, rank `r`'s part
     /// at `r * shard_region.len`. `out_region.len` is `world_size * shard_region.len`.
-    fn all_gather(
+    ///
+    /// # Safety
+    /// No work on another stream uses either region concurrently (see [`Backend::zero`]).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn all_gather(
         &mut self,
         backend: &B,
         stream: Stream,
@@ -28,7 +35,10 @@ pub trait Communicator<B: Backend>: Send {
 
     /// Sums the f32 `region` of `buf` over the ranks, adding in rank order 0, 1, 2, ..., and
     /// leaves this rank's part (`region.len / world_size` elements at `rank` times that) in place.
-    fn reduce_scatter(
+    ///
+    /// # Safety
+    /// As [`Communicator::all_gather`], for the region.
+    unsafe fn reduce_scatter(
         &mut self,
         backend: &B,
         stream: Stream,

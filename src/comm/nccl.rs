@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
 
-use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, byte_range, primary_context};
+use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
 use crate::backend::{Region, Stream};
 use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
 use crate::dtype::DType;
@@ -126,7 +126,7 @@ impl Extent {
 
     /// The address of `region`, checked to lie inside.
     fn addr(self, region: Region) -> Result<u64> {
-        Ok(self.base + byte_range(region, self.bytes)?.start as u64)
+        Ok(self.base + region.byte_range(self.bytes)?.start as u64)
     }
 }
 
@@ -275,7 +275,10 @@ impl NcclComm {
 
     /// Issues `ops` in order as one NCCL group (`ncclGroupStart` / `ncclGroupEnd`), so that NCCL
     /// may run them together. Every op is checked before any is issued.
-    pub fn batch(
+    ///
+    /// # Safety
+    /// As [`Communicator::all_gather`], for every op's regions.
+    pub unsafe fn batch(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
@@ -394,7 +397,7 @@ impl Communicator<CudaBackend> for NcclComm {
         self.world_size
     }
 
-    fn all_gather(
+    unsafe fn all_gather(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
@@ -414,7 +417,7 @@ impl Communicator<CudaBackend> for NcclComm {
         self.issue(&call, on)
     }
 
-    fn reduce_scatter(
+    unsafe fn reduce_scatter(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,

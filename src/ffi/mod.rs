@@ -204,6 +204,7 @@ impl From<Error> for Failure {
             | Error::NotGathered { .. }
             | Error::Gathered { .. }
             | Error::OptimizerAlreadyStepped
+            | Error::OptimizerStepped { .. }
             | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
             Error::CudaUnavailable { .. }
             | Error::KernelsUnavailable
@@ -1016,7 +1017,7 @@ pub unsafe extern "C" fn fsdp_engine_load_param(
         let dtype = dtype_of(dtype)?;
         // SAFETY: the caller's contract.
         let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
-        let input = Input::Host { bytes, dtype };
+        let input = Input::host_bytes(bytes, dtype);
         on_engine(engine, |any| {
             Ok(with_engine!(any, e => e.load_param(ParamId(param), input))?)
         })
@@ -1126,17 +1127,14 @@ unsafe fn caller_input<'a>(
         AnyEngine::Cpu(_) => {
             // SAFETY: the caller's contract.
             let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
-            Ok(Input::Host { bytes, dtype })
+            Ok(Input::host_bytes(bytes, dtype))
         }
         AnyEngine::CudaNccl(_) | AnyEngine::CudaLoopback(_) => {
             if data.is_null() && numel > 0 {
                 return Err(null("data"));
             }
-            Ok(Input::Device {
-                ptr: data as u64,
-                numel,
-                dtype,
-            })
+            // SAFETY: the caller's contract, which is `Input::device`'s.
+            Ok(unsafe { Input::device(data as u64, numel, dtype) })
         }
     }
 }

@@ -1,15 +1,13 @@
 //! Device allocations: raw ones for internal scratch, counted ones for the engine's buffers.
 
-use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::result;
 
-use crate::backend::Region;
 use crate::backend::cuda::driver::{bind, cuda};
-use crate::error::{Error, Result};
+use crate::backend::{Region, Tracker};
+use crate::error::Result;
 
 /// `bytes` bytes of plain device memory (`cuMemAlloc`, never managed memory), freed on drop.
 /// The contents start undefined.
@@ -62,28 +60,6 @@ impl Drop for DeviceMemory {
     }
 }
 
-/// Bytes a backend's buffers hold now and at most.
-#[derive(Debug, Default)]
-pub(crate) struct Tracker {
-    current: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl Tracker {
-    fn add(&self, bytes: usize) {
-        let current = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak.fetch_max(current, Ordering::Relaxed);
-    }
-
-    pub(crate) fn current(&self) -> usize {
-        self.current.load(Ordering::Relaxed)
-    }
-
-    pub(crate) fn peak(&self) -> usize {
-        self.peak.load(Ordering::Relaxed)
-    }
-}
-
 /// A device buffer of the CUDA backend, counted by its backend while it lives.
 #[derive(Debug)]
 pub struct CudaBuffer {
@@ -112,71 +88,13 @@ impl CudaBuffer {
 
     /// The device address of `region`'s first element, checked to lie inside the buffer.
     pub(crate) fn addr(&self, region: Region) -> Result<u64> {
-        let range = byte_range(region, self.bytes())?;
+        let range = region.byte_range(self.bytes())?;
         Ok(self.ptr() + range.start as u64)
     }
 }
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        self.tracker
-            .current
-            .fetch_sub(self.memory.bytes(), Ordering::Relaxed);
-    }
-}
-
-/// The byte range of `region` in a buffer of `capacity` bytes, or the error the CPU backend gives
-/// for a region past the end.
-pub(crate) fn byte_range(region: Region, capacity: usize) -> Result<Range<usize>> {
-    let size = region.dtype.size();
-    let fits = region
-        .offset
-        .checked_add(region.len)
-        .and_then(|end| end.checked_mul(size))
-        .is_some_and(|end| end <= capacity);
-    if !fits {
-        return Err(Error::OutOfRange {
-            offset: region.offset,
-            len: region.len,
-            capacity: capacity / size,
-        });
-    }
-    Ok(region.bytes())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dtype::DType;
-
-    #[test]
-    fn regions_inside_the_buffer_give_their_bytes() {
-        let r = byte_range(Region::new(3, 2, DType::Bf16), 10).unwrap();
-        assert_eq!(r, 6..10);
-        assert_eq!(byte_range(Region::new(0, 0, DType::F32), 0).unwrap(), 0..0);
-    }
-
-    #[test]
-    fn regions_past_the_end_or_overflowing_are_out_of_range() {
-        assert!(matches!(
-            byte_range(Region::new(3, 2, DType::F32), 16),
-            Err(Error::OutOfRange {
-                offset: 3,
-                len: 2,
-                capacity: 4
-            })
-        ));
-        assert!(matches!(
-            byte_range(Region::new(usize::MAX, 2, DType::F32), 16),
-            Err(Error::OutOfRange {
-                offset: usize::MAX,
-                len: 2,
-                capacity: 4
-            })
-        ));
-        assert!(matches!(
-            byte_range(Region::new(0, usize::MAX / 2, DType::F32), 16),
-            Err(Error::OutOfRange { capacity: 4, .. })
-        ));
+        self.tracker.remove(self.memory.bytes());
     }
 }

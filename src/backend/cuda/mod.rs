@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 
-use crate::backend::{Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Stream};
+use crate::backend::{
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream, Tracker,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
@@ -34,8 +36,6 @@ pub(crate) use driver::{bind, cuda, primary_context};
 use kernels::Kernels;
 pub use memory::CudaBuffer;
 pub(crate) use memory::DeviceMemory;
-use memory::Tracker;
-pub(crate) use memory::byte_range;
 use staging::Staging;
 
 const NAME: &str = "cuda";
@@ -228,10 +228,7 @@ impl Backend for CudaBackend {
     }
 
     fn memory(&self) -> MemoryUsage {
-        MemoryUsage {
-            current: self.tracker.current(),
-            peak: self.tracker.peak(),
-        }
+        self.tracker.usage()
     }
 
     fn host_waits(&self) -> u64 {
@@ -269,7 +266,7 @@ impl Backend for CudaBackend {
             .map_err(cuda("cuEventElapsedTime"))
     }
 
-    fn zero(&self, stream: Stream, buf: &mut CudaBuffer, region: Region) -> Result<()> {
+    unsafe fn zero(&self, stream: Stream, buf: &mut CudaBuffer, region: Region) -> Result<()> {
         let dst = buf.addr(region)?;
         let bytes = region.len * region.dtype.size();
         if bytes == 0 {
@@ -282,7 +279,7 @@ impl Backend for CudaBackend {
 
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
     fn upload(&self, buf: &mut CudaBuffer, region: Region, data: &[u8]) -> Result<()> {
-        let range = byte_range(region, buf.bytes())?;
+        let range = region.byte_range(buf.bytes())?;
         if range.len() != data.len() {
             return Err(length_mismatch(
                 data.len() / region.dtype.size(),
@@ -303,7 +300,7 @@ impl Backend for CudaBackend {
 
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
     fn download(&self, buf: &CudaBuffer, region: Region, out: &mut [u8]) -> Result<()> {
-        let range = byte_range(region, buf.bytes())?;
+        let range = region.byte_range(buf.bytes())?;
         if range.len() != out.len() {
             return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
         }
@@ -322,7 +319,7 @@ impl Backend for CudaBackend {
     /// A device input is read in place on `stream`. A host input is copied into a staging area
     /// first, which blocks the host (counted as a host wait): pass device gradients to keep the
     /// host free.
-    fn accumulate_input(
+    unsafe fn accumulate_input(
         &self,
         stream: Stream,
         src: Input<'_>,
@@ -334,9 +331,9 @@ impl Backend for CudaBackend {
         let dst_region = f32_region(dst_region);
         let dst_ptr = dst.addr(dst_region)?;
         let (dtype, numel) = (src.dtype(), src.numel());
-        let exact = match src {
-            Input::Host { bytes, .. } => bytes.len() == numel * dtype.size(),
-            Input::Device { .. } => true,
+        let exact = match src.0 {
+            Source::Host { bytes, .. } => bytes.len() == numel * dtype.size(),
+            Source::Device { .. } => true,
         };
         if !exact || numel != dst_region.len {
             return Err(length_mismatch(numel, dst_region.len));
@@ -346,8 +343,8 @@ impl Backend for CudaBackend {
         }
         let on = self.stream(stream);
         bind(&self.ctx)?;
-        match src {
-            Input::Device { ptr, .. } => {
+        match src.0 {
+            Source::Device { ptr, .. } => {
                 if ptr == 0 {
                     return Err(Error::Unsupported {
                         backend: NAME,
@@ -355,14 +352,14 @@ impl Backend for CudaBackend {
                     });
                 }
                 // SAFETY: the caller vouches that `ptr` holds `numel` elements of `dtype` until
-                // `stream` consumed them (the documented contract of `Input::Device`); `dst_ptr`
-                // is checked to hold `numel` f32.
+                // `stream` consumed them (the contract of `Input::device`); `dst_ptr` is checked
+                // to hold `numel` f32.
                 unsafe {
                     self.kernels
                         .accumulate(on, dtype, ptr, dst_ptr, numel, scale, add)
                 }
             }
-            Input::Host { bytes, .. } => {
+            Source::Host { bytes, .. } => {
                 self.host_waits.fetch_add(1, Ordering::Relaxed);
                 self.staging().with_staged(&self.ctx, on, bytes, |staged| {
                     // SAFETY: the staging area holds the `numel` elements just copied, and
@@ -376,7 +373,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn accumulate(
+    unsafe fn accumulate(
         &self,
         stream: Stream,
         src: &CudaBuffer,
@@ -410,7 +407,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn optimizer_step(
+    unsafe fn optimizer_step(
         &self,
         stream: Stream,
         update: &Update,
@@ -458,7 +455,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn widen(
+    unsafe fn widen(
         &self,
         stream: Stream,
         src: &CudaBuffer,
@@ -488,11 +485,11 @@ impl Backend for CudaBackend {
 
 /// Device addresses, for the caller's kernels on the compute stream.
 impl RawAddress for CudaBackend {
-    fn address(buf: &CudaBuffer, region: Region) -> Result<u64> {
+    fn address(&self, buf: &CudaBuffer, region: Region) -> Result<u64> {
         buf.addr(region)
     }
 
-    fn address_mut(buf: &mut CudaBuffer, region: Region) -> Result<u64> {
+    fn address_mut(&self, buf: &mut CudaBuffer, region: Region) -> Result<u64> {
         buf.addr(region)
     }
 }

@@ -1,0 +1,85 @@
+//! The CPU backend's arithmetic over byte slices, element by element as `crate::optim` defines it.
+
+use crate::backend::OptimizerShard;
+use crate::dtype::{DType, load_f32, store_f32};
+use crate::optim::{Update, accumulate_element, adamw_element, sgd_element};
+
+/// f32 values over bytes that hold them (every region of an f32 buffer is 4-byte aligned).
+pub(crate) fn f32s(bytes: &[u8]) -> &[f32] {
+    bytemuck::cast_slice(bytes)
+}
+
+pub(crate) fn f32s_mut(bytes: &mut [u8]) -> &mut [f32] {
+    bytemuck::cast_slice_mut(bytes)
+}
+
+/// `dst = scale * src` (or `+=` when `add`), `src` holding `dst.len()` elements of `dtype`.
+pub(crate) fn accumulate(dst: &mut [f32], src: &[u8], dtype: DType, scale: f32, add: bool) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        *d = accumulate_element(*d, load_f32(src, dtype, i), scale, add);
+    }
+}
+
+/// `dst` = `src` (of `dtype`) widened to f32.
+pub(crate) fn widen(dst: &mut [f32], src: &[u8], dtype: DType) {
+    for (i, d) in dst.iter_mut().enumerate() {
+        *d = load_f32(src, dtype, i);
+    }
+}
+
+/// The slices of one optimizer step: the parameter shard in its dtype, its fp32 gradient, and
+/// the fp32 master and moments where the group has them.
+pub(crate) struct OptimizerSlices<'a> {
+    pub(crate) param: &'a mut [u8],
+    pub(crate) dtype: DType,
+    pub(crate) grad: &'a [f32],
+    pub(crate) master: Option<&'a mut [f32]>,
+    pub(crate) moments: Option<(&'a mut [f32], &'a mut [f32])>,
+}
+
+/// The shapes an optimizer step needs, checked before anything is queued.
+pub(crate) fn check_optimizer<B: crate::backend::Backend + ?Sized>(
+    update: &Update,
+    shard: &OptimizerShard<'_, B>,
+) -> crate::error::Result<()> {
+    if matches!(update, Update::AdamW(_)) && shard.moments.is_none() {
+        return Err(crate::error::Error::InvalidConfig {
+            field: "optimizer",
+            reason: "AdamW needs moment buffers".into(),
+        });
+    }
+    Ok(())
+}
+
+/// One optimizer update of every element; moments are present for AdamW (checked by
+/// [`check_optimizer`]).
+pub(crate) fn optimizer_step(update: &Update, s: OptimizerSlices<'_>) {
+    let OptimizerSlices {
+        param,
+        dtype,
+        grad,
+        mut master,
+        mut moments,
+    } = s;
+    for (i, &g) in grad.iter().enumerate() {
+        let p = match &master {
+            Some(master) => master[i],
+            None => load_f32(param, dtype, i),
+        };
+        let p = match (update, &mut moments) {
+            (Update::Sgd { lr }, _) => sgd_element(p, g, *lr),
+            (Update::AdamW(c), Some((m, v))) => {
+                let (p, mi, vi) = adamw_element(p, m[i], v[i], g, c);
+                m[i] = mi;
+                v[i] = vi;
+                p
+            }
+            // Refused by `check_optimizer` before anything was queued.
+            (Update::AdamW(_), None) => p,
+        };
+        if let Some(master) = &mut master {
+            master[i] = p;
+        }
+        store_f32(param, dtype, i, p);
+    }
+}

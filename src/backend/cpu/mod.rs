@@ -1,0 +1,411 @@
+//! The CPU backend: host memory, and three streams that run eagerly or apart.
+//!
+//! - [`CpuBackend::new`] is eager: every operation completes before it returns, and every event
+//!   is complete when it is recorded.
+//! - [`CpuBackend::asynchronous`] gives each stream a worker thread that runs its queue in order,
+//!   each operation after a delay drawn from a seed. Work is ordered across streams only by events
+//!   ([`Backend::record`] / [`Backend::wait`]), and [`crate::LocalComm`]'s collectives run on the
+//!   streams too, so an event wait the engine forgot shows as a wrong value instead of passing
+//!   because the backend happened to be eager. A failed operation (a collective whose peers
+//!   disagree, a wait past its deadline) fails the backend: later work is skipped and every later
+//!   call returns [`Error::StreamFailed`] naming the first failure.
+//!
+//! On both, the host reads and writes buffer memory as the compute stream's work:
+//! [`Backend::upload`] and [`Backend::download`] first order the compute stream after the other
+//! two and wait for it, and the engine's host views wait for the compute stream (counted in
+//! [`Backend::host_waits`]).
+
+mod math;
+mod memory;
+mod streams;
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::backend::{
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream, Tracker,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::Update;
+use math::OptimizerSlices;
+pub use memory::CpuBuffer;
+use memory::Memory;
+pub(crate) use memory::copy_of;
+use streams::{Marker, Streams};
+
+const NAME: &str = "cpu";
+
+/// How long an asynchronous backend's waits last before they fail with [`Error::Timeout`].
+const ASYNC_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A point in one of a CPU backend's streams.
+#[derive(Clone, Debug)]
+pub struct CpuEvent(Point);
+
+#[derive(Clone, Debug)]
+enum Point {
+    /// Reached when recorded (eager backend).
+    Reached(Instant),
+    /// Reached when its stream's worker gets there.
+    Queued(Arc<Marker>),
+}
+
+/// The CPU backend of one rank.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    tracker: Arc<Tracker>,
+    host_waits: AtomicU64,
+    /// The stream workers; none when eager.
+    streams: Option<Streams>,
+}
+
+impl CpuBackend {
+    /// The eager backend: every operation completes before it returns.
+    pub fn new() -> CpuBackend {
+        CpuBackend::default()
+    }
+
+    /// A backend whose three streams run apart, each on a worker thread that sleeps before every
+    /// operation for a delay drawn from `seed` (mostly none, sometimes tens of microseconds, now
+    /// and then milliseconds). A wait of a worker or of the host fails with [`Error::Timeout`]
+    /// after 10 minutes. Dropping the backend lets the workers finish their queues.
+    pub fn asynchronous(seed: u64) -> Result<CpuBackend> {
+        Ok(CpuBackend {
+            streams: Some(Streams::start(seed, ASYNC_TIMEOUT)?),
+            ..CpuBackend::default()
+        })
+    }
+
+    /// Whether the streams run apart ([`CpuBackend::asynchronous`]).
+    pub fn is_asynchronous(&self) -> bool {
+        self.streams.is_some()
+    }
+
+    /// Runs `job` on `stream`: now when eager, else after the stream's work so far.
+    pub(crate) fn run(
+        &self,
+        stream: Stream,
+        job: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        match &self.streams {
+            None => job(),
+            Some(streams) => streams.run(stream, Box::new(job)),
+        }
+    }
+
+    /// Blocks the host until `stream`'s work so far completed (a host wait when asynchronous).
+    pub(crate) fn drain(&self, stream: Stream) -> Result<()> {
+        let Some(streams) = &self.streams else {
+            return Ok(());
+        };
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        streams.synchronize(&*streams.record(stream)?).map(drop)
+    }
+
+    /// Orders the compute stream after the other two streams' work so far, then blocks until it
+    /// completed: afterwards no queued work touches any buffer.
+    fn quiesce(&self) -> Result<()> {
+        if let Some(streams) = &self.streams {
+            for other in [Stream::Gather, Stream::Reduce] {
+                streams.wait(Stream::Compute, &streams.record(other)?)?;
+            }
+        }
+        self.drain(Stream::Compute)
+    }
+
+    /// The bytes of `region` of `buf`, read by the host as the compute stream's work.
+    ///
+    /// # Safety
+    /// The compute stream has completed its work so far (see [`CpuBackend::drain`]), and no other
+    /// stream writes the region while the slice lives.
+    pub(crate) unsafe fn host_bytes<'b>(
+        &self,
+        buf: &'b CpuBuffer,
+        region: Region,
+    ) -> Result<&'b [u8]> {
+        let range = region.byte_range(buf.len())?;
+        // SAFETY: the caller's contract.
+        Ok(unsafe { buf.memory().bytes(range) })
+    }
+
+    /// The bytes of `region` of `buf`, written by the host as the compute stream's work.
+    ///
+    /// # Safety
+    /// The compute stream has completed its work so far, and no other stream reads or writes the
+    /// region while the slice lives.
+    pub(crate) unsafe fn host_bytes_mut<'b>(
+        &self,
+        buf: &'b mut CpuBuffer,
+        region: Region,
+    ) -> Result<&'b mut [u8]> {
+        let range = region.byte_range(buf.len())?;
+        // SAFETY: the caller's contract; `&mut buf` keeps this thread from making another slice.
+        Ok(unsafe { buf.memory().bytes_mut(range) })
+    }
+}
+
+/// A byte range of a buffer and the memory behind it, for work queued on a stream.
+fn part(buf: &CpuBuffer, region: Region) -> Result<(Arc<Memory>, Range<usize>)> {
+    Ok((Arc::clone(buf.memory()), region.byte_range(buf.len())?))
+}
+
+/// The error for two lengths that must agree.
+fn length_mismatch(len: usize, capacity: usize) -> Error {
+    Error::OutOfRange {
+        offset: 0,
+        len,
+        capacity,
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Event = CpuEvent;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        CpuBuffer::zeroed(bytes, &self.tracker)
+    }
+
+    fn memory(&self) -> MemoryUsage {
+        self.tracker.usage()
+    }
+
+    fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
+    fn record(&self, stream: Stream) -> Result<CpuEvent> {
+        Ok(CpuEvent(match &self.streams {
+            None => Point::Reached(Instant::now()),
+            Some(streams) => Point::Queued(streams.record(stream)?),
+        }))
+    }
+
+    fn wait(&self, stream: Stream, event: &CpuEvent) -> Result<()> {
+        match (&self.streams, &event.0) {
+            (Some(streams), Point::Queued(marker)) => streams.wait(stream, marker),
+            _ => Ok(()),
+        }
+    }
+
+    fn synchronize(&self, event: &CpuEvent) -> Result<()> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        match (&self.streams, &event.0) {
+            (Some(streams), Point::Queued(marker)) => streams.synchronize(marker).map(drop),
+            _ => Ok(()),
+        }
+    }
+
+    fn record_timed(&self, stream: Stream) -> Result<CpuEvent> {
+        self.record(stream)
+    }
+
+    fn elapsed_ms(&self, start: &CpuEvent, end: &CpuEvent) -> Result<f32> {
+        let reached = |event: &CpuEvent| match (&self.streams, &event.0) {
+            (_, Point::Reached(at)) => Ok(*at),
+            (Some(streams), Point::Queued(marker)) => streams.synchronize(marker),
+            (None, Point::Queued(marker)) => marker.wait(ASYNC_TIMEOUT, "a timed CPU event"),
+        };
+        let (start, end) = (reached(start)?, reached(end)?);
+        Ok(if end >= start {
+            (end - start).as_secs_f32() * 1e3
+        } else {
+            -((start - end).as_secs_f32() * 1e3)
+        })
+    }
+
+    unsafe fn zero(&self, stream: Stream, buf: &mut CpuBuffer, region: Region) -> Result<()> {
+        let (memory, range) = part(buf, region)?;
+        self.run(stream, move || {
+            // SAFETY: the caller ordered every other use of the region (the trait's contract).
+            unsafe { memory.bytes_mut(range) }.fill(0);
+            Ok(())
+        })
+    }
+
+    fn upload(&self, buf: &mut CpuBuffer, region: Region, data: &[u8]) -> Result<()> {
+        let range = region.byte_range(buf.len())?;
+        if range.len() != data.len() {
+            return Err(length_mismatch(
+                data.len() / region.dtype.size(),
+                region.len,
+            ));
+        }
+        self.quiesce()?;
+        // SAFETY: no queued work touches the buffer any more (quiesced), and `&mut buf` keeps
+        // anything new from being queued on it during the copy.
+        unsafe { buf.memory().bytes_mut(range) }.copy_from_slice(data);
+        Ok(())
+    }
+
+    fn download(&self, buf: &CpuBuffer, region: Region, out: &mut [u8]) -> Result<()> {
+        let range = region.byte_range(buf.len())?;
+        if range.len() != out.len() {
+            return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
+        }
+        self.quiesce()?;
+        // SAFETY: no queued work touches the buffer any more (quiesced), and writing to it needs
+        // `&mut buf`, which the caller's `&buf` excludes.
+        out.copy_from_slice(unsafe { buf.memory().bytes(range) });
+        Ok(())
+    }
+
+    unsafe fn accumulate_input(
+        &self,
+        stream: Stream,
+        src: Input<'_>,
+        dst: &mut CpuBuffer,
+        dst_region: Region,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        let Source::Host { bytes, dtype } = src.0 else {
+            return Err(Error::Unsupported {
+                backend: NAME,
+                what: "device memory",
+            });
+        };
+        let (memory, range) = part(
+            dst,
+            Region::new(dst_region.offset, dst_region.len, DType::F32),
+        )?;
+        if bytes.len() != dst_region.len * dtype.size() {
+            return Err(length_mismatch(bytes.len() / dtype.size(), dst_region.len));
+        }
+        // The host input is the caller's only until the call returns: queued work takes a copy.
+        let bytes = match &self.streams {
+            None => {
+                // SAFETY: eager: nothing else runs; the caller ordered every use of the region.
+                math::accumulate(
+                    math::f32s_mut(unsafe { memory.bytes_mut(range) }),
+                    bytes,
+                    dtype,
+                    scale,
+                    add,
+                );
+                return Ok(());
+            }
+            Some(_) => copy_of(bytes)?,
+        };
+        self.run(stream, move || {
+            // SAFETY: the caller ordered every other use of the region (the trait's contract).
+            let dst = math::f32s_mut(unsafe { memory.bytes_mut(range) });
+            math::accumulate(dst, &bytes, dtype, scale, add);
+            Ok(())
+        })
+    }
+
+    unsafe fn accumulate(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        src_region: Region,
+        dst: &mut CpuBuffer,
+        dst_region: Region,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        let f32_region = |r: Region| Region::new(r.offset, r.len, DType::F32);
+        let (src_memory, src_range) = part(src, f32_region(src_region))?;
+        let (dst_memory, dst_range) = part(dst, f32_region(dst_region))?;
+        if src_region.len != dst_region.len {
+            return Err(length_mismatch(src_region.len, dst_region.len));
+        }
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both regions.
+            let (src, dst) =
+                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            math::accumulate(math::f32s_mut(dst), src, DType::F32, scale, add);
+            Ok(())
+        })
+    }
+
+    unsafe fn optimizer_step(
+        &self,
+        stream: Stream,
+        update: &Update,
+        shard: OptimizerShard<'_, CpuBackend>,
+    ) -> Result<()> {
+        math::check_optimizer(update, &shard)?;
+        let n = shard.numel;
+        let whole = Region::new(0, n, DType::F32);
+        let dtype = shard.dtype;
+        let param = part(shard.param, Region::new(0, n, dtype))?;
+        let grad = part(shard.grad, whole)?;
+        let master = shard.master.map(|m| part(m, whole)).transpose()?;
+        let moments = match shard.moments {
+            Some((m, v)) => Some((part(m, whole)?, part(v, whole)?)),
+            None => None,
+        };
+        let update = *update;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers, every one a whole shard of the group; the caller ordered
+            // every other use of them (the trait's contract).
+            let slices = unsafe {
+                OptimizerSlices {
+                    param: param.0.bytes_mut(param.1),
+                    dtype,
+                    grad: math::f32s(grad.0.bytes(grad.1)),
+                    master: master
+                        .as_ref()
+                        .map(|(m, r)| math::f32s_mut(m.bytes_mut(r.clone()))),
+                    moments: moments.as_ref().map(|((m, mr), (v, vr))| {
+                        (
+                            math::f32s_mut(m.bytes_mut(mr.clone())),
+                            math::f32s_mut(v.bytes_mut(vr.clone())),
+                        )
+                    }),
+                }
+            };
+            math::optimizer_step(&update, slices);
+            Ok(())
+        })
+    }
+
+    unsafe fn widen(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        src_region: Region,
+        dst: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (src_memory, src_range) = part(src, src_region)?;
+        let (dst_memory, dst_range) = part(dst, Region::new(0, src_region.len, DType::F32))?;
+        let dtype = src_region.dtype;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both regions.
+            let (src, dst) =
+                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            math::widen(math::f32s_mut(dst), src, dtype);
+            Ok(())
+        })
+    }
+}
+
+/// Host addresses, for a caller outside Rust; each waits for the compute stream first, since the
+/// caller reads or writes through it right away, as compute-stream work.
+impl RawAddress for CpuBackend {
+    fn address(&self, buf: &CpuBuffer, region: Region) -> Result<u64> {
+        let range = region.byte_range(buf.len())?;
+        self.drain(Stream::Compute)?;
+        // SAFETY: only an address is made; the caller's accesses through it are its own contract.
+        Ok(unsafe { buf.memory().bytes(range) }.as_ptr() as u64)
+    }
+
+    fn address_mut(&self, buf: &mut CpuBuffer, region: Region) -> Result<u64> {
+        let range = region.byte_range(buf.len())?;
+        self.drain(Stream::Compute)?;
+        // SAFETY: as above.
+        Ok(unsafe { buf.memory().bytes_mut(range) }.as_mut_ptr() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,232 @@
+use super::*;
+
+/// An eager backend and asynchronous ones of a few seeds.
+fn backends() -> Vec<CpuBackend> {
+    let mut all = vec![CpuBackend::new()];
+    all.extend((0..4).map(|seed| CpuBackend::asynchronous(seed).unwrap()));
+    all
+}
+
+fn f32_region(len: usize) -> Region {
+    Region::new(0, len, DType::F32)
+}
+
+fn download_f32(b: &CpuBackend, buf: &CpuBuffer, len: usize) -> Vec<f32> {
+    let mut out = vec![0f32; len];
+    b.download(buf, f32_region(len), bytemuck::cast_slice_mut(&mut out))
+        .unwrap();
+    out
+}
+
+#[test]
+fn memory_is_counted_while_buffers_live_and_starts_zeroed() {
+    let b = CpuBackend::new();
+    let x = b.alloc(100).unwrap();
+    let y = b.alloc(28).unwrap();
+    assert_eq!(
+        b.memory(),
+        MemoryUsage {
+            current: 128,
+            peak: 128
+        }
+    );
+    drop(x);
+    assert_eq!(
+        b.memory(),
+        MemoryUsage {
+            current: 28,
+            peak: 128
+        }
+    );
+    let mut out = [1u8; 28];
+    b.download(&y, Region::new(0, 14, DType::Bf16), &mut out)
+        .unwrap();
+    assert_eq!(out, [0u8; 28]);
+}
+
+#[test]
+fn an_allocation_larger_than_memory_is_an_error() {
+    let b = CpuBackend::new();
+    assert!(matches!(
+        b.alloc(usize::MAX - 4),
+        Err(Error::OutOfMemory { backend: "cpu", .. })
+    ));
+    assert_eq!(b.memory().current, 0);
+}
+
+#[test]
+fn regions_past_the_end_are_errors() {
+    for b in backends() {
+        let mut x = b.alloc(16).unwrap();
+        let r = Region::new(3, 2, DType::F32);
+        // SAFETY: nothing else uses the buffer.
+        let err = unsafe { b.zero(Stream::Compute, &mut x, r) }.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::OutOfRange {
+                    offset: 3,
+                    len: 2,
+                    capacity: 4
+                }
+            ),
+            "{err:?}"
+        );
+    }
+}
+
+#[test]
+fn accumulate_input_widens_and_scales() {
+    for b in backends() {
+        let mut dst = b.alloc(12).unwrap();
+        let g = [
+            half::bf16::from_f32(1.5),
+            half::bf16::from_f32(-2.0),
+            half::bf16::from_f32(0.25),
+        ];
+        // SAFETY: both on the compute stream, in order; nothing else uses the buffer.
+        unsafe {
+            b.accumulate_input(
+                Stream::Compute,
+                Input::host(&g),
+                &mut dst,
+                f32_region(3),
+                2.0,
+                false,
+            )
+            .unwrap();
+            b.accumulate_input(
+                Stream::Compute,
+                Input::host(&g),
+                &mut dst,
+                f32_region(3),
+                1.0,
+                true,
+            )
+            .unwrap();
+        }
+        assert_eq!(download_f32(&b, &dst, 3), [4.5, -6.0, 0.75]);
+    }
+}
+
+#[test]
+fn an_event_wait_orders_work_across_streams() {
+    for seed in 0..16 {
+        let b = CpuBackend::asynchronous(seed).unwrap();
+        let mut x = b.alloc(64 * 4).unwrap();
+        let mut y = b.alloc(64 * 4).unwrap();
+        let ones = [1f32; 64];
+        // SAFETY: the reduce stream reads x only after the compute stream's event for its write.
+        unsafe {
+            for _ in 0..8 {
+                b.accumulate_input(
+                    Stream::Compute,
+                    Input::host(&ones),
+                    &mut x,
+                    f32_region(64),
+                    1.0,
+                    true,
+                )
+                .unwrap();
+            }
+            let written = b.record(Stream::Compute).unwrap();
+            b.wait(Stream::Reduce, &written).unwrap();
+            b.accumulate(
+                Stream::Reduce,
+                &x,
+                f32_region(64),
+                &mut y,
+                f32_region(64),
+                0.5,
+                false,
+            )
+            .unwrap();
+        }
+        assert_eq!(download_f32(&b, &y, 64), [4f32; 64], "seed {seed}");
+    }
+}
+
+#[test]
+fn without_a_wait_the_streams_run_apart() {
+    // The compute stream has thousands of delayed operations queued; the gather stream's one
+    // point, queued after them, is reached first.
+    for seed in 0..4 {
+        let b = CpuBackend::asynchronous(seed).unwrap();
+        let mut last = None;
+        for _ in 0..2000 {
+            last = Some(b.record_timed(Stream::Compute).unwrap());
+        }
+        let gather = b.record_timed(Stream::Gather).unwrap();
+        let last = last.unwrap();
+        let ms = b.elapsed_ms(&gather, &last).unwrap();
+        assert!(
+            ms > 0.0,
+            "seed {seed}: compute reached its end {ms} ms after gather"
+        );
+    }
+}
+
+#[test]
+fn a_failed_operation_fails_every_later_call_and_skips_queued_work() {
+    let b = CpuBackend::asynchronous(3).unwrap();
+    let mut x = b.alloc(16).unwrap();
+    b.run(Stream::Reduce, || Err(Error::ZeroWorldSize)).unwrap();
+    // SAFETY: every use of x is on the reduce stream.
+    unsafe {
+        b.accumulate_input(
+            Stream::Reduce,
+            Input::host(&[2f32; 4]),
+            &mut x,
+            f32_region(4),
+            1.0,
+            false,
+        )
+        .unwrap();
+    }
+    let done = b.record(Stream::Reduce).unwrap();
+    let failed = |r: Result<()>| match r {
+        Err(Error::StreamFailed {
+            stream: Stream::Reduce,
+            cause,
+        }) => matches!(*cause, Error::ZeroWorldSize),
+        _ => false,
+    };
+    assert!(failed(b.synchronize(&done)));
+    assert!(failed(b.record(Stream::Compute).map(drop)));
+    let mut out = [7u8; 16];
+    assert!(failed(b.download(&x, f32_region(4), &mut out)));
+    assert_eq!(out, [7u8; 16], "a failed download wrote its output");
+}
+
+#[test]
+fn a_panicking_operation_fails_the_backend() {
+    let b = CpuBackend::asynchronous(5).unwrap();
+    b.run(Stream::Gather, || panic!("deliberate")).unwrap();
+    let done = b.record(Stream::Gather).unwrap();
+    assert!(matches!(
+        b.synchronize(&done),
+        Err(Error::StreamFailed { cause, .. }) if matches!(*cause, Error::WorkerPanicked { stream: Stream::Gather })
+    ));
+}
+
+#[test]
+fn dropping_the_backend_finishes_queued_work_on_memory_already_released() {
+    let b = CpuBackend::asynchronous(9).unwrap();
+    let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let mut x = b.alloc(4096).unwrap();
+        for _ in 0..32 {
+            // SAFETY: every use of x is on the compute stream.
+            unsafe { b.zero(Stream::Compute, &mut x, Region::new(0, 1024, DType::F32)) }.unwrap();
+        }
+    }
+    assert_eq!(b.memory().current, 0);
+    let seen = Arc::clone(&flag);
+    b.run(Stream::Compute, move || {
+        seen.store(true, Ordering::SeqCst);
+        Ok(())
+    })
+    .unwrap();
+    drop(b);
+    assert!(flag.load(Ordering::SeqCst), "queued work was dropped");
+}
