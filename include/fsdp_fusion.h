@@ -202,6 +202,19 @@ enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
 // `out` is NULL or valid for a write.
 enum fsdp_status fsdp_local_group_create(size_t world_size, struct fsdp_local_group **out);
 
+// As `fsdp_local_group_create`, for engines whose CPU backend runs its three streams apart: each
+// stream is a worker thread that runs its queue in order, every operation after a delay drawn
+// from `seed` (rank `r` draws from `seed + r`), and collectives run on the streams. Work is
+// ordered across streams only by the engine's events, so a missing one shows as a wrong value;
+// for tests. Host reads and writes (views, gradient slots, loads, shard copies) first wait for
+// the streams they depend on.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_local_group_create_async(size_t world_size,
+                                               uint64_t seed,
+                                               struct fsdp_local_group **out);
+
 // Releases a local group; NULL is accepted.
 enum fsdp_status fsdp_local_group_destroy(struct fsdp_local_group *group);
 
@@ -321,8 +334,9 @@ enum fsdp_status fsdp_engine_load_param(struct fsdp_engine *engine,
 // parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
 // memory, which holds another group once the unit's hooks closed and the unit was evicted.
 //
-// CPU engine: host memory. CUDA engine: a device address, to read on the compute stream only
-// (the hook that opened the unit made that stream wait for the gather). Does not block.
+// CPU engine: host memory (on an asynchronous group, the call first waits for the engine's
+// compute stream). CUDA engine: a device address, to read on the compute stream only (the hook
+// that opened the unit made that stream wait for the gather); does not block.
 //
 // # Safety
 // Each out-pointer is NULL or valid for a write.
@@ -350,11 +364,14 @@ enum fsdp_status fsdp_engine_grad(struct fsdp_engine *engine,
                                   size_t numel,
                                   uint32_t dtype);
 
-// Opens `param`'s zero-filled fp32 place in its gradient slot (`numel` floats at `*out`) for
-// the caller to write this pass's gradient into; `fsdp_engine_commit_grad` must follow before
-// any other gradient or hook. The engine owns the memory; it is the caller's to write until the
-// commit. CPU engine: host memory. CUDA engine: a device address, zero-filled on the compute
-// stream, to write on that stream. Does not block.
+// Opens `param`'s fp32 place in its gradient slot (`numel` floats at `*out`) for the caller to
+// write this pass's gradient into; `fsdp_engine_commit_grad` must follow before any other
+// gradient or hook. The place is NOT zero-filled: it holds what an earlier gradient left there,
+// so write every element and never add into it (a GEMM with beta = 1 would add those values to
+// the gradient). The engine owns the memory; it is the caller's to write until the commit.
+// CPU engine: host memory, written by the host (on an asynchronous group, the call first waits
+// for the engine's compute stream). CUDA engine: a device address, to write on the compute
+// stream; does not block.
 //
 // # Safety
 // `out` is NULL or valid for a write.

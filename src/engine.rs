@@ -434,9 +434,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Opens `param`'s fp32 place in its group's gradient slot for the caller to write this
-    /// pass's gradient into; returns the slot index and the region. The place holds old values:
-    /// the caller writes every element (on a GPU, on the compute stream), which spares a fill
-    /// of the slot. [`Engine::commit_grad`] must follow before any other gradient.
+    /// pass's gradient into; returns the place and the region. The place is not zero-filled (that
+    /// would cost a pass over it): it holds what an earlier gradient left there, so the caller
+    /// writes every element (on a GPU, on the compute stream) and never adds into it.
+    /// [`Engine::commit_grad`] must follow before any other gradient.
     fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
@@ -1048,7 +1049,8 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     }
 
     /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
-    /// before [`Engine::commit_grad`] (it holds old values).
+    /// before [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient
+    /// left there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient.
     ///
     /// On an asynchronous backend it first waits for the compute stream (the host writes the slot
     /// as compute-stream work).
@@ -1079,7 +1081,9 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
 
     /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite
     /// whole with this pass's gradient (on a GPU, on the compute stream) before
-    /// [`Engine::commit_grad`]; it holds old values.
+    /// [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient left
+    /// there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient. On the CPU
+    /// it first waits for the compute stream.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (place, region) = self.open_grad_slot(param)?;
         self.backend.address_mut(

@@ -1,5 +1,9 @@
 //! Pure prefetch prediction: the order in which units ran in the last pass of each kind.
 
+/// Most starts per unit in one recorded pass: a root used around both ends of a model and shared
+/// layers stay well inside it.
+const PASS_LIMIT: usize = 4;
+
 /// Forward or backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -57,10 +61,24 @@ impl Schedule {
     }
 
     /// Records that `unit` starts in the current phase, which must have been entered.
+    ///
+    /// A loop that never changes phase (forward passes for evaluation, with no backward and no
+    /// end of step) still moves from pass to pass: a pass that repeated the last one whole and
+    /// starts over is a new pass, and so is one that ran [`PASS_LIMIT`] starts per unit.
     pub fn record(&mut self, unit: usize) {
-        if let Some(phase) = self.phase {
-            self.current[phase.index()].push(unit);
+        let Some(phase) = self.phase else {
+            return;
+        };
+        let (last, current) = (
+            &mut self.last[phase.index()],
+            &mut self.current[phase.index()],
+        );
+        let repeated = !last.is_empty() && current == last && last.first() == Some(&unit);
+        let limit = PASS_LIMIT * self.default_order.len().max(1);
+        if repeated || current.len() >= limit {
+            *last = std::mem::take(current);
         }
+        current.push(unit);
     }
 
     /// The unit expected to start next in the current phase.
@@ -130,6 +148,40 @@ mod tests {
         s.record(1);
         s.record(2);
         assert_eq!(s.predict_next(), Some(0));
+    }
+
+    #[test]
+    fn a_forward_only_loop_moves_from_pass_to_pass_and_stays_bounded() {
+        let pass = [3, 0, 1, 2, 3];
+        let mut s = Schedule::new(4);
+        // With no pass to follow, the record stops at the limit and starts over.
+        s.enter(Phase::Forward);
+        for _ in 0..1000 {
+            for u in pass {
+                s.record(u);
+                assert!(s.current[0].len() <= PASS_LIMIT * 4);
+            }
+        }
+        // After a training step, evaluation passes repeat the recorded forward pass: each one is
+        // a pass of its own, and every unit after the first is predicted.
+        s.enter(Phase::Backward);
+        s.end_step();
+        s.enter(Phase::Forward);
+        for u in pass {
+            s.record(u);
+        }
+        s.enter(Phase::Backward);
+        s.end_step();
+        s.enter(Phase::Forward);
+        for _ in 0..1000 {
+            for (i, u) in pass.into_iter().enumerate() {
+                if i > 0 {
+                    assert_eq!(s.predict_next(), Some(u));
+                }
+                s.record(u);
+            }
+            assert_eq!(s.current[0].len(), pass.len());
+        }
     }
 
     #[test]

@@ -1,9 +1,13 @@
 //! Misuse at the C boundary, driven from Rust through the exported functions: every case returns
-//! a status and a message, never a crash.
+//! a status and a message, never a crash. The CPU cases run on eager and asynchronous groups.
 
+mod common;
+
+use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_void};
 use std::ptr::{null, null_mut};
 
+use common::{Mode, for_each_mode, within_deadline};
 use fsdp_fusion::ffi::*;
 
 const MODEL: &str = r#"{"params": [
@@ -50,17 +54,27 @@ fn config() -> fsdp_config {
     unsafe { c.assume_init() }
 }
 
-/// One rank's engine at world size 1, with its plan and group.
-fn engine() -> (*mut fsdp_plan, *mut fsdp_local_group, *mut fsdp_engine) {
-    let plan = plan(1);
+/// A local group of `world` ranks whose engines run in `mode`.
+fn local_group(mode: Mode, world: usize) -> *mut fsdp_local_group {
     let mut group = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(match mode {
+            Mode::Eager => fsdp_local_group_create(world, &mut group),
+            Mode::Async(seed) => fsdp_local_group_create_async(world, seed, &mut group),
+        })
+    };
+    group
+}
+
+/// One rank's engine at world size 1 in `mode`, with its plan and group.
+fn engine(mode: Mode) -> (*mut fsdp_plan, *mut fsdp_local_group, *mut fsdp_engine) {
+    let plan = plan(1);
+    let group = local_group(mode, 1);
     let mut engine = null_mut();
     let config = config();
     // SAFETY: valid pointers.
-    unsafe {
-        ok(fsdp_local_group_create(1, &mut group));
-        ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine));
-    }
+    unsafe { ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine)) };
     (plan, group, engine)
 }
 
@@ -68,422 +82,432 @@ const NULL: fsdp_status = fsdp_status::FSDP_NULL_POINTER;
 
 #[test]
 fn null_for_every_pointer_argument() {
-    let (plan, group, engine) = engine();
-    let config = config();
-    let json = CString::new(MODEL).unwrap();
-    let name = CString::new("w").unwrap();
-    let mut out_plan = null_mut();
-    let mut out_engine = null_mut();
-    let mut size = 0usize;
-    let mut info = fsdp_param_info::default();
-    let mut memory = fsdp_memory::default();
-    let mut counters = fsdp_counters::default();
-    let mut data: *const c_void = null();
-    let mut dtype = 0u32;
-    let mut slot: *mut f32 = null_mut();
-    let mut buf = [0u8; 64];
-    let shape = [3u64];
-    let spec = |name: *const std::ffi::c_char, shape: *const u64| fsdp_param_spec {
-        name,
-        shape,
-        ndim: 1,
-        dtype: FSDP_F32,
-        unit: FSDP_ROOT,
-        trainable: true,
-        tied: false,
-    };
-    let nameless = [spec(null(), shape.as_ptr())];
-    // SAFETY: every pointer is valid or NULL; NULL is what is being tested.
-    unsafe {
-        expect(fsdp_config_default(null_mut()), NULL, "out");
-        expect(fsdp_plan_from_json(null(), 1, &mut out_plan), NULL, "json");
-        expect(
-            fsdp_plan_from_json(json.as_ptr(), 1, null_mut()),
-            NULL,
-            "out",
-        );
-        expect(fsdp_plan_from_file(null(), 1, &mut out_plan), NULL, "path");
-        expect(
-            fsdp_plan_from_file(json.as_ptr(), 1, null_mut()),
-            NULL,
-            "out",
-        );
-        expect(
-            fsdp_plan_from_specs(null(), 1, 1, &mut out_plan),
-            NULL,
-            "specs",
-        );
-        expect(
-            fsdp_plan_from_specs(nameless.as_ptr(), 1, 1, &mut out_plan),
-            NULL,
-            "name",
-        );
-        let good = [spec(name.as_ptr(), shape.as_ptr())];
-        expect(
-            fsdp_plan_from_specs(good.as_ptr(), 1, 1, null_mut()),
-            NULL,
-            "out",
-        );
-        expect(fsdp_plan_param_count(null(), &mut size), NULL, "plan");
-        expect(fsdp_plan_param_count(plan, null_mut()), NULL, "out");
-        expect(
-            fsdp_plan_param_id(null(), name.as_ptr(), &mut size),
-            NULL,
-            "plan",
-        );
-        expect(fsdp_plan_param_id(plan, null(), &mut size), NULL, "name");
-        expect(
-            fsdp_plan_param_id(plan, name.as_ptr(), null_mut()),
-            NULL,
-            "out",
-        );
-        expect(fsdp_plan_param_info(null(), 0, &mut info), NULL, "plan");
-        expect(fsdp_plan_param_info(plan, 0, null_mut()), NULL, "out");
-        expect(fsdp_plan_memory(null(), &config, &mut memory), NULL, "plan");
-        expect(fsdp_plan_memory(plan, null(), &mut memory), NULL, "config");
-        expect(fsdp_plan_memory(plan, &config, null_mut()), NULL, "out");
-        expect(fsdp_local_group_create(1, null_mut()), NULL, "out");
-        expect(
-            fsdp_engine_create_cpu(null(), &config, group, 0, &mut out_engine),
-            NULL,
-            "plan",
-        );
-        expect(
-            fsdp_engine_create_cpu(plan, null(), group, 0, &mut out_engine),
-            NULL,
-            "config",
-        );
-        expect(
-            fsdp_engine_create_cpu(plan, &config, null_mut(), 0, &mut out_engine),
-            NULL,
-            "group",
-        );
-        expect(
-            fsdp_engine_create_cpu(plan, &config, group, 0, null_mut()),
-            NULL,
-            "out",
-        );
-        for hook in [
-            fsdp_engine_pre_forward,
-            fsdp_engine_post_forward,
-            fsdp_engine_pre_backward,
-            fsdp_engine_post_backward,
-        ] {
-            expect(hook(null_mut(), 0), NULL, "engine");
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let config = config();
+        let json = CString::new(MODEL).unwrap();
+        let name = CString::new("w").unwrap();
+        let mut out_plan = null_mut();
+        let mut out_engine = null_mut();
+        let mut size = 0usize;
+        let mut info = fsdp_param_info::default();
+        let mut memory = fsdp_memory::default();
+        let mut counters = fsdp_counters::default();
+        let mut data: *const c_void = null();
+        let mut dtype = 0u32;
+        let mut slot: *mut f32 = null_mut();
+        let mut buf = [0u8; 64];
+        let shape = [3u64];
+        let spec = |name: *const std::ffi::c_char, shape: *const u64| fsdp_param_spec {
+            name,
+            shape,
+            ndim: 1,
+            dtype: FSDP_F32,
+            unit: FSDP_ROOT,
+            trainable: true,
+            tied: false,
+        };
+        let nameless = [spec(null(), shape.as_ptr())];
+        // SAFETY: every pointer is valid or NULL; NULL is what is being tested.
+        unsafe {
+            expect(fsdp_config_default(null_mut()), NULL, "out");
+            expect(fsdp_plan_from_json(null(), 1, &mut out_plan), NULL, "json");
+            expect(
+                fsdp_plan_from_json(json.as_ptr(), 1, null_mut()),
+                NULL,
+                "out",
+            );
+            expect(fsdp_plan_from_file(null(), 1, &mut out_plan), NULL, "path");
+            expect(
+                fsdp_plan_from_file(json.as_ptr(), 1, null_mut()),
+                NULL,
+                "out",
+            );
+            expect(
+                fsdp_plan_from_specs(null(), 1, 1, &mut out_plan),
+                NULL,
+                "specs",
+            );
+            expect(
+                fsdp_plan_from_specs(nameless.as_ptr(), 1, 1, &mut out_plan),
+                NULL,
+                "name",
+            );
+            let good = [spec(name.as_ptr(), shape.as_ptr())];
+            expect(
+                fsdp_plan_from_specs(good.as_ptr(), 1, 1, null_mut()),
+                NULL,
+                "out",
+            );
+            expect(fsdp_plan_param_count(null(), &mut size), NULL, "plan");
+            expect(fsdp_plan_param_count(plan, null_mut()), NULL, "out");
+            expect(
+                fsdp_plan_param_id(null(), name.as_ptr(), &mut size),
+                NULL,
+                "plan",
+            );
+            expect(fsdp_plan_param_id(plan, null(), &mut size), NULL, "name");
+            expect(
+                fsdp_plan_param_id(plan, name.as_ptr(), null_mut()),
+                NULL,
+                "out",
+            );
+            expect(fsdp_plan_param_info(null(), 0, &mut info), NULL, "plan");
+            expect(fsdp_plan_param_info(plan, 0, null_mut()), NULL, "out");
+            expect(fsdp_plan_memory(null(), &config, &mut memory), NULL, "plan");
+            expect(fsdp_plan_memory(plan, null(), &mut memory), NULL, "config");
+            expect(fsdp_plan_memory(plan, &config, null_mut()), NULL, "out");
+            expect(fsdp_local_group_create(1, null_mut()), NULL, "out");
+            expect(
+                fsdp_engine_create_cpu(null(), &config, group, 0, &mut out_engine),
+                NULL,
+                "plan",
+            );
+            expect(
+                fsdp_engine_create_cpu(plan, null(), group, 0, &mut out_engine),
+                NULL,
+                "config",
+            );
+            expect(
+                fsdp_engine_create_cpu(plan, &config, null_mut(), 0, &mut out_engine),
+                NULL,
+                "group",
+            );
+            expect(
+                fsdp_engine_create_cpu(plan, &config, group, 0, null_mut()),
+                NULL,
+                "out",
+            );
+            for hook in [
+                fsdp_engine_pre_forward,
+                fsdp_engine_post_forward,
+                fsdp_engine_pre_backward,
+                fsdp_engine_post_backward,
+            ] {
+                expect(hook(null_mut(), 0), NULL, "engine");
+            }
+            expect(
+                fsdp_engine_load_param(null_mut(), 1, buf.as_ptr().cast(), 9, FSDP_F32),
+                NULL,
+                "engine",
+            );
+            expect(
+                fsdp_engine_load_param(engine, 1, null(), 9, FSDP_F32),
+                NULL,
+                "data",
+            );
+            expect(
+                fsdp_engine_param(null_mut(), 1, &mut data, &mut size, &mut dtype),
+                NULL,
+                "engine",
+            );
+            expect(
+                fsdp_engine_param(engine, 1, null_mut(), &mut size, &mut dtype),
+                NULL,
+                "data",
+            );
+            expect(
+                fsdp_engine_param(engine, 1, &mut data, null_mut(), &mut dtype),
+                NULL,
+                "numel",
+            );
+            expect(
+                fsdp_engine_param(engine, 1, &mut data, &mut size, null_mut()),
+                NULL,
+                "dtype",
+            );
+            expect(
+                fsdp_engine_grad(null_mut(), 1, buf.as_ptr().cast(), 9, FSDP_F32),
+                NULL,
+                "engine",
+            );
+            expect(
+                fsdp_engine_grad(engine, 1, null(), 9, FSDP_F32),
+                NULL,
+                "data",
+            );
+            expect(
+                fsdp_engine_grad_slot(null_mut(), 1, &mut slot),
+                NULL,
+                "engine",
+            );
+            expect(fsdp_engine_grad_slot(engine, 1, null_mut()), NULL, "out");
+            expect(fsdp_engine_commit_grad(null_mut(), 1), NULL, "engine");
+            expect(fsdp_engine_finish_grad_sync(null_mut()), NULL, "engine");
+            expect(fsdp_engine_optimizer_step(null_mut()), NULL, "engine");
+            expect(fsdp_engine_end_step(null_mut()), NULL, "engine");
+            expect(
+                fsdp_engine_counters(null_mut(), &mut counters),
+                NULL,
+                "engine",
+            );
+            expect(fsdp_engine_counters(engine, null_mut()), NULL, "out");
+            expect(
+                fsdp_engine_memory(null_mut(), &mut size, &mut size),
+                NULL,
+                "engine",
+            );
+            expect(
+                fsdp_engine_memory(engine, null_mut(), &mut size),
+                NULL,
+                "current",
+            );
+            expect(
+                fsdp_engine_memory(engine, &mut size, null_mut()),
+                NULL,
+                "peak",
+            );
+            expect(
+                fsdp_engine_param_shard(null_mut(), 0, buf.as_mut_ptr().cast(), 64, &mut size),
+                NULL,
+                "engine",
+            );
+            expect(
+                fsdp_engine_param_shard(engine, 0, null_mut(), 64, &mut size),
+                NULL,
+                "out",
+            );
+            expect(
+                fsdp_engine_param_shard(engine, 0, buf.as_mut_ptr().cast(), 64, null_mut()),
+                NULL,
+                "written",
+            );
+            // Destroying NULL is allowed.
+            ok(fsdp_engine_destroy(null_mut()));
+            ok(fsdp_local_group_destroy(null_mut()));
+            ok(fsdp_plan_destroy(null_mut()));
+            // After all that, the engine still works.
+            ok(fsdp_engine_pre_forward(engine, 0));
+            ok(fsdp_engine_post_forward(engine, 0));
+            ok(fsdp_engine_end_step(engine));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
         }
-        expect(
-            fsdp_engine_load_param(null_mut(), 1, buf.as_ptr().cast(), 9, FSDP_F32),
-            NULL,
-            "engine",
-        );
-        expect(
-            fsdp_engine_load_param(engine, 1, null(), 9, FSDP_F32),
-            NULL,
-            "data",
-        );
-        expect(
-            fsdp_engine_param(null_mut(), 1, &mut data, &mut size, &mut dtype),
-            NULL,
-            "engine",
-        );
-        expect(
-            fsdp_engine_param(engine, 1, null_mut(), &mut size, &mut dtype),
-            NULL,
-            "data",
-        );
-        expect(
-            fsdp_engine_param(engine, 1, &mut data, null_mut(), &mut dtype),
-            NULL,
-            "numel",
-        );
-        expect(
-            fsdp_engine_param(engine, 1, &mut data, &mut size, null_mut()),
-            NULL,
-            "dtype",
-        );
-        expect(
-            fsdp_engine_grad(null_mut(), 1, buf.as_ptr().cast(), 9, FSDP_F32),
-            NULL,
-            "engine",
-        );
-        expect(
-            fsdp_engine_grad(engine, 1, null(), 9, FSDP_F32),
-            NULL,
-            "data",
-        );
-        expect(
-            fsdp_engine_grad_slot(null_mut(), 1, &mut slot),
-            NULL,
-            "engine",
-        );
-        expect(fsdp_engine_grad_slot(engine, 1, null_mut()), NULL, "out");
-        expect(fsdp_engine_commit_grad(null_mut(), 1), NULL, "engine");
-        expect(fsdp_engine_finish_grad_sync(null_mut()), NULL, "engine");
-        expect(fsdp_engine_optimizer_step(null_mut()), NULL, "engine");
-        expect(fsdp_engine_end_step(null_mut()), NULL, "engine");
-        expect(
-            fsdp_engine_counters(null_mut(), &mut counters),
-            NULL,
-            "engine",
-        );
-        expect(fsdp_engine_counters(engine, null_mut()), NULL, "out");
-        expect(
-            fsdp_engine_memory(null_mut(), &mut size, &mut size),
-            NULL,
-            "engine",
-        );
-        expect(
-            fsdp_engine_memory(engine, null_mut(), &mut size),
-            NULL,
-            "current",
-        );
-        expect(
-            fsdp_engine_memory(engine, &mut size, null_mut()),
-            NULL,
-            "peak",
-        );
-        expect(
-            fsdp_engine_param_shard(null_mut(), 0, buf.as_mut_ptr().cast(), 64, &mut size),
-            NULL,
-            "engine",
-        );
-        expect(
-            fsdp_engine_param_shard(engine, 0, null_mut(), 64, &mut size),
-            NULL,
-            "out",
-        );
-        expect(
-            fsdp_engine_param_shard(engine, 0, buf.as_mut_ptr().cast(), 64, null_mut()),
-            NULL,
-            "written",
-        );
-        // Destroying NULL is allowed.
-        ok(fsdp_engine_destroy(null_mut()));
-        ok(fsdp_local_group_destroy(null_mut()));
-        ok(fsdp_plan_destroy(null_mut()));
-        // After all that, the engine still works.
-        ok(fsdp_engine_pre_forward(engine, 0));
-        ok(fsdp_engine_post_forward(engine, 0));
-        ok(fsdp_engine_end_step(engine));
-        ok(fsdp_engine_destroy(engine));
-        ok(fsdp_local_group_destroy(group));
-        ok(fsdp_plan_destroy(plan));
-    }
+    });
 }
 
 #[test]
 fn a_destroyed_handle_is_reported_on_every_later_call() {
-    let (plan, group, engine) = engine();
-    let mut size = 0usize;
-    let mut counters = fsdp_counters::default();
-    // SAFETY: valid pointers; the handles are stale on purpose.
-    unsafe {
-        ok(fsdp_engine_destroy(engine));
-        let stale = fsdp_status::FSDP_INVALID_HANDLE;
-        expect(fsdp_engine_pre_forward(engine, 0), stale, "not live");
-        expect(
-            fsdp_engine_counters(engine, &mut counters),
-            stale,
-            "not live",
-        );
-        expect(fsdp_engine_destroy(engine), stale, "not live");
-        ok(fsdp_plan_destroy(plan));
-        expect(fsdp_plan_param_count(plan, &mut size), stale, "not live");
-        expect(fsdp_plan_destroy(plan), stale, "not live");
-        // A made-up handle, and a live handle of the wrong kind.
-        expect(
-            fsdp_engine_end_step(0x1234 as *mut fsdp_engine),
-            stale,
-            "not live",
-        );
-        expect(fsdp_engine_end_step(group.cast()), stale, "another kind");
-        expect(fsdp_plan_destroy(group.cast()), stale, "another kind");
-        ok(fsdp_local_group_destroy(group));
-    }
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let mut size = 0usize;
+        let mut counters = fsdp_counters::default();
+        // SAFETY: valid pointers; the handles are stale on purpose.
+        unsafe {
+            ok(fsdp_engine_destroy(engine));
+            let stale = fsdp_status::FSDP_INVALID_HANDLE;
+            expect(fsdp_engine_pre_forward(engine, 0), stale, "not live");
+            expect(
+                fsdp_engine_counters(engine, &mut counters),
+                stale,
+                "not live",
+            );
+            expect(fsdp_engine_destroy(engine), stale, "not live");
+            ok(fsdp_plan_destroy(plan));
+            expect(fsdp_plan_param_count(plan, &mut size), stale, "not live");
+            expect(fsdp_plan_destroy(plan), stale, "not live");
+            // A made-up handle, and a live handle of the wrong kind.
+            expect(
+                fsdp_engine_end_step(0x1234 as *mut fsdp_engine),
+                stale,
+                "not live",
+            );
+            expect(fsdp_engine_end_step(group.cast()), stale, "another kind");
+            expect(fsdp_plan_destroy(group.cast()), stale, "another kind");
+            ok(fsdp_local_group_destroy(group));
+        }
+    });
 }
 
 #[test]
 fn wrong_sizes_and_values() {
-    let (plan, group, engine) = engine();
-    let config = config();
-    let values = [0.5f32; 12];
-    let mut out_plan = null_mut();
-    let mut out_engine = null_mut();
-    let mut buf = [0u8; 8];
-    let mut written = 0usize;
-    let bad = fsdp_status::FSDP_INVALID_ARGUMENT;
-    // SAFETY: valid pointers throughout.
-    unsafe {
-        ok(fsdp_engine_pre_backward(engine, 0));
-        expect(
-            fsdp_engine_grad(engine, 1, values.as_ptr().cast(), 8, FSDP_F32),
-            bad,
-            "8 elements",
-        );
-        expect(
-            fsdp_engine_grad(engine, 1, values.as_ptr().cast(), 9, 7),
-            bad,
-            "dtype 7",
-        );
-        expect(
-            fsdp_engine_grad(engine, 9, values.as_ptr().cast(), 9, FSDP_F32),
-            bad,
-            "out of range",
-        );
-        expect(
-            fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 11, FSDP_F32),
-            bad,
-            "11 elements",
-        );
-        expect(
-            fsdp_engine_param_shard(engine, 0, buf.as_mut_ptr().cast(), 8, &mut written),
-            bad,
-            "out holds 8",
-        );
-        expect(fsdp_engine_pre_forward(engine, -2), bad, "unit -2");
-        let mut c = config;
-        c.optimizer = 5;
-        let json = CString::new(MODEL).unwrap();
-        expect(
-            fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
-            bad,
-            "optimizer 5",
-        );
-        c = config;
-        c.double_buffer_limit = 0;
-        expect(
-            fsdp_engine_create_cpu(plan, &c, group, 0, &mut out_engine),
-            bad,
-            "double_buffer_limit",
-        );
-        expect(
-            fsdp_plan_from_json(json.as_ptr(), 0, &mut out_plan),
-            bad,
-            "world size",
-        );
-        let broken = CString::new("{\"params\": [\n  {\"name\": 1}]}").unwrap();
-        expect(
-            fsdp_plan_from_json(broken.as_ptr(), 1, &mut out_plan),
-            bad,
-            "line 2",
-        );
-        expect(
-            fsdp_engine_create_cpu(plan, &config, group, 1, &mut out_engine),
-            bad,
-            "rank 1",
-        );
-        expect(
-            fsdp_engine_create_cpu(plan, &config, group, 0, &mut out_engine),
-            bad,
-            "already taken",
-        );
-        let missing = CString::new("no/such/model.json").unwrap();
-        expect(
-            fsdp_plan_from_file(missing.as_ptr(), 1, &mut out_plan),
-            fsdp_status::FSDP_IO_ERROR,
-            "no/such",
-        );
-        ok(fsdp_engine_destroy(engine));
-        ok(fsdp_local_group_destroy(group));
-        ok(fsdp_plan_destroy(plan));
-    }
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let config = config();
+        let values = [0.5f32; 12];
+        let mut out_plan = null_mut();
+        let mut out_engine = null_mut();
+        let mut buf = [0u8; 8];
+        let mut written = 0usize;
+        let bad = fsdp_status::FSDP_INVALID_ARGUMENT;
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_pre_backward(engine, 0));
+            expect(
+                fsdp_engine_grad(engine, 1, values.as_ptr().cast(), 8, FSDP_F32),
+                bad,
+                "8 elements",
+            );
+            expect(
+                fsdp_engine_grad(engine, 1, values.as_ptr().cast(), 9, 7),
+                bad,
+                "dtype 7",
+            );
+            expect(
+                fsdp_engine_grad(engine, 9, values.as_ptr().cast(), 9, FSDP_F32),
+                bad,
+                "out of range",
+            );
+            expect(
+                fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 11, FSDP_F32),
+                bad,
+                "11 elements",
+            );
+            expect(
+                fsdp_engine_param_shard(engine, 0, buf.as_mut_ptr().cast(), 8, &mut written),
+                bad,
+                "out holds 8",
+            );
+            expect(fsdp_engine_pre_forward(engine, -2), bad, "unit -2");
+            let mut c = config;
+            c.optimizer = 5;
+            let json = CString::new(MODEL).unwrap();
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "optimizer 5",
+            );
+            c = config;
+            c.double_buffer_limit = 0;
+            expect(
+                fsdp_engine_create_cpu(plan, &c, group, 0, &mut out_engine),
+                bad,
+                "double_buffer_limit",
+            );
+            expect(
+                fsdp_plan_from_json(json.as_ptr(), 0, &mut out_plan),
+                bad,
+                "world size",
+            );
+            let broken = CString::new("{\"params\": [\n  {\"name\": 1}]}").unwrap();
+            expect(
+                fsdp_plan_from_json(broken.as_ptr(), 1, &mut out_plan),
+                bad,
+                "line 2",
+            );
+            expect(
+                fsdp_engine_create_cpu(plan, &config, group, 1, &mut out_engine),
+                bad,
+                "rank 1",
+            );
+            expect(
+                fsdp_engine_create_cpu(plan, &config, group, 0, &mut out_engine),
+                bad,
+                "already taken",
+            );
+            let missing = CString::new("no/such/model.json").unwrap();
+            expect(
+                fsdp_plan_from_file(missing.as_ptr(), 1, &mut out_plan),
+                fsdp_status::FSDP_IO_ERROR,
+                "no/such",
+            );
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
 }
 
 #[test]
 fn hooks_out_of_order() {
-    let (plan, group, engine) = engine();
-    let misuse = fsdp_status::FSDP_MISUSE;
-    let g = [1.0f32; 9];
-    let mut slot = null_mut();
-    // SAFETY: valid pointers throughout.
-    unsafe {
-        expect(fsdp_engine_post_forward(engine, 0), misuse, "not started");
-        expect(fsdp_engine_pre_forward(engine, 5), misuse, "unit 5");
-        expect(
-            fsdp_engine_grad(engine, 2, g.as_ptr().cast(), 3, FSDP_F32),
-            misuse,
-            "frozen",
-        );
-        ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
-        expect(
-            fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32),
-            misuse,
-            "already received",
-        );
-        expect(fsdp_engine_end_step(engine), misuse, "finish_grad_sync");
-        expect(
-            fsdp_engine_optimizer_step(engine),
-            misuse,
-            "finish_grad_sync",
-        );
-        expect(
-            fsdp_engine_commit_grad(engine, 0),
-            misuse,
-            "no open gradient slot",
-        );
-        ok(fsdp_engine_grad_slot(engine, 0, &mut slot));
-        expect(fsdp_engine_finish_grad_sync(engine), misuse, "commit");
-        ok(fsdp_engine_commit_grad(engine, 0));
-        ok(fsdp_engine_finish_grad_sync(engine));
-        ok(fsdp_engine_optimizer_step(engine));
-        expect(
-            fsdp_engine_optimizer_step(engine),
-            misuse,
-            "already stepped",
-        );
-        ok(fsdp_engine_end_step(engine));
-        let mut counters = fsdp_counters::default();
-        ok(fsdp_engine_counters(engine, &mut counters));
-        // At world size 1 the step's gradients went straight into the shards: no reduction.
-        assert_eq!((counters.steps, counters.reduce_scatters), (1, 0));
-        ok(fsdp_engine_destroy(engine));
-        ok(fsdp_local_group_destroy(group));
-        ok(fsdp_plan_destroy(plan));
-    }
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let misuse = fsdp_status::FSDP_MISUSE;
+        let g = [1.0f32; 9];
+        let mut slot = null_mut();
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            expect(fsdp_engine_post_forward(engine, 0), misuse, "not started");
+            expect(fsdp_engine_pre_forward(engine, 5), misuse, "unit 5");
+            expect(
+                fsdp_engine_grad(engine, 2, g.as_ptr().cast(), 3, FSDP_F32),
+                misuse,
+                "frozen",
+            );
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            expect(
+                fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32),
+                misuse,
+                "already received",
+            );
+            expect(fsdp_engine_end_step(engine), misuse, "finish_grad_sync");
+            expect(
+                fsdp_engine_optimizer_step(engine),
+                misuse,
+                "finish_grad_sync",
+            );
+            expect(
+                fsdp_engine_commit_grad(engine, 0),
+                misuse,
+                "no open gradient slot",
+            );
+            ok(fsdp_engine_grad_slot(engine, 0, &mut slot));
+            expect(fsdp_engine_finish_grad_sync(engine), misuse, "commit");
+            ok(fsdp_engine_commit_grad(engine, 0));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            expect(
+                fsdp_engine_optimizer_step(engine),
+                misuse,
+                "already stepped",
+            );
+            ok(fsdp_engine_end_step(engine));
+            let mut counters = fsdp_counters::default();
+            ok(fsdp_engine_counters(engine, &mut counters));
+            // At world size 1 the step's gradients went straight into the shards: no reduction.
+            assert_eq!((counters.steps, counters.reduce_scatters), (1, 0));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
 }
 
 #[test]
 fn views_and_plan_queries_return_the_values() {
-    let (plan, group, engine) = engine();
-    let w: Vec<f32> = (0..9).map(|i| i as f32 - 4.0).collect();
-    let name = CString::new("w").unwrap();
-    let mut id = 0usize;
-    let mut count = 0usize;
-    let mut info = fsdp_param_info::default();
-    let mut data: *const c_void = null();
-    let mut numel = 0usize;
-    let mut dtype = 9u32;
-    // SAFETY: valid pointers; the view is read while unit 0's forward is open.
-    unsafe {
-        ok(fsdp_plan_param_count(plan, &mut count));
-        ok(fsdp_plan_param_id(plan, name.as_ptr(), &mut id));
-        ok(fsdp_plan_param_info(plan, id, &mut info));
-        assert_eq!(
-            (count, id, info.numel, info.unit, info.trainable),
-            (3, 1, 9, 0, true)
-        );
-        ok(fsdp_engine_load_param(
-            engine,
-            id,
-            w.as_ptr().cast(),
-            9,
-            FSDP_F32,
-        ));
-        ok(fsdp_engine_pre_forward(engine, 0));
-        ok(fsdp_engine_param(
-            engine, id, &mut data, &mut numel, &mut dtype,
-        ));
-        assert_eq!((numel, dtype), (9, FSDP_F32));
-        assert_eq!(
-            std::slice::from_raw_parts(data.cast::<f32>(), numel),
-            &w[..]
-        );
-        ok(fsdp_engine_post_forward(engine, 0));
-        ok(fsdp_engine_end_step(engine));
-        ok(fsdp_engine_destroy(engine));
-        ok(fsdp_local_group_destroy(group));
-        ok(fsdp_plan_destroy(plan));
-    }
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let w: Vec<f32> = (0..9).map(|i| i as f32 - 4.0).collect();
+        let name = CString::new("w").unwrap();
+        let mut id = 0usize;
+        let mut count = 0usize;
+        let mut info = fsdp_param_info::default();
+        let mut data: *const c_void = null();
+        let mut numel = 0usize;
+        let mut dtype = 9u32;
+        // SAFETY: valid pointers; the view is read while unit 0's forward is open.
+        unsafe {
+            ok(fsdp_plan_param_count(plan, &mut count));
+            ok(fsdp_plan_param_id(plan, name.as_ptr(), &mut id));
+            ok(fsdp_plan_param_info(plan, id, &mut info));
+            assert_eq!(
+                (count, id, info.numel, info.unit, info.trainable),
+                (3, 1, 9, 0, true)
+            );
+            ok(fsdp_engine_load_param(
+                engine,
+                id,
+                w.as_ptr().cast(),
+                9,
+                FSDP_F32,
+            ));
+            ok(fsdp_engine_pre_forward(engine, 0));
+            ok(fsdp_engine_param(
+                engine, id, &mut data, &mut numel, &mut dtype,
+            ));
+            assert_eq!((numel, dtype), (9, FSDP_F32));
+            assert_eq!(
+                std::slice::from_raw_parts(data.cast::<f32>(), numel),
+                &w[..]
+            );
+            ok(fsdp_engine_post_forward(engine, 0));
+            ok(fsdp_engine_end_step(engine));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
 }
 
 const BAD: fsdp_status = fsdp_status::FSDP_INVALID_ARGUMENT;
@@ -732,14 +756,83 @@ fn initial_values() -> [Vec<f32>; 3] {
     ]
 }
 
-/// One SGD step (lr 0.5) on a CUDA engine through the C functions: views, a device gradient for
-/// `w`, the slot for `embed`, on compute stream `stream`; returns what the updated shards hold for
-/// `embed` and `w`.
-fn sgd_step_on_gpu(
+/// The memory an engine's views, gradients and slots live in, as a C caller reaches it.
+trait CallerMemory {
+    /// A gradient of `values` for the engine to read; valid until the step is over.
+    fn gradient(&self, values: &[f32]) -> u64;
+    fn read(&self, addr: u64, numel: usize) -> Vec<f32>;
+    fn write(&self, addr: u64, values: &[f32]);
+}
+
+/// Host memory (a CPU engine); gradients stay alive as long as the value.
+#[derive(Default)]
+struct Host(RefCell<Vec<Vec<f32>>>);
+
+impl CallerMemory for Host {
+    fn gradient(&self, values: &[f32]) -> u64 {
+        let kept = values.to_vec();
+        let addr = kept.as_ptr() as u64;
+        self.0.borrow_mut().push(kept);
+        addr
+    }
+
+    fn read(&self, addr: u64, numel: usize) -> Vec<f32> {
+        // SAFETY: the engine vouches for `numel` floats at a view's address while it is valid.
+        unsafe { std::slice::from_raw_parts(addr as *const f32, numel) }.to_vec()
+    }
+
+    fn write(&self, addr: u64, values: &[f32]) {
+        // SAFETY: the engine vouches for the slot's floats until the commit.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), addr as *mut f32, values.len()) };
+    }
+}
+
+/// Device memory on a CUDA engine's compute stream; gradients are freed with the value.
+struct Device {
+    stream: u64,
+    gradients: RefCell<Vec<u64>>,
+}
+
+impl Device {
+    fn on(stream: u64) -> Device {
+        Device {
+            stream,
+            gradients: RefCell::default(),
+        }
+    }
+}
+
+impl CallerMemory for Device {
+    fn gradient(&self, values: &[f32]) -> u64 {
+        let ptr = device::upload(self.stream, values);
+        self.gradients.borrow_mut().push(ptr);
+        ptr
+    }
+
+    fn read(&self, addr: u64, numel: usize) -> Vec<f32> {
+        device::download(self.stream, addr, numel)
+    }
+
+    fn write(&self, addr: u64, values: &[f32]) {
+        device::write(self.stream, addr, values)
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        for &ptr in self.gradients.borrow().iter() {
+            device::free(self.stream, ptr);
+        }
+    }
+}
+
+/// One SGD step (lr 0.5) through the C functions: views, a gradient handed over for `w`, the slot
+/// for `embed`; returns what the updated shards hold for `embed` and `w`.
+fn sgd_step(
     engine: *mut fsdp_engine,
     plan: *mut fsdp_plan,
     rank: usize,
-    stream: u64,
+    memory: &impl CallerMemory,
 ) -> [Vec<f32>; 2] {
     let values = initial_values();
     let scale = (rank + 1) as f32;
@@ -765,13 +858,13 @@ fn sgd_step_on_gpu(
             engine, 0, &mut data, &mut numel, &mut dtype,
         ));
         assert_eq!((numel, dtype), (12, FSDP_F32));
-        assert_eq!(device::download(stream, data as u64, numel), values[0]);
+        assert_eq!(memory.read(data as u64, numel), values[0]);
         ok(fsdp_engine_post_forward(engine, FSDP_ROOT));
         ok(fsdp_engine_pre_forward(engine, 0));
         ok(fsdp_engine_param(
             engine, 1, &mut data, &mut numel, &mut dtype,
         ));
-        assert_eq!(device::download(stream, data as u64, numel), values[1]);
+        assert_eq!(memory.read(data as u64, numel), values[1]);
         ok(fsdp_engine_post_forward(engine, 0));
 
         ok(fsdp_engine_pre_backward(engine, 0));
@@ -780,7 +873,7 @@ fn sgd_step_on_gpu(
             NULL,
             "data",
         );
-        let grad = device::upload(stream, &w_grad);
+        let grad = memory.gradient(&w_grad);
         ok(fsdp_engine_grad(
             engine,
             1,
@@ -791,13 +884,12 @@ fn sgd_step_on_gpu(
         ok(fsdp_engine_post_backward(engine, 0));
         ok(fsdp_engine_pre_backward(engine, FSDP_ROOT));
         ok(fsdp_engine_grad_slot(engine, 0, &mut slot));
-        device::write(stream, slot as u64, &embed_grad);
+        memory.write(slot as u64, &embed_grad);
         ok(fsdp_engine_commit_grad(engine, 0));
         ok(fsdp_engine_post_backward(engine, FSDP_ROOT));
         ok(fsdp_engine_finish_grad_sync(engine));
         ok(fsdp_engine_optimizer_step(engine));
         ok(fsdp_engine_end_step(engine));
-        device::free(stream, grad);
     }
     [0, 1].map(|id| shard_values(engine, plan, id))
 }
@@ -874,7 +966,17 @@ fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
             &mut engine,
         ));
     }
-    let [embed, w] = sgd_step_on_gpu(engine, plan, 0, 0);
+    check_world_size_1_step(engine, plan, &Device::on(0));
+    ok(fsdp_plan_destroy(plan));
+}
+
+/// One SGD step at world size 1 gives the expected shards, with no reduction; destroys the engine.
+fn check_world_size_1_step(
+    engine: *mut fsdp_engine,
+    plan: *mut fsdp_plan,
+    memory: &impl CallerMemory,
+) {
+    let [embed, w] = sgd_step(engine, plan, 0, memory);
     let values = initial_values();
     assert_close(&w, &after_sgd(&values[1], |i| 0.1 * i as f32, 1));
     assert_close(&embed, &after_sgd(&values[0], |i| 0.01 * i as f32, 1));
@@ -885,7 +987,82 @@ fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
         // At world size 1 the step's gradients went straight into the shards: no reduction.
         assert_eq!((counters.steps, counters.reduce_scatters), (1, 0));
         ok(fsdp_engine_destroy(engine));
+    }
+}
+
+#[test]
+fn a_cpu_engine_at_world_size_1_trains_a_step_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut engine = null_mut();
+        // SAFETY: valid pointers.
+        unsafe {
+            ok(fsdp_engine_create_cpu(
+                plan,
+                &sgd_config(),
+                group,
+                0,
+                &mut engine,
+            ))
+        };
+        check_world_size_1_step(engine, plan, &Host::default());
+        ok(fsdp_local_group_destroy(group));
         ok(fsdp_plan_destroy(plan));
+    });
+}
+
+#[test]
+fn cpu_engines_of_2_ranks_average_their_gradients_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(2);
+        let group = local_group(mode, 2);
+        let (plan_handle, group_handle) = (plan as usize, group as usize);
+        let shards = within_deadline("two CPU ranks through the C API", move || {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    std::thread::spawn(move || {
+                        let (plan, group) = (plan_handle as *mut fsdp_plan, group_handle as *mut _);
+                        let mut engine = null_mut();
+                        // SAFETY: valid pointers.
+                        unsafe {
+                            ok(fsdp_engine_create_cpu(
+                                plan,
+                                &sgd_config(),
+                                group,
+                                rank,
+                                &mut engine,
+                            ))
+                        };
+                        let [_, w] = sgd_step(engine, plan, rank, &Host::default());
+                        ok(fsdp_engine_destroy(engine));
+                        w
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|r| r.join().expect("rank thread"))
+                .collect::<Vec<_>>()
+        });
+        check_rank_shards_of_w(plan, &shards);
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
+}
+
+/// Each rank's part of `w` after one SGD step on two ranks.
+fn check_rank_shards_of_w(plan: *mut fsdp_plan, shards: &[Vec<f32>]) {
+    let values = initial_values();
+    let w = after_sgd(&values[1], |i| 0.1 * i as f32, 2);
+    // Rank r holds its part of w's padded group: here the part of the 9 values it owns.
+    let mut info = fsdp_param_info::default();
+    // SAFETY: valid pointers.
+    unsafe { ok(fsdp_plan_param_info(plan, 1, &mut info)) };
+    let part = info.padded_numel / 2;
+    for (rank, shard) in shards.iter().enumerate() {
+        let own = (rank * part).min(9)..((rank + 1) * part).min(9);
+        assert_close(&shard[..own.len()], &w[own]);
     }
 }
 
@@ -917,25 +1094,18 @@ fn cuda_loopback_engines_of_2_ranks_average_their_gradients_through_the_c_api() 
                         &mut engine,
                     ));
                 }
-                let shards = sgd_step_on_gpu(engine, plan, rank, stream);
+                let [_, w] = sgd_step(engine, plan, rank, &Device::on(stream));
                 ok(fsdp_engine_destroy(engine));
                 device::destroy_stream(stream);
-                shards
+                w
             })
         })
         .collect();
-    let values = initial_values();
-    let w = after_sgd(&values[1], |i| 0.1 * i as f32, 2);
-    for (rank, r) in ranks.into_iter().enumerate() {
-        let [_, shard] = r.join().expect("rank thread");
-        // Rank r holds its part of w's padded group: here the part of the 9 values it owns.
-        let mut info = fsdp_param_info::default();
-        // SAFETY: valid pointers.
-        unsafe { ok(fsdp_plan_param_info(plan, 1, &mut info)) };
-        let part = info.padded_numel / 2;
-        let own = (rank * part).min(9)..((rank + 1) * part).min(9);
-        assert_close(&shard[..own.len()], &w[own]);
-    }
+    let shards: Vec<_> = ranks
+        .into_iter()
+        .map(|r| r.join().expect("rank thread"))
+        .collect();
+    check_rank_shards_of_w(plan, &shards);
     ok(fsdp_loopback_group_destroy(group));
     ok(fsdp_plan_destroy(plan));
 }

@@ -1,39 +1,32 @@
-//! The gather and reduce machinery, observed through the engine's counters and buffer states.
+//! The gather and reduce machinery, observed through the engine's counters and buffer states, on
+//! the eager CPU backend and on asynchronous ones.
+
+mod common;
 
 use std::sync::Arc;
 
+use common::{CpuEngine, Mode, for_each_mode, on_engines};
 use fsdp_fusion::state::BufferState;
 use fsdp_fusion::{
-    CpuBackend, DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
+    DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
 };
 
-type CpuEngine = Engine<CpuBackend, LocalComm>;
-
-fn engine(model: ModelSpec, config: EngineConfig) -> CpuEngine {
+/// A world-size-1 engine in `mode`.
+fn engine(mode: Mode, model: ModelSpec, config: EngineConfig) -> CpuEngine {
     let plan = Arc::new(Plan::new(&model, 1).unwrap());
     let comm = LocalComm::group(1).unwrap().pop().unwrap();
-    Engine::new(plan, config, CpuBackend::new(), comm).unwrap()
+    Engine::new(plan, config, mode.backend(0), comm).unwrap()
 }
 
 /// Runs `f` on both ranks of a two-rank group, one thread each: at world size 1 a shard is its
 /// whole buffer, so gathers use no slot and move no data.
-fn on_two_ranks<R: Send>(
+fn on_two_ranks<R: Send + 'static>(
+    mode: Mode,
     model: ModelSpec,
     config: EngineConfig,
-    f: impl Fn(CpuEngine) -> R + Sync,
+    f: impl Fn(CpuEngine) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let plan = Arc::new(Plan::new(&model, 2).unwrap());
-    std::thread::scope(|s| {
-        let handles: Vec<_> = LocalComm::group(2)
-            .unwrap()
-            .into_iter()
-            .map(|comm| {
-                let (plan, config, f) = (Arc::clone(&plan), config.clone(), &f);
-                s.spawn(move || f(Engine::new(plan, config, CpuBackend::new(), comm).unwrap()))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    on_engines(&Arc::new(Plan::new(&model, 2).unwrap()), &config, mode, f)
 }
 
 /// A tied embedding and `layers` units of one trainable weight each (and a frozen gain when
@@ -67,16 +60,18 @@ fn groups_of(e: &CpuEngine, unit: Unit) -> Vec<usize> {
 
 #[test]
 fn a_ready_reuse_issues_no_all_gather() {
-    let mut e = engine(stack(2, false), no_overlap());
-    e.pre_forward(Unit::Layer(0)).unwrap();
-    assert_eq!(e.counters().all_gathers, 1);
-    e.post_forward(Unit::Layer(0)).unwrap();
-    let g = groups_of(&e, Unit::Layer(0))[0];
-    assert_eq!(e.buffer_state(g).unwrap(), BufferState::Ready);
-    e.pre_forward(Unit::Layer(0)).unwrap();
-    let c = e.counters();
-    assert_eq!((c.all_gathers, c.reuses), (1, 1));
-    assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+    for_each_mode(|mode| {
+        let mut e = engine(mode, stack(2, false), no_overlap());
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        assert_eq!(e.counters().all_gathers, 1);
+        e.post_forward(Unit::Layer(0)).unwrap();
+        let g = groups_of(&e, Unit::Layer(0))[0];
+        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Ready);
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        let c = e.counters();
+        assert_eq!((c.all_gathers, c.reuses), (1, 1));
+        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+    });
 }
 
 /// Runs one training step's hooks over every unit, checking `check` after each hook.
@@ -107,153 +102,168 @@ fn walk_step(e: &mut CpuEngine, layers: u32, check: &mut impl FnMut(&CpuEngine))
 
 #[test]
 fn prefetch_never_pushes_the_gathered_count_past_the_limit() {
-    for limit in [1, 2, 3] {
-        let config = EngineConfig {
-            double_buffer_limit: limit,
-            ..EngineConfig::default()
-        };
-        let mut e = engine(stack(6, false), config);
-        let mut worst = 0;
-        for _ in 0..3 {
-            walk_step(&mut e, 6, &mut |e| worst = worst.max(e.gathered_count()));
-        }
-        assert!(worst <= limit, "limit {limit}: {worst} gathered");
-        let c = e.counters();
-        assert_eq!(c.extra_slots, 0);
-        if limit > 1 {
-            assert!(c.prefetches > 0, "limit {limit}: nothing prefetched");
-        }
-    }
-}
-
-#[test]
-fn in_steady_state_every_gather_after_the_first_is_a_prefetch() {
-    let mut e = engine(stack(6, false), EngineConfig::default());
-    walk_step(&mut e, 6, &mut |_| {});
-    let before = e.counters();
-    walk_step(&mut e, 6, &mut |_| {});
-    let after = e.counters();
-    let gathers = after.all_gathers - before.all_gathers;
-    let prefetches = after.prefetches - before.prefetches;
-    // Forward: root + 6 layers; backward: 4 layers, the last two still READY from forward.
-    assert_eq!(gathers, 11);
-    assert_eq!(prefetches, gathers - 1);
-}
-
-#[test]
-fn a_required_gather_at_the_limit_proceeds() {
-    // Unit 0 has two groups (trainable f32, frozen bf16) and the limit is 1.
-    let config = EngineConfig {
-        double_buffer_limit: 1,
-        overlap: false,
-        ..EngineConfig::default()
-    };
-    on_two_ranks(stack(1, true), config, |mut e| {
-        let predicted = e.plan().memory_per_rank(e.config()).peak;
-        assert_eq!(e.memory().current, predicted);
-        e.pre_forward(Unit::Layer(0)).unwrap();
-        assert_eq!(e.gathered_count(), 2);
-        let c = e.counters();
-        assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
-        assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
-        for g in groups_of(&e, Unit::Layer(0)) {
-            assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+    for_each_mode(|mode| {
+        for limit in [1, 2, 3] {
+            let config = EngineConfig {
+                double_buffer_limit: limit,
+                ..EngineConfig::default()
+            };
+            let mut e = engine(mode, stack(6, false), config);
+            let mut worst = 0;
+            for _ in 0..3 {
+                walk_step(&mut e, 6, &mut |e| worst = worst.max(e.gathered_count()));
+            }
+            assert!(worst <= limit, "limit {limit}: {worst} gathered");
+            let c = e.counters();
+            assert_eq!(c.extra_slots, 0);
+            if limit > 1 {
+                assert!(c.prefetches > 0, "limit {limit}: nothing prefetched");
+            }
         }
     });
 }
 
 #[test]
+fn in_steady_state_every_gather_after_the_first_is_a_prefetch() {
+    for_each_mode(|mode| {
+        let mut e = engine(mode, stack(6, false), EngineConfig::default());
+        walk_step(&mut e, 6, &mut |_| {});
+        let before = e.counters();
+        walk_step(&mut e, 6, &mut |_| {});
+        let after = e.counters();
+        let gathers = after.all_gathers - before.all_gathers;
+        let prefetches = after.prefetches - before.prefetches;
+        // Forward: root + 6 layers; backward: 4 layers, the last two still READY from forward.
+        assert_eq!(gathers, 11);
+        assert_eq!(prefetches, gathers - 1);
+    });
+}
+
+#[test]
+fn a_required_gather_at_the_limit_proceeds() {
+    for_each_mode(|mode| {
+        // Unit 0 has two groups (trainable f32, frozen bf16) and the limit is 1.
+        let config = EngineConfig {
+            double_buffer_limit: 1,
+            overlap: false,
+            ..EngineConfig::default()
+        };
+        on_two_ranks(mode, stack(1, true), config, |mut e| {
+            let predicted = e.plan().memory_per_rank(e.config()).peak;
+            assert_eq!(e.memory().current, predicted);
+            e.pre_forward(Unit::Layer(0)).unwrap();
+            assert_eq!(e.gathered_count(), 2);
+            let c = e.counters();
+            assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
+            assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
+            for g in groups_of(&e, Unit::Layer(0)) {
+                assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
+            }
+        });
+    });
+}
+
+#[test]
 fn at_world_size_1_the_shard_is_the_view_and_no_slot_is_allocated() {
-    let mut e = engine(stack(2, true), EngineConfig::default());
-    assert_eq!(e.plan().memory_per_rank(e.config()).gathered_slots, 0);
-    assert_eq!(
-        e.memory().current,
-        e.plan().memory_per_rank(e.config()).peak
-    );
-    let w0 = e.plan().param_id("w0").unwrap();
-    e.load_param(w0, Input::host(&[2.5f32; 16])).unwrap();
-    e.pre_forward(Unit::Layer(0)).unwrap();
-    assert_eq!(e.param::<f32>(w0).unwrap(), &[2.5f32; 16]);
-    let c = e.counters();
-    assert_eq!((c.all_gathers, c.extra_slots), (2, 0));
+    for_each_mode(|mode| {
+        let mut e = engine(mode, stack(2, true), EngineConfig::default());
+        assert_eq!(e.plan().memory_per_rank(e.config()).gathered_slots, 0);
+        assert_eq!(
+            e.memory().current,
+            e.plan().memory_per_rank(e.config()).peak
+        );
+        let w0 = e.plan().param_id("w0").unwrap();
+        e.load_param(w0, Input::host(&[2.5f32; 16])).unwrap();
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        assert_eq!(e.param::<f32>(w0).unwrap(), &[2.5f32; 16]);
+        let c = e.counters();
+        assert_eq!((c.all_gathers, c.extra_slots), (2, 0));
+    });
 }
 
 #[test]
 fn prefetch_follows_the_recorded_order_not_the_group_order() {
-    // Frozen groups sort before every trainable one, so group order is not execution order.
-    let mut e = engine(
-        stack(3, true),
-        EngineConfig {
-            double_buffer_limit: 4,
-            ..EngineConfig::default()
-        },
-    );
-    let order = [Unit::Layer(2), Unit::Layer(0), Unit::Layer(1)];
-    for _ in 0..2 {
-        for &u in &order {
-            e.pre_forward(u).unwrap();
-            e.post_forward(u).unwrap();
-        }
-        e.end_step().unwrap();
-    }
-    e.pre_forward(Unit::Layer(2)).unwrap();
-    for g in groups_of(&e, Unit::Layer(0)) {
-        assert_eq!(
-            e.buffer_state(g).unwrap(),
-            BufferState::Syncing,
-            "group {g}"
+    for_each_mode(|mode| {
+        // Frozen groups sort before every trainable one, so group order is not execution order.
+        let mut e = engine(
+            mode,
+            stack(3, true),
+            EngineConfig {
+                double_buffer_limit: 4,
+                ..EngineConfig::default()
+            },
         );
-    }
-    for g in groups_of(&e, Unit::Layer(1)) {
-        assert_eq!(e.buffer_state(g).unwrap(), BufferState::Freed, "group {g}");
-    }
+        let order = [Unit::Layer(2), Unit::Layer(0), Unit::Layer(1)];
+        for _ in 0..2 {
+            for &u in &order {
+                e.pre_forward(u).unwrap();
+                e.post_forward(u).unwrap();
+            }
+            e.end_step().unwrap();
+        }
+        e.pre_forward(Unit::Layer(2)).unwrap();
+        for g in groups_of(&e, Unit::Layer(0)) {
+            assert_eq!(
+                e.buffer_state(g).unwrap(),
+                BufferState::Syncing,
+                "group {g}"
+            );
+        }
+        for g in groups_of(&e, Unit::Layer(1)) {
+            assert_eq!(e.buffer_state(g).unwrap(), BufferState::Freed, "group {g}");
+        }
+    });
 }
 
 #[test]
 fn memory_is_fixed_up_front_and_matches_the_plan() {
-    let mut e = engine(stack(4, true), EngineConfig::default());
-    let predicted = e.plan().memory_per_rank(e.config()).peak;
-    assert_eq!(e.memory().current, predicted);
-    for _ in 0..3 {
-        walk_step(&mut e, 4, &mut |_| {});
-    }
-    assert_eq!(e.memory().peak, predicted);
-    assert_eq!(e.counters().steps, 3);
+    for_each_mode(|mode| {
+        let mut e = engine(mode, stack(4, true), EngineConfig::default());
+        let predicted = e.plan().memory_per_rank(e.config()).peak;
+        assert_eq!(e.memory().current, predicted);
+        for _ in 0..3 {
+            walk_step(&mut e, 4, &mut |_| {});
+        }
+        assert_eq!(e.memory().peak, predicted);
+        assert_eq!(e.counters().steps, 3);
+    });
 }
 
 #[test]
 fn writing_into_the_slot_equals_handing_over_the_gradient() {
-    let run = |zero_copy: bool| {
-        let mut e = engine(stack(2, false), EngineConfig::default());
-        for _ in 0..2 {
-            for i in (0..2).rev() {
-                e.pre_backward(Unit::Layer(i)).unwrap();
-                let id = e.plan().param_id(&format!("w{i}")).unwrap();
-                let g: Vec<f32> = (0..16).map(|j| (i as f32 + 1.0) * j as f32).collect();
-                if zero_copy {
-                    e.grad_slot(id).unwrap().copy_from_slice(&g);
-                    e.commit_grad(id).unwrap();
-                } else {
-                    e.grad(id, Input::host(&g)).unwrap();
+    for_each_mode(|mode| {
+        let run = |zero_copy: bool| {
+            let mut e = engine(mode, stack(2, false), EngineConfig::default());
+            for _ in 0..2 {
+                for i in (0..2).rev() {
+                    e.pre_backward(Unit::Layer(i)).unwrap();
+                    let id = e.plan().param_id(&format!("w{i}")).unwrap();
+                    let g: Vec<f32> = (0..16).map(|j| (i as f32 + 1.0) * j as f32).collect();
+                    if zero_copy {
+                        e.grad_slot(id).unwrap().copy_from_slice(&g);
+                        e.commit_grad(id).unwrap();
+                    } else {
+                        e.grad(id, Input::host(&g)).unwrap();
+                    }
+                    e.post_backward(Unit::Layer(i)).unwrap();
                 }
-                e.post_backward(Unit::Layer(i)).unwrap();
+                e.finish_grad_sync().unwrap();
+                e.optimizer_step().unwrap();
+                e.end_step().unwrap();
             }
-            e.finish_grad_sync().unwrap();
-            e.optimizer_step().unwrap();
-            e.end_step().unwrap();
-        }
-        (0..e.plan().groups().len())
-            .map(|g| e.param_shard(g).unwrap())
-            .collect::<Vec<_>>()
-    };
-    let copied = run(false);
-    assert_eq!(run(true), copied);
-    let start = run_untrained();
-    assert_ne!(copied, start);
+            (0..e.plan().groups().len())
+                .map(|g| e.param_shard(g).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let copied = run(false);
+        assert_eq!(run(true), copied);
+        let start = run_untrained(mode);
+        assert_ne!(copied, start);
+    });
 }
 
-fn run_untrained() -> Vec<Vec<u8>> {
-    let e = engine(stack(2, false), EngineConfig::default());
+fn run_untrained(mode: Mode) -> Vec<Vec<u8>> {
+    let e = engine(mode, stack(2, false), EngineConfig::default());
     (0..e.plan().groups().len())
         .map(|g| e.param_shard(g).unwrap())
         .collect()
@@ -261,42 +271,95 @@ fn run_untrained() -> Vec<Vec<u8>> {
 
 #[test]
 fn tracing_records_a_span_for_every_hook_and_collective() {
-    use fsdp_fusion::backend::Stream;
-    use fsdp_fusion::engine::SpanKind;
-    on_two_ranks(stack(2, false), EngineConfig::default(), |mut e| {
-        walk_step(&mut e, 2, &mut |_| {});
-        let before = e.counters();
-        e.set_tracing(true);
-        let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
-        walk_step(&mut e, 2, &mut |_| {});
-        let after = e.counters();
-        let raw = e.take_trace();
-        let spans = fsdp_fusion::trace::resolve(e.backend(), &origin, &raw).unwrap();
-        let count =
-            |f: &dyn Fn(SpanKind) -> bool| spans.iter().filter(|s| f(s.kind)).count() as u64;
-        // Root forward, two layers forward, two layers backward.
-        assert_eq!(count(&|k| matches!(k, SpanKind::GatherWait(_))), 5);
-        assert_eq!(count(&|k| matches!(k, SpanKind::Forward(_))), 3);
-        assert_eq!(count(&|k| matches!(k, SpanKind::Backward(_))), 2);
-        assert_eq!(count(&|k| matches!(k, SpanKind::Optimizer)), 1);
-        let gathers = after.all_gathers - before.all_gathers;
-        assert!(gathers > 0);
-        assert_eq!(count(&|k| matches!(k, SpanKind::AllGather { .. })), gathers);
-        assert_eq!(
-            count(&|k| matches!(k, SpanKind::ReduceScatter { .. })),
-            after.reduce_scatters - before.reduce_scatters
-        );
-        for s in &spans {
-            let stream = match s.kind {
-                SpanKind::AllGather { .. } => Stream::Gather,
-                SpanKind::ReduceScatter { .. } => Stream::Reduce,
-                _ => Stream::Compute,
-            };
-            assert_eq!(s.stream, stream, "{:?}", s.kind);
-            assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
+    for_each_mode(|mode| {
+        use fsdp_fusion::backend::Stream;
+        use fsdp_fusion::engine::SpanKind;
+        on_two_ranks(mode, stack(2, false), EngineConfig::default(), |mut e| {
+            walk_step(&mut e, 2, &mut |_| {});
+            let before = e.counters();
+            e.set_tracing(true);
+            let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
+            // Every stream's later work comes after the origin only once it waits for it.
+            for stream in [Stream::Gather, Stream::Reduce] {
+                fsdp_fusion::Backend::wait(e.backend(), stream, &origin).unwrap();
+            }
+            walk_step(&mut e, 2, &mut |_| {});
+            let after = e.counters();
+            let raw = e.take_trace();
+            let spans = fsdp_fusion::trace::resolve(e.backend(), &origin, &raw).unwrap();
+            let count =
+                |f: &dyn Fn(SpanKind) -> bool| spans.iter().filter(|s| f(s.kind)).count() as u64;
+            // Root forward, two layers forward, two layers backward.
+            assert_eq!(count(&|k| matches!(k, SpanKind::GatherWait(_))), 5);
+            assert_eq!(count(&|k| matches!(k, SpanKind::Forward(_))), 3);
+            assert_eq!(count(&|k| matches!(k, SpanKind::Backward(_))), 2);
+            assert_eq!(count(&|k| matches!(k, SpanKind::Optimizer)), 1);
+            let gathers = after.all_gathers - before.all_gathers;
+            assert!(gathers > 0);
+            assert_eq!(count(&|k| matches!(k, SpanKind::AllGather { .. })), gathers);
+            assert_eq!(
+                count(&|k| matches!(k, SpanKind::ReduceScatter { .. })),
+                after.reduce_scatters - before.reduce_scatters
+            );
+            for s in &spans {
+                let stream = match s.kind {
+                    SpanKind::AllGather { .. } => Stream::Gather,
+                    SpanKind::ReduceScatter { .. } => Stream::Reduce,
+                    _ => Stream::Compute,
+                };
+                assert_eq!(s.stream, stream, "{:?}", s.kind);
+                assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
+            }
+            e.set_tracing(false);
+            walk_step(&mut e, 2, &mut |_| {});
+            assert!(e.take_trace().is_empty());
+        });
+    });
+}
+
+#[test]
+fn an_evaluation_loop_without_an_end_of_step_keeps_prefetching() {
+    for_each_mode(|mode| {
+        let mut e = engine(mode, stack(6, false), EngineConfig::default());
+        walk_step(&mut e, 6, &mut |_| {});
+        let forward = |e: &mut CpuEngine| {
+            let (before, memory) = (e.counters(), e.memory());
+            for unit in std::iter::once(Unit::Root).chain((0..6).map(Unit::Layer)) {
+                e.pre_forward(unit).unwrap();
+                e.post_forward(unit).unwrap();
+            }
+            assert_eq!(e.memory(), memory, "an evaluation pass allocated");
+            let after = e.counters();
+            (
+                after.all_gathers - before.all_gathers,
+                after.prefetches - before.prefetches,
+            )
+        };
+        forward(&mut e);
+        for pass in 0..300 {
+            // Root and six layers, two gathered at a time: every gather but the root's is a
+            // prefetch, however long the loop.
+            assert_eq!(forward(&mut e), (7, 6), "pass {pass}");
         }
-        e.set_tracing(false);
-        walk_step(&mut e, 2, &mut |_| {});
-        assert!(e.take_trace().is_empty());
+    });
+}
+
+#[test]
+fn a_gradient_slot_is_not_zero_filled() {
+    for_each_mode(|mode| {
+        // At world size 1 a step's first gradients go straight into the gradient shard, so the
+        // next step's place for the same parameter holds the last step's gradient.
+        let mut e = engine(mode, stack(1, false), EngineConfig::default());
+        let w = e.plan().param_id("w0").unwrap();
+        let g: Vec<f32> = (0..16).map(|j| j as f32 + 1.0).collect();
+        e.pre_backward(Unit::Layer(0)).unwrap();
+        e.grad(w, Input::host(&g)).unwrap();
+        e.post_backward(Unit::Layer(0)).unwrap();
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        e.pre_backward(Unit::Layer(0)).unwrap();
+        assert_eq!(e.grad_slot(w).unwrap(), &g[..]);
+        e.commit_grad(w).unwrap();
     });
 }

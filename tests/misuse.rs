@@ -1,8 +1,12 @@
 //! Every bad input and every misuse of the hooks gives a specific error and changes nothing: after
-//! it, a correct step gives exactly what it gives on an engine that never saw the mistake.
+//! it, a correct step gives exactly what it gives on an engine that never saw the mistake. Each
+//! case runs at world sizes 1, 2 and 4, on the eager CPU backend and on asynchronous ones.
+
+mod common;
 
 use std::sync::Arc;
 
+use common::{CpuEngine, Mode, for_each_mode, on_engines};
 use fsdp_fusion::backend::Region;
 use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
@@ -11,7 +15,7 @@ use fsdp_fusion::{
     ParamId, ParamSpec, Plan, Unit,
 };
 
-type CpuEngine = Engine<CpuBackend, LocalComm>;
+const WORLD_SIZES: [usize; 3] = [1, 2, 4];
 
 /// embed (tied, root), w (unit 0), b (unit 0, bf16), g (unit 0, frozen), head (root).
 fn model() -> ModelSpec {
@@ -25,23 +29,43 @@ fn model() -> ModelSpec {
     .unwrap()
 }
 
-fn engine() -> CpuEngine {
-    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
-    let comm = LocalComm::group(1).unwrap().pop().unwrap();
-    let mut e = Engine::new(plan, EngineConfig::default(), CpuBackend::new(), comm).unwrap();
+fn plan(world: usize) -> Arc<Plan> {
+    Arc::new(Plan::new(&model(), world).unwrap())
+}
+
+/// The value of element `j` of parameter `i` as loaded.
+fn initial(i: usize, j: usize) -> f32 {
+    (i * 10 + j) as f32 * 0.1
+}
+
+/// Loads every parameter's initial value.
+fn load(e: &mut CpuEngine) {
     for (i, p) in model().params.iter().enumerate() {
-        let n = p.numel().unwrap();
-        let values: Vec<f32> = (0..n).map(|j| (i * 10 + j) as f32 * 0.1).collect();
-        let input = if p.dtype == DType::Bf16 {
+        let values: Vec<f32> = (0..p.numel().unwrap()).map(|j| initial(i, j)).collect();
+        if p.dtype == DType::Bf16 {
             let v: Vec<half::bf16> = values.iter().map(|&x| half::bf16::from_f32(x)).collect();
             e.load_param(ParamId(i), Input::host(&v)).unwrap();
-            continue;
         } else {
-            Input::host(&values)
-        };
-        e.load_param(ParamId(i), input).unwrap();
+            e.load_param(ParamId(i), Input::host(&values)).unwrap();
+        }
     }
-    e
+}
+
+/// Runs `f` on a loaded engine of every rank of a `world`-rank group in `mode`.
+fn on_loaded<R: Send + 'static>(
+    world: usize,
+    mode: Mode,
+    f: impl Fn(&mut CpuEngine) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    on_engines(
+        &plan(world),
+        &EngineConfig::default(),
+        mode,
+        move |mut e| {
+            load(&mut e);
+            f(&mut e)
+        },
+    )
 }
 
 fn id(e: &CpuEngine, name: &str) -> ParamId {
@@ -77,34 +101,49 @@ fn end_step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
     e.end_step().unwrap();
+    shards(e)
+}
+
+fn shards(e: &CpuEngine) -> Vec<Vec<u8>> {
     (0..e.plan().groups().len())
         .map(|g| e.param_shard(g).unwrap())
         .collect()
 }
 
-/// Runs `mistake` on a fresh engine after `setup`, checks its error with `expected`, then checks
-/// that finishing the step gives the same shards as an engine that never made the mistake.
+/// At every world size and in every mode: runs `mistake` on every rank after `setup`, checks its
+/// error with `expected` and that it changed no counter, then checks that `finish` gives the same
+/// shards as on engines that never made the mistake.
 fn assert_harmless(
-    setup: impl Fn(&mut CpuEngine),
-    mistake: impl Fn(&mut CpuEngine) -> fsdp_fusion::Result<()>,
-    expected: impl Fn(&Error) -> bool,
-    finish: impl Fn(&mut CpuEngine) -> Vec<Vec<u8>>,
+    setup: impl Fn(&mut CpuEngine) + Copy + Send + Sync + 'static,
+    mistake: impl Fn(&mut CpuEngine) -> fsdp_fusion::Result<()> + Copy + Send + Sync + 'static,
+    expected: impl Fn(&Error) -> bool + Copy + Send + Sync + 'static,
+    finish: impl Fn(&mut CpuEngine) -> Vec<Vec<u8>> + Copy + Send + Sync + 'static,
 ) {
-    let mut control = engine();
-    setup(&mut control);
-    let want = finish(&mut control);
-    let mut e = engine();
-    setup(&mut e);
-    let counters = e.counters();
-    let err = mistake(&mut e).unwrap_err();
-    assert!(expected(&err), "unexpected error: {err:?}");
-    assert!(!err.to_string().is_empty());
-    assert_eq!(
-        e.counters(),
-        counters,
-        "the failed call changed the counters"
-    );
-    assert_eq!(finish(&mut e), want, "the failed call changed the outcome");
+    for world in WORLD_SIZES {
+        for_each_mode(|mode| {
+            let want = on_loaded(world, mode, move |e| {
+                setup(e);
+                finish(e)
+            });
+            let got = on_loaded(world, mode, move |e| {
+                setup(e);
+                let counters = e.counters();
+                let err = mistake(e).unwrap_err();
+                assert!(expected(&err), "world {world}: unexpected error: {err:?}");
+                assert!(!err.to_string().is_empty());
+                assert_eq!(
+                    e.counters(),
+                    counters,
+                    "world {world}: the failed call changed the counters"
+                );
+                finish(e)
+            });
+            assert_eq!(
+                got, want,
+                "world {world}: the failed call changed the outcome"
+            );
+        });
+    }
 }
 
 fn nothing(_: &mut CpuEngine) {}
@@ -199,9 +238,8 @@ fn gradient_for_an_unknown_param() {
         |err| matches!(err, Error::ParamIdOutOfRange { id: 99, count: 5 }),
         step,
     );
-    let e = engine();
     assert!(
-        matches!(e.plan().param_id("nope"), Err(Error::UnknownParam { name }) if name == "nope")
+        matches!(plan(1).param_id("nope"), Err(Error::UnknownParam { name }) if name == "nope")
     );
 }
 
@@ -221,7 +259,7 @@ fn gradient_of_the_wrong_dtype() {
     let g = [half::f16::from_f32(1.0); 3];
     assert_harmless(
         nothing,
-        |e| e.grad(id(e, "b"), Input::host(&g)),
+        move |e| e.grad(id(e, "b"), Input::host(&g)),
         |err| matches!(err, Error::GradientDtype { name, param: DType::Bf16, got: DType::F16 } if name == "b"),
         step,
     );
@@ -263,15 +301,69 @@ fn optimizer_before_sync_and_twice_in_a_step() {
         |err| matches!(err, Error::GradsNotSynced { .. }),
         finish,
     );
-    let mut e = engine();
-    step(&mut e);
-    grad(&mut e, "w").unwrap();
+    assert_harmless(
+        stepped,
+        |e| e.optimizer_step(),
+        |err| matches!(err, Error::OptimizerAlreadyStepped),
+        end_stepped,
+    );
+}
+
+/// A step's hooks and gradients, its sync and its optimizer step: all but the end of the step.
+fn stepped(e: &mut CpuEngine) {
+    step(e);
+    grad(e, "w").unwrap();
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
-    assert!(matches!(
-        e.optimizer_step(),
-        Err(Error::OptimizerAlreadyStepped)
-    ));
+}
+
+/// Ends a step left by [`stepped`], then runs a whole step; returns every shard.
+fn end_stepped(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    e.end_step().unwrap();
+    step(e)
+}
+
+#[test]
+fn after_the_optimizer_step_only_the_end_of_the_step_is_allowed() {
+    let refused = |err: &Error| matches!(err, Error::OptimizerStepped { .. });
+    assert_harmless(
+        stepped,
+        |e| e.pre_forward(Unit::Layer(0)),
+        refused,
+        end_stepped,
+    );
+    assert_harmless(
+        stepped,
+        |e| e.post_forward(Unit::Root),
+        refused,
+        end_stepped,
+    );
+    assert_harmless(
+        stepped,
+        |e| e.pre_backward(Unit::Layer(0)),
+        refused,
+        end_stepped,
+    );
+    assert_harmless(
+        stepped,
+        |e| e.post_backward(Unit::Root),
+        refused,
+        end_stepped,
+    );
+    assert_harmless(stepped, |e| grad(e, "b"), refused, end_stepped);
+    assert_harmless(
+        stepped,
+        |e| e.grad_slot(id(e, "w")).map(drop),
+        refused,
+        end_stepped,
+    );
+    assert_harmless(stepped, |e| e.commit_grad(id(e, "w")), refused, end_stepped);
+    assert_harmless(
+        stepped,
+        |e| e.load_param(id(e, "head"), Input::host(&[9f32; 4])),
+        refused,
+        end_stepped,
+    );
 }
 
 #[test]
@@ -310,48 +402,98 @@ fn sync_or_end_with_a_forward_open() {
 
 #[test]
 fn views_only_while_gathered_and_in_their_dtype() {
-    let mut e = engine();
-    let w = id(&e, "w");
-    assert!(matches!(e.param::<f32>(w), Err(Error::NotGathered { name }) if name == "w"));
-    e.pre_forward(Unit::Layer(0)).unwrap();
-    let loaded: Vec<f32> = (0..9).map(|j| (10 + j) as f32 * 0.1).collect();
-    assert_eq!(e.param::<f32>(w).unwrap(), &loaded[..]);
-    assert!(matches!(
-        e.param::<half::bf16>(w),
-        Err(Error::DtypeMismatch {
-            param: DType::F32,
-            requested: DType::Bf16,
-            ..
-        })
-    ));
-    assert!(matches!(
-        e.load_param(w, Input::host(&[0f32; 9])),
-        Err(Error::Gathered { .. })
-    ));
-    e.post_forward(Unit::Layer(0)).unwrap();
+    let open = |e: &mut CpuEngine| e.pre_forward(Unit::Layer(0)).unwrap();
+    let close_and_step = |e: &mut CpuEngine| {
+        e.post_forward(Unit::Layer(0)).unwrap();
+        step(e)
+    };
+    assert_harmless(
+        nothing,
+        |e| e.param::<f32>(id(e, "w")).map(drop),
+        |err| matches!(err, Error::NotGathered { name } if name == "w"),
+        step,
+    );
+    assert_harmless(
+        open,
+        |e| e.param::<half::bf16>(id(e, "w")).map(drop),
+        |err| {
+            matches!(
+                err,
+                Error::DtypeMismatch {
+                    param: DType::F32,
+                    requested: DType::Bf16,
+                    ..
+                }
+            )
+        },
+        close_and_step,
+    );
+    assert_harmless(
+        open,
+        |e| e.load_param(id(e, "w"), Input::host(&[0f32; 9])),
+        |err| matches!(err, Error::Gathered { .. }),
+        close_and_step,
+    );
     // READY still holds the values but is not in use: no view.
-    assert!(matches!(e.param::<f32>(w), Err(Error::NotGathered { .. })));
+    assert_harmless(
+        |e| {
+            e.pre_forward(Unit::Layer(0))
+                .and_then(|()| e.post_forward(Unit::Layer(0)))
+                .unwrap()
+        },
+        |e| e.param::<f32>(id(e, "w")).map(drop),
+        |err| matches!(err, Error::NotGathered { .. }),
+        step,
+    );
+}
+
+#[test]
+fn a_view_holds_the_loaded_values_on_every_rank() {
+    for world in WORLD_SIZES {
+        for_each_mode(|mode| {
+            let views = on_loaded(world, mode, |e| {
+                e.pre_forward(Unit::Layer(0)).unwrap();
+                let view = e.param::<f32>(id(e, "w")).unwrap().to_vec();
+                e.post_forward(Unit::Layer(0)).unwrap();
+                view
+            });
+            let loaded: Vec<f32> = (0..9).map(|j| initial(1, j)).collect();
+            assert_eq!(views, vec![loaded; world], "world {world}");
+        });
+    }
 }
 
 #[test]
 fn loads_of_the_wrong_length_or_dtype() {
-    let mut e = engine();
-    let w = id(&e, "w");
-    assert!(matches!(
-        e.load_param(w, Input::host(&[0f32; 4])),
-        Err(Error::DataLength {
-            expected: 9,
-            got: 4,
-            ..
-        })
-    ));
-    assert!(matches!(
-        e.load_param(w, Input::host(&[half::f16::ZERO; 9])),
-        Err(Error::DtypeMismatch {
-            requested: DType::F16,
-            ..
-        })
-    ));
+    assert_harmless(
+        nothing,
+        |e| e.load_param(id(e, "w"), Input::host(&[0f32; 4])),
+        |err| {
+            matches!(
+                err,
+                Error::DataLength {
+                    expected: 9,
+                    got: 4,
+                    ..
+                }
+            )
+        },
+        step,
+    );
+    assert_harmless(
+        nothing,
+        |e| e.load_param(id(e, "w"), Input::host(&[half::f16::ZERO; 9])),
+        |err| {
+            matches!(
+                err,
+                Error::DtypeMismatch {
+                    requested: DType::F16,
+                    ..
+                }
+            )
+        },
+        step,
+    );
 }
 
 #[test]

@@ -1,16 +1,32 @@
 //! Sharded training on CPU ranks equals the unsharded reference, parameter by parameter, after
-//! every step.
+//! every step, on the eager CPU backend and on asynchronous ones.
+
+mod common;
 
 use std::sync::Arc;
 
+use common::{Mode, for_each_mode, within_deadline};
 use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, Training, max_relative_difference};
-use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
+use fsdp_fusion::{DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, Plan};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
 
-/// Trains both ways and returns the largest relative parameter difference over every step.
+/// Trains both ways in every mode and returns the largest relative parameter difference over
+/// every step and mode.
 fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
+    let mut worst = 0f32;
+    for_each_mode(|mode| {
+        let config = config.clone();
+        let what = format!("parity at world size {world} ({mode:?})");
+        worst = worst.max(within_deadline(&what, move || {
+            parity_in(mode, world, dtype, config)
+        }));
+    });
+    worst
+}
+
+fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig) -> f32 {
     let model = Mlp::new(MlpConfig {
         layers: 3,
         width: 24,
@@ -30,8 +46,14 @@ fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
         passes: PASSES,
     };
     let mut steps = Vec::new();
+    let ranks = LocalComm::group(world)
+        .unwrap()
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| (mode.backend(rank), comm))
+        .collect();
     training
-        .compare_on_cpu(|_, c| {
+        .compare(ranks, |_, c| {
             steps.push(*c);
             Ok(())
         })

@@ -373,7 +373,11 @@ macro_rules! with_engine {
 
 /// The communicators of a group handle; each rank's engine takes its own once.
 pub(crate) enum Comms {
-    Local(Mutex<Vec<Option<LocalComm>>>),
+    Local {
+        comms: Mutex<Vec<Option<LocalComm>>>,
+        /// The seed of the group's asynchronous backends; none for eager ones.
+        seed: Option<u64>,
+    },
     Loopback(Mutex<Vec<Option<LoopbackComm>>>),
 }
 
@@ -677,13 +681,13 @@ pub unsafe extern "C" fn fsdp_plan_memory(
     })
 }
 
-/// Stores a group of `comms` under a new handle and writes it to `out`, checked for NULL first.
-fn new_group<C, H>(
-    comms: Vec<C>,
-    kind: fn(Mutex<Vec<Option<C>>>) -> Comms,
-    out: *mut *mut H,
-) -> Outcome {
-    let comms = kind(Mutex::new(comms.into_iter().map(Some).collect()));
+/// The communicators of a group, each to be taken once.
+fn takeable<C>(comms: Vec<C>) -> Mutex<Vec<Option<C>>> {
+    Mutex::new(comms.into_iter().map(Some).collect())
+}
+
+/// Stores a group under a new handle and writes it to `out`, checked for NULL first.
+fn new_group<H>(comms: Comms, out: *mut *mut H) -> Outcome {
     let handle = handles()?.insert(Object::Group(comms));
     // SAFETY: the caller checked `out` and guarantees it is valid for a write.
     unsafe { put(out, "out", handle as *mut H) }
@@ -727,7 +731,38 @@ pub unsafe extern "C" fn fsdp_local_group_create(
         if out.is_null() {
             return Err(null("out"));
         }
-        new_group(LocalComm::group(world_size)?, Comms::Local, out)
+        let comms = takeable(LocalComm::group(world_size)?);
+        new_group(Comms::Local { comms, seed: None }, out)
+    })
+}
+
+/// As `fsdp_local_group_create`, for engines whose CPU backend runs its three streams apart: each
+/// stream is a worker thread that runs its queue in order, every operation after a delay drawn
+/// from `seed` (rank `r` draws from `seed + r`), and collectives run on the streams. Work is
+/// ordered across streams only by the engine's events, so a missing one shows as a wrong value;
+/// for tests. Host reads and writes (views, gradient slots, loads, shard copies) first wait for
+/// the streams they depend on.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_local_group_create_async(
+    world_size: usize,
+    seed: u64,
+    out: *mut *mut fsdp_local_group,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let comms = takeable(LocalComm::group(world_size)?);
+        new_group(
+            Comms::Local {
+                comms,
+                seed: Some(seed),
+            },
+            out,
+        )
     })
 }
 
@@ -735,7 +770,7 @@ pub unsafe extern "C" fn fsdp_local_group_create(
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_local_group_destroy(group: *mut fsdp_local_group) -> fsdp_status {
     boundary(|| {
-        let is_local = |o: &Entry| matches!(o, Object::Group(Comms::Local(_)));
+        let is_local = |o: &Entry| matches!(o, Object::Group(Comms::Local { .. }));
         destroy(group as u64, is_local, "group")
     })
 }
@@ -762,11 +797,15 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
             return Err(null("out"));
         }
         let group = object(group as u64, "group")?;
-        let Object::Group(Comms::Local(comms)) = &*group else {
+        let Object::Group(Comms::Local { comms, seed }) = &*group else {
             return Err(wrong_kind("group"));
         };
+        let backend = match seed {
+            None => CpuBackend::new(),
+            Some(seed) => CpuBackend::asynchronous(seed.wrapping_add(rank as u64))?,
+        };
         let comm = take_comm(comms, rank)?;
-        let engine = Engine::new(plan, config, CpuBackend::new(), comm)?;
+        let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::Cpu(engine), out)
     })
 }
@@ -892,7 +931,10 @@ pub unsafe extern "C" fn fsdp_loopback_group_create(
         if out.is_null() {
             return Err(null("out"));
         }
-        new_group(LoopbackComm::group(world_size)?, Comms::Loopback, out)
+        new_group(
+            Comms::Loopback(takeable(LoopbackComm::group(world_size)?)),
+            out,
+        )
     })
 }
 
@@ -1049,8 +1091,9 @@ unsafe fn host_bytes<'a>(
 /// parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
 /// memory, which holds another group once the unit's hooks closed and the unit was evicted.
 ///
-/// CPU engine: host memory. CUDA engine: a device address, to read on the compute stream only
-/// (the hook that opened the unit made that stream wait for the gather). Does not block.
+/// CPU engine: host memory (on an asynchronous group, the call first waits for the engine's
+/// compute stream). CUDA engine: a device address, to read on the compute stream only (the hook
+/// that opened the unit made that stream wait for the gather); does not block.
 ///
 /// # Safety
 /// Each out-pointer is NULL or valid for a write.
@@ -1139,11 +1182,14 @@ unsafe fn caller_input<'a>(
     }
 }
 
-/// Opens `param`'s zero-filled fp32 place in its gradient slot (`numel` floats at `*out`) for
-/// the caller to write this pass's gradient into; `fsdp_engine_commit_grad` must follow before
-/// any other gradient or hook. The engine owns the memory; it is the caller's to write until the
-/// commit. CPU engine: host memory. CUDA engine: a device address, zero-filled on the compute
-/// stream, to write on that stream. Does not block.
+/// Opens `param`'s fp32 place in its gradient slot (`numel` floats at `*out`) for the caller to
+/// write this pass's gradient into; `fsdp_engine_commit_grad` must follow before any other
+/// gradient or hook. The place is NOT zero-filled: it holds what an earlier gradient left there,
+/// so write every element and never add into it (a GEMM with beta = 1 would add those values to
+/// the gradient). The engine owns the memory; it is the caller's to write until the commit.
+/// CPU engine: host memory, written by the host (on an asynchronous group, the call first waits
+/// for the engine's compute stream). CUDA engine: a device address, to write on the compute
+/// stream; does not block.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.

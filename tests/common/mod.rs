@@ -1,0 +1,140 @@
+//! What the test suites share: the modes CPU ranks run in (eager, or asynchronous over seeds),
+//! running ranks as threads, and a deadline on every multi-rank run. Each test binary uses part of
+//! it.
+#![allow(dead_code)]
+
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use fsdp_fusion::{CpuBackend, Engine, EngineConfig, LocalComm, Plan};
+
+/// How long a multi-rank run may take before the test fails instead of hanging.
+pub const DEADLINE: Duration = Duration::from_secs(300);
+
+/// Asynchronous seeds run by default; `FSDP_ASYNC_SEEDS=N` runs seeds `0..N` instead, and
+/// `FSDP_ASYNC_SEED=S` only seed `S` (to reproduce a failure).
+const DEFAULT_SEEDS: u64 = 3;
+
+/// How a test's CPU ranks run their streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Eager,
+    /// Asynchronous streams; rank `r` draws its delays from `seed * 1000 + r`.
+    Async(u64),
+}
+
+impl Mode {
+    /// Rank `rank`'s backend in this mode.
+    pub fn backend(self, rank: usize) -> CpuBackend {
+        match self {
+            Mode::Eager => CpuBackend::new(),
+            Mode::Async(seed) => CpuBackend::asynchronous(seed * 1000 + rank as u64)
+                .unwrap_or_else(|e| panic!("an asynchronous backend: {e}")),
+        }
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let value = std::env::var(name).ok()?;
+    Some(
+        value
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a number")),
+    )
+}
+
+/// The asynchronous seeds to run.
+pub fn seeds() -> Vec<u64> {
+    if let Some(seed) = env_u64("FSDP_ASYNC_SEED") {
+        return vec![seed];
+    }
+    (0..env_u64("FSDP_ASYNC_SEEDS").unwrap_or(DEFAULT_SEEDS)).collect()
+}
+
+/// Eager, then asynchronous over every seed.
+pub fn modes() -> Vec<Mode> {
+    std::iter::once(Mode::Eager)
+        .chain(seeds().into_iter().map(Mode::Async))
+        .collect()
+}
+
+/// Runs `body` in every mode; a failing mode is named (with the variable that reproduces it)
+/// before its panic goes on.
+pub fn for_each_mode(mut body: impl FnMut(Mode)) {
+    for mode in modes() {
+        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| body(mode))) {
+            match mode {
+                Mode::Eager => eprintln!("failed on the eager CPU backend"),
+                Mode::Async(seed) => eprintln!(
+                    "failed on the asynchronous CPU backend, seed {seed} (FSDP_ASYNC_SEED={seed} runs only it)"
+                ),
+            }
+            resume_unwind(panic);
+        }
+    }
+}
+
+/// Runs `f` on its own thread and waits for it at most [`DEADLINE`]; a panic in `f` goes on in
+/// the caller, and a run past the deadline fails instead of hanging.
+pub fn within_deadline<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(DEADLINE) {
+        Ok(r) => {
+            let _ = worker.join();
+            r
+        }
+        Err(mpsc::RecvTimeoutError::Disconnected) => match worker.join() {
+            Err(panic) => resume_unwind(panic),
+            Ok(()) => unreachable!("the worker sends before it ends"),
+        },
+        Err(mpsc::RecvTimeoutError::Timeout) => {
+            panic!("{what} did not finish within {DEADLINE:?}")
+        }
+    }
+}
+
+/// Runs `f(rank, backend, comm)` on every rank of a `world`-rank group, one thread each, under
+/// [`DEADLINE`]; returns the results in rank order. A rank's panic goes on in the caller.
+pub fn on_ranks<R: Send + 'static>(
+    world: usize,
+    mode: Mode,
+    f: impl Fn(usize, CpuBackend, LocalComm) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    within_deadline(&format!("{world} ranks ({mode:?})"), move || {
+        let comms = LocalComm::group(world).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let f = &f;
+                    s.spawn(move || f(rank, mode.backend(rank), comm))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| resume_unwind(p)))
+                .collect()
+        })
+    })
+}
+
+pub type CpuEngine = Engine<CpuBackend, LocalComm>;
+
+/// Runs `f` on an engine of every rank of `plan`'s world size, as [`on_ranks`].
+pub fn on_engines<R: Send + 'static>(
+    plan: &Arc<Plan>,
+    config: &EngineConfig,
+    mode: Mode,
+    f: impl Fn(CpuEngine) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let (plan, config) = (Arc::clone(plan), config.clone());
+    on_ranks(plan.world_size(), mode, move |_, backend, comm| {
+        f(Engine::new(Arc::clone(&plan), config.clone(), backend, comm).unwrap())
+    })
+}
