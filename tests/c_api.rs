@@ -1109,3 +1109,29 @@ fn cuda_loopback_engines_of_2_ranks_average_their_gradients_through_the_c_api() 
     ok(fsdp_loopback_group_destroy(group));
     ok(fsdp_plan_destroy(plan));
 }
+
+#[test]
+fn a_gradient_slot_holds_what_an_earlier_gradient_left_as_the_header_says() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let g: Vec<f32> = (0..9).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let mut slot: *mut f32 = null_mut();
+        // SAFETY: valid pointers; the slot is read between its opening and its commit.
+        unsafe {
+            ok(fsdp_engine_pre_backward(engine, 0));
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            // At world size 1 the step's gradient of `w` went into its gradient shard, which is
+            // the next step's slot for `w`: it is not zero-filled.
+            ok(fsdp_engine_pre_backward(engine, 0));
+            ok(fsdp_engine_grad_slot(engine, 1, &mut slot));
+            assert_eq!(std::slice::from_raw_parts(slot, 9), &g[..]);
+            ok(fsdp_engine_commit_grad(engine, 1));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}

@@ -1,10 +1,14 @@
 //! The C consumer, `examples/c/train.c`, compiled with the system C compiler against the static
 //! library and the checked-in header, trains the example model and matches the Rust trainer.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Arc;
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Mode, for_each_mode};
 use fsdp_fusion::mlp::{Mlp, MlpConfig, Training};
 use fsdp_fusion::{DType, EngineConfig, OptimizerConfig, Plan};
 
@@ -107,11 +111,43 @@ fn rust_losses(world: usize, steps: u64) -> Vec<f32> {
 #[test]
 fn the_c_consumer_trains_like_the_rust_trainer() {
     let exe = build_c_consumer();
-    for (world, steps) in [(2usize, 6u64), (3, 4)] {
-        let out = Command::new(&exe)
-            .args([world.to_string(), steps.to_string()])
-            .output()
-            .expect("run the C consumer");
+    let runs = [(2usize, 6u64), (3, 4)];
+    for_each_mode(|mode| {
+        for (world, steps) in runs {
+            let mut args = vec![world.to_string(), steps.to_string()];
+            if let Mode::Async(seed) = mode {
+                args.push(seed.to_string());
+            }
+            check_c_losses(&exe, &args, world, steps);
+        }
+    });
+}
+
+/// Runs `command` to its end, killing it (and failing) past [`common::DEADLINE`].
+fn run_within_deadline(command: &mut Command) -> Output {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the C consumer");
+    let start = Instant::now();
+    while child.try_wait().expect("wait for the C consumer").is_none() {
+        if start.elapsed() > common::DEADLINE {
+            let _ = child.kill();
+            panic!(
+                "the C consumer did not finish within {:?}",
+                common::DEADLINE
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("the C consumer's output")
+}
+
+/// Runs the C consumer with `args` and compares its losses with the Rust trainer's.
+fn check_c_losses(exe: &Path, args: &[String], world: usize, steps: u64) {
+    {
+        let out = run_within_deadline(Command::new(exe).args(args));
         assert!(
             out.status.success(),
             "{}",

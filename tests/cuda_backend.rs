@@ -742,9 +742,14 @@ fn the_callers_stream_becomes_the_compute_stream() {
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let b = CudaBackend::with_stream(Arc::clone(&stream)).unwrap();
-    assert!(Arc::ptr_eq(b.stream(Stream::Compute), &stream));
-    assert!(!Arc::ptr_eq(b.stream(Stream::Gather), &stream));
+    assert_eq!(b.stream(Stream::Compute).cu_stream(), stream.cu_stream());
+    assert_ne!(b.stream(Stream::Gather).cu_stream(), stream.cu_stream());
     smoke(&b);
+    // The caller's context handle keeps cudarc's event tracking, which its own slices rely on.
+    assert!(ctx.is_event_tracking());
+    drop(b);
+    // The backend never owned the stream: it still works.
+    stream.synchronize().unwrap();
 }
 
 #[test]

@@ -229,8 +229,12 @@ static void *run_rank(void *arg) {
 int main(int argc, char **argv) {
     size_t world = argc > 1 ? (size_t)atoi(argv[1]) : 2;
     int steps = argc > 2 ? atoi(argv[2]) : 5;
+    /* A seed runs the ranks' streams apart (fsdp_local_group_create_async), as a test of order. */
+    int asynchronous = argc > 3;
+    uint64_t seed = asynchronous ? strtoull(argv[3], NULL, 10) : 0;
     if (world < 1 || world > MAX_WORLD || steps < 1 || steps > MAX_STEPS) {
-        fprintf(stderr, "usage: train [world_size 1..%d] [steps 1..%d]\n", MAX_WORLD, MAX_STEPS);
+        fprintf(stderr, "usage: train [world_size 1..%d] [steps 1..%d] [seed]\n", MAX_WORLD,
+                MAX_STEPS);
         return 2;
     }
     char names[NPARAMS][32];
@@ -257,7 +261,11 @@ int main(int argc, char **argv) {
     fsdp_plan *plan;
     fsdp_local_group *group;
     CHECK(fsdp_plan_from_specs(specs, NPARAMS, world, &plan));
-    CHECK(fsdp_local_group_create(world, &group));
+    if (asynchronous) {
+        CHECK(fsdp_local_group_create_async(world, seed, &group));
+    } else {
+        CHECK(fsdp_local_group_create(world, &group));
+    }
     rank_job jobs[MAX_WORLD];
     pthread_t threads[MAX_WORLD];
     for (size_t r = 0; r < world; r++) {

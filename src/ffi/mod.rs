@@ -428,11 +428,17 @@ fn destroy(handle: u64, kind_ok: impl Fn(&Entry) -> bool, what: &'static str) ->
     if handle == 0 {
         return Ok(());
     }
-    let mut handles = handles()?;
-    if !kind_ok(&*handles.get(handle)?) {
-        return Err(wrong_kind(what));
-    }
-    handles.remove(handle).map(drop)
+    let removed = {
+        let mut handles = handles()?;
+        if !kind_ok(&*handles.get(handle)?) {
+            return Err(wrong_kind(what));
+        }
+        handles.remove(handle)?
+    };
+    // Dropped after the registry is unlocked: an engine's drop waits for its queued work, whose
+    // collectives need the other ranks, whose calls need the registry.
+    drop(removed);
+    Ok(())
 }
 
 /// The calling thread's message for its last failed call; never NULL. The string stays valid

@@ -66,11 +66,11 @@ pub(crate) fn primary_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(ctx)
 }
 
-/// Turns off cudarc's per-slice event tracking on `ctx`: this crate orders its streams with its
-/// own events, and with tracking on cudarc would also synchronize the whole context (a host wait)
-/// when the first extra stream is created. `CudaSlice`s a caller creates on this context
-/// afterwards are not tracked either: the caller orders its streams itself.
-pub(crate) fn untrack(ctx: &CudaContext) {
+/// Turns off cudarc's per-slice event tracking on `ctx`, a handle of this crate's own: this crate
+/// orders its streams with its own events, and with tracking on cudarc would also synchronize the
+/// whole context (a host wait) when the first extra stream is created. A caller's own handles of
+/// the same context keep their tracking.
+fn untrack(ctx: &CudaContext) {
     // SAFETY: this crate allocates no cudarc `CudaSlice`, so no slice of ours relies on tracking.
     unsafe { ctx.disable_event_tracking() };
 }

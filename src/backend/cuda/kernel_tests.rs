@@ -604,6 +604,23 @@ fn accumulate_one_gib() {
     }
 }
 
+/// An f32 accumulation of more than 2^31 elements (8 GiB a buffer): an index or a size that
+/// wraps at 32 bits shows as a wrong or missing element.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn accumulate_past_2_pow_31_elements() {
+    let gpu = gpu();
+    accumulate_case(&gpu, DType::F32, true, &[3], (1 << 31) + 5);
+}
+
+/// A bf16 to f32 cast of more than 2^32 elements (8 GiB in, 16 GiB out).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cast_bf16_to_f32_past_2_pow_32_elements() {
+    let gpu = gpu();
+    cast_case(&gpu, DType::Bf16, DType::F32, &[3], (1 << 32) + 3);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn adamw_matches_the_host() {

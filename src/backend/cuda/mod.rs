@@ -55,6 +55,8 @@ pub struct CudaBackend {
     tracker: Arc<Tracker>,
     host_waits: AtomicU64,
     staging: Mutex<Staging>,
+    /// The caller's handle of the compute stream, kept alive while the backend uses it.
+    caller_stream: Option<Arc<CudaStream>>,
 }
 
 impl CudaBackend {
@@ -66,13 +68,28 @@ impl CudaBackend {
         CudaBackend::build(ctx, compute)
     }
 
-    /// A backend whose compute stream is the caller's `stream`, on that stream's context.
-    /// Turns off cudarc's per-slice event tracking on that `CudaContext` object: `CudaSlice`s the
-    /// caller allocates through it afterwards are not ordered across streams by cudarc.
+    /// A backend whose compute stream is the caller's `stream`, which must belong to its
+    /// device's primary context (`Error::Cuda` otherwise). The backend keeps the stream alive and
+    /// drives it through a context handle of its own, so the caller's `CudaContext` keeps its
+    /// settings (cudarc's event tracking included).
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<CudaBackend> {
-        let ctx = Arc::clone(stream.context());
-        driver::untrack(&ctx);
-        CudaBackend::build(ctx, stream)
+        let ordinal = stream.context().ordinal();
+        let ctx = primary_context(ordinal)?;
+        if stream.context().cu_ctx() != ctx.cu_ctx() {
+            return Err(driver::cuda_error(
+                "cuStreamGetCtx",
+                CUresult::CUDA_ERROR_INVALID_CONTEXT,
+                format!(
+                    "the stream belongs to another context than device {ordinal}'s primary context"
+                ),
+            ));
+        }
+        // SAFETY: the stream belongs to `ctx`'s context (checked above), and the backend holds
+        // the caller's handle, which keeps it alive, for as long as it lives.
+        let compute = unsafe { ctx.wrap_borrowed_stream(stream.cu_stream()) };
+        let mut backend = CudaBackend::build(ctx, compute)?;
+        backend.caller_stream = Some(stream);
+        Ok(backend)
     }
 
     /// A backend whose compute stream is a foreign stream handle (a `CUstream` / `cudaStream_t`,
@@ -128,6 +145,7 @@ impl CudaBackend {
             tracker: Arc::default(),
             host_waits: AtomicU64::new(0),
             staging: Mutex::default(),
+            caller_stream: None,
         })
     }
 
