@@ -21,7 +21,7 @@ fn engine(overlap: bool) -> Engine<CpuBackend, LocalComm> {
     let comm = LocalComm::group(1).unwrap().pop().unwrap();
     let config = EngineConfig {
         overlap,
-        optimizer: OptimizerConfig::Sgd { lr: 0.0 },
+        optimizer: OptimizerConfig::sgd(0.0),
         ..EngineConfig::default()
     };
     Engine::new(plan, config, CpuBackend::new(), comm).unwrap()

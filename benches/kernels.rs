@@ -454,7 +454,7 @@ fn sgd(size: usize, param: DType) -> Item {
         // SAFETY: every operand holds `n` elements of its dtype.
         Ok(unsafe {
             gpu.kernels
-                .sgd(&gpu.stream, param, a[0], a[1], param_ptr, n, 0.01)
+                .sgd(&gpu.stream, param, a[0], a[1], param_ptr, n, 0.01, 0.1)
         }?)
     })
 }
@@ -558,7 +558,7 @@ fn reduce_sum(size: usize, count: usize) -> Item {
             // and a[count] is the destination.
             Ok(unsafe {
                 gpu.kernels
-                    .reduce_sum(&gpu.stream, a[count + 1], count, a[count], n)
+                    .reduce_sum(&gpu.stream, a[count + 1], count, a[count], n, 0.25)
             }?)
         },
     );

@@ -99,7 +99,7 @@ fn run_rank<C: Communicator<CudaBackend>>(
     let unsharded_ms = time_unsharded(&backend, shape, args)?;
     let plan = Arc::new(Plan::new(&shape.spec()?, comm.world_size())?);
     let config = EngineConfig::default();
-    let plan_bytes = plan.memory_per_rank(&config).peak;
+    let plan_bytes = plan.memory_per_rank(&config)?.peak;
     let mut stack = Stack::new(&backend, shape, 1)?;
     let mut engine = Engine::new(plan, config, backend, comm)?;
     stack.load(&mut engine, 1)?;
@@ -291,9 +291,9 @@ fn run(args: &Args) -> Result<()> {
                         "one step, {} layers of width {}, batch {}, {comm}, rank 0: compute, gather, reduce streams",
                         shape.layers, shape.width, shape.batch
                     );
-                    let io = |source| fsdp_fusion::Error::Write {
+                    let io = |source: std::io::Error| fsdp_fusion::Error::Write {
                         path: path.clone(),
-                        source,
+                        source: std::sync::Arc::new(source),
                     };
                     std::fs::write(path, trace::chrome_trace(&spans).to_string()).map_err(io)?;
                     std::fs::write(format!("{path}.svg"), trace::svg(&spans[0], &title))

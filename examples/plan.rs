@@ -2,6 +2,7 @@
 //!
 //! cargo run --release --example plan -- --model examples/models/tiny.json --world-size 4 [--json]
 
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -35,17 +36,35 @@ fn mib(bytes: usize) -> String {
     format!("{:>10.3} MiB", bytes as f64 / (1 << 20) as f64)
 }
 
-fn run(args: &Args) -> fsdp_fusion::Result<()> {
+/// Why the example stopped early.
+enum Stop {
+    Plan(fsdp_fusion::Error),
+    Output(io::Error),
+}
+
+impl From<fsdp_fusion::Error> for Stop {
+    fn from(e: fsdp_fusion::Error) -> Stop {
+        Stop::Plan(e)
+    }
+}
+
+impl From<io::Error> for Stop {
+    fn from(e: io::Error) -> Stop {
+        Stop::Output(e)
+    }
+}
+
+fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
     let model = ModelSpec::from_path(&args.model)?;
     let plan = Plan::new(&model, args.world_size)?;
     let optimizer = match args.optimizer.as_str() {
         "adamw" => OptimizerConfig::default(),
-        "sgd" => OptimizerConfig::Sgd { lr: 0.01 },
+        "sgd" => OptimizerConfig::sgd(0.01),
         other => {
-            return Err(fsdp_fusion::Error::InvalidConfig {
+            return Err(Stop::Plan(fsdp_fusion::Error::InvalidConfig {
                 field: "optimizer",
                 reason: format!("is {other:?}, expected adamw or sgd"),
-            });
+            }));
         }
     };
     let config = EngineConfig {
@@ -56,18 +75,20 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     };
     config.validate()?;
     if args.json {
-        println!("{:#}", plan.to_json(&config));
+        writeln!(out, "{:#}", plan.to_json(&config))?;
         return Ok(());
     }
-    println!(
+    writeln!(
+        out,
         "{}: {} params, world size {}, alignment {} bytes",
         args.model.display(),
         plan.params().len(),
         plan.world_size(),
         ALIGNMENT_BYTES
-    );
-    println!();
-    println!(
+    )?;
+    writeln!(out)?;
+    writeln!(
+        out,
         "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>8}",
         "group",
         "dtype",
@@ -79,13 +100,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         "padded",
         "shard",
         "padding"
-    );
+    )?;
     let (mut numel_all, mut padded_all) = (0usize, 0usize);
     for g in plan.groups() {
         let numel: usize = g.params.iter().map(|&p| plan.params()[p.0].numel).sum();
         numel_all += numel;
         padded_all += g.padded_numel;
-        println!(
+        writeln!(
+            out,
             "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>7.1}%",
             g.index,
             g.dtype.name(),
@@ -97,39 +119,44 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             g.padded_numel,
             g.shard_numel,
             overhead(numel, g.padded_numel)
-        );
+        )?;
     }
-    println!();
-    println!(
+    writeln!(out)?;
+    writeln!(
+        out,
         "{:>5}  {:<28}  {:<14}  {:>12}  {:>12}  {:>12}",
         "group", "param", "shape", "numel", "offset", "padded"
-    );
+    )?;
     for g in plan.groups() {
         for &id in &g.params {
             let p = &plan.params()[id.0];
-            println!(
+            writeln!(
+                out,
                 "{:>5}  {:<28}  {:<14}  {:>12}  {:>12}  {:>12}",
                 g.index,
-                p.name,
+                // Names are the caller's text: control characters are shown escaped.
+                p.name.escape_debug().to_string(),
                 format!("{:?}", p.shape),
                 p.numel,
                 p.offset,
                 p.padded_numel
-            );
+            )?;
         }
     }
-    let m = plan.memory_per_rank(&config);
-    println!();
-    println!(
+    let m = plan.memory_per_rank(&config)?;
+    writeln!(out)?;
+    writeln!(
+        out,
         "padding overhead: {:.2}% ({} of {} elements)",
         overhead(numel_all, padded_all),
         padded_all - numel_all,
         padded_all
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "bytes per rank (limit {}, {} reduce-scatters in flight, {}):",
         args.limit, args.reduces, args.optimizer
-    );
+    )?;
     for (name, bytes) in [
         ("param shards", m.param_shards),
         ("fp32 grad shards", m.grad_shards),
@@ -138,7 +165,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         ("fp32 grad slots", m.grad_slots),
         ("peak", m.peak),
     ] {
-        println!("  {name:<18} {} ({bytes} bytes)", mib(bytes));
+        writeln!(out, "  {name:<18} {} ({bytes} bytes)", mib(bytes))?;
     }
     Ok(())
 }
@@ -153,9 +180,15 @@ fn overhead(numel: usize, padded: usize) -> f64 {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    match run(&args, &mut io::stdout().lock()) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        // The reader went away (`| head`): nothing more to say.
+        Err(Stop::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(Stop::Output(e)) => {
+            eprintln!("error: cannot write the plan: {e}");
+            ExitCode::FAILURE
+        }
+        Err(Stop::Plan(e)) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

@@ -139,7 +139,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             eps: 1e-8,
             weight_decay: 0.01,
         },
-        Optimizer::Sgd => OptimizerConfig::Sgd { lr: args.lr },
+        Optimizer::Sgd => OptimizerConfig::sgd(args.lr),
     };
     let config = EngineConfig {
         double_buffer_limit: args.limit,
@@ -151,6 +151,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             GradReduction::Mean
         },
         optimizer,
+        ..EngineConfig::default()
     };
     config.validate()?;
     let plan = Arc::new(Plan::new(&model.spec()?, args.ranks)?);
@@ -238,7 +239,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     println!(
         "largest relative parameter difference, sharded vs reference, over all steps: {worst:.3e}"
     );
-    let predicted = plan.memory_per_rank(&config);
+    let predicted = plan.memory_per_rank(&config)?;
     println!("bytes per rank: measured peak vs plan (shards, grad shards, optimizer state, slots)");
     for (rank, s) in summaries.iter().enumerate() {
         println!(

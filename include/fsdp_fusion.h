@@ -34,17 +34,33 @@ typedef enum fsdp_status {
   FSDP_NULL_POINTER = 1,
   // A handle that is not live, or of the wrong kind.
   FSDP_INVALID_HANDLE = 2,
-  // A bad value: size, dtype, name, shape, configuration, model file contents.
+  // A bad value: size, dtype, name, shape, configuration, model file contents; or ranks whose
+  // plans differ.
   FSDP_INVALID_ARGUMENT = 3,
-  // A call out of order: hooks, gradients, steps.
+  // A call out of order: hooks, gradients, steps. Nothing changed.
   FSDP_MISUSE = 4,
   // CUDA, its kernels or NCCL are not available.
   FSDP_UNAVAILABLE = 5,
+  // The device failed (the engine is poisoned).
   FSDP_DEVICE_ERROR = 6,
+  // A collective failed: ranks that issued different collectives, a peer that left (the engine
+  // is poisoned).
   FSDP_COMM_ERROR = 7,
+  // A file could not be read or written.
   FSDP_IO_ERROR = 8,
-  // The library panicked; the object involved should be destroyed.
+  // The library panicked; the engine involved is poisoned and has left its group.
   FSDP_PANIC = 9,
+  // Too little host or device memory; nothing was half-built.
+  FSDP_OUT_OF_MEMORY = 10,
+  // A wait passed the engine's deadline (`fsdp_config.timeout_seconds`); the engine is
+  // poisoned.
+  FSDP_TIMEOUT = 11,
+  // The engine was aborted (`fsdp_engine_abort`, or `fsdp_engine_destroy` from another
+  // thread).
+  FSDP_ABORTED = 12,
+  // An earlier failure poisoned the engine: only `fsdp_engine_destroy` (and reading its
+  // counters and memory) still works; the message names the first failure.
+  FSDP_POISONED = 13,
 } fsdp_status;
 
 // One rank's engine.
@@ -64,17 +80,36 @@ typedef struct fsdp_plan fsdp_plan;
 typedef struct fsdp_config {
   size_t double_buffer_limit;
   size_t max_reduces_in_flight;
-  bool overlap;
+  // 1: prefetch and keep reductions in flight; 0: every collective completes within its hook.
+  uint8_t overlap;
   // `FSDP_MEAN` or `FSDP_SUM`.
   uint32_t grad_reduction;
-  // `FSDP_ADAMW` or `FSDP_SGD` (which uses `lr` only).
+  // `FSDP_ADAMW` or `FSDP_SGD` (which uses `lr` and `weight_decay`, as `torch.optim.SGD`
+  // without momentum: the decay is added to the gradient).
   uint32_t optimizer;
   float lr;
   float beta1;
   float beta2;
   float eps;
   float weight_decay;
+  // Seconds any blocking wait of the engine lasts before it fails with `FSDP_TIMEOUT`; positive.
+  double timeout_seconds;
+  // 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
+  // NCCL, which does not compare them itself; costs a small all-gather and a host wait).
+  uint8_t verify_collectives;
 } fsdp_config;
+
+// What an engine did so far.
+typedef struct fsdp_counters {
+  uint64_t all_gathers;
+  uint64_t prefetches;
+  uint64_t reuses;
+  uint64_t evictions;
+  uint64_t reduce_scatters;
+  uint64_t extra_slots;
+  uint64_t host_waits;
+  uint64_t steps;
+} fsdp_counters;
 
 // One parameter's declaration.
 typedef struct fsdp_param_spec {
@@ -87,8 +122,10 @@ typedef struct fsdp_param_spec {
   uint32_t dtype;
   // The FSDP unit, or `FSDP_ROOT`.
   int64_t unit;
-  bool trainable;
-  bool tied;
+  // 1: takes gradients and is optimized; 0: frozen. Other values are refused.
+  uint8_t trainable;
+  // 1: used by several units (kept gathered with the root); 0: not. Other values are refused.
+  uint8_t tied;
 } fsdp_param_spec;
 
 // One parameter's place in the plan.
@@ -112,115 +149,17 @@ typedef struct fsdp_memory {
   size_t peak;
 } fsdp_memory;
 
-// What an engine did so far.
-typedef struct fsdp_counters {
-  uint64_t all_gathers;
-  uint64_t prefetches;
-  uint64_t reuses;
-  uint64_t evictions;
-  uint64_t reduce_scatters;
-  uint64_t extra_slots;
-  uint64_t host_waits;
-  uint64_t steps;
-} fsdp_counters;
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
 
-// The calling thread's message for its last failed call; never NULL. The string stays valid
-// until the thread's next failed call.
-const char *fsdp_last_error(void);
-
-// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean, AdamW with
-// PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01).
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_config_default(struct fsdp_config *out);
-
-// Creates a plan from a model file's JSON text (NUL-terminated). A malformed text fails with
-// `FSDP_INVALID_ARGUMENT` and a message giving its line and column. The plan is the caller's:
-// release it with `fsdp_plan_destroy` (engines keep what they need).
-//
-// # Safety
-// `json` is NULL or NUL-terminated; `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_from_json(const char *json, size_t world_size, struct fsdp_plan **out);
-
-// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file.
-//
-// # Safety
-// `path` is NULL or NUL-terminated; `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_from_file(const char *path, size_t world_size, struct fsdp_plan **out);
-
-// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`.
-//
-// # Safety
-// `specs` is NULL or valid for `count` entries, each with a NUL-terminated name and `ndim`
-// dimensions; `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_from_specs(const struct fsdp_param_spec *specs,
-                                      size_t count,
-                                      size_t world_size,
-                                      struct fsdp_plan **out);
-
-// Releases a plan; NULL is accepted.
-enum fsdp_status fsdp_plan_destroy(struct fsdp_plan *plan);
-
-// The number of parameters, in model order (ids `0..count`).
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_param_count(const struct fsdp_plan *plan, size_t *out);
-
-// The id of the parameter named `name`.
-//
-// # Safety
-// `name` is NULL or NUL-terminated; `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_param_id(const struct fsdp_plan *plan, const char *name, size_t *out);
-
-// Where parameter `param` lives in the plan.
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_param_info(const struct fsdp_plan *plan,
-                                      size_t param,
-                                      struct fsdp_param_info *out);
-
-// The bytes one rank allocates for `plan` under `config`.
-//
-// # Safety
-// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
-enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
-                                  const struct fsdp_config *config,
-                                  struct fsdp_memory *out);
-
-// Creates the communicators of `world_size` CPU ranks running as threads of this process. Each
-// rank's engine takes its communicator with `fsdp_engine_create_cpu`; every rank must then issue
-// the same hooks in the same order. Release with `fsdp_local_group_destroy` (engines keep theirs).
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_local_group_create(size_t world_size, struct fsdp_local_group **out);
-
-// As `fsdp_local_group_create`, for engines whose CPU backend runs its three streams apart: each
-// stream is a worker thread that runs its queue in order, every operation after a delay drawn
-// from `seed` (rank `r` draws from `seed + r`), and collectives run on the streams. Work is
-// ordered across streams only by the engine's events, so a missing one shows as a wrong value;
-// for tests. Host reads and writes (views, gradient slots, loads, shard copies) first wait for
-// the streams they depend on.
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_local_group_create_async(size_t world_size,
-                                               uint64_t seed,
-                                               struct fsdp_local_group **out);
-
-// Releases a local group; NULL is accepted.
-enum fsdp_status fsdp_local_group_destroy(struct fsdp_local_group *group);
-
 // Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
-// (once per rank). Allocates every buffer the plan predicts; parameters start at zero until
-// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`.
+// (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a
+// collective: every rank of the group makes its engine) and fails with `FSDP_INVALID_ARGUMENT`,
+// naming the first differing parameter, where they differ. Parameters start at zero until
+// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. A failed call gives the
+// communicator back to the group: the rank can try again (with a smaller configuration after
+// `FSDP_OUT_OF_MEMORY`, say).
 //
 // # Safety
 // `config` is NULL or valid for a read; `out` is NULL or valid for a write.
@@ -229,16 +168,6 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
                                         struct fsdp_local_group *group,
                                         size_t rank,
                                         struct fsdp_engine **out);
-
-// Writes a fresh NCCL unique id (`len` bytes, which must be 128) to `out`. One rank makes it and
-// passes the same bytes to every rank's `fsdp_engine_create_cuda_nccl`, through the caller's own
-// channel (its launcher, `torch.distributed`, a file). Does not need a GPU, but loads NCCL
-// (`libnccl.so.2`, or the library named by `FSDP_NCCL_LIBRARY`): `FSDP_UNAVAILABLE` without it.
-// May be called from any thread.
-//
-// # Safety
-// `out` is NULL or valid for `len` bytes.
-enum fsdp_status fsdp_nccl_unique_id(uint8_t *out, size_t len);
 
 // Creates rank `rank` of `world_size` on CUDA device `device` with NCCL: one process (or thread)
 // per GPU, every rank with the same `unique_id` (`id_len` bytes, 128, from
@@ -268,19 +197,6 @@ enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               uint64_t stream,
                                               struct fsdp_engine **out);
 
-// Creates the communicators of `world_size` ranks that share one GPU, one thread of this process
-// each: NCCL refuses two ranks on one device, this group does not. Each rank's engine takes its
-// communicator with `fsdp_engine_create_cuda_loopback`; every rank must then issue the same hooks
-// in the same order, from its own thread. Needs no GPU itself. Release with
-// `fsdp_loopback_group_destroy` (engines keep theirs).
-//
-// # Safety
-// `out` is NULL or valid for a write.
-enum fsdp_status fsdp_loopback_group_create(size_t world_size, struct fsdp_loopback_group **out);
-
-// Releases a loopback group; NULL is accepted.
-enum fsdp_status fsdp_loopback_group_destroy(struct fsdp_loopback_group *group);
-
 // Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 // `group` (once per rank, and only once the device is found usable: a failed call leaves it in
 // the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
@@ -296,10 +212,12 @@ enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
                                                   uint64_t stream,
                                                   struct fsdp_engine **out);
 
-// Releases an engine and everything it allocated; NULL is accepted. On a GPU it blocks until the
-// device finished the work still using the engine's memory. CPU and loopback ranks still in a
-// collective with it fail with `FSDP_COMM_ERROR` instead of waiting forever; NCCL ranks must all
-// destroy their engines at the same point of the training.
+// Releases an engine and everything it allocated; NULL is accepted. Never waits for another
+// handle. A call still running on the engine in another thread (blocked in a collective, say) is
+// aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
+// the work it queued first (on a GPU, the device work still using its memory). CPU and loopback
+// ranks still in a collective with it fail with `FSDP_COMM_ERROR` instead of waiting; NCCL ranks
+// must all destroy their engines at the same point of the training.
 enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);
 
 // Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
@@ -393,13 +311,15 @@ enum fsdp_status fsdp_engine_optimizer_step(struct fsdp_engine *engine);
 // next step starts. Does not block the host.
 enum fsdp_status fsdp_engine_end_step(struct fsdp_engine *engine);
 
-// What the engine did so far.
+// What the engine did, as of the end of its last call: never waits for a call in progress on
+// another thread, and works on a poisoned engine too.
 //
 // # Safety
 // `out` is NULL or valid for a write.
 enum fsdp_status fsdp_engine_counters(struct fsdp_engine *engine, struct fsdp_counters *out);
 
-// Bytes the engine's backend holds now and at its peak.
+// Bytes the engine's backend held at the end of its last call, and at its peak; as
+// `fsdp_engine_counters`, never waits.
 //
 // # Safety
 // Each out-pointer is NULL or valid for a write.
@@ -416,6 +336,126 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
                                          void *out,
                                          size_t capacity,
                                          size_t *written);
+
+// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
+// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
+// `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.
+enum fsdp_status fsdp_engine_abort(struct fsdp_engine *engine);
+
+// Creates the communicators of `world_size` CPU ranks running as threads of this process. Each
+// rank's engine takes its communicator with `fsdp_engine_create_cpu`; every rank must then issue
+// the same hooks in the same order. Release with `fsdp_local_group_destroy` (engines keep theirs).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_local_group_create(size_t world_size, struct fsdp_local_group **out);
+
+// As `fsdp_local_group_create`, for engines whose CPU backend runs its three streams apart: each
+// stream is a worker thread that runs its queue in order, every operation after a delay drawn
+// from `seed` (rank `r` draws from `seed + r`), and collectives run on the streams. Work is
+// ordered across streams only by the engine's events, so a missing one shows as a wrong value;
+// for tests. Host reads and writes (views, gradient slots, loads, shard copies) first wait for
+// the streams they depend on.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_local_group_create_async(size_t world_size,
+                                               uint64_t seed,
+                                               struct fsdp_local_group **out);
+
+// Releases a local group; NULL is accepted.
+enum fsdp_status fsdp_local_group_destroy(struct fsdp_local_group *group);
+
+// Writes a fresh NCCL unique id (`len` bytes, which must be 128) to `out`. One rank makes it and
+// passes the same bytes to every rank's `fsdp_engine_create_cuda_nccl`, through the caller's own
+// channel (its launcher, `torch.distributed`, a file). Does not need a GPU, but loads NCCL
+// (`libnccl.so.2`, or the library named by `FSDP_NCCL_LIBRARY`): `FSDP_UNAVAILABLE` without it.
+// May be called from any thread.
+//
+// # Safety
+// `out` is NULL or valid for `len` bytes.
+enum fsdp_status fsdp_nccl_unique_id(uint8_t *out, size_t len);
+
+// Creates the communicators of `world_size` ranks that share one GPU, one thread of this process
+// each: NCCL refuses two ranks on one device, this group does not. Each rank's engine takes its
+// communicator with `fsdp_engine_create_cuda_loopback`; every rank must then issue the same hooks
+// in the same order, from its own thread. Needs no GPU itself. Release with
+// `fsdp_loopback_group_destroy` (engines keep theirs).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_loopback_group_create(size_t world_size, struct fsdp_loopback_group **out);
+
+// Releases a loopback group; NULL is accepted.
+enum fsdp_status fsdp_loopback_group_destroy(struct fsdp_loopback_group *group);
+
+// Creates a plan from a model file's JSON text (NUL-terminated). A malformed text fails with
+// `FSDP_INVALID_ARGUMENT` and a message giving its line and column. The plan is the caller's:
+// release it with `fsdp_plan_destroy` (engines keep what they need).
+//
+// # Safety
+// `json` is NULL or NUL-terminated; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_from_json(const char *json, size_t world_size, struct fsdp_plan **out);
+
+// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file.
+//
+// # Safety
+// `path` is NULL or NUL-terminated; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_from_file(const char *path, size_t world_size, struct fsdp_plan **out);
+
+// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`.
+//
+// # Safety
+// `specs` is NULL or valid for `count` entries, each with a NUL-terminated name and `ndim`
+// dimensions; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_from_specs(const struct fsdp_param_spec *specs,
+                                      size_t count,
+                                      size_t world_size,
+                                      struct fsdp_plan **out);
+
+// Releases a plan; NULL is accepted.
+enum fsdp_status fsdp_plan_destroy(struct fsdp_plan *plan);
+
+// The number of parameters, in model order (ids `0..count`).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_param_count(const struct fsdp_plan *plan, size_t *out);
+
+// The id of the parameter named `name`.
+//
+// # Safety
+// `name` is NULL or NUL-terminated; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_param_id(const struct fsdp_plan *plan, const char *name, size_t *out);
+
+// Where parameter `param` lives in the plan.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_param_info(const struct fsdp_plan *plan,
+                                      size_t param,
+                                      struct fsdp_param_info *out);
+
+// The bytes one rank allocates for `plan` under `config`; `FSDP_INVALID_ARGUMENT` when a total
+// does not fit in a `size_t`.
+//
+// # Safety
+// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
+                                  const struct fsdp_config *config,
+                                  struct fsdp_memory *out);
+
+// The calling thread's message for its last failed call; never NULL. The string stays valid
+// until the thread's next failed call.
+const char *fsdp_last_error(void);
+
+// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean, AdamW with
+// PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a 600-second
+// timeout, collectives not verified.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_config_default(struct fsdp_config *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -51,13 +51,16 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, float* d
                                    grid_threads());
 }
 
-// `dst = ((src0 + src1) + src2) + ...`: step k reads source k, so every chunk of a round has its
-// load of one source in flight together. `dst` may be one of the sources: each element is read
-// from every source before it is written, by the same thread.
+// `dst = ((scale * src0 + scale * src1) + scale * src2) + ...`: step k reads source k, so every
+// chunk of a round has its load of one source in flight together. `dst` may be one of the
+// sources: each element is read from every source before it is written, by the same thread.
+// Scaling each source before the sum keeps a mean finite where the plain sum would overflow; a
+// scale of 1 changes no bit.
 struct SumOp {
   const float* const* srcs;
   int count;
   float* dst;
+  float scale;
   template <int N>
   struct Regs {
     float acc[N];
@@ -70,7 +73,10 @@ struct SumOp {
     float x[N];
     to_floats<F32>(raw, x);
 #pragma unroll
-    for (int k = 0; k < N; ++k) r.acc[k] = step == 0 ? x[k] : __fadd_rn(r.acc[k], x[k]);
+    for (int k = 0; k < N; ++k) {
+      const float scaled = __fmul_rn(scale, x[k]);
+      r.acc[k] = step == 0 ? scaled : __fadd_rn(r.acc[k], scaled);
+    }
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
@@ -79,11 +85,11 @@ struct SumOp {
 };
 
 __device__ __forceinline__ void reduce_sum(const float* const* srcs, int count, float* dst,
-                                           uint64_t n) {
+                                           uint64_t n, float scale) {
   Phase phase;
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
-  elementwise<kChunk<uint32_t>, 4>(SumOp{srcs, count, dst}, n, phase, grid_thread(),
+  elementwise<kChunk<uint32_t>, 4>(SumOp{srcs, count, dst, scale}, n, phase, grid_thread(),
                                    grid_threads());
 }
 
@@ -101,7 +107,7 @@ FSDP_ACCUMULATE(bf16, fsdp::Bf16)
 FSDP_ACCUMULATE(f16, fsdp::F16)
 FSDP_ACCUMULATE(f32, fsdp::F32)
 
-extern "C" __global__ void __launch_bounds__(kBlock)
-    reduce_sum_f32(const float* const* srcs, uint32_t count, float* dst, uint64_t n) {
-  fsdp::reduce_sum(srcs, static_cast<int>(count), dst, n);
+extern "C" __global__ void __launch_bounds__(kBlock) reduce_sum_f32(
+    const float* const* srcs, uint32_t count, float* dst, uint64_t n, float scale) {
+  fsdp::reduce_sum(srcs, static_cast<int>(count), dst, n, scale);
 }

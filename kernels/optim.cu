@@ -74,6 +74,7 @@ struct SgdOp {
   const float* grad;
   typename P::Bits* param;
   float lr;
+  float weight_decay;
   bool aliased;
   template <int N>
   struct Regs {
@@ -92,8 +93,13 @@ struct SgdOp {
     float g[N];
     to_floats<F32>(r.p, p);
     to_floats<F32>(r.g, g);
+    // torch.optim.SGD's weight decay adds `weight_decay * p` to the gradient; none at all when it
+    // is 0 (not even `0 * p`, which is NaN for an infinite p).
 #pragma unroll
-    for (int k = 0; k < N; ++k) p[k] = __fsub_rn(p[k], __fmul_rn(lr, g[k]));
+    for (int k = 0; k < N; ++k) {
+      const float d = weight_decay != 0.0f ? __fadd_rn(g[k], __fmul_rn(weight_decay, p[k])) : g[k];
+      p[k] = __fsub_rn(p[k], __fmul_rn(lr, d));
+    }
     store_floats<F32>(reinterpret_cast<uint32_t*>(master) + i, p);
     if (!aliased) store_floats<P>(param + i, p);
   }
@@ -116,14 +122,14 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
 
 template <class P>
 __device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
-                                    uint64_t n, float lr) {
+                                    uint64_t n, float lr, float weight_decay) {
   Phase phase;
   phase.add(master);
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, aliased}, n, phase,
-                                   grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, weight_decay, aliased}, n,
+                                   phase, grid_thread(), grid_threads());
 }
 
 }  // namespace fsdp
@@ -136,9 +142,9 @@ using fsdp::kBlock;
                    uint64_t n, fsdp::AdamwCoefficients c) {                                     \
     fsdp::adamw<P>(master, m, v, grad, param, n, c);                                            \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(kBlock)                                          \
-      sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n, float lr) {      \
-    fsdp::sgd<P>(master, grad, param, n, lr);                                                   \
+  extern "C" __global__ void __launch_bounds__(kBlock) sgd_##name(                              \
+      float* master, const float* grad, P::Bits* param, uint64_t n, float lr, float wd) {       \
+    fsdp::sgd<P>(master, grad, param, n, lr, wd);                                               \
   }
 
 FSDP_OPTIM(bf16, fsdp::Bf16)

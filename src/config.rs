@@ -1,7 +1,10 @@
 //! How one rank's engine runs.
 
+use std::time::Duration;
+
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
+use crate::watch::DEFAULT_TIMEOUT;
 
 /// How gradients from the ranks combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -12,19 +15,39 @@ pub enum GradReduction {
     Sum,
 }
 
+impl GradReduction {
+    /// The factor each rank's gradient is multiplied by before the ranks' are summed.
+    pub fn scale(self, world_size: usize) -> f32 {
+        match self {
+            GradReduction::Mean => 1.0 / world_size as f32,
+            GradReduction::Sum => 1.0,
+        }
+    }
+}
+
 /// The engine's settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Most gathered (syncing, in use or ready) buffers kept at once; a required gather may exceed
-    /// it when no ready buffer can be evicted, a prefetch never does. At least 1.
+    /// it when no ready buffer can be evicted, a prefetch never does. At least 1; a limit above
+    /// the plan's group count acts as that count.
     pub double_buffer_limit: usize,
-    /// Most gradient reduce-scatters in flight before the oldest is retired. At least 1.
+    /// Most gradient reduce-scatters in flight before the oldest is retired. At least 1; a value
+    /// above the plan's trainable group count acts as that count.
     pub max_reduces_in_flight: usize,
     /// Prefetch the next unit's gathers and keep reductions in flight; off, every collective
     /// completes before the hook that issued it returns.
     pub overlap: bool,
     pub grad_reduction: GradReduction,
     pub optimizer: OptimizerConfig,
+    /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
+    /// before it fails with `Error::Timeout`, poisoning the engine. Positive.
+    pub timeout: Duration,
+    /// Compare the ranks' collectives of every step in `finish_grad_sync` (one small all-gather
+    /// and a host wait), failing every rank, with both versions named, where they differ. The
+    /// CPU and loopback communicators compare every collective anyway; this is for NCCL, as
+    /// PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` is.
+    pub verify_collectives: bool,
 }
 
 impl Default for EngineConfig {
@@ -35,6 +58,8 @@ impl Default for EngineConfig {
             overlap: true,
             grad_reduction: GradReduction::Mean,
             optimizer: OptimizerConfig::default(),
+            timeout: DEFAULT_TIMEOUT,
+            verify_collectives: false,
         }
     }
 }
@@ -52,6 +77,12 @@ impl EngineConfig {
             return Err(Error::InvalidConfig {
                 field: "max_reduces_in_flight",
                 reason: "must be at least 1".into(),
+            });
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::InvalidConfig {
+                field: "timeout",
+                reason: "must be positive".into(),
             });
         }
         self.optimizer.validate()

@@ -9,21 +9,23 @@ use crate::plan::Unit;
 use crate::state::BufferState;
 
 /// Every failure the crate reports. Variants carry the values a caller needs to find the cause.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     #[error("cannot read model file {path}: {source}")]
     ModelFile {
         path: String,
         #[source]
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     #[error("cannot write {path}: {source}")]
     Write {
         path: String,
         #[source]
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
+    #[error("model file {path} is not UTF-8: the bytes from offset {offset} on are not text")]
+    NotUtf8 { path: String, offset: usize },
     #[error("malformed model JSON at line {line}, column {column}: {message}")]
     Json {
         line: usize,
@@ -124,17 +126,38 @@ pub enum Error {
         to: BufferState,
     },
 
-    #[error("collective #{seq}: rank {rank} issued {got}, rank 0 issued {expected}")]
+    #[error("the ranks' collectives differ: rank 0 issued {expected}, rank {rank} issued {got}")]
     CollectiveMismatch {
-        seq: u64,
         rank: usize,
+        expected: String,
+        got: String,
+    },
+    #[error(
+        "the ranks' plans differ at parameter #{index}: rank 0 has {expected}, rank {rank} has {got}"
+    )]
+    PlanMismatch {
+        rank: usize,
+        index: usize,
         expected: String,
         got: String,
     },
     #[error("rank {rank}'s thread panicked")]
     RankPanicked { rank: usize },
-    #[error("collective #{seq}: rank {rank} left the group before taking part")]
-    RankLeft { seq: u64, rank: usize },
+    #[error("{message}")]
+    Panicked { message: String },
+    #[error(
+        "{op}: rank {rank} left the group (its engine was dropped, aborted or its thread ended)"
+    )]
+    PeerGone { rank: usize, op: String },
+    #[error("{op} timed out after {waited:?}")]
+    Timeout { op: String, waited: Duration },
+    #[error("the engine was aborted")]
+    Aborted,
+    #[error("the engine failed earlier and can only be dropped: {cause}")]
+    Poisoned {
+        #[source]
+        cause: Box<Error>,
+    },
 
     #[error("CUDA is not available: {reason}")]
     CudaUnavailable { reason: String },
@@ -159,10 +182,10 @@ pub enum Error {
         backend: &'static str,
         what: &'static str,
     },
-    #[error("{backend}: cannot allocate {bytes} bytes: out of memory")]
-    OutOfMemory { bytes: usize, backend: &'static str },
-    #[error("{op} timed out after {waited:?}")]
-    Timeout { op: String, waited: Duration },
+    #[error("the plan's {what} take more bytes than an address can count")]
+    SizeOverflow { what: &'static str },
+    #[error("out of memory: {bytes} bytes for {what}")]
+    OutOfMemory { bytes: usize, what: String },
     #[error("the {stream:?} stream failed, and everything queued after it was skipped: {cause}")]
     StreamFailed {
         stream: Stream,
@@ -173,7 +196,7 @@ pub enum Error {
     Spawn {
         what: &'static str,
         #[source]
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     #[error("the {stream:?} stream's worker panicked")]
     WorkerPanicked { stream: Stream },

@@ -23,7 +23,7 @@
 //! ])?;
 //! let plan = Arc::new(Plan::new(&model, 2)?);
 //! let config = EngineConfig {
-//!     optimizer: OptimizerConfig::Sgd { lr: 0.5 },
+//!     optimizer: OptimizerConfig::sgd(0.5),
 //!     ..EngineConfig::default()
 //! };
 //! let ranks: Vec<_> = LocalComm::group(2)?
@@ -75,6 +75,7 @@ pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+mod fallible;
 pub mod ffi;
 pub mod gpu_stack;
 pub mod grads;
@@ -86,6 +87,7 @@ pub mod schedule;
 pub mod spec;
 pub mod state;
 pub mod trace;
+pub mod watch;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, Input, MemoryUsage};

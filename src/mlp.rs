@@ -499,18 +499,20 @@ impl Reference {
                     grads: vec![None; self.values.len()],
                 };
                 loss += self.model.pass(&mut pg, &x, &y)?;
+                // Each rank's gradient is scaled before the ranks' are summed, in rank order.
                 for (sum, g) in summed.iter_mut().zip(pg.grads) {
-                    match (sum.as_mut(), g) {
-                        (None, g) => *sum = g,
-                        (Some(s), Some(g)) => s.iter_mut().zip(&g).for_each(|(s, g)| *s += g),
-                        (Some(_), None) => {}
+                    let Some(g) = g else { continue };
+                    let scaled = g.iter().map(|&g| self.scale * g);
+                    match sum.as_mut() {
+                        None => *sum = Some(scaled.collect()),
+                        Some(s) => s.iter_mut().zip(scaled).for_each(|(s, g)| *s += g),
                     }
                 }
             }
             for (i, sum) in summed.into_iter().enumerate() {
                 if let Some(sum) = sum {
                     for (g, s) in self.grads[i].iter_mut().zip(sum) {
-                        *g = accumulate_element(*g, s, self.scale, pass > 0);
+                        *g = accumulate_element(*g, s, 1.0, pass > 0);
                     }
                 }
             }
@@ -527,7 +529,7 @@ impl Reference {
                 let g = self.grads[i][j];
                 let p = self.masters[i][j];
                 let p = match update {
-                    Update::Sgd { lr } => sgd_element(p, g, lr),
+                    Update::Sgd { lr, weight_decay } => sgd_element(p, g, lr, weight_decay),
                     Update::AdamW(c) => {
                         let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
                         m[j] = mj;
@@ -746,7 +748,7 @@ impl Training<'_> {
                     Ok(summary) => summaries.push(summary),
                     // A failing rank makes the others fail with RankLeft: report the cause.
                     Err(e) => match failure {
-                        Some(Error::RankLeft { .. }) | None => failure = Some(e),
+                        Some(Error::PeerGone { .. }) | None => failure = Some(e),
                         Some(_) => {}
                     },
                 }

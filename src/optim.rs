@@ -9,8 +9,8 @@ use crate::error::{Error, Result};
 /// The optimizer the engine runs on each rank's shards.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimizerConfig {
-    /// `p -= lr * g`.
-    Sgd { lr: f32 },
+    /// `p -= lr * (g + weight_decay * p)`, as `torch.optim.SGD` without momentum.
+    Sgd { lr: f32, weight_decay: f32 },
     /// Adam with decoupled weight decay (Loshchilov and Hutter), as PyTorch's `AdamW`.
     AdamW {
         lr: f32,
@@ -46,11 +46,25 @@ fn check(ok: bool, field: &'static str, value: f32, expected: &str) -> Result<()
 }
 
 impl OptimizerConfig {
+    /// SGD at `lr` without weight decay.
+    pub fn sgd(lr: f32) -> OptimizerConfig {
+        OptimizerConfig::Sgd {
+            lr,
+            weight_decay: 0.0,
+        }
+    }
+
     /// Checks the hyper-parameters' ranges.
     pub fn validate(&self) -> Result<()> {
         match *self {
-            OptimizerConfig::Sgd { lr } => {
-                check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0")
+            OptimizerConfig::Sgd { lr, weight_decay } => {
+                check(lr.is_finite() && lr >= 0.0, "lr", lr, "finite, >= 0")?;
+                check(
+                    weight_decay.is_finite() && weight_decay >= 0.0,
+                    "weight_decay",
+                    weight_decay,
+                    "finite, >= 0",
+                )
             }
             OptimizerConfig::AdamW {
                 lr,
@@ -74,14 +88,14 @@ impl OptimizerConfig {
     }
 
     /// Bytes of state per trainable group shard: an fp32 master copy for bf16/f16 params, and
-    /// AdamW's two fp32 moments.
-    pub fn state_bytes(&self, dtype: DType, shard_numel: usize) -> usize {
+    /// AdamW's two fp32 moments; `None` when that overflows.
+    pub fn state_bytes(&self, dtype: DType, shard_numel: usize) -> Option<usize> {
         let master = if dtype == DType::F32 { 0 } else { 4 };
         let moments = match self {
             OptimizerConfig::Sgd { .. } => 0,
             OptimizerConfig::AdamW { .. } => 8,
         };
-        (master + moments) * shard_numel
+        shard_numel.checked_mul(master + moments)
     }
 
     /// Whether the optimizer keeps AdamW moments.
@@ -92,7 +106,7 @@ impl OptimizerConfig {
     /// The coefficients of update number `step` (counting from 1).
     pub fn coefficients(&self, step: u64) -> Update {
         match *self {
-            OptimizerConfig::Sgd { lr } => Update::Sgd { lr },
+            OptimizerConfig::Sgd { lr, weight_decay } => Update::Sgd { lr, weight_decay },
             OptimizerConfig::AdamW {
                 lr,
                 beta1,
@@ -122,7 +136,7 @@ impl OptimizerConfig {
 /// One step's coefficients, computed once on the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Update {
-    Sgd { lr: f32 },
+    Sgd { lr: f32, weight_decay: f32 },
     AdamW(AdamwCoefficients),
 }
 
@@ -153,10 +167,16 @@ pub fn adamw_element(p: f32, m: f32, v: f32, g: f32, c: &AdamwCoefficients) -> (
     (p - c.step_size * (m / denom), m, v)
 }
 
-/// One element of SGD.
+/// One element of SGD: the gradient plus `weight_decay * p` (none at all when it is 0, as
+/// `torch.optim.SGD` skips the term), times `lr`, off the parameter.
 #[inline]
-pub fn sgd_element(p: f32, g: f32, lr: f32) -> f32 {
-    p - lr * g
+pub fn sgd_element(p: f32, g: f32, lr: f32, weight_decay: f32) -> f32 {
+    let d = if weight_decay != 0.0 {
+        g + weight_decay * p
+    } else {
+        g
+    };
+    p - lr * d
 }
 
 /// One element of a gradient or shard accumulation: `dst = scale * src` or `dst + scale * src`.
@@ -220,7 +240,7 @@ mod tests {
             bad.validate(),
             Err(Error::InvalidConfig { field: "beta1", .. })
         ));
-        let bad = OptimizerConfig::Sgd { lr: f32::NAN };
+        let bad = OptimizerConfig::sgd(f32::NAN);
         assert!(matches!(
             bad.validate(),
             Err(Error::InvalidConfig { field: "lr", .. })
@@ -231,10 +251,11 @@ mod tests {
     #[test]
     fn state_bytes_count_master_and_moments() {
         let adamw = OptimizerConfig::default();
-        let sgd = OptimizerConfig::Sgd { lr: 0.1 };
-        assert_eq!(adamw.state_bytes(DType::F32, 10), 80);
-        assert_eq!(adamw.state_bytes(DType::Bf16, 10), 120);
-        assert_eq!(sgd.state_bytes(DType::F32, 10), 0);
-        assert_eq!(sgd.state_bytes(DType::F16, 10), 40);
+        let sgd = OptimizerConfig::sgd(0.1);
+        assert_eq!(adamw.state_bytes(DType::F32, 10), Some(80));
+        assert_eq!(adamw.state_bytes(DType::Bf16, 10), Some(120));
+        assert_eq!(sgd.state_bytes(DType::F32, 10), Some(0));
+        assert_eq!(sgd.state_bytes(DType::F16, 10), Some(40));
+        assert_eq!(adamw.state_bytes(DType::F32, usize::MAX / 4), None);
     }
 }

@@ -89,6 +89,13 @@ impl Group {
     }
 }
 
+/// How a configuration's limits act on one plan (see [`Plan::limits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub gathered: usize,
+    pub reduces_in_flight: usize,
+}
+
 /// Bytes one rank holds, all allocated before the first step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryPerRank {
@@ -327,13 +334,23 @@ impl Plan {
             .unwrap_or(0)
     }
 
+    /// The configuration's limits as they act on this plan: no more gathered buffers than groups,
+    /// no more reductions in flight than trainable groups (a larger limit never binds).
+    pub fn limits(&self, config: &EngineConfig) -> Limits {
+        let trainable = self.groups.iter().filter(|g| g.trainable).count();
+        Limits {
+            gathered: config.double_buffer_limit.min(self.groups.len()).max(1),
+            reduces_in_flight: config.max_reduces_in_flight.min(trainable).max(1),
+        }
+    }
+
     /// Number of gather slots: the limit, or none at world size 1, where each shard is its whole
     /// buffer and serves as the gathered view.
     pub fn gather_slot_count(&self, config: &EngineConfig) -> usize {
         if self.world_size == 1 {
             0
         } else {
-            config.double_buffer_limit
+            self.limits(config).gathered
         }
     }
 
@@ -350,27 +367,79 @@ impl Plan {
     /// Number of temporary fp32 gradient slots: one being filled beside each reduction in flight.
     pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
         if self.groups.iter().any(|g| g.trainable) {
-            config.max_reduces_in_flight + 1
+            self.limits(config).reduces_in_flight + 1
         } else {
             0
         }
     }
 
-    /// The bytes each rank allocates for this plan under `config`.
-    pub fn memory_per_rank(&self, config: &EngineConfig) -> MemoryPerRank {
+    /// The bytes each rank allocates for this plan under `config`; `Error::SizeOverflow` when a
+    /// total does not fit in a `usize`.
+    pub fn memory_per_rank(&self, config: &EngineConfig) -> Result<MemoryPerRank> {
+        let overflow = |what: &'static str| move || Error::SizeOverflow { what };
+        let add = |total: usize, bytes: Option<usize>, what: &'static str| {
+            bytes
+                .and_then(|b| total.checked_add(b))
+                .ok_or_else(overflow(what))
+        };
         let mut m = MemoryPerRank::default();
         for g in &self.groups {
-            m.param_shards += g.shard_numel * g.dtype.size();
+            let size = g.dtype.size();
+            m.param_shards = add(
+                m.param_shards,
+                g.shard_numel.checked_mul(size),
+                "parameter shards",
+            )?;
             if g.trainable {
-                m.grad_shards += g.shard_numel * 4;
-                m.optimizer_state += config.optimizer.state_bytes(g.dtype, g.shard_numel);
+                m.grad_shards = add(
+                    m.grad_shards,
+                    g.shard_numel.checked_mul(4),
+                    "gradient shards",
+                )?;
+                m.optimizer_state = add(
+                    m.optimizer_state,
+                    config.optimizer.state_bytes(g.dtype, g.shard_numel),
+                    "optimizer state",
+                )?;
             }
         }
-        m.gathered_slots = self.gather_slot_count(config) * self.gather_slot_bytes();
-        m.grad_slots = self.grad_slot_count(config) * self.grad_slot_numel() * 4;
-        m.peak =
-            m.param_shards + m.grad_shards + m.optimizer_state + m.gathered_slots + m.grad_slots;
-        m
+        m.gathered_slots = self
+            .gather_slot_count(config)
+            .checked_mul(self.gather_slot_bytes())
+            .ok_or_else(overflow("gather slots"))?;
+        m.grad_slots = self
+            .grad_slot_numel()
+            .checked_mul(4)
+            .and_then(|b| b.checked_mul(self.grad_slot_count(config)))
+            .ok_or_else(overflow("gradient slots"))?;
+        m.peak = [
+            m.grad_shards,
+            m.optimizer_state,
+            m.gathered_slots,
+            m.grad_slots,
+        ]
+        .into_iter()
+        .try_fold(m.param_shards, |total, b| total.checked_add(b))
+        .ok_or_else(overflow("the total"))?;
+        Ok(m)
+    }
+
+    /// Every fact of parameter `index`'s declaration and layout, as the ranks compare their plans.
+    pub fn describe_param(&self, index: usize) -> String {
+        match self.params.get(index) {
+            None => "no parameter".to_string(),
+            Some(p) => format!(
+                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements)",
+                p.name,
+                p.dtype,
+                p.shape,
+                p.unit,
+                if p.trainable { "trainable" } else { "frozen" },
+                p.group,
+                p.offset,
+                p.padded_numel
+            ),
+        }
     }
 
     /// The plan as JSON: world size, alignment, groups with their params, memory per rank.
@@ -411,7 +480,7 @@ impl Plan {
             "double_buffer_limit": config.double_buffer_limit,
             "max_reduces_in_flight": config.max_reduces_in_flight,
             "groups": groups,
-            "memory_per_rank": self.memory_per_rank(config),
+            "memory_per_rank": self.memory_per_rank(config).ok(),
         })
     }
 }
@@ -490,7 +559,7 @@ mod tests {
         ]);
         let plan = Plan::new(&m, 4).unwrap();
         let config = EngineConfig::default();
-        let mem = plan.memory_per_rank(&config);
+        let mem = plan.memory_per_rank(&config).unwrap();
         // bf16 aligns to 128 elements per rank, 512 at 4 ranks: 1000 pads to 1024.
         let w = &plan.groups()[1];
         assert_eq!(w.padded_numel, 1024);
@@ -501,7 +570,9 @@ mod tests {
         // AdamW on bf16: fp32 master plus two moments.
         assert_eq!(mem.optimizer_state, 256 * 12);
         assert_eq!(mem.gathered_slots, 2 * 2048);
-        assert_eq!(mem.grad_slots, 3 * 1024 * 4);
+        // Two reductions in flight are allowed but one trainable group binds: one in flight, one
+        // being filled.
+        assert_eq!(mem.grad_slots, 2 * 1024 * 4);
         assert_eq!(
             mem.peak,
             mem.param_shards

@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -121,12 +122,21 @@ impl ModelSpec {
     }
 
     /// Parses a model file's JSON text: `{"params": [{"name", "shape", "dtype", "unit"?,
-    /// "trainable"?, "tied"?}, ...]}`.
+    /// "trainable"?, "tied"?}, ...]}`. A leading UTF-8 byte-order mark is skipped.
     pub fn from_json(text: &str) -> Result<ModelSpec> {
-        let file: ModelFile = serde_json::from_str(text).map_err(|e| Error::Json {
-            line: e.line(),
-            column: e.column(),
-            message: e.to_string(),
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let file: ModelFile = serde_json::from_str(text).map_err(|e| {
+            // serde_json's message ends with the position, which the error states once itself.
+            let message = e.to_string();
+            let message = match message.rsplit_once(" at line ") {
+                Some((message, _)) => message.to_string(),
+                None => message,
+            };
+            Error::Json {
+                line: e.line(),
+                column: e.column(),
+                message,
+            }
         })?;
         let params = file
             .params
@@ -151,11 +161,15 @@ impl ModelSpec {
 
     /// Reads and parses a model file.
     pub fn from_path(path: &Path) -> Result<ModelSpec> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::ModelFile {
+        let bytes = std::fs::read(path).map_err(|source| Error::ModelFile {
             path: path.display().to_string(),
-            source,
+            source: Arc::new(source),
         })?;
-        ModelSpec::from_json(&text)
+        let text = std::str::from_utf8(&bytes).map_err(|e| Error::NotUtf8 {
+            path: path.display().to_string(),
+            offset: e.valid_up_to(),
+        })?;
+        ModelSpec::from_json(text)
     }
 }
 

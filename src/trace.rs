@@ -5,9 +5,34 @@
 use std::fmt::Write;
 
 use crate::backend::{Backend, Stream};
-use crate::engine::{Span, SpanKind};
 use crate::error::Result;
 use crate::plan::Unit;
+
+/// What a traced span covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpanKind {
+    /// The compute stream waiting for a unit's gathers, at the start of one of its hooks.
+    GatherWait(Unit),
+    Forward(Unit),
+    Backward(Unit),
+    AllGather {
+        group: usize,
+    },
+    /// A reduce-scatter and the accumulation of its result into the group's gradient shard.
+    ReduceScatter {
+        group: usize,
+    },
+    Optimizer,
+}
+
+/// An interval of one stream's work, between two timed events.
+#[derive(Debug)]
+pub struct Span<E> {
+    pub stream: Stream,
+    pub kind: SpanKind,
+    pub start: E,
+    pub end: E,
+}
 
 /// A span placed in time: milliseconds from the origin event.
 #[derive(Clone, Debug, PartialEq)]

@@ -104,8 +104,8 @@ fn null_for_every_pointer_argument() {
             ndim: 1,
             dtype: FSDP_F32,
             unit: FSDP_ROOT,
-            trainable: true,
-            tied: false,
+            trainable: 1,
+            tied: 0,
         };
         let nameless = [spec(null(), shape.as_ptr())];
         // SAFETY: every pointer is valid or NULL; NULL is what is being tested.
@@ -921,6 +921,7 @@ fn sgd_config() -> fsdp_config {
     fsdp_config {
         optimizer: FSDP_SGD,
         lr: 0.5,
+        weight_decay: 0.0,
         ..config()
     }
 }

@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
-use fsdp_fusion::backend::cuda::views::DeviceTensor;
 use fsdp_fusion::backend::cuda::{CudaBackend, CudaBuffer, is_driver_present};
 use fsdp_fusion::backend::{Backend, Input, OptimizerShard, Region, Stream};
 use fsdp_fusion::comm::loopback::LoopbackComm;
+use fsdp_fusion::engine::DeviceTensor;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
 };
@@ -384,10 +384,7 @@ fn optimizer_steps_match_the_cpu() {
     let mut rng = Rng(7);
     let n = 5003;
     for dtype in DTYPES {
-        for config in [
-            OptimizerConfig::Sgd { lr: 0.01 },
-            OptimizerConfig::default(),
-        ] {
+        for config in [OptimizerConfig::sgd(0.01), OptimizerConfig::default()] {
             let mut s = ShardState {
                 param: both.twin(dtype, &rng.bytes(dtype, n)),
                 grad: both.zeros(n * 4),
@@ -588,7 +585,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         master: None,
         moments: None,
     };
-    let sgd = OptimizerConfig::Sgd { lr: 0.1 }.coefficients(1);
+    let sgd = OptimizerConfig::sgd(0.1).coefficients(1);
     let r = unsafe { b.optimizer_step(Stream::Compute, &sgd, shard) };
     assert!(
         matches!(

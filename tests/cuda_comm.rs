@@ -13,6 +13,7 @@ use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, Input, Region, Stream};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::{Collective, NcclComm, nccl_version};
+use fsdp_fusion::comm::{Purpose, Tag};
 use fsdp_fusion::{
     Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Unit,
@@ -60,6 +61,15 @@ fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
             .iter()
             .flat_map(|&v| f16::from_f32(v).to_le_bytes())
             .collect(),
+    }
+}
+
+/// The tag of the `seq`th collective of a test's step 0, for group 0.
+fn tag(seq: u64) -> Tag {
+    Tag {
+        purpose: Purpose::Group(0),
+        step: 0,
+        seq,
     }
 }
 
@@ -150,6 +160,7 @@ impl Scenario for AllGather {
             c.all_gather(
                 b,
                 Stream::Gather,
+                tag(0),
                 &shard,
                 shard_region,
                 &mut out,
@@ -175,7 +186,8 @@ impl Scenario for ReduceScatter {
         let bytes = values.len() * 4;
         let mut buf = buffer(b, bytes, 0, DType::F32, &encode(DType::F32, &values));
         let region = Region::new(3, world * part, DType::F32);
-        unsafe { c.reduce_scatter(b, Stream::Reduce, &mut buf, region) }.unwrap();
+        // A scale other than 1 takes NCCL's premultiplied sum and the loopback kernel's scaling.
+        unsafe { c.reduce_scatter(b, Stream::Reduce, tag(0), &mut buf, region, 0.5) }.unwrap();
         read(b, &buf, bytes)
     }
 }
@@ -228,11 +240,12 @@ impl Scenario for BackToBack {
         let mut grads = b.alloc(world * part * 4).unwrap();
         let mut sums = b.alloc(part * 4).unwrap();
         let waits_before = b.host_waits();
-        for _ in 0..self.rounds {
+        for round in 0..self.rounds as u64 {
             let g = Stream::Gather;
             unsafe { b.accumulate(g, &delta, shard_region, &mut shard, shard_region, 1.0, true) }
                 .unwrap();
-            unsafe { c.all_gather(b, g, &shard, shard_region, &mut out, whole) }.unwrap();
+            unsafe { c.all_gather(b, g, tag(2 * round), &shard, shard_region, &mut out, whole) }
+                .unwrap();
             unsafe {
                 b.accumulate(
                     g,
@@ -249,7 +262,7 @@ impl Scenario for BackToBack {
             let r = Stream::Reduce;
             b.wait(r, &gathered).unwrap();
             unsafe { b.accumulate(r, &out, whole, &mut grads, whole, 0.75, true) }.unwrap();
-            unsafe { c.reduce_scatter(b, r, &mut grads, whole) }.unwrap();
+            unsafe { c.reduce_scatter(b, r, tag(2 * round + 1), &mut grads, whole, 1.0) }.unwrap();
             unsafe { b.accumulate(r, &grads, own, &mut sums, shard_region, 1.0, true) }.unwrap();
             unsafe { b.zero(r, &mut grads, whole) }.unwrap();
             // The next all-gather overwrites `out`, which the reduce stream read this round.
@@ -303,18 +316,20 @@ fn loopback_mismatched_collectives_are_reported_on_every_rank() {
         let b = gpu();
         let n = 2 + c.rank() * 2;
         let mut buf = b.alloc(n * 4).unwrap();
-        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, n, DType::F32)) }
+        unsafe {
+            c.reduce_scatter(
+                &b,
+                Stream::Reduce,
+                tag(0),
+                &mut buf,
+                Region::new(0, n, DType::F32),
+                1.0,
+            )
+        }
     });
     for r in results {
         assert!(
-            matches!(
-                &r,
-                Err(Error::CollectiveMismatch {
-                    seq: 0,
-                    rank: 1,
-                    ..
-                })
-            ),
+            matches!(&r, Err(Error::CollectiveMismatch { rank: 1, .. })),
             "{r:?}"
         );
     }
@@ -330,22 +345,25 @@ fn loopback_a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         }
         let b = gpu();
         let mut buf = b.alloc(12).unwrap();
-        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32)) }
+        unsafe {
+            c.reduce_scatter(
+                &b,
+                Stream::Reduce,
+                tag(0),
+                &mut buf,
+                Region::new(0, 3, DType::F32),
+                1.0,
+            )
+        }
     });
     // Rank 0 sees rank 1 gone; rank 2 may see rank 1 or rank 0, which left after its error.
     assert!(
-        matches!(results[0], Err(Error::RankLeft { seq: 0, rank: 1 })),
+        matches!(results[0], Err(Error::PeerGone { rank: 1, .. })),
         "rank 0: {:?}",
         results[0]
     );
     assert!(
-        matches!(
-            results[2],
-            Err(Error::RankLeft {
-                seq: 0,
-                rank: 0 | 1
-            })
-        ),
+        matches!(results[2], Err(Error::PeerGone { rank: 0 | 1, .. })),
         "rank 2: {:?}",
         results[2]
     );
@@ -360,11 +378,27 @@ fn loopback_arguments_are_checked_before_communicating() {
     let mut buf = b.alloc(64).unwrap();
     let shard = b.alloc(8).unwrap();
     let c = &mut comms[0];
-    let r =
-        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 3, DType::F32)) };
+    let r = unsafe {
+        c.reduce_scatter(
+            &b,
+            Stream::Reduce,
+            tag(0),
+            &mut buf,
+            Region::new(0, 3, DType::F32),
+            1.0,
+        )
+    };
     assert!(matches!(r, Err(Error::OutOfRange { len: 3, .. })), "{r:?}");
-    let r =
-        unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32)) };
+    let r = unsafe {
+        c.reduce_scatter(
+            &b,
+            Stream::Reduce,
+            tag(0),
+            &mut buf,
+            Region::new(10, 8, DType::F32),
+            1.0,
+        )
+    };
     assert!(
         matches!(
             r,
@@ -377,7 +411,7 @@ fn loopback_arguments_are_checked_before_communicating() {
         "{r:?}"
     );
     let (s, o) = (Region::new(0, 2, DType::F32), Region::new(0, 5, DType::F32));
-    let r = unsafe { c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
+    let r = unsafe { c.all_gather(&b, Stream::Gather, tag(0), &shard, s, &mut buf, o) };
     assert!(
         matches!(
             r,
@@ -390,7 +424,7 @@ fn loopback_arguments_are_checked_before_communicating() {
         "{r:?}"
     );
     let o = Region::new(0, 4, DType::Bf16);
-    let r = unsafe { c.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
+    let r = unsafe { c.all_gather(&b, Stream::Gather, tag(0), &shard, s, &mut buf, o) };
     assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
 }
 
@@ -514,7 +548,7 @@ fn engines_on_loopback_train_exactly_like_engines_on_the_cpu() {
         ..EngineConfig::default()
     };
     let sgd = EngineConfig {
-        optimizer: OptimizerConfig::Sgd { lr: 0.05 },
+        optimizer: OptimizerConfig::sgd(0.05),
         overlap: false,
         ..EngineConfig::default()
     };
@@ -649,6 +683,7 @@ fn nccl_batches_go_out_as_one_group() {
         Collective::ReduceScatter {
             buf: &mut grads,
             region: r,
+            scale: 1.0,
         },
     ];
     unsafe { comm.batch(&b, Stream::Gather, &ops) }.unwrap();
@@ -676,7 +711,14 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
     let mut buf = b.alloc(64).unwrap();
     let shard = b.alloc(64).unwrap();
     let r = unsafe {
-        comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(10, 8, DType::F32))
+        comm.reduce_scatter(
+            &b,
+            Stream::Reduce,
+            tag(0),
+            &mut buf,
+            Region::new(10, 8, DType::F32),
+            1.0,
+        )
     };
     assert!(
         matches!(
@@ -690,11 +732,18 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
         "{r:?}"
     );
     let r = unsafe {
-        comm.reduce_scatter(&b, Stream::Reduce, &mut buf, Region::new(0, 8, DType::Bf16))
+        comm.reduce_scatter(
+            &b,
+            Stream::Reduce,
+            tag(0),
+            &mut buf,
+            Region::new(0, 8, DType::Bf16),
+            1.0,
+        )
     };
     assert!(matches!(r, Err(Error::OutOfRange { .. })), "{r:?}");
     let (s, o) = (Region::new(0, 4, DType::F32), Region::new(0, 5, DType::F32));
-    let r = unsafe { comm.all_gather(&b, Stream::Gather, &shard, s, &mut buf, o) };
+    let r = unsafe { comm.all_gather(&b, Stream::Gather, tag(0), &shard, s, &mut buf, o) };
     assert!(
         matches!(
             r,
@@ -709,6 +758,7 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
     let ops = [Collective::ReduceScatter {
         buf: &mut buf,
         region: Region::new(0, 17, DType::F32),
+        scale: 1.0,
     }];
     let r = unsafe { comm.batch(&b, Stream::Reduce, &ops) };
     assert!(matches!(r, Err(Error::OutOfRange { len: 17, .. })), "{r:?}");

@@ -149,7 +149,7 @@ fn a_required_gather_at_the_limit_proceeds() {
             ..EngineConfig::default()
         };
         on_two_ranks(mode, stack(1, true), config, |mut e| {
-            let predicted = e.plan().memory_per_rank(e.config()).peak;
+            let predicted = e.plan().memory_per_rank(e.config()).unwrap().peak;
             assert_eq!(e.memory().current, predicted);
             e.pre_forward(Unit::Layer(0)).unwrap();
             assert_eq!(e.gathered_count(), 2);
@@ -167,10 +167,13 @@ fn a_required_gather_at_the_limit_proceeds() {
 fn at_world_size_1_the_shard_is_the_view_and_no_slot_is_allocated() {
     for_each_mode(|mode| {
         let mut e = engine(mode, stack(2, true), EngineConfig::default());
-        assert_eq!(e.plan().memory_per_rank(e.config()).gathered_slots, 0);
+        assert_eq!(
+            e.plan().memory_per_rank(e.config()).unwrap().gathered_slots,
+            0
+        );
         assert_eq!(
             e.memory().current,
-            e.plan().memory_per_rank(e.config()).peak
+            e.plan().memory_per_rank(e.config()).unwrap().peak
         );
         let w0 = e.plan().param_id("w0").unwrap();
         e.load_param(w0, Input::host(&[2.5f32; 16])).unwrap();
@@ -219,7 +222,7 @@ fn prefetch_follows_the_recorded_order_not_the_group_order() {
 fn memory_is_fixed_up_front_and_matches_the_plan() {
     for_each_mode(|mode| {
         let mut e = engine(mode, stack(4, true), EngineConfig::default());
-        let predicted = e.plan().memory_per_rank(e.config()).peak;
+        let predicted = e.plan().memory_per_rank(e.config()).unwrap().peak;
         assert_eq!(e.memory().current, predicted);
         for _ in 0..3 {
             walk_step(&mut e, 4, &mut |_| {});
@@ -273,7 +276,7 @@ fn run_untrained(mode: Mode) -> Vec<Vec<u8>> {
 fn tracing_records_a_span_for_every_hook_and_collective() {
     for_each_mode(|mode| {
         use fsdp_fusion::backend::Stream;
-        use fsdp_fusion::engine::SpanKind;
+        use fsdp_fusion::trace::SpanKind;
         on_two_ranks(mode, stack(2, false), EngineConfig::default(), |mut e| {
             walk_step(&mut e, 2, &mut |_| {});
             let before = e.counters();

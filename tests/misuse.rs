@@ -10,6 +10,8 @@ use common::{CpuEngine, Mode, for_each_mode, on_engines};
 use fsdp_fusion::backend::Region;
 use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
+use fsdp_fusion::comm::Tag;
+use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
     Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,
     ParamId, ParamSpec, Plan, Unit,
@@ -523,7 +525,7 @@ fn bad_configurations_and_sizes() {
     ));
     let comm = LocalComm::group(2).unwrap().pop().unwrap();
     let config = EngineConfig {
-        optimizer: OptimizerConfig::Sgd { lr: -1.0 },
+        optimizer: OptimizerConfig::sgd(-1.0),
         ..EngineConfig::default()
     };
     assert!(matches!(
@@ -544,10 +546,12 @@ impl Communicator<CpuBackend> for BadRank {
     fn world_size(&self) -> usize {
         2
     }
+    fn set_watch(&mut self, _: &Watch) {}
     unsafe fn all_gather(
         &mut self,
         _: &CpuBackend,
         _: Stream,
+        _: Tag,
         _: &CpuBuffer,
         _: Region,
         _: &mut CpuBuffer,
@@ -559,8 +563,10 @@ impl Communicator<CpuBackend> for BadRank {
         &mut self,
         _: &CpuBackend,
         _: Stream,
+        _: Tag,
         _: &mut CpuBuffer,
         _: Region,
+        _: f32,
     ) -> fsdp_fusion::Result<()> {
         Ok(())
     }

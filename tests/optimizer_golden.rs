@@ -119,6 +119,60 @@ const SGD: [[f32; 8]; 5] = [
     ],
 ];
 
+/// `torch.optim.SGD(lr=0.1, weight_decay=0.1)`, after each step.
+const SGD_DECAY: [[f32; 8]; 5] = [
+    [
+        1.004,
+        -0.518,
+        0.1875,
+        2.0,
+        -2.114,
+        -0.171,
+        -0.20700999,
+        -7.67,
+    ],
+    [
+        1.05896,
+        -0.48482,
+        0.176625,
+        1.52,
+        -2.1758602,
+        -0.16929,
+        -0.36193988,
+        -7.7873,
+    ],
+    [
+        1.1643704,
+        -0.4009718,
+        0.21685874,
+        1.5548,
+        -2.1861017,
+        -0.2365971,
+        -0.46432048,
+        -7.852427,
+    ],
+    [
+        1.3197267,
+        -0.26696208,
+        0.30769014,
+        2.099252,
+        -2.1452405,
+        -0.23423113,
+        -0.5146773,
+        -7.865903,
+    ],
+    [
+        1.5245295,
+        -0.08329246,
+        0.44861326,
+        3.1482594,
+        -2.0537882,
+        -0.19888882,
+        -0.5135305,
+        -7.8282437,
+    ],
+];
+
 /// Trains the parameter for 5 steps at `world` ranks in every mode and checks each step against
 /// `want` within `tolerance` relative to the value (at least 1).
 fn matches_torch(optimizer: OptimizerConfig, want: &'static [[f32; 8]; 5], tolerance: f32) {
@@ -179,5 +233,10 @@ fn adamw_matches_torch_optim_adamw() {
 fn sgd_matches_torch_optim_sgd() {
     // PyTorch's CPU kernel fuses `p - lr * g` into one rounding; the engine rounds twice, as its
     // GPU kernels do, so the two may differ in the last bit.
-    matches_torch(OptimizerConfig::Sgd { lr: 0.1 }, &SGD, 1e-6);
+    matches_torch(OptimizerConfig::sgd(0.1), &SGD, 1e-6);
+    let decay = OptimizerConfig::Sgd {
+        lr: 0.1,
+        weight_decay: 0.1,
+    };
+    matches_torch(decay, &SGD_DECAY, 1e-6);
 }

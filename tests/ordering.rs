@@ -23,7 +23,7 @@ fn model() -> ModelSpec {
 
 fn sgd() -> EngineConfig {
     EngineConfig {
-        optimizer: OptimizerConfig::Sgd { lr: 1.0 },
+        optimizer: OptimizerConfig::sgd(1.0),
         ..EngineConfig::default()
     }
 }

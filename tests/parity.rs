@@ -102,7 +102,7 @@ fn bf16_parity_with_fp32_master_weights() {
 #[test]
 fn f16_parity_with_sgd_and_summed_gradients() {
     let config = EngineConfig {
-        optimizer: OptimizerConfig::Sgd { lr: 0.05 },
+        optimizer: OptimizerConfig::sgd(0.05),
         grad_reduction: GradReduction::Sum,
         ..EngineConfig::default()
     };

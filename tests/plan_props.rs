@@ -92,16 +92,22 @@ proptest! {
             .enumerate()
             .map(|(i, p)| (0..p.numel).map(|j| 1.0 + (i * 1000 + j) as f32).collect())
             .collect();
-        let mut shards: Vec<Vec<Vec<u8>>> = Vec::new();
-        for comm in LocalComm::group(world).unwrap() {
-            let mut e = Engine::new(Arc::clone(&plan), EngineConfig::default(), CpuBackend::new(), comm).unwrap();
-            for (i, v) in values.iter().enumerate() {
-                let dtype = plan.params()[i].dtype;
-                let bytes = fsdp_fusion::mlp::narrow(dtype, v);
-                e.load_param(ParamId(i), Input::host_bytes(&bytes, dtype)).unwrap();
-            }
-            shards.push((0..plan.groups().len()).map(|g| e.param_shard(g).unwrap()).collect());
-        }
+        // The ranks make their engines together: making one compares the ranks' plans.
+        let shards: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = LocalComm::group(world).unwrap().into_iter().map(|comm| {
+                let (plan, values) = (&plan, &values);
+                s.spawn(move || {
+                    let mut e = Engine::new(Arc::clone(plan), EngineConfig::default(), CpuBackend::new(), comm).unwrap();
+                    for (i, v) in values.iter().enumerate() {
+                        let dtype = plan.params()[i].dtype;
+                        let bytes = fsdp_fusion::mlp::narrow(dtype, v);
+                        e.load_param(ParamId(i), Input::host_bytes(&bytes, dtype)).unwrap();
+                    }
+                    (0..plan.groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
+                })
+            }).collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        });
         for g in plan.groups() {
             let flat: Vec<u8> = shards.iter().flat_map(|rank| rank[g.index].clone()).collect();
             let values_of = |i: usize| fsdp_fusion::mlp::narrow(g.dtype, &values[i]);

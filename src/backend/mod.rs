@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::watch::Watch;
 
 /// The three streams of a rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -175,10 +176,17 @@ pub trait Backend: Send {
     /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 
+    /// As [`Backend::alloc`], outside [`Backend::memory`]'s count: for the few bytes the ranks
+    /// exchange to compare their plans and collectives, which no plan predicts.
+    fn alloc_scratch(&self, bytes: usize) -> Result<Self::Buffer>;
+
     fn memory(&self) -> MemoryUsage;
 
     /// Times the host blocked on the device.
     fn host_waits(&self) -> u64;
+
+    /// The deadline and abort flag of the backend's blocking waits, from its engine.
+    fn set_watch(&mut self, watch: &Watch);
 
     /// Marks the current end of `stream`'s work.
     fn record(&self, stream: Stream) -> Result<Self::Event>;

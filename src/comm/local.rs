@@ -2,44 +2,47 @@
 //!
 //! A collective runs on the stream it is issued on: at once on an eager [`CpuBackend`], in the
 //! stream's worker on an asynchronous one, where the ranks' workers meet. Each stream kind is its
-//! own channel with its own sequence numbers (as separate communicators for gathers and
-//! reductions are on a GPU), so a gather and a reduction in flight at once cannot pair up.
+//! own channel (as separate communicators for gathers and reductions are on a GPU), so a gather
+//! and a reduction in flight at once cannot pair up. The ranks compare every collective's
+//! [`Fingerprint`] and all fail, naming both versions, on a difference; a rank that left (dropped,
+//! aborted, its thread gone) fails its peers' waits at once, and every wait has the rank's
+//! deadline.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use crate::backend::cpu::{CpuBackend, CpuBuffer, copy_of};
+use crate::backend::cpu::{CpuBackend, CpuBuffer};
 use crate::backend::{Region, Stream};
-use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
+use crate::comm::{
+    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Op {
-    AllGather { bytes: usize },
-    ReduceScatter { numel: usize },
-}
-
-impl Op {
-    fn describe(&self) -> String {
-        match self {
-            Op::AllGather { bytes } => format!("all-gather of {bytes} bytes per rank"),
-            Op::ReduceScatter { numel } => format!("reduce-scatter of {numel} f32"),
-        }
-    }
-}
+use crate::fallible::{copy_of, filled};
+use crate::watch::Watch;
 
 /// The collectives of one stream kind: the one in progress, met by every rank in turn.
 #[derive(Debug)]
 struct Channel {
     generation: u64,
     arrived: usize,
-    deposits: Vec<Option<(Op, Vec<u8>)>>,
+    deposits: Vec<Option<(Fingerprint, Vec<u8>)>>,
 }
 
 #[derive(Debug)]
 struct Round {
     channels: [Channel; 3],
-    left: Vec<bool>,
+    /// Ranks whose handle was dropped.
+    dropped: Vec<bool>,
+    /// Each rank's watch: an aborted rank, or one whose thread ended, is gone for the others.
+    watches: Vec<Watch>,
+}
+
+impl Round {
+    /// The first rank other than `rank` that is gone.
+    fn gone(&self, rank: usize) -> Option<usize> {
+        (0..self.dropped.len())
+            .find(|&r| r != rank && (self.dropped[r] || self.watches[r].has_left()))
+    }
 }
 
 fn channel_index(stream: Stream) -> usize {
@@ -57,82 +60,94 @@ struct Shared {
     changed: Condvar,
 }
 
-impl Shared {
+/// One rank's part in a collective.
+struct Meeting<'a> {
+    shared: &'a Shared,
+    rank: usize,
+    channel: usize,
+    fingerprint: Fingerprint,
+    watch: &'a Watch,
+}
+
+impl Meeting<'_> {
     fn lock(&self) -> MutexGuard<'_, Round> {
         // A rank that panicked while holding the lock left the round as it was: keep going.
-        self.round
+        self.shared
+            .round
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Waits until every rank arrived at this barrier of channel `c`; fails if a rank left first.
-    fn barrier<'a>(
-        &'a self,
-        mut round: MutexGuard<'a, Round>,
-        c: usize,
-        seq: u64,
-    ) -> Result<MutexGuard<'a, Round>> {
-        let channel = &mut round.channels[c];
+    /// Waits until every rank arrived at this barrier of the channel; fails if a rank is gone
+    /// first, this rank is aborted, or the deadline passes.
+    fn barrier<'a>(&'a self, mut round: MutexGuard<'a, Round>) -> Result<MutexGuard<'a, Round>> {
+        if self.watch.has_left() {
+            return Err(self.gone(self.rank));
+        }
+        let channel = &mut round.channels[self.channel];
         let generation = channel.generation;
         channel.arrived += 1;
-        if channel.arrived == self.world_size {
+        if channel.arrived == self.shared.world_size {
             channel.arrived = 0;
             channel.generation += 1;
-            self.changed.notify_all();
+            self.shared.changed.notify_all();
             return Ok(round);
         }
-        while round.channels[c].generation == generation {
-            if let Some(rank) = round.left.iter().position(|&l| l) {
-                return Err(Error::RankLeft { seq, rank });
-            }
-            round = self.changed.wait(round).unwrap_or_else(|p| p.into_inner());
-        }
-        Ok(round)
+        let (c, rank) = (self.channel, self.rank);
+        self.watch.wait_while(
+            round,
+            &self.shared.changed,
+            || self.fingerprint.to_string(),
+            |round| {
+                if round.channels[c].generation != generation {
+                    return Ok(false);
+                }
+                match round.gone(rank) {
+                    Some(r) => Err(self.gone(r)),
+                    None => Ok(true),
+                }
+            },
+        )
     }
 
-    /// Deposits this rank's data, waits for all, checks they issued the same operation, and hands
-    /// every rank's data to `read`; then waits until all have read.
-    fn exchange(
-        &self,
-        rank: usize,
-        stream: Stream,
-        seq: u64,
-        op: Op,
-        data: Vec<u8>,
-        read: impl FnOnce(&[&[u8]]),
-    ) -> Result<()> {
-        let c = channel_index(stream);
+    fn gone(&self, rank: usize) -> Error {
+        Error::PeerGone {
+            rank,
+            op: self.fingerprint.to_string(),
+        }
+    }
+
+    /// Deposits this rank's data, waits for all, checks they issued the same collective, and
+    /// hands every rank's data to `read`; then waits until all have read.
+    fn exchange(&self, data: Vec<u8>, read: impl FnOnce(&[&[u8]])) -> Result<()> {
+        let c = self.channel;
         let mut round = self.lock();
-        round.channels[c].deposits[rank] = Some((op, data));
-        round = self.barrier(round, c, seq)?;
+        round.channels[c].deposits[self.rank] = Some((self.fingerprint, data));
+        round = self.barrier(round)?;
         let deposits = &round.channels[c].deposits;
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(self.world_size);
-        let mut mismatch = None;
-        let expected = deposits[0].as_ref().map(|(op, _)| op.clone());
-        for (rank, deposit) in deposits.iter().enumerate() {
-            match deposit {
-                Some((op, bytes)) if Some(op) == expected.as_ref() => parts.push(bytes),
-                other => {
-                    mismatch = Some(Error::CollectiveMismatch {
-                        seq,
-                        rank,
-                        expected: expected.as_ref().map_or("nothing".into(), Op::describe),
-                        got: other
-                            .as_ref()
-                            .map_or("nothing".into(), |(op, _)| op.describe()),
-                    });
-                    break;
-                }
+        let expected = deposits[0].as_ref().map(|(f, _)| f);
+        let differing = deposits
+            .iter()
+            .position(|d| d.as_ref().map(|(f, _)| f) != expected);
+        let failure = match differing {
+            Some(rank) => Some(mismatch(
+                rank,
+                expected,
+                deposits[rank].as_ref().map(|(f, _)| f),
+            )),
+            None => {
+                let parts: Vec<&[u8]> = deposits
+                    .iter()
+                    .filter_map(|d| d.as_ref().map(|(_, bytes)| bytes.as_slice()))
+                    .collect();
+                read(&parts);
+                None
             }
-        }
-        if mismatch.is_none() {
-            read(&parts);
-        }
-        drop(parts);
-        let mut round = self.barrier(round, c, seq)?;
-        round.channels[c].deposits[rank] = None;
+        };
+        let mut round = self.barrier(round)?;
+        round.channels[c].deposits[self.rank] = None;
         drop(round);
-        mismatch.map_or(Ok(()), Err)
+        failure.map_or(Ok(()), Err)
     }
 }
 
@@ -141,8 +156,7 @@ impl Shared {
 pub struct LocalComm {
     shared: Arc<Shared>,
     rank: usize,
-    /// The next sequence number of each stream kind's collectives.
-    seqs: [u64; 3],
+    watch: Watch,
 }
 
 impl LocalComm {
@@ -151,42 +165,73 @@ impl LocalComm {
         if world_size == 0 {
             return Err(Error::ZeroWorldSize);
         }
-        let channel = || Channel {
-            generation: 0,
-            arrived: 0,
-            deposits: vec![None; world_size],
+        let what = "a local group";
+        let channel = || -> Result<Channel> {
+            Ok(Channel {
+                generation: 0,
+                arrived: 0,
+                deposits: filled(world_size, None, what)?,
+            })
         };
+        let watches = filled(world_size, Watch::default(), what)?;
         let shared = Arc::new(Shared {
             world_size,
             round: Mutex::new(Round {
-                channels: [channel(), channel(), channel()],
-                left: vec![false; world_size],
+                channels: [channel()?, channel()?, channel()?],
+                dropped: filled(world_size, false, what)?,
+                watches: watches.clone(),
             }),
             changed: Condvar::new(),
         });
-        Ok((0..world_size)
-            .map(|rank| LocalComm {
-                shared: Arc::clone(&shared),
-                rank,
-                seqs: [0; 3],
-            })
-            .collect())
+        let mut comms = crate::fallible::with_capacity(world_size, what)?;
+        comms.extend(
+            watches
+                .into_iter()
+                .enumerate()
+                .map(|(rank, watch)| LocalComm {
+                    shared: Arc::clone(&shared),
+                    rank,
+                    watch,
+                }),
+        );
+        Ok(comms)
     }
 
-    /// The sequence number of the next collective on `stream`.
-    fn next_seq(&mut self, stream: Stream) -> u64 {
-        let seq = &mut self.seqs[channel_index(stream)];
-        *seq += 1;
-        *seq - 1
+    fn lock(&self) -> MutexGuard<'_, Round> {
+        self.shared
+            .round
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
 impl Drop for LocalComm {
     fn drop(&mut self) {
-        let mut round = self.shared.lock();
-        round.left[self.rank] = true;
+        self.lock().dropped[self.rank] = true;
         self.shared.changed.notify_all();
     }
+}
+
+/// Runs one collective on `stream`: the meeting happens where the stream runs it.
+fn meet(
+    comm: &LocalComm,
+    backend: &CpuBackend,
+    stream: Stream,
+    fingerprint: Fingerprint,
+    take: impl FnOnce() -> Result<Vec<u8>> + Send + 'static,
+    give: impl FnOnce(&[&[u8]]) + Send + 'static,
+) -> Result<()> {
+    let (shared, rank, watch) = (Arc::clone(&comm.shared), comm.rank, comm.watch.clone());
+    backend.run(stream, move || {
+        let meeting = Meeting {
+            shared: &shared,
+            rank,
+            channel: channel_index(stream),
+            fingerprint,
+            watch: &watch,
+        };
+        meeting.exchange(take()?, give)
+    })
 }
 
 impl Communicator<CpuBackend> for LocalComm {
@@ -198,10 +243,17 @@ impl Communicator<CpuBackend> for LocalComm {
         self.shared.world_size
     }
 
+    fn set_watch(&mut self, watch: &Watch) {
+        self.watch = watch.clone();
+        self.lock().watches[self.rank] = watch.clone();
+        self.shared.changed.notify_all();
+    }
+
     unsafe fn all_gather(
         &mut self,
         backend: &CpuBackend,
         stream: Stream,
+        tag: Tag,
         shard: &CpuBuffer,
         shard_region: Region,
         out: &mut CpuBuffer,
@@ -211,35 +263,28 @@ impl Communicator<CpuBackend> for LocalComm {
         let src = shard_region.byte_range(shard.len())?;
         let dst = out_region.byte_range(out.len())?;
         let (shard, out) = (Arc::clone(shard.memory()), Arc::clone(out.memory()));
-        let (shared, rank, seq) = (Arc::clone(&self.shared), self.rank, self.next_seq(stream));
-        backend.run(stream, move || {
-            // SAFETY: the caller ordered every other use of both regions (the trait's contract);
-            // the two slices are of distinct buffers and live one after the other.
-            let mine = copy_of(unsafe { shard.bytes(src) })?;
-            let part = mine.len();
-            shared.exchange(
-                rank,
-                stream,
-                seq,
-                Op::AllGather { bytes: part },
-                mine,
-                |parts| {
-                    // SAFETY: as above.
-                    let out = unsafe { out.bytes_mut(dst) };
-                    for (rank, bytes) in parts.iter().enumerate() {
-                        out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
-                    }
-                },
-            )
-        })
+        let part = src.len();
+        let fingerprint = Fingerprint::all_gather(tag, shard_region);
+        // SAFETY (both closures): the caller ordered every other use of both regions (the
+        // trait's contract); the two slices are of distinct buffers and live one after the other.
+        let take = move || copy_of(unsafe { shard.bytes(src) }, "an all-gather's deposit");
+        let give = move |parts: &[&[u8]]| {
+            let out = unsafe { out.bytes_mut(dst) };
+            for (rank, bytes) in parts.iter().enumerate() {
+                out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
+            }
+        };
+        meet(self, backend, stream, fingerprint, take, give)
     }
 
     unsafe fn reduce_scatter(
         &mut self,
         backend: &CpuBackend,
         stream: Stream,
+        tag: Tag,
         buf: &mut CpuBuffer,
         region: Region,
+        scale: f32,
     ) -> Result<()> {
         let world = self.shared.world_size;
         check_reduce_scatter(world, region)?;
@@ -248,33 +293,42 @@ impl Communicator<CpuBackend> for LocalComm {
         let own = Region::new(region.offset + self.rank * part, part, DType::F32)
             .byte_range(buf.len())?;
         let start = self.rank * part;
-        let memory = Arc::clone(buf.memory());
-        let (shared, rank, seq) = (Arc::clone(&self.shared), self.rank, self.next_seq(stream));
-        let op = Op::ReduceScatter { numel: region.len };
-        backend.run(stream, move || {
-            // SAFETY: the caller ordered every other use of the region (the trait's contract);
-            // the copy's slice ends before the write's begins.
-            let mine = copy_of(unsafe { memory.bytes(all) })?;
-            shared.exchange(rank, stream, seq, op, mine, |parts| {
-                let ranks: Vec<&[f32]> = parts.iter().map(|p| bytemuck::cast_slice(p)).collect();
-                // SAFETY: as above.
-                let out: &mut [f32] = bytemuck::cast_slice_mut(unsafe { memory.bytes_mut(own) });
-                for (i, o) in out.iter_mut().enumerate() {
-                    let mut acc = ranks[0][start + i];
-                    for r in &ranks[1..] {
-                        acc += r[start + i];
-                    }
-                    *o = acc;
+        let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
+        let fingerprint = Fingerprint::reduce_scatter(tag, region);
+        // SAFETY (both closures): the caller ordered every other use of the region (the trait's
+        // contract); the copy's slice ends before the write's begins.
+        let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduce-scatter's deposit");
+        let give = move |parts: &[&[u8]]| {
+            let ranks: Vec<&[f32]> = parts.iter().map(|p| bytemuck::cast_slice(p)).collect();
+            let out: &mut [f32] = bytemuck::cast_slice_mut(unsafe { written.bytes_mut(own) });
+            for (i, o) in out.iter_mut().enumerate() {
+                let mut acc = scale * ranks[0][start + i];
+                for r in &ranks[1..] {
+                    acc += scale * r[start + i];
                 }
-            })
-        })
+                *o = acc;
+            }
+        };
+        meet(self, backend, stream, fingerprint, take, give)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::backend::Backend;
+    use crate::comm::Purpose;
+
+    /// The tag of the `seq`th collective of step 0, for group `group`.
+    fn tag(group: usize, seq: u64) -> Tag {
+        Tag {
+            purpose: Purpose::Group(group),
+            step: 0,
+            seq,
+        }
+    }
 
     /// Eager, then asynchronous backends of a few seeds.
     const EVERY_MODE: [Option<u64>; 4] = [None, Some(1), Some(2), Some(3)];
@@ -343,8 +397,18 @@ mod tests {
             let shard = filled(&b, &[r, r + 0.5]);
             let mut full = b.alloc(24).unwrap();
             // SAFETY: both buffers are used on the gather stream only, then downloaded.
-            unsafe { c.all_gather(&b, Stream::Gather, &shard, f32s(2), &mut full, f32s(6)) }
-                .unwrap();
+            unsafe {
+                c.all_gather(
+                    &b,
+                    Stream::Gather,
+                    tag(0, 0),
+                    &shard,
+                    f32s(2),
+                    &mut full,
+                    f32s(6),
+                )
+            }
+            .unwrap();
             read(&b, &full, 6)
         });
         for out in runs.into_iter().flatten() {
@@ -360,11 +424,29 @@ mod tests {
         let runs = run(4, |mut c, b| {
             let mut buf = filled(&b, &[vals[c.rank()]; 4]);
             // SAFETY: the buffer is used on the reduce stream only, then downloaded.
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, f32s(4)) }.unwrap();
+            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(4), 1.0) }
+                .unwrap();
             read(&b, &buf, 4)[c.rank()]
         });
         for out in runs {
             assert_eq!(out, vec![ordered; 4]);
+        }
+    }
+
+    #[test]
+    fn a_scaled_sum_keeps_a_finite_mean_where_the_plain_sum_overflows() {
+        let big = 3e38f32;
+        let runs = run(2, |mut c, b| {
+            let mut buf = filled(&b, &[big; 2]);
+            // SAFETY: the buffer is used on the reduce stream only, then downloaded.
+            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 0.5) }
+                .unwrap();
+            read(&b, &buf, 2)[c.rank()]
+        });
+        assert!((big + big).is_infinite());
+        for out in runs {
+            assert_eq!(out, vec![0.5 * big + 0.5 * big; 2]);
+            assert!(out[0].is_finite());
         }
     }
 
@@ -380,15 +462,23 @@ mod tests {
             // SAFETY: each buffer is used on one stream only, then downloaded.
             unsafe {
                 let gather = |c: &mut LocalComm, full: &mut CpuBuffer| {
-                    c.all_gather(&b, Stream::Gather, &shard, f32s(1), full, f32s(2))
+                    c.all_gather(
+                        &b,
+                        Stream::Gather,
+                        tag(0, 0),
+                        &shard,
+                        f32s(1),
+                        full,
+                        f32s(2),
+                    )
                 };
                 if c.rank() == 0 {
-                    c.reduce_scatter(&b, Stream::Reduce, &mut grads, f32s(2))
+                    c.reduce_scatter(&b, Stream::Reduce, tag(1, 1), &mut grads, f32s(2), 1.0)
                         .unwrap();
                     gather(&mut c, &mut full).unwrap();
                 } else {
                     gather(&mut c, &mut full).unwrap();
-                    c.reduce_scatter(&b, Stream::Reduce, &mut grads, f32s(2))
+                    c.reduce_scatter(&b, Stream::Reduce, tag(1, 1), &mut grads, f32s(2), 1.0)
                         .unwrap();
                 }
             }
@@ -414,18 +504,15 @@ mod tests {
             let n = 2 + c.rank() * 2;
             let mut buf = b.alloc(n * 4).unwrap();
             // SAFETY: the buffer is used on the reduce stream only.
-            let issued = unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, f32s(n)) };
+            let issued =
+                unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(n), 1.0) };
             outcome(&b, issued)
         });
         for r in runs.into_iter().flatten() {
             assert!(
                 matches!(
                     r.as_ref().map_err(|e| &**e),
-                    Err(Error::CollectiveMismatch {
-                        seq: 0,
-                        rank: 1,
-                        ..
-                    })
+                    Err(Error::CollectiveMismatch { rank: 1, .. })
                 ),
                 "{r:?}"
             );
@@ -441,13 +528,14 @@ mod tests {
             }
             let mut buf = b.alloc(8).unwrap();
             // SAFETY: the buffer is used on the reduce stream only.
-            let issued = unsafe { c.reduce_scatter(&b, Stream::Reduce, &mut buf, f32s(2)) };
+            let issued =
+                unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
             outcome(&b, issued)
         });
         for out in runs {
             let left = out[0].as_ref().map_err(|e| &**e);
             assert!(
-                matches!(left, Err(Error::RankLeft { seq: 0, rank: 1 })),
+                matches!(left, Err(Error::PeerGone { rank: 1, .. })),
                 "{out:?}"
             );
         }
@@ -459,9 +547,113 @@ mod tests {
         let b = CpuBackend::new();
         let mut buf = b.alloc(12).unwrap();
         // SAFETY: refused before anything is queued.
-        let err =
-            unsafe { comms[0].reduce_scatter(&b, Stream::Reduce, &mut buf, f32s(3)) }.unwrap_err();
+        let err = unsafe {
+            comms[0].reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(3), 1.0)
+        }
+        .unwrap_err();
         assert!(matches!(err, Error::OutOfRange { len: 3, .. }));
         assert!(matches!(LocalComm::group(0), Err(Error::ZeroWorldSize)));
+    }
+
+    #[test]
+    fn collectives_of_one_size_for_different_groups_are_a_mismatch_naming_both() {
+        let runs = run(2, |mut c, b| {
+            let mut buf = b.alloc(16).unwrap();
+            // Rank 0 reduces group 0 first, rank 1 group 1: equal sizes, different purposes.
+            let group = c.rank();
+            // SAFETY: the buffer is used on the reduce stream only.
+            let issued = unsafe {
+                c.reduce_scatter(&b, Stream::Reduce, tag(group, 0), &mut buf, f32s(4), 1.0)
+            };
+            outcome(&b, issued)
+        });
+        for r in runs.into_iter().flatten() {
+            match r.as_ref().map_err(|e| &**e) {
+                Err(Error::CollectiveMismatch {
+                    rank: 1,
+                    expected,
+                    got,
+                }) => {
+                    assert!(expected.contains("group 0"), "{expected}");
+                    assert!(got.contains("group 1"), "{got}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_that_never_comes_is_a_timeout_and_an_abort_ends_the_wait() {
+        let runs = run(2, |mut c, b| {
+            if c.rank() == 1 {
+                // Stays in the group without taking part, past rank 0's deadline.
+                std::thread::sleep(Duration::from_millis(300));
+                return Ok(());
+            }
+            c.set_watch(&Watch::new(Duration::from_millis(50)));
+            let mut buf = b.alloc(8).unwrap();
+            // SAFETY: the buffer is used on the reduce stream only.
+            let issued =
+                unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
+            outcome(&b, issued)
+        });
+        for out in runs {
+            let waited = out[0].as_ref().map_err(|e| &**e);
+            assert!(
+                matches!(waited, Err(Error::Timeout { op, .. }) if op.contains("reduce-scatter of group 0")),
+                "{out:?}"
+            );
+        }
+        let runs = run(2, |mut c, b| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                return Ok(());
+            }
+            let watch = Watch::default();
+            c.set_watch(&watch);
+            let aborter = watch.clone();
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                aborter.abort();
+            });
+            let mut buf = b.alloc(8).unwrap();
+            // SAFETY: the buffer is used on the reduce stream only.
+            let issued =
+                unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
+            let r = outcome(&b, issued);
+            t.join().unwrap();
+            r
+        });
+        for out in runs {
+            assert!(
+                matches!(out[0].as_ref().map_err(|e| &**e), Err(Error::Aborted)),
+                "{out:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rank_whose_watch_left_fails_its_peers_at_once() {
+        let runs = run(2, |mut c, b| {
+            let watch = Watch::default();
+            c.set_watch(&watch);
+            if c.rank() == 1 {
+                watch.leave();
+                std::thread::sleep(Duration::from_millis(200));
+                return Ok(());
+            }
+            let mut buf = b.alloc(8).unwrap();
+            // SAFETY: the buffer is used on the reduce stream only.
+            let issued =
+                unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
+            outcome(&b, issued)
+        });
+        for out in runs {
+            let gone = out[0].as_ref().map_err(|e| &**e);
+            assert!(
+                matches!(gone, Err(Error::PeerGone { rank: 1, .. })),
+                "{out:?}"
+            );
+        }
     }
 }

@@ -20,16 +20,17 @@ use cudarc::driver::{CudaEvent, CudaStream, result};
 use crate::backend::Region;
 use crate::backend::Stream;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
-use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
+use crate::comm::{Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::watch::Watch;
 use rendezvous::Rendezvous;
 
 /// What a rank issued; every rank must issue the same, on the same device and context.
 #[derive(Clone, Debug, PartialEq, Eq)]
-enum Op {
-    AllGather { bytes: usize, place: Place },
-    ReduceScatter { numel: usize, place: Place },
+struct Op {
+    fingerprint: Fingerprint,
+    place: Place,
 }
 
 /// The device and context a rank's buffers live in: kernels of one context cannot read another's.
@@ -41,15 +42,9 @@ struct Place {
 
 impl Op {
     fn describe(&self) -> String {
-        let (what, place) = match self {
-            Op::AllGather { bytes, place } => {
-                (format!("all-gather of {bytes} bytes per rank"), place)
-            }
-            Op::ReduceScatter { numel, place } => (format!("reduce-scatter of {numel} f32"), place),
-        };
         format!(
-            "{what} on device {} (context {:#x})",
-            place.device, place.context
+            "{} on device {} (context {:#x})",
+            self.fingerprint, self.place.device, self.place.context
         )
     }
 }
@@ -69,16 +64,19 @@ enum Deposit {
     Done(Option<Arc<CudaEvent>>),
 }
 
-/// Checks that every rank arrived with rank 0's operation. A rank that failed before taking part
-/// is reported as having left; a different operation as a mismatch, naming the first such rank.
-fn check_ops(seq: u64, ops: &[Option<&Op>]) -> Result<()> {
+/// Checks that every rank arrived with rank 0's operation (`op` is this rank's). A rank that
+/// failed before taking part is reported as gone; a different operation as a mismatch, naming the
+/// first such rank and both versions.
+fn check_ops(op: &Op, ops: &[Option<&Op>]) -> Result<()> {
     if let Some(rank) = ops.iter().position(Option::is_none) {
-        return Err(Error::RankLeft { seq, rank });
+        return Err(Error::PeerGone {
+            rank,
+            op: op.describe(),
+        });
     }
     let expected = ops.first().copied().flatten();
     match ops.iter().position(|op| *op != expected) {
         Some(rank) => Err(Error::CollectiveMismatch {
-            seq,
             rank,
             expected: expected.map_or_else(|| "nothing".into(), Op::describe),
             got: ops[rank].map_or_else(|| "nothing".into(), Op::describe),
@@ -101,7 +99,7 @@ pub struct LoopbackComm {
     rendezvous: Arc<Rendezvous<Deposit>>,
     rank: usize,
     world_size: usize,
-    seq: u64,
+    watch: Watch,
     table: Option<SourceTable>,
 }
 
@@ -112,16 +110,16 @@ impl LoopbackComm {
         if world_size == 0 {
             return Err(Error::ZeroWorldSize);
         }
-        let rendezvous = Arc::new(Rendezvous::new(world_size));
-        Ok((0..world_size)
-            .map(|rank| LoopbackComm {
-                rendezvous: Arc::clone(&rendezvous),
-                rank,
-                world_size,
-                seq: 0,
-                table: None,
-            })
-            .collect())
+        let rendezvous = Arc::new(Rendezvous::new(world_size)?);
+        let mut comms = crate::fallible::with_capacity(world_size, "a loopback group")?;
+        comms.extend((0..world_size).map(|rank| LoopbackComm {
+            rendezvous: Arc::clone(&rendezvous),
+            rank,
+            world_size,
+            watch: Watch::default(),
+            table: None,
+        }));
+        Ok(comms)
     }
 
     /// Runs one collective whose arguments were checked: meets the others, runs `work` with every
@@ -135,8 +133,7 @@ impl LoopbackComm {
         data: u64,
         work: impl FnOnce(&mut Self, &CudaStream, &[u64]) -> Result<()>,
     ) -> Result<()> {
-        let seq = self.seq;
-        self.seq += 1;
+        let what = op.describe();
         let on = backend.stream(stream);
         let (deposit, failure) =
             match bind(backend.context()).and_then(|()| backend.record_raw(stream)) {
@@ -147,7 +144,9 @@ impl LoopbackComm {
                 // Still meet the others, so they fail too instead of pairing with a later collective.
                 Err(e) => (Deposit::Failed, Some(e)),
             };
-        let arrivals = self.rendezvous.exchange(self.rank, seq, deposit)?;
+        let arrivals = self
+            .rendezvous
+            .exchange(self.rank, &self.watch, &what, deposit.clone())?;
         if let Some(e) = failure {
             return Err(e);
         }
@@ -158,7 +157,13 @@ impl LoopbackComm {
                 _ => None,
             })
             .collect();
-        check_ops(seq, &ops)?;
+        let own = match &deposit {
+            Deposit::Arrive { op, .. } => Some(op),
+            _ => None,
+        };
+        if let Some(own) = own {
+            check_ops(own, &ops)?;
+        }
         let mut addresses = Vec::with_capacity(arrivals.len());
         let mut waited = Ok(());
         for (rank, d) in arrivals.iter().enumerate() {
@@ -171,9 +176,9 @@ impl LoopbackComm {
         }
         let launched = waited.and_then(|()| work(self, on, &addresses));
         let done = backend.record_raw(stream).ok().map(Arc::new);
-        let finished = self
-            .rendezvous
-            .exchange(self.rank, seq, Deposit::Done(done))?;
+        let finished =
+            self.rendezvous
+                .exchange(self.rank, &self.watch, &what, Deposit::Done(done))?;
         for (rank, d) in finished.iter().enumerate() {
             if let (false, Deposit::Done(Some(event))) = (rank == self.rank, d) {
                 on.wait(event).map_err(cuda("cuStreamWaitEvent"))?;
@@ -234,10 +239,16 @@ impl Communicator<CudaBackend> for LoopbackComm {
         self.world_size
     }
 
+    fn set_watch(&mut self, watch: &Watch) {
+        self.watch = watch.clone();
+        self.rendezvous.set_watch(self.rank, watch);
+    }
+
     unsafe fn all_gather(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
+        tag: Tag,
         shard: &CudaBuffer,
         shard_region: Region,
         out: &mut CudaBuffer,
@@ -247,8 +258,8 @@ impl Communicator<CudaBackend> for LoopbackComm {
         let src = shard.addr(shard_region)?;
         let dst = out.addr(out_region)?;
         let bytes = shard_region.len * shard_region.dtype.size();
-        let op = Op::AllGather {
-            bytes,
+        let op = Op {
+            fingerprint: Fingerprint::all_gather(tag, shard_region),
             place: place(backend),
         };
         self.run(backend, stream, op, src, |_, on, sources| {
@@ -271,14 +282,16 @@ impl Communicator<CudaBackend> for LoopbackComm {
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
+        tag: Tag,
         buf: &mut CudaBuffer,
         region: Region,
+        scale: f32,
     ) -> Result<()> {
         check_reduce_scatter(self.world_size, region)?;
         let base = buf.addr(region)?;
         let part = region.len / self.world_size;
-        let op = Op::ReduceScatter {
-            numel: region.len,
+        let op = Op {
+            fingerprint: Fingerprint::reduce_scatter(tag, region),
             place: place(backend),
         };
         let rank = self.rank;
@@ -306,6 +319,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
                     sources.len(),
                     base + own,
                     part,
+                    scale,
                 )
             };
             table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
@@ -318,9 +332,17 @@ impl Communicator<CudaBackend> for LoopbackComm {
 mod tests {
     use super::*;
 
-    fn gather(bytes: usize) -> Op {
-        Op::AllGather {
-            bytes,
+    use crate::comm::Purpose;
+
+    /// An all-gather of `len` bf16 per rank of group `group`.
+    fn gather(group: usize, len: usize) -> Op {
+        let tag = Tag {
+            purpose: Purpose::Group(group),
+            step: 1,
+            seq: 3,
+        };
+        Op {
+            fingerprint: Fingerprint::all_gather(tag, Region::new(0, len, DType::Bf16)),
             place: Place {
                 device: 0,
                 context: 0x10,
@@ -330,47 +352,53 @@ mod tests {
 
     #[test]
     fn the_same_operation_everywhere_passes() {
-        let op = gather(64);
-        assert!(check_ops(3, &[Some(&op), Some(&op), Some(&op)]).is_ok());
+        let op = gather(0, 64);
+        assert!(check_ops(&op, &[Some(&op), Some(&op), Some(&op)]).is_ok());
     }
 
     #[test]
-    fn the_first_differing_rank_is_named() {
-        let (a, b) = (gather(64), gather(32));
-        let err = check_ops(3, &[Some(&a), Some(&a), Some(&b), Some(&b)]).unwrap_err();
-        match err {
-            Error::CollectiveMismatch {
-                seq: 3,
-                rank: 2,
-                expected,
-                got,
-            } => {
-                assert!(expected.starts_with("all-gather of 64 bytes"), "{expected}");
-                assert!(got.starts_with("all-gather of 32 bytes"), "{got}");
+    fn the_first_differing_rank_is_named_with_both_versions() {
+        for (a, b) in [
+            (gather(0, 64), gather(0, 32)),
+            (gather(0, 64), gather(1, 64)),
+        ] {
+            let err = check_ops(&a, &[Some(&a), Some(&a), Some(&b), Some(&b)]).unwrap_err();
+            match err {
+                Error::CollectiveMismatch {
+                    rank: 2,
+                    expected,
+                    got,
+                } => {
+                    assert_eq!(expected, a.describe());
+                    assert_eq!(got, b.describe());
+                }
+                other => panic!("{other:?}"),
             }
-            other => panic!("{other:?}"),
         }
+        assert!(
+            gather(3, 8)
+                .describe()
+                .starts_with("all-gather of group 3 (8 bf16), collective 3 of step 1")
+        );
     }
 
     #[test]
     fn another_context_is_a_mismatch() {
-        let a = gather(64);
-        let mut b = gather(64);
-        if let Op::AllGather { place, .. } = &mut b {
-            place.context = 0x20;
-        }
+        let a = gather(0, 64);
+        let mut b = gather(0, 64);
+        b.place.context = 0x20;
         assert!(matches!(
-            check_ops(0, &[Some(&a), Some(&b)]),
+            check_ops(&a, &[Some(&a), Some(&b)]),
             Err(Error::CollectiveMismatch { rank: 1, .. })
         ));
     }
 
     #[test]
-    fn a_rank_that_failed_before_taking_part_has_left() {
-        let op = gather(64);
+    fn a_rank_that_failed_before_taking_part_is_gone() {
+        let op = gather(0, 64);
         assert!(matches!(
-            check_ops(5, &[Some(&op), None, Some(&op)]),
-            Err(Error::RankLeft { seq: 5, rank: 1 })
+            check_ops(&op, &[Some(&op), None, Some(&op)]),
+            Err(Error::PeerGone { rank: 1, .. })
         ));
     }
 

@@ -4,18 +4,191 @@ pub mod local;
 pub mod loopback;
 pub mod nccl;
 
+use std::fmt;
+
 use crate::backend::{Backend, Region, Stream};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::watch::Watch;
+
+/// What a collective is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Purpose {
+    /// The gather, or the reduction, of a plan group.
+    Group(usize),
+    /// The ranks' comparison of their plans, when their engines are made.
+    PlanCheck,
+    /// The ranks' comparison of the collectives they issued in a step
+    /// (`EngineConfig::verify_collectives`).
+    CollectiveCheck,
+}
+
+/// A collective's place in its engine's sequence: every rank issues the same purposes in the
+/// same order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tag {
+    pub purpose: Purpose,
+    /// Steps the engine had ended before this collective.
+    pub step: u64,
+    /// Its place among the engine's collectives of the step, from 0.
+    pub seq: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CollectiveOp {
+    AllGather,
+    ReduceScatter,
+}
+
+/// A collective as the ranks compare it: its tag, kind, element type and length (per rank for an
+/// all-gather, the whole region for a reduce-scatter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fingerprint {
+    pub tag: Tag,
+    pub op: CollectiveOp,
+    pub dtype: DType,
+    pub len: usize,
+}
+
+impl fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = match self.op {
+            CollectiveOp::AllGather => "all-gather",
+            CollectiveOp::ReduceScatter => "reduce-scatter",
+        };
+        let what = match self.tag.purpose {
+            Purpose::Group(g) => format!("group {g}"),
+            Purpose::PlanCheck => "the plan check".into(),
+            Purpose::CollectiveCheck => "the collective check".into(),
+        };
+        write!(
+            f,
+            "{op} of {what} ({} {}), collective {} of step {}",
+            self.len, self.dtype, self.tag.seq, self.tag.step
+        )
+    }
+}
+
+impl Fingerprint {
+    pub fn all_gather(tag: Tag, shard: Region) -> Fingerprint {
+        Fingerprint {
+            tag,
+            op: CollectiveOp::AllGather,
+            dtype: shard.dtype,
+            len: shard.len,
+        }
+    }
+
+    pub fn reduce_scatter(tag: Tag, region: Region) -> Fingerprint {
+        Fingerprint {
+            tag,
+            op: CollectiveOp::ReduceScatter,
+            dtype: region.dtype,
+            len: region.len,
+        }
+    }
+
+    /// A fixed encoding, the same on every machine, for hashing and exchanging.
+    pub fn to_bytes(&self) -> [u8; FINGERPRINT_BYTES] {
+        let (kind, group) = match self.tag.purpose {
+            Purpose::Group(g) => (0u64, g as u64),
+            Purpose::PlanCheck => (1, 0),
+            Purpose::CollectiveCheck => (2, 0),
+        };
+        let op = match self.op {
+            CollectiveOp::AllGather => 0u64,
+            CollectiveOp::ReduceScatter => 1,
+        };
+        let dtype = match self.dtype {
+            DType::Bf16 => 0u64,
+            DType::F16 => 1,
+            DType::F32 => 2,
+        };
+        let words = [
+            kind,
+            group,
+            self.tag.step,
+            self.tag.seq,
+            op << 8 | dtype,
+            self.len as u64,
+        ];
+        let mut out = [0u8; FINGERPRINT_BYTES];
+        for (chunk, w) in out.chunks_exact_mut(8).zip(words) {
+            chunk.copy_from_slice(&w.to_le_bytes());
+        }
+        out
+    }
+
+    /// The fingerprint [`Fingerprint::to_bytes`] encoded, if `bytes` hold one.
+    pub fn from_bytes(bytes: &[u8]) -> Option<Fingerprint> {
+        let word = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(
+                bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+            ))
+        };
+        let purpose = match (word(0)?, word(1)?) {
+            (0, g) => Purpose::Group(usize::try_from(g).ok()?),
+            (1, _) => Purpose::PlanCheck,
+            (2, _) => Purpose::CollectiveCheck,
+            _ => return None,
+        };
+        let kind = word(4)?;
+        let op = match kind >> 8 {
+            0 => CollectiveOp::AllGather,
+            1 => CollectiveOp::ReduceScatter,
+            _ => return None,
+        };
+        let dtype = match kind & 0xff {
+            0 => DType::Bf16,
+            1 => DType::F16,
+            2 => DType::F32,
+            _ => return None,
+        };
+        Some(Fingerprint {
+            tag: Tag {
+                purpose,
+                step: word(2)?,
+                seq: word(3)?,
+            },
+            op,
+            dtype,
+            len: usize::try_from(word(5)?).ok()?,
+        })
+    }
+}
+
+/// Bytes of [`Fingerprint::to_bytes`].
+pub const FINGERPRINT_BYTES: usize = 48;
+
+/// The error for ranks whose collectives differ: rank 0's and rank `rank`'s, described.
+pub(crate) fn mismatch(
+    rank: usize,
+    expected: Option<&Fingerprint>,
+    got: Option<&Fingerprint>,
+) -> Error {
+    let describe =
+        |f: Option<&Fingerprint>| f.map_or_else(|| "nothing".to_string(), |f| f.to_string());
+    Error::CollectiveMismatch {
+        rank,
+        expected: describe(expected),
+        got: describe(got),
+    }
+}
 
 /// All-gather and reduce-scatter for one rank, over buffers of backend `B`.
 ///
-/// Every rank must issue the same collectives, with the same lengths, in the same order. A
+/// Every rank must issue the same collectives, with the same lengths, in the same order; each
+/// carries a [`Tag`], and communicators that can compare the ranks' [`Fingerprint`]s (local,
+/// loopback) fail every rank on a difference, naming both versions. A
 /// collective is queued on a stream like the backend's data operations, and runs when the stream
 /// gets there; so, like them, it is `unsafe`: the caller orders every use of its buffers on other
 /// streams with events.
 pub trait Communicator<B: Backend>: Send {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
+
+    /// The deadline and abort flag of the rank's waits, from its engine.
+    fn set_watch(&mut self, watch: &Watch);
 
     /// Gathers every rank's `shard_region` of `shard` into `out_region` of `out`, rank `r`'s part
     /// at `r * shard_region.len`. `out_region.len` is `world_size * shard_region.len`.
@@ -27,23 +200,29 @@ pub trait Communicator<B: Backend>: Send {
         &mut self,
         backend: &B,
         stream: Stream,
+        tag: Tag,
         shard: &B::Buffer,
         shard_region: Region,
         out: &mut B::Buffer,
         out_region: Region,
     ) -> Result<()>;
 
-    /// Sums the f32 `region` of `buf` over the ranks, adding in rank order 0, 1, 2, ..., and
-    /// leaves this rank's part (`region.len / world_size` elements at `rank` times that) in place.
+    /// Sums `scale` times the f32 `region` of `buf` over the ranks (each rank's values scaled
+    /// before the sum, which keeps a mean finite where a plain sum would overflow), adding in rank
+    /// order 0, 1, 2, ..., and leaves this rank's part (`region.len / world_size` elements at
+    /// `rank` times that) in place.
     ///
     /// # Safety
     /// As [`Communicator::all_gather`], for the region.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn reduce_scatter(
         &mut self,
         backend: &B,
         stream: Stream,
+        tag: Tag,
         buf: &mut B::Buffer,
         region: Region,
+        scale: f32,
     ) -> Result<()>;
 }
 

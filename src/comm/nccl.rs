@@ -14,14 +14,15 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
 use crate::backend::{Region, Stream};
-use crate::comm::{Communicator, check_all_gather, check_reduce_scatter};
+use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use library::Nccl;
+use crate::watch::Watch;
+use library::{NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
 
 pub use library::NCCL_LIBRARY_ENV;
 
@@ -93,14 +94,17 @@ fn nccl_dtype(dtype: DType) -> ncclDataType_t {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     AllGather,
-    ReduceScatter,
+    /// Each rank's values times `scale`, summed.
+    ReduceScatter {
+        scale: f32,
+    },
 }
 
 /// One NCCL call, its arguments checked: device addresses, and `count` elements per rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Call {
     kind: Kind,
     send: u64,
@@ -153,12 +157,13 @@ fn reduce_scatter_call(
     rank: usize,
     buf: Extent,
     region: Region,
+    scale: f32,
 ) -> Result<Call> {
     check_reduce_scatter(world_size, region)?;
     let send = buf.addr(region)?;
     let count = region.len / world_size;
     Ok(Call {
-        kind: Kind::ReduceScatter,
+        kind: Kind::ReduceScatter { scale },
         send,
         recv: send + (rank * count * DType::F32.size()) as u64,
         count,
@@ -179,6 +184,7 @@ pub enum Collective<'a> {
     ReduceScatter {
         buf: &'a mut CudaBuffer,
         region: Region,
+        scale: f32,
     },
 }
 
@@ -299,9 +305,13 @@ impl NcclComm {
                     Extent::of(out),
                     *out_region,
                 ),
-                Collective::ReduceScatter { buf, region } => {
-                    reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), *region)
-                }
+                Collective::ReduceScatter { buf, region, scale } => reduce_scatter_call(
+                    self.world_size,
+                    self.rank,
+                    Extent::of(buf),
+                    *region,
+                    *scale,
+                ),
             })
             .collect::<Result<Vec<_>>>()?;
         if calls.is_empty() {
@@ -358,21 +368,52 @@ impl NcclComm {
                     "ncclAllGather",
                     (self.nccl.all_gather)(send, recv, call.count, dtype, self.comm, s),
                 ),
-                Kind::ReduceScatter => (
-                    "ncclReduceScatter",
-                    (self.nccl.reduce_scatter)(
-                        send,
-                        recv,
-                        call.count,
-                        dtype,
-                        ncclRedOp_t::ncclSum,
-                        self.comm,
-                        s,
-                    ),
-                ),
+                Kind::ReduceScatter { scale } => {
+                    let op = self.sum_scaled_by(scale)?;
+                    let status = (self.nccl.reduce_scatter)(
+                        send, recv, call.count, dtype, op.0, self.comm, s,
+                    );
+                    ("ncclReduceScatter", status)
+                }
             }
         };
         self.nccl.check(name, status, self.comm)
+    }
+
+    /// `ncclSum`, or for another `scale` a premultiplied sum made for this call.
+    fn sum_scaled_by(&self, mut scale: f32) -> Result<ScaledSum<'_>> {
+        if scale == 1.0 {
+            return Ok(ScaledSum(NCCL_SUM, None));
+        }
+        let mut op: NcclRedOp = NCCL_SUM;
+        // SAFETY: NCCL writes one operator and reads the f32 scalar during the call
+        // (`ncclScalarHostImmediate`).
+        let status = unsafe {
+            (self.nccl.red_op_create_pre_mul_sum)(
+                &mut op,
+                (&mut scale as *mut f32).cast(),
+                nccl_dtype(DType::F32),
+                NCCL_SCALAR_HOST_IMMEDIATE,
+                self.comm,
+            )
+        };
+        self.nccl
+            .check("ncclRedOpCreatePreMulSum", status, self.comm)?;
+        Ok(ScaledSum(op, Some(self)))
+    }
+}
+
+/// A reduction operator for one call, destroyed after it (NCCL allows that as soon as the call
+/// that used it returned).
+struct ScaledSum<'a>(NcclRedOp, Option<&'a NcclComm>);
+
+impl Drop for ScaledSum<'_> {
+    fn drop(&mut self) {
+        if let Some(comm) = self.1 {
+            // SAFETY: the operator was made for this communicator and is destroyed once; an
+            // error here only leaks it.
+            let _ = unsafe { (comm.nccl.red_op_destroy)(self.0, comm.comm) };
+        }
     }
 }
 
@@ -397,10 +438,15 @@ impl Communicator<CudaBackend> for NcclComm {
         self.world_size
     }
 
+    /// NCCL's own waits (in its kernels) take no deadline from here; the host's waits for them
+    /// are the backend's, under its watch.
+    fn set_watch(&mut self, _watch: &Watch) {}
+
     unsafe fn all_gather(
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
+        _tag: Tag,
         shard: &CudaBuffer,
         shard_region: Region,
         out: &mut CudaBuffer,
@@ -421,10 +467,12 @@ impl Communicator<CudaBackend> for NcclComm {
         &mut self,
         backend: &CudaBackend,
         stream: Stream,
+        _tag: Tag,
         buf: &mut CudaBuffer,
         region: Region,
+        scale: f32,
     ) -> Result<()> {
-        let call = reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), region)?;
+        let call = reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), region, scale)?;
         let on = self.prepare(backend, stream, "ncclReduceScatter")?;
         self.issue(&call, on)
     }
@@ -483,11 +531,11 @@ mod tests {
     #[test]
     fn reduce_scatter_is_in_place_at_the_ranks_part() {
         let region = Region::new(8, 12, DType::F32);
-        let call = reduce_scatter_call(3, 2, extent(80), region).unwrap();
+        let call = reduce_scatter_call(3, 2, extent(80), region, 0.5).unwrap();
         assert_eq!(
             call,
             Call {
-                kind: Kind::ReduceScatter,
+                kind: Kind::ReduceScatter { scale: 0.5 },
                 send: BASE + 32,
                 recv: BASE + 32 + 2 * 4 * 4,
                 count: 4,
@@ -498,12 +546,14 @@ mod tests {
 
     #[test]
     fn reduce_scatter_arguments_are_checked() {
-        let err = reduce_scatter_call(2, 0, extent(64), Region::new(0, 3, DType::F32)).unwrap_err();
+        let err =
+            reduce_scatter_call(2, 0, extent(64), Region::new(0, 3, DType::F32), 1.0).unwrap_err();
         assert!(matches!(err, Error::OutOfRange { len: 3, .. }), "{err:?}");
         let err =
-            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::Bf16)).unwrap_err();
+            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::Bf16), 1.0).unwrap_err();
         assert!(matches!(err, Error::OutOfRange { len: 4, .. }), "{err:?}");
-        let err = reduce_scatter_call(2, 1, extent(16), Region::new(2, 4, DType::F32)).unwrap_err();
+        let err =
+            reduce_scatter_call(2, 1, extent(16), Region::new(2, 4, DType::F32), 1.0).unwrap_err();
         assert!(
             matches!(
                 err,

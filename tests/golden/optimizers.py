@@ -1,5 +1,6 @@
 """Prints the golden values of tests/optimizer_golden.rs: torch.optim.AdamW and torch.optim.SGD
-on one f32 parameter of 8 elements for 5 steps, from fixed values and gradients.
+(without and with weight decay) on one f32 parameter of 8 elements for 5 steps, from fixed values
+and gradients.
 
 Run: python3 tests/golden/optimizers.py (needs torch; the test's comment names the version used).
 """
@@ -49,3 +50,4 @@ def show(name, rows):
 print(f"// torch {torch.__version__}")
 show("ADAMW", run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)))
 show("SGD", run(lambda ps: torch.optim.SGD(ps, lr=0.1)))
+show("SGD_DECAY", run(lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.1)))

@@ -67,7 +67,7 @@ pub(crate) fn optimizer_step(update: &Update, s: OptimizerSlices<'_>) {
             None => load_f32(param, dtype, i),
         };
         let p = match (update, &mut moments) {
-            (Update::Sgd { lr }, _) => sgd_element(p, g, *lr),
+            (Update::Sgd { lr, weight_decay }, _) => sgd_element(p, g, *lr, *weight_decay),
             (Update::AdamW(c), Some((m, v))) => {
                 let (p, mi, vi) = adamw_element(p, m[i], v[i], g, c);
                 m[i] = mi;

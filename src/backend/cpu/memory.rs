@@ -27,7 +27,7 @@ impl Memory {
     fn zeroed(bytes: usize) -> Result<Memory> {
         let out_of_memory = || Error::OutOfMemory {
             bytes,
-            backend: "cpu",
+            what: "a CPU buffer".into(),
         };
         let layout = Layout::from_size_align(bytes, 8).map_err(|_| out_of_memory())?;
         if bytes == 0 {
@@ -119,16 +119,4 @@ impl Drop for CpuBuffer {
     fn drop(&mut self) {
         self.tracker.remove(self.len());
     }
-}
-
-/// A copy of `bytes`, or `Error::OutOfMemory` when the host has too little.
-pub(crate) fn copy_of(bytes: &[u8]) -> Result<Vec<u8>> {
-    let mut copy = Vec::new();
-    copy.try_reserve_exact(bytes.len())
-        .map_err(|_| Error::OutOfMemory {
-            bytes: bytes.len(),
-            backend: "cpu",
-        })?;
-    copy.extend_from_slice(bytes);
-    Ok(copy)
 }

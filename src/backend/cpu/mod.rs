@@ -22,7 +22,7 @@ mod streams;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::backend::{
     Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream, Tracker,
@@ -30,16 +30,13 @@ use crate::backend::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::watch::Watch;
 use math::OptimizerSlices;
 pub use memory::CpuBuffer;
 use memory::Memory;
-pub(crate) use memory::copy_of;
 use streams::{Marker, Streams};
 
 const NAME: &str = "cpu";
-
-/// How long an asynchronous backend's waits last before they fail with [`Error::Timeout`].
-const ASYNC_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A point in one of a CPU backend's streams.
 #[derive(Clone, Debug)]
@@ -71,10 +68,11 @@ impl CpuBackend {
     /// A backend whose three streams run apart, each on a worker thread that sleeps before every
     /// operation for a delay drawn from `seed` (mostly none, sometimes tens of microseconds, now
     /// and then milliseconds). A wait of a worker or of the host fails with [`Error::Timeout`]
-    /// after 10 minutes. Dropping the backend lets the workers finish their queues.
+    /// past its engine's deadline (`EngineConfig::timeout`) and with [`Error::Aborted`] once the
+    /// engine is aborted. Dropping the backend lets the workers finish their queues.
     pub fn asynchronous(seed: u64) -> Result<CpuBackend> {
         Ok(CpuBackend {
-            streams: Some(Streams::start(seed, ASYNC_TIMEOUT)?),
+            streams: Some(Streams::start(seed)?),
             ..CpuBackend::default()
         })
     }
@@ -173,12 +171,22 @@ impl Backend for CpuBackend {
         CpuBuffer::zeroed(bytes, &self.tracker)
     }
 
+    fn alloc_scratch(&self, bytes: usize) -> Result<CpuBuffer> {
+        CpuBuffer::zeroed(bytes, &Arc::default())
+    }
+
     fn memory(&self) -> MemoryUsage {
         self.tracker.usage()
     }
 
     fn host_waits(&self) -> u64 {
         self.host_waits.load(Ordering::Relaxed)
+    }
+
+    fn set_watch(&mut self, watch: &Watch) {
+        if let Some(streams) = &self.streams {
+            streams.set_watch(watch);
+        }
     }
 
     fn record(&self, stream: Stream) -> Result<CpuEvent> {
@@ -211,7 +219,7 @@ impl Backend for CpuBackend {
         let reached = |event: &CpuEvent| match (&self.streams, &event.0) {
             (_, Point::Reached(at)) => Ok(*at),
             (Some(streams), Point::Queued(marker)) => streams.synchronize(marker),
-            (None, Point::Queued(marker)) => marker.wait(ASYNC_TIMEOUT, "a timed CPU event"),
+            (None, Point::Queued(marker)) => marker.wait(&Watch::default(), "a timed CPU event"),
         };
         let (start, end) = (reached(start)?, reached(end)?);
         Ok(if end >= start {
@@ -292,7 +300,7 @@ impl Backend for CpuBackend {
                 );
                 return Ok(());
             }
-            Some(_) => copy_of(bytes)?,
+            Some(_) => crate::fallible::copy_of(bytes, "a queued gradient")?,
         };
         self.run(stream, move || {
             // SAFETY: the caller ordered every other use of the region (the trait's contract).

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::Stream;
 use crate::error::{Error, Result};
+use crate::watch::Watch;
 
 /// Work for a stream; its error fails the backend.
 pub(crate) type Job = Box<dyn FnOnce() -> Result<()> + Send>;
@@ -44,27 +45,16 @@ impl Marker {
         self.changed.notify_all();
     }
 
-    /// When the stream reached the point; blocks until then, at most `timeout`.
-    pub(crate) fn wait(&self, timeout: Duration, what: &'static str) -> Result<Instant> {
-        let start = Instant::now();
-        let mut reached = lock(&self.reached);
-        loop {
-            if let Some(at) = *reached {
-                return Ok(at);
-            }
-            let waited = start.elapsed();
-            if waited >= timeout {
-                return Err(Error::Timeout {
-                    op: what.to_string(),
-                    waited,
-                });
-            }
-            reached = self
-                .changed
-                .wait_timeout(reached, timeout - waited)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
-        }
+    /// When the stream reached the point; blocks until then, within `watch`'s deadline.
+    pub(crate) fn wait(&self, watch: &Watch, what: &'static str) -> Result<Instant> {
+        let reached = watch.wait_while(
+            lock(&self.reached),
+            &self.changed,
+            || what.to_string(),
+            |reached| Ok(reached.is_none()),
+        )?;
+        // `wait_while` returned because the point was reached.
+        Ok(reached.unwrap_or_else(Instant::now))
     }
 }
 
@@ -128,7 +118,8 @@ pub(crate) struct Streams {
     queues: Vec<Sender<Task>>,
     workers: Vec<JoinHandle<()>>,
     fault: Arc<Fault>,
-    timeout: Duration,
+    /// The deadline and abort flag of the workers' and the host's waits.
+    watch: Arc<Mutex<Watch>>,
 }
 
 impl std::fmt::Debug for Task {
@@ -142,26 +133,24 @@ impl std::fmt::Debug for Task {
 }
 
 impl Streams {
-    /// Starts one worker per stream, each drawing its delays from `seed`; every wait of a worker
-    /// or of the host gives up after `timeout`.
-    pub(crate) fn start(seed: u64, timeout: Duration) -> Result<Streams> {
-        let fault = Arc::new(Fault::default());
+    /// Starts one worker per stream, each drawing its delays from `seed`.
+    pub(crate) fn start(seed: u64) -> Result<Streams> {
         let mut streams = Streams {
             queues: Vec::with_capacity(STREAMS.len()),
             workers: Vec::with_capacity(STREAMS.len()),
-            fault,
-            timeout,
+            fault: Arc::default(),
+            watch: Arc::default(),
         };
         for stream in STREAMS {
             let (queue, tasks) = channel();
-            let fault = Arc::clone(&streams.fault);
+            let (fault, watch) = (Arc::clone(&streams.fault), Arc::clone(&streams.watch));
             let delays = Delays(seed ^ (index(stream) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
             let worker = std::thread::Builder::new()
                 .name(format!("fsdp-cpu-{stream:?}").to_lowercase())
-                .spawn(move || work(stream, tasks, delays, &fault, timeout))
+                .spawn(move || work(stream, tasks, delays, &fault, &watch))
                 .map_err(|source| Error::Spawn {
                     what: "a CPU stream worker",
-                    source,
+                    source: Arc::new(source),
                 })?;
             streams.queues.push(queue);
             streams.workers.push(worker);
@@ -198,9 +187,14 @@ impl Streams {
 
     /// Blocks the host until `marker` is reached; then reports any stream's failure.
     pub(crate) fn synchronize(&self, marker: &Marker) -> Result<Instant> {
-        let at = marker.wait(self.timeout, "a host wait for a CPU stream")?;
+        let watch = lock(&self.watch).clone();
+        let at = marker.wait(&watch, "a host wait for a CPU stream")?;
         self.fault.check()?;
         Ok(at)
+    }
+
+    pub(crate) fn set_watch(&self, watch: &Watch) {
+        *lock(&self.watch) = watch.clone();
     }
 }
 
@@ -220,7 +214,7 @@ fn work(
     tasks: Receiver<Task>,
     mut delays: Delays,
     fault: &Fault,
-    timeout: Duration,
+    watch: &Mutex<Watch>,
 ) {
     for task in tasks {
         let delay = delays.draw();
@@ -238,7 +232,8 @@ fn work(
                 Err(_) => fault.set(stream, Error::WorkerPanicked { stream }),
             },
             Task::Wait(marker) => {
-                if let Err(error) = marker.wait(timeout, "a CPU stream's wait for another") {
+                let watch = lock(watch).clone();
+                if let Err(error) = marker.wait(&watch, "a CPU stream's wait for another") {
                     fault.set(stream, error);
                 }
             }

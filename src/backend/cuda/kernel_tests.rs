@@ -477,14 +477,14 @@ fn adamw_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
 }
 
 fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
-    let lr = 0.01f32;
+    let (lr, weight_decay) = (0.01f32, 0.1f32);
     let f32_in = (DType::F32, Some(Fill::Finite));
     let mut specs = vec![f32_in, f32_in];
     if !aliased {
         specs.push((param, None));
     }
     let expect = move |v: &mut [u32]| {
-        let p = sgd_element(f32::from_bits(v[0]), f32::from_bits(v[1]), lr);
+        let p = sgd_element(f32::from_bits(v[0]), f32::from_bits(v[1]), lr, weight_decay);
         v[0] = p.to_bits();
         if !aliased {
             v[2] = from_f32(param, p);
@@ -499,14 +499,30 @@ fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
     run_case(gpu, &case, |s| {
         let param_ptr = if aliased { s[0] } else { s[2] };
         unsafe {
-            gpu.kernels
-                .sgd(&gpu.stream, param, s[0], s[1], param_ptr, n as usize, lr)
+            gpu.kernels.sgd(
+                &gpu.stream,
+                param,
+                s[0],
+                s[1],
+                param_ptr,
+                n as usize,
+                lr,
+                weight_decay,
+            )
         }
     });
 }
 
-/// `count` sources summed into a destination of their own, or into source `into`.
-fn reduce_sum_case(gpu: &Gpu, count: usize, into: Option<usize>, pattern: &[u64], n: u64) {
+/// `count` sources, each scaled by `scale`, summed into a destination of their own, or into
+/// source `into`.
+fn reduce_sum_case(
+    gpu: &Gpu,
+    count: usize,
+    into: Option<usize>,
+    scale: f32,
+    pattern: &[u64],
+    n: u64,
+) {
     let mut specs = vec![(DType::F32, Some(Fill::Finite)); count];
     if into.is_none() {
         specs.push((DType::F32, None));
@@ -514,11 +530,15 @@ fn reduce_sum_case(gpu: &Gpu, count: usize, into: Option<usize>, pattern: &[u64]
     let expect = move |v: &mut [u32]| {
         let sum = v[1..count]
             .iter()
-            .fold(f32::from_bits(v[0]), |acc, &x| acc + f32::from_bits(x));
+            .fold(scale * f32::from_bits(v[0]), |acc, &x| {
+                acc + scale * f32::from_bits(x)
+            });
         v[into.unwrap_or(count)] = sum.to_bits();
     };
     let case = Case {
-        what: format!("reduce_sum of {count} into {into:?} at offsets {pattern:?}"),
+        what: format!(
+            "reduce_sum of {count} scaled by {scale} into {into:?} at offsets {pattern:?}"
+        ),
         n,
         operands: Case::operands(gpu, pattern, &specs),
         expect: &expect,
@@ -530,7 +550,7 @@ fn reduce_sum_case(gpu: &Gpu, count: usize, into: Option<usize>, pattern: &[u64]
         let dst = s[into.unwrap_or(count)];
         unsafe {
             gpu.kernels
-                .reduce_sum(&gpu.stream, table.ptr, count, dst, n as usize)
+                .reduce_sum(&gpu.stream, table.ptr, count, dst, n as usize, scale)
         }
     });
 }
@@ -667,7 +687,9 @@ fn reduce_sum_matches_the_host() {
     let gpu = gpu();
     for count in [1, 2, 3, 8] {
         for into in [None, Some(0), Some(count - 1)] {
-            for_small_cases(|pattern, n| reduce_sum_case(&gpu, count, into, pattern, n));
+            for scale in [1.0, 0.125, 1.0 / 3.0] {
+                for_small_cases(|pattern, n| reduce_sum_case(&gpu, count, into, scale, pattern, n));
+            }
         }
     }
 }
@@ -676,8 +698,8 @@ fn reduce_sum_matches_the_host() {
 #[ignore = "needs a CUDA GPU"]
 fn reduce_sum_one_gib() {
     let gpu = gpu();
-    reduce_sum_case(&gpu, 4, None, &[3], gib_of(DType::F32));
-    reduce_sum_case(&gpu, 2, Some(1), &[3], gib_of(DType::F32));
+    reduce_sum_case(&gpu, 4, None, 0.25, &[3], gib_of(DType::F32));
+    reduce_sum_case(&gpu, 2, Some(1), 1.0, &[3], gib_of(DType::F32));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -961,10 +983,10 @@ fn misaligned_addresses_are_refused_before_launch() {
             k.cast(s, DType::Bf16, p, DType::F32, odd, 4),
             k.accumulate(s, DType::Bf16, p, odd, 4, 1.0, true),
             k.adamw(s, DType::Bf16, p, p + 64, odd, p + 128, p + 192, 4, &c),
-            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, 0.1),
+            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, 0.1, 0.0),
             k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
             k.unpack(s, DType::F32, p, 1, odd),
-            k.reduce_sum(s, p + 4, 1, p + 64, 4),
+            k.reduce_sum(s, p + 4, 1, p + 64, 4, 1.0),
         ]
     };
     for (i, r) in results.into_iter().enumerate() {
@@ -983,7 +1005,7 @@ fn a_sum_of_no_sources_is_refused() {
     let buf = DeviceBuffer::poisoned(&gpu, 64);
     let r = unsafe {
         gpu.kernels
-            .reduce_sum(&gpu.stream, buf.ptr, 0, buf.ptr + 32, 4)
+            .reduce_sum(&gpu.stream, buf.ptr, 0, buf.ptr + 32, 4, 1.0)
     };
     assert!(
         matches!(r, Err(Error::Unsupported { backend: "cuda", what }) if what.contains("zero sources")),
@@ -1005,14 +1027,14 @@ fn zero_length_calls_launch_nothing() {
             k.accumulate(s, dtype, 0, 0, 0, 1.0, true)
                 .expect("accumulate");
             k.adamw(s, dtype, 0, 0, 0, 0, 0, 0, &c).expect("adamw");
-            k.sgd(s, dtype, 0, 0, 0, 0, 0.1).expect("sgd");
+            k.sgd(s, dtype, 0, 0, 0, 0, 0.1, 0.0).expect("sgd");
             k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
             k.unpack(s, dtype, 0, 0, 0).expect("unpack");
         }
     }
     unsafe {
         k.fill_zero(s, 0, 0).expect("fill_zero");
-        k.reduce_sum(s, 0, 0, 0, 0).expect("reduce_sum");
+        k.reduce_sum(s, 0, 0, 0, 0, 1.0).expect("reduce_sum");
     }
     gpu.sync();
 }

@@ -466,6 +466,7 @@ impl Kernels {
         param: u64,
         n: usize,
         lr: f32,
+        weight_decay: f32,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -475,14 +476,21 @@ impl Kernels {
         check_aligned(param, param_dtype.size())?;
         let kernel = self.sgd[dtype_index(param_dtype)];
         let n64 = n as u64;
-        // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, float lr);
-        // the caller's contract.
+        // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, float lr,
+        // float wd); the caller's contract.
         unsafe {
             self.launch(
                 stream,
                 kernel,
                 kernel.elementwise_grid(n),
-                &mut [arg(&master), arg(&grad), arg(&param), arg(&n64), arg(&lr)],
+                &mut [
+                    arg(&master),
+                    arg(&grad),
+                    arg(&param),
+                    arg(&n64),
+                    arg(&lr),
+                    arg(&weight_decay),
+                ],
             )
         }
     }
@@ -557,8 +565,9 @@ impl Kernels {
         }
     }
 
-    /// `dst[i] = ((src0[i] + src1[i]) + src2[i]) + ...` in f32, in source order, `srcs` a device
-    /// array of `count` addresses; `dst` may be one of the sources (element-wise in place).
+    /// `dst[i] = ((s * src0[i] + s * src1[i]) + s * src2[i]) + ...` in f32 (`s` = `scale`), in
+    /// source order, `srcs` a device array of `count` addresses; `dst` may be one of the sources
+    /// (element-wise in place).
     ///
     /// # Safety
     /// Every source and `dst` is valid for `n` f32.
@@ -569,6 +578,7 @@ impl Kernels {
         count: usize,
         dst: u64,
         n: usize,
+        scale: f32,
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -586,13 +596,13 @@ impl Kernels {
         let kernel = self.reduce_sum;
         let n64 = n as u64;
         // SAFETY: reduce_sum_f32(const float* const* srcs, uint32_t count, float* dst,
-        // uint64_t n); the caller's contract.
+        // uint64_t n, float scale); the caller's contract.
         unsafe {
             self.launch(
                 stream,
                 kernel,
                 kernel.elementwise_grid(n),
-                &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64)],
+                &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64), arg(&scale)],
             )
         }
     }

@@ -4,10 +4,11 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::result;
+use cudarc::driver::sys::CUresult;
 
 use crate::backend::cuda::driver::{bind, cuda};
 use crate::backend::{Region, Tracker};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// `bytes` bytes of plain device memory (`cuMemAlloc`, never managed memory), freed on drop.
 /// The contents start undefined.
@@ -26,7 +27,13 @@ impl DeviceMemory {
         } else {
             bind(ctx)?;
             // SAFETY: a plain allocation in the current context; nothing reads it before a write.
-            unsafe { result::malloc_sync(bytes) }.map_err(cuda("cuMemAlloc"))?
+            unsafe { result::malloc_sync(bytes) }.map_err(|e| match e.0 {
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                    bytes,
+                    what: "device memory".into(),
+                },
+                _ => cuda("cuMemAlloc")(e),
+            })?
         };
         Ok(DeviceMemory {
             ptr,

@@ -16,10 +16,10 @@ mod driver;
 pub mod kernels;
 mod memory;
 mod staging;
-pub mod views;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
@@ -30,6 +30,7 @@ use crate::backend::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::watch::Watch;
 
 pub use driver::is_driver_present;
 pub(crate) use driver::{bind, cuda, primary_context};
@@ -57,6 +58,20 @@ pub struct CudaBackend {
     staging: Mutex<Staging>,
     /// The caller's handle of the compute stream, kept alive while the backend uses it.
     caller_stream: Option<Arc<CudaStream>>,
+    /// The deadline and abort flag of the host's waits.
+    watch: Watch,
+}
+
+/// How long a host wait for the device sleeps between looks.
+const POLL_PAUSE: Duration = Duration::from_micros(20);
+
+/// Blocks until `event` completed, looking every [`POLL_PAUSE`], within `watch`'s deadline.
+fn wait_for(watch: &Watch, event: &CudaEvent) -> Result<()> {
+    watch.poll(
+        POLL_PAUSE,
+        || "a host wait for the device".to_string(),
+        || event.try_is_complete().map_err(cuda("cuEventQuery")),
+    )
 }
 
 impl CudaBackend {
@@ -146,6 +161,7 @@ impl CudaBackend {
             host_waits: AtomicU64::new(0),
             staging: Mutex::default(),
             caller_stream: None,
+            watch: Watch::default(),
         })
     }
 
@@ -172,6 +188,21 @@ impl CudaBackend {
         &self.kernels
     }
 
+    /// Allocates `bytes`, zero-filled as [`Backend::alloc`] says, counted by `tracker`.
+    fn alloc_counted(&self, bytes: usize, tracker: &Arc<Tracker>) -> Result<CudaBuffer> {
+        let memory = DeviceMemory::alloc(&self.ctx, bytes)?;
+        if bytes > 0 {
+            // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything.
+            unsafe { result::memset_d8_async(memory.ptr(), 0, bytes, self.compute.cu_stream()) }
+                .map_err(cuda("cuMemsetD8Async"))?;
+            let zeroed = self.record_raw(Stream::Compute)?;
+            for other in [&self.gather, &self.reduce] {
+                other.wait(&zeroed).map_err(cuda("cuStreamWaitEvent"))?;
+            }
+        }
+        Ok(CudaBuffer::new(memory, tracker))
+    }
+
     pub(crate) fn record_raw(&self, stream: Stream) -> Result<CudaEvent> {
         self.stream(stream)
             .record_event(None)
@@ -180,10 +211,14 @@ impl CudaBackend {
 
     /// Counts a host wait, then blocks until `stream`'s work so far completed.
     fn block_on(&self, stream: Stream) -> Result<()> {
+        let reached = self.record_raw(stream)?;
+        self.wait_for(&reached)
+    }
+
+    /// Counts a host wait, then blocks until `event` completed, within the watch's deadline.
+    fn wait_for(&self, event: &CudaEvent) -> Result<()> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);
-        self.stream(stream)
-            .synchronize()
-            .map_err(cuda("cuStreamSynchronize"))
+        wait_for(&self.watch, event)
     }
 
     /// Makes the compute stream wait for the gather and reduce streams' work so far, so that a
@@ -232,17 +267,11 @@ impl Backend for CudaBackend {
     /// Allocates with `cuMemAlloc` and zero-fills on the compute stream; the gather and reduce
     /// streams wait for the fill, so the zeros are what any stream sees first.
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
-        let memory = DeviceMemory::alloc(&self.ctx, bytes)?;
-        if bytes > 0 {
-            // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything.
-            unsafe { result::memset_d8_async(memory.ptr(), 0, bytes, self.compute.cu_stream()) }
-                .map_err(cuda("cuMemsetD8Async"))?;
-            let zeroed = self.record_raw(Stream::Compute)?;
-            for other in [&self.gather, &self.reduce] {
-                other.wait(&zeroed).map_err(cuda("cuStreamWaitEvent"))?;
-            }
-        }
-        Ok(CudaBuffer::new(memory, &self.tracker))
+        self.alloc_counted(bytes, &self.tracker)
+    }
+
+    fn alloc_scratch(&self, bytes: usize) -> Result<CudaBuffer> {
+        self.alloc_counted(bytes, &Arc::default())
     }
 
     fn memory(&self) -> MemoryUsage {
@@ -251,6 +280,10 @@ impl Backend for CudaBackend {
 
     fn host_waits(&self) -> u64 {
         self.host_waits.load(Ordering::Relaxed)
+    }
+
+    fn set_watch(&mut self, watch: &Watch) {
+        self.watch = watch.clone();
     }
 
     fn record(&self, stream: Stream) -> Result<CudaBackendEvent> {
@@ -264,8 +297,7 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self, event: &CudaBackendEvent) -> Result<()> {
-        self.host_waits.fetch_add(1, Ordering::Relaxed);
-        event.0.synchronize().map_err(cuda("cuEventSynchronize"))
+        self.wait_for(&event.0)
     }
 
     fn record_timed(&self, stream: Stream) -> Result<CudaBackendEvent> {
@@ -277,7 +309,8 @@ impl Backend for CudaBackend {
 
     /// Blocks until `end` completed (counted as a host wait).
     fn elapsed_ms(&self, start: &CudaBackendEvent, end: &CudaBackendEvent) -> Result<f32> {
-        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.wait_for(&end.0)?;
+        wait_for(&self.watch, &start.0)?;
         start
             .0
             .elapsed_ms(&end.0)
@@ -379,14 +412,16 @@ impl Backend for CudaBackend {
             }
             Source::Host { bytes, .. } => {
                 self.host_waits.fetch_add(1, Ordering::Relaxed);
-                self.staging().with_staged(&self.ctx, on, bytes, |staged| {
-                    // SAFETY: the staging area holds the `numel` elements just copied, and
-                    // `dst_ptr` is checked to hold `numel` f32.
-                    unsafe {
-                        self.kernels
-                            .accumulate(on, dtype, staged, dst_ptr, numel, scale, add)
-                    }
-                })
+                let copied = |event: &CudaEvent| wait_for(&self.watch, event);
+                self.staging()
+                    .with_staged(&self.ctx, on, bytes, copied, |staged| {
+                        // SAFETY: the staging area holds the `numel` elements just copied, and
+                        // `dst_ptr` is checked to hold `numel` f32.
+                        unsafe {
+                            self.kernels
+                                .accumulate(on, dtype, staged, dst_ptr, numel, scale, add)
+                        }
+                    })
             }
         }
     }
@@ -458,9 +493,9 @@ impl Backend for CudaBackend {
         // SAFETY (both arms): every address is checked to hold `n` elements of a live buffer
         // borrowed for this call.
         match (update, moments) {
-            (Update::Sgd { lr }, _) => unsafe {
+            (Update::Sgd { lr, weight_decay }, _) => unsafe {
                 self.kernels
-                    .sgd(on, shard.dtype, master, grad, param, n, *lr)
+                    .sgd(on, shard.dtype, master, grad, param, n, *lr, *weight_decay)
             },
             (Update::AdamW(c), Some((m, v))) => unsafe {
                 self.kernels

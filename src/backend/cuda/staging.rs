@@ -18,14 +18,15 @@ pub(crate) struct Staging {
 
 impl Staging {
     /// Copies `data` into the area on `stream`, then runs `read` with the area's device address
-    /// to enqueue the work that reads it. Blocks the host until the copy completed, so the caller
-    /// may reuse `data` at once (whether pinned or not: a pageable copy may return before it is
-    /// done, a pinned one is fully asynchronous).
+    /// to enqueue the work that reads it. Blocks the host until the copy completed (`copied` waits
+    /// for the event that follows it), so the caller may reuse `data` at once (whether pinned or
+    /// not: a pageable copy may return before it is done, a pinned one is fully asynchronous).
     pub(crate) fn with_staged<T>(
         &mut self,
         ctx: &Arc<CudaContext>,
         stream: &CudaStream,
         data: &[u8],
+        copied: impl FnOnce(&CudaEvent) -> Result<()>,
         read: impl FnOnce(u64) -> Result<T>,
     ) -> Result<T> {
         let capacity = self.memory.as_ref().map_or(0, DeviceMemory::bytes);
@@ -46,7 +47,7 @@ impl Staging {
         // `stream`; `data` outlives the copy because the stream is synchronized right after.
         unsafe { result::memcpy_htod_async(ptr, data, stream.cu_stream()) }
             .map_err(cuda("cuMemcpyHtoDAsync"))?;
-        stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        copied(&stream.record_event(None).map_err(cuda("cuEventRecord"))?)?;
         let out = read(ptr);
         // Recorded even when `read` failed: whatever it enqueued may still read the area.
         self.last_read = Some(stream.record_event(None).map_err(cuda("cuEventRecord"))?);

@@ -3,6 +3,8 @@
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
+use crate::fallible::filled;
+use crate::watch::Watch;
 
 #[derive(Debug)]
 struct State<T> {
@@ -12,7 +14,17 @@ struct State<T> {
     /// Deposits of even and odd generations. A rank can deposit into a generation's half again
     /// only after the next exchange completed, and so after every rank read this one.
     deposits: [Vec<Option<T>>; 2],
+    /// Ranks whose handle was dropped.
     left: Vec<bool>,
+    /// Each rank's watch: an aborted rank, or one whose thread ended, is gone for the others.
+    watches: Vec<Watch>,
+}
+
+impl<T> State<T> {
+    /// The first rank other than `rank` that is gone.
+    fn gone(&self, rank: usize) -> Option<usize> {
+        (0..self.left.len()).find(|&r| r != rank && (self.left[r] || self.watches[r].has_left()))
+    }
 }
 
 /// The meeting point of `world_size` ranks, one thread each.
@@ -24,17 +36,22 @@ pub(super) struct Rendezvous<T> {
 }
 
 impl<T: Clone> Rendezvous<T> {
-    pub(super) fn new(world_size: usize) -> Rendezvous<T> {
-        Rendezvous {
+    pub(super) fn new(world_size: usize) -> Result<Rendezvous<T>> {
+        let what = "a loopback group";
+        Ok(Rendezvous {
             world_size,
             state: Mutex::new(State {
                 generation: 0,
                 arrived: 0,
-                deposits: [vec![None; world_size], vec![None; world_size]],
-                left: vec![false; world_size],
+                deposits: [
+                    filled(world_size, None, what)?,
+                    filled(world_size, None, what)?,
+                ],
+                left: filled(world_size, false, what)?,
+                watches: filled(world_size, Watch::default(), what)?,
             }),
             changed: Condvar::new(),
-        }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {
@@ -43,8 +60,22 @@ impl<T: Clone> Rendezvous<T> {
     }
 
     /// Deposits `value` as `rank`'s, waits until every rank deposited, and returns the values in
-    /// rank order. Fails with `Error::RankLeft` (for collective `seq`) if a rank left first.
-    pub(super) fn exchange(&self, rank: usize, seq: u64, value: T) -> Result<Vec<T>> {
+    /// rank order. Fails with `Error::PeerGone` (naming `op`) if a rank is gone first, and as
+    /// `watch` says on an abort or past its deadline.
+    pub(super) fn exchange(
+        &self,
+        rank: usize,
+        watch: &Watch,
+        op: &str,
+        value: T,
+    ) -> Result<Vec<T>> {
+        let gone = |rank| Error::PeerGone {
+            rank,
+            op: op.to_string(),
+        };
+        if watch.has_left() {
+            return Err(gone(rank));
+        }
         let mut state = self.lock();
         let generation = state.generation;
         let half = (generation % 2) as usize;
@@ -55,17 +86,25 @@ impl<T: Clone> Rendezvous<T> {
             state.generation += 1;
             self.changed.notify_all();
         }
-        while state.generation == generation {
-            if let Some(rank) = state.left.iter().position(|&l| l) {
-                return Err(Error::RankLeft { seq, rank });
-            }
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
-        }
+        let state = watch.wait_while(
+            state,
+            &self.changed,
+            || op.to_string(),
+            |state| {
+                if state.generation != generation {
+                    return Ok(false);
+                }
+                match state.gone(rank) {
+                    Some(r) => Err(gone(r)),
+                    None => Ok(true),
+                }
+            },
+        )?;
         let deposits = &state.deposits[half];
         deposits
             .iter()
             .enumerate()
-            .map(|(rank, d)| d.clone().ok_or(Error::RankLeft { seq, rank }))
+            .map(|(rank, d)| d.clone().ok_or_else(|| gone(rank)))
             .collect()
     }
 
@@ -73,6 +112,12 @@ impl<T: Clone> Rendezvous<T> {
     pub(super) fn leave(&self, rank: usize) {
         let mut state = self.lock();
         state.left[rank] = true;
+        self.changed.notify_all();
+    }
+
+    /// The watch whose abort or departure makes `rank` gone for the others.
+    pub(super) fn set_watch(&self, rank: usize, watch: &Watch) {
+        self.lock().watches[rank] = watch.clone();
         self.changed.notify_all();
     }
 }
@@ -85,14 +130,16 @@ mod tests {
     #[test]
     fn every_rank_gets_every_value_in_rank_order_round_after_round() {
         let world = 4;
-        let rv = Arc::new(Rendezvous::<(usize, u64)>::new(world));
+        let rv = Arc::new(Rendezvous::<(usize, u64)>::new(world).unwrap());
         let rounds = 500;
         std::thread::scope(|s| {
             for rank in 0..world {
                 let rv = Arc::clone(&rv);
                 s.spawn(move || {
                     for seq in 0..rounds {
-                        let got = rv.exchange(rank, seq, (rank, seq)).unwrap();
+                        let got = rv
+                            .exchange(rank, &Watch::default(), "x", (rank, seq))
+                            .unwrap();
                         let expected: Vec<_> = (0..world).map(|r| (r, seq)).collect();
                         assert_eq!(got, expected, "rank {rank}, round {seq}");
                     }
@@ -103,42 +150,42 @@ mod tests {
 
     #[test]
     fn a_rank_that_leaves_fails_the_waiting_ranks() {
-        let rv = Arc::new(Rendezvous::<u8>::new(3));
+        let rv = Arc::new(Rendezvous::<u8>::new(3).unwrap());
         std::thread::scope(|s| {
             let waiters: Vec<_> = (0..2)
                 .map(|rank| {
                     let rv = Arc::clone(&rv);
-                    s.spawn(move || rv.exchange(rank, 7, 0))
+                    s.spawn(move || rv.exchange(rank, &Watch::default(), "x", 0))
                 })
                 .collect();
             rv.leave(2);
             for w in waiters {
                 let r = w.join().unwrap();
-                assert!(
-                    matches!(r, Err(Error::RankLeft { seq: 7, rank: 2 })),
-                    "{r:?}"
-                );
+                assert!(matches!(r, Err(Error::PeerGone { rank: 2, .. })), "{r:?}");
             }
         });
     }
 
     #[test]
     fn leaving_after_the_last_exchange_does_not_fail_it() {
-        let rv = Arc::new(Rendezvous::<u8>::new(2));
+        let rv = Arc::new(Rendezvous::<u8>::new(2).unwrap());
         std::thread::scope(|s| {
             let other = {
                 let rv = Arc::clone(&rv);
                 s.spawn(move || {
-                    let r = rv.exchange(1, 0, 1);
+                    let r = rv.exchange(1, &Watch::default(), "x", 1);
                     rv.leave(1);
                     r
                 })
             };
-            assert_eq!(rv.exchange(0, 0, 0).unwrap(), vec![0, 1]);
+            assert_eq!(
+                rv.exchange(0, &Watch::default(), "x", 0).unwrap(),
+                vec![0, 1]
+            );
             assert_eq!(other.join().unwrap().unwrap(), vec![0, 1]);
             assert!(matches!(
-                rv.exchange(0, 1, 0),
-                Err(Error::RankLeft { seq: 1, rank: 1 })
+                rv.exchange(0, &Watch::default(), "x", 0),
+                Err(Error::PeerGone { rank: 1, .. })
             ));
         });
     }

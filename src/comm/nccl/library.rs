@@ -12,7 +12,7 @@
 use std::ffi::{OsStr, OsString, c_char, c_int, c_void};
 use std::sync::OnceLock;
 
-use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclUniqueId};
+use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
 use libloading::Library;
 
 use crate::error::{Error, Result};
@@ -38,6 +38,16 @@ pub(super) fn candidates(env: Option<OsString>) -> Vec<OsString> {
 /// number instead of an invalid enum value.
 pub(super) type NcclStatus = c_int;
 
+/// An `ncclRedOp_t` as a plain integer: the operators NCCL creates (`ncclRedOpCreatePreMulSum`)
+/// are values past cudarc's enum.
+pub(super) type NcclRedOp = c_int;
+
+/// `ncclSum`.
+pub(super) const NCCL_SUM: NcclRedOp = 0;
+
+/// `ncclScalarHostImmediate`: the scalar is read from host memory during the call.
+pub(super) const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
+
 /// The functions the crate calls, with the C signatures of `nccl.h` (2.x).
 pub(super) struct Nccl {
     pub(super) get_version: unsafe extern "C" fn(*mut c_int) -> NcclStatus,
@@ -60,10 +70,18 @@ pub(super) struct Nccl {
         *mut c_void,
         usize,
         ncclDataType_t,
-        ncclRedOp_t,
+        NcclRedOp,
         ncclComm_t,
         cudaStream_t,
     ) -> NcclStatus,
+    pub(super) red_op_create_pre_mul_sum: unsafe extern "C" fn(
+        *mut NcclRedOp,
+        *mut c_void,
+        ncclDataType_t,
+        c_int,
+        ncclComm_t,
+    ) -> NcclStatus,
+    pub(super) red_op_destroy: unsafe extern "C" fn(NcclRedOp, ncclComm_t) -> NcclStatus,
     pub(super) group_start: unsafe extern "C" fn() -> NcclStatus,
     pub(super) group_end: unsafe extern "C" fn() -> NcclStatus,
     pub(super) get_error_string: unsafe extern "C" fn(NcclStatus) -> *const c_char,
@@ -119,6 +137,8 @@ fn resolve(library: Library, name: &OsStr) -> Result<Nccl, String> {
             comm_destroy: get(&library, name, "ncclCommDestroy")?,
             all_gather: get(&library, name, "ncclAllGather")?,
             reduce_scatter: get(&library, name, "ncclReduceScatter")?,
+            red_op_create_pre_mul_sum: get(&library, name, "ncclRedOpCreatePreMulSum")?,
+            red_op_destroy: get(&library, name, "ncclRedOpDestroy")?,
             group_start: get(&library, name, "ncclGroupStart")?,
             group_end: get(&library, name, "ncclGroupEnd")?,
             get_error_string: get(&library, name, "ncclGetErrorString")?,

@@ -1,0 +1,153 @@
+//! Gather slots, the placement of gathered groups, and the all-gathers.
+
+use std::sync::Arc;
+
+use super::{Engine, alloc};
+use crate::backend::{Backend, Region, Stream};
+use crate::comm::{Communicator, Fingerprint, Purpose};
+use crate::error::Result;
+use crate::state::{BufferState, GatherEffect};
+use crate::trace::SpanKind;
+
+/// Where a gathered group's values live.
+pub(super) enum Placement<E> {
+    Slot(GatherSlot<E>),
+    /// At world size 1 the shard is the whole buffer: the view is the shard itself.
+    Shard,
+}
+
+pub(super) struct GatherSlot<E> {
+    pub(super) buffer_index: usize,
+    /// Compute's last use of the group that held the slot.
+    pub(super) free_after: Option<Arc<E>>,
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Makes unit `u`'s groups USING (gathering those FREED) and prefetches the unit predicted next.
+    pub(super) fn use_unit(&mut self, u: usize) -> Result<()> {
+        let mut fx = std::mem::take(&mut self.gather_effects);
+        fx.clear();
+        let plan = Arc::clone(&self.plan);
+        let mut result = Ok(());
+        for &g in plan.unit_groups(u) {
+            if self.gathers.state(g) == BufferState::Ready {
+                self.counters.reuses += 1;
+            }
+            result = self.gathers.acquire(g, &mut fx);
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() && self.config.overlap {
+            if let Some(next) = self.schedule.predict_next() {
+                for &g in plan.unit_groups(next) {
+                    let before = fx.len();
+                    match self.gathers.prefetch(g, &mut fx) {
+                        Ok(true) => self.counters.prefetches += (fx.len() > before) as u64,
+                        Ok(false) => {}
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        let applied = self.apply_gather_effects(&fx);
+        self.gather_effects = fx;
+        result.and(applied)
+    }
+
+    /// One use of unit `u`'s groups ended on the compute stream.
+    pub(super) fn release_unit(&mut self, u: usize) -> Result<()> {
+        let done = Arc::new(self.backend.record(Stream::Compute)?);
+        let plan = Arc::clone(&self.plan);
+        for &g in plan.unit_groups(u) {
+            self.gathers.release(g)?;
+            self.released[g] = Some(Arc::clone(&done));
+        }
+        Ok(())
+    }
+
+    pub(super) fn apply_gather_effects(&mut self, effects: &[GatherEffect]) -> Result<()> {
+        for &effect in effects {
+            match effect {
+                GatherEffect::Evict(g) => {
+                    if let Some(Placement::Slot(mut slot)) = self.placed[g].take() {
+                        slot.free_after = self.released[g].take();
+                        self.free_slots.push(slot);
+                    }
+                    self.gathered[g] = None;
+                    self.counters.evictions += 1;
+                }
+                GatherEffect::Gather(g) => self.gather(g)?,
+                GatherEffect::Wait(g) => {
+                    if let Some(done) = self.gathered[g].take() {
+                        self.backend.wait(Stream::Compute, &done)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn gather(&mut self, g: usize) -> Result<()> {
+        self.counters.all_gathers += 1;
+        if self.plan.world_size() == 1 {
+            self.placed[g] = Some(Placement::Shard);
+            return Ok(());
+        }
+        let slot = match self.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                let index = self.slot_buffers.len();
+                let buffer = alloc(&self.backend, self.plan.gather_slot_bytes(), || {
+                    format!("gather slot {index}, beyond the limit")
+                })?;
+                self.slot_buffers.push(buffer);
+                self.counters.extra_slots += 1;
+                GatherSlot {
+                    buffer_index: index,
+                    free_after: None,
+                }
+            }
+        };
+        if let Some(done) = &slot.free_after {
+            self.backend.wait(Stream::Gather, done)?;
+        }
+        // The first gather after an optimizer step waits for it; later ones follow on the stream.
+        if let Some(updated) = self.shards_updated.take() {
+            self.backend.wait(Stream::Gather, &updated)?;
+        }
+        let start = self.mark(Stream::Gather)?;
+        let group = &self.plan.groups()[g];
+        let shard_region = Region::new(0, group.shard_numel, group.dtype);
+        let full_region = Region::new(0, group.padded_numel, group.dtype);
+        let tag = self.next_tag(Purpose::Group(g), |tag| {
+            Fingerprint::all_gather(tag, shard_region)
+        });
+        // SAFETY: the gather stream writes the slot after compute's last use of the group that
+        // held it (`free_after`, waited above) and reads the shard after the optimizer's last
+        // write (`shards_updated`, waited above for the step's first gather; later ones follow it
+        // on the gather stream). The optimizer waits for the gather stream before it writes.
+        let result = unsafe {
+            self.comm.all_gather(
+                &self.backend,
+                Stream::Gather,
+                tag,
+                &self.shards[g],
+                shard_region,
+                &mut self.slot_buffers[slot.buffer_index],
+                full_region,
+            )
+        };
+        self.placed[g] = Some(Placement::Slot(GatherSlot {
+            free_after: None,
+            ..slot
+        }));
+        result?;
+        self.push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)?;
+        self.gathered[g] = Some(self.backend.record(Stream::Gather)?);
+        Ok(())
+    }
+}

@@ -1,0 +1,586 @@
+//! One rank's runtime: owns the shards, slots and optimizer state, applies the pure decisions of
+//! [`crate::state`], [`crate::schedule`] and [`crate::grads`] through a backend and a communicator.
+//!
+//! - `mod.rs`: creation, the hooks, the failure policy (misuse changes nothing; a failure once
+//!   work began poisons the engine), the collectives' tags.
+//! - `gather`: gather slots, placement and the all-gathers; `reduce`: gradient slots and the
+//!   reductions; `step`: the sync, the optimizer, the end of a step, loads and shard reads;
+//!   `views`: the gathered parameters and gradient places as the caller reads and writes them;
+//!   `checks`: the ranks' comparisons of their plans and their collectives; `spans`: tracing.
+
+mod checks;
+mod gather;
+mod reduce;
+mod spans;
+mod step;
+mod views;
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, MemoryUsage, Region};
+use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
+use crate::config::EngineConfig;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::grads::{GradEffect, GradPipeline};
+use crate::plan::{ParamId, Plan, Unit};
+use crate::schedule::{Phase, Schedule};
+use crate::state::{BufferState, GatherEffect, Gathers};
+use crate::watch::{AbortHandle, Watch};
+use gather::{GatherSlot, Placement};
+use reduce::GradSlot;
+use spans::Trace;
+pub use views::DeviceTensor;
+
+/// What the engine did, counted since it was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// All-gathers issued, prefetches included (at world size 1 a gather marks the shard as the
+    /// view and moves nothing).
+    pub all_gathers: u64,
+    /// All-gathers issued ahead of use.
+    pub prefetches: u64,
+    /// Uses served by a READY buffer without communication.
+    pub reuses: u64,
+    /// Gathered buffers given back.
+    pub evictions: u64,
+    /// Reductions of a gradient slot into a shard (at world size 1 a step's first gradients are
+    /// written straight into the shards, with no reduction).
+    pub reduce_scatters: u64,
+    /// Gather slots allocated beyond `double_buffer_limit` because a required gather found
+    /// every gathered buffer in use.
+    pub extra_slots: u64,
+    /// Times the host blocked on the device.
+    pub host_waits: u64,
+    pub steps: u64,
+}
+
+/// One rank's FSDP runtime over backend `B` and communicator `C`.
+///
+/// A step is: for each micro-batch, the forward hooks of each unit in execution order
+/// ([`Engine::pre_forward`] / [`Engine::post_forward`]), then the backward hooks in reverse
+/// ([`Engine::pre_backward`] / [`Engine::post_backward`]) with one [`Engine::grad`] per trainable
+/// parameter; then [`Engine::finish_grad_sync`], [`Engine::optimizer_step`] and
+/// [`Engine::end_step`]. Gradients of several micro-batches add up until the step ends.
+///
+/// A misuse (a hook out of order, a bad gradient) is a specific error that changes nothing. A
+/// failure once a call's work began (a device or communicator error, a peer gone, a deadline
+/// passed, an abort) poisons the engine: every later call returns [`Error::Poisoned`] naming the
+/// first failure, and no view is handed out.
+pub struct Engine<B: Backend, C: Communicator<B>> {
+    plan: Arc<Plan>,
+    config: EngineConfig,
+    rank: usize,
+    // The backend is dropped before the communicator: its queued collectives finish (or fail)
+    // while the group still counts this rank in.
+    backend: B,
+    comm: C,
+    watch: Watch,
+    poisoned: Option<Error>,
+    shards: Vec<B::Buffer>,
+    grad_shards: Vec<Option<B::Buffer>>,
+    masters: Vec<Option<B::Buffer>>,
+    moments: Vec<Option<(B::Buffer, B::Buffer)>>,
+    master_stale: Vec<bool>,
+    slot_buffers: Vec<B::Buffer>,
+    free_slots: Vec<GatherSlot<B::Event>>,
+    placed: Vec<Option<Placement<B::Event>>>,
+    /// Per group, the regions of its layout that no gradient covers (padding), as f32.
+    padding: Vec<Vec<Region>>,
+    gathered: Vec<Option<B::Event>>,
+    released: Vec<Option<Arc<B::Event>>>,
+    shards_updated: Option<B::Event>,
+    grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
+    gathers: Gathers,
+    grads: GradPipeline,
+    schedule: Schedule,
+    forward_open: Vec<bool>,
+    backward_open: Vec<bool>,
+    optimizer_steps: u64,
+    stepped: bool,
+    open_slot: Option<ParamId>,
+    counters: Counters,
+    /// Collectives issued since the step began.
+    collectives_in_step: u64,
+    /// Their fingerprints, kept when [`EngineConfig::verify_collectives`] is on.
+    issued: Vec<Fingerprint>,
+    gather_effects: Vec<GatherEffect>,
+    grad_effects: Vec<GradEffect>,
+    trace: Option<Trace<B::Event>>,
+}
+
+/// An engine that could not be made, with the backend and communicator it was given: the rank can
+/// try again with them (its peers have not heard from it, unless the ranks' plans differed).
+pub struct Refused<B, C> {
+    pub error: Error,
+    pub backend: B,
+    pub comm: C,
+}
+
+impl<B, C> std::fmt::Debug for Refused<B, C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refused")
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The buffers of an engine, allocated up front.
+struct Buffers<B: Backend> {
+    shards: Vec<B::Buffer>,
+    grad_shards: Vec<Option<B::Buffer>>,
+    masters: Vec<Option<B::Buffer>>,
+    moments: Vec<Option<(B::Buffer, B::Buffer)>>,
+    slot_buffers: Vec<B::Buffer>,
+    grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
+}
+
+/// Allocates `bytes` for `what`, naming it when memory runs out.
+fn alloc<B: Backend>(backend: &B, bytes: usize, what: impl Fn() -> String) -> Result<B::Buffer> {
+    backend.alloc(bytes).map_err(|e| match e {
+        Error::OutOfMemory { bytes, .. } => Error::OutOfMemory {
+            bytes,
+            what: what(),
+        },
+        other => other,
+    })
+}
+
+impl<B: Backend> Buffers<B> {
+    fn allocate(plan: &Plan, config: &EngineConfig, backend: &B) -> Result<Buffers<B>> {
+        let groups = plan.groups();
+        let what = "the engine's buffer lists";
+        let mut shards = crate::fallible::with_capacity(groups.len(), what)?;
+        let mut grad_shards = crate::fallible::with_capacity(groups.len(), what)?;
+        let mut masters = crate::fallible::with_capacity(groups.len(), what)?;
+        let mut moments = crate::fallible::with_capacity(groups.len(), what)?;
+        for g in groups {
+            let i = g.index;
+            let shard_bytes = g.shard_numel * g.dtype.size();
+            shards.push(alloc(backend, shard_bytes, || {
+                format!("the parameter shard of group {i}")
+            })?);
+            let f32_shard = |what: &str| {
+                alloc(backend, g.shard_numel * 4, || {
+                    format!("the {what} of group {i}")
+                })
+            };
+            let trains = g.trainable;
+            grad_shards.push(trains.then(|| f32_shard("gradient shard")).transpose()?);
+            masters.push(
+                (trains && g.dtype != DType::F32)
+                    .then(|| f32_shard("fp32 master shard"))
+                    .transpose()?,
+            );
+            moments.push(
+                (trains && config.optimizer.has_moments())
+                    .then(|| Ok((f32_shard("first moment")?, f32_shard("second moment")?)))
+                    .transpose()?,
+            );
+        }
+        let slot_bytes = plan.gather_slot_bytes();
+        let slot_count = plan.gather_slot_count(config);
+        let mut slot_buffers = crate::fallible::with_capacity(slot_count, what)?;
+        for i in 0..slot_count {
+            slot_buffers.push(alloc(backend, slot_bytes, || format!("gather slot {i}"))?);
+        }
+        let grad_slot_bytes = plan.grad_slot_numel() * 4;
+        let grad_slot_count = plan.grad_slot_count(config);
+        let mut grad_slots = crate::fallible::with_capacity(grad_slot_count, what)?;
+        for i in 0..grad_slot_count {
+            grad_slots.push(GradSlot {
+                buffer: alloc(backend, grad_slot_bytes, || format!("gradient slot {i}"))?,
+                reduced: None,
+            });
+        }
+        Ok(Buffers {
+            shards,
+            grad_shards,
+            masters,
+            moments,
+            slot_buffers,
+            grad_slots,
+        })
+    }
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Allocates every buffer the plan predicts (shards, gradient shards, optimizer state, gather
+    /// and gradient slots), then compares the ranks' plans (a collective: every rank makes its
+    /// engine at the same point) and refuses to start on a difference, naming the first differing
+    /// parameter. Parameters start at zero until [`Engine::load_param`].
+    pub fn new(plan: Arc<Plan>, config: EngineConfig, backend: B, comm: C) -> Result<Self> {
+        Engine::try_new(plan, config, backend, comm).map_err(|refused| refused.error)
+    }
+
+    /// As [`Engine::new`], giving the backend and the communicator back on failure, so that the
+    /// rank can try again (say with a smaller configuration after `Error::OutOfMemory`).
+    pub fn try_new(
+        plan: Arc<Plan>,
+        config: EngineConfig,
+        mut backend: B,
+        mut comm: C,
+    ) -> std::result::Result<Self, Refused<B, C>> {
+        let watch = Watch::new(config.timeout);
+        backend.set_watch(&watch);
+        comm.set_watch(&watch);
+        let parts = Engine::<B, C>::check_arguments(&plan, &config, &comm)
+            .and_then(|()| Buffers::allocate(&plan, &config, &backend))
+            .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)));
+        let (buffers, state) = match parts {
+            Ok(parts) => parts,
+            Err(error) => {
+                return Err(Refused {
+                    error,
+                    backend,
+                    comm,
+                });
+            }
+        };
+        let mut engine = Engine::assemble(plan, config, backend, comm, watch, buffers, state);
+        if let Err(error) = engine.check_plans() {
+            let Engine { backend, comm, .. } = engine;
+            return Err(Refused {
+                error,
+                backend,
+                comm,
+            });
+        }
+        Ok(engine)
+    }
+
+    fn check_arguments(plan: &Plan, config: &EngineConfig, comm: &C) -> Result<()> {
+        config.validate()?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if world != plan.world_size() {
+            return Err(Error::WorldSizeMismatch {
+                plan: plan.world_size(),
+                comm: world,
+            });
+        }
+        if rank >= world {
+            return Err(Error::RankOutOfRange {
+                rank,
+                world_size: world,
+            });
+        }
+        Ok(())
+    }
+
+    fn assemble(
+        plan: Arc<Plan>,
+        config: EngineConfig,
+        backend: B,
+        comm: C,
+        watch: Watch,
+        buffers: Buffers<B>,
+        state: State,
+    ) -> Self {
+        let free_slots = (0..buffers.slot_buffers.len())
+            .rev()
+            .map(|buffer_index| GatherSlot {
+                buffer_index,
+                free_after: None,
+            })
+            .collect();
+        let groups = plan.groups().len();
+        let units = plan.units().len();
+        Engine {
+            rank: comm.rank(),
+            gathers: state.gathers,
+            schedule: Schedule::new(units),
+            grads: state.grads,
+            padding: state.padding,
+            placed: (0..groups).map(|_| None).collect(),
+            gathered: (0..groups).map(|_| None).collect(),
+            released: vec![None; groups],
+            master_stale: vec![true; groups],
+            shards: buffers.shards,
+            grad_shards: buffers.grad_shards,
+            masters: buffers.masters,
+            moments: buffers.moments,
+            slot_buffers: buffers.slot_buffers,
+            free_slots,
+            shards_updated: None,
+            grad_slots: buffers.grad_slots,
+            forward_open: vec![false; units],
+            backward_open: vec![false; units],
+            optimizer_steps: 0,
+            stepped: false,
+            open_slot: None,
+            counters: Counters::default(),
+            collectives_in_step: 0,
+            issued: Vec::new(),
+            gather_effects: Vec::new(),
+            grad_effects: Vec::new(),
+            trace: None,
+            poisoned: None,
+            watch,
+            plan,
+            config,
+            backend,
+            comm,
+        }
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// What the engine did so far.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            host_waits: self.backend.host_waits(),
+            ..self.counters
+        }
+    }
+
+    /// Bytes the backend holds now and at its peak.
+    pub fn memory(&self) -> MemoryUsage {
+        self.backend.memory()
+    }
+
+    /// The state of group `group`'s gathered buffer.
+    pub fn buffer_state(&self, group: usize) -> Result<BufferState> {
+        self.plan.group(group)?;
+        Ok(self.gathers.state(group))
+    }
+
+    /// Gathered buffers now (SYNCING, USING or READY).
+    pub fn gathered_count(&self) -> usize {
+        self.gathers.gathered()
+    }
+
+    /// A handle that aborts this engine from another thread: a blocked call returns
+    /// [`Error::Aborted`], the engine is poisoned, and its peers see it gone.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle(self.watch.clone())
+    }
+
+    /// Whether a step is under way: a hook, gradient or sync since the last [`Engine::end_step`].
+    pub fn in_step(&self) -> bool {
+        self.schedule.phase().is_some()
+            || self.open_slot.is_some()
+            || self.grads.pending()
+            || self.grads.synced()
+            || self.stepped
+    }
+
+    /// The first failure that poisoned the engine, if any.
+    pub fn poisoned(&self) -> Option<&Error> {
+        self.poisoned.as_ref()
+    }
+
+    /// Marks the engine failed with `cause` (a panic in a call, seen by the C API).
+    pub(crate) fn poison(&mut self, cause: Error) {
+        self.poisoned.get_or_insert(cause);
+    }
+
+    /// `Err(Error::Poisoned)` once a failure poisoned the engine, `Err(Error::Aborted)` once it
+    /// was aborted.
+    fn healthy(&self) -> Result<()> {
+        if let Some(cause) = &self.poisoned {
+            return Err(Error::Poisoned {
+                cause: Box::new(cause.clone()),
+            });
+        }
+        self.watch.check()
+    }
+
+    /// Runs the part of a call that changes the engine: an error there leaves it half-done, so
+    /// it poisons the engine.
+    fn effects<T>(&mut self, work: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let result = work(self);
+        if let Err(e) = &result {
+            self.poison(e.clone());
+        }
+        result
+    }
+
+    /// Between [`Engine::optimizer_step`] and [`Engine::end_step`] the gathered buffers hold the
+    /// weights from before the update, and gathers would race the optimizer's writes: nothing but
+    /// the end of the step is allowed.
+    fn check_not_stepped(&self, action: &'static str) -> Result<()> {
+        if self.stepped {
+            return Err(Error::OptimizerStepped { action });
+        }
+        Ok(())
+    }
+
+    fn unit_index(&self, unit: Unit) -> Result<usize> {
+        self.plan
+            .unit_index(unit)
+            .ok_or(Error::UnknownUnit { unit })
+    }
+
+    /// The tag of the next collective, for `purpose`; its fingerprint is kept for the step's
+    /// verification when that is on.
+    fn next_tag(&mut self, purpose: Purpose, fingerprint: impl FnOnce(Tag) -> Fingerprint) -> Tag {
+        let tag = Tag {
+            purpose,
+            step: self.counters.steps,
+            seq: self.collectives_in_step,
+        };
+        self.collectives_in_step += 1;
+        if self.config.verify_collectives {
+            self.issued.push(fingerprint(tag));
+        }
+        tag
+    }
+
+    /// Before `unit`'s forward: its groups are gathered (reused if READY) and compute waits for
+    /// them; the next unit expected is prefetched. Does not block the host on a GPU.
+    pub fn pre_forward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("pre_forward", unit);
+        self.healthy()?;
+        self.check_not_stepped("a forward")?;
+        let u = self.unit_index(unit)?;
+        if self.forward_open[u] {
+            return Err(Error::ForwardAlreadyOpen { unit });
+        }
+        self.check_no_open_slot()?;
+        self.effects(|e| {
+            e.begin(Phase::Forward, u)?;
+            e.forward_open[u] = true;
+            e.use_unit_traced(u, Phase::Forward)
+        })
+    }
+
+    /// After `unit`'s forward: its groups become READY once no hook uses them.
+    pub fn post_forward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("post_forward", unit);
+        self.healthy()?;
+        self.check_not_stepped("a forward")?;
+        let u = self.unit_index(unit)?;
+        if !self.forward_open[u] {
+            return Err(Error::ForwardNotOpen { unit });
+        }
+        self.effects(|e| {
+            e.forward_open[u] = false;
+            e.end_span(u, Phase::Forward)?;
+            e.release_unit(u)
+        })
+    }
+
+    /// Before `unit`'s backward: as [`Engine::pre_forward`], prefetching the unit expected next in
+    /// backward order.
+    pub fn pre_backward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("pre_backward", unit);
+        self.healthy()?;
+        self.check_not_stepped("a backward")?;
+        let u = self.unit_index(unit)?;
+        if self.backward_open[u] {
+            return Err(Error::BackwardAlreadyOpen { unit });
+        }
+        self.check_no_open_slot()?;
+        self.effects(|e| {
+            e.begin(Phase::Backward, u)?;
+            e.backward_open[u] = true;
+            e.use_unit_traced(u, Phase::Backward)
+        })
+    }
+
+    /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
+    pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
+        let _range = crate::nvtx::range("post_backward", unit);
+        self.healthy()?;
+        self.check_not_stepped("a backward")?;
+        let u = self.unit_index(unit)?;
+        if !self.backward_open[u] {
+            return Err(Error::BackwardNotOpen { unit });
+        }
+        self.effects(|e| {
+            e.backward_open[u] = false;
+            e.end_span(u, Phase::Backward)?;
+            e.release_unit(u)
+        })
+    }
+
+    /// A gradient slot the caller is writing must be committed before anything else.
+    fn check_no_open_slot(&self) -> Result<()> {
+        match self.open_slot {
+            Some(open) => Err(Error::GradSlotOpen {
+                name: self.plan.params()[open.0].name.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn begin(&mut self, phase: Phase, unit: usize) -> Result<()> {
+        self.enter(phase)?;
+        self.schedule.record(unit);
+        Ok(())
+    }
+
+    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients.
+    fn enter(&mut self, phase: Phase) -> Result<()> {
+        if self.schedule.enter(phase) != Some(Phase::Backward) {
+            return Ok(());
+        }
+        let mut fx = std::mem::take(&mut self.grad_effects);
+        fx.clear();
+        self.grads.end_pass(&mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.grad_effects = fx;
+        result
+    }
+}
+
+/// The engine's pure machines and layout facts, derived from the plan.
+struct State {
+    gathers: Gathers,
+    grads: GradPipeline,
+    padding: Vec<Vec<Region>>,
+}
+
+impl State {
+    fn new(plan: &Plan, config: &EngineConfig) -> Result<State> {
+        let groups = plan.groups();
+        let members = groups
+            .iter()
+            .map(|g| {
+                if g.trainable {
+                    g.params.iter().map(|p| p.0).collect()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let padding = groups
+            .iter()
+            .map(|g| {
+                g.params
+                    .iter()
+                    .map(|&p| &plan.params()[p.0])
+                    .filter(|p| p.padded_numel > p.numel)
+                    .map(|p| Region::new(p.offset + p.numel, p.padded_numel - p.numel, DType::F32))
+                    .collect()
+            })
+            .collect();
+        let limits = plan.limits(config);
+        Ok(State {
+            gathers: Gathers::new(groups.len(), limits.gathered),
+            grads: GradPipeline::new(
+                members,
+                plan.params().len(),
+                plan.grad_slot_count(config),
+                limits.reduces_in_flight,
+                config.overlap,
+                plan.world_size() == 1,
+            ),
+            padding,
+        })
+    }
+}

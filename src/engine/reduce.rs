@@ -1,0 +1,259 @@
+//! Gradient slots, the places gradients are written into, and the reductions into the shards.
+
+use super::Engine;
+use crate::backend::{Backend, Input, Region, Stream};
+use crate::comm::{Communicator, Fingerprint, Purpose};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::grads::{GradEffect, Place};
+use crate::plan::ParamId;
+use crate::schedule::Phase;
+use crate::trace::SpanKind;
+
+pub(super) struct GradSlot<Buf, E> {
+    pub(super) buffer: Buf,
+    /// The reduction that last read the slot.
+    pub(super) reduced: Option<E>,
+}
+
+/// The buffer behind a place for gradients: a slot, or (world size 1) a group's shard, whose
+/// layout is the group's.
+pub(super) fn place_buffer<'a, Buf, E>(
+    slots: &'a mut [GradSlot<Buf, E>],
+    shards: &'a mut [Option<Buf>],
+    place: Place,
+) -> Result<&'a mut Buf> {
+    match place {
+        Place::Slot(slot) => Ok(&mut slots[slot].buffer),
+        Place::Shard(group) => {
+            let count = shards.len();
+            shards
+                .get_mut(group)
+                .and_then(Option::as_mut)
+                .ok_or(Error::GroupOutOfRange { group, count })
+        }
+    }
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Hands over `param`'s gradient for this backward pass, in the param's dtype or f32; it is
+    /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
+    /// have theirs. The gradient may be read after this returns (host input is consumed at once).
+    pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
+        let _range = crate::nvtx::range("grad", param.0);
+        self.healthy()?;
+        let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
+        self.effects(|e| {
+            e.enter(Phase::Backward)?;
+            let mut fx = std::mem::take(&mut e.grad_effects);
+            fx.clear();
+            e.grads.on_grad(param.0, group, &mut fx);
+            let result = e.apply_grad_effects(&fx, Some(gradient));
+            e.grad_effects = fx;
+            result
+        })
+    }
+
+    /// Checks a gradient for `param` before anything changes; returns its group.
+    fn check_grad(&self, param: ParamId, dtype: DType, numel: usize) -> Result<usize> {
+        self.check_not_stepped("a gradient")?;
+        let layout = self.plan.param(param)?;
+        let name = || layout.name.clone();
+        self.check_no_open_slot()?;
+        if !layout.trainable {
+            return Err(Error::FrozenGradient { name: name() });
+        }
+        if dtype != layout.dtype && dtype != DType::F32 {
+            return Err(Error::GradientDtype {
+                name: name(),
+                param: layout.dtype,
+                got: dtype,
+            });
+        }
+        if numel != layout.numel {
+            return Err(Error::GradientLength {
+                name: name(),
+                expected: layout.numel,
+                got: numel,
+            });
+        }
+        if self.grads.received(param.0) {
+            return Err(Error::DuplicateGradient { name: name() });
+        }
+        Ok(layout.group)
+    }
+
+    /// Opens `param`'s fp32 place in its group's gradient slot for the caller to write this
+    /// pass's gradient into; returns the place and the region. The place is not zero-filled (that
+    /// would cost a pass over it): it holds what an earlier gradient left there, so the caller
+    /// writes every element (on a GPU, on the compute stream) and never adds into it.
+    /// [`Engine::commit_grad`] must follow before any other gradient.
+    pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
+        let _range = crate::nvtx::range("grad_slot", param.0);
+        self.healthy()?;
+        let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
+        self.effects(|e| {
+            e.enter(Phase::Backward)?;
+            let mut fx = std::mem::take(&mut e.grad_effects);
+            fx.clear();
+            let place = e.grads.open(group, &mut fx);
+            let result = e.apply_grad_effects(&fx, None);
+            e.grad_effects = fx;
+            result?;
+            e.open_slot = Some(param);
+            let layout = &e.plan.params()[param.0];
+            Ok((place, Region::new(layout.offset, layout.numel, DType::F32)))
+        })
+    }
+
+    /// Declares `param`'s gradient written into the slot [`Engine::grad_slot_address`] (or, on the
+    /// CPU, `grad_slot`) opened; the group's last gradient launches its reduce-scatter.
+    pub fn commit_grad(&mut self, param: ParamId) -> Result<()> {
+        let _range = crate::nvtx::range("commit_grad", param.0);
+        self.healthy()?;
+        self.check_not_stepped("a gradient")?;
+        let layout = self.plan.param(param)?;
+        if self.open_slot != Some(param) {
+            return Err(Error::GradSlotNotOpen {
+                name: layout.name.clone(),
+            });
+        }
+        let group = layout.group;
+        self.effects(|e| {
+            e.open_slot = None;
+            let mut fx = std::mem::take(&mut e.grad_effects);
+            fx.clear();
+            e.grads.commit(param.0, group, &mut fx);
+            let result = e.apply_grad_effects(&fx, None);
+            e.grad_effects = fx;
+            result
+        })
+    }
+
+    pub(super) fn apply_grad_effects(
+        &mut self,
+        effects: &[GradEffect],
+        input: Option<Input<'_>>,
+    ) -> Result<()> {
+        for &effect in effects {
+            match effect {
+                GradEffect::Retire { slot } => {
+                    if let Some(reduced) = self.grad_slots[slot].reduced.take() {
+                        self.backend.wait(Stream::Compute, &reduced)?;
+                    }
+                }
+                // SAFETY (the three compute-stream writes of a place): a slot is written only
+                // once the compute stream waited for the reduction that last read it (`Retire`,
+                // which the pipeline issues before it hands the slot out again); a shard (world
+                // size 1) only for a step's first gradients, after `finish_grad_sync` made compute
+                // wait for every reduction of the step before.
+                GradEffect::ZeroPadding { place, group } => {
+                    for i in 0..self.padding[group].len() {
+                        let region = self.padding[group][i];
+                        let buffer =
+                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                        // SAFETY: see above.
+                        unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
+                    }
+                }
+                GradEffect::ZeroParam { place, param } => {
+                    let layout = &self.plan.params()[param];
+                    let region = Region::new(layout.offset, layout.numel, DType::F32);
+                    let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                    // SAFETY: see above.
+                    unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
+                }
+                GradEffect::Write { param, place } => {
+                    let layout = &self.plan.params()[param];
+                    let region = Region::new(layout.offset, layout.numel, DType::F32);
+                    if let Some(input) = input {
+                        let buffer =
+                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                        // SAFETY: see above.
+                        unsafe {
+                            self.backend.accumulate_input(
+                                Stream::Compute,
+                                input,
+                                buffer,
+                                region,
+                                1.0,
+                                false,
+                            )
+                        }?;
+                    }
+                }
+                GradEffect::Reduce {
+                    group,
+                    slot,
+                    overwrite,
+                } => self.reduce(group, slot, overwrite)?,
+                GradEffect::ZeroShard { group } => {
+                    let numel = self.plan.groups()[group].shard_numel;
+                    if let Some(shard) = self.grad_shards[group].as_mut() {
+                        let region = Region::new(0, numel, DType::F32);
+                        // SAFETY: on the compute stream, after the previous step's optimizer read
+                        // the shard there; no reduction of this step writes it (the group got no
+                        // gradient), and the previous step's were waited for by its sync.
+                        unsafe { self.backend.zero(Stream::Compute, shard, region) }?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce(&mut self, group: usize, slot: usize, overwrite: bool) -> Result<()> {
+        let world = self.plan.world_size();
+        let g = &self.plan.groups()[group];
+        let (padded, shard_numel) = (g.padded_numel, g.shard_numel);
+        let written = self.backend.record(Stream::Compute)?;
+        self.backend.wait(Stream::Reduce, &written)?;
+        let start = self.mark(Stream::Reduce)?;
+        let scale = self.config.grad_reduction.scale(world);
+        // At world size 1 the sum over ranks is the slot itself, scaled on its way to the shard.
+        let shard_scale = if world > 1 {
+            let region = Region::new(0, padded, DType::F32);
+            let tag = self.next_tag(Purpose::Group(group), |tag| {
+                Fingerprint::reduce_scatter(tag, region)
+            });
+            // SAFETY: the reduce stream waited (above) for compute's writes of the slot; compute
+            // writes it again only after waiting for this reduction (`Retire`).
+            unsafe {
+                self.comm.reduce_scatter(
+                    &self.backend,
+                    Stream::Reduce,
+                    tag,
+                    &mut self.grad_slots[slot].buffer,
+                    region,
+                    scale,
+                )
+            }?;
+            1.0
+        } else {
+            scale
+        };
+        self.counters.reduce_scatters += 1;
+        let own = Region::new(self.rank * shard_numel, shard_numel, DType::F32);
+        let Some(shard) = self.grad_shards[group].as_mut() else {
+            return Ok(());
+        };
+        // SAFETY: the slot as above; the gradient shard is written after every compute-stream
+        // use of it so far (the wait above: the previous step's optimizer, this step's direct
+        // writes at world size 1) and read by compute only after `finish_grad_sync` waited for
+        // the reduce stream.
+        unsafe {
+            self.backend.accumulate(
+                Stream::Reduce,
+                &self.grad_slots[slot].buffer,
+                own,
+                shard,
+                Region::new(0, shard_numel, DType::F32),
+                shard_scale,
+                !overwrite,
+            )
+        }?;
+        self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
+        self.grad_slots[slot].reduced = Some(self.backend.record(Stream::Reduce)?);
+        Ok(())
+    }
+}

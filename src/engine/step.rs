@@ -1,0 +1,221 @@
+//! The end of a step's backward passes, the optimizer, the end of a step, and the loads and reads
+//! of the shards between steps.
+
+use super::Engine;
+use crate::backend::{Backend, Input, OptimizerShard, Region, Source, Stream};
+use crate::comm::Communicator;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::ParamId;
+use crate::state::BufferState;
+use crate::trace::SpanKind;
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Ends the backward passes of this step: ends any backward still open, reduces every group
+    /// (those whose last gradient never came too), and orders compute after the reductions. On a
+    /// GPU it does not block the host: later compute-stream work waits for the reduce stream
+    /// (with [`crate::EngineConfig::verify_collectives`] it blocks, to compare the ranks').
+    pub fn finish_grad_sync(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("finish_grad_sync", "");
+        self.healthy()?;
+        self.check_no_open_slot()?;
+        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+            return Err(Error::ForwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        self.effects(|e| {
+            for u in 0..e.backward_open.len() {
+                if e.backward_open[u] {
+                    e.backward_open[u] = false;
+                    e.release_unit(u)?;
+                }
+            }
+            let mut fx = std::mem::take(&mut e.grad_effects);
+            fx.clear();
+            e.grads.finish(&mut fx);
+            let result = e.apply_grad_effects(&fx, None);
+            e.grad_effects = fx;
+            result?;
+            if e.config.verify_collectives {
+                e.verify_collectives()?;
+            }
+            let reduced = e.backend.record(Stream::Reduce)?;
+            e.backend.wait(Stream::Compute, &reduced)
+        })
+    }
+
+    /// Updates every trainable shard from its gradient shard with the configured optimizer, once
+    /// per step, after [`Engine::finish_grad_sync`].
+    pub fn optimizer_step(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("optimizer_step", "");
+        self.healthy()?;
+        if !self.grads.synced() {
+            return Err(Error::GradsNotSynced {
+                action: "the optimizer step",
+            });
+        }
+        if self.stepped {
+            return Err(Error::OptimizerAlreadyStepped);
+        }
+        self.effects(Engine::step_shards)
+    }
+
+    fn step_shards(&mut self) -> Result<()> {
+        // A gather still in flight (a prefetch no hook used) reads the shards the optimizer writes.
+        if self.plan.world_size() > 1 {
+            let gathered = self.backend.record(Stream::Gather)?;
+            self.backend.wait(Stream::Compute, &gathered)?;
+        }
+        self.optimizer_steps += 1;
+        let start = self.mark(Stream::Compute)?;
+        let update = self.config.optimizer.coefficients(self.optimizer_steps);
+        for g in self.plan.groups().iter().filter(|g| g.trainable) {
+            let i = g.index;
+            let Some(grad) = self.grad_shards[i].as_ref() else {
+                continue;
+            };
+            if self.master_stale[i] {
+                if let Some(master) = self.masters[i].as_mut() {
+                    let whole = Region::new(0, g.shard_numel, g.dtype);
+                    // SAFETY: as the optimizer's accesses below.
+                    unsafe {
+                        self.backend
+                            .widen(Stream::Compute, &self.shards[i], whole, master)
+                    }?;
+                }
+                self.master_stale[i] = false;
+            }
+            let shard = OptimizerShard {
+                param: &mut self.shards[i],
+                dtype: g.dtype,
+                numel: g.shard_numel,
+                grad,
+                master: self.masters[i].as_mut(),
+                moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
+            };
+            // SAFETY: on the compute stream, which waited for every reduction into the gradient
+            // shards (`finish_grad_sync`) and for every gather reading the parameter shards
+            // (above); the masters and moments are only ever used on the compute stream. The
+            // step's next gather waits for this one (`shards_updated`), and the next step's first
+            // reductions are queued after it with compute's event.
+            unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }?;
+        }
+        self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
+        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
+        self.stepped = true;
+        Ok(())
+    }
+
+    /// Ends the step: every gathered buffer is freed (its contents are stale once the shards
+    /// change) and the next step's first reductions overwrite the gradient shards.
+    pub fn end_step(&mut self) -> Result<()> {
+        let _range = crate::nvtx::range("end_step", "");
+        self.healthy()?;
+        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+            return Err(Error::ForwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        if let Some(u) = self.backward_open.iter().position(|&o| o) {
+            return Err(Error::BackwardStillOpen {
+                unit: self.plan.units()[u],
+            });
+        }
+        if self.grads.pending() {
+            return Err(Error::GradsNotSynced {
+                action: "ending the step",
+            });
+        }
+        let mut fx = std::mem::take(&mut self.gather_effects);
+        fx.clear();
+        // Refused with nothing changed while a buffer is in use.
+        let decided = self.gathers.reset(&mut fx);
+        let result = decided.and_then(|()| {
+            self.effects(|e| {
+                e.apply_gather_effects(&fx)?;
+                e.schedule.end_step();
+                e.grads.end_step();
+                e.stepped = false;
+                e.counters.steps += 1;
+                e.collectives_in_step = 0;
+                e.issued.clear();
+                Ok(())
+            })
+        });
+        self.gather_effects = fx;
+        result
+    }
+
+    /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard: only
+    /// the part the rank holds is kept. Every rank loads every parameter. Allowed between steps.
+    pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
+        self.healthy()?;
+        self.check_not_stepped("loading a parameter")?;
+        let layout = self.plan.param(param)?;
+        let Source::Host { bytes, dtype } = data.0 else {
+            return Err(Error::Unsupported {
+                backend: self.backend.name(),
+                what: "device memory as a parameter's initial value",
+            });
+        };
+        if dtype != layout.dtype {
+            return Err(Error::DtypeMismatch {
+                name: layout.name.clone(),
+                param: layout.dtype,
+                requested: dtype,
+            });
+        }
+        if data.numel() != layout.numel || bytes.len() != layout.numel * dtype.size() {
+            return Err(Error::DataLength {
+                name: layout.name.clone(),
+                expected: layout.numel,
+                got: data.numel(),
+            });
+        }
+        if self.gathers.state(layout.group) != BufferState::Freed {
+            return Err(Error::Gathered {
+                name: layout.name.clone(),
+            });
+        }
+        let group = &self.plan.groups()[layout.group];
+        let shard = self.plan.shard_range(group, self.rank);
+        let (offset, index) = (layout.offset, layout.group);
+        let start = offset.max(shard.start);
+        let end = (offset + layout.numel).min(shard.end);
+        self.effects(|e| {
+            if start < end {
+                let src = &bytes[(start - offset) * dtype.size()..(end - offset) * dtype.size()];
+                let region = Region::new(start - shard.start, end - start, dtype);
+                e.backend.upload(&mut e.shards[index], region, src)?;
+            }
+            e.master_stale[index] = true;
+            Ok(())
+        })
+    }
+
+    /// This rank's parameter shard of `group`, as bytes in the group's dtype. Blocks until the
+    /// copy is done.
+    pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
+        self.healthy()?;
+        let g = self.plan.group(group)?;
+        let region = Region::new(0, g.shard_numel, g.dtype);
+        let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
+        self.backend
+            .download(&self.shards[group], region, &mut out)?;
+        Ok(out)
+    }
+
+    /// This rank's fp32 gradient shard of trainable `group`, as synced so far this step.
+    pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
+        self.healthy()?;
+        let g = self.plan.group(group)?;
+        let mut out = crate::fallible::filled(g.shard_numel, 0f32, "a gradient shard's copy")?;
+        if let Some(shard) = &self.grad_shards[group] {
+            let region = Region::new(0, g.shard_numel, DType::F32);
+            self.backend
+                .download(shard, region, bytemuck::cast_slice_mut(&mut out))?;
+        }
+        Ok(out)
+    }
+}

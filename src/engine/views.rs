@@ -1,0 +1,143 @@
+//! The gathered parameters and the gradient places as the caller reads and writes them: host
+//! slices on the CPU, addresses for a caller outside Rust, device tensors on a GPU.
+
+use super::Engine;
+use super::gather::Placement;
+use super::reduce::place_buffer;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, RawAddress, Region, Stream};
+use crate::comm::Communicator;
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::plan::{ParamId, ParamLayout};
+use crate::state::BufferState;
+
+/// A device tensor: `numel` elements of `dtype` at device address `ptr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceTensor {
+    pub ptr: u64,
+    pub numel: usize,
+    pub dtype: DType,
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// The gathered view of a parameter: its slot, checked to be in use.
+    fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
+        self.healthy()?;
+        let layout = self.plan.param(param)?;
+        match (&self.placed[layout.group], self.gathers.state(layout.group)) {
+            (Some(Placement::Slot(slot)), BufferState::Using) => {
+                Ok((layout, &self.slot_buffers[slot.buffer_index]))
+            }
+            (Some(Placement::Shard), BufferState::Using) => {
+                Ok((layout, &self.shards[layout.group]))
+            }
+            _ => Err(Error::NotGathered {
+                name: layout.name.clone(),
+            }),
+        }
+    }
+
+    /// A copy of the gathered values of `param`, as bytes in its dtype; allowed while one of its
+    /// unit's hooks is open. Blocks the host until the copy is done.
+    pub fn param_bytes(&self, param: ParamId) -> Result<Vec<u8>> {
+        let (layout, slot) = self.gathered_view(param)?;
+        let bytes = layout.numel * layout.dtype.size();
+        let mut out = crate::fallible::filled(bytes, 0u8, "a parameter's copy")?;
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        self.backend.download(slot, region, &mut out)?;
+        Ok(out)
+    }
+}
+
+impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
+    /// The gathered values of `param`, readable while one of its unit's hooks is open.
+    ///
+    /// On an asynchronous backend it first waits for the compute stream (the host reads the view
+    /// as compute-stream work).
+    pub fn param<T: Element>(&self, param: ParamId) -> Result<&[T]> {
+        let (layout, slot) = self.gathered_view(param)?;
+        if layout.dtype != T::DTYPE {
+            return Err(Error::DtypeMismatch {
+                name: layout.name.clone(),
+                param: layout.dtype,
+                requested: T::DTYPE,
+            });
+        }
+        self.backend.drain(Stream::Compute)?;
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        // SAFETY: the compute stream completed its work, which waited for the gather (the hook
+        // that opened the unit); no stream writes a gathered buffer in use (a slot is reused only
+        // once its group was evicted, which needs every hook of its unit closed, hence `&mut
+        // self`), nor a shard viewed at world size 1 outside the optimizer (compute, drained).
+        let bytes = unsafe { self.backend.host_bytes(slot, region) }?;
+        bytemuck::try_cast_slice(bytes).map_err(|_| Error::OutOfRange {
+            offset: layout.offset,
+            len: layout.numel,
+            capacity: bytes.len() / layout.dtype.size(),
+        })
+    }
+
+    /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
+    /// before [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient
+    /// left there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient.
+    ///
+    /// On an asynchronous backend it first waits for the compute stream (the host writes the slot
+    /// as compute-stream work).
+    pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
+        let (place, region) = self.open_grad_slot(param)?;
+        self.effects(|e| e.backend.drain(Stream::Compute))?;
+        let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+        // SAFETY: the compute stream completed its work, which waited for the reduction that last
+        // read the place (see `apply_grad_effects`); no stream touches the place again before
+        // `commit_grad` queues its reduction after this write.
+        let bytes = unsafe { self.backend.host_bytes_mut(buffer, region) }?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|_| Error::OutOfRange {
+            offset: region.offset,
+            len: region.len,
+            capacity: 0,
+        })
+    }
+}
+
+impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
+    /// The address of `param`'s gathered values (host on the CPU, device on a GPU), valid while
+    /// one of its unit's hooks is open; read only.
+    pub fn param_address(&self, param: ParamId) -> Result<u64> {
+        let (layout, slot) = self.gathered_view(param)?;
+        self.backend
+            .address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
+    }
+
+    /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite
+    /// whole with this pass's gradient (on a GPU, on the compute stream) before
+    /// [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient left
+    /// there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient. On the CPU
+    /// it first waits for the compute stream.
+    pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
+        let (place, region) = self.open_grad_slot(param)?;
+        self.effects(|e| {
+            let buffer = place_buffer(&mut e.grad_slots, &mut e.grad_shards, place)?;
+            e.backend.address_mut(buffer, region)
+        })
+    }
+}
+
+impl<C: Communicator<CudaBackend>> Engine<CudaBackend, C> {
+    /// The gathered values of `param` on the device, while one of its unit's hooks is open
+    /// (`Error::NotGathered` otherwise).
+    ///
+    /// Use the address on the compute stream only: the hook that opened the unit made that stream
+    /// wait for the gather, and the memory is reused for another group once the unit's hooks
+    /// close and compute passed that point. Read it, never write it: it is a copy of the shards.
+    pub fn param_device(&self, param: ParamId) -> Result<DeviceTensor> {
+        let (layout, slot) = self.gathered_view(param)?;
+        let ptr = slot.addr(Region::new(layout.offset, layout.numel, layout.dtype))?;
+        Ok(DeviceTensor {
+            ptr,
+            numel: layout.numel,
+            dtype: layout.dtype,
+        })
+    }
+}

@@ -1,0 +1,47 @@
+//! Host allocations that report too little memory as an error instead of aborting the process.
+
+use crate::error::{Error, Result};
+
+fn out_of_memory<T>(n: usize, what: &str) -> Error {
+    Error::OutOfMemory {
+        bytes: n.saturating_mul(std::mem::size_of::<T>()),
+        what: what.to_string(),
+    }
+}
+
+/// An empty vector with room for `n` elements.
+pub(crate) fn with_capacity<T>(n: usize, what: &str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| out_of_memory::<T>(n, what))?;
+    Ok(v)
+}
+
+/// `n` copies of `value`.
+pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &str) -> Result<Vec<T>> {
+    let mut v = with_capacity(n, what)?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// A copy of `bytes`.
+pub(crate) fn copy_of(bytes: &[u8], what: &str) -> Result<Vec<u8>> {
+    let mut v = with_capacity(bytes.len(), what)?;
+    v.extend_from_slice(bytes);
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn too_much_is_an_error_naming_what_it_was_for() {
+        assert!(matches!(
+            filled(usize::MAX / 2, 0u64, "a test"),
+            Err(Error::OutOfMemory { what, .. }) if what == "a test"
+        ));
+        assert_eq!(filled(3, 7u8, "x").unwrap(), vec![7, 7, 7]);
+        assert_eq!(copy_of(&[1, 2], "x").unwrap(), vec![1, 2]);
+    }
+}

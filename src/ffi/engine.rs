@@ -1,0 +1,521 @@
+//! Engines from C: made on the CPU or CUDA backend, driven through their hooks, read and
+//! destroyed.
+
+use std::ffi::{c_int, c_void};
+
+use super::group::{device_ordinal, give_back, take_comm, unique_id_of};
+use super::handles::{
+    AnyEngine, Comms, abort_engine, destroy, engine_report, object, on_engine, plan_of,
+    store_engine, with_engine, wrong_kind,
+};
+use super::registry::Object;
+use super::status::{Outcome, boundary, fsdp_status, invalid, null, put};
+use super::types::{
+    config_of, dtype_code, dtype_of, fsdp_config, fsdp_counters, fsdp_engine, fsdp_local_group,
+    fsdp_loopback_group, fsdp_plan, unit_of,
+};
+use crate::backend::Input;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::comm::nccl::NcclComm;
+use crate::dtype::DType;
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::plan::ParamId;
+
+/// Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
+/// (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a
+/// collective: every rank of the group makes its engine) and fails with `FSDP_INVALID_ARGUMENT`,
+/// naming the first differing parameter, where they differ. Parameters start at zero until
+/// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. A failed call gives the
+/// communicator back to the group: the rank can try again (with a smaller configuration after
+/// `FSDP_OUT_OF_MEMORY`, say).
+///
+/// # Safety
+/// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cpu(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    group: *mut fsdp_local_group,
+    rank: usize,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let plan = plan_of(plan)?;
+        // SAFETY: the caller's contract.
+        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let group = object(group as u64, "group")?;
+        let Object::Group(Comms::Local { comms, seed }) = &*group else {
+            return Err(wrong_kind("group"));
+        };
+        let backend = match seed {
+            None => CpuBackend::new(),
+            Some(seed) => CpuBackend::asynchronous(seed.wrapping_add(rank as u64))?,
+        };
+        let comm = take_comm(comms, rank)?;
+        match Engine::try_new(plan, config, backend, comm) {
+            Ok(engine) => store_engine(AnyEngine::Cpu(engine), out),
+            Err(refused) => {
+                give_back(comms, rank, refused.comm)?;
+                Err(refused.error.into())
+            }
+        }
+    })
+}
+
+/// Creates rank `rank` of `world_size` on CUDA device `device` with NCCL: one process (or thread)
+/// per GPU, every rank with the same `unique_id` (`id_len` bytes, 128, from
+/// `fsdp_nccl_unique_id` on one rank) and a plan made for `world_size`.
+///
+/// `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
+/// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
+/// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
+/// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
+/// own gather and reduce streams.
+///
+/// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
+/// device; parameters start at zero until `fsdp_engine_load_param`. Release with
+/// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
+/// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
+///
+/// # Safety
+/// `config` is NULL or valid for a read; `unique_id` is NULL or valid for `id_len` bytes; `out` is
+/// NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    device: c_int,
+    unique_id: *const u8,
+    id_len: usize,
+    rank: usize,
+    world_size: usize,
+    stream: u64,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let plan = plan_of(plan)?;
+        // SAFETY: the caller's contract.
+        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        // SAFETY: the caller's contract.
+        let id = unsafe { unique_id_of(unique_id, id_len) }?;
+        let device = device_ordinal(device)?;
+        // Checked before joining: a rank that joins with the wrong world size hangs the others.
+        if world_size != plan.world_size() {
+            return Err(Error::WorldSizeMismatch {
+                plan: plan.world_size(),
+                comm: world_size,
+            }
+            .into());
+        }
+        if rank >= world_size {
+            return Err(Error::RankOutOfRange { rank, world_size }.into());
+        }
+        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
+        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
+        let comm = NcclComm::new(&id, rank, world_size, &backend)?;
+        let engine = Engine::new(plan, config, backend, comm)?;
+        store_engine(AnyEngine::CudaNccl(engine), out)
+    })
+}
+
+/// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
+/// `group` (once per rank, and only once the device is found usable: a failed call leaves it in
+/// the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
+/// each rank its own. Does not block on the other ranks. Release with `fsdp_engine_destroy`.
+///
+/// # Safety
+/// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    device: c_int,
+    group: *mut fsdp_loopback_group,
+    rank: usize,
+    stream: u64,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let plan = plan_of(plan)?;
+        // SAFETY: the caller's contract.
+        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let device = device_ordinal(device)?;
+        let group = object(group as u64, "group")?;
+        let Object::Group(Comms::Loopback(comms)) = &*group else {
+            return Err(wrong_kind("group"));
+        };
+        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
+        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
+        let comm = take_comm(comms, rank)?;
+        match Engine::try_new(plan, config, backend, comm) {
+            Ok(engine) => store_engine(AnyEngine::CudaLoopback(engine), out),
+            Err(refused) => {
+                give_back(comms, rank, refused.comm)?;
+                Err(refused.error.into())
+            }
+        }
+    })
+}
+
+/// Releases an engine and everything it allocated; NULL is accepted. Never waits for another
+/// handle. A call still running on the engine in another thread (blocked in a collective, say) is
+/// aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
+/// the work it queued first (on a GPU, the device work still using its memory). CPU and loopback
+/// ranks still in a collective with it fail with `FSDP_COMM_ERROR` instead of waiting; NCCL ranks
+/// must all destroy their engines at the same point of the training.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_destroy(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| destroy(engine as u64, |o| matches!(o, Object::Engine(_)), "engine"))
+}
+
+/// Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
+/// unit. Takes part in collectives: every rank must call it. On a GPU it does not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_pre_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
+    boundary(|| {
+        let unit = unit_of(unit)?;
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.pre_forward(unit))?)
+        })
+    })
+}
+
+/// After `unit`'s forward: its parameter views stay valid only while another of its hooks is open.
+/// Does not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_post_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
+    boundary(|| {
+        let unit = unit_of(unit)?;
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.post_forward(unit))?)
+        })
+    })
+}
+
+/// Before `unit`'s backward: as `fsdp_engine_pre_forward`, prefetching in backward order.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_pre_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
+    boundary(|| {
+        let unit = unit_of(unit)?;
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.pre_backward(unit))?)
+        })
+    })
+}
+
+/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
+/// not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
+    boundary(|| {
+        let unit = unit_of(unit)?;
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.post_backward(unit))?)
+        })
+    })
+}
+
+/// Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
+/// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
+/// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+/// is done (after the work already queued on the engine's streams).
+///
+/// # Safety
+/// `data` is NULL or valid for `numel` elements of `dtype`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_load_param(
+    engine: *mut fsdp_engine,
+    param: usize,
+    data: *const c_void,
+    numel: usize,
+    dtype: u32,
+) -> fsdp_status {
+    boundary(|| {
+        let dtype = dtype_of(dtype)?;
+        // SAFETY: the caller's contract.
+        let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
+        let input = Input::host_bytes(bytes, dtype);
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.load_param(ParamId(param), input))?)
+        })
+    })
+}
+
+/// # Safety
+/// `data` is NULL or valid for `numel` elements of `dtype`.
+unsafe fn host_bytes<'a>(
+    data: *const c_void,
+    numel: usize,
+    dtype: DType,
+    what: &'static str,
+) -> Outcome<&'a [u8]> {
+    let len = numel
+        .checked_mul(dtype.size())
+        .ok_or_else(|| invalid(format!("{numel} elements of {dtype} overflow")))?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if data.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null and valid for `len` bytes by the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) })
+}
+
+/// The address of `param`'s gathered values and their count and dtype, valid while one of the
+/// parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
+/// memory, which holds another group once the unit's hooks closed and the unit was evicted.
+///
+/// CPU engine: host memory (on an asynchronous group, the call first waits for the engine's
+/// compute stream). CUDA engine: a device address, to read on the compute stream only (the hook
+/// that opened the unit made that stream wait for the gather); does not block.
+///
+/// # Safety
+/// Each out-pointer is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_param(
+    engine: *mut fsdp_engine,
+    param: usize,
+    data: *mut *const c_void,
+    numel: *mut usize,
+    dtype: *mut u32,
+) -> fsdp_status {
+    boundary(|| {
+        if data.is_null() || numel.is_null() || dtype.is_null() {
+            return Err(null("data, numel or dtype"));
+        }
+        let (address, layout) = on_engine(engine, |any| {
+            with_engine!(any, e => {
+                let address = e.param_address(ParamId(param))?;
+                Ok((address, e.plan().param(ParamId(param))?.clone()))
+            })
+        })?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe {
+            put(data, "data", address as *const c_void)?;
+            put(numel, "numel", layout.numel)?;
+            put(dtype, "dtype", dtype_code(layout.dtype))
+        }
+    })
+}
+
+/// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
+/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. The group's
+/// last gradient launches its reduce-scatter (a collective). The caller keeps ownership of `data`.
+///
+/// CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
+/// device address, read on the compute stream (the caller's stream) after the work already queued
+/// there; it must stay valid until that stream passed this point, which PyTorch's caching
+/// allocator ensures for a tensor made on that stream. Does not block the host.
+///
+/// # Safety
+/// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: `data` is 0
+/// or a device address valid for `numel` elements of `dtype` until the compute stream read them.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_grad(
+    engine: *mut fsdp_engine,
+    param: usize,
+    data: *const c_void,
+    numel: usize,
+    dtype: u32,
+) -> fsdp_status {
+    boundary(|| {
+        let dtype = dtype_of(dtype)?;
+        on_engine(engine, |any| {
+            // SAFETY: the caller's contract.
+            let input = unsafe { caller_input(any, data, numel, dtype) }?;
+            Ok(with_engine!(any, e => e.grad(ParamId(param), input))?)
+        })
+    })
+}
+
+/// A caller's tensor as `any` reads it: host memory for a CPU engine, a device address on the
+/// compute stream for a CUDA engine.
+///
+/// # Safety
+/// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: as
+/// `Input::Device` requires.
+unsafe fn caller_input<'a>(
+    any: &AnyEngine,
+    data: *const c_void,
+    numel: usize,
+    dtype: DType,
+) -> Outcome<Input<'a>> {
+    match any {
+        AnyEngine::Cpu(_) => {
+            // SAFETY: the caller's contract.
+            let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
+            Ok(Input::host_bytes(bytes, dtype))
+        }
+        AnyEngine::CudaNccl(_) | AnyEngine::CudaLoopback(_) => {
+            if data.is_null() && numel > 0 {
+                return Err(null("data"));
+            }
+            // SAFETY: the caller's contract, which is `Input::device`'s.
+            Ok(unsafe { Input::device(data as u64, numel, dtype) })
+        }
+    }
+}
+
+/// Opens `param`'s fp32 place in its gradient slot (`numel` floats at `*out`) for the caller to
+/// write this pass's gradient into; `fsdp_engine_commit_grad` must follow before any other
+/// gradient or hook. The place is NOT zero-filled: it holds what an earlier gradient left there,
+/// so write every element and never add into it (a GEMM with beta = 1 would add those values to
+/// the gradient). The engine owns the memory; it is the caller's to write until the commit.
+/// CPU engine: host memory, written by the host (on an asynchronous group, the call first waits
+/// for the engine's compute stream). CUDA engine: a device address, to write on the compute
+/// stream; does not block.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_grad_slot(
+    engine: *mut fsdp_engine,
+    param: usize,
+    out: *mut *mut f32,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let address = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.grad_slot_address(ParamId(param)))?)
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", address as *mut f32) }
+    })
+}
+
+/// Declares the gradient written into the slot `fsdp_engine_grad_slot` opened (on a GPU: queued
+/// on the compute stream before this call). Does not block.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_commit_grad(engine: *mut fsdp_engine, param: usize) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.commit_grad(ParamId(param)))?)
+        })
+    })
+}
+
+/// Ends the step's backward passes: reduces every group and orders the optimizer after the
+/// reductions. A collective. On a GPU it does not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_finish_grad_sync(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.finish_grad_sync())?)
+        })
+    })
+}
+
+/// Steps the optimizer on this rank's shards, once per step, after the gradient sync. On a GPU it
+/// runs on the compute stream and does not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_optimizer_step(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.optimizer_step())?)
+        })
+    })
+}
+
+/// Ends the step: gathered buffers are released (views from `fsdp_engine_param` are stale); the
+/// next step starts. Does not block the host.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_end_step(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.end_step())?)))
+}
+
+/// What the engine did, as of the end of its last call: never waits for a call in progress on
+/// another thread, and works on a poisoned engine too.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_counters(
+    engine: *mut fsdp_engine,
+    out: *mut fsdp_counters,
+) -> fsdp_status {
+    boundary(|| {
+        let (counters, _) = engine_report(engine)?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", counters) }
+    })
+}
+
+/// Bytes the engine's backend held at the end of its last call, and at its peak; as
+/// `fsdp_engine_counters`, never waits.
+///
+/// # Safety
+/// Each out-pointer is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_memory(
+    engine: *mut fsdp_engine,
+    current: *mut usize,
+    peak: *mut usize,
+) -> fsdp_status {
+    boundary(|| {
+        if current.is_null() || peak.is_null() {
+            return Err(null("current or peak"));
+        }
+        let (_, m) = engine_report(engine)?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe {
+            put(current, "current", m.current)?;
+            put(peak, "peak", m.peak)
+        }
+    })
+}
+
+/// Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
+/// host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
+/// done (on a GPU, after the work already queued on the engine's streams).
+///
+/// # Safety
+/// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_param_shard(
+    engine: *mut fsdp_engine,
+    group: usize,
+    out: *mut c_void,
+    capacity: usize,
+    written: *mut usize,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() || written.is_null() {
+            return Err(null("out or written"));
+        }
+        let shard = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.param_shard(group))?)
+        })?;
+        if shard.len() > capacity {
+            return Err(invalid(format!(
+                "the shard has {} bytes, out holds {capacity}",
+                shard.len()
+            )));
+        }
+        // SAFETY: non-null, valid for `capacity` >= `shard.len()` bytes by the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(shard.as_ptr(), out.cast::<u8>(), shard.len()) };
+        // SAFETY: the caller's contract.
+        unsafe { put(written, "written", shard.len()) }
+    })
+}
+
+/// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
+/// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
+/// `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_abort(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| abort_engine(engine))
+}

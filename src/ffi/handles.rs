@@ -1,0 +1,242 @@
+//! What the C handles name: plans, groups and engines in one process-wide registry, and the
+//! ways to reach them. An engine's entry keeps, outside the engine's own lock, what other threads
+//! need while one of its calls blocks: its abort handle and its last counters.
+
+use std::cell::RefCell;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::thread::ThreadId;
+
+use super::registry::{Object, Registry, lock};
+use super::status::{Failure, Outcome, fsdp_status, null, panic_message, put};
+use super::types::{fsdp_counters, fsdp_engine, fsdp_plan};
+use crate::backend::MemoryUsage;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::CudaBackend;
+use crate::comm::local::LocalComm;
+use crate::comm::loopback::LoopbackComm;
+use crate::comm::nccl::NcclComm;
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::plan::Plan;
+use crate::watch::AbortHandle;
+
+/// The engines the C API can create.
+pub(crate) enum AnyEngine {
+    Cpu(Engine<CpuBackend, LocalComm>),
+    CudaNccl(Engine<CudaBackend, NcclComm>),
+    CudaLoopback(Engine<CudaBackend, LoopbackComm>),
+}
+
+/// Runs `$body` with `$e` bound to the engine inside any variant.
+macro_rules! with_engine {
+    ($any:expr, $e:ident => $body:expr) => {
+        match $any {
+            $crate::ffi::handles::AnyEngine::Cpu($e) => $body,
+            $crate::ffi::handles::AnyEngine::CudaNccl($e) => $body,
+            $crate::ffi::handles::AnyEngine::CudaLoopback($e) => $body,
+        }
+    };
+}
+pub(crate) use with_engine;
+
+/// The communicators of a group handle; each rank's engine takes its own once (and gives it back
+/// when its engine could not be made).
+pub(crate) enum Comms {
+    Local {
+        comms: Mutex<Vec<Option<LocalComm>>>,
+        /// The seed of the group's asynchronous backends; none for eager ones.
+        seed: Option<u64>,
+    },
+    Loopback(Mutex<Vec<Option<LoopbackComm>>>),
+}
+
+/// An engine and what other threads reach without its lock.
+pub(crate) struct EngineEntry {
+    engine: Mutex<AnyEngine>,
+    abort: AbortHandle,
+    /// Counters and memory as of the end of the engine's last call.
+    report: Mutex<(fsdp_counters, MemoryUsage)>,
+    /// The thread that last drove the engine.
+    driver: Mutex<Option<ThreadId>>,
+}
+
+/// What a live handle names.
+pub(crate) type Entry = Object<Arc<Plan>, Comms, EngineEntry>;
+type Handles = Registry<Arc<Plan>, Comms, EngineEntry>;
+
+static HANDLES: LazyLock<Mutex<Handles>> = LazyLock::new(|| Mutex::new(Registry::new()));
+
+pub(crate) fn handles() -> Outcome<std::sync::MutexGuard<'static, Handles>> {
+    lock(&HANDLES)
+}
+
+pub(crate) fn object(handle: u64, what: &'static str) -> Outcome<Arc<Entry>> {
+    if handle == 0 {
+        return Err(null(what));
+    }
+    handles()?.get(handle)
+}
+
+pub(crate) fn wrong_kind(what: &'static str) -> Failure {
+    Failure::new(
+        fsdp_status::FSDP_INVALID_HANDLE,
+        format!("{what} is a live handle of another kind"),
+    )
+}
+
+pub(crate) fn plan_of(plan: *const fsdp_plan) -> Outcome<Arc<Plan>> {
+    match &*object(plan as u64, "plan")? {
+        Object::Plan(p) => Ok(Arc::clone(p)),
+        _ => Err(wrong_kind("plan")),
+    }
+}
+
+/// Stores an engine under a new handle and writes it to `out`, checked for NULL first.
+pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Outcome {
+    let abort = with_engine!(&engine, e => e.abort_handle());
+    let entry = EngineEntry {
+        report: Mutex::new(report(&engine)),
+        engine: Mutex::new(engine),
+        abort,
+        driver: Mutex::new(None),
+    };
+    let handle = handles()?.insert(Object::Engine(entry))?;
+    // SAFETY: the caller checked `out` and guarantees it is valid for a write.
+    unsafe { put(out, "out", handle as *mut fsdp_engine) }
+}
+
+fn report(engine: &AnyEngine) -> (fsdp_counters, MemoryUsage) {
+    with_engine!(engine, e => (e.counters().into(), e.memory()))
+}
+
+fn entry_of(object: &Entry) -> Outcome<&EngineEntry> {
+    match object {
+        Object::Engine(entry) => Ok(entry),
+        _ => Err(wrong_kind("engine")),
+    }
+}
+
+/// Runs `f` on the engine behind `engine`, holding its lock. A panic inside poisons the engine
+/// and takes the rank out of its group, so its peers fail at once instead of waiting for it.
+pub(crate) fn on_engine<T>(
+    engine: *mut fsdp_engine,
+    f: impl FnOnce(&mut AnyEngine) -> Outcome<T>,
+) -> Outcome<T> {
+    let object = object(engine as u64, "engine")?;
+    let entry = entry_of(&object)?;
+    drive(&object, entry);
+    let mut any = lock(&entry.engine)?;
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut any)));
+    let outcome = outcome.unwrap_or_else(|payload| {
+        let message = format!("panic inside fsdp-fusion: {}", panic_message(&*payload));
+        let cause = Error::Panicked {
+            message: message.clone(),
+        };
+        with_engine!(&mut *any, e => e.poison(cause));
+        entry.abort.leave();
+        Err(Failure::new(
+            fsdp_status::FSDP_PANIC,
+            format!("{message}; the engine is poisoned and has left its group"),
+        ))
+    });
+    *lock(&entry.report)? = report(&any);
+    outcome
+}
+
+/// The counters and memory of `engine` as of the end of its last call; never waits for a call
+/// in progress.
+pub(crate) fn engine_report(engine: *mut fsdp_engine) -> Outcome<(fsdp_counters, MemoryUsage)> {
+    let object = object(engine as u64, "engine")?;
+    let report = *lock(&entry_of(&object)?.report)?;
+    Ok(report)
+}
+
+/// Aborts `engine` without waiting for its lock.
+pub(crate) fn abort_engine(engine: *mut fsdp_engine) -> Outcome {
+    let object = object(engine as u64, "engine")?;
+    entry_of(&object)?.abort.abort();
+    Ok(())
+}
+
+pub(crate) fn destroy(
+    handle: u64,
+    kind_ok: impl Fn(&Entry) -> bool,
+    what: &'static str,
+) -> Outcome {
+    if handle == 0 {
+        return Ok(());
+    }
+    let removed = {
+        let mut handles = handles()?;
+        if !kind_ok(&*handles.get(handle)?) {
+            return Err(wrong_kind(what));
+        }
+        handles.remove(handle)?
+    };
+    // A call still running on the engine (blocked in a collective, say) is aborted, so that it
+    // returns and the engine can go; an idle engine finishes its queued work as it drops.
+    if let Object::Engine(entry) = &*removed {
+        if entry.engine.try_lock().is_err() {
+            entry.abort.abort();
+        }
+    }
+    // Dropped after the registry is unlocked: an engine's drop waits for its queued work, whose
+    // collectives need the other ranks, whose calls need the registry.
+    drop(removed);
+    Ok(())
+}
+
+/// The engines a thread drove, so that its end is seen.
+#[derive(Default)]
+struct Driven {
+    thread: Option<ThreadId>,
+    engines: Vec<Weak<Entry>>,
+}
+
+impl Drop for Driven {
+    /// A thread that ends in the middle of a step of an engine it drove leaves that engine's
+    /// group: its peers fail at once instead of waiting for it until their deadline.
+    fn drop(&mut self) {
+        for object in self.engines.drain(..).filter_map(|w| w.upgrade()) {
+            let Object::Engine(entry) = &*object else {
+                continue;
+            };
+            let driver = entry.driver.lock().map(|d| *d).unwrap_or(None);
+            if driver.is_none() || driver != self.thread {
+                continue;
+            }
+            // Locked: another thread drives the engine now.
+            if let Ok(any) = entry.engine.try_lock() {
+                if with_engine!(&*any, e => e.in_step()) {
+                    entry.abort.leave();
+                }
+            }
+        }
+    }
+}
+
+thread_local! {
+    static DRIVEN: RefCell<Driven> = RefCell::new(Driven::default());
+}
+
+/// Records the calling thread as `entry`'s driver.
+fn drive(object: &Arc<Entry>, entry: &EngineEntry) {
+    let me = std::thread::current().id();
+    if let Ok(mut driver) = entry.driver.lock() {
+        *driver = Some(me);
+    }
+    // A thread being torn down has no list any more: nothing to record then.
+    let _ = DRIVEN.try_with(|driven| {
+        let mut driven = driven.borrow_mut();
+        driven.thread = Some(me);
+        driven.engines.retain(|w| w.strong_count() > 0);
+        if !driven
+            .engines
+            .iter()
+            .any(|w| w.as_ptr() == Arc::as_ptr(object))
+        {
+            driven.engines.push(Arc::downgrade(object));
+        }
+    });
+}

@@ -1,0 +1,250 @@
+//! Statuses and messages: every exported function returns an [`fsdp_status`] and leaves its
+//! message for [`fsdp_last_error`]; its body runs inside [`boundary`], which catches panics.
+
+use std::cell::RefCell;
+use std::ffi::{CStr, CString, c_char};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use crate::error::Error;
+
+/// The outcome of a call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum fsdp_status {
+    FSDP_OK = 0,
+    /// A required pointer argument was NULL.
+    FSDP_NULL_POINTER = 1,
+    /// A handle that is not live, or of the wrong kind.
+    FSDP_INVALID_HANDLE = 2,
+    /// A bad value: size, dtype, name, shape, configuration, model file contents; or ranks whose
+    /// plans differ.
+    FSDP_INVALID_ARGUMENT = 3,
+    /// A call out of order: hooks, gradients, steps. Nothing changed.
+    FSDP_MISUSE = 4,
+    /// CUDA, its kernels or NCCL are not available.
+    FSDP_UNAVAILABLE = 5,
+    /// The device failed (the engine is poisoned).
+    FSDP_DEVICE_ERROR = 6,
+    /// A collective failed: ranks that issued different collectives, a peer that left (the engine
+    /// is poisoned).
+    FSDP_COMM_ERROR = 7,
+    /// A file could not be read or written.
+    FSDP_IO_ERROR = 8,
+    /// The library panicked; the engine involved is poisoned and has left its group.
+    FSDP_PANIC = 9,
+    /// Too little host or device memory; nothing was half-built.
+    FSDP_OUT_OF_MEMORY = 10,
+    /// A wait passed the engine's deadline (`fsdp_config.timeout_seconds`); the engine is
+    /// poisoned.
+    FSDP_TIMEOUT = 11,
+    /// The engine was aborted (`fsdp_engine_abort`, or `fsdp_engine_destroy` from another
+    /// thread).
+    FSDP_ABORTED = 12,
+    /// An earlier failure poisoned the engine: only `fsdp_engine_destroy` (and reading its
+    /// counters and memory) still works; the message names the first failure.
+    FSDP_POISONED = 13,
+}
+
+/// A failed call: its status and message.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) status: fsdp_status,
+    pub(crate) message: String,
+}
+
+impl Failure {
+    pub(crate) fn new(status: fsdp_status, message: String) -> Failure {
+        Failure { status, message }
+    }
+}
+
+/// The status an error is reported with.
+pub(crate) fn status_of(e: &Error) -> fsdp_status {
+    use fsdp_status::*;
+    match e {
+        Error::ModelFile { .. } | Error::Write { .. } => FSDP_IO_ERROR,
+        Error::NotUtf8 { .. }
+        | Error::Json { .. }
+        | Error::EmptyModel
+        | Error::EmptyName { .. }
+        | Error::DuplicateName { .. }
+        | Error::NumelOverflow { .. }
+        | Error::UnknownDtype { .. }
+        | Error::ZeroWorldSize
+        | Error::RankOutOfRange { .. }
+        | Error::LayoutOverflow { .. }
+        | Error::SizeOverflow { .. }
+        | Error::InvalidConfig { .. }
+        | Error::WorldSizeMismatch { .. }
+        | Error::UnknownParam { .. }
+        | Error::ParamIdOutOfRange { .. }
+        | Error::GroupOutOfRange { .. }
+        | Error::GradientLength { .. }
+        | Error::GradientDtype { .. }
+        | Error::DataLength { .. }
+        | Error::DtypeMismatch { .. }
+        | Error::PlanMismatch { .. }
+        | Error::OutOfRange { .. } => FSDP_INVALID_ARGUMENT,
+        Error::UnknownUnit { .. }
+        | Error::ForwardAlreadyOpen { .. }
+        | Error::ForwardNotOpen { .. }
+        | Error::BackwardAlreadyOpen { .. }
+        | Error::BackwardNotOpen { .. }
+        | Error::ForwardStillOpen { .. }
+        | Error::BackwardStillOpen { .. }
+        | Error::FrozenGradient { .. }
+        | Error::DuplicateGradient { .. }
+        | Error::GradSlotOpen { .. }
+        | Error::GradSlotNotOpen { .. }
+        | Error::GradsNotSynced { .. }
+        | Error::NotGathered { .. }
+        | Error::Gathered { .. }
+        | Error::OptimizerAlreadyStepped
+        | Error::OptimizerStepped { .. }
+        | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
+        Error::CudaUnavailable { .. }
+        | Error::KernelsUnavailable
+        | Error::NcclUnavailable { .. }
+        | Error::Unsupported { .. } => FSDP_UNAVAILABLE,
+        Error::Cuda { .. } | Error::Spawn { .. } | Error::WorkerPanicked { .. } => {
+            FSDP_DEVICE_ERROR
+        }
+        Error::Nccl { .. }
+        | Error::CollectiveMismatch { .. }
+        | Error::PeerGone { .. }
+        | Error::RankPanicked { .. } => FSDP_COMM_ERROR,
+        Error::Panicked { .. } => FSDP_PANIC,
+        Error::OutOfMemory { .. } => FSDP_OUT_OF_MEMORY,
+        Error::Timeout { .. } => FSDP_TIMEOUT,
+        Error::Aborted => FSDP_ABORTED,
+        Error::Poisoned { .. } => FSDP_POISONED,
+        Error::StreamFailed { cause, .. } => status_of(cause),
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Failure {
+        Failure::new(status_of(&e), e.to_string())
+    }
+}
+
+pub(crate) type Outcome<T = ()> = Result<T, Failure>;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn remember(message: String) {
+    // A message with a NUL in it keeps what comes before the NUL.
+    let message = CString::new(message).unwrap_or_else(|e| {
+        let end = e.nul_position();
+        CString::new(&e.into_vec()[..end]).unwrap_or_default()
+    });
+    LAST_ERROR.with(|m| *m.borrow_mut() = message);
+}
+
+/// What a caught panic said.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+/// Runs the body of an exported function: its failure or panic becomes a status and a message.
+pub(crate) fn boundary(body: impl FnOnce() -> Outcome) -> fsdp_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => fsdp_status::FSDP_OK,
+        Ok(Err(failure)) => {
+            remember(failure.message);
+            failure.status
+        }
+        Err(payload) => {
+            remember(format!(
+                "panic inside fsdp-fusion: {}",
+                panic_message(&*payload)
+            ));
+            fsdp_status::FSDP_PANIC
+        }
+    }
+}
+
+pub(crate) fn null(what: &str) -> Failure {
+    Failure::new(fsdp_status::FSDP_NULL_POINTER, format!("{what} is NULL"))
+}
+
+pub(crate) fn invalid(message: String) -> Failure {
+    Failure::new(fsdp_status::FSDP_INVALID_ARGUMENT, message)
+}
+
+/// Writes `value` through an out-pointer checked for NULL.
+///
+/// # Safety
+/// `out` is NULL or valid for a write of `T`.
+pub(crate) unsafe fn put<T>(out: *mut T, what: &'static str, value: T) -> Outcome {
+    if out.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: checked non-null; the caller guarantees it is valid for a write.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// # Safety
+/// `s` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn text<'a>(s: *const c_char, what: &str) -> Outcome<&'a str> {
+    if s.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null and NUL-terminated by the caller's contract.
+    unsafe { CStr::from_ptr(s) }
+        .to_str()
+        .map_err(|_| invalid(format!("{what} is not UTF-8")))
+}
+
+/// The calling thread's message for its last failed call; never NULL. The string stays valid
+/// until the thread's next failed call.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_last_error() -> *const c_char {
+    LAST_ERROR.with(|m| m.borrow().as_ptr())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        // SAFETY: fsdp_last_error never returns NULL and its string is NUL-terminated.
+        unsafe { CStr::from_ptr(fsdp_last_error()) }
+            .to_str()
+            .unwrap()
+            .to_string()
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_a_message() {
+        let status = boundary(|| panic!("deliberate"));
+        assert_eq!(status, fsdp_status::FSDP_PANIC);
+        assert_eq!(last_error(), "panic inside fsdp-fusion: deliberate");
+    }
+
+    #[test]
+    fn messages_with_a_nul_keep_their_start() {
+        remember("before\0after".to_string());
+        assert_eq!(last_error(), "before");
+    }
+
+    #[test]
+    fn a_failed_stream_reports_its_cause_s_status() {
+        let cause = Error::Timeout {
+            op: "x".into(),
+            waited: std::time::Duration::ZERO,
+        };
+        let failed = Error::StreamFailed {
+            stream: crate::backend::Stream::Reduce,
+            cause: std::sync::Arc::new(cause),
+        };
+        assert_eq!(status_of(&failed), fsdp_status::FSDP_TIMEOUT);
+    }
+}

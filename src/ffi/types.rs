@@ -1,0 +1,285 @@
+//! The C types: constants, opaque handles, declarations, settings and reports, and their
+//! conversions to and from the crate's own.
+
+use std::ffi::c_char;
+use std::time::Duration;
+
+use super::status::{Outcome, fsdp_status, invalid, put};
+use crate::config::{EngineConfig, GradReduction};
+use crate::dtype::DType;
+use crate::engine::Counters;
+use crate::optim::OptimizerConfig;
+use crate::plan::{MemoryPerRank, Unit};
+
+/// Element types, for the `dtype` arguments and fields.
+pub const FSDP_BF16: u32 = 0;
+pub const FSDP_F16: u32 = 1;
+pub const FSDP_F32: u32 = 2;
+
+/// `fsdp_config.optimizer` values.
+pub const FSDP_ADAMW: u32 = 0;
+pub const FSDP_SGD: u32 = 1;
+
+/// `fsdp_config.grad_reduction` values.
+pub const FSDP_MEAN: u32 = 0;
+pub const FSDP_SUM: u32 = 1;
+
+/// The unit index that names the root unit (parameters outside every layer).
+pub const FSDP_ROOT: i64 = -1;
+
+/// A plan: the grouped, padded layout of a model at one world size.
+pub struct fsdp_plan {
+    _opaque: [u8; 0],
+}
+
+/// The communicators of CPU ranks that run as threads of one process.
+pub struct fsdp_local_group {
+    _opaque: [u8; 0],
+}
+
+/// The communicators of ranks that share one GPU, each driven by its own thread of one process
+/// (for tests of several ranks without several GPUs).
+pub struct fsdp_loopback_group {
+    _opaque: [u8; 0],
+}
+
+/// One rank's engine.
+pub struct fsdp_engine {
+    _opaque: [u8; 0],
+}
+
+/// One parameter's declaration.
+#[repr(C)]
+pub struct fsdp_param_spec {
+    /// NUL-terminated UTF-8 name.
+    pub name: *const c_char,
+    /// `ndim` dimensions; may be NULL when `ndim` is 0 (a scalar).
+    pub shape: *const u64,
+    pub ndim: usize,
+    /// `FSDP_BF16`, `FSDP_F16` or `FSDP_F32`.
+    pub dtype: u32,
+    /// The FSDP unit, or `FSDP_ROOT`.
+    pub unit: i64,
+    /// 1: takes gradients and is optimized; 0: frozen. Other values are refused.
+    pub trainable: u8,
+    /// 1: used by several units (kept gathered with the root); 0: not. Other values are refused.
+    pub tied: u8,
+}
+
+/// An engine's settings; start from `fsdp_config_default`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fsdp_config {
+    pub double_buffer_limit: usize,
+    pub max_reduces_in_flight: usize,
+    /// 1: prefetch and keep reductions in flight; 0: every collective completes within its hook.
+    pub overlap: u8,
+    /// `FSDP_MEAN` or `FSDP_SUM`.
+    pub grad_reduction: u32,
+    /// `FSDP_ADAMW` or `FSDP_SGD` (which uses `lr` and `weight_decay`, as `torch.optim.SGD`
+    /// without momentum: the decay is added to the gradient).
+    pub optimizer: u32,
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// Seconds any blocking wait of the engine lasts before it fails with `FSDP_TIMEOUT`; positive.
+    pub timeout_seconds: f64,
+    /// 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
+    /// NCCL, which does not compare them itself; costs a small all-gather and a host wait).
+    pub verify_collectives: u8,
+}
+
+/// Bytes one rank allocates, as the plan predicts them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct fsdp_memory {
+    pub param_shards: usize,
+    pub grad_shards: usize,
+    pub optimizer_state: usize,
+    pub gathered_slots: usize,
+    pub grad_slots: usize,
+    pub peak: usize,
+}
+
+impl From<MemoryPerRank> for fsdp_memory {
+    fn from(m: MemoryPerRank) -> fsdp_memory {
+        fsdp_memory {
+            param_shards: m.param_shards,
+            grad_shards: m.grad_shards,
+            optimizer_state: m.optimizer_state,
+            gathered_slots: m.gathered_slots,
+            grad_slots: m.grad_slots,
+            peak: m.peak,
+        }
+    }
+}
+
+/// What an engine did so far.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct fsdp_counters {
+    pub all_gathers: u64,
+    pub prefetches: u64,
+    pub reuses: u64,
+    pub evictions: u64,
+    pub reduce_scatters: u64,
+    pub extra_slots: u64,
+    pub host_waits: u64,
+    pub steps: u64,
+}
+
+impl From<Counters> for fsdp_counters {
+    fn from(c: Counters) -> fsdp_counters {
+        fsdp_counters {
+            all_gathers: c.all_gathers,
+            prefetches: c.prefetches,
+            reuses: c.reuses,
+            evictions: c.evictions,
+            reduce_scatters: c.reduce_scatters,
+            extra_slots: c.extra_slots,
+            host_waits: c.host_waits,
+            steps: c.steps,
+        }
+    }
+}
+
+/// One parameter's place in the plan.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct fsdp_param_info {
+    pub numel: usize,
+    pub dtype: u32,
+    pub unit: i64,
+    pub trainable: bool,
+    pub group: usize,
+    pub offset: usize,
+    pub padded_numel: usize,
+}
+
+pub(crate) fn dtype_of(code: u32) -> Outcome<DType> {
+    match code {
+        FSDP_BF16 => Ok(DType::Bf16),
+        FSDP_F16 => Ok(DType::F16),
+        FSDP_F32 => Ok(DType::F32),
+        other => Err(invalid(format!(
+            "dtype {other} is not FSDP_BF16, FSDP_F16 or FSDP_F32"
+        ))),
+    }
+}
+
+pub(crate) fn dtype_code(dtype: DType) -> u32 {
+    match dtype {
+        DType::Bf16 => FSDP_BF16,
+        DType::F16 => FSDP_F16,
+        DType::F32 => FSDP_F32,
+    }
+}
+
+pub(crate) fn unit_of(unit: i64) -> Outcome<Unit> {
+    match unit {
+        FSDP_ROOT => Ok(Unit::Root),
+        u => u32::try_from(u)
+            .map(Unit::Layer)
+            .map_err(|_| invalid(format!("unit {u} is neither FSDP_ROOT nor a u32 index"))),
+    }
+}
+
+/// A C flag: 0 or 1, anything else refused.
+pub(crate) fn flag(value: u8, what: &str) -> Outcome<bool> {
+    match value {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(invalid(format!("{what} is {other}, not 0 or 1"))),
+    }
+}
+
+pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
+    let optimizer = match c.optimizer {
+        FSDP_ADAMW => OptimizerConfig::AdamW {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+        },
+        FSDP_SGD => OptimizerConfig::Sgd {
+            lr: c.lr,
+            weight_decay: c.weight_decay,
+        },
+        other => {
+            return Err(invalid(format!(
+                "optimizer {other} is not FSDP_ADAMW or FSDP_SGD"
+            )));
+        }
+    };
+    let grad_reduction = match c.grad_reduction {
+        FSDP_MEAN => GradReduction::Mean,
+        FSDP_SUM => GradReduction::Sum,
+        other => {
+            return Err(invalid(format!(
+                "grad_reduction {other} is not FSDP_MEAN or FSDP_SUM"
+            )));
+        }
+    };
+    let timeout = Duration::try_from_secs_f64(c.timeout_seconds)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .ok_or_else(|| {
+            invalid(format!(
+                "timeout_seconds is {}, not a positive number of seconds",
+                c.timeout_seconds
+            ))
+        })?;
+    let config = EngineConfig {
+        double_buffer_limit: c.double_buffer_limit,
+        max_reduces_in_flight: c.max_reduces_in_flight,
+        overlap: flag(c.overlap, "overlap")?,
+        grad_reduction,
+        optimizer,
+        timeout,
+        verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
+    };
+    config.validate()?;
+    Ok(config)
+}
+
+/// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean, AdamW with
+/// PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a 600-second
+/// timeout, collectives not verified.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_status {
+    super::status::boundary(|| {
+        let d = EngineConfig::default();
+        let (lr, beta1, beta2, eps, weight_decay) = match d.optimizer {
+            OptimizerConfig::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => (lr, beta1, beta2, eps, weight_decay),
+            OptimizerConfig::Sgd { lr, weight_decay } => (lr, 0.0, 0.0, 0.0, weight_decay),
+        };
+        let config = fsdp_config {
+            double_buffer_limit: d.double_buffer_limit,
+            max_reduces_in_flight: d.max_reduces_in_flight,
+            overlap: u8::from(d.overlap),
+            grad_reduction: FSDP_MEAN,
+            optimizer: FSDP_ADAMW,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            timeout_seconds: d.timeout.as_secs_f64(),
+            verify_collectives: u8::from(d.verify_collectives),
+        };
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", config) }
+    })
+}
