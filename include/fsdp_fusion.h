@@ -337,6 +337,15 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
                                          size_t capacity,
                                          size_t *written);
 
+// Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
+// this step (a non-finite gradient on any rank shows on the rank holding its element). Allowed
+// from `fsdp_engine_finish_grad_sync` to `fsdp_engine_end_step` (`FSDP_MISUSE` otherwise);
+// blocks the host for the count.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_t *out);
+
 // Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
 // collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
 // `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.

@@ -111,3 +111,20 @@ extern "C" __global__ void __launch_bounds__(kBlock) reduce_sum_f32(
     const float* const* srcs, uint32_t count, float* dst, uint64_t n, float scale) {
   fsdp::reduce_sum(srcs, static_cast<int>(count), dst, n, scale);
 }
+
+// `*counter += ` the number of non-finite (infinite or NaN) f32 values of `src[0..n)`. Each thread
+// counts its grid-stride share, each warp adds its threads' counts, and one lane per warp adds
+// the warp's to the counter: integer additions, so the count does not depend on their order.
+extern "C" __global__ void __launch_bounds__(kBlock)
+    count_nonfinite_f32(const uint32_t* src, uint64_t n, unsigned long long* counter) {
+  unsigned long long mine = 0;
+  const uint64_t stride = fsdp::grid_threads();
+  for (uint64_t i = fsdp::grid_thread(); i < n; i += stride) {
+    mine += (src[i] & 0x7F800000u) == 0x7F800000u;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    mine += __shfl_down_sync(0xFFFFFFFFu, mine, offset);
+  }
+  if ((threadIdx.x & 31u) == 0 && mine != 0) atomicAdd(counter, mine);
+}

@@ -50,8 +50,10 @@ pub enum Error {
     ZeroWorldSize,
     #[error("rank {rank} is out of range for world size {world_size}")]
     RankOutOfRange { rank: usize, world_size: usize },
-    #[error("group {group}: its padded length overflows at world size {world_size}")]
-    LayoutOverflow { group: usize, world_size: usize },
+    #[error(
+        "parameter {name:?}: its padded place in its group overflows at world size {world_size}"
+    )]
+    LayoutOverflow { name: String, world_size: usize },
     #[error("invalid configuration: {field} {reason}")]
     InvalidConfig { field: &'static str, reason: String },
     #[error("the plan has world size {plan}, the communicator {comm}")]

@@ -168,16 +168,20 @@ impl Plan {
         let mut groups = Vec::with_capacity(order.len());
         for (index, &g) in order.iter().enumerate() {
             let key = &keys[g];
-            let overflow = || Error::LayoutOverflow {
-                group: index,
-                world_size,
+            let overflow = |i: usize| {
+                move || Error::LayoutOverflow {
+                    name: model.params[i].name.clone(),
+                    world_size,
+                }
             };
+            let first = members[g][0];
             let align = (ALIGNMENT_BYTES / key.dtype.size())
                 .checked_mul(world_size)
-                .ok_or_else(overflow)?;
+                .ok_or_else(overflow(first))?;
             let mut offset = 0usize;
             for &i in &members[g] {
                 let spec = &model.params[i];
+                let overflow = overflow(i);
                 let numel = spec.numel().ok_or_else(|| Error::NumelOverflow {
                     name: spec.name.clone(),
                     shape: spec.shape.clone(),
@@ -199,7 +203,10 @@ impl Plan {
                 });
                 offset = offset.checked_add(padded_numel).ok_or_else(overflow)?;
             }
-            offset.checked_mul(key.dtype.size()).ok_or_else(overflow)?;
+            let last = members[g][members[g].len() - 1];
+            offset
+                .checked_mul(key.dtype.size())
+                .ok_or_else(overflow(last))?;
             groups.push(Group {
                 index,
                 dtype: key.dtype,
@@ -594,7 +601,7 @@ mod tests {
         let m = model(vec![ParamSpec::new("a", &[u32::MAX as u64, 4], DType::F32)]);
         assert!(matches!(
             Plan::new(&m, usize::MAX / 8),
-            Err(Error::LayoutOverflow { group: 0, .. })
+            Err(Error::LayoutOverflow { name, .. }) if name == "a"
         ));
     }
 

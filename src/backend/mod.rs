@@ -262,6 +262,19 @@ pub trait Backend: Send {
         shard: OptimizerShard<'_, Self>,
     ) -> Result<()>;
 
+    /// Adds to the u64 at the start of `counter` the number of infinite or NaN values in the f32
+    /// `region` of `src`.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both buffers.
+    unsafe fn count_nonfinite(
+        &self,
+        stream: Stream,
+        src: &Self::Buffer,
+        region: Region,
+        counter: &mut Self::Buffer,
+    ) -> Result<()>;
+
     /// Copies `region` of `src` (any dtype) to f32 `dst`.
     ///
     /// # Safety

@@ -15,7 +15,7 @@ use crate::backend::{Region, Stream};
 use crate::comm::{
     Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch,
 };
-use crate::dtype::DType;
+use crate::dtype::{DType, load_f32};
 use crate::error::{Error, Result};
 use crate::fallible::{copy_of, filled};
 use crate::watch::Watch;
@@ -298,13 +298,14 @@ impl Communicator<CpuBackend> for LocalComm {
         // SAFETY (both closures): the caller ordered every other use of the region (the trait's
         // contract); the copy's slice ends before the write's begins.
         let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduce-scatter's deposit");
+        // The deposits are byte copies, with no alignment to read them as f32 slices.
         let give = move |parts: &[&[u8]]| {
-            let ranks: Vec<&[f32]> = parts.iter().map(|p| bytemuck::cast_slice(p)).collect();
             let out: &mut [f32] = bytemuck::cast_slice_mut(unsafe { written.bytes_mut(own) });
             for (i, o) in out.iter_mut().enumerate() {
-                let mut acc = scale * ranks[0][start + i];
-                for r in &ranks[1..] {
-                    acc += scale * r[start + i];
+                let at = |part: &[u8]| load_f32(part, DType::F32, start + i);
+                let mut acc = scale * at(parts[0]);
+                for part in &parts[1..] {
+                    acc += scale * at(part);
                 }
                 *o = acc;
             }

@@ -15,7 +15,7 @@ mod spans;
 mod step;
 mod views;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::backend::{Backend, MemoryUsage, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
@@ -76,7 +76,9 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     backend: B,
     comm: C,
     watch: Watch,
-    poisoned: Option<Error>,
+    /// The first failure once a call's work began; set through `&self` too, since a read of the
+    /// device is where an asynchronous failure shows.
+    poisoned: OnceLock<Error>,
     shards: Vec<B::Buffer>,
     grad_shards: Vec<Option<B::Buffer>>,
     masters: Vec<Option<B::Buffer>>,
@@ -104,6 +106,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     collectives_in_step: u64,
     /// Their fingerprints, kept when [`EngineConfig::verify_collectives`] is on.
     issued: Vec<Fingerprint>,
+    /// Where [`Engine::nonfinite_grads`] counts, made at its first use.
+    nonfinite_counter: Option<B::Buffer>,
     gather_effects: Vec<GatherEffect>,
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
@@ -311,10 +315,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             counters: Counters::default(),
             collectives_in_step: 0,
             issued: Vec::new(),
+            nonfinite_counter: None,
             gather_effects: Vec::new(),
             grad_effects: Vec::new(),
             trace: None,
-            poisoned: None,
+            poisoned: OnceLock::new(),
             watch,
             plan,
             config,
@@ -380,18 +385,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// The first failure that poisoned the engine, if any.
     pub fn poisoned(&self) -> Option<&Error> {
-        self.poisoned.as_ref()
+        self.poisoned.get()
     }
 
     /// Marks the engine failed with `cause` (a panic in a call, seen by the C API).
-    pub(crate) fn poison(&mut self, cause: Error) {
-        self.poisoned.get_or_insert(cause);
+    pub(crate) fn poison(&self, cause: Error) {
+        // Only the first failure is kept.
+        let _ = self.poisoned.set(cause);
     }
 
     /// `Err(Error::Poisoned)` once a failure poisoned the engine, `Err(Error::Aborted)` once it
     /// was aborted.
     fn healthy(&self) -> Result<()> {
-        if let Some(cause) = &self.poisoned {
+        if let Some(cause) = self.poisoned.get() {
             return Err(Error::Poisoned {
                 cause: Box::new(cause.clone()),
             });
@@ -403,6 +409,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// it poisons the engine.
     fn effects<T>(&mut self, work: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let result = work(self);
+        self.observe(result)
+    }
+
+    /// Poisons the engine with the error of `result`, the outcome of work on the device.
+    fn observe<T>(&self, result: Result<T>) -> Result<T> {
         if let Err(e) = &result {
             self.poison(e.clone());
         }

@@ -194,6 +194,44 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
+    /// The number of infinite or NaN values in this rank's gradient shards as synced this step
+    /// (a rank's shard holds the reduced gradient of its part of every group, so a non-finite
+    /// gradient on any rank shows on the rank that holds its element). Allowed from
+    /// [`Engine::finish_grad_sync`] to [`Engine::end_step`]; blocks the host for the count.
+    pub fn nonfinite_grads(&mut self) -> Result<u64> {
+        self.healthy()?;
+        if !self.grads.synced() {
+            return Err(Error::GradsNotSynced {
+                action: "counting non-finite gradients",
+            });
+        }
+        self.effects(|e| {
+            let mut counter = match e.nonfinite_counter.take() {
+                Some(counter) => counter,
+                None => e.backend.alloc_scratch(8)?,
+            };
+            let count = Region::new(0, 2, DType::F32);
+            // SAFETY: the counter is the engine's own, used on the compute stream only; the
+            // gradient shards are read there after `finish_grad_sync` made it wait for the
+            // reductions, and before the next step's first ones, queued after compute's event.
+            unsafe { e.backend.zero(Stream::Compute, &mut counter, count) }?;
+            for g in e.plan.groups() {
+                if let Some(shard) = &e.grad_shards[g.index] {
+                    let region = Region::new(0, g.shard_numel, DType::F32);
+                    // SAFETY: as above.
+                    unsafe {
+                        e.backend
+                            .count_nonfinite(Stream::Compute, shard, region, &mut counter)
+                    }?;
+                }
+            }
+            let mut bytes = [0u8; 8];
+            e.backend.download(&counter, count, &mut bytes)?;
+            e.nonfinite_counter = Some(counter);
+            Ok(u64::from_le_bytes(bytes))
+        })
+    }
+
     /// This rank's parameter shard of `group`, as bytes in the group's dtype. Blocks until the
     /// copy is done.
     pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
@@ -201,8 +239,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let g = self.plan.group(group)?;
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
-        self.backend
-            .download(&self.shards[group], region, &mut out)?;
+        self.observe(self.backend.download(&self.shards[group], region, &mut out))?;
         Ok(out)
     }
 
@@ -213,8 +250,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut out = crate::fallible::filled(g.shard_numel, 0f32, "a gradient shard's copy")?;
         if let Some(shard) = &self.grad_shards[group] {
             let region = Region::new(0, g.shard_numel, DType::F32);
-            self.backend
-                .download(shard, region, bytemuck::cast_slice_mut(&mut out))?;
+            let copied = self
+                .backend
+                .download(shard, region, bytemuck::cast_slice_mut(&mut out));
+            self.observe(copied)?;
         }
         Ok(out)
     }

@@ -46,7 +46,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let bytes = layout.numel * layout.dtype.size();
         let mut out = crate::fallible::filled(bytes, 0u8, "a parameter's copy")?;
         let region = Region::new(layout.offset, layout.numel, layout.dtype);
-        self.backend.download(slot, region, &mut out)?;
+        self.observe(self.backend.download(slot, region, &mut out))?;
         Ok(out)
     }
 }
@@ -65,7 +65,7 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
                 requested: T::DTYPE,
             });
         }
-        self.backend.drain(Stream::Compute)?;
+        self.observe(self.backend.drain(Stream::Compute))?;
         let region = Region::new(layout.offset, layout.numel, layout.dtype);
         // SAFETY: the compute stream completed its work, which waited for the gather (the hook
         // that opened the unit); no stream writes a gathered buffer in use (a slot is reused only
@@ -106,8 +106,8 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// one of its unit's hooks is open; read only.
     pub fn param_address(&self, param: ParamId) -> Result<u64> {
         let (layout, slot) = self.gathered_view(param)?;
-        self.backend
-            .address(slot, Region::new(layout.offset, layout.numel, layout.dtype))
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        self.observe(self.backend.address(slot, region))
     }
 
     /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite

@@ -512,6 +512,30 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
     })
 }
 
+/// Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
+/// this step (a non-finite gradient on any rank shows on the rank holding its element). Allowed
+/// from `fsdp_engine_finish_grad_sync` to `fsdp_engine_end_step` (`FSDP_MISUSE` otherwise);
+/// blocks the host for the count.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_nonfinite_grads(
+    engine: *mut fsdp_engine,
+    out: *mut u64,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let count = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.nonfinite_grads())?)
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", count) }
+    })
+}
+
 /// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
 /// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
 /// `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.

@@ -377,6 +377,31 @@ impl Backend for CpuBackend {
         })
     }
 
+    unsafe fn count_nonfinite(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        region: Region,
+        counter: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (src_memory, src_range) =
+            part(src, Region::new(region.offset, region.len, DType::F32))?;
+        let (counter_memory, counter_range) = part(counter, Region::new(0, 2, DType::F32))?;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both.
+            let (src, counter) = unsafe {
+                (
+                    math::f32s(src_memory.bytes(src_range)),
+                    counter_memory.bytes_mut(counter_range),
+                )
+            };
+            let found = src.iter().filter(|x| !x.is_finite()).count() as u64;
+            let total = u64::from_le_bytes(counter[..8].try_into().unwrap_or([0; 8])) + found;
+            counter.copy_from_slice(&total.to_le_bytes());
+            Ok(())
+        })
+    }
+
     unsafe fn widen(
         &self,
         stream: Stream,

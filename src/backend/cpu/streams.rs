@@ -14,6 +14,9 @@ use crate::backend::Stream;
 use crate::error::{Error, Result};
 use crate::watch::Watch;
 
+/// How many of the watch's timeouts a wait on the rank's own streams lasts.
+const LOCAL_WAIT_FACTOR: u32 = 4;
+
 /// Work for a stream; its error fails the backend.
 pub(crate) type Job = Box<dyn FnOnce() -> Result<()> + Send>;
 
@@ -54,6 +57,25 @@ impl Marker {
             |reached| Ok(reached.is_none()),
         )?;
         // `wait_while` returned because the point was reached.
+        Ok(reached.unwrap_or_else(Instant::now))
+    }
+
+    /// As [`Marker::wait`], for a wait on the rank's own streams (by the host, or by one stream
+    /// for another): it ends at once when a stream failed, and its deadline is
+    /// [`LOCAL_WAIT_FACTOR`] times the watch's, since the work it waits for has deadlines of its
+    /// own, and the collective that fails first names what it waited for.
+    fn wait_local(&self, watch: &Watch, fault: &Fault, what: &'static str) -> Result<Instant> {
+        let local = Watch::new(watch.timeout().saturating_mul(LOCAL_WAIT_FACTOR));
+        let reached = local.wait_while(
+            lock(&self.reached),
+            &self.changed,
+            || what.to_string(),
+            |reached| {
+                fault.check()?;
+                watch.check()?;
+                Ok(reached.is_none())
+            },
+        )?;
         Ok(reached.unwrap_or_else(Instant::now))
     }
 }
@@ -185,12 +207,12 @@ impl Streams {
         self.send(stream, Task::Wait(Arc::clone(marker)))
     }
 
-    /// Blocks the host until `marker` is reached; then reports any stream's failure.
+    /// Blocks the host until `marker` is reached, or a stream failed; reports the failure.
     pub(crate) fn synchronize(&self, marker: &Marker) -> Result<Instant> {
         let watch = lock(&self.watch).clone();
-        let at = marker.wait(&watch, "a host wait for a CPU stream")?;
+        let reached = marker.wait_local(&watch, &self.fault, "a host wait for a CPU stream");
         self.fault.check()?;
-        Ok(at)
+        reached
     }
 
     pub(crate) fn set_watch(&self, watch: &Watch) {
@@ -233,7 +255,8 @@ fn work(
             },
             Task::Wait(marker) => {
                 let watch = lock(watch).clone();
-                if let Err(error) = marker.wait(&watch, "a CPU stream's wait for another") {
+                let waited = marker.wait_local(&watch, fault, "a CPU stream's wait for another");
+                if let Err(error) = waited {
                     fault.set(stream, error);
                 }
             }

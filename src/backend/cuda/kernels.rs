@@ -139,6 +139,7 @@ pub struct Kernels {
     sgd: [Kernel; 3],
     cast: [[Option<Kernel>; 3]; 3],
     reduce_sum: Kernel,
+    count_nonfinite: Kernel,
     /// Owns the functions above; unloaded when the kernels are dropped.
     _module: Module,
 }
@@ -249,6 +250,7 @@ impl Kernels {
             sgd: each(&SGD)?,
             cast,
             reduce_sum: module.kernel(c"reduce_sum_f32", sm_count)?,
+            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
             _module: module,
         })
     }
@@ -603,6 +605,39 @@ impl Kernels {
                 kernel,
                 kernel.elementwise_grid(n),
                 &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64), arg(&scale)],
+            )
+        }
+    }
+}
+
+impl Kernels {
+    /// `*counter += ` the number of infinite or NaN values among the `n` f32 at `src`
+    /// (`counter` a device u64).
+    ///
+    /// # Safety
+    /// `src` is valid for `n` f32 and `counter` for one u64, written by nothing else meanwhile.
+    pub unsafe fn count_nonfinite(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        n: usize,
+        counter: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(src, DType::F32.size())?;
+        check_aligned(counter, std::mem::align_of::<u64>())?;
+        let kernel = self.count_nonfinite;
+        let n64 = n as u64;
+        // SAFETY: count_nonfinite_f32(const uint32_t* src, uint64_t n, unsigned long long*
+        // counter); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&src), arg(&n64), arg(&counter)],
             )
         }
     }

@@ -508,6 +508,24 @@ impl Backend for CudaBackend {
         }
     }
 
+    unsafe fn count_nonfinite(
+        &self,
+        stream: Stream,
+        src: &CudaBuffer,
+        region: Region,
+        counter: &mut CudaBuffer,
+    ) -> Result<()> {
+        let src_ptr = src.addr(f32_region(region))?;
+        let counter_ptr = counter.addr(Region::new(0, 2, DType::F32))?;
+        bind(&self.ctx)?;
+        // SAFETY: `src_ptr` is checked to hold `region.len` f32 and `counter_ptr` a u64, of
+        // distinct buffers; the caller ordered their other uses.
+        unsafe {
+            self.kernels
+                .count_nonfinite(self.stream(stream), src_ptr, region.len, counter_ptr)
+        }
+    }
+
     unsafe fn widen(
         &self,
         stream: Stream,

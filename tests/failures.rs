@@ -1,0 +1,414 @@
+//! Ranks that diverge, leave, stop, panic or ask too much get an error, never a hang, an abort or
+//! a wrong answer; a rank that survives can go on, or is cleanly poisoned. Each multi-rank case
+//! runs eagerly and on asynchronous CPU backends, under the harness deadline.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{CpuEngine, for_each_mode, on_engines, on_ranks};
+use fsdp_fusion::{
+    DType, Engine, EngineConfig, Error, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Result,
+    Unit,
+};
+
+/// The failure under the wrappers an asynchronous stream or a poisoned engine puts around it.
+fn root(e: &Error) -> &Error {
+    match e {
+        Error::StreamFailed { cause, .. } => root(cause),
+        Error::Poisoned { cause } => root(cause),
+        other => other,
+    }
+}
+
+/// Two units of one f32 weight each, of equal size.
+fn two_units() -> ModelSpec {
+    ModelSpec::new(vec![
+        ParamSpec::new("a", &[64], DType::F32).in_unit(0),
+        ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+    ])
+    .unwrap()
+}
+
+fn plan(model: &ModelSpec, world: usize) -> Arc<Plan> {
+    Arc::new(Plan::new(model, world).unwrap())
+}
+
+fn sgd() -> EngineConfig {
+    EngineConfig {
+        optimizer: OptimizerConfig::sgd(0.5),
+        ..EngineConfig::default()
+    }
+}
+
+/// The forward of both units.
+fn forward(e: &mut CpuEngine) -> Result<()> {
+    for u in [Unit::Layer(0), Unit::Layer(1)] {
+        e.pre_forward(u)?;
+        e.post_forward(u)?;
+    }
+    Ok(())
+}
+
+/// Hands over gradients of 1 for `names` in that order, then syncs, steps and ends the step, and
+/// reads a shard: an asynchronous stream's failure shows where the host waits for it.
+fn backward_in_order(e: &mut CpuEngine, names: [&str; 2]) -> Result<()> {
+    for name in names {
+        let id = e.plan().param_id(name)?;
+        e.grad(id, Input::host(&[1f32; 64]))?;
+    }
+    e.finish_grad_sync()?;
+    e.optimizer_step()?;
+    e.end_step()?;
+    e.param_shard(0).map(drop)
+}
+
+/// Checks that a rank's engine is poisoned: every call says why, and no view is handed out.
+fn assert_poisoned(e: &mut CpuEngine) {
+    let a = e.plan().param_id("a").unwrap();
+    assert!(matches!(
+        e.pre_forward(Unit::Layer(0)),
+        Err(Error::Poisoned { .. })
+    ));
+    assert!(matches!(e.param::<f32>(a), Err(Error::Poisoned { .. })));
+    assert!(matches!(e.param_shard(0), Err(Error::Poisoned { .. })));
+    assert!(e.poisoned().is_some());
+}
+
+#[test]
+fn ranks_that_reduce_equal_groups_in_another_order_all_fail_naming_both() {
+    for world in [2, 3, 8] {
+        for_each_mode(|mode| {
+            let outcomes = on_engines(&plan(&two_units(), world), &sgd(), mode, |mut e| {
+                let order = if e.rank() % 2 == 0 {
+                    ["a", "b"]
+                } else {
+                    ["b", "a"]
+                };
+                let result = forward(&mut e).and_then(|()| backward_in_order(&mut e, order));
+                let error = result.err().map(|e| root(&e).clone());
+                assert_poisoned(&mut e);
+                error
+            });
+            for (rank, error) in outcomes.iter().enumerate() {
+                match error {
+                    Some(Error::CollectiveMismatch {
+                        rank: 1,
+                        expected,
+                        got,
+                    }) => {
+                        assert!(expected.contains("reduce-scatter of group 0"), "{expected}");
+                        assert!(got.contains("reduce-scatter of group 1"), "{got}");
+                    }
+                    other => panic!("world {world} rank {rank}: {other:?}"),
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn ranks_that_run_units_in_another_order_all_fail() {
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
+            let unit = Unit::Layer(e.rank() as u32);
+            let result = e.pre_forward(unit).and_then(|()| e.post_forward(unit));
+            let drained = result.and_then(|()| e.param_shard(0).map(drop));
+            drained.err().map(|e| root(&e).clone())
+        });
+        for error in outcomes {
+            assert!(
+                matches!(&error, Some(Error::CollectiveMismatch { rank: 1, got, .. }) if got.contains("all-gather of group 1")),
+                "{error:?}"
+            );
+        }
+    });
+}
+
+#[test]
+fn ranks_with_different_models_of_equal_sizes_refuse_to_start() {
+    let models = [
+        two_units(),
+        // Another name for the first parameter.
+        ModelSpec::new(vec![
+            ParamSpec::new("z", &[64], DType::F32).in_unit(0),
+            ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+        ])
+        .unwrap(),
+        // bf16 of the same padded bytes.
+        ModelSpec::new(vec![
+            ParamSpec::new("a", &[128], DType::Bf16).in_unit(0),
+            ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+        ])
+        .unwrap(),
+    ];
+    for other in 1..models.len() {
+        let plans = [plan(&models[0], 2), plan(&models[other], 2)];
+        assert_eq!(
+            plans[0].groups()[0].padded_bytes(),
+            plans[1].groups()[0].padded_bytes()
+        );
+        for_each_mode(|mode| {
+            let plans = plans.clone();
+            let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
+                Engine::try_new(Arc::clone(&plans[rank]), sgd(), backend, comm)
+                    .err()
+                    .map(|refused| refused.error)
+            });
+            for error in outcomes {
+                match error {
+                    Some(Error::PlanMismatch {
+                        rank: 1,
+                        index: 0,
+                        expected,
+                        got,
+                    }) => {
+                        assert!(expected.starts_with("\"a\" (f32, shape [64]"), "{expected}");
+                        assert_ne!(expected, got);
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn a_rank_whose_thread_ends_mid_step_fails_its_peers_at_once() {
+    for_each_mode(|mode| {
+        let start = Instant::now();
+        let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
+            forward(&mut e).unwrap();
+            if e.rank() == 1 {
+                // The thread returns: its engine goes with it, mid-step.
+                return None;
+            }
+            backward_in_order(&mut e, ["a", "b"])
+                .err()
+                .map(|e| root(&e).clone())
+        });
+        assert!(
+            matches!(&outcomes[0], Some(Error::PeerGone { rank: 1, .. })),
+            "{outcomes:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(60), "the peer waited");
+    });
+}
+
+#[test]
+fn a_rank_whose_thread_panics_mid_step_fails_its_peers_at_once() {
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
+            forward(&mut e).unwrap();
+            if e.rank() == 1 {
+                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                    let _engine = e;
+                    panic!("a bug in the training loop");
+                }));
+                assert!(caught.is_err());
+                return None;
+            }
+            backward_in_order(&mut e, ["a", "b"])
+                .err()
+                .map(|e| root(&e).clone())
+        });
+        assert!(
+            matches!(&outcomes[0], Some(Error::PeerGone { rank: 1, .. })),
+            "{outcomes:?}"
+        );
+    });
+}
+
+#[test]
+fn a_rank_that_stops_issuing_collectives_times_its_peers_out() {
+    let config = EngineConfig {
+        timeout: Duration::from_millis(300),
+        ..sgd()
+    };
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &config, mode, |mut e| {
+            forward(&mut e).unwrap();
+            if e.rank() == 1 {
+                // Stays in the group, silent, past the peer's deadline.
+                std::thread::sleep(Duration::from_millis(1500));
+                return None;
+            }
+            let started = Instant::now();
+            let error = backward_in_order(&mut e, ["a", "b"]).unwrap_err();
+            assert!(started.elapsed() < Duration::from_secs(30));
+            Some(root(&error).clone())
+        });
+        match &outcomes[0] {
+            Some(Error::Timeout { op, waited }) => {
+                assert!(op.contains("reduce-scatter of group 0"), "{op}");
+                assert!(*waited >= Duration::from_millis(300));
+            }
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+#[test]
+fn a_blocked_call_is_aborted_from_another_thread() {
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
+            forward(&mut e).unwrap();
+            if e.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(1000));
+                return None;
+            }
+            let handle = e.abort_handle();
+            let aborter = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                handle.abort();
+            });
+            let started = Instant::now();
+            let error = backward_in_order(&mut e, ["a", "b"]).unwrap_err();
+            assert!(started.elapsed() < Duration::from_secs(30));
+            aborter.join().unwrap();
+            assert_poisoned(&mut e);
+            Some(root(&error).clone())
+        });
+        assert!(matches!(outcomes[0], Some(Error::Aborted)), "{outcomes:?}");
+    });
+}
+
+#[test]
+fn zero_sized_parameters_train_at_every_world_size() {
+    let model = ModelSpec::new(vec![
+        ParamSpec::new("empty", &[3, 0], DType::F32).in_unit(0),
+        ParamSpec::new("w", &[5], DType::F32).in_unit(0),
+        ParamSpec::new("none", &[0], DType::Bf16).in_unit(1),
+    ])
+    .unwrap();
+    for world in [1, 2, 3] {
+        for_each_mode(|mode| {
+            let shards = on_engines(&plan(&model, world), &sgd(), mode, |mut e| {
+                let ids = ["empty", "w", "none"].map(|n| e.plan().param_id(n).unwrap());
+                e.load_param(ids[1], Input::host(&[1f32; 5])).unwrap();
+                for unit in [Unit::Layer(0), Unit::Layer(1)] {
+                    e.pre_forward(unit).unwrap();
+                    e.post_forward(unit).unwrap();
+                }
+                e.grad(ids[0], Input::host::<f32>(&[])).unwrap();
+                e.grad(ids[1], Input::host(&[0.5f32; 5])).unwrap();
+                e.grad(ids[2], Input::host::<half::bf16>(&[])).unwrap();
+                e.finish_grad_sync().unwrap();
+                e.optimizer_step().unwrap();
+                e.end_step().unwrap();
+                let group = e.plan().param(ids[1]).unwrap().group;
+                e.param_shard(group).unwrap()
+            });
+            let p = plan(&model, world);
+            let w = p.param(p.param_id("w").unwrap()).unwrap().clone();
+            let bytes = p.assemble_param(p.param_id("w").unwrap(), &shards).unwrap();
+            let values: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!(values, vec![0.75f32; 5], "world {world}: {w:?}");
+        });
+    }
+}
+
+#[test]
+fn limits_past_any_use_act_as_the_plan_allows() {
+    let config = EngineConfig {
+        double_buffer_limit: usize::MAX,
+        max_reduces_in_flight: usize::MAX,
+        ..sgd()
+    };
+    let model = two_units();
+    for_each_mode(|mode| {
+        let p = plan(&model, 2);
+        let predicted = p.memory_per_rank(&config).unwrap();
+        assert_eq!(p.limits(&config).gathered, 2);
+        let outcomes = on_engines(&p, &config, mode, move |mut e| {
+            assert_eq!(e.memory().current, predicted.peak);
+            forward(&mut e).unwrap();
+            backward_in_order(&mut e, ["a", "b"]).unwrap();
+            e.memory().peak
+        });
+        assert_eq!(outcomes, vec![predicted.peak; 2]);
+    });
+}
+
+#[test]
+fn an_engine_larger_than_memory_is_an_error_and_the_rank_can_try_again() {
+    // 2^48 f32 elements per rank: far past any machine's memory.
+    let huge = ModelSpec::new(vec![
+        ParamSpec::new("a", &[1 << 25, 1 << 24], DType::F32).in_unit(0),
+        ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+    ])
+    .unwrap();
+    let (huge, small) = (plan(&huge, 2), plan(&two_units(), 2));
+    for_each_mode(|mode| {
+        let (huge, small) = (Arc::clone(&huge), Arc::clone(&small));
+        let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
+            let (backend, comm) = if rank == 1 {
+                let refused = Engine::try_new(Arc::clone(&huge), sgd(), backend, comm)
+                    .err()
+                    .unwrap_or_else(|| {
+                        panic!(
+                            "a {} byte engine",
+                            huge.memory_per_rank(&sgd()).map_or(0, |m| m.peak)
+                        )
+                    });
+                assert!(
+                    matches!(&refused.error, Error::OutOfMemory { what, .. } if what.contains("group")),
+                    "{:?}",
+                    refused.error
+                );
+                (refused.backend, refused.comm)
+            } else {
+                (backend, comm)
+            };
+            let mut e = Engine::new(Arc::clone(&small), sgd(), backend, comm).unwrap();
+            forward(&mut e).unwrap();
+            backward_in_order(&mut e, ["a", "b"]).unwrap();
+            e.param_shard(0).unwrap()
+        });
+        assert_eq!(outcomes.len(), 2);
+    });
+}
+
+#[test]
+fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
+    let model = two_units();
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&model, 2), &sgd(), mode, |mut e| {
+            let a = e.plan().param_id("a").unwrap();
+            let b = e.plan().param_id("b").unwrap();
+            assert!(matches!(
+                e.nonfinite_grads(),
+                Err(Error::GradsNotSynced { .. })
+            ));
+            forward(&mut e).unwrap();
+            let mut g = [1f32; 64];
+            if e.rank() == 0 {
+                g[3] = f32::NAN;
+                g[40] = f32::INFINITY;
+            }
+            e.grad(a, Input::host(&g)).unwrap();
+            // Each rank's 3e38 sums past f32's range; their mean does not.
+            e.grad(b, Input::host(&[3e38f32; 64])).unwrap();
+            e.finish_grad_sync().unwrap();
+            let count = e.nonfinite_grads().unwrap();
+            let b_group = e.plan().param(b).unwrap().group;
+            let b_shard = e.grad_shard(b_group).unwrap();
+            e.optimizer_step().unwrap();
+            e.end_step().unwrap();
+            (count, b_shard)
+        });
+        // Element 3 lands on rank 0's part of `a`'s group, element 40 too: each counted once.
+        let total: u64 = outcomes.iter().map(|(c, _)| c).sum();
+        assert_eq!(total, 2);
+        let held: Vec<f32> = outcomes
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .take(64)
+            .collect();
+        assert!(held.iter().all(|&x| x == 3e38), "{held:?}");
+    });
+}
