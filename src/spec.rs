@@ -209,6 +209,31 @@ mod tests {
     }
 
     #[test]
+    fn a_position_is_stated_once() {
+        let err = ModelSpec::from_json("{\"params\": [\n  {\"name\": \"a\",, }\n]}").unwrap_err();
+        let message = err.to_string();
+        assert_eq!(message.matches("line").count(), 1, "{message}");
+        assert!(message.starts_with("malformed model JSON at line 2, column 16: "), "{message}");
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_skipped_and_other_bytes_than_utf8_are_named() {
+        let text = "\u{feff}{\"params\": [{\"name\": \"a\", \"shape\": [2], \"dtype\": \"f32\"}]}";
+        assert_eq!(ModelSpec::from_json(text).unwrap().params[0].name, "a");
+        let dir = std::env::temp_dir().join(format!("fsdp-spec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("latin1.json");
+        std::fs::write(&path, b"{\"params\": [{\"name\": \"caf\xe9\"}]}").unwrap();
+        let err = ModelSpec::from_path(&path).unwrap_err();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            matches!(&err, Error::NotUtf8 { offset: 25, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("is not UTF-8"), "{err}");
+    }
+
+    #[test]
     fn unknown_field_is_rejected_with_its_position() {
         let err = ModelSpec::from_json(
             r#"{"params": [{"name": "a", "shape": [1], "dtype": "f32", "trainabel": false}]}"#,

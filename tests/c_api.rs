@@ -1136,3 +1136,298 @@ fn a_gradient_slot_holds_what_an_earlier_gradient_left_as_the_header_says() {
         }
     });
 }
+
+/// Runs `rank_0` and `rank_1` on threads of their own, each with its engine of a two-rank group
+/// in `mode` (handles travel as numbers); returns what they return.
+fn two_ranks<R: Send + 'static>(
+    mode: Mode,
+    rank_0: impl FnOnce(usize) -> R + Send + 'static,
+    rank_1: impl FnOnce(usize) -> R + Send + 'static,
+) -> (R, R) {
+    let plan = plan(2) as usize;
+    let group = local_group(mode, 2) as usize;
+    let outcome = within_deadline("two ranks through the C API", move || {
+        let spawn = |rank: usize, body: Box<dyn FnOnce(usize) -> R + Send>| {
+            std::thread::spawn(move || {
+                let mut engine = null_mut();
+                // SAFETY: valid pointers.
+                ok(unsafe {
+                    fsdp_engine_create_cpu(
+                        plan as *mut fsdp_plan,
+                        &sgd_config(),
+                        group as *mut fsdp_local_group,
+                        rank,
+                        &mut engine,
+                    )
+                });
+                body(engine as usize)
+            })
+        };
+        let r0 = spawn(0, Box::new(rank_0));
+        let r1 = spawn(1, Box::new(rank_1));
+        (r0.join().unwrap(), r1.join().unwrap())
+    });
+    ok(fsdp_local_group_destroy(group as *mut fsdp_local_group));
+    ok(fsdp_plan_destroy(plan as *mut fsdp_plan));
+    outcome
+}
+
+fn handle(engine: usize) -> *mut fsdp_engine {
+    engine as *mut fsdp_engine
+}
+
+/// The forward of both units of the test model on `engine`, then `w`'s gradient (at world size
+/// 2 its group's reduction needs the other rank) and a read of a shard, which waits for the
+/// streams: returns the first status that is not `FSDP_OK`, or `FSDP_OK`.
+fn forward_then_gradient(engine: usize) -> fsdp_status {
+    let e = handle(engine);
+    let g = [0.5f32; 9];
+    let mut bytes = [0u8; 4096];
+    let mut written = 0usize;
+    let check = |status: fsdp_status| match status {
+        fsdp_status::FSDP_OK => Ok(()),
+        failed => Err(failed),
+    };
+    let mut steps = || -> Result<(), fsdp_status> {
+        for unit in [FSDP_ROOT, 0] {
+            check(fsdp_engine_pre_forward(e, unit))?;
+            check(fsdp_engine_post_forward(e, unit))?;
+        }
+        // SAFETY: a valid host gradient of `w`'s 9 elements, and valid out-pointers.
+        unsafe {
+            check(fsdp_engine_grad(e, 1, g.as_ptr().cast(), 9, FSDP_F32))?;
+            check(fsdp_engine_param_shard(
+                e,
+                1,
+                bytes.as_mut_ptr().cast(),
+                bytes.len(),
+                &mut written,
+            ))
+        }
+    };
+    steps().err().unwrap_or(fsdp_status::FSDP_OK)
+}
+
+/// Forward only: the other rank's collectives of the backward will never come.
+fn forward_only(engine: usize) {
+    for (pre, post) in [(FSDP_ROOT, FSDP_ROOT), (0, 0)] {
+        ok(fsdp_engine_pre_forward(handle(engine), pre));
+        ok(fsdp_engine_post_forward(handle(engine), post));
+    }
+}
+
+#[test]
+fn a_blocked_call_is_aborted_and_counters_never_wait_for_it() {
+    for_each_mode(|mode| {
+        let (blocked, other) = two_ranks(
+            mode,
+            |engine| {
+                let aborter = std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    // Another thread reads the counters of the blocked engine, then aborts it.
+                    let mut counters = fsdp_counters::default();
+                    // SAFETY: valid pointers.
+                    ok(unsafe { fsdp_engine_counters(handle(engine), &mut counters) });
+                    ok(fsdp_engine_abort(handle(engine)));
+                    counters.all_gathers
+                });
+                let status = forward_then_gradient(engine);
+                let gathers = aborter.join().unwrap();
+                let later = fsdp_engine_end_step(handle(engine));
+                let message = last_error();
+                ok(fsdp_engine_destroy(handle(engine)));
+                (status, gathers, later, message)
+            },
+            |engine| {
+                forward_only(engine);
+                std::thread::sleep(std::time::Duration::from_millis(600));
+                ok(fsdp_engine_destroy(handle(engine)));
+                (fsdp_status::FSDP_OK, 0, fsdp_status::FSDP_OK, String::new())
+            },
+        );
+        let (status, gathers, later, message) = blocked;
+        assert_eq!(status, fsdp_status::FSDP_ABORTED, "{mode:?}");
+        assert!(gathers >= 2, "the counters read while blocked: {gathers}");
+        assert_eq!(later, fsdp_status::FSDP_POISONED);
+        assert!(message.contains("aborted"), "{message}");
+        assert_eq!(other.0, fsdp_status::FSDP_OK);
+    });
+}
+
+#[test]
+fn destroying_an_engine_blocked_in_another_thread_unblocks_it() {
+    for_each_mode(|mode| {
+        let (blocked, _) = two_ranks(
+            mode,
+            |engine| {
+                let destroyer = std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    fsdp_engine_destroy(handle(engine))
+                });
+                let status = forward_then_gradient(engine);
+                (status, destroyer.join().unwrap())
+            },
+            |engine| {
+                forward_only(engine);
+                std::thread::sleep(std::time::Duration::from_millis(600));
+                ok(fsdp_engine_destroy(handle(engine)));
+                (fsdp_status::FSDP_OK, fsdp_status::FSDP_OK)
+            },
+        );
+        assert_eq!(blocked, (fsdp_status::FSDP_ABORTED, fsdp_status::FSDP_OK));
+    });
+}
+
+#[test]
+fn a_thread_that_ends_mid_step_takes_its_rank_out_of_the_group() {
+    for_each_mode(|mode| {
+        let started = std::time::Instant::now();
+        let (left_behind, gone) = two_ranks(
+            mode,
+            |engine| (forward_then_gradient(engine), last_error(), engine),
+            |engine| {
+                // The thread ends with its engine mid-step, not destroyed.
+                forward_only(engine);
+                (fsdp_status::FSDP_OK, String::new(), engine)
+            },
+        );
+        assert_eq!(
+            left_behind.0,
+            fsdp_status::FSDP_COMM_ERROR,
+            "{}",
+            left_behind.1
+        );
+        assert!(
+            left_behind.1.contains("rank 1 left the group"),
+            "{}",
+            left_behind.1
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(60));
+        ok(fsdp_engine_destroy(handle(left_behind.2)));
+        ok(fsdp_engine_destroy(handle(gone.2)));
+    });
+}
+
+#[test]
+fn a_failed_creation_gives_the_communicator_back() {
+    let huge = CString::new(
+        r#"{"params": [{"name": "w", "shape": [33554432, 16777216], "dtype": "f32"}]}"#,
+    )
+    .unwrap();
+    let mut huge_plan = null_mut();
+    let config = config();
+    let mut engine = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_plan_from_json(huge.as_ptr(), 1, &mut huge_plan));
+        let group = local_group(Mode::Eager, 1);
+        expect(
+            fsdp_engine_create_cpu(huge_plan, &config, group, 0, &mut engine),
+            fsdp_status::FSDP_OUT_OF_MEMORY,
+            "parameter shard of group 0",
+        );
+        let plan = plan(1);
+        ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine));
+        ok(fsdp_engine_destroy(engine));
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+        ok(fsdp_plan_destroy(huge_plan));
+    }
+}
+
+#[test]
+fn flags_and_timeouts_that_are_not_what_they_say_are_refused() {
+    let plan = plan(1);
+    let group = local_group(Mode::Eager, 1);
+    let mut engine = null_mut();
+    let mut out_plan = null_mut();
+    let name = CString::new("w").unwrap();
+    let shape = [3u64];
+    let spec = fsdp_param_spec {
+        name: name.as_ptr(),
+        shape: shape.as_ptr(),
+        ndim: 1,
+        dtype: FSDP_F32,
+        unit: FSDP_ROOT,
+        trainable: 2,
+        tied: 0,
+    };
+    // SAFETY: valid pointers.
+    unsafe {
+        expect(
+            fsdp_plan_from_specs(&spec, 1, 1, &mut out_plan),
+            BAD,
+            "specs[0].trainable is 2, not 0 or 1",
+        );
+        let nameless = fsdp_param_spec {
+            name: null(),
+            trainable: 1,
+            ..spec
+        };
+        let specs = [
+            fsdp_param_spec {
+                trainable: 1,
+                ..spec
+            },
+            nameless,
+        ];
+        expect(
+            fsdp_plan_from_specs(specs.as_ptr(), 2, 1, &mut out_plan),
+            NULL,
+            "specs[1].name",
+        );
+        for (overlap, timeout, words) in [
+            (7u8, 600.0, "overlap is 7"),
+            (1, 0.0, "timeout_seconds is 0"),
+            (1, -1.0, "timeout_seconds is -1"),
+            (1, f64::NAN, "timeout_seconds is NaN"),
+        ] {
+            let c = fsdp_config {
+                overlap,
+                timeout_seconds: timeout,
+                ..config()
+            };
+            expect(
+                fsdp_engine_create_cpu(plan, &c, group, 0, &mut engine),
+                BAD,
+                words,
+            );
+        }
+        // Nothing was taken: the rank's communicator is still in the group.
+        ok(fsdp_engine_create_cpu(
+            plan,
+            &config(),
+            group,
+            0,
+            &mut engine,
+        ));
+        ok(fsdp_engine_destroy(engine));
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    }
+}
+
+#[test]
+fn non_finite_gradients_are_counted_through_the_c_api() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let mut g = [1.0f32; 9];
+        g[4] = f32::NEG_INFINITY;
+        let mut count = 0u64;
+        // SAFETY: valid pointers.
+        unsafe {
+            expect(
+                fsdp_engine_nonfinite_grads(engine, &mut count),
+                fsdp_status::FSDP_MISUSE,
+                "finish_grad_sync",
+            );
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_nonfinite_grads(engine, &mut count));
+            assert_eq!(count, 1);
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
