@@ -50,6 +50,10 @@ _STATUS = [
     "FSDP_COMM_ERROR",
     "FSDP_IO_ERROR",
     "FSDP_PANIC",
+    "FSDP_OUT_OF_MEMORY",
+    "FSDP_TIMEOUT",
+    "FSDP_ABORTED",
+    "FSDP_POISONED",
 ]
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _UNIQUE_ID_BYTES = 128
@@ -66,8 +70,8 @@ class _ParamSpec(ctypes.Structure):
         ("ndim", c_size_t),
         ("dtype", c_uint32),
         ("unit", c_int64),
-        ("trainable", c_bool),
-        ("tied", c_bool),
+        ("trainable", c_uint8),
+        ("tied", c_uint8),
     ]
 
 
@@ -75,7 +79,7 @@ class _Config(ctypes.Structure):
     _fields_ = [
         ("double_buffer_limit", c_size_t),
         ("max_reduces_in_flight", c_size_t),
-        ("overlap", c_bool),
+        ("overlap", c_uint8),
         ("grad_reduction", c_uint32),
         ("optimizer", c_uint32),
         ("lr", ctypes.c_float),
@@ -83,6 +87,8 @@ class _Config(ctypes.Structure):
         ("beta2", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("weight_decay", ctypes.c_float),
+        ("timeout_seconds", ctypes.c_double),
+        ("verify_collectives", c_uint8),
     ]
 
 
@@ -332,12 +338,14 @@ class FusedFSDP(torch.nn.Module):
     (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
     passes of a step (several backward passes accumulate).
 
-    Optimizer: AdamW (`optimizer="adamw"`, PyTorch's defaults) or SGD (`optimizer="sgd"`, `lr`
-    only), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
+    Optimizer: AdamW (`optimizer="adamw"`, PyTorch's defaults, weight decay 0.01) or SGD
+    (`optimizer="sgd"`, `lr` and `weight_decay`, by default 0, as `torch.optim.SGD` without
+    momentum), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
     `double_buffer_limit` counts gathered parameter groups: the root's stay gathered throughout,
     so leave room for them plus the unit in use and the one prefetched.
 
-    A CPU module trains at world size 1, or as rank `rank` of `local_group` (ranks as threads).
+    A CPU module trains at world size 1, or as rank `rank` of `local_group` (ranks as threads,
+    each made and driven on its own thread: making an engine compares the ranks' plans).
     """
 
     def __init__(
@@ -350,7 +358,7 @@ class FusedFSDP(torch.nn.Module):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 0.01,
+        weight_decay: float | None = None,
         double_buffer_limit: int = 4,
         max_reduces_in_flight: int = 2,
         overlap: bool = True,
@@ -408,7 +416,7 @@ class FusedFSDP(torch.nn.Module):
             shape = (c_uint64 * max(p.tensor.dim(), 1))(*p.tensor.shape)
             spec.name, spec.shape, spec.ndim = p.name.encode(), shape, p.tensor.dim()
             spec.dtype, spec.unit = dtype, p.unit
-            spec.trainable, spec.tied = p.tensor.requires_grad, p.tied
+            spec.trainable, spec.tied = int(p.tensor.requires_grad), int(p.tied)
         plan = c_void_p()
         self._lib.call("fsdp_plan_from_specs", specs, len(specs), self._world, byref(plan))
         return plan
@@ -420,10 +428,12 @@ class FusedFSDP(torch.nn.Module):
         config.optimizer = _choice("optimizer", optimizer, {"adamw": 0, "sgd": 1})
         config.grad_reduction = _choice("grad_reduction", grad_reduction, {"mean": 0, "sum": 1})
         config.lr, (config.beta1, config.beta2) = lr, betas
+        if weight_decay is None:
+            weight_decay = 0.01 if optimizer == "adamw" else 0.0
         config.eps, config.weight_decay = eps, weight_decay
         config.double_buffer_limit = double_buffer_limit
         config.max_reduces_in_flight = max_reduces_in_flight
-        config.overlap = overlap
+        config.overlap = int(overlap)
         return config
 
     def _make_cpu_engine(self, config: _Config) -> c_void_p:

@@ -77,9 +77,15 @@ def train(optimizer: str, world: int = 1, spy=None, **engine):
     torch_optimizer, settings = optimizers(
         optimizer, [p for p in reference.parameters() if p.requires_grad])
     group = LocalGroup(world, library()) if world > 1 else None
-    ranks = [FusedFSDP(m, list(m.blocks), library(), optimizer=optimizer, local_group=group,
-                       rank=r, **settings, **engine)
-             for r, m in enumerate([module] + [copy.deepcopy(module) for _ in range(world - 1)])]
+    modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+
+    def make(rank: int):
+        return FusedFSDP(modules[rank], list(modules[rank].blocks), library(),
+                         optimizer=optimizer, local_group=group, rank=rank, **settings, **engine)
+
+    # Making an engine compares the ranks' plans: the ranks make theirs together.
+    with ThreadPoolExecutor(world) as pool:
+        ranks = list(pool.map(make, range(world)))
     if spy is not None:
         for fused in ranks:
             spy(fused)
