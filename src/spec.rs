@@ -213,7 +213,10 @@ mod tests {
         let err = ModelSpec::from_json("{\"params\": [\n  {\"name\": \"a\",, }\n]}").unwrap_err();
         let message = err.to_string();
         assert_eq!(message.matches("line").count(), 1, "{message}");
-        assert!(message.starts_with("malformed model JSON at line 2, column 16: "), "{message}");
+        assert!(
+            message.starts_with("malformed model JSON at line 2, column 16: "),
+            "{message}"
+        );
     }
 
     #[test]
@@ -226,10 +229,7 @@ mod tests {
         std::fs::write(&path, b"{\"params\": [{\"name\": \"caf\xe9\"}]}").unwrap();
         let err = ModelSpec::from_path(&path).unwrap_err();
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(
-            matches!(&err, Error::NotUtf8 { offset: 25, .. }),
-            "{err:?}"
-        );
+        assert!(matches!(&err, Error::NotUtf8 { offset: 25, .. }), "{err:?}");
         assert!(err.to_string().contains("is not UTF-8"), "{err}");
     }
 

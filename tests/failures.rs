@@ -412,3 +412,115 @@ fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
         assert!(held.iter().all(|&x| x == 3e38), "{held:?}");
     });
 }
+
+/// A communicator that compares nothing: every collective goes out with one tag, as over NCCL.
+struct Untagged(fsdp_fusion::LocalComm);
+
+const ONE_TAG: fsdp_fusion::comm::Tag = fsdp_fusion::comm::Tag {
+    purpose: fsdp_fusion::comm::Purpose::Group(0),
+    step: 0,
+    seq: 0,
+};
+
+impl fsdp_fusion::Communicator<fsdp_fusion::CpuBackend> for Untagged {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn set_watch(&mut self, watch: &fsdp_fusion::watch::Watch) {
+        self.0.set_watch(watch);
+    }
+    unsafe fn all_gather(
+        &mut self,
+        backend: &fsdp_fusion::CpuBackend,
+        stream: fsdp_fusion::backend::Stream,
+        _: fsdp_fusion::comm::Tag,
+        shard: &fsdp_fusion::backend::cpu::CpuBuffer,
+        shard_region: fsdp_fusion::backend::Region,
+        out: &mut fsdp_fusion::backend::cpu::CpuBuffer,
+        out_region: fsdp_fusion::backend::Region,
+    ) -> Result<()> {
+        // SAFETY: the engine's own call, passed on.
+        unsafe {
+            self.0.all_gather(
+                backend,
+                stream,
+                ONE_TAG,
+                shard,
+                shard_region,
+                out,
+                out_region,
+            )
+        }
+    }
+    unsafe fn reduce_scatter(
+        &mut self,
+        backend: &fsdp_fusion::CpuBackend,
+        stream: fsdp_fusion::backend::Stream,
+        _: fsdp_fusion::comm::Tag,
+        buf: &mut fsdp_fusion::backend::cpu::CpuBuffer,
+        region: fsdp_fusion::backend::Region,
+        scale: f32,
+    ) -> Result<()> {
+        // SAFETY: the engine's own call, passed on.
+        unsafe {
+            self.0
+                .reduce_scatter(backend, stream, ONE_TAG, buf, region, scale)
+        }
+    }
+}
+
+#[test]
+fn verifying_collectives_catches_what_a_communicator_cannot_compare() {
+    for verify in [false, true] {
+        let config = EngineConfig {
+            verify_collectives: verify,
+            ..sgd()
+        };
+        for_each_mode(|mode| {
+            let p = plan(&two_units(), 2);
+            let config = config.clone();
+            let outcomes = on_ranks(2, mode, move |_, backend, comm| {
+                let mut e =
+                    Engine::new(Arc::clone(&p), config.clone(), backend, Untagged(comm)).unwrap();
+                let order = if e.rank() == 0 {
+                    ["a", "b"]
+                } else {
+                    ["b", "a"]
+                };
+                let mut step = || -> Result<()> {
+                    for u in [Unit::Layer(0), Unit::Layer(1)] {
+                        e.pre_forward(u)?;
+                        e.post_forward(u)?;
+                    }
+                    for name in order {
+                        let id = e.plan().param_id(name)?;
+                        e.grad(id, Input::host(&[1f32; 64]))?;
+                    }
+                    e.finish_grad_sync()
+                };
+                step().err().map(|e| root(&e).clone())
+            });
+            for error in outcomes {
+                if !verify {
+                    // Unseen: the ranks paired group 0's reduction with group 1's.
+                    assert!(error.is_none(), "{error:?}");
+                    continue;
+                }
+                match error {
+                    Some(Error::CollectiveMismatch {
+                        rank: 1,
+                        expected,
+                        got,
+                    }) => {
+                        assert!(expected.contains("reduce-scatter of group 0"), "{expected}");
+                        assert!(got.contains("reduce-scatter of group 1"), "{got}");
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        });
+    }
+}

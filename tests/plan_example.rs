@@ -46,16 +46,26 @@ fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
         .arg(&model)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains(r"w\u{1b}[2J\u{7}"), "{text}");
-    assert!(!text.contains('\u{1b}'), "a raw escape reached the terminal");
+    assert!(
+        !text.contains('\u{1b}'),
+        "a raw escape reached the terminal"
+    );
 
     // Many parameters, so the printer is still writing when its reader goes away.
     let params: Vec<String> = (0..5000)
         .map(|i| format!(r#"{{"name": "p{i}", "shape": [4], "dtype": "f32"}}"#))
         .collect();
-    let model = model_file("many.json", &format!(r#"{{"params": [{}]}}"#, params.join(",")));
+    let model = model_file(
+        "many.json",
+        &format!(r#"{{"params": [{}]}}"#, params.join(",")),
+    );
     let mut child = Command::new(&exe)
         .args(["--world-size", "2", "--model"])
         .arg(&model)
@@ -68,7 +78,12 @@ fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
     // The pipe's read end is closed here.
     let status = child.wait().unwrap();
     let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
     assert!(status.success(), "{status}: {stderr}");
     assert_eq!(stderr, "");
 }

@@ -770,6 +770,47 @@ fn check_spans(gpu: &Gpu, base: u64, width: usize, spans: &[Span], what: &str) {
     }
 }
 
+/// Counts the non-finite values among `n` f32 of every bit pattern, at element `offset`, into a
+/// counter that starts at 5 (the kernel adds to it).
+fn count_nonfinite_case(gpu: &Gpu, offset: u64, n: u64) {
+    let seed = gpu.seed ^ 0xC0FF_EE00 ^ n;
+    let buf = DeviceBuffer::poisoned(gpu, (offset + n) * 4);
+    let start = buf.ptr + offset * 4;
+    upload_generated(gpu, start, 4, n, |i| {
+        generate(Fill::Bits, DType::F32, seed, i)
+    });
+    let counter = DeviceBuffer::poisoned(gpu, 8);
+    gpu.upload(counter.ptr, &5u64.to_le_bytes());
+    unsafe {
+        gpu.kernels
+            .count_nonfinite(&gpu.stream, start, n as usize, counter.ptr)
+    }
+    .expect("count_nonfinite");
+    gpu.sync();
+    let mut got = [0u8; 8];
+    gpu.download(counter.ptr, &mut got);
+    let want = (0..n)
+        .filter(|&i| !f32::from_bits(generate(Fill::Bits, DType::F32, seed, i)).is_finite())
+        .count() as u64;
+    assert_eq!(
+        u64::from_le_bytes(got),
+        5 + want,
+        "count_nonfinite of {n} f32 at +{offset} (seed {seed})"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn count_nonfinite_counts_every_infinity_and_nan() {
+    let gpu = gpu();
+    for offset in [0, 1, 3] {
+        for n in SIZES {
+            count_nonfinite_case(&gpu, offset, n);
+        }
+    }
+    count_nonfinite_case(&gpu, 3, gib_of(DType::F32));
+}
+
 fn fill_zero_case(gpu: &Gpu, offset: u64, bytes: u64) {
     let buf = DeviceBuffer::poisoned(gpu, offset + bytes + GUARD);
     unsafe {

@@ -1,0 +1,152 @@
+//! On the GPU, ranks that diverge, stop or are aborted get an error, and non-finite gradients are
+//! counted: CUDA engines of two loopback ranks on one GPU, one thread each.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::comm::loopback::LoopbackComm;
+use fsdp_fusion::{
+    DType, Engine, EngineConfig, Error, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Result,
+    Unit,
+};
+
+type GpuEngine = Engine<CudaBackend, LoopbackComm>;
+
+fn root(e: &Error) -> &Error {
+    match e {
+        Error::StreamFailed { cause, .. } => root(cause),
+        Error::Poisoned { cause } => root(cause),
+        other => other,
+    }
+}
+
+/// Runs `f` on both engines of a two-rank loopback group, one thread each.
+fn on_two_gpu_ranks<R: Send>(config: EngineConfig, f: impl Fn(GpuEngine) -> R + Sync) -> Vec<R> {
+    let model = ModelSpec::new(vec![
+        ParamSpec::new("a", &[64], DType::F32).in_unit(0),
+        ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+    ])
+    .unwrap();
+    let plan = Arc::new(Plan::new(&model, 2).unwrap());
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = LoopbackComm::group(2)
+            .unwrap()
+            .into_iter()
+            .map(|comm| {
+                let (plan, config, f) = (Arc::clone(&plan), config.clone(), &f);
+                s.spawn(move || {
+                    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+                    f(Engine::new(plan, config, backend, comm).unwrap())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn sgd() -> EngineConfig {
+    EngineConfig {
+        optimizer: OptimizerConfig::sgd(0.5),
+        ..EngineConfig::default()
+    }
+}
+
+fn forward(e: &mut GpuEngine) -> Result<()> {
+    for u in [Unit::Layer(0), Unit::Layer(1)] {
+        e.pre_forward(u)?;
+        e.post_forward(u)?;
+    }
+    Ok(())
+}
+
+fn backward_in_order(e: &mut GpuEngine, names: [&str; 2], g: &[f32; 64]) -> Result<()> {
+    for name in names {
+        let id = e.plan().param_id(name)?;
+        e.grad(id, Input::host(g))?;
+    }
+    e.finish_grad_sync()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_ranks_that_reduce_groups_in_another_order_fail_naming_both() {
+    let outcomes = on_two_gpu_ranks(sgd(), |mut e| {
+        let order = if e.rank() == 0 {
+            ["a", "b"]
+        } else {
+            ["b", "a"]
+        };
+        let result = forward(&mut e).and_then(|()| backward_in_order(&mut e, order, &[1.0; 64]));
+        result.err().map(|e| root(&e).clone())
+    });
+    for error in outcomes {
+        assert!(
+            matches!(&error, Some(Error::CollectiveMismatch { rank: 1, expected, got })
+                if expected.contains("group 0") && got.contains("group 1")),
+            "{error:?}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_loopback_rank_blocked_by_a_silent_peer_times_out_or_is_aborted() {
+    let quick = EngineConfig {
+        timeout: Duration::from_millis(300),
+        ..sgd()
+    };
+    let outcomes = on_two_gpu_ranks(quick, |mut e| {
+        forward(&mut e).unwrap();
+        if e.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let started = Instant::now();
+        let error = backward_in_order(&mut e, ["a", "b"], &[1.0; 64]).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(30));
+        Some(root(&error).clone())
+    });
+    assert!(
+        matches!(&outcomes[0], Some(Error::Timeout { op, .. }) if op.contains("reduce-scatter of group 0")),
+        "{outcomes:?}"
+    );
+    let outcomes = on_two_gpu_ranks(sgd(), |mut e| {
+        forward(&mut e).unwrap();
+        if e.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1000));
+            return None;
+        }
+        let handle = e.abort_handle();
+        let aborter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            handle.abort();
+        });
+        let error = backward_in_order(&mut e, ["a", "b"], &[1.0; 64]).unwrap_err();
+        aborter.join().unwrap();
+        let later = e.pre_forward(Unit::Layer(0));
+        Some((root(&error).clone(), later.is_err()))
+    });
+    assert!(
+        matches!(outcomes[0], Some((Error::Aborted, true))),
+        "{outcomes:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_gradients_are_counted_on_the_gpu() {
+    let counts = on_two_gpu_ranks(sgd(), |mut e| {
+        forward(&mut e).unwrap();
+        let mut g = [1.0f32; 64];
+        if e.rank() == 1 {
+            g[7] = f32::NAN;
+            g[9] = f32::NEG_INFINITY;
+            g[63] = f32::INFINITY;
+        }
+        backward_in_order(&mut e, ["a", "b"], &g).unwrap();
+        e.nonfinite_grads().unwrap()
+    });
+    // `a`'s and `b`'s padded groups hold 128 elements, 64 per rank: rank 0 holds all three.
+    assert_eq!(counts, vec![6, 0]);
+}
