@@ -154,6 +154,8 @@ _SIGNATURES = {
     "fsdp_engine_optimizer_step": ([_HANDLE], c_int),
     "fsdp_engine_end_step": ([_HANDLE], c_int),
     "fsdp_engine_counters": ([_HANDLE, POINTER(Counters)], c_int),
+    "fsdp_engine_nonfinite_grads": ([_HANDLE, POINTER(c_uint64)], c_int),
+    "fsdp_engine_abort": ([_HANDLE], c_int),
     "fsdp_engine_param_shard": (
         [_HANDLE, c_size_t, c_void_p, c_size_t, POINTER(c_size_t)],
         c_int,
@@ -346,6 +348,8 @@ class FusedFSDP(torch.nn.Module):
 
     A CPU module trains at world size 1, or as rank `rank` of `local_group` (ranks as threads,
     each made and driven on its own thread: making an engine compares the ranks' plans).
+    `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
+    included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     """
 
     def __init__(
@@ -363,6 +367,8 @@ class FusedFSDP(torch.nn.Module):
         max_reduces_in_flight: int = 2,
         overlap: bool = True,
         grad_reduction: str = "mean",
+        timeout: float = 600.0,
+        verify_collectives: bool = False,
         local_group: LocalGroup | None = None,
         rank: int = 0,
     ):
@@ -381,6 +387,8 @@ class FusedFSDP(torch.nn.Module):
         self._plan = self._make_plan()
         config = self._config(optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
                               max_reduces_in_flight, overlap, grad_reduction)
+        config.timeout_seconds = timeout
+        config.verify_collectives = int(verify_collectives)
         self._group = c_void_p()
         if self._device.type == "cpu":
             self._stream = None
@@ -661,13 +669,21 @@ class FusedFSDP(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def step(self):
+    def step(self, count_nonfinite: bool = False) -> int | None:
         """Ends the step: syncs the gradients of its backward passes, steps the optimizer on the
-        shards and releases gathered parameters. Does not block the host on a GPU."""
+        shards and releases gathered parameters. Does not block the host on a GPU, unless
+        `count_nonfinite`: then it returns the number of infinite or NaN values in this rank's
+        synced gradient shards (a host wait)."""
         self._close_backwards()
         self._lib.call("fsdp_engine_finish_grad_sync", self._engine)
+        count = None
+        if count_nonfinite:
+            found = c_uint64()
+            self._lib.call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
+            count = found.value
         self._lib.call("fsdp_engine_optimizer_step", self._engine)
         self._lib.call("fsdp_engine_end_step", self._engine)
+        return count
 
     def counters(self) -> Counters:
         counters = Counters()
