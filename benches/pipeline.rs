@@ -18,9 +18,10 @@ use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cuda::{CudaBackend, is_driver_present};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion::trace::{self, TimedSpan};
 use fsdp_fusion::{Backend, Communicator, Engine, EngineConfig, Plan, Result};
+use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
+use fsdp_fusion_support::ranks::on_threads;
 
 #[derive(Parser)]
 struct Args {
@@ -159,21 +160,9 @@ fn run_ranks<C: Communicator<CudaBackend> + 'static>(
     args: &Args,
 ) -> Result<Vec<RankResult>> {
     let start = Barrier::new(ranks.len());
-    std::thread::scope(|s| {
-        let start = &start;
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|(b, c)| s.spawn(move || run_rank(b, c, shape, args, start)))
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| {
-                h.join()
-                    .unwrap_or(Err(fsdp_fusion::Error::RankPanicked { rank }))
-            })
-            .collect()
-    })
+    on_threads(ranks, |_, (b, c)| run_rank(b, c, shape, args, &start))
+        .into_iter()
+        .collect()
 }
 
 fn run_comm(comm: &str, shape: StackShape, args: &Args) -> Result<Vec<RankResult>> {

@@ -13,8 +13,8 @@ use clap::{Parser, ValueEnum};
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::mlp::{Comparison, Mlp, MlpConfig, Training};
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
+use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Training};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Clone, Copy, ValueEnum)]

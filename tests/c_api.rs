@@ -1,14 +1,12 @@
 //! Misuse at the C boundary, driven from Rust through the exported functions: every case returns
 //! a status and a message, never a crash. The CPU cases run on eager and asynchronous groups.
 
-mod common;
-
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_void};
 use std::ptr::{null, null_mut};
 
-use common::{Mode, for_each_mode, within_deadline};
 use fsdp_fusion::ffi::*;
+use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
 
 const MODEL: &str = r#"{"params": [
     {"name": "embed", "shape": [4, 3], "dtype": "f32", "tied": true},

@@ -1,16 +1,14 @@
 //! The C consumer, `examples/c/train.c`, compiled with the system C compiler against the static
 //! library and the checked-in header, trains the example model and matches the Rust trainer.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Mode, for_each_mode};
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Training};
 use fsdp_fusion::{DType, EngineConfig, OptimizerConfig, Plan};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Training};
+use fsdp_fusion_support::ranks::{DEADLINE, Mode, for_each_mode};
 
 /// The cargo target directory this test runs from: `<target>/<profile>/deps/<test>`.
 fn target_dir() -> (PathBuf, String) {
@@ -123,7 +121,7 @@ fn the_c_consumer_trains_like_the_rust_trainer() {
     });
 }
 
-/// Runs `command` to its end, killing it (and failing) past [`common::DEADLINE`].
+/// Runs `command` to its end, killing it (and failing) past [`DEADLINE`].
 fn run_within_deadline(command: &mut Command) -> Output {
     let mut child = command
         .stdout(Stdio::piped())
@@ -132,12 +130,9 @@ fn run_within_deadline(command: &mut Command) -> Output {
         .expect("run the C consumer");
     let start = Instant::now();
     while child.try_wait().expect("wait for the C consumer").is_none() {
-        if start.elapsed() > common::DEADLINE {
+        if start.elapsed() > DEADLINE {
             let _ = child.kill();
-            panic!(
-                "the C consumer did not finish within {:?}",
-                common::DEADLINE
-            );
+            panic!("the C consumer did not finish within {:?}", DEADLINE);
         }
         std::thread::sleep(Duration::from_millis(20));
     }

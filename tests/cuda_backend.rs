@@ -17,59 +17,12 @@ use fsdp_fusion::engine::DeviceTensor;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
 };
-use half::{bf16, f16};
+use fsdp_fusion_support::rng::Rng;
+use fsdp_fusion_support::values::narrow;
+use half::bf16;
 
 const DTYPES: [DType; 3] = [DType::Bf16, DType::F16, DType::F32];
 const STREAMS: [Stream; 3] = [Stream::Compute, Stream::Gather, Stream::Reduce];
-
-/// xorshift64*: the same data on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Mostly values in [-4, 4), with zeros of both signs and tiny magnitudes mixed in.
-    fn value(&mut self) -> f32 {
-        match self.next() % 16 {
-            0 => 0.0,
-            1 => -0.0,
-            2 => (self.unit() - 0.5) * 1e-30,
-            _ => self.unit() * 8.0 - 4.0,
-        }
-    }
-
-    fn values(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.value()).collect()
-    }
-
-    fn bytes(&mut self, dtype: DType, n: usize) -> Vec<u8> {
-        encode(dtype, &self.values(n))
-    }
-}
-
-/// `values` rounded to `dtype`, as little-endian bytes.
-fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::F32 => bytemuck::cast_slice(values).to_vec(),
-        DType::Bf16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-    }
-}
 
 fn gpu() -> CudaBackend {
     CudaBackend::new(0).unwrap_or_else(|e| panic!("a CUDA backend on device 0: {e}"))
@@ -205,7 +158,7 @@ fn allocations_start_zeroed_and_are_counted_while_they_live() {
 #[ignore = "needs a CUDA GPU"]
 fn upload_and_download_round_trip_with_one_host_wait_each() {
     let b = gpu();
-    let data = Rng(1).bytes(DType::Bf16, 333);
+    let data = Rng::new(1).mixed_bytes(DType::Bf16, 333);
     let mut buf = b.alloc(data.len() + 6).unwrap();
     let region = Region::new(3, 333, DType::Bf16);
     b.upload(&mut buf, region, &data).unwrap();
@@ -222,9 +175,9 @@ fn upload_and_download_round_trip_with_one_host_wait_each() {
 #[ignore = "needs a CUDA GPU"]
 fn zero_matches_the_cpu_on_every_stream() {
     let both = Both::new();
-    let mut rng = Rng(2);
+    let mut rng = Rng::new(2);
     for (i, dtype) in DTYPES.into_iter().enumerate() {
-        let mut t = both.twin(dtype, &rng.bytes(dtype, 1001));
+        let mut t = both.twin(dtype, &rng.mixed_bytes(dtype, 1001));
         let region = Region::new(5 + i, 777, dtype);
         // SAFETY: see the module note.
         unsafe { both.cpu.zero(STREAMS[i], &mut t.cpu, region) }.unwrap();
@@ -238,9 +191,9 @@ fn zero_matches_the_cpu_on_every_stream() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_matches_the_cpu() {
     let both = Both::new();
-    let mut rng = Rng(3);
-    let src = both.twin(DType::F32, &rng.bytes(DType::F32, 4099));
-    let mut dst = both.twin(DType::F32, &rng.bytes(DType::F32, 4099));
+    let mut rng = Rng::new(3);
+    let src = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, 4099));
+    let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, 4099));
     for (scale, add) in [(1.0, false), (0.5, true), (-3.25, true), (1.0 / 3.0, false)] {
         let (s, d) = (
             Region::new(7, 4001, DType::F32),
@@ -266,12 +219,12 @@ fn accumulate_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_input_from_device_memory_matches_the_cpu() {
     let both = Both::new();
-    let mut rng = Rng(4);
+    let mut rng = Rng::new(4);
     for dtype in DTYPES {
         let n = 2053;
-        let data = rng.bytes(dtype, n + 3);
+        let data = rng.mixed_bytes(dtype, n + 3);
         let src = both.twin(dtype, &data);
-        let mut dst = both.twin(DType::F32, &rng.bytes(DType::F32, n + 11));
+        let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n + 11));
         let d = Region::new(11, n, DType::F32);
         for (scale, add) in [(1.0, false), (0.25, true)] {
             let host = Input::host_bytes(&data[3 * dtype.size()..], dtype);
@@ -302,13 +255,13 @@ fn accumulate_input_from_device_memory_matches_the_cpu() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
     let both = Both::new();
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     for dtype in DTYPES {
         // Growing sizes make the staging area grow too.
         for n in [17, 4096, 100_003] {
-            let data = rng.bytes(dtype, n);
+            let data = rng.mixed_bytes(dtype, n);
             let input = Input::host_bytes(&data, dtype);
-            let mut dst = both.twin(DType::F32, &rng.bytes(DType::F32, n));
+            let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n));
             let before = both.gpu.host_waits();
             // SAFETY: see the module note.
             unsafe {
@@ -348,9 +301,9 @@ fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
 #[ignore = "needs a CUDA GPU"]
 fn widen_matches_the_cpu() {
     let both = Both::new();
-    let mut rng = Rng(6);
+    let mut rng = Rng::new(6);
     for dtype in DTYPES {
-        let src = both.twin(dtype, &rng.bytes(dtype, 3000));
+        let src = both.twin(dtype, &rng.mixed_bytes(dtype, 3000));
         let mut dst = both.zeros(2900 * 4 + 8);
         let region = Region::new(33, 2900, dtype);
         // SAFETY: see the module note.
@@ -381,12 +334,12 @@ struct ShardState {
 #[ignore = "needs a CUDA GPU"]
 fn optimizer_steps_match_the_cpu() {
     let both = Both::new();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let n = 5003;
     for dtype in DTYPES {
         for config in [OptimizerConfig::sgd(0.01), OptimizerConfig::default()] {
             let mut s = ShardState {
-                param: both.twin(dtype, &rng.bytes(dtype, n)),
+                param: both.twin(dtype, &rng.mixed_bytes(dtype, n)),
                 grad: both.zeros(n * 4),
                 master: (dtype != DType::F32).then(|| both.zeros(n * 4)),
                 moments: config
@@ -408,7 +361,7 @@ fn optimizer_steps_match_the_cpu() {
                 .unwrap();
             }
             for step in 1..=3 {
-                let grad = rng.bytes(DType::F32, n);
+                let grad = rng.mixed_bytes(DType::F32, n);
                 both.cpu
                     .upload(&mut s.grad.cpu, all(n, DType::F32), &grad)
                     .unwrap();
@@ -791,14 +744,14 @@ fn param_device_points_at_the_gathered_values_while_the_unit_is_open() {
     let plan = Arc::new(Plan::new(&model, 1).unwrap());
     let comm = LoopbackComm::group(1).unwrap().pop().unwrap();
     let mut e = Engine::new(plan, EngineConfig::default(), gpu(), comm).unwrap();
-    let mut rng = Rng(9);
-    let values = [rng.values(15), rng.values(7)];
+    let mut rng = Rng::new(9);
+    let values = [rng.mixed_values(15), rng.mixed_values(7)];
     for (name, v, dtype) in [
         ("w", &values[0], DType::F32),
         ("b", &values[1], DType::Bf16),
     ] {
         let id = e.plan().param_id(name).unwrap();
-        let bytes = encode(dtype, v);
+        let bytes = narrow(dtype, v);
         e.load_param(id, Input::host_bytes(&bytes, dtype)).unwrap();
     }
     e.pre_forward(Unit::Layer(0)).unwrap();

@@ -18,51 +18,12 @@ use fsdp_fusion::{
     Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Unit,
 };
-use half::{bf16, f16};
+use fsdp_fusion_support::ranks::on_threads;
+use fsdp_fusion_support::rng::Rng;
+use fsdp_fusion_support::values::narrow;
 
 const WORLD_SIZES: [usize; 5] = [1, 2, 3, 4, 8];
 const DTYPES: [DType; 3] = [DType::Bf16, DType::F16, DType::F32];
-
-/// xorshift64*: the same data on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Values in [-4, 4), one in four scaled by 1e8, so that sums depend on their order.
-    fn value(&mut self) -> f32 {
-        let v = (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0;
-        if self.next() % 4 == 0 { v * 1e8 } else { v }
-    }
-
-    fn values(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.value()).collect()
-    }
-}
-
-/// `values` rounded to `dtype`, as little-endian bytes.
-fn encode(dtype: DType, values: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::F32 => bytemuck::cast_slice(values).to_vec(),
-        DType::Bf16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-    }
-}
 
 /// The tag of the `seq`th collective of a test's step 0, for group 0.
 fn tag(seq: u64) -> Tag {
@@ -93,24 +54,6 @@ fn read<B: Backend>(b: &B, buf: &B::Buffer, bytes: usize) -> Vec<u8> {
     out
 }
 
-/// Runs `f` on one thread per rank and returns the results in rank order; a rank's panic is
-/// re-raised as it was.
-fn on_ranks<C: Send, R: Send>(comms: Vec<C>, f: impl Fn(C) -> R + Sync) -> Vec<R> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                let f = &f;
-                s.spawn(move || f(c))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    })
-}
-
 /// One rank's part of a test, the same code on both backends; returns what to compare.
 trait Scenario: Sync {
     type Out: PartialEq + Debug + Send;
@@ -120,10 +63,10 @@ trait Scenario: Sync {
 /// Runs `s` on `world` CPU ranks (`LocalComm`) and `world` GPU ranks (`LoopbackComm`, one GPU)
 /// and checks that every rank's outputs are equal.
 fn loopback_equals_local<S: Scenario>(world: usize, s: &S, what: &str) {
-    let cpu = on_ranks(LocalComm::group(world).unwrap(), |mut c| {
+    let cpu = on_threads(LocalComm::group(world).unwrap(), |_, mut c| {
         s.run(&CpuBackend::new(), &mut c)
     });
-    let gpu = on_ranks(LoopbackComm::group(world).unwrap(), |mut c| {
+    let gpu = on_threads(LoopbackComm::group(world).unwrap(), |_, mut c| {
         s.run(&gpu(), &mut c)
     });
     for (rank, (cpu, gpu)) in cpu.iter().zip(&gpu).enumerate() {
@@ -147,10 +90,10 @@ impl Scenario for AllGather {
     fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Vec<u8> {
         let (dtype, len, world) = (self.dtype, self.len, c.world_size());
         let size = dtype.size();
-        let data = encode(dtype, &Rng::new(c.rank() as u64 + 1).values(len));
+        let data = narrow(dtype, &Rng::new(c.rank() as u64 + 1).wide_values(len));
         let shard = buffer(b, (5 + len) * size, 5, dtype, &data);
         let out_bytes = (9 + world * len + 3) * size;
-        let pattern = encode(dtype, &Rng::new(99).values(out_bytes / size));
+        let pattern = narrow(dtype, &Rng::new(99).wide_values(out_bytes / size));
         let mut out = buffer(b, out_bytes, 0, dtype, &pattern);
         let (shard_region, out_region) = (
             Region::new(5, len, dtype),
@@ -182,9 +125,9 @@ impl Scenario for ReduceScatter {
 
     fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Vec<u8> {
         let (world, part) = (c.world_size(), self.part);
-        let values = Rng::new(c.rank() as u64 + 7).values(3 + world * part + 5);
+        let values = Rng::new(c.rank() as u64 + 7).wide_values(3 + world * part + 5);
         let bytes = values.len() * 4;
-        let mut buf = buffer(b, bytes, 0, DType::F32, &encode(DType::F32, &values));
+        let mut buf = buffer(b, bytes, 0, DType::F32, &narrow(DType::F32, &values));
         let region = Region::new(3, world * part, DType::F32);
         // A scale other than 1 takes NCCL's premultiplied sum and the loopback kernel's scaling.
         unsafe { c.reduce_scatter(b, Stream::Reduce, tag(0), &mut buf, region, 0.5) }.unwrap();
@@ -230,7 +173,7 @@ impl Scenario for BackToBack {
 
     fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Self::Out {
         let (world, part, rank) = (c.world_size(), self.part, c.rank());
-        let f32s = |n: usize, seed: u64| encode(DType::F32, &Rng::new(seed).values(n));
+        let f32s = |n: usize, seed: u64| narrow(DType::F32, &Rng::new(seed).wide_values(n));
         let whole = Region::new(0, world * part, DType::F32);
         let own = Region::new(rank * part, part, DType::F32);
         let shard_region = Region::new(0, part, DType::F32);
@@ -299,7 +242,7 @@ fn loopback_collectives_never_block_the_host() {
         part: 4096,
         rounds: 3,
     };
-    let waits = on_ranks(LoopbackComm::group(4).unwrap(), |mut c| {
+    let waits = on_threads(LoopbackComm::group(4).unwrap(), |_, mut c| {
         s.run(&gpu(), &mut c).3
     });
     assert_eq!(
@@ -312,7 +255,7 @@ fn loopback_collectives_never_block_the_host() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn loopback_mismatched_collectives_are_reported_on_every_rank() {
-    let results = on_ranks(LoopbackComm::group(2).unwrap(), |mut c| {
+    let results = on_threads(LoopbackComm::group(2).unwrap(), |_, mut c| {
         let b = gpu();
         let n = 2 + c.rank() * 2;
         let mut buf = b.alloc(n * 4).unwrap();
@@ -338,7 +281,7 @@ fn loopback_mismatched_collectives_are_reported_on_every_rank() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn loopback_a_rank_that_leaves_fails_the_others_instead_of_hanging() {
-    let results = on_ranks(LoopbackComm::group(3).unwrap(), |mut c| {
+    let results = on_threads(LoopbackComm::group(3).unwrap(), |_, mut c| {
         if c.rank() == 1 {
             drop(c);
             return Ok(());
@@ -461,7 +404,7 @@ impl Training {
             .unwrap_or_else(|e| panic!("engine on rank {rank}: {e}"));
         let params = self.plan.params().to_vec();
         for (i, p) in params.iter().enumerate() {
-            let init = encode(p.dtype, &Rng::new(1000 + i as u64).values(p.numel));
+            let init = narrow(p.dtype, &Rng::new(1000 + i as u64).wide_values(p.numel));
             let input = Input::host_bytes(&init, p.dtype);
             e.load_param(e.plan().param_id(&p.name).unwrap(), input)
                 .unwrap();
@@ -481,7 +424,7 @@ impl Training {
                             continue;
                         }
                         let seed = ((step * 2 + pass) * 64 + rank as u64) * 64 + i as u64;
-                        let grad = Rng::new(seed).values(p.numel);
+                        let grad = Rng::new(seed).wide_values(p.numel);
                         let grad: Vec<f32> = grad.iter().map(|g| g * 1e-9).collect();
                         let id = e.plan().param_id(&p.name).unwrap();
                         e.grad(id, Input::host(&grad)).unwrap();
@@ -515,7 +458,7 @@ fn training(world: usize, config: EngineConfig) -> Training {
 
 /// The CPU engine's states after each step, rank by rank.
 fn cpu_training(t: &Training, world: usize) -> Vec<Vec<StepState>> {
-    on_ranks(LocalComm::group(world).unwrap(), |c| {
+    on_threads(LocalComm::group(world).unwrap(), |_, c| {
         t.train(CpuBackend::new(), c)
     })
 }
@@ -560,7 +503,9 @@ fn engines_on_loopback_train_exactly_like_engines_on_the_cpu() {
         ] {
             let t = training(world, config);
             let cpu = cpu_training(&t, world);
-            let gpu = on_ranks(LoopbackComm::group(world).unwrap(), |c| t.train(gpu(), c));
+            let gpu = on_threads(LoopbackComm::group(world).unwrap(), |_, c| {
+                t.train(gpu(), c)
+            });
             assert_same_training(&cpu, &gpu, &format!("world size {world}, {name} config"));
         }
     }
@@ -667,8 +612,8 @@ fn nccl_group_of_one_device_works() {
 fn nccl_batches_go_out_as_one_group() {
     let b = gpu();
     let mut comm = nccl_of_one(&b);
-    let data: Vec<f32> = Rng::new(5).values(1000);
-    let bytes = encode(DType::F32, &data);
+    let data: Vec<f32> = Rng::new(5).wide_values(1000);
+    let bytes = narrow(DType::F32, &data);
     let shard = buffer(&b, 4000, 0, DType::F32, &bytes);
     let mut out = b.alloc(4000).unwrap();
     let mut grads = buffer(&b, 4000, 0, DType::F32, &bytes);

@@ -1,15 +1,13 @@
 //! The gather and reduce machinery, observed through the engine's counters and buffer states, on
 //! the eager CPU backend and on asynchronous ones.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{CpuEngine, Mode, for_each_mode, on_engines};
 use fsdp_fusion::state::BufferState;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
 };
+use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
 /// A world-size-1 engine in `mode`.
 fn engine(mode: Mode, model: ModelSpec, config: EngineConfig) -> CpuEngine {

@@ -2,16 +2,14 @@
 //! a wrong answer; a rank that survives can go on, or is cleanly poisoned. Each multi-rank case
 //! runs eagerly and on asynchronous CPU backends, under the harness deadline.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{CpuEngine, for_each_mode, on_engines, on_ranks};
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Result,
     Unit,
 };
+use fsdp_fusion_support::ranks::{CpuEngine, for_each_mode, on_engines, on_ranks};
 
 /// The failure under the wrappers an asynchronous stream or a poisoned engine puts around it.
 fn root(e: &Error) -> &Error {

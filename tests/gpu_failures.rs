@@ -10,6 +10,7 @@ use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Result,
     Unit,
 };
+use fsdp_fusion_support::ranks::on_threads;
 
 type GpuEngine = Engine<CudaBackend, LoopbackComm>;
 
@@ -29,19 +30,9 @@ fn on_two_gpu_ranks<R: Send>(config: EngineConfig, f: impl Fn(GpuEngine) -> R + 
     ])
     .unwrap();
     let plan = Arc::new(Plan::new(&model, 2).unwrap());
-    std::thread::scope(|s| {
-        let ranks: Vec<_> = LoopbackComm::group(2)
-            .unwrap()
-            .into_iter()
-            .map(|comm| {
-                let (plan, config, f) = (Arc::clone(&plan), config.clone(), &f);
-                s.spawn(move || {
-                    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
-                    f(Engine::new(plan, config, backend, comm).unwrap())
-                })
-            })
-            .collect();
-        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    on_threads(LoopbackComm::group(2).unwrap(), |_, comm| {
+        let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+        f(Engine::new(Arc::clone(&plan), config.clone(), backend, comm).unwrap())
     })
 }
 

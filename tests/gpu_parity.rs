@@ -7,8 +7,8 @@ use std::sync::Arc;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Training};
 use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, Plan};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Training};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;

@@ -6,8 +6,9 @@ use std::sync::Arc;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion::{Communicator, Engine, EngineConfig, Plan};
+use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
+use fsdp_fusion_support::ranks::on_threads;
 
 const SHAPE: StackShape = StackShape {
     layers: 6,
@@ -65,14 +66,8 @@ fn nccl_rank() -> (CudaBackend, NcclComm) {
 
 /// Runs `f` on every rank of a loopback group, one thread each.
 fn on_loopback<R: Send>(world: usize, f: impl Fn(CudaBackend, LoopbackComm) -> R + Sync) -> Vec<R> {
-    let comms = LoopbackComm::group(world).unwrap();
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|c| s.spawn(move || f(CudaBackend::new(0).unwrap(), c)))
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_threads(LoopbackComm::group(world).unwrap(), |_, c| {
+        f(CudaBackend::new(0).unwrap(), c)
     })
 }
 

@@ -2,11 +2,8 @@
 //! it, a correct step gives exactly what it gives on an engine that never saw the mistake. Each
 //! case runs at world sizes 1, 2 and 4, on the eager CPU backend and on asynchronous ones.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{CpuEngine, Mode, for_each_mode, on_engines};
 use fsdp_fusion::backend::Region;
 use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
@@ -16,6 +13,7 @@ use fsdp_fusion::{
     Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,
     ParamId, ParamSpec, Plan, Unit,
 };
+use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
 const WORLD_SIZES: [usize; 3] = [1, 2, 4];
 

@@ -2,12 +2,10 @@
 //! wrong formula would pass parity; these values come from `torch.optim` itself
 //! (`python3 tests/golden/optimizers.py`).
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{for_each_mode, on_engines};
 use fsdp_fusion::{DType, EngineConfig, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit};
+use fsdp_fusion_support::ranks::{for_each_mode, on_engines};
 
 const INITIAL: [f32; 8] = [1.0, -0.5, 0.25, 3.0, -2.0, 0.0, 1e-3, -7.5];
 

@@ -1,16 +1,14 @@
 //! Orderings between the streams that once went missing, each checked where the streams really
 //! run apart: the asynchronous CPU backend over many seeds, and the GPU.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{for_each_mode, on_engines};
 use fsdp_fusion::backend::Stream;
 use fsdp_fusion::{
     Backend, Communicator, DType, Engine, EngineConfig, Input, ModelSpec, OptimizerConfig,
     ParamSpec, Plan, Unit,
 };
+use fsdp_fusion_support::ranks::{for_each_mode, on_engines};
 
 const LEN: usize = 64;
 

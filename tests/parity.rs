@@ -1,13 +1,12 @@
 //! Sharded training on CPU ranks equals the unsharded reference, parameter by parameter, after
 //! every step, on the eager CPU backend and on asynchronous ones.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{Mode, for_each_mode, within_deadline};
-use fsdp_fusion::mlp::{Mlp, MlpConfig, Reference, Training, max_relative_difference};
 use fsdp_fusion::{DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, Plan};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Reference, Training};
+use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
+use fsdp_fusion_support::values::max_relative_difference;
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;

@@ -7,6 +7,8 @@ use fsdp_fusion::{
     CpuBackend, DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamId, ParamSpec, Plan,
     Unit,
 };
+use fsdp_fusion_support::ranks::on_threads;
+use fsdp_fusion_support::values::narrow;
 use proptest::prelude::*;
 
 fn dtype() -> impl Strategy<Value = DType> {
@@ -93,24 +95,18 @@ proptest! {
             .map(|(i, p)| (0..p.numel).map(|j| 1.0 + (i * 1000 + j) as f32).collect())
             .collect();
         // The ranks make their engines together: making one compares the ranks' plans.
-        let shards: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
-            let ranks: Vec<_> = LocalComm::group(world).unwrap().into_iter().map(|comm| {
-                let (plan, values) = (&plan, &values);
-                s.spawn(move || {
-                    let mut e = Engine::new(Arc::clone(plan), EngineConfig::default(), CpuBackend::new(), comm).unwrap();
-                    for (i, v) in values.iter().enumerate() {
-                        let dtype = plan.params()[i].dtype;
-                        let bytes = fsdp_fusion::mlp::narrow(dtype, v);
-                        e.load_param(ParamId(i), Input::host_bytes(&bytes, dtype)).unwrap();
-                    }
-                    (0..plan.groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
-                })
-            }).collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        let shards: Vec<Vec<Vec<u8>>> = on_threads(LocalComm::group(world).unwrap(), |_, comm| {
+            let mut e = Engine::new(Arc::clone(&plan), EngineConfig::default(), CpuBackend::new(), comm).unwrap();
+            for (i, v) in values.iter().enumerate() {
+                let dtype = plan.params()[i].dtype;
+                let bytes = narrow(dtype, v);
+                e.load_param(ParamId(i), Input::host_bytes(&bytes, dtype)).unwrap();
+            }
+            (0..plan.groups().len()).map(|g| e.param_shard(g).unwrap()).collect()
         });
         for g in plan.groups() {
             let flat: Vec<u8> = shards.iter().flat_map(|rank| rank[g.index].clone()).collect();
-            let values_of = |i: usize| fsdp_fusion::mlp::narrow(g.dtype, &values[i]);
+            let values_of = |i: usize| narrow(g.dtype, &values[i]);
             let size = g.dtype.size();
             for &id in &g.params {
                 let p = plan.param(id).unwrap();

@@ -1,4 +1,4 @@
-/* Trains the example model (see src/mlp.rs) through the C API on CPU ranks, one thread each,
+/* Trains the example model (see support/src/mlp.rs) through the C API on CPU ranks, one thread each,
  * and prints the mean loss of every step:
  *
  *     step <n> loss <value>
@@ -28,7 +28,7 @@ static const uint64_t SEED = 7, INIT_SEED = 1;
         }                                                                                \
     } while (0)
 
-/* splitmix64, as fsdp_fusion::mlp::Rng */
+/* splitmix64, as fsdp_fusion_support::rng::Rng */
 typedef struct { uint64_t state; } rng;
 static uint64_t next_u64(rng *r) {
     r->state += 0x9e3779b97f4a7c15ULL;

@@ -9,17 +9,16 @@ use std::time::{Duration, Instant};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{self as blas, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{CudaStream, result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 
-use crate::backend::Stream;
-use crate::backend::cuda::{CudaBackend, DeviceMemory, bind, cuda};
-use crate::comm::Communicator;
-use crate::dtype::DType;
-use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::mlp::{Rng, narrow};
-use crate::plan::{ParamId, Unit};
-use crate::spec::{ModelSpec, ParamSpec};
+use fsdp_fusion::backend::Stream;
+use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::{
+    Communicator, DType, Engine, Error, Input, ModelSpec, ParamId, ParamSpec, Result, Unit,
+};
+
+use crate::rng::Rng;
+use crate::values::narrow;
 
 /// Layers, their width, and the rows of the batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +57,14 @@ impl StackShape {
     }
 }
 
+fn driver(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: format!("{:?}", e.0),
+    }
+}
+
 fn cublas(call: &'static str) -> impl FnOnce(cudarc::cublas::result::CublasError) -> Error {
     move |e| Error::Cuda {
         call,
@@ -80,7 +87,10 @@ impl Gemm {
                 reason: "the cuBLAS library (libcublas.so) was not found".into(),
             });
         }
-        bind(stream.context())?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
         Ok(Gemm {
             blas: CudaBlas::new(Arc::clone(stream)).map_err(cublas("cublasCreate"))?,
         })
@@ -247,37 +257,59 @@ impl HookTime {
     }
 }
 
+/// Device memory of a stream and its address, taken once so that a step asks nothing of it.
+struct DeviceBytes {
+    ptr: u64,
+    memory: CudaSlice<u8>,
+}
+
+impl DeviceBytes {
+    fn new(memory: CudaSlice<u8>, stream: &CudaStream) -> DeviceBytes {
+        // The backend's context leaves stream ordering to its caller: nothing is recorded here.
+        let ptr = memory.device_ptr(stream).0;
+        DeviceBytes { ptr, memory }
+    }
+
+    fn zeros(stream: &Arc<CudaStream>, bytes: usize) -> Result<DeviceBytes> {
+        let memory = stream.alloc_zeros(bytes).map_err(driver("cuMemAlloc"))?;
+        Ok(DeviceBytes::new(memory, stream))
+    }
+
+    fn from_host(stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<DeviceBytes> {
+        let memory = stream.clone_htod(bytes).map_err(driver("cuMemcpyHtoD"))?;
+        Ok(DeviceBytes::new(memory, stream))
+    }
+
+    fn ptr(&self) -> u64 {
+        self.ptr
+    }
+}
+
 /// Activations and the output gradient of one rank's stack.
 struct Activations {
     /// `layers + 1` activations, `batch x width` bf16; the first is the input.
-    acts: Vec<DeviceMemory>,
+    acts: Vec<DeviceBytes>,
     /// The gradient at the output, then two buffers the backward pass alternates between.
-    grads: [DeviceMemory; 3],
+    grads: [DeviceBytes; 3],
 }
 
 impl Activations {
-    fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<Activations> {
-        let ctx = backend.context();
+    fn new(stream: &Arc<CudaStream>, shape: StackShape, seed: u64) -> Result<Activations> {
         let bytes = shape.batch * shape.width * 2;
         let mut rng = Rng::new(seed);
-        let random = |rng: &mut Rng| -> Result<DeviceMemory> {
-            let memory = DeviceMemory::alloc(ctx, bytes)?;
+        let mut random = || {
             let values = narrow(DType::Bf16, &rng.fill(shape.batch * shape.width, 1.0));
-            bind(ctx)?;
-            // SAFETY: the allocation holds `bytes` bytes; the copy completes before returning.
-            unsafe { result::memcpy_htod_sync(memory.ptr(), &values) }
-                .map_err(cuda("cuMemcpyHtoD"))?;
-            Ok(memory)
+            DeviceBytes::from_host(stream, &values)
         };
-        let mut acts = vec![random(&mut rng)?];
-        for _ in 0..shape.layers {
-            acts.push(DeviceMemory::alloc(ctx, bytes)?);
-        }
+        let mut acts = vec![random()?];
         let grads = [
-            random(&mut rng)?,
-            DeviceMemory::alloc(ctx, bytes)?,
-            DeviceMemory::alloc(ctx, bytes)?,
+            random()?,
+            DeviceBytes::zeros(stream, bytes)?,
+            DeviceBytes::zeros(stream, bytes)?,
         ];
+        for _ in 0..shape.layers {
+            acts.push(DeviceBytes::zeros(stream, bytes)?);
+        }
         Ok(Activations { acts, grads })
     }
 }
@@ -292,10 +324,11 @@ pub struct Stack {
 impl Stack {
     /// GEMMs on `backend`'s compute stream, with random input and output gradient from `seed`.
     pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<Stack> {
+        let stream = backend.stream(Stream::Compute);
         Ok(Stack {
             shape,
-            gemm: Gemm::new(backend.stream(Stream::Compute))?,
-            data: Activations::new(backend, shape, seed)?,
+            gemm: Gemm::new(stream)?,
+            data: Activations::new(stream, shape, seed)?,
         })
     }
 
@@ -306,10 +339,7 @@ impl Stack {
         seed: u64,
     ) -> Result<()> {
         for (i, w) in self.shape.init(seed).iter().enumerate() {
-            engine.load_param(
-                ParamId(i),
-                crate::backend::Input::host_bytes(w, DType::Bf16),
-            )?;
+            engine.load_param(ParamId(i), Input::host_bytes(w, DType::Bf16))?;
         }
         Ok(())
     }
@@ -378,8 +408,8 @@ impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
 
 /// Plain device weights and gradients.
 struct PlainWeights<'a> {
-    weights: &'a [DeviceMemory],
-    grads: &'a [DeviceMemory],
+    weights: &'a [DeviceBytes],
+    grads: &'a [DeviceBytes],
 }
 
 impl Weights for PlainWeights<'_> {
@@ -436,30 +466,26 @@ pub struct UnshardedStack {
     stream: Arc<CudaStream>,
     gemm: Gemm,
     data: Activations,
-    weights: Vec<DeviceMemory>,
-    grads: Vec<DeviceMemory>,
+    weights: Vec<DeviceBytes>,
+    grads: Vec<DeviceBytes>,
 }
 
 impl UnshardedStack {
     pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<UnshardedStack> {
-        let ctx = backend.context();
-        let mut weights = Vec::with_capacity(shape.layers);
-        for w in shape.init(seed) {
-            let memory = DeviceMemory::alloc(ctx, w.len())?;
-            bind(ctx)?;
-            // SAFETY: the allocation holds the weight's bytes; the copy completes before returning.
-            unsafe { result::memcpy_htod_sync(memory.ptr(), &w) }.map_err(cuda("cuMemcpyHtoD"))?;
-            weights.push(memory);
-        }
-        let grads = (0..shape.layers)
-            .map(|_| DeviceMemory::alloc(ctx, shape.width * shape.width * 4))
-            .collect::<Result<Vec<_>>>()?;
         let stream = Arc::clone(backend.stream(Stream::Compute));
+        let weights = shape
+            .init(seed)
+            .iter()
+            .map(|w| DeviceBytes::from_host(&stream, w))
+            .collect::<Result<Vec<_>>>()?;
+        let grads = (0..shape.layers)
+            .map(|_| DeviceBytes::zeros(&stream, shape.width * shape.width * 4))
+            .collect::<Result<Vec<_>>>()?;
         Ok(UnshardedStack {
             shape,
             gemm: Gemm::new(&stream)?,
+            data: Activations::new(&stream, shape, seed)?,
             stream,
-            data: Activations::new(backend, shape, seed)?,
             weights,
             grads,
         })
@@ -476,19 +502,14 @@ impl UnshardedStack {
 
     /// Layer `layer`'s fp32 weight gradient of the last step. Blocks until it is copied.
     pub fn weight_grad(&self, layer: usize) -> Result<Vec<f32>> {
-        let n = self.shape.width * self.shape.width;
-        let mut out = vec![0f32; n];
-        let memory = self.grads.get(layer).ok_or(Error::ParamIdOutOfRange {
+        let grad = self.grads.get(layer).ok_or(Error::ParamIdOutOfRange {
             id: layer,
             count: self.grads.len(),
         })?;
-        self.stream
-            .synchronize()
-            .map_err(cuda("cuStreamSynchronize"))?;
-        // SAFETY: the gradient holds n f32 written by the finished stream; the copy completes
-        // before returning.
-        unsafe { result::memcpy_dtoh_sync(&mut out, memory.ptr()) }
-            .map_err(cuda("cuMemcpyDtoH"))?;
-        Ok(out)
+        let bytes = self
+            .stream
+            .clone_dtoh(&grad.memory)
+            .map_err(driver("cuMemcpyDtoH"))?;
+        Ok(crate::values::widen(DType::F32, &bytes))
     }
 }

@@ -1,7 +1,6 @@
-//! What the test suites share: the modes CPU ranks run in (eager, or asynchronous over seeds),
-//! running ranks as threads, and a deadline on every multi-rank run. Each test binary uses part of
-//! it.
-#![allow(dead_code)]
+//! Ranks as threads: the modes CPU ranks run in (eager, or asynchronous over seeds), one thread
+//! per rank, and a deadline on every multi-rank run, so that a hang fails a test instead of
+//! stalling it.
 
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
@@ -98,6 +97,23 @@ pub fn within_deadline<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Se
     }
 }
 
+/// Runs `f(index, item)` for every item, one thread each, and returns the results in order; a
+/// thread's panic goes on in the caller as it was.
+pub fn on_threads<T: Send, R: Send>(items: Vec<T>, f: impl Fn(usize, T) -> R + Sync) -> Vec<R> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| s.spawn(move || f(i, item)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| resume_unwind(p)))
+            .collect()
+    })
+}
+
 /// Runs `f(rank, backend, comm)` on every rank of a `world`-rank group, one thread each, under
 /// [`DEADLINE`]; returns the results in rank order. A rank's panic goes on in the caller.
 pub fn on_ranks<R: Send + 'static>(
@@ -106,21 +122,8 @@ pub fn on_ranks<R: Send + 'static>(
     f: impl Fn(usize, CpuBackend, LocalComm) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     within_deadline(&format!("{world} ranks ({mode:?})"), move || {
-        let comms = LocalComm::group(world).unwrap();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .enumerate()
-                .map(|(rank, comm)| {
-                    let f = &f;
-                    s.spawn(move || f(rank, mode.backend(rank), comm))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| resume_unwind(p)))
-                .collect()
-        })
+        let comms = LocalComm::group(world).unwrap_or_else(|e| panic!("a local group: {e}"));
+        on_threads(comms, |rank, comm| f(rank, mode.backend(rank), comm))
     })
 }
 
@@ -135,6 +138,29 @@ pub fn on_engines<R: Send + 'static>(
 ) -> Vec<R> {
     let (plan, config) = (Arc::clone(plan), config.clone());
     on_ranks(plan.world_size(), mode, move |_, backend, comm| {
-        f(Engine::new(Arc::clone(&plan), config.clone(), backend, comm).unwrap())
+        let engine = Engine::new(Arc::clone(&plan), config.clone(), backend, comm)
+            .unwrap_or_else(|e| panic!("an engine: {e}"));
+        f(engine)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_return_in_order_and_panics_go_on() {
+        assert_eq!(on_threads(vec![10, 20, 30], |i, x| x + i), vec![10, 21, 32]);
+        let panicked = catch_unwind(|| on_threads(vec![0, 1], |_, x| assert_eq!(x, 0)));
+        assert!(panicked.is_err());
+    }
+
+    #[test]
+    fn ranks_see_their_own_rank_and_the_world() {
+        let seen = on_ranks(3, Mode::Eager, |rank, _, comm| {
+            use fsdp_fusion::Communicator;
+            (rank, comm.rank(), comm.world_size())
+        });
+        assert_eq!(seen, vec![(0, 0, 3), (1, 1, 3), (2, 2, 3)]);
+    }
 }

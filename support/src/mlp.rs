@@ -10,18 +10,15 @@
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, Input, MemoryUsage};
-use crate::comm::Communicator;
-use crate::comm::local::LocalComm;
-use crate::config::{EngineConfig, GradReduction};
-use crate::dtype::{DType, load_f32};
-use crate::engine::Counters;
-use crate::engine::Engine;
-use crate::error::{Error, Result};
-use crate::optim::{OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element};
-use crate::plan::{ParamId, Plan, Unit};
-use crate::spec::{ModelSpec, ParamSpec};
+use fsdp_fusion::optim::{Update, accumulate_element, adamw_element, sgd_element};
+use fsdp_fusion::{
+    Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, GradReduction,
+    Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result,
+    Unit,
+};
+
+use crate::rng::Rng;
+use crate::values::{max_relative_difference, narrow, round_to, widen};
 
 /// The shape of the example model and of its data.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,33 +43,6 @@ impl Default for MlpConfig {
             dtype: DType::F32,
             seed: 7,
         }
-    }
-}
-
-/// A small deterministic generator (splitmix64).
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[-1, 1)`.
-    pub fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-
-    pub fn fill(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.uniform() * scale).collect()
     }
 }
 
@@ -344,27 +314,6 @@ impl Params for TeacherParams {
     }
 }
 
-/// Round-trips f32 values through `dtype`.
-pub fn round_to(dtype: DType, values: &[f32]) -> Vec<f32> {
-    widen(dtype, &narrow(dtype, values))
-}
-
-/// Widens little-endian bytes of `dtype` to f32.
-pub fn widen(dtype: DType, bytes: &[u8]) -> Vec<f32> {
-    (0..bytes.len() / dtype.size())
-        .map(|i| load_f32(bytes, dtype, i))
-        .collect()
-}
-
-/// Narrows f32 values to little-endian bytes of `dtype`.
-pub fn narrow(dtype: DType, values: &[f32]) -> Vec<u8> {
-    let mut bytes = vec![0u8; values.len() * dtype.size()];
-    for (i, &v) in values.iter().enumerate() {
-        crate::dtype::store_f32(&mut bytes, dtype, i, v);
-    }
-    bytes
-}
-
 /// A rank's engine as the trainer's parameter holder.
 pub struct EngineParams<'a, B: Backend, C: Communicator<B>>(pub &'a mut Engine<B, C>);
 
@@ -543,25 +492,6 @@ impl Reference {
         }
         Ok(loss / (passes as usize * self.world_size) as f32)
     }
-}
-
-/// The largest difference between two sets of values, relative to the largest magnitude of the
-/// reference's parameter: `max_i |a_i - b_i| / max_i |b_i|`, maximised over parameters.
-pub fn max_relative_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(a, b)| {
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| {
-                if x.is_nan() != y.is_nan() {
-                    f32::INFINITY
-                } else {
-                    m.max((x - y).abs())
-                }
-            });
-            if scale > 0.0 { diff / scale } else { diff }
-        })
-        .fold(0f32, f32::max)
 }
 
 /// One rank's state after a step.

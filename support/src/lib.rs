@@ -1,0 +1,11 @@
+//! What fsdp-fusion's tests, benches and examples share, kept out of the library so that its
+//! consumers carry none of it: the example model with its CPU math and unsharded reference
+//! trainer ([`mlp`]), the cuBLAS layer stack of the pipeline benchmark ([`gpu_stack`]),
+//! deterministic data ([`rng`], [`values`]) and the harness that runs ranks as threads
+//! ([`ranks`]).
+
+pub mod gpu_stack;
+pub mod mlp;
+pub mod ranks;
+pub mod rng;
+pub mod values;
