@@ -14,11 +14,12 @@ use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 
 use clap::Parser;
-use fsdp_fusion::backend::Stream;
+
 use fsdp_fusion::backend::cuda::{CudaBackend, is_driver_present};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::trace::{self, TimedSpan};
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::{Backend, Communicator, Engine, EngineConfig, Plan, Result};
 use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion_support::ranks::on_threads;

@@ -1,50 +1,8 @@
 //! Element types of parameters and gradients.
 
-use std::fmt;
-
 use half::{bf16, f16};
-use serde::{Deserialize, Serialize};
 
-/// The element type of a parameter, a gradient or a buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    Bf16,
-    F16,
-    F32,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            DType::Bf16 | DType::F16 => 2,
-            DType::F32 => 4,
-        }
-    }
-
-    /// The name used in model files and printed tables.
-    pub const fn name(self) -> &'static str {
-        match self {
-            DType::Bf16 => "bf16",
-            DType::F16 => "f16",
-            DType::F32 => "f32",
-        }
-    }
-
-    /// Parses a model file's dtype name; `None` for anything else.
-    pub fn parse(name: &str) -> Option<DType> {
-        [DType::Bf16, DType::F16, DType::F32]
-            .into_iter()
-            .find(|d| d.name() == name)
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::types::DType;
 
 mod sealed {
     pub trait Sealed {}

@@ -3,10 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::backend::Stream;
-use crate::dtype::DType;
-use crate::plan::Unit;
-use crate::state::BufferState;
+use crate::types::{BufferState, DType, Stream, Unit};
 
 /// Every failure the crate reports. Variants carry the values a caller needs to find the cause.
 #[derive(Clone, Debug, thiserror::Error)]

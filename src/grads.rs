@@ -113,7 +113,8 @@ impl GradPipeline {
     }
 
     /// Reductions launched and not yet retired.
-    pub fn in_flight(&self) -> usize {
+    #[cfg(test)]
+    fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
 

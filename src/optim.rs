@@ -3,8 +3,8 @@
 //! Each update is written as a fixed sequence of single-precision operations with no fused
 //! multiply-add, so the CPU backend, the CUDA kernels and the unsharded reference agree bit for bit.
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::types::DType;
 
 /// The optimizer the engine runs on each rank's shards.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,54 +1,18 @@
 //! Pure layout: groups, their order, padded offsets, shard ranges and the memory each rank holds.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::ops::Range;
 
 use serde::Serialize;
 
 use crate::config::EngineConfig;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::spec::ModelSpec;
+use crate::types::DType;
+use crate::types::{ParamId, Unit};
 
 /// Every parameter starts this many bytes after the start of its group's buffer, times an integer.
 pub const ALIGNMENT_BYTES: usize = 256;
-
-/// An FSDP unit: a layer, or the root that holds every parameter outside the layers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Unit {
-    Layer(u32),
-    Root,
-}
-
-impl From<Option<u32>> for Unit {
-    fn from(unit: Option<u32>) -> Unit {
-        unit.map_or(Unit::Root, Unit::Layer)
-    }
-}
-
-impl Unit {
-    /// The model file's form: the layer index, or `None` for the root.
-    pub fn layer(self) -> Option<u32> {
-        match self {
-            Unit::Layer(i) => Some(i),
-            Unit::Root => None,
-        }
-    }
-}
-
-impl fmt::Display for Unit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Unit::Layer(i) => write!(f, "unit {i}"),
-            Unit::Root => f.write_str("the root unit"),
-        }
-    }
-}
-
-/// A parameter's index in model order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ParamId(pub usize);
 
 /// Where one parameter lives in its group's flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::types::DType;
 
 /// One parameter as a caller declares it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -2,28 +2,9 @@
 //! eviction under the limit, and prefetch. No I/O: each call returns the effects to apply.
 
 use crate::error::{Error, Result};
-
-/// The state of one group's gathered parameter buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BufferState {
-    /// Only the rank's shard exists.
-    Freed,
-    /// An all-gather into a slot is in flight.
-    Syncing,
-    /// Gathered and in use by compute.
-    Using,
-    /// Gathered, compute done, kept for reuse until evicted.
-    Ready,
-}
+use crate::types::BufferState;
 
 impl BufferState {
-    pub const ALL: [BufferState; 4] = [
-        BufferState::Freed,
-        BufferState::Syncing,
-        BufferState::Using,
-        BufferState::Ready,
-    ];
-
     /// Whether the machine allows `self -> to`.
     ///
     /// Allowed: FREED->SYNCING (gather issued), SYNCING->USING (gather awaited by compute),

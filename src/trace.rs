@@ -4,9 +4,9 @@
 
 use std::fmt::Write;
 
-use crate::backend::{Backend, Stream};
+use crate::backend::Backend;
 use crate::error::Result;
-use crate::plan::Unit;
+use crate::types::{Stream, Unit};
 
 /// What a traced span covers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

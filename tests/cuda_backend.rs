@@ -9,11 +9,13 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
+
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
 use fsdp_fusion::backend::cuda::{CudaBackend, CudaBuffer, is_driver_present};
-use fsdp_fusion::backend::{Backend, Input, OptimizerShard, Region, Stream};
+use fsdp_fusion::backend::{Backend, Input, OptimizerShard, Region};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::engine::DeviceTensor;
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
 };

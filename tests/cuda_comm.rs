@@ -10,10 +10,11 @@ use std::fmt::Debug;
 use std::sync::Arc;
 
 use fsdp_fusion::backend::cuda::CudaBackend;
-use fsdp_fusion::backend::{Backend, Input, Region, Stream};
+use fsdp_fusion::backend::{Backend, Input, Region};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::{Collective, NcclComm, nccl_version};
 use fsdp_fusion::comm::{Purpose, Tag};
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Unit,

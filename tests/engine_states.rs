@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_fusion::state::BufferState;
+use fsdp_fusion::types::{BufferState, Stream};
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
 };
@@ -273,7 +273,6 @@ fn run_untrained(mode: Mode) -> Vec<Vec<u8>> {
 #[test]
 fn tracing_records_a_span_for_every_hook_and_collective() {
     for_each_mode(|mode| {
-        use fsdp_fusion::backend::Stream;
         use fsdp_fusion::trace::SpanKind;
         on_two_ranks(mode, stack(2, false), EngineConfig::default(), |mut e| {
             walk_step(&mut e, 2, &mut |_| {});

@@ -433,7 +433,7 @@ impl fsdp_fusion::Communicator<fsdp_fusion::CpuBackend> for Untagged {
     unsafe fn all_gather(
         &mut self,
         backend: &fsdp_fusion::CpuBackend,
-        stream: fsdp_fusion::backend::Stream,
+        stream: fsdp_fusion::types::Stream,
         _: fsdp_fusion::comm::Tag,
         shard: &fsdp_fusion::backend::cpu::CpuBuffer,
         shard_region: fsdp_fusion::backend::Region,
@@ -456,7 +456,7 @@ impl fsdp_fusion::Communicator<fsdp_fusion::CpuBackend> for Untagged {
     unsafe fn reduce_scatter(
         &mut self,
         backend: &fsdp_fusion::CpuBackend,
-        stream: fsdp_fusion::backend::Stream,
+        stream: fsdp_fusion::types::Stream,
         _: fsdp_fusion::comm::Tag,
         buf: &mut fsdp_fusion::backend::cpu::CpuBuffer,
         region: fsdp_fusion::backend::Region,

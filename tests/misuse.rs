@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use fsdp_fusion::backend::Region;
-use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
 use fsdp_fusion::comm::Tag;
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
     Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use fsdp_fusion::backend::Stream;
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     Backend, Communicator, DType, Engine, EngineConfig, Input, ModelSpec, OptimizerConfig,
     ParamSpec, Plan, Unit,

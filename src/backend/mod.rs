@@ -9,21 +9,11 @@ pub mod cuda;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::types::DType;
+use crate::types::Stream;
 use crate::watch::Watch;
-
-/// The three streams of a rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Stream {
-    /// The caller's compute: gradients are written and the optimizer runs here.
-    Compute,
-    /// All-gathers of parameter shards into gathered slots.
-    Gather,
-    /// Reduce-scatters of gradients and accumulation into the gradient shards.
-    Reduce,
-}
 
 /// `len` elements of `dtype` starting at element `offset` of a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

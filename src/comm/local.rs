@@ -10,14 +10,15 @@
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use crate::backend::Region;
 use crate::backend::cpu::{CpuBackend, CpuBuffer};
-use crate::backend::{Region, Stream};
 use crate::comm::{
     Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch,
 };
-use crate::dtype::{DType, load_f32};
+use crate::dtype::load_f32;
 use crate::error::{Error, Result};
 use crate::fallible::{copy_of, filled};
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 
 /// The collectives of one stream kind: the one in progress, met by every rank in turn.

@@ -18,11 +18,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaStream, result};
 
 use crate::backend::Region;
-use crate::backend::Stream;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
 use crate::comm::{Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use rendezvous::Rendezvous;
 

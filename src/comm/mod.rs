@@ -6,9 +6,9 @@ pub mod nccl;
 
 use std::fmt;
 
-use crate::backend::{Backend, Region, Stream};
-use crate::dtype::DType;
+use crate::backend::{Backend, Region};
 use crate::error::{Error, Result};
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 
 /// What a collective is for.
@@ -240,7 +240,7 @@ pub(crate) fn check_all_gather(world_size: usize, shard: Region, out: Region) ->
 
 /// Checks the length of a reduce-scatter before any communication.
 pub(crate) fn check_reduce_scatter(world_size: usize, region: Region) -> Result<()> {
-    if region.dtype != crate::dtype::DType::F32 || region.len % world_size != 0 {
+    if region.dtype != crate::types::DType::F32 || region.len % world_size != 0 {
         return Err(Error::OutOfRange {
             offset: region.offset,
             len: region.len,

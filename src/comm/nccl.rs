@@ -16,11 +16,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
 
+use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
-use crate::backend::{Region, Stream};
 use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use library::{NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
 

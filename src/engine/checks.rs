@@ -5,11 +5,11 @@
 //! enough to name the first one.
 
 use super::Engine;
-use crate::backend::{Backend, Region, Stream};
+use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, FINGERPRINT_BYTES, Fingerprint, Purpose, mismatch};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::fallible::filled;
+use crate::types::{DType, Stream};
 
 /// Bytes of a parameter's description in a plan comparison.
 const DESCRIPTION_BYTES: usize = 256;

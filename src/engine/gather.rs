@@ -3,11 +3,12 @@
 use std::sync::Arc;
 
 use super::{Engine, alloc};
-use crate::backend::{Backend, Region, Stream};
+use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::Result;
-use crate::state::{BufferState, GatherEffect};
+use crate::state::GatherEffect;
 use crate::trace::SpanKind;
+use crate::types::{BufferState, Stream};
 
 /// Where a gathered group's values live.
 pub(super) enum Placement<E> {

@@ -1,5 +1,5 @@
-//! One rank's runtime: owns the shards, slots and optimizer state, applies the pure decisions of
-//! [`crate::state`], [`crate::schedule`] and [`crate::grads`] through a backend and a communicator.
+//! One rank's runtime: owns the shards, slots and optimizer state, applies the decisions of
+//! the crate's pure machines (`state`, `schedule`, `grads`) through a backend and a communicator.
 //!
 //! - `mod.rs`: creation, the hooks, the failure policy (misuse changes nothing; a failure once
 //!   work began poisons the engine), the collectives' tags.
@@ -20,12 +20,12 @@ use std::sync::{Arc, OnceLock};
 use crate::backend::{Backend, MemoryUsage, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
 use crate::config::EngineConfig;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::grads::{GradEffect, GradPipeline};
-use crate::plan::{ParamId, Plan, Unit};
+use crate::plan::Plan;
 use crate::schedule::{Phase, Schedule};
-use crate::state::{BufferState, GatherEffect, Gathers};
+use crate::state::{GatherEffect, Gathers};
+use crate::types::{BufferState, DType, ParamId, Unit};
 use crate::watch::{AbortHandle, Watch};
 use gather::{GatherSlot, Placement};
 use reduce::GradSlot;

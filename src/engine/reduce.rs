@@ -1,14 +1,13 @@
 //! Gradient slots, the places gradients are written into, and the reductions into the shards.
 
 use super::Engine;
-use crate::backend::{Backend, Input, Region, Stream};
+use crate::backend::{Backend, Input, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::grads::{GradEffect, Place};
-use crate::plan::ParamId;
 use crate::schedule::Phase;
 use crate::trace::SpanKind;
+use crate::types::{DType, ParamId, Stream};
 
 pub(super) struct GradSlot<Buf, E> {
     pub(super) buffer: Buf,

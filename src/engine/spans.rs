@@ -2,11 +2,12 @@
 //! streams.
 
 use super::Engine;
-use crate::backend::{Backend, Stream};
+use crate::backend::Backend;
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::schedule::Phase;
 use crate::trace::{Span, SpanKind};
+use crate::types::Stream;
 
 /// The spans being collected, and the open forward and backward of each unit.
 pub(super) struct Trace<E> {

@@ -2,13 +2,11 @@
 //! of the shards between steps.
 
 use super::Engine;
-use crate::backend::{Backend, Input, OptimizerShard, Region, Source, Stream};
+use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::plan::ParamId;
-use crate::state::BufferState;
 use crate::trace::SpanKind;
+use crate::types::{BufferState, DType, ParamId, Stream};
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Ends the backward passes of this step: ends any backward still open, reduces every group

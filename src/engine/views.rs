@@ -6,12 +6,12 @@ use super::gather::Placement;
 use super::reduce::place_buffer;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, RawAddress, Region, Stream};
+use crate::backend::{Backend, RawAddress, Region};
 use crate::comm::Communicator;
-use crate::dtype::{DType, Element};
+use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::plan::{ParamId, ParamLayout};
-use crate::state::BufferState;
+use crate::plan::ParamLayout;
+use crate::types::{BufferState, DType, ParamId, Stream};
 
 /// A device tensor: `numel` elements of `dtype` at device address `ptr`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,10 +18,9 @@ use crate::backend::Input;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::comm::nccl::NcclComm;
-use crate::dtype::DType;
 use crate::engine::Engine;
 use crate::error::Error;
-use crate::plan::ParamId;
+use crate::types::{DType, ParamId};
 
 /// Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
 /// (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a

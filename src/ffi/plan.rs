@@ -11,8 +11,9 @@ use super::types::{
     FSDP_ROOT, config_of, dtype_code, dtype_of, flag, fsdp_config, fsdp_memory, fsdp_param_info,
     fsdp_param_spec, fsdp_plan, unit_of,
 };
-use crate::plan::{ParamId, Plan, Unit};
+use crate::plan::Plan;
 use crate::spec::{ModelSpec, ParamSpec};
+use crate::types::{ParamId, Unit};
 
 /// Stores a plan and writes its handle to `out`, which the caller checked for NULL first.
 fn new_plan(model: &ModelSpec, world_size: usize, out: *mut *mut fsdp_plan) -> Outcome {

@@ -242,7 +242,7 @@ mod tests {
             waited: std::time::Duration::ZERO,
         };
         let failed = Error::StreamFailed {
-            stream: crate::backend::Stream::Reduce,
+            stream: crate::types::Stream::Reduce,
             cause: std::sync::Arc::new(cause),
         };
         assert_eq!(status_of(&failed), fsdp_status::FSDP_TIMEOUT);

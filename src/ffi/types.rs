@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use super::status::{Outcome, fsdp_status, invalid, put};
 use crate::config::{EngineConfig, GradReduction};
-use crate::dtype::DType;
 use crate::engine::Counters;
 use crate::optim::OptimizerConfig;
-use crate::plan::{MemoryPerRank, Unit};
+use crate::plan::MemoryPerRank;
+use crate::types::{DType, Unit};
 
 /// Element types, for the `dtype` arguments and fields.
 pub const FSDP_BF16: u32 = 0;

@@ -11,8 +11,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{self as blas, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
 
-use fsdp_fusion::backend::Stream;
 use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     Communicator, DType, Engine, Error, Input, ModelSpec, ParamId, ParamSpec, Result, Unit,
 };

@@ -1,8 +1,9 @@
 //! The CPU backend's arithmetic over byte slices, element by element as `crate::optim` defines it.
 
 use crate::backend::OptimizerShard;
-use crate::dtype::{DType, load_f32, store_f32};
+use crate::dtype::{load_f32, store_f32};
 use crate::optim::{Update, accumulate_element, adamw_element, sgd_element};
+use crate::types::DType;
 
 /// f32 values over bytes that hold them (every region of an f32 buffer is 4-byte aligned).
 pub(crate) fn f32s(bytes: &[u8]) -> &[f32] {

@@ -25,11 +25,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream, Tracker,
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Tracker,
 };
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use math::OptimizerSlices;
 pub use memory::CpuBuffer;

@@ -10,8 +10,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::Stream;
 use crate::error::{Error, Result};
+use crate::types::Stream;
 use crate::watch::Watch;
 
 /// How many of the watch's timeouts a wait on the rank's own streams lasts.

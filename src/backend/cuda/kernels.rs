@@ -12,9 +12,9 @@ use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::AdamwCoefficients;
+use crate::types::DType;
 
 /// One parameter of a pack or unpack table, in elements of the group's dtype.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

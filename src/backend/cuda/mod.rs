@@ -25,11 +25,11 @@ use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Stream, Tracker,
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Tracker,
 };
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::Update;
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 
 pub use driver::is_driver_present;
