@@ -99,6 +99,16 @@ typedef struct fsdp_config {
   uint8_t verify_collectives;
 } fsdp_config;
 
+// One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of
+// `fsdp_engine_grad`.
+typedef struct fsdp_grad {
+  size_t param;
+  const void *data;
+  size_t numel;
+  // `fsdp_dtype`: the parameter's dtype or `FSDP_F32`.
+  uint32_t dtype;
+} fsdp_grad;
+
 // What an engine did so far.
 typedef struct fsdp_counters {
   uint64_t all_gathers;
@@ -281,6 +291,29 @@ enum fsdp_status fsdp_engine_grad(struct fsdp_engine *engine,
                                   const void *data,
                                   size_t numel,
                                   uint32_t dtype);
+
+// Hands over several gradients of this backward pass at once: as `fsdp_engine_grad` on each
+// entry in order, for one call per unit instead of one per parameter. Every entry is checked
+// (its parameter, dtype, length, and no parameter twice) before any is taken, so a refused
+// batch changes nothing. `count` 0 does nothing.
+//
+// # Safety
+// `grads` is NULL (with `count` 0) or valid for `count` entries, each of whose `data` is as
+// `fsdp_engine_grad` requires.
+enum fsdp_status fsdp_engine_grads(struct fsdp_engine *engine,
+                                   const struct fsdp_grad *grads,
+                                   size_t count);
+
+// The gathered addresses of `count` parameters at once, `data[i]` for `params[i]`: as
+// `fsdp_engine_param` on each, for one call per unit instead of one per parameter. Every
+// parameter's unit must have a hook open; on failure nothing is written.
+//
+// # Safety
+// `params` and `data` are NULL (with `count` 0) or valid for `count` reads and writes.
+enum fsdp_status fsdp_engine_params(struct fsdp_engine *engine,
+                                    const size_t *params,
+                                    size_t count,
+                                    const void **data);
 
 // Opens `param`'s fp32 place in its gradient slot (`numel` floats at `*out`) for the caller to
 // write this pass's gradient into; `fsdp_engine_commit_grad` must follow before any other

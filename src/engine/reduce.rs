@@ -39,9 +39,39 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
     /// have theirs. The gradient may be read after this returns (host input is consumed at once).
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
-        let _range = crate::nvtx::range("grad", param.0);
         self.healthy()?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
+        self.take_grad(param, group, gradient)
+    }
+
+    /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each in order.
+    /// Every entry is checked before any is taken (a parameter named twice is
+    /// `Error::DuplicateGradient`), so a refused batch changes nothing.
+    pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
+        self.healthy()?;
+        let mut groups = crate::fallible::with_capacity(gradients.len(), "a batch's groups")?;
+        let mut named = crate::fallible::filled(self.plan.params().len(), false, "a batch's ids")?;
+        for &(param, gradient) in gradients {
+            groups.push(self.check_grad(param, gradient.dtype(), gradient.numel())?);
+            let seen = named.get_mut(param.0).ok_or(Error::ParamIdOutOfRange {
+                id: param.0,
+                count: self.plan.params().len(),
+            })?;
+            if std::mem::replace(seen, true) {
+                return Err(Error::DuplicateGradient {
+                    name: self.plan.param(param)?.name.clone(),
+                });
+            }
+        }
+        for (&(param, gradient), group) in gradients.iter().zip(groups) {
+            self.take_grad(param, group, gradient)?;
+        }
+        Ok(())
+    }
+
+    /// Takes a checked gradient of `param` (in `group`) into its slot.
+    fn take_grad(&mut self, param: ParamId, group: usize, gradient: Input<'_>) -> Result<()> {
+        let _range = crate::nvtx::range("grad", param.0);
         self.effects(|e| {
             e.enter(Phase::Backward)?;
             let mut fx = std::mem::take(&mut e.grad_effects);

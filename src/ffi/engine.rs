@@ -9,10 +9,10 @@ use super::handles::{
     store_engine, with_engine, wrong_kind,
 };
 use super::registry::Object;
-use super::status::{Outcome, boundary, fsdp_status, invalid, null, put};
+use super::status::{Failure, Outcome, boundary, fsdp_status, invalid, null, put};
 use super::types::{
-    config_of, dtype_code, dtype_of, fsdp_config, fsdp_counters, fsdp_engine, fsdp_local_group,
-    fsdp_loopback_group, fsdp_plan, unit_of,
+    config_of, dtype_code, dtype_of, fsdp_config, fsdp_counters, fsdp_engine, fsdp_grad,
+    fsdp_local_group, fsdp_loopback_group, fsdp_plan, unit_of,
 };
 use crate::backend::Input;
 use crate::backend::cpu::CpuBackend;
@@ -337,6 +337,87 @@ pub unsafe extern "C" fn fsdp_engine_grad(
             Ok(with_engine!(any, e => e.grad(ParamId(param), input))?)
         })
     })
+}
+
+/// Hands over several gradients of this backward pass at once: as `fsdp_engine_grad` on each
+/// entry in order, for one call per unit instead of one per parameter. Every entry is checked
+/// (its parameter, dtype, length, and no parameter twice) before any is taken, so a refused
+/// batch changes nothing. `count` 0 does nothing.
+///
+/// # Safety
+/// `grads` is NULL (with `count` 0) or valid for `count` entries, each of whose `data` is as
+/// `fsdp_engine_grad` requires.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_grads(
+    engine: *mut fsdp_engine,
+    grads: *const fsdp_grad,
+    count: usize,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let entries = unsafe { entries(grads, count, "grads") }?;
+        on_engine(engine, |any| {
+            let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
+            for (i, g) in entries.iter().enumerate() {
+                let dtype =
+                    dtype_of(g.dtype).map_err(|f| invalid(format!("grads[{i}]: {}", f.message)))?;
+                // SAFETY: the caller's contract for each entry.
+                let input = unsafe { caller_input(any, g.data, g.numel, dtype) }
+                    .map_err(|f| Failure::new(f.status, format!("grads[{i}]: {}", f.message)))?;
+                batch.push((ParamId(g.param), input));
+            }
+            Ok(with_engine!(any, e => e.grads(&batch))?)
+        })
+    })
+}
+
+/// The gathered addresses of `count` parameters at once, `data[i]` for `params[i]`: as
+/// `fsdp_engine_param` on each, for one call per unit instead of one per parameter. Every
+/// parameter's unit must have a hook open; on failure nothing is written.
+///
+/// # Safety
+/// `params` and `data` are NULL (with `count` 0) or valid for `count` reads and writes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_params(
+    engine: *mut fsdp_engine,
+    params: *const usize,
+    count: usize,
+    data: *mut *const c_void,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let ids = unsafe { entries(params, count, "params") }?;
+        if data.is_null() && count > 0 {
+            return Err(null("data"));
+        }
+        let addresses = on_engine(engine, |any| {
+            let mut addresses = crate::fallible::with_capacity(ids.len(), "addresses")?;
+            for &id in ids {
+                addresses.push(with_engine!(any, e => e.param_address(ParamId(id)))?);
+            }
+            Ok(addresses)
+        })?;
+        for (i, address) in addresses.into_iter().enumerate() {
+            // SAFETY: `data` is non-null and valid for `count` writes by the caller's contract.
+            unsafe { data.add(i).write(address as *const c_void) };
+        }
+        Ok(())
+    })
+}
+
+/// `count` entries at `ptr`: empty for `count` 0 (whatever `ptr`), else `ptr` must not be NULL.
+///
+/// # Safety
+/// `ptr` is NULL or valid for `count` reads of `T` for the returned lifetime.
+unsafe fn entries<'a, T>(ptr: *const T, count: usize, what: &str) -> Outcome<&'a [T]> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null and valid for `count` entries by the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, count) })
 }
 
 /// A caller's tensor as `any` reads it: host memory for a CPU engine, a device address on the

@@ -1,7 +1,7 @@
 //! The C types: constants, opaque handles, declarations, settings and reports, and their
 //! conversions to and from the crate's own.
 
-use std::ffi::c_char;
+use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use super::status::{Outcome, fsdp_status, invalid, put};
@@ -114,6 +114,18 @@ impl From<MemoryPerRank> for fsdp_memory {
             peak: m.peak,
         }
     }
+}
+
+/// One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of
+/// `fsdp_engine_grad`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct fsdp_grad {
+    pub param: usize,
+    pub data: *const c_void,
+    pub numel: usize,
+    /// `fsdp_dtype`: the parameter's dtype or `FSDP_F32`.
+    pub dtype: u32,
 }
 
 /// What an engine did so far.
