@@ -1,11 +1,13 @@
 """A small GPT in plain PyTorch: token embedding tied with the LM head, learned positions,
 pre-norm transformer blocks (causal attention through F.scaled_dot_product_attention, then an MLP),
-a final norm. Each block is one FSDP unit; the rest is the root."""
+a final norm. Each block is one FSDP unit; the rest is the root. `checkpoint=True` recomputes each
+block's forward in backward (activation checkpointing) instead of keeping its activations."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -30,8 +32,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int,
+                 checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -45,7 +49,10 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.norm(x))
 
 

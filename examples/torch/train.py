@@ -41,14 +41,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
+# The package from this checkout when it is not installed.
+sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_fusion_torch import FusedFSDP  # noqa: E402
+from fsdp_fusion import FusedFSDP  # noqa: E402
 from gpt import GPT, loss_of  # noqa: E402
 
 
 def arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--library", help="libfsdp_fusion.so (default: $FSDP_FUSION_LIBRARY)")
+    parser.add_argument("--library", help="libfsdp_fusion.so (default: as fsdp_fusion finds it)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the mean times")
@@ -63,6 +65,8 @@ def arguments():
     parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     parser.add_argument("--eps", type=float, default=1e-8)
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="recompute each block's forward in backward (activation checkpointing)")
     parser.add_argument("--double-buffer-limit", type=int, default=4,
                         help="fsdp-fusion's gathered groups: 2 root groups, the unit, a prefetch")
     return parser.parse_args()
@@ -92,7 +96,7 @@ def batches(args, device):
 def initial_model(args) -> GPT:
     """The fp32 initial weights, rounded to bf16 so that every trainer's master starts equal."""
     torch.manual_seed(args.seed)
-    model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq)
+    model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq, args.checkpoint)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())

@@ -1,0 +1,41 @@
+"""Ranks as threads of one process, on the CPU backend."""
+
+from __future__ import annotations
+
+import os
+from ctypes import byref, c_void_p
+
+from ._capi import library
+from .errors import InvalidArgumentError
+
+
+class LocalGroup:
+    """The communicators of `world_size` CPU ranks that run as threads of this process: give it,
+    with its rank, to each rank's `FusedFSDP` of a CPU module, and drive each rank from its own
+    thread (every collective needs all of them)."""
+
+    def __init__(self, world_size: int, library_path: str | os.PathLike | None = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgumentError(f"world_size {world_size!r} is not a positive integer")
+        self.world_size = world_size
+        self._lib = library(library_path)
+        self.handle = c_void_p()
+        self._lib.call("fsdp_local_group_create", world_size, byref(self.handle))
+
+    def close(self):
+        """Releases the group; the engines made from it keep their communicators."""
+        if self.handle is not None and self.handle.value:
+            self._lib.call("fsdp_local_group_destroy", self.handle)
+            self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
+            pass

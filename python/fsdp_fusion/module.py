@@ -1,0 +1,608 @@
+"""`FusedFSDP`: a torch module trained through an fsdp-fusion engine.
+
+The wrapper declares every parameter of the module to the engine (its unit is the index of the
+unit module holding it, or the root; a parameter held by several modules is tied), loads the
+initial values and drops the module's own parameter storage. Hooks then point each parameter's
+`.data` at its gathered view while one of its unit's hooks is open, forward and backward, and
+hand the unit's gradients to the engine once its backward is done. Each unit costs one C call for
+its views and one for its gradients per hook, whatever its number of parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from ctypes import byref, c_size_t, c_uint8, c_uint64, c_void_p
+from dataclasses import dataclass
+
+import torch
+
+from . import _capi
+from ._capi import ROOT, UNIQUE_ID_BYTES, Config, Counters, Grad, ParamInfo, ParamSpec
+from ._dlpack import tensor_at
+from .errors import InvalidArgumentError, MisuseError
+from .group import LocalGroup
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
+
+
+@dataclass
+class _Param:
+    id: int
+    name: str
+    tensor: torch.nn.Parameter
+    unit: int
+    tied: bool
+    # What `.data` holds while the parameter is not gathered: one NaN broadcast to its shape, so
+    # that the shape stays right and a use outside its unit shows.
+    placeholder: torch.Tensor | None = None
+
+
+class _Views:
+    """A unit's gathered views at one set of addresses: the tensors, and the position of the
+    parameter whose memory starts at an address."""
+
+    def __init__(self, tensors: list[torch.Tensor], addresses: tuple):
+        self.tensors = tensors
+        self.position = {address: i for i, address in enumerate(addresses) if address}
+
+
+class _Unit:
+    """One unit's parameters as the hooks handle them."""
+
+    def __init__(self, index: int, params: list[_Param]):
+        self.index = index
+        self.params = params
+        count = len(params)
+        self.ids = (c_size_t * count)(*[p.id for p in params])
+        self.addresses = (c_void_p * count)()
+        self.cache: dict[tuple, _Views] = {}
+        # Hooks of the unit open now (a recomputing forward may open it inside its backward).
+        self.opens = 0
+        self.views: _Views | None = None
+        self.backward_open = False
+        # Gradients arrived in the open backward: kept alive until handed over in one batch.
+        self.pending: list[tuple[_Param, torch.Tensor]] = []
+        self.batch = (Grad * count)()
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A tensor autograd saved that lies in a parameter's gathered memory: which parameter of
+    which unit, and where in it, so that backward reads the parameter's memory of that time."""
+
+    unit: _Unit
+    position: int
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple
+    byte_offset: int
+
+
+def _owners(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[_Param]:
+    """Every parameter of `module` once, in model order, with its unit and whether it is tied."""
+    inside = {id(m) for m in module.modules()}
+    unit_of_module = {}
+    for index, unit in enumerate(units):
+        if not isinstance(unit, torch.nn.Module):
+            raise InvalidArgumentError(f"units[{index}] is a {type(unit).__name__}, not a module")
+        if unit is module or id(unit) not in inside:
+            raise InvalidArgumentError(f"units[{index}] ({type(unit).__name__}) is not a "
+                                       "submodule of the module")
+        for sub in unit.modules():
+            if unit_of_module.setdefault(id(sub), index) != index:
+                raise InvalidArgumentError(
+                    f"units {unit_of_module[id(sub)]} and {index} share a module")
+    found = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, p in sub.named_parameters(prefix, recurse=False, remove_duplicate=False):
+            first = found.setdefault(id(p), [name, p, set(), 0])
+            first[2].add(unit_of_module.get(id(sub), ROOT))
+            first[3] += 1
+    params = []
+    for index, (name, p, owner_units, slots) in enumerate(found.values()):
+        # A parameter that several units (or a unit and the root) use stays gathered with the
+        # root, which is open for the whole forward and backward.
+        unit = owner_units.pop() if len(owner_units) == 1 else ROOT
+        params.append(_Param(index, name, p, unit, slots > 1))
+    if not params:
+        raise InvalidArgumentError("the module has no parameters")
+    return params
+
+
+def _check_placement(params: list[_Param]) -> torch.device:
+    """The one device every parameter is on, with every dtype one the engine trains."""
+    device = params[0].tensor.device
+    for p in params:
+        if p.tensor.dtype not in DTYPE_CODES:
+            raise InvalidArgumentError(
+                f"{p.name}: dtype {p.tensor.dtype} is not one the engine trains (bfloat16, "
+                "float16, float32)")
+        if p.tensor.device != device:
+            raise InvalidArgumentError(
+                f"the module is on several devices: {p.name} is on {p.tensor.device}, "
+                f"{params[0].name} on {device}")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"the module is on {device}: the engine runs on cpu or cuda")
+    return device
+
+
+def _tensors(obj):
+    """The tensors in an output: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, wrapper, unit, *inputs):
+        ctx.wrapper, ctx.unit = wrapper, unit
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.wrapper._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def _choice(what: str, value: str, codes: dict[str, int]) -> int:
+    if value not in codes:
+        raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(codes)}")
+    return codes[value]
+
+
+def _membership(device: torch.device) -> tuple[int, int]:
+    """This process's rank and the world size: torch.distributed's when initialized."""
+    dist = torch.distributed
+    if device.type == "cuda" and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class FusedFSDP(torch.nn.Module):
+    """Trains `module` through an fsdp-fusion engine; `units` are its FSDP units in forward order
+    (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
+    passes of a step (several backward passes accumulate).
+
+    Optimizer: AdamW (`optimizer="adamw"`, PyTorch's defaults, weight decay 0.01) or SGD
+    (`optimizer="sgd"`, `lr` and `weight_decay`, by default 0, as `torch.optim.SGD` without
+    momentum), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
+    `double_buffer_limit` counts gathered parameter groups: the root's stay gathered throughout,
+    so leave room for them plus the unit in use and the one prefetched.
+
+    A module on a GPU trains on the CUDA backend with NCCL (world size and rank from
+    `torch.distributed` when it is initialized, else 1); forward and backward must run on the
+    stream that was current when the wrapper was made, the engine's compute stream. A CPU module
+    trains at world size 1, or as rank `rank` of `local_group` (ranks as threads, each made and
+    driven on its own thread: making an engine compares the ranks' plans).
+
+    `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
+    included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
+    `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        units: list[torch.nn.Module],
+        library: str | os.PathLike | None = None,
+        *,
+        optimizer: str = "adamw",
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float | None = None,
+        double_buffer_limit: int = 4,
+        max_reduces_in_flight: int = 2,
+        overlap: bool = True,
+        grad_reduction: str = "mean",
+        timeout: float = 600.0,
+        verify_collectives: bool = False,
+        local_group: LocalGroup | None = None,
+        rank: int = 0,
+    ):
+        super().__init__()
+        self.module = module
+        self._params = _owners(module, list(units))
+        self._device = _check_placement(self._params)
+        self._lib = _capi.library(library)
+        self._local_group = local_group
+        if local_group is not None:
+            if self._device.type != "cpu":
+                raise InvalidArgumentError("a local group runs CPU ranks; this module is on "
+                                           f"{self._device}")
+            if not 0 <= rank < local_group.world_size:
+                raise InvalidArgumentError(
+                    f"rank {rank} is not in a local group of {local_group.world_size}")
+            self._rank, self._world = rank, local_group.world_size
+        else:
+            self._rank, self._world = _membership(self._device)
+        config = self._config(optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
+                              max_reduces_in_flight, overlap, grad_reduction, timeout,
+                              verify_collectives)
+        self._plan = self._make_plan()
+        self._group = c_void_p()
+        if self._device.type == "cpu":
+            self._stream = None
+            self._engine = self._make_cpu_engine(config)
+        else:
+            # The engine's compute stream is the caller's: keep the object so the stream lives on.
+            self._stream = torch.cuda.current_stream(self._device)
+            self._engine = self._make_cuda_engine(config)
+        self._units = [_Unit(u, [p for p in self._params if p.unit == u])
+                       for u in range(len(units))]
+        self._root = _Unit(ROOT, [p for p in self._params if p.unit == ROOT])
+        self._unit_of = {u.index: u for u in (*self._units, self._root)}
+        self._load_and_release()
+        # At world size 1 the views are the shards, which never move: autograd's saved views
+        # stay right without the saved-tensor hooks below.
+        self._views_move = self._world > 1
+        self._open_units: list[_Unit] = []
+        self._saved_hooks = None
+        self._install_hooks(units)
+
+    # -- construction ----------------------------------------------------------------------
+
+    def _make_plan(self) -> c_void_p:
+        # ctypes keeps the names and shapes assigned to `specs` alive as long as `specs`.
+        specs = (ParamSpec * len(self._params))()
+        for spec, p in zip(specs, self._params):
+            shape = (c_uint64 * max(p.tensor.dim(), 1))(*p.tensor.shape)
+            spec.name, spec.shape, spec.ndim = p.name.encode(), shape, p.tensor.dim()
+            spec.dtype, spec.unit = DTYPE_CODES[p.tensor.dtype], p.unit
+            spec.trainable, spec.tied = int(p.tensor.requires_grad), int(p.tied)
+        plan = c_void_p()
+        self._lib.call("fsdp_plan_from_specs", specs, len(specs), self._world, byref(plan))
+        return plan
+
+    def _config(self, optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
+                max_reduces_in_flight, overlap, grad_reduction, timeout,
+                verify_collectives) -> Config:
+        config = Config()
+        self._lib.call("fsdp_config_default", byref(config))
+        config.optimizer = _choice("optimizer", optimizer, {"adamw": 0, "sgd": 1})
+        config.grad_reduction = _choice("grad_reduction", grad_reduction, {"mean": 0, "sum": 1})
+        config.lr, (config.beta1, config.beta2) = lr, betas
+        if weight_decay is None:
+            weight_decay = 0.01 if optimizer == "adamw" else 0.0
+        config.eps, config.weight_decay = eps, weight_decay
+        config.double_buffer_limit = double_buffer_limit
+        config.max_reduces_in_flight = max_reduces_in_flight
+        config.overlap = int(bool(overlap))
+        config.timeout_seconds = timeout
+        config.verify_collectives = int(bool(verify_collectives))
+        return config
+
+    def _make_cpu_engine(self, config: Config) -> c_void_p:
+        """This rank on the CPU backend: of the caller's local group, else of a group of one."""
+        if self._local_group is not None:
+            group = self._local_group.handle
+        elif self._world != 1:
+            raise InvalidArgumentError("CPU ranks of several processes do not exist: pass a "
+                                       "local group")
+        else:
+            self._lib.call("fsdp_local_group_create", 1, byref(self._group))
+            group = self._group
+        engine = c_void_p()
+        self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), group, self._rank,
+                       byref(engine))
+        return engine
+
+    def _make_cuda_engine(self, config: Config) -> c_void_p:
+        """This process's rank on its GPU with NCCL; blocks until every rank joined."""
+        engine = c_void_p()
+        uid = self._unique_id()
+        self._lib.call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
+                       self._device.index or 0, uid, len(uid), self._rank, self._world,
+                       self._stream.cuda_stream, byref(engine))
+        return engine
+
+    def _unique_id(self):
+        """Rank 0's fresh NCCL id, sent to the others through torch.distributed (whose current
+        device each rank has set)."""
+        uid = (c_uint8 * UNIQUE_ID_BYTES)()
+        if self._rank == 0:
+            self._lib.call("fsdp_nccl_unique_id", uid, len(uid))
+        if self._world > 1:
+            shared = [bytes(uid)]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            uid = (c_uint8 * UNIQUE_ID_BYTES).from_buffer_copy(shared[0])
+        return uid
+
+    def _load_and_release(self):
+        """Loads each parameter's value (a host copy) and replaces its storage by a placeholder
+        until the parameter is gathered."""
+        for p in self._params:
+            host = p.tensor.detach().to("cpu").contiguous()
+            self._lib.call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
+                           host.numel(), DTYPE_CODES[host.dtype])
+        for p in self._params:
+            t = p.tensor
+            p.placeholder = torch.full((), math.nan, dtype=t.dtype, device=t.device).expand(t.shape)
+            t.data = p.placeholder
+
+    def _install_hooks(self, units):
+        for index, unit in enumerate(units):
+            unit.register_forward_pre_hook(self._pre_forward_hook(index), with_kwargs=True)
+            unit.register_forward_hook(self._post_forward_hook(index), always_call=True)
+        self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
+        self.module.register_forward_hook(self._root_post_forward, always_call=True)
+        for u in self._unit_of.values():
+            for p in u.params:
+                if p.tensor.requires_grad:
+                    p.tensor.register_post_accumulate_grad_hook(self._grad_hook(p, u))
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _pre_forward_hook(self, unit: int):
+        def hook(_module, args, kwargs):
+            self._open(self._units[unit], self._lib.fsdp_engine_pre_forward)
+            return self._wrap_inputs(unit, args, kwargs)
+
+        return hook
+
+    def _post_forward_hook(self, unit: int):
+        def hook(_module, _args, output):
+            self._close(self._units[unit], self._lib.fsdp_engine_post_forward)
+            self._hook_outputs(unit, output)
+
+        return hook
+
+    def _root_pre_forward(self, _module, args, kwargs):
+        if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
+            raise MisuseError("run forward and backward on the stream current when the wrapper "
+                              "was made: the engine's compute stream")
+        # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
+        # when the next forward starts: every gradient of that pass has arrived by then.
+        self._close_backwards()
+        if self._views_move:
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        self._open(self._root, self._lib.fsdp_engine_pre_forward)
+        return self._wrap_inputs(ROOT, args, kwargs)
+
+    def _root_post_forward(self, _module, _args, output):
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        self._close(self._root, self._lib.fsdp_engine_post_forward)
+        self._hook_outputs(ROOT, output)
+
+    def _wrap_inputs(self, unit, args, kwargs):
+        """Passes the unit's tensor inputs (top-level args and kwargs) through `_PostBackward`."""
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not keys and not slots:
+            return args, kwargs
+        outs = _PostBackward.apply(self, unit, *[args[i] for i in slots],
+                                   *[kwargs[k] for k in keys])
+        args = list(args)
+        for i, out in zip(slots, outs):
+            args[i] = out
+        kwargs = dict(kwargs, **dict(zip(keys, outs[len(slots):])))
+        return tuple(args), kwargs
+
+    def _hook_outputs(self, unit, output):
+        if not torch.is_grad_enabled():
+            return
+
+        def on_grad(_grad):
+            self._pre_backward(unit)
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(on_grad)
+
+    def _pre_backward(self, unit: int):
+        u = self._unit_of[unit]
+        if not u.backward_open:
+            self._open(u, self._lib.fsdp_engine_pre_backward)
+            u.backward_open = True
+
+    def _post_backward(self, unit: int):
+        u = self._unit_of[unit]
+        if u.backward_open:
+            u.backward_open = False
+            self._hand_over(u)
+            self._close(u, self._lib.fsdp_engine_post_backward)
+
+    def _close_backwards(self):
+        for u in self._unit_of.values():
+            if u.backward_open:
+                self._post_backward(u.index)
+
+    def _grad_hook(self, p: _Param, u: _Unit):
+        def hook(param):
+            grad = param.grad.detach()
+            param.grad = None
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            u.pending.append((p, grad))
+            if not u.backward_open:
+                # A gradient outside its unit's backward (the unit's outputs needed none).
+                self._hand_over(u)
+
+        return hook
+
+    def _hand_over(self, u: _Unit):
+        """Hands the unit's pending gradients to the engine in one call. On the CPU the engine
+        reads them before returning; on a GPU it reads them on the compute stream, where the
+        caching allocator reuses their memory only afterwards."""
+        if not u.pending:
+            return
+        batch = u.batch
+        for k, (p, grad) in enumerate(u.pending):
+            entry = batch[k]
+            entry.param, entry.data, entry.numel = p.id, grad.data_ptr(), grad.numel()
+            entry.dtype = DTYPE_CODES.get(grad.dtype, 99)
+        # The tensors live until the call returned: clear only after it.
+        status = self._lib.fsdp_engine_grads(self._engine, batch, len(u.pending))
+        u.pending.clear()
+        self._check(status, "fsdp_engine_grads")
+
+    # -- gathered views --------------------------------------------------------------------
+
+    def _check(self, status: int, name: str):
+        if status != 0:
+            raise self._lib.error(name, status)
+
+    def _open(self, u: _Unit, hook):
+        """Runs the engine's pre hook for the unit and points its parameters at their views."""
+        if not u.params:
+            return
+        self._check(hook(self._engine, u.index), hook.__name__)
+        self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params), u.addresses),
+                    "fsdp_engine_params")
+        key = tuple(u.addresses)
+        views = u.cache.get(key)
+        if views is None:
+            views = _Views([self._view(p, address) for p, address in zip(u.params, key)], key)
+            u.cache[key] = views
+        u.views = views
+        for p, view in zip(u.params, views.tensors):
+            p.tensor.data = view
+        if u.opens == 0:
+            self._open_units.append(u)
+        u.opens += 1
+
+    def _close(self, u: _Unit, hook):
+        """Runs the engine's post hook for the unit; its parameters go back to placeholders once
+        none of its hooks is open."""
+        if not u.params:
+            return
+        if u.opens == 1:
+            for p in u.params:
+                p.tensor.data = p.placeholder
+            u.views = None
+            self._open_units.remove(u)
+        u.opens = max(u.opens - 1, 0)
+        self._check(hook(self._engine, u.index), hook.__name__)
+
+    def _view(self, p: _Param, address: int | None) -> torch.Tensor:
+        numel = p.tensor.numel()
+        return tensor_at(address or 0, numel, p.tensor.dtype, self._device).view(p.tensor.shape)
+
+    # -- saved tensors ---------------------------------------------------------------------
+    # Autograd keeps tensors of the forward for backward, among them parameters and views of
+    # them (a weight's transpose): memory of the slot the unit was gathered into then. By the
+    # backward the engine may have gathered the unit into another slot, and given the old one
+    # to another group. So a saved tensor in a parameter's gathered memory is saved as where it
+    # lies in that parameter, and read back from the parameter's memory at backward time (its
+    # unit's pre_backward ran before any node of the unit executes).
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided:
+            return t
+        address = t.untyped_storage().data_ptr()
+        for u in self._open_units:
+            position = u.views.position.get(address)
+            if position is not None:
+                return _Saved(u, position, t.dtype, t.size(), t.stride(),
+                              t.storage_offset() * t.element_size())
+        return t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        u = saved.unit
+        if u.views is None:
+            name = u.params[saved.position].name
+            raise MisuseError(f"backward needs {name}, whose unit's backward is not open")
+        flat = u.views.tensors[saved.position].reshape(-1)
+        if flat.dtype != saved.dtype:
+            flat = flat.view(saved.dtype)
+        offset = saved.byte_offset // flat.element_size()
+        return flat.as_strided(saved.size, saved.stride, offset)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def step(self, count_nonfinite: bool = False) -> int | None:
+        """Ends the step: syncs the gradients of its backward passes, steps the optimizer on the
+        shards and releases gathered parameters. Does not block the host on a GPU, unless
+        `count_nonfinite`: then it returns the number of infinite or NaN values in this rank's
+        synced gradient shards (a host wait)."""
+        self._close_backwards()
+        self._lib.call("fsdp_engine_finish_grad_sync", self._engine)
+        count = None
+        if count_nonfinite:
+            found = c_uint64()
+            self._lib.call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
+            count = found.value
+        self._lib.call("fsdp_engine_optimizer_step", self._engine)
+        self._lib.call("fsdp_engine_end_step", self._engine)
+        return count
+
+    def counters(self) -> Counters:
+        """What the engine did so far; never waits for a call in progress."""
+        counters = Counters()
+        self._lib.call("fsdp_engine_counters", self._engine, byref(counters))
+        return counters
+
+    def abort(self):
+        """Makes every wait of the engine end with `AbortedError`, now and later (from any
+        thread): a rank that must give up without hanging its peers' collectives."""
+        self._lib.call("fsdp_engine_abort", self._engine)
+
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """A host copy of parameter `name` from this rank's shard, at world size 1 (where the
+        shard is the whole group). Blocks until the copy is done."""
+        if self._world != 1:
+            raise MisuseError("full_parameter reads the whole group from the shard: world size 1")
+        p = next((p for p in self._params if p.name == name), None)
+        if p is None:
+            raise InvalidArgumentError(f"no parameter named {name!r}")
+        info = self._info(p.id)
+        # Parameters lie padded one after another: the group ends where its last one does.
+        group_numel = max(i.offset + i.padded_numel
+                          for i in map(self._info, range(len(self._params)))
+                          if i.group == info.group)
+        element = p.tensor.element_size()
+        shard = torch.empty(group_numel * element, dtype=torch.uint8)
+        written = c_size_t()
+        self._lib.call("fsdp_engine_param_shard", self._engine, info.group, shard.data_ptr(),
+                       shard.numel(), byref(written))
+        values = shard[info.offset * element:(info.offset + info.numel) * element]
+        return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+
+    def _info(self, param: int) -> ParamInfo:
+        info = ParamInfo()
+        self._lib.call("fsdp_plan_param_info", self._plan, param, byref(info))
+        return info
+
+    def close(self):
+        """Releases the engine, its group and the plan; the module's parameters stay
+        placeholders."""
+        for name, attr in (("fsdp_engine_destroy", "_engine"),
+                           ("fsdp_local_group_destroy", "_group"),
+                           ("fsdp_plan_destroy", "_plan")):
+            handle = getattr(self, attr, None)
+            if handle is not None and handle.value:
+                self._lib.call(name, handle)
+                setattr(self, attr, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
+            pass
+

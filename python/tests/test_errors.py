@@ -1,0 +1,122 @@
+"""Bad input gets a clear error before anything changes; failed calls raise their status's class."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+from conftest import CHECKOUT
+from training import models
+
+import fsdp_fusion
+from fsdp_fusion import FusedFSDP, LocalGroup
+from fsdp_fusion.errors import STATUS_ERRORS
+
+
+class Two(torch.nn.Module):
+    def __init__(self, first: torch.nn.Module, second: torch.nn.Module):
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_module_on_two_devices_is_refused_naming_both():
+    module = Two(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"second\.weight is on meta.*cpu"):
+        FusedFSDP(module, [module.first, module.second])
+    # Nothing was taken from the module.
+    assert module.first.weight.untyped_storage().nbytes() == 4 * 4 * 4
+
+
+def test_a_dtype_the_engine_lacks_is_refused_naming_the_parameter():
+    module = Two(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, dtype=torch.float64))
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"second\.weight: dtype torch\.float64"):
+        FusedFSDP(module, [module.first, module.second])
+
+
+def test_units_that_are_not_submodules_or_overlap_are_refused():
+    module = Two(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"units\[1\].*not a submodule"):
+        FusedFSDP(module, [module.first, torch.nn.Linear(4, 4)])
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"units\[0\].*not a submodule"):
+        FusedFSDP(module, [module])
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="units 0 and 1 share a module"):
+        FusedFSDP(module, [module.first, module.first])
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="no parameters"):
+        FusedFSDP(torch.nn.ReLU(), [])
+
+
+def test_settings_the_engine_refuses_raise_value_errors():
+    _, module = models()
+    with pytest.raises(ValueError, match="optimizer 'lamb'"):
+        FusedFSDP(module, list(module.blocks), optimizer="lamb")
+    with pytest.raises(ValueError, match="grad_reduction 'max'"):
+        FusedFSDP(module, list(module.blocks), grad_reduction="max")
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="FSDP_INVALID_ARGUMENT.*timeout"):
+        FusedFSDP(module, list(module.blocks), timeout=-1.0)
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="rank 2 is not in a local group"):
+        FusedFSDP(module, list(module.blocks), local_group=LocalGroup(2), rank=2)
+
+
+def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):
+    monkeypatch.setenv(fsdp_fusion.LIBRARY_ENV, str(tmp_path / "nowhere.so"))
+    with pytest.raises(fsdp_fusion.UnavailableError, match="nowhere.so"):
+        LocalGroup(1)
+    monkeypatch.delenv(fsdp_fusion.LIBRARY_ENV)
+    places = fsdp_fusion.library_candidates()
+    assert places[0].name == "libfsdp_fusion.so" and places[0].parent.name == "fsdp_fusion"
+    assert any(p.parent.parts[-2:] == ("target", "release") for p in places[1:])
+
+
+def test_status_classes_follow_the_header():
+    header = (CHECKOUT / "include" / "fsdp_fusion.h").read_text()
+    enum = re.search(r"typedef enum fsdp_status \{(.*?)\}", header, re.S).group(1)
+    codes = [(name, int(value)) for name, value in re.findall(r"(FSDP_\w+) = (\d+)", enum)]
+    assert codes == [(name, code) for code, (name, _) in enumerate(STATUS_ERRORS)]
+
+
+def test_hooks_out_of_order_raise_misuse_and_the_engine_goes_on():
+    _, module = models()
+    fused = FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.1)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    fused.step()  # a step with no backward is allowed
+    with pytest.raises(fsdp_fusion.MisuseError, match="FSDP_MISUSE"):
+        fused._lib.call("fsdp_engine_post_forward", fused._engine, 0)
+    loss = fused(tokens).float().pow(2).mean()
+    loss.backward()
+    fused.step()
+    assert fused.counters().steps == 2
+
+
+def test_an_aborted_engine_refuses_every_later_step():
+    _, module = models()
+    fused = FusedFSDP(module, list(module.blocks))
+    fused.abort()
+    with pytest.raises(fsdp_fusion.AbortedError, match="FSDP_ABORTED"):
+        fused(torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_a_rank_whose_peer_never_comes_times_out():
+    group = LocalGroup(2)
+    modules = [models()[1] for _ in range(2)]
+    fused = {}
+
+    def make(rank):
+        fused[rank] = FusedFSDP(modules[rank], list(modules[rank].blocks), local_group=group,
+                                rank=rank, timeout=1.0)
+
+    ranks = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert sorted(fused) == [0, 1]
+    # Rank 1 never runs its forward: rank 0's first gather waits for it, then gives up.
+    with pytest.raises(fsdp_fusion.FsdpTimeoutError, match="FSDP_TIMEOUT.*timed out"):
+        fused[0](torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(fsdp_fusion.PoisonedError, match="FSDP_POISONED"):
+        fused[0](torch.zeros(2, 8, dtype=torch.long))
