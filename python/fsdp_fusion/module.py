@@ -479,14 +479,15 @@ class FusedFSDP(torch.nn.Module):
     def _close(self, u: _Unit, hook):
         """Runs the engine's post hook for the unit; its parameters go back to placeholders once
         none of its hooks is open."""
-        if not u.params:
+        if not u.params or u.opens == 0:
+            # Nothing to close: the pre hook failed (torch runs post hooks all the same).
             return
         if u.opens == 1:
             for p in u.params:
                 p.tensor.data = p.placeholder
             u.views = None
             self._open_units.remove(u)
-        u.opens = max(u.opens - 1, 0)
+        u.opens -= 1
         self._check(hook(self._engine, u.index), hook.__name__)
 
     def _view(self, p: _Param, address: int | None) -> torch.Tensor:
