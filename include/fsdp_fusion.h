@@ -232,6 +232,8 @@ enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);
 
 // Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
 // unit. Takes part in collectives: every rank must call it. On a GPU it does not block the host.
+// A forward while a unit's backward is open (a recompute, for activation checkpointing) stays
+// part of that backward pass.
 enum fsdp_status fsdp_engine_pre_forward(struct fsdp_engine *engine, int64_t unit);
 
 // After `unit`'s forward: its parameter views stay valid only while another of its hooks is open.

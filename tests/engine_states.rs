@@ -363,3 +363,74 @@ fn a_gradient_slot_is_not_zero_filled() {
         e.commit_grad(w).unwrap();
     });
 }
+
+/// One step of two units under a root of two parameters in one group, whose backward
+/// recomputes each unit's forward inside its open backward when `recompute`, as activation
+/// checkpointing does; returns the step's reduce-scatters and rank 0's root shard after an SGD
+/// step.
+fn checkpointed_step(mode: Mode, recompute: bool) -> (u64, Vec<u8>) {
+    let mut params = vec![
+        ParamSpec::new("head", &[4], DType::F32),
+        ParamSpec::new("tail", &[8], DType::F32),
+    ];
+    params.extend((0..2).map(|i| ParamSpec::new(format!("w{i}"), &[4, 4], DType::F32).in_unit(i)));
+    let model = ModelSpec::new(params).unwrap();
+    let config = EngineConfig {
+        optimizer: fsdp_fusion::OptimizerConfig::sgd(0.5),
+        ..EngineConfig::default()
+    };
+    let mut ranks = on_two_ranks(mode, model, config, move |mut e| {
+        let ids: Vec<_> = ["head", "tail", "w0", "w1"]
+            .iter()
+            .map(|n| e.plan().param_id(n).unwrap())
+            .collect();
+        let numel = |e: &CpuEngine, id| e.plan().param(id).unwrap().numel;
+        for &id in &ids {
+            e.load_param(id, Input::host(&vec![1.0f32; numel(&e, id)]))
+                .unwrap();
+        }
+        let grad = |e: &mut CpuEngine, id| {
+            let g = vec![0.25f32 * (1 + e.rank()) as f32; numel(e, id)];
+            e.grad(id, Input::host(&g)).unwrap();
+        };
+        e.pre_forward(Unit::Root).unwrap();
+        for i in 0..2 {
+            e.pre_forward(Unit::Layer(i)).unwrap();
+            e.post_forward(Unit::Layer(i)).unwrap();
+        }
+        e.post_forward(Unit::Root).unwrap();
+        // The head's gradient comes first, the tail's last: the root's group is half-filled
+        // during the units' backward.
+        e.pre_backward(Unit::Root).unwrap();
+        grad(&mut e, ids[0]);
+        for i in (0..2).rev() {
+            e.pre_backward(Unit::Layer(i)).unwrap();
+            if recompute {
+                e.pre_forward(Unit::Layer(i)).unwrap();
+                e.post_forward(Unit::Layer(i)).unwrap();
+            }
+            grad(&mut e, ids[2 + i as usize]);
+            e.post_backward(Unit::Layer(i)).unwrap();
+        }
+        grad(&mut e, ids[1]);
+        e.post_backward(Unit::Root).unwrap();
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        let group = e.plan().param(ids[0]).unwrap().group;
+        (e.counters().reduce_scatters, e.param_shard(group).unwrap())
+    });
+    ranks.swap_remove(0)
+}
+
+#[test]
+fn a_forward_recomputed_inside_the_backward_keeps_the_pass_and_its_reductions() {
+    for_each_mode(|mode| {
+        let (plain_reduces, plain_shard) = checkpointed_step(mode, false);
+        let (recomputed_reduces, recomputed_shard) = checkpointed_step(mode, true);
+        // Three groups (the root's, w0's, w1's), each reduced once.
+        assert_eq!(plain_reduces, 3);
+        assert_eq!(recomputed_reduces, plain_reduces);
+        assert_eq!(recomputed_shard, plain_shard);
+    });
+}

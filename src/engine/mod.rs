@@ -452,7 +452,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Before `unit`'s forward: its groups are gathered (reused if READY) and compute waits for
-    /// them; the next unit expected is prefetched. Does not block the host on a GPU.
+    /// them; the next unit expected is prefetched. Does not block the host on a GPU. A forward
+    /// while a unit's backward is open (a recompute, for activation checkpointing) is part of
+    /// that backward pass: it does not end the pass.
     pub fn pre_forward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("pre_forward", unit);
         self.healthy()?;
@@ -463,7 +465,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.check_no_open_slot()?;
         self.effects(|e| {
-            e.begin(Phase::Forward, u)?;
+            // A forward while a backward is open recomputes activations inside that backward
+            // (activation checkpointing): it belongs to the backward pass, so it neither ends
+            // the pass (which would reduce half-filled groups early) nor starts a forward one,
+            // and prefetching keeps to the backward order.
+            if !e.backward_open.contains(&true) {
+                e.begin(Phase::Forward, u)?;
+            }
             e.forward_open[u] = true;
             e.use_unit_traced(u, Phase::Forward)
         })

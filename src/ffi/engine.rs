@@ -180,6 +180,8 @@ pub extern "C" fn fsdp_engine_destroy(engine: *mut fsdp_engine) -> fsdp_status {
 
 /// Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
 /// unit. Takes part in collectives: every rank must call it. On a GPU it does not block the host.
+/// A forward while a unit's backward is open (a recompute, for activation checkpointing) stays
+/// part of that backward pass.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_pre_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
     boundary(|| {
