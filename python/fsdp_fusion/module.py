@@ -3,8 +3,9 @@
 The wrapper declares every parameter of the module to the engine (its unit is the index of the
 unit module holding it, or the root; a parameter held by several modules is tied), loads the
 initial values and drops the module's own parameter storage. Hooks then point each parameter's
-`.data` at its gathered view while one of its unit's hooks is open, forward and backward, and
-hand the unit's gradients to the engine once its backward is done. Each unit costs one C call for
+`.data` at its gathered view while one of its unit's hooks is open, forward and backward (at
+world size 1 the views are the shards themselves, which never move: parameters stay views
+between hooks), and hand the unit's gradients to the engine once its backward is done. Each unit costs one C call for
 its views and one for its gradients per hook, whatever its number of parameters.
 """
 
@@ -184,6 +185,10 @@ class FusedFSDP(torch.nn.Module):
     stream that was current when the wrapper was made, the engine's compute stream. A CPU module
     trains at world size 1, or as rank `rank` of `local_group` (ranks as threads, each made and
     driven on its own thread: making an engine compares the ranks' plans).
+
+    Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
+    unit shows), except at world size 1, where it stays a view of its shard, current after
+    every step.
 
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
@@ -462,6 +467,12 @@ class FusedFSDP(torch.nn.Module):
         if not u.params:
             return
         self._check(hook(self._engine, u.index), hook.__name__)
+        u.opens += 1
+        if u.views is None:
+            self._map_views(u)
+
+    def _map_views(self, u: _Unit):
+        """Points the unit's parameters at their gathered views (made once per slot)."""
         self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params), u.addresses),
                     "fsdp_engine_params")
         key = tuple(u.addresses)
@@ -472,23 +483,27 @@ class FusedFSDP(torch.nn.Module):
         u.views = views
         for p, view in zip(u.params, views.tensors):
             p.tensor.data = view
-        if u.opens == 0:
+        if self._views_move:
             self._open_units.append(u)
-        u.opens += 1
 
     def _close(self, u: _Unit, hook):
         """Runs the engine's post hook for the unit; its parameters go back to placeholders once
-        none of its hooks is open."""
+        none of its hooks is open. At world size 1 they stay views: the views are the shards,
+        which never move, so they always hold the current values."""
         if not u.params or u.opens == 0:
             # Nothing to close: the pre hook failed (torch runs post hooks all the same).
             return
-        if u.opens == 1:
-            for p in u.params:
-                p.tensor.data = p.placeholder
-            u.views = None
-            self._open_units.remove(u)
         u.opens -= 1
+        if u.opens == 0 and self._views_move:
+            self._unmap_views(u)
         self._check(hook(self._engine, u.index), hook.__name__)
+
+    def _unmap_views(self, u: _Unit):
+        for p in u.params:
+            p.tensor.data = p.placeholder
+        u.views = None
+        if u in self._open_units:
+            self._open_units.remove(u)
 
     def _view(self, p: _Param, address: int | None) -> torch.Tensor:
         numel = p.tensor.numel()
@@ -585,8 +600,10 @@ class FusedFSDP(torch.nn.Module):
         return info
 
     def close(self):
-        """Releases the engine, its group and the plan; the module's parameters stay
-        placeholders."""
+        """Releases the engine, its group and the plan; the module's parameters become
+        placeholders (they never point at released memory)."""
+        for u in getattr(self, "_unit_of", {}).values():
+            self._unmap_views(u)
         for name, attr in (("fsdp_engine_destroy", "_engine"),
                            ("fsdp_local_group_destroy", "_group"),
                            ("fsdp_plan_destroy", "_plan")):

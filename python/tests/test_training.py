@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training import BATCH, FROZEN, SEQ, VOCAB, models, train
+from training import BATCH, FROZEN, SEQ, VOCAB, models, on_ranks, train
 
 from fsdp_fusion.module import _Saved
 
@@ -94,23 +94,39 @@ def test_frozen_parameters_stay_and_the_tie_holds():
     assert difference <= 1e-4
 
 
-def test_evaluation_under_no_grad_gives_the_trained_logits_and_leaves_placeholders():
-    run = train("adamw")
-    fused = run.ranks[0]
+@pytest.mark.parametrize("world", [1, 2])
+def test_evaluation_under_no_grad_gives_the_trained_logits_and_training_goes_on(world):
+    run = train("adamw", world=world)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(5))
-    before = fused.counters()
     with torch.no_grad():
         want = run.reference(tokens)
-        got = fused(tokens)
-    assert (want - got).abs().max().item() <= 1e-4
-    after = fused.counters()
-    assert (after.steps, after.reduce_scatters) == (before.steps, before.reduce_scatters)
+
+    def evaluate(rank):
+        fused = run.ranks[rank]
+        before = fused.counters()
+        with torch.no_grad():
+            got = fused(tokens)
+        after = fused.counters()
+        # Training goes on after the evaluation.
+        loss = torch.nn.functional.cross_entropy(fused(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        fused.step()
+        return got, before, after, fused.counters()
+
+    for got, before, after, stepped in on_ranks(world, evaluate):
+        assert (want - got).abs().max().item() <= 1e-4
+        assert (after.steps, after.reduce_scatters) == (before.steps, before.reduce_scatters)
+        assert stepped.steps == before.steps + 1
+
+
+def test_parameters_between_hooks_are_placeholders_above_world_size_1_and_shards_at_1():
+    single = train("adamw").ranks[0]
+    weight = single.module.blocks[1].up.weight
+    assert torch.equal(weight.detach(), single.full_parameter("blocks.1.up.weight"))
+    single.close()
+    assert torch.isnan(weight).all(), "a closed engine's parameter still points at its memory"
+    fused = train("sgd", world=2).ranks[0]
     weight = fused.module.blocks[1].up.weight
-    assert weight.shape == run.reference.blocks[1].up.weight.shape
+    assert weight.shape == (4 * 32, 32)
     assert weight.untyped_storage().nbytes() == weight.element_size(), "storage kept"
     assert torch.isnan(weight).all(), "a parameter outside its unit is not the NaN placeholder"
-    # Training goes on after the evaluation.
-    loss = torch.nn.functional.cross_entropy(fused(tokens).flatten(0, 1), tokens.flatten())
-    loss.backward()
-    fused.step()
-    assert fused.counters().steps == before.steps + 1
