@@ -20,8 +20,9 @@ weights are rounded to bf16 first, so that every master starts from the same val
 World size 1: torch.distributed is initialized with NCCL over tcp://127.0.0.1 for FSDP2, and the
 fsdp-fusion engine joins its own NCCL group of one rank. `--device cpu` runs the same on the CPU
 backend (gloo for FSDP2, host timers), small, as a smoke test without a GPU. Step times are CUDA
-events around forward, backward and optimizer (the loss is read on the host only to print it);
-the summary's means leave out the first `--warmup` steps.
+events around forward, backward and optimizer (the loss is read on the host after each step, so
+every step starts on an idle machine); the trainers take turns step by step, so that all three
+see the same host and GPU conditions; the summary leaves out the first `--warmup` steps.
 """
 
 from __future__ import annotations
@@ -194,15 +195,18 @@ class Fsdp2Trainer:
         return loss
 
 
-def run(trainer, data, device):
-    """Trains on every batch; returns the losses (read after each step) and the step times."""
-    timer, losses = Timer(device), []
+def run(trainers, data, device):
+    """Trains every trainer on every batch, the trainers taking turns step by step so that all
+    see the same machine; returns each one's losses (read after each step) and step times."""
+    timers = [Timer(device) for _ in trainers]
+    losses = [[] for _ in trainers]
     for tokens in data:
-        timer.start()
-        loss = trainer.step(tokens)
-        timer.stop()
-        losses.append(loss.item())
-    return losses, timer.milliseconds()
+        for trainer, timer, out in zip(trainers, timers, losses):
+            timer.start()
+            loss = trainer.step(tokens)
+            timer.stop()
+            out.append(loss.item())
+    return {t.name: (out, timer.milliseconds()) for t, timer, out in zip(trainers, timers, losses)}
 
 
 def main() -> int:
@@ -216,13 +220,9 @@ def main() -> int:
         dist.init_process_group("gloo", **init)
     model = initial_model(args)
     data = list(batches(args, device))
-    trainers = [FusionTrainer, PlainTrainer, Fsdp2Trainer]
-    results = {}
-    for make in trainers:
-        trainer = make(args, model, device)
-        results[make.name] = run(trainer, data, device)
-        if isinstance(trainer, FusionTrainer):
-            trainer.model.close()  # the engine's memory and NCCL group, now rather than at exit
+    trainers = [make(args, model, device) for make in (FusionTrainer, PlainTrainer, Fsdp2Trainer)]
+    results = run(trainers, data, device)
+    trainers[0].model.close()  # the engine's memory and NCCL group, now rather than at exit
     names = [t.name for t in trainers]
     print(f"{args.layers} blocks, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x "
           f"{args.seq} tokens, bf16, AdamW lr {args.lr}, {args.device}, world size 1")
@@ -231,12 +231,17 @@ def main() -> int:
         row = " ".join(f"{results[n][0][step]:19.6f} {results[n][1][step]:8.2f}" for n in names)
         print(f"{step:4d} {row}")
     plain = results["plain PyTorch"][0]
+    medians = {}
     for name in names:
         losses, times = results[name]
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain))
-        mean = statistics.mean(times[args.warmup:] or times)
-        print(f"{name:>14}: mean step {mean:8.2f} ms (steps {args.warmup}..{args.steps - 1}), "
+        timed = times[args.warmup:] or times
+        medians[name] = statistics.median(timed)
+        print(f"{name:>14}: mean step {statistics.mean(timed):8.2f} ms, median "
+              f"{medians[name]:8.2f} ms (steps {args.warmup}..{args.steps - 1}), "
               f"max relative loss difference vs plain PyTorch {worst:.2e}")
+    for name in names[0], names[2]:
+        print(f"{name} / plain PyTorch, median step: {medians[name] / medians['plain PyTorch']:.3f}")
     dist.destroy_process_group()
     return 0
 
