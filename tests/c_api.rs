@@ -754,6 +754,14 @@ fn initial_values() -> [Vec<f32>; 3] {
     ]
 }
 
+/// Loads parameter `i` of `engine` from `values[i]` (f32).
+fn load_values(engine: *mut fsdp_engine, values: &[Vec<f32>]) {
+    for (id, v) in values.iter().enumerate() {
+        // SAFETY: `v` holds `v.len()` floats.
+        ok(unsafe { fsdp_engine_load_param(engine, id, v.as_ptr().cast(), v.len(), FSDP_F32) });
+    }
+}
+
 /// The memory an engine's views, gradients and slots live in, as a C caller reaches it.
 trait CallerMemory {
     /// A gradient of `values` for the engine to read; valid until the step is over.
@@ -842,15 +850,7 @@ fn sgd_step(
     let mut slot: *mut f32 = null_mut();
     // SAFETY: valid pointers; device addresses are used while the engine says they are valid.
     unsafe {
-        for (id, v) in values.iter().enumerate() {
-            ok(fsdp_engine_load_param(
-                engine,
-                id,
-                v.as_ptr().cast(),
-                v.len(),
-                FSDP_F32,
-            ));
-        }
+        load_values(engine, &values);
         ok(fsdp_engine_pre_forward(engine, FSDP_ROOT));
         ok(fsdp_engine_param(
             engine, 0, &mut data, &mut numel, &mut dtype,
@@ -1473,15 +1473,7 @@ fn batched_views_and_gradients_act_as_the_single_calls_and_a_refused_batch_takes
                 0,
                 &mut engine,
             ));
-            for (id, v) in values.iter().enumerate() {
-                ok(fsdp_engine_load_param(
-                    engine,
-                    id,
-                    v.as_ptr().cast(),
-                    v.len(),
-                    FSDP_F32,
-                ));
-            }
+            load_values(engine, &values);
             ok(fsdp_engine_pre_forward(engine, 0));
             let ids = [2usize, 0, 1];
             let mut addresses = [stale; 3];

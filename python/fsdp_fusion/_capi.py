@@ -190,3 +190,23 @@ def library(path: str | os.PathLike | None = None) -> Library:
         if found not in _LOADED:
             _LOADED[found] = Library(found)
         return _LOADED[found]
+
+
+class Releasing:
+    """Something holding library handles that `close()` releases: at the end of a `with` block,
+    or when collected."""
+
+    def close(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
+            pass

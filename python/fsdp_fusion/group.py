@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from ctypes import byref, c_void_p
 
-from ._capi import library
+from ._capi import Releasing, library
 from .errors import InvalidArgumentError
 
 
-class LocalGroup:
+class LocalGroup(Releasing):
     """The communicators of `world_size` CPU ranks that run as threads of this process: give it,
     with its rank, to each rank's `FusedFSDP` of a CPU module, and drive each rank from its own
     thread (every collective needs all of them)."""
@@ -27,15 +27,3 @@ class LocalGroup:
         if self.handle is not None and self.handle.value:
             self._lib.call("fsdp_local_group_destroy", self.handle)
             self.handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
-            pass

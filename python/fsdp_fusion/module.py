@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _capi
-from ._capi import ROOT, UNIQUE_ID_BYTES, Config, Counters, Grad, ParamInfo, ParamSpec
+from ._capi import ROOT, UNIQUE_ID_BYTES, Config, Counters, Grad, ParamInfo, ParamSpec, Releasing
 from ._dlpack import tensor_at
 from .errors import InvalidArgumentError, MisuseError
 from .group import LocalGroup
@@ -169,7 +169,7 @@ def _membership(device: torch.device) -> tuple[int, int]:
     return 0, 1
 
 
-class FusedFSDP(torch.nn.Module):
+class FusedFSDP(Releasing, torch.nn.Module):
     """Trains `module` through an fsdp-fusion engine; `units` are its FSDP units in forward order
     (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
     passes of a step (several backward passes accumulate).
@@ -611,16 +611,4 @@ class FusedFSDP(torch.nn.Module):
             if handle is not None and handle.value:
                 self._lib.call(name, handle)
                 setattr(self, attr, None)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - nothing to report to at interpreter exit
-            pass
 
