@@ -74,9 +74,8 @@ fn id(e: &CpuEngine, name: &str) -> ParamId {
 
 fn grad(e: &mut CpuEngine, name: &str) -> fsdp_fusion::Result<()> {
     let p = id(e, name);
-    let layout = e.plan().param(p).unwrap().clone();
-    let g: Vec<f32> = (0..layout.numel).map(|j| 0.5 - j as f32 * 0.25).collect();
-    e.grad(p, Input::host(&g))
+    let numel = e.plan().param(p).unwrap().numel;
+    e.grad(p, Input::host(&grad_values(numel)))
 }
 
 /// A whole correct step; returns every shard afterwards.
@@ -657,4 +656,60 @@ fn another_gradient_while_a_slot_is_open() {
         |err| matches!(err, Error::GradSlotNotOpen { name } if name == "w"),
         step,
     );
+}
+
+/// The gradient `grad` hands over, of `n` elements.
+fn grad_values(n: usize) -> Vec<f32> {
+    (0..n).map(|j| 0.5 - j as f32 * 0.25).collect()
+}
+
+#[test]
+fn a_gradient_batch_with_one_bad_entry_takes_none_of_it() {
+    assert_harmless(
+        nothing,
+        |e| {
+            let g = grad_values(9);
+            e.grads(&[
+                (id(e, "w"), Input::host(&g)),
+                (id(e, "head"), Input::host(&g[..3])),
+            ])
+        },
+        |err| matches!(err, Error::GradientLength { name, expected: 4, got: 3 } if name == "head"),
+        step,
+    );
+    assert_harmless(
+        nothing,
+        |e| {
+            let g = grad_values(9);
+            e.grads(&[(id(e, "w"), Input::host(&g)), (id(e, "w"), Input::host(&g))])
+        },
+        |err| matches!(err, Error::DuplicateGradient { name } if name == "w"),
+        step,
+    );
+}
+
+#[test]
+fn a_gradient_batch_gives_what_its_gradients_give_one_by_one() {
+    for_each_mode(|mode| {
+        let one_by_one = on_loaded(2, mode, step);
+        let batched = on_loaded(2, mode, |e| {
+            e.pre_forward(Unit::Root).unwrap();
+            e.post_forward(Unit::Root).unwrap();
+            e.pre_forward(Unit::Layer(0)).unwrap();
+            e.post_forward(Unit::Layer(0)).unwrap();
+            e.pre_backward(Unit::Layer(0)).unwrap();
+            let (w, b) = (grad_values(9), grad_values(3));
+            e.grads(&[(id(e, "b"), Input::host(&b)), (id(e, "w"), Input::host(&w))])
+                .unwrap();
+            e.post_backward(Unit::Layer(0)).unwrap();
+            let (head, embed) = (grad_values(4), grad_values(12));
+            e.grads(&[
+                (id(e, "head"), Input::host(&head)),
+                (id(e, "embed"), Input::host(&embed)),
+            ])
+            .unwrap();
+            end_step(e)
+        });
+        assert_eq!(batched, one_by_one);
+    });
 }
