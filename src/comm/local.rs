@@ -492,12 +492,16 @@ mod tests {
     }
 
     /// The error a collective gave: at once on an eager backend, at the next call otherwise.
+    /// The collective's outcome once its stream is done, a stream's failure as its cause (on an
+    /// asynchronous backend a failure may already show when the next call is issued).
     fn outcome(b: &CpuBackend, issued: Result<()>) -> Result<(), Arc<Error>> {
-        issued.map_err(Arc::new)?;
-        match b.synchronize(&b.record(Stream::Reduce).map_err(Arc::new)?) {
-            Err(Error::StreamFailed { cause, .. }) => Err(cause),
-            other => other.map_err(Arc::new),
-        }
+        let cause = |e: Error| match e {
+            Error::StreamFailed { cause, .. } => cause,
+            e => Arc::new(e),
+        };
+        issued.map_err(cause)?;
+        b.synchronize(&b.record(Stream::Reduce).map_err(cause)?)
+            .map_err(cause)
     }
 
     #[test]
