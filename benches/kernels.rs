@@ -402,6 +402,7 @@ const COEFFICIENTS: AdamwCoefficients = AdamwCoefficients {
     step_size: 0.001_535,
     sqrt_bias2: 0.099_55,
     eps: 1e-8,
+    grad_scale: 1.0,
 };
 
 /// Optimizer operands: f32 master (the param itself for f32), the f32 state, then a bf16/f16
@@ -453,8 +454,15 @@ fn sgd(size: usize, param: DType) -> Item {
         let param_ptr = a.get(2).copied().unwrap_or(a[0]);
         // SAFETY: every operand holds `n` elements of its dtype.
         Ok(unsafe {
-            gpu.kernels
-                .sgd(&gpu.stream, param, a[0], a[1], param_ptr, n, 0.01, 0.1)
+            gpu.kernels.sgd(
+                &gpu.stream,
+                param,
+                a[0],
+                a[1],
+                param_ptr,
+                n,
+                (0.01, 0.1, 1.0),
+            )
         }?)
     })
 }

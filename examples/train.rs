@@ -14,7 +14,7 @@ use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
-use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Training};
+use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Recipe, Training};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -130,6 +130,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         batch: args.batch,
         dtype,
         seed: 7,
+        embed_lr_scale: 1.0,
     });
     let optimizer = match args.optimizer {
         Optimizer::Adamw => OptimizerConfig::AdamW {
@@ -163,6 +164,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         init: &init,
         steps: args.steps,
         passes: args.passes,
+        recipe: Recipe::default(),
     };
 
     println!(

@@ -119,6 +119,8 @@ typedef struct fsdp_counters {
   uint64_t extra_slots;
   uint64_t host_waits;
   uint64_t steps;
+  // Steps whose gradients were synced that ended without an optimizer step.
+  uint64_t skipped_steps;
 } fsdp_counters;
 
 // One parameter's declaration.
@@ -136,6 +138,13 @@ typedef struct fsdp_param_spec {
   uint8_t trainable;
   // 1: used by several units (kept gathered with the root); 0: not. Other values are refused.
   uint8_t tied;
+  // 1: exempt from weight decay (biases, norms and embeddings in LLM recipes); 0: decayed.
+  // Other values are refused.
+  uint8_t no_weight_decay;
+  // The parameter's learning rate is the engine's times this (finite, >= 0); 0 is taken as 1,
+  // so that a zero-filled spec trains at the engine's rate (a parameter that must not move is
+  // frozen instead).
+  float lr_scale;
 } fsdp_param_spec;
 
 // One parameter's place in the plan.
@@ -158,6 +167,13 @@ typedef struct fsdp_memory {
   size_t grad_slots;
   size_t peak;
 } fsdp_memory;
+
+// The whole model's gradient norms: the 2-norm and the largest magnitude (NaN or infinite when
+// a gradient element is).
+typedef struct fsdp_grad_norm {
+  float l2;
+  float max;
+} fsdp_grad_norm;
 
 #ifdef __cplusplus
 extern "C" {
@@ -488,6 +504,34 @@ enum fsdp_status fsdp_plan_param_info(const struct fsdp_plan *plan,
 enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
                                   const struct fsdp_config *config,
                                   struct fsdp_memory *out);
+
+// Sets the learning rate of the next optimizer steps (call it before each step for a
+// schedule); every parameter's is this times its `lr_scale`. Every rank must set the same.
+// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing.
+enum fsdp_status fsdp_engine_set_lr(struct fsdp_engine *engine, float lr);
+
+// Sets the weight decay of the next optimizer steps, for the parameters that take it.
+enum fsdp_status fsdp_engine_set_weight_decay(struct fsdp_engine *engine, float weight_decay);
+
+// The whole model's gradient norms over every rank, after `fsdp_engine_finish_grad_sync` and
+// before the optimizer step (`FSDP_MISUSE` otherwise). A collective: every rank calls it. Blocks
+// the host until the norms are known.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_grad_norm(struct fsdp_engine *engine, struct fsdp_grad_norm *out);
+
+// As `fsdp_engine_grad_norm`, and this step's optimizer multiplies every gradient by
+// `min(1, max_norm / (l2 + 1e-6))` inside its update, as `torch.nn.utils.clip_grad_norm_`
+// would before the step; `*out` gets the norms before clipping. A step with non-finite norms
+// can be skipped: end it with `fsdp_engine_end_step` without `fsdp_engine_optimizer_step` (the
+// counters count it). `max_norm` must be finite and > 0.
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_clip_grad_norm(struct fsdp_engine *engine,
+                                            float max_norm,
+                                            struct fsdp_grad_norm *out);
 
 // The calling thread's message for its last failed call; never NULL. The string stays valid
 // until the thread's next failed call.

@@ -128,3 +128,27 @@ extern "C" __global__ void __launch_bounds__(kBlock)
   }
   if ((threadIdx.x & 31u) == 0 && mine != 0) atomicAdd(counter, mine);
 }
+
+// `*sum_squares +=` the sum of the squares of `src[0..n)`, in f64, and `*max_bits =` the largest
+// of the old value and every `|src[i]|`'s bits: for non-negative floats the bits order as the
+// values do, and a NaN (its sign cleared) orders above infinity, so a NaN shows in the maximum.
+extern "C" __global__ void __launch_bounds__(kBlock) norm_partials_f32(
+    const float* src, uint64_t n, double* sum_squares, unsigned int* max_bits) {
+  double sum = 0.0;
+  unsigned int top = 0;
+  const uint64_t stride = fsdp::grid_threads();
+  for (uint64_t i = fsdp::grid_thread(); i < n; i += stride) {
+    const float x = src[i];
+    sum += static_cast<double>(x) * static_cast<double>(x);
+    top = max(top, __float_as_uint(x) & 0x7FFFFFFFu);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum += __shfl_down_sync(0xFFFFFFFFu, sum, offset);
+    top = max(top, __shfl_down_sync(0xFFFFFFFFu, top, offset));
+  }
+  if ((threadIdx.x & 31u) == 0) {
+    atomicAdd(sum_squares, sum);
+    atomicMax(max_bits, top);
+  }
+}

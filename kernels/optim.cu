@@ -15,6 +15,7 @@ struct AdamwCoefficients {
   float step_size;
   float sqrt_bias2;
   float eps;
+  float grad_scale;
 };
 
 // For f32 params `param` may be `master`; then the second store is skipped, it would write the
@@ -55,6 +56,7 @@ struct AdamwOp {
     to_floats<F32>(r.g, g);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
+      g[k] = __fmul_rn(g[k], c.grad_scale);
       const float decayed = __fmul_rn(p[k], c.decay);
       mo[k] = __fadd_rn(__fmul_rn(c.beta1, mo[k]), __fmul_rn(c.one_minus_beta1, g[k]));
       vo[k] = __fadd_rn(__fmul_rn(c.beta2, vo[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g[k]), g[k]));
@@ -75,6 +77,7 @@ struct SgdOp {
   typename P::Bits* param;
   float lr;
   float weight_decay;
+  float grad_scale;
   bool aliased;
   template <int N>
   struct Regs {
@@ -97,6 +100,7 @@ struct SgdOp {
     // is 0 (not even `0 * p`, which is NaN for an infinite p).
 #pragma unroll
     for (int k = 0; k < N; ++k) {
+      g[k] = __fmul_rn(g[k], grad_scale);
       const float d = weight_decay != 0.0f ? __fadd_rn(g[k], __fmul_rn(weight_decay, p[k])) : g[k];
       p[k] = __fsub_rn(p[k], __fmul_rn(lr, d));
     }
@@ -122,13 +126,15 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
 
 template <class P>
 __device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
-                                    uint64_t n, float lr, float weight_decay) {
+                                    uint64_t n, float lr, float weight_decay,
+                                    float grad_scale) {
   Phase phase;
   phase.add(master);
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, weight_decay, aliased}, n,
+  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, weight_decay, grad_scale, aliased},
+                                   n,
                                    phase, grid_thread(), grid_threads());
 }
 
@@ -142,9 +148,10 @@ using fsdp::kBlock;
                    uint64_t n, fsdp::AdamwCoefficients c) {                                     \
     fsdp::adamw<P>(master, m, v, grad, param, n, c);                                            \
   }                                                                                             \
-  extern "C" __global__ void __launch_bounds__(kBlock) sgd_##name(                              \
-      float* master, const float* grad, P::Bits* param, uint64_t n, float lr, float wd) {       \
-    fsdp::sgd<P>(master, grad, param, n, lr, wd);                                               \
+  extern "C" __global__ void __launch_bounds__(kBlock)                                          \
+      sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n, float lr,        \
+                 float wd, float grad_scale) {                                                  \
+    fsdp::sgd<P>(master, grad, param, n, lr, wd, grad_scale);                                   \
   }
 
 FSDP_OPTIM(bf16, fsdp::Bf16)

@@ -80,6 +80,8 @@ pub enum Error {
     FrozenGradient { name: String },
     #[error("parameter {name:?} already received a gradient in this backward pass")]
     DuplicateGradient { name: String },
+    #[error("parameter {name:?}: lr_scale {scale} is not finite and >= 0")]
+    InvalidLrScale { name: String, scale: f32 },
     #[error("parameter {name:?}: gradient has {got} elements, the parameter {expected}")]
     GradientLength {
         name: String,

@@ -103,10 +103,57 @@ impl OptimizerConfig {
         matches!(self, OptimizerConfig::AdamW { .. })
     }
 
-    /// The coefficients of update number `step` (counting from 1).
-    pub fn coefficients(&self, step: u64) -> Update {
+    /// The learning rate.
+    pub fn lr(&self) -> f32 {
         match *self {
-            OptimizerConfig::Sgd { lr, weight_decay } => Update::Sgd { lr, weight_decay },
+            OptimizerConfig::Sgd { lr, .. } | OptimizerConfig::AdamW { lr, .. } => lr,
+        }
+    }
+
+    /// The weight decay of parameters that take it.
+    pub fn weight_decay(&self) -> f32 {
+        match *self {
+            OptimizerConfig::Sgd { weight_decay, .. }
+            | OptimizerConfig::AdamW { weight_decay, .. } => weight_decay,
+        }
+    }
+
+    /// The same optimizer with learning rate `lr` and weight decay `weight_decay`, checked.
+    pub fn with_lr_and_decay(&self, lr: f32, weight_decay: f32) -> Result<OptimizerConfig> {
+        let mut next = *self;
+        match &mut next {
+            OptimizerConfig::Sgd {
+                lr: l,
+                weight_decay: w,
+            }
+            | OptimizerConfig::AdamW {
+                lr: l,
+                weight_decay: w,
+                ..
+            } => {
+                *l = lr;
+                *w = weight_decay;
+            }
+        }
+        next.validate()?;
+        Ok(next)
+    }
+
+    /// The coefficients of update number `step` (counting from 1) for a parameter group at the
+    /// learning rate times `lr_scale`, with weight decay when `decay`, and gradients multiplied by
+    /// `grad_scale` (the clipping coefficient; 1 leaves them as they are).
+    pub fn coefficients(&self, step: u64, group: GroupSettings) -> Update {
+        let GroupSettings {
+            lr_scale,
+            decay,
+            grad_scale,
+        } = group;
+        match *self {
+            OptimizerConfig::Sgd { lr, weight_decay } => Update::Sgd {
+                lr: lr * lr_scale,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+                grad_scale,
+            },
             OptimizerConfig::AdamW {
                 lr,
                 beta1,
@@ -115,11 +162,13 @@ impl OptimizerConfig {
                 weight_decay,
             } => {
                 let t = step.min(i32::MAX as u64) as i32;
-                let (lr, b1, b2) = (f64::from(lr), f64::from(beta1), f64::from(beta2));
+                let lr = f64::from(lr * lr_scale);
+                let weight_decay = if decay { f64::from(weight_decay) } else { 0.0 };
+                let (b1, b2) = (f64::from(beta1), f64::from(beta2));
                 let bias1 = 1.0 - b1.powi(t);
                 let bias2 = 1.0 - b2.powi(t);
                 Update::AdamW(AdamwCoefficients {
-                    decay: (1.0 - lr * f64::from(weight_decay)) as f32,
+                    decay: (1.0 - lr * weight_decay) as f32,
                     beta1,
                     one_minus_beta1: (1.0 - b1) as f32,
                     beta2,
@@ -127,7 +176,69 @@ impl OptimizerConfig {
                     step_size: (lr / bias1) as f32,
                     sqrt_bias2: bias2.sqrt() as f32,
                     eps,
+                    grad_scale,
                 })
+            }
+        }
+    }
+}
+
+/// How one parameter group steps: its learning-rate scale, whether weight decay applies, and the
+/// factor its gradients are multiplied by first.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupSettings {
+    pub lr_scale: f32,
+    pub decay: bool,
+    pub grad_scale: f32,
+}
+
+impl Default for GroupSettings {
+    /// The engine's learning rate, weight decay on, gradients as they are.
+    fn default() -> GroupSettings {
+        GroupSettings {
+            lr_scale: 1.0,
+            decay: true,
+            grad_scale: 1.0,
+        }
+    }
+}
+
+/// A learning rate that changes with the step: the engine's learning rate times
+/// [`LrSchedule::factor`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrSchedule {
+    Constant,
+    /// A linear warmup from `1 / warmup_steps` to 1 over `warmup_steps` steps, then a cosine
+    /// decay to `min_factor` over the remaining steps to `total_steps`, as PyTorch's
+    /// `SequentialLR([LinearLR(start_factor=1/warmup_steps, total_iters=warmup_steps),
+    /// CosineAnnealingLR(T_max=total_steps - warmup_steps, eta_min=min_factor * lr)],
+    /// milestones=[warmup_steps])`.
+    WarmupCosine {
+        warmup_steps: u64,
+        total_steps: u64,
+        min_factor: f32,
+    },
+}
+
+impl LrSchedule {
+    /// The factor of step `step` (counting from 0); past `total_steps`, `min_factor`.
+    pub fn factor(&self, step: u64) -> f32 {
+        match *self {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::WarmupCosine {
+                warmup_steps,
+                total_steps,
+                min_factor,
+            } => {
+                if step < warmup_steps {
+                    let start = 1.0 / warmup_steps as f64;
+                    return (start + (1.0 - start) * step as f64 / warmup_steps as f64) as f32;
+                }
+                let span = total_steps.saturating_sub(warmup_steps).max(1);
+                let progress = (step - warmup_steps).min(span) as f64 / span as f64;
+                let min = f64::from(min_factor);
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                (min + (1.0 - min) * cosine) as f32
             }
         }
     }
@@ -136,7 +247,11 @@ impl OptimizerConfig {
 /// One step's coefficients, computed once on the host.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Update {
-    Sgd { lr: f32, weight_decay: f32 },
+    Sgd {
+        lr: f32,
+        weight_decay: f32,
+        grad_scale: f32,
+    },
     AdamW(AdamwCoefficients),
 }
 
@@ -155,11 +270,14 @@ pub struct AdamwCoefficients {
     /// `sqrt(1 - beta2^t)`.
     pub sqrt_bias2: f32,
     pub eps: f32,
+    /// Gradients are multiplied by this first (the clipping coefficient, else 1).
+    pub grad_scale: f32,
 }
 
 /// One element of AdamW: returns the new `(param, m, v)`.
 #[inline]
 pub fn adamw_element(p: f32, m: f32, v: f32, g: f32, c: &AdamwCoefficients) -> (f32, f32, f32) {
+    let g = g * c.grad_scale;
     let p = p * c.decay;
     let m = c.beta1 * m + c.one_minus_beta1 * g;
     let v = c.beta2 * v + (c.one_minus_beta2 * g) * g;
@@ -167,10 +285,11 @@ pub fn adamw_element(p: f32, m: f32, v: f32, g: f32, c: &AdamwCoefficients) -> (
     (p - c.step_size * (m / denom), m, v)
 }
 
-/// One element of SGD: the gradient plus `weight_decay * p` (none at all when it is 0, as
-/// `torch.optim.SGD` skips the term), times `lr`, off the parameter.
+/// One element of SGD: the gradient (times `grad_scale`) plus `weight_decay * p` (none at all
+/// when it is 0, as `torch.optim.SGD` skips the term), times `lr`, off the parameter.
 #[inline]
-pub fn sgd_element(p: f32, g: f32, lr: f32, weight_decay: f32) -> f32 {
+pub fn sgd_element(p: f32, g: f32, lr: f32, weight_decay: f32, grad_scale: f32) -> f32 {
+    let g = g * grad_scale;
     let d = if weight_decay != 0.0 {
         g + weight_decay * p
     } else {
@@ -198,7 +317,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.0,
         };
-        let Update::AdamW(c) = cfg.coefficients(1) else {
+        let Update::AdamW(c) = cfg.coefficients(1, GroupSettings::default()) else {
             unreachable!()
         };
         for g in [3.0f32, -0.002, 1e4] {
@@ -219,7 +338,7 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.1,
         };
-        let Update::AdamW(c) = cfg.coefficients(3) else {
+        let Update::AdamW(c) = cfg.coefficients(3, GroupSettings::default()) else {
             unreachable!()
         };
         assert_eq!(c.decay, 0.95);

@@ -30,14 +30,17 @@ pub struct ParamLayout {
     pub padded_numel: usize,
 }
 
-/// Parameters that share dtype, trainability, unit and tying, packed into one flat buffer.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Parameters that share dtype, trainability, unit, tying and optimizer settings (weight decay
+/// on or off, learning-rate scale), packed into one flat buffer.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Group {
     pub index: usize,
     pub dtype: DType,
     pub trainable: bool,
     pub unit: Unit,
     pub tied: bool,
+    pub weight_decay: bool,
+    pub lr_scale: f32,
     /// Buffer length: a multiple of the world size.
     pub padded_numel: usize,
     /// Elements each rank holds: `padded_numel / world_size`.
@@ -88,6 +91,9 @@ struct GroupKey {
     trainable: bool,
     unit: Unit,
     tied: bool,
+    weight_decay: bool,
+    /// The learning-rate scale's bits: equal scales share a group.
+    lr_scale: u32,
 }
 
 impl Plan {
@@ -105,6 +111,8 @@ impl Plan {
                 trainable: p.trainable,
                 unit: Unit::from(p.unit),
                 tied: p.tied,
+                weight_decay: p.weight_decay,
+                lr_scale: p.lr_scale.to_bits(),
             };
             match keys.iter().position(|k| *k == key) {
                 Some(g) => members[g].push(i),
@@ -177,6 +185,8 @@ impl Plan {
                 trainable: key.trainable,
                 unit: key.unit,
                 tied: key.tied,
+                weight_decay: key.weight_decay,
+                lr_scale: f32::from_bits(key.lr_scale),
                 padded_numel: offset,
                 shard_numel: offset / world_size,
                 params: members[g].iter().map(|&i| ParamId(i)).collect(),

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::types::DType;
 
 /// One parameter as a caller declares it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
     pub name: String,
     /// Dimensions; empty for a scalar.
@@ -21,6 +21,11 @@ pub struct ParamSpec {
     pub trainable: bool,
     /// Shared between the input embedding and the output head.
     pub tied: bool,
+    /// Whether the optimizer's weight decay applies (LLM recipes exempt biases, norms and
+    /// embeddings).
+    pub weight_decay: bool,
+    /// The parameter's learning rate is the engine's times this (finite, >= 0).
+    pub lr_scale: f32,
 }
 
 impl ParamSpec {
@@ -33,6 +38,8 @@ impl ParamSpec {
             unit: None,
             trainable: true,
             tied: false,
+            weight_decay: true,
+            lr_scale: 1.0,
         }
     }
 
@@ -54,6 +61,18 @@ impl ParamSpec {
         self
     }
 
+    /// Exempts the parameter from weight decay.
+    pub fn no_weight_decay(mut self) -> ParamSpec {
+        self.weight_decay = false;
+        self
+    }
+
+    /// Scales the parameter's learning rate by `scale`.
+    pub fn with_lr_scale(mut self, scale: f32) -> ParamSpec {
+        self.lr_scale = scale;
+        self
+    }
+
     /// The element count, or `None` when it overflows.
     pub fn numel(&self) -> Option<usize> {
         self.shape.iter().try_fold(1usize, |acc, &d| {
@@ -63,7 +82,7 @@ impl ParamSpec {
 }
 
 /// A model: its parameters in model order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {
     pub params: Vec<ParamSpec>,
 }
@@ -82,14 +101,22 @@ struct ParamEntry {
     dtype: String,
     #[serde(default)]
     unit: Option<u32>,
-    #[serde(default = "default_trainable")]
+    #[serde(default = "default_true")]
     trainable: bool,
     #[serde(default)]
     tied: bool,
+    #[serde(default = "default_true")]
+    weight_decay: bool,
+    #[serde(default = "default_lr_scale")]
+    lr_scale: f32,
 }
 
-fn default_trainable() -> bool {
+fn default_true() -> bool {
     true
+}
+
+fn default_lr_scale() -> f32 {
+    1.0
 }
 
 impl ModelSpec {
@@ -117,12 +144,19 @@ impl ModelSpec {
                     shape: p.shape.clone(),
                 });
             }
+            if !(p.lr_scale.is_finite() && p.lr_scale >= 0.0) {
+                return Err(Error::InvalidLrScale {
+                    name: p.name.clone(),
+                    scale: p.lr_scale,
+                });
+            }
         }
         Ok(ModelSpec { params })
     }
 
     /// Parses a model file's JSON text: `{"params": [{"name", "shape", "dtype", "unit"?,
-    /// "trainable"?, "tied"?}, ...]}`. A leading UTF-8 byte-order mark is skipped.
+    /// "trainable"?, "tied"?, "weight_decay"?, "lr_scale"?}, ...]}`. A leading UTF-8 byte-order
+    /// mark is skipped.
     pub fn from_json(text: &str) -> Result<ModelSpec> {
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let file: ModelFile = serde_json::from_str(text).map_err(|e| {
@@ -153,6 +187,8 @@ impl ModelSpec {
                     unit: p.unit,
                     trainable: p.trainable,
                     tied: p.tied,
+                    weight_decay: p.weight_decay,
+                    lr_scale: p.lr_scale,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -183,7 +219,8 @@ mod tests {
             r#"{"params": [
                 {"name": "embed", "shape": [10, 4], "dtype": "bf16", "unit": null, "tied": true},
                 {"name": "w", "shape": [4, 4], "dtype": "f32", "unit": 0},
-                {"name": "s", "shape": [], "dtype": "f16", "trainable": false}
+                {"name": "s", "shape": [], "dtype": "f16", "trainable": false},
+                {"name": "b", "shape": [4], "dtype": "f32", "weight_decay": false, "lr_scale": 0.5}
             ]}"#,
         )
         .unwrap();
@@ -197,6 +234,12 @@ mod tests {
         );
         assert_eq!(m.params[2], ParamSpec::new("s", &[], DType::F16).frozen());
         assert_eq!(m.params[2].numel(), Some(1));
+        assert_eq!(
+            m.params[3],
+            ParamSpec::new("b", &[4], DType::F32)
+                .no_weight_decay()
+                .with_lr_scale(0.5)
+        );
     }
 
     #[test]
@@ -270,6 +313,12 @@ mod tests {
                 ..
             })
         ));
+        for scale in [-1.0, f32::NAN, f32::INFINITY] {
+            assert!(matches!(
+                ModelSpec::new(vec![p("a").with_lr_scale(scale)]),
+                Err(Error::InvalidLrScale { name, .. }) if name == "a"
+            ));
+        }
         let huge = ParamSpec::new("h", &[u64::MAX / 2, 3], DType::F32);
         assert!(matches!(
             ModelSpec::new(vec![huge]),

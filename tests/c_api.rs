@@ -104,6 +104,8 @@ fn null_for_every_pointer_argument() {
             unit: FSDP_ROOT,
             trainable: 1,
             tied: 0,
+            no_weight_decay: 0,
+            lr_scale: 0.0,
         };
         let nameless = [spec(null(), shape.as_ptr())];
         // SAFETY: every pointer is valid or NULL; NULL is what is being tested.
@@ -1349,6 +1351,8 @@ fn flags_and_timeouts_that_are_not_what_they_say_are_refused() {
         unit: FSDP_ROOT,
         trainable: 2,
         tied: 0,
+        no_weight_decay: 0,
+        lr_scale: 0.0,
     };
     // SAFETY: valid pointers.
     unsafe {
@@ -1357,6 +1361,28 @@ fn flags_and_timeouts_that_are_not_what_they_say_are_refused() {
             BAD,
             "specs[0].trainable is 2, not 0 or 1",
         );
+        let undecided = fsdp_param_spec {
+            trainable: 1,
+            no_weight_decay: 3,
+            ..spec
+        };
+        expect(
+            fsdp_plan_from_specs(&undecided, 1, 1, &mut out_plan),
+            BAD,
+            "specs[0].no_weight_decay is 3, not 0 or 1",
+        );
+        for scale in [-1.0f32, f32::NAN, f32::INFINITY] {
+            let scaled = fsdp_param_spec {
+                trainable: 1,
+                lr_scale: scale,
+                ..spec
+            };
+            expect(
+                fsdp_plan_from_specs(&scaled, 1, 1, &mut out_plan),
+                BAD,
+                "lr_scale",
+            );
+        }
         let nameless = fsdp_param_spec {
             name: null(),
             trainable: 1,
@@ -1584,6 +1610,75 @@ fn batched_views_and_gradients_act_as_the_single_calls_and_a_refused_batch_takes
             assert_close(&shard_values(engine, plan, 0), &sgd(&values[0], &ga));
             assert_close(&shard_values(engine, plan, 1), &sgd(&values[1], &gb));
             assert_eq!(shard_values(engine, plan, 2), values[2]);
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
+
+#[test]
+fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut engine = null_mut();
+        let values = initial_values();
+        let g = [2.0f32; 9];
+        let mut norm = fsdp_grad_norm::default();
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_create_cpu(
+                plan,
+                &sgd_config(),
+                group,
+                0,
+                &mut engine,
+            ));
+            load_values(engine, &values);
+            expect(fsdp_engine_set_lr(engine, -1.0), BAD, "lr");
+            expect(
+                fsdp_engine_set_weight_decay(engine, f32::NAN),
+                BAD,
+                "weight_decay",
+            );
+            ok(fsdp_engine_set_lr(engine, 0.25));
+            expect(
+                fsdp_engine_grad_norm(engine, &mut norm),
+                fsdp_status::FSDP_MISUSE,
+                "finish_grad_sync",
+            );
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            expect(
+                fsdp_engine_clip_grad_norm(engine, 1.0, null_mut()),
+                NULL,
+                "out",
+            );
+            expect(
+                fsdp_engine_clip_grad_norm(engine, 0.0, &mut norm),
+                BAD,
+                "max_norm",
+            );
+            ok(fsdp_engine_clip_grad_norm(engine, 1.0, &mut norm));
+            // Only w has a gradient: nine 2s.
+            assert_eq!((norm.l2, norm.max), (6.0, 2.0));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            let coefficient = 1.0f32 / (6.0 + 1e-6);
+            let want: Vec<f32> = values[1]
+                .iter()
+                .map(|w| w - 0.25 * (2.0 * coefficient))
+                .collect();
+            assert_close(&shard_values(engine, plan, 1), &want);
+            // A step whose gradients are synced but never applied is skipped and counted.
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_end_step(engine));
+            assert_close(&shard_values(engine, plan, 1), &want);
+            let mut counters = fsdp_counters::default();
+            ok(fsdp_engine_counters(engine, &mut counters));
+            assert_eq!((counters.steps, counters.skipped_steps), (2, 1));
             ok(fsdp_engine_destroy(engine));
             ok(fsdp_local_group_destroy(group));
             ok(fsdp_plan_destroy(plan));

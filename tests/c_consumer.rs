@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fsdp_fusion::{DType, EngineConfig, OptimizerConfig, Plan};
-use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Training};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
 use fsdp_fusion_support::ranks::{DEADLINE, Mode, for_each_mode};
 
 /// The cargo target directory this test runs from: `<target>/<profile>/deps/<test>`.
@@ -74,6 +74,7 @@ fn rust_losses(world: usize, steps: u64) -> Vec<f32> {
         batch: 4,
         dtype: DType::F32,
         seed: 7,
+        embed_lr_scale: 1.0,
     });
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
     let config = EngineConfig {
@@ -95,6 +96,7 @@ fn rust_losses(world: usize, steps: u64) -> Vec<f32> {
         init: &init,
         steps,
         passes: 2,
+        recipe: Recipe::default(),
     };
     let mut losses = Vec::new();
     training

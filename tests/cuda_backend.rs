@@ -15,6 +15,7 @@ use fsdp_fusion::backend::cuda::{CudaBackend, CudaBuffer, is_driver_present};
 use fsdp_fusion::backend::{Backend, Input, OptimizerShard, Region};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::engine::DeviceTensor;
+use fsdp_fusion::optim::GroupSettings;
 use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
@@ -370,7 +371,13 @@ fn optimizer_steps_match_the_cpu() {
                 both.gpu
                     .upload(&mut s.grad.gpu, all(n, DType::F32), &grad)
                     .unwrap();
-                let update = config.coefficients(step);
+                // Clipped on step 2, as a clipping coefficient does.
+                let settings = GroupSettings {
+                    grad_scale: if step == 2 { 0.625 } else { 1.0 },
+                    decay: step != 3,
+                    lr_scale: 0.5,
+                };
+                let update = config.coefficients(step, settings);
                 let cpu = OptimizerShard {
                     param: &mut s.param.cpu,
                     dtype,
@@ -402,6 +409,52 @@ fn optimizer_steps_match_the_cpu() {
                 }
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_partials_agree_with_the_cpu_backend() {
+    let both = Both::new();
+    let mut rng = Rng::new(21);
+    for n in [0usize, 1, 7, 4099, 1 << 20] {
+        let values = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n + 5));
+        let mut parts = both.twin(DType::F32, &[0u8; 16]);
+        let region = Region::new(5, n, DType::F32);
+        for _ in 0..2 {
+            // SAFETY: see the module note.
+            unsafe {
+                both.cpu
+                    .norm_partials(Stream::Compute, &values.cpu, region, &mut parts.cpu)
+            }
+            .unwrap();
+            // SAFETY: see the module note.
+            unsafe {
+                both.gpu
+                    .norm_partials(Stream::Compute, &values.gpu, region, &mut parts.gpu)
+            }
+            .unwrap();
+        }
+        let read = |b: &dyn Fn(&mut [u8])| {
+            let mut out = [0u8; 16];
+            b(&mut out);
+            (
+                f64::from_le_bytes(out[..8].try_into().unwrap()),
+                u32::from_le_bytes(out[8..12].try_into().unwrap()),
+            )
+        };
+        let whole = Region::new(0, 4, DType::F32);
+        let cpu = read(&|out| both.cpu.download(&parts.cpu, whole, out).unwrap());
+        let gpu = read(&|out| both.gpu.download(&parts.gpu, whole, out).unwrap());
+        // The largest magnitude is exact; the f64 sums differ by their order at most.
+        assert_eq!(cpu.1, gpu.1, "n = {n}: largest magnitude");
+        assert!(
+            (cpu.0 - gpu.0).abs() <= 1e-12 * cpu.0,
+            "n = {n}: {} != {}",
+            cpu.0,
+            gpu.0
+        );
+        assert!(n == 0 || cpu.0 > 0.0);
     }
 }
 
@@ -540,7 +593,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         master: None,
         moments: None,
     };
-    let sgd = OptimizerConfig::sgd(0.1).coefficients(1);
+    let sgd = OptimizerConfig::sgd(0.1).coefficients(1, GroupSettings::default());
     let r = unsafe { b.optimizer_step(Stream::Compute, &sgd, shard) };
     assert!(
         matches!(
@@ -560,7 +613,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         master: None,
         moments: None,
     };
-    let adamw = OptimizerConfig::default().coefficients(1);
+    let adamw = OptimizerConfig::default().coefficients(1, GroupSettings::default());
     let r = unsafe { b.optimizer_step(Stream::Compute, &adamw, shard) };
     assert!(
         matches!(
@@ -612,7 +665,7 @@ fn events_streams_and_launches_never_block_the_host() {
     unsafe {
         b.optimizer_step(
             Stream::Compute,
-            &OptimizerConfig::default().coefficients(1),
+            &OptimizerConfig::default().coefficients(1, GroupSettings::default()),
             shard,
         )
     }

@@ -8,7 +8,7 @@ use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, Plan};
-use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Training};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
@@ -21,6 +21,7 @@ fn model(dtype: DType) -> Mlp {
         batch: 6,
         dtype,
         seed: 5,
+        embed_lr_scale: 1.0,
     })
 }
 
@@ -41,6 +42,7 @@ fn parity<B: Backend, C: Communicator<B>>(
         init: &init,
         steps: STEPS,
         passes: PASSES,
+        recipe: Recipe::default(),
     };
     let mut worst = 0f32;
     training

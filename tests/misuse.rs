@@ -713,3 +713,87 @@ fn a_gradient_batch_gives_what_its_gradients_give_one_by_one() {
         assert_eq!(batched, one_by_one);
     });
 }
+
+#[test]
+fn norms_before_the_sync_and_bad_clips_or_rates_are_refused() {
+    assert_harmless(
+        nothing,
+        |e| e.clip_grad_norm(1.0).map(drop),
+        |err| matches!(err, Error::GradsNotSynced { .. }),
+        step,
+    );
+    let synced = |e: &mut CpuEngine| {
+        for name in ["w", "b", "head", "embed"] {
+            grad(e, name).unwrap();
+        }
+        e.finish_grad_sync().unwrap();
+    };
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        assert_harmless(
+            synced,
+            move |e| e.clip_grad_norm(bad).map(drop),
+            |err| {
+                matches!(
+                    err,
+                    Error::InvalidConfig {
+                        field: "max_norm",
+                        ..
+                    }
+                )
+            },
+            end_step,
+        );
+    }
+    assert_harmless(
+        nothing,
+        |e| e.set_lr(f32::NAN),
+        |err| matches!(err, Error::InvalidConfig { field: "lr", .. }),
+        step,
+    );
+    assert_harmless(
+        nothing,
+        |e| e.set_weight_decay(-0.5),
+        |err| {
+            matches!(
+                err,
+                Error::InvalidConfig {
+                    field: "weight_decay",
+                    ..
+                }
+            )
+        },
+        step,
+    );
+}
+
+#[test]
+fn a_step_ended_without_the_optimizer_is_skipped_and_counted() {
+    for world in WORLD_SIZES {
+        for_each_mode(|mode| {
+            let out = on_loaded(world, mode, |e| {
+                let before = shards(e);
+                for name in ["w", "b", "head", "embed"] {
+                    grad(e, name).unwrap();
+                }
+                e.finish_grad_sync().unwrap();
+                let norm = e.grad_norm().unwrap();
+                e.end_step().unwrap();
+                let skipped = (shards(e), e.counters().skipped_steps);
+                // The next step overwrites the skipped step's gradients.
+                let after = step(e);
+                (before, skipped, norm, after, e.counters().skipped_steps)
+            });
+            let fresh = on_loaded(world, mode, step);
+            for ((before, (kept, skipped), norm, after, later), fresh) in out.into_iter().zip(fresh)
+            {
+                assert_eq!(
+                    kept, before,
+                    "world {world}: a skipped step changed the shards"
+                );
+                assert_eq!((skipped, later), (1, 1));
+                assert!(norm.is_finite() && norm.l2 > 0.0);
+                assert_eq!(after, fresh, "world {world}: the skipped gradients stayed");
+            }
+        });
+    }
+}

@@ -3,8 +3,9 @@
 
 use std::sync::Arc;
 
+use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, Plan};
-use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Reference, Training};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
 use fsdp_fusion_support::values::max_relative_difference;
 
@@ -14,18 +15,24 @@ const PASSES: u64 = 2;
 /// Trains both ways in every mode and returns the largest relative parameter difference over
 /// every step and mode.
 fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
+    parity_with(world, dtype, config, Recipe::default())
+}
+
+/// As [`parity`], under a recipe (schedule and clipping), with the embedding at half the
+/// learning rate and the biases exempt from weight decay.
+fn parity_with(world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
     let mut worst = 0f32;
     for_each_mode(|mode| {
         let config = config.clone();
-        let what = format!("parity at world size {world} ({mode:?})");
+        let what = format!("parity at world size {world} ({mode:?}, {recipe:?})");
         worst = worst.max(within_deadline(&what, move || {
-            parity_in(mode, world, dtype, config)
+            parity_in(mode, world, dtype, config, recipe)
         }));
     });
     worst
 }
 
-fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig) -> f32 {
+fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
     let model = Mlp::new(MlpConfig {
         layers: 3,
         width: 24,
@@ -33,6 +40,7 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig) -> f3
         batch: 5,
         dtype,
         seed: 11,
+        embed_lr_scale: 0.5,
     });
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
     let init = model.init(3);
@@ -43,6 +51,7 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig) -> f3
         init: &init,
         steps: STEPS,
         passes: PASSES,
+        recipe,
     };
     let mut steps = Vec::new();
     let ranks = LocalComm::group(world)
@@ -63,9 +72,21 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig) -> f3
             (c.loss - c.reference_loss).abs() <= 1e-6 * c.reference_loss.abs(),
             "{steps:?}"
         );
+        assert!(
+            (c.grad_norm - c.reference_grad_norm).abs() <= 1e-6 * c.reference_grad_norm,
+            "gradient norms: {steps:?}"
+        );
+        // A clip that scales nothing would test nothing.
+        if let Some(max) = recipe.clip {
+            assert!(
+                c.reference_grad_norm > max,
+                "{max} clips nothing: {steps:?}"
+            );
+        }
     }
     // Training moved the parameters: a run that did nothing would also "agree".
-    let mut reference = Reference::new(model.clone(), &init, world, config.optimizer, 1.0).unwrap();
+    let mut reference =
+        Reference::new(model.clone(), &init, world, (config.optimizer, recipe), 1.0).unwrap();
     let start = reference.values().to_vec();
     reference.step(0, PASSES).unwrap();
     let moved = max_relative_difference(reference.values(), &start);
@@ -120,4 +141,31 @@ fn parity_holds_at_the_tightest_limits() {
     };
     let diff = parity(4, DType::F32, config);
     assert!(diff <= 1e-6, "{diff}");
+}
+
+#[test]
+fn parity_under_every_recipe_of_schedule_and_clipping() {
+    let warmup_cosine = LrSchedule::WarmupCosine {
+        warmup_steps: 2,
+        total_steps: STEPS,
+        min_factor: 0.1,
+    };
+    // A clip below the gradients' norm, so that it scales every step (checked in `parity_in`).
+    for (schedule, clip) in [
+        (warmup_cosine, None),
+        (LrSchedule::Constant, Some(0.05)),
+        (warmup_cosine, Some(0.05)),
+    ] {
+        let recipe = Recipe { schedule, clip };
+        for world in [1, 2, 3, 4, 8] {
+            let diff = parity_with(world, DType::F32, config(true), recipe);
+            assert!(diff <= 1e-6, "world {world} {recipe:?}: {diff}");
+        }
+        let sgd = EngineConfig {
+            optimizer: OptimizerConfig::sgd(0.5),
+            ..config(true)
+        };
+        let diff = parity_with(3, DType::Bf16, sgd, recipe);
+        assert!(diff <= 1e-6, "bf16 SGD {recipe:?}: {diff}");
+    }
 }

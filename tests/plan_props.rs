@@ -22,15 +22,23 @@ fn param(i: usize) -> impl Strategy<Value = ParamSpec> {
         prop::option::of(0u32..4),
         any::<bool>(),
         prop::bool::weighted(0.15),
+        (
+            any::<bool>(),
+            prop_oneof![Just(1.0f32), Just(0.5), Just(0.0)],
+        ),
     )
-        .prop_map(move |(shape, dtype, unit, trainable, tied)| ParamSpec {
-            name: format!("p{i}"),
-            shape,
-            dtype,
-            unit,
-            trainable,
-            tied,
-        })
+        .prop_map(
+            move |(shape, dtype, unit, trainable, tied, (weight_decay, lr_scale))| ParamSpec {
+                name: format!("p{i}"),
+                shape,
+                dtype,
+                unit,
+                trainable,
+                tied,
+                weight_decay,
+                lr_scale,
+            },
+        )
 }
 
 fn model() -> impl Strategy<Value = ModelSpec> {
@@ -63,6 +71,10 @@ proptest! {
             for &id in &g.params {
                 let p = plan.param(id).unwrap();
                 prop_assert_eq!(p.group, g.index);
+                // A group's members share its optimizer settings.
+                let spec = &model.params[id.0];
+                prop_assert_eq!(spec.weight_decay, g.weight_decay);
+                prop_assert_eq!(spec.lr_scale.to_bits(), g.lr_scale.to_bits());
                 prop_assert_eq!((p.offset * p.dtype.size()) % ALIGNMENT_BYTES, 0);
                 prop_assert_eq!(p.offset, end);
                 prop_assert!(p.padded_numel >= p.numel);

@@ -241,13 +241,13 @@ int main(int argc, char **argv) {
     uint64_t shapes[NPARAMS][2];
     fsdp_param_spec specs[NPARAMS];
     for (size_t id = 0; id < NPARAMS; id++) {
-        fsdp_param_spec s = {names[id], shapes[id], 1, FSDP_F32, FSDP_ROOT, true, false};
+        fsdp_param_spec s = {names[id], shapes[id], 1, FSDP_F32, FSDP_ROOT, true, false, false, 1.0f};
         if (id == EMBED) {
             snprintf(names[id], sizeof names[id], "embed");
             shapes[id][0] = INPUTS, shapes[id][1] = WIDTH, s.ndim = 2, s.tied = true;
         } else if (id == HEAD) {
             snprintf(names[id], sizeof names[id], "head.bias");
-            shapes[id][0] = INPUTS;
+            shapes[id][0] = INPUTS, s.no_weight_decay = true;
         } else {
             int l = (int)((id - 1) / 3), kind = (int)((id - 1) % 3);
             const char *what[] = {"weight", "bias", "gain"};
@@ -255,6 +255,7 @@ int main(int argc, char **argv) {
             s.unit = l;
             shapes[id][0] = WIDTH, shapes[id][1] = WIDTH, s.ndim = kind == 0 ? 2 : 1;
             s.trainable = kind != 2;
+            s.no_weight_decay = kind == 1; /* biases, as LLM recipes exempt them */
         }
         specs[id] = s;
     }

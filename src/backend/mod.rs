@@ -265,6 +265,20 @@ pub trait Backend: Send {
         counter: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Adds the sum of the squares of the f32 `region` of `src` to the f64 at the start of
+    /// `out` (16 bytes), and raises the u32 at its byte 8 to the bits of the largest magnitude
+    /// (a NaN, its sign cleared, above every number): the rank's part of the gradient norms.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both buffers.
+    unsafe fn norm_partials(
+        &self,
+        stream: Stream,
+        src: &Self::Buffer,
+        region: Region,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
+
     /// Copies `region` of `src` (any dtype) to f32 `dst`.
     ///
     /// # Safety

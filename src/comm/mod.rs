@@ -21,6 +21,8 @@ pub enum Purpose {
     /// The ranks' comparison of the collectives they issued in a step
     /// (`EngineConfig::verify_collectives`).
     CollectiveCheck,
+    /// The exchange of the ranks' parts of the gradient norm.
+    GradNorm,
 }
 
 /// A collective's place in its engine's sequence: every rank issues the same purposes in the
@@ -60,6 +62,7 @@ impl fmt::Display for Fingerprint {
             Purpose::Group(g) => format!("group {g}"),
             Purpose::PlanCheck => "the plan check".into(),
             Purpose::CollectiveCheck => "the collective check".into(),
+            Purpose::GradNorm => "the gradient norm".into(),
         };
         write!(
             f,
@@ -94,6 +97,7 @@ impl Fingerprint {
             Purpose::Group(g) => (0u64, g as u64),
             Purpose::PlanCheck => (1, 0),
             Purpose::CollectiveCheck => (2, 0),
+            Purpose::GradNorm => (3, 0),
         };
         let op = match self.op {
             CollectiveOp::AllGather => 0u64,

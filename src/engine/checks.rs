@@ -51,7 +51,7 @@ fn first_difference(lists: &[Vec<u8>], width: usize) -> Option<(usize, usize)> {
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// All-gathers `bytes` (the same length on every rank) and returns every rank's, in rank
     /// order. Blocks the host. Its buffers are scratch, outside the engine's counted memory.
-    fn exchange(&mut self, purpose: Purpose, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    pub(super) fn exchange(&mut self, purpose: Purpose, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         let world = self.plan.world_size();
         let words = bytes.len().div_ceil(4);
         let part = words * 4;

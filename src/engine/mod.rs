@@ -10,6 +10,7 @@
 
 mod checks;
 mod gather;
+mod norm;
 mod reduce;
 mod spans;
 mod step;
@@ -28,6 +29,7 @@ use crate::state::{GatherEffect, Gathers};
 use crate::types::{BufferState, DType, ParamId, Unit};
 use crate::watch::{AbortHandle, Watch};
 use gather::{GatherSlot, Placement};
+pub use norm::GradNorm;
 use reduce::GradSlot;
 use spans::Trace;
 pub use views::DeviceTensor;
@@ -53,6 +55,9 @@ pub struct Counters {
     /// Times the host blocked on the device.
     pub host_waits: u64,
     pub steps: u64,
+    /// Steps whose gradients were synced that ended without an optimizer step (skipped, say for
+    /// non-finite gradients).
+    pub skipped_steps: u64,
 }
 
 /// One rank's FSDP runtime over backend `B` and communicator `C`.
@@ -108,6 +113,10 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     issued: Vec<Fingerprint>,
     /// Where [`Engine::nonfinite_grads`] counts, made at its first use.
     nonfinite_counter: Option<B::Buffer>,
+    /// Where [`Engine::grad_norm`] sums this rank's part, made at its first use.
+    norm_part: Option<B::Buffer>,
+    /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
+    clip_scale: Option<f32>,
     gather_effects: Vec<GatherEffect>,
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
@@ -316,6 +325,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             collectives_in_step: 0,
             issued: Vec::new(),
             nonfinite_counter: None,
+            norm_part: None,
+            clip_scale: None,
             gather_effects: Vec::new(),
             grad_effects: Vec::new(),
             trace: None,

@@ -5,6 +5,7 @@ use super::Engine;
 use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::optim::GroupSettings;
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
@@ -67,9 +68,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.optimizer_steps += 1;
         let start = self.mark(Stream::Compute)?;
-        let update = self.config.optimizer.coefficients(self.optimizer_steps);
+        let grad_scale = self.clip_scale.take().unwrap_or(1.0);
         for g in self.plan.groups().iter().filter(|g| g.trainable) {
             let i = g.index;
+            let update = self.config.optimizer.coefficients(
+                self.optimizer_steps,
+                GroupSettings {
+                    lr_scale: g.lr_scale,
+                    decay: g.weight_decay,
+                    grad_scale,
+                },
+            );
             let Some(grad) = self.grad_shards[i].as_ref() else {
                 continue;
             };
@@ -132,9 +141,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = decided.and_then(|()| {
             self.effects(|e| {
                 e.apply_gather_effects(&fx)?;
+                if e.grads.synced() && !e.stepped {
+                    e.counters.skipped_steps += 1;
+                }
                 e.schedule.end_step();
                 e.grads.end_step();
                 e.stepped = false;
+                e.clip_scale = None;
                 e.counters.steps += 1;
                 e.collectives_in_step = 0;
                 e.issued.clear();
@@ -143,6 +156,21 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         });
         self.gather_effects = fx;
         result
+    }
+
+    /// Sets the learning rate of the next optimizer steps (a schedule calls it before each one);
+    /// every parameter's is this times its `lr_scale`. Every rank must set the same.
+    pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        let decay = self.config.optimizer.weight_decay();
+        self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, decay)?;
+        Ok(())
+    }
+
+    /// Sets the weight decay of the next optimizer steps, for the parameters that take it.
+    pub fn set_weight_decay(&mut self, weight_decay: f32) -> Result<()> {
+        let lr = self.config.optimizer.lr();
+        self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, weight_decay)?;
+        Ok(())
     }
 
     /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard: only

@@ -80,6 +80,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::ParamIdOutOfRange { .. }
         | Error::GroupOutOfRange { .. }
         | Error::GradientLength { .. }
+        | Error::InvalidLrScale { .. }
         | Error::GradientDtype { .. }
         | Error::DataLength { .. }
         | Error::DtypeMismatch { .. }

@@ -64,6 +64,13 @@ pub struct fsdp_param_spec {
     pub trainable: u8,
     /// 1: used by several units (kept gathered with the root); 0: not. Other values are refused.
     pub tied: u8,
+    /// 1: exempt from weight decay (biases, norms and embeddings in LLM recipes); 0: decayed.
+    /// Other values are refused.
+    pub no_weight_decay: u8,
+    /// The parameter's learning rate is the engine's times this (finite, >= 0); 0 is taken as 1,
+    /// so that a zero-filled spec trains at the engine's rate (a parameter that must not move is
+    /// frozen instead).
+    pub lr_scale: f32,
 }
 
 /// An engine's settings; start from `fsdp_config_default`.
@@ -128,6 +135,15 @@ pub struct fsdp_grad {
     pub dtype: u32,
 }
 
+/// The whole model's gradient norms: the 2-norm and the largest magnitude (NaN or infinite when
+/// a gradient element is).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct fsdp_grad_norm {
+    pub l2: f32,
+    pub max: f32,
+}
+
 /// What an engine did so far.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -140,6 +156,8 @@ pub struct fsdp_counters {
     pub extra_slots: u64,
     pub host_waits: u64,
     pub steps: u64,
+    /// Steps whose gradients were synced that ended without an optimizer step.
+    pub skipped_steps: u64,
 }
 
 impl From<Counters> for fsdp_counters {
@@ -153,6 +171,7 @@ impl From<Counters> for fsdp_counters {
             extra_slots: c.extra_slots,
             host_waits: c.host_waits,
             steps: c.steps,
+            skipped_steps: c.skipped_steps,
         }
     }
 }

@@ -10,7 +10,10 @@
 use std::sync::Arc;
 use std::sync::mpsc;
 
-use fsdp_fusion::optim::{Update, accumulate_element, adamw_element, sgd_element};
+use fsdp_fusion::engine::GradNorm;
+use fsdp_fusion::optim::{
+    GroupSettings, LrSchedule, Update, accumulate_element, adamw_element, sgd_element,
+};
 use fsdp_fusion::{
     Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, GradReduction,
     Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result,
@@ -31,6 +34,8 @@ pub struct MlpConfig {
     pub batch: usize,
     pub dtype: DType,
     pub seed: u64,
+    /// The embedding's learning-rate scale (biases and gains are exempt from weight decay).
+    pub embed_lr_scale: f32,
 }
 
 impl Default for MlpConfig {
@@ -42,6 +47,7 @@ impl Default for MlpConfig {
             batch: 16,
             dtype: DType::F32,
             seed: 7,
+            embed_lr_scale: 1.0,
         }
     }
 }
@@ -146,18 +152,26 @@ impl Mlp {
     pub fn spec(&self) -> Result<ModelSpec> {
         let c = &self.config;
         let (w, d) = (c.width as u64, c.dtype);
-        let mut params = vec![ParamSpec::new("embed", &[c.inputs as u64, w], d).tied()];
+        let mut params = vec![
+            ParamSpec::new("embed", &[c.inputs as u64, w], d)
+                .tied()
+                .with_lr_scale(c.embed_lr_scale),
+        ];
         for i in 0..c.layers {
             let u = i as u32;
             params.push(ParamSpec::new(format!("layers.{i}.weight"), &[w, w], d).in_unit(u));
-            params.push(ParamSpec::new(format!("layers.{i}.bias"), &[w], d).in_unit(u));
+            params.push(
+                ParamSpec::new(format!("layers.{i}.bias"), &[w], d)
+                    .in_unit(u)
+                    .no_weight_decay(),
+            );
             params.push(
                 ParamSpec::new(format!("layers.{i}.gain"), &[w], d)
                     .in_unit(u)
                     .frozen(),
             );
         }
-        params.push(ParamSpec::new("head.bias", &[c.inputs as u64], d));
+        params.push(ParamSpec::new("head.bias", &[c.inputs as u64], d).no_weight_decay());
         ModelSpec::new(params)
     }
 
@@ -349,24 +363,49 @@ pub fn load<B: Backend, C: Communicator<B>>(
     Ok(())
 }
 
-/// One sharded training step on a rank: `passes` micro-batches, gradient sync, optimizer step.
-/// Returns the mean loss of the rank's micro-batches.
+/// What a run sets beyond the engine's configuration: the learning-rate schedule (of the
+/// configured learning rate) and the gradient clipping.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Recipe {
+    pub schedule: LrSchedule,
+    /// Clip the whole gradient's 2-norm to this.
+    pub clip: Option<f32>,
+}
+
+impl Default for Recipe {
+    fn default() -> Recipe {
+        Recipe {
+            schedule: LrSchedule::Constant,
+            clip: None,
+        }
+    }
+}
+
+/// One sharded training step on a rank: the step's learning rate, `passes` micro-batches,
+/// gradient sync, the gradient norm (clipped under the recipe), optimizer step. Returns the mean
+/// loss of the rank's micro-batches and the gradient norm before clipping.
 pub fn sharded_step<B: Backend, C: Communicator<B>>(
     model: &Mlp,
     engine: &mut Engine<B, C>,
-    step: u64,
-    passes: u64,
-) -> Result<f32> {
+    (step, passes): (u64, u64),
+    base_lr: f32,
+    recipe: Recipe,
+) -> Result<(f32, GradNorm)> {
     let rank = engine.rank();
+    engine.set_lr(base_lr * recipe.schedule.factor(step))?;
     let mut loss = 0.0;
     for pass in 0..passes {
         let (x, y) = model.batch(step, pass, rank)?;
         loss += model.pass(&mut EngineParams(engine), &x, &y)?;
     }
     engine.finish_grad_sync()?;
+    let norm = match recipe.clip {
+        Some(max) => engine.clip_grad_norm(max)?,
+        None => engine.grad_norm()?,
+    };
     engine.optimizer_step()?;
     engine.end_step()?;
-    Ok(loss / passes as f32)
+    Ok((loss / passes as f32, norm))
 }
 
 /// The unsharded trainer: every parameter whole, gradients of each rank's micro-batch summed in
@@ -375,8 +414,11 @@ pub struct Reference {
     model: Mlp,
     world_size: usize,
     optimizer: OptimizerConfig,
+    recipe: Recipe,
     scale: f32,
     trainable: Vec<bool>,
+    /// Each parameter's learning-rate scale and whether weight decay applies.
+    settings: Vec<(f32, bool)>,
     /// Current values, as rounded to the dtype.
     values: Vec<Vec<f32>>,
     masters: Vec<Vec<f32>>,
@@ -405,12 +447,12 @@ impl Params for PassGrads<'_> {
 
 impl Reference {
     /// A reference for `world_size` ranks, starting from `init` (rounded to the dtype), with the
-    /// given optimizer and gradient scale (`1 / world_size` to average, `1` to sum).
+    /// given optimizer, recipe and gradient scale (`1 / world_size` to average, `1` to sum).
     pub fn new(
         model: Mlp,
         init: &[Vec<f32>],
         world_size: usize,
-        optimizer: OptimizerConfig,
+        (optimizer, recipe): (OptimizerConfig, Recipe),
         scale: f32,
     ) -> Result<Reference> {
         let spec = model.spec()?;
@@ -419,6 +461,11 @@ impl Reference {
         let zeros = |v: &Vec<f32>| vec![0f32; v.len()];
         Ok(Reference {
             trainable: spec.params.iter().map(|p| p.trainable).collect(),
+            settings: spec
+                .params
+                .iter()
+                .map(|p| (p.lr_scale, p.weight_decay))
+                .collect(),
             masters: values.clone(),
             moments: values.iter().map(|v| (zeros(v), zeros(v))).collect(),
             grads: values.iter().map(zeros).collect(),
@@ -426,6 +473,7 @@ impl Reference {
             model,
             world_size,
             optimizer,
+            recipe,
             scale,
             steps: 0,
         })
@@ -436,8 +484,28 @@ impl Reference {
         &self.values
     }
 
-    /// One step of `passes` micro-batches per rank; returns the mean loss over ranks and passes.
-    pub fn step(&mut self, step: u64, passes: u64) -> Result<f32> {
+    /// The 2-norm and largest magnitude of the step's whole gradient: squares summed in f64 in
+    /// parameter order.
+    fn grad_norm(&self) -> GradNorm {
+        let trainable = || self.grads.iter().zip(&self.trainable).filter(|(_, t)| **t);
+        let sum: f64 = trainable()
+            .flat_map(|(g, _)| g.iter())
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum();
+        let top = trainable()
+            .flat_map(|(g, _)| g.iter())
+            .map(|g| g.to_bits() & 0x7FFF_FFFF)
+            .max()
+            .unwrap_or(0);
+        GradNorm {
+            l2: sum.sqrt() as f32,
+            max: f32::from_bits(top),
+        }
+    }
+
+    /// One step of `passes` micro-batches per rank; returns the mean loss over ranks and passes
+    /// and the gradient norm before clipping.
+    pub fn step(&mut self, step: u64, passes: u64) -> Result<(f32, GradNorm)> {
         let mut loss = 0.0;
         for pass in 0..passes {
             let mut summed: Vec<Option<Vec<f32>>> = vec![None; self.values.len()];
@@ -467,18 +535,39 @@ impl Reference {
             }
         }
         self.steps += 1;
-        let update = self.optimizer.coefficients(self.steps);
+        let norm = self.grad_norm();
+        let grad_scale = self
+            .recipe
+            .clip
+            .map_or(1.0, |max| norm.clip_coefficient(max));
+        let lr = self.optimizer.lr() * self.recipe.schedule.factor(step);
+        let optimizer = self
+            .optimizer
+            .with_lr_and_decay(lr, self.optimizer.weight_decay())?;
         let dtype = self.model.config.dtype;
         for i in 0..self.values.len() {
             if !self.trainable[i] {
                 continue;
             }
+            let (lr_scale, decay) = self.settings[i];
+            let update = optimizer.coefficients(
+                self.steps,
+                GroupSettings {
+                    lr_scale,
+                    decay,
+                    grad_scale,
+                },
+            );
             let (m, v) = &mut self.moments[i];
             for j in 0..self.values[i].len() {
                 let g = self.grads[i][j];
                 let p = self.masters[i][j];
                 let p = match update {
-                    Update::Sgd { lr, weight_decay } => sgd_element(p, g, lr, weight_decay),
+                    Update::Sgd {
+                        lr,
+                        weight_decay,
+                        grad_scale,
+                    } => sgd_element(p, g, lr, weight_decay, grad_scale),
                     Update::AdamW(c) => {
                         let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
                         m[j] = mj;
@@ -490,7 +579,7 @@ impl Reference {
             }
             self.values[i] = round_to(dtype, &self.masters[i]);
         }
-        Ok(loss / (passes as usize * self.world_size) as f32)
+        Ok((loss / (passes as usize * self.world_size) as f32, norm))
     }
 }
 
@@ -498,6 +587,8 @@ impl Reference {
 #[derive(Clone, Debug)]
 pub struct RankStep {
     pub loss: f32,
+    /// The step's gradient norm before clipping (the same on every rank).
+    pub grad_norm: GradNorm,
     /// The rank's parameter shard of every group, as bytes.
     pub shards: Vec<Vec<u8>>,
 }
@@ -535,6 +626,7 @@ pub struct Training<'a> {
     pub steps: u64,
     /// Micro-batches (backward passes) per step.
     pub passes: u64,
+    pub recipe: Recipe,
 }
 
 /// One step of a sharded run beside the reference.
@@ -545,6 +637,9 @@ pub struct Comparison {
     pub reference_loss: f32,
     /// [`max_relative_difference`] of every parameter after the step.
     pub difference: f32,
+    /// Rank 0's gradient 2-norm before clipping, and the reference's.
+    pub grad_norm: f32,
+    pub reference_grad_norm: f32,
 }
 
 impl Training<'_> {
@@ -577,14 +672,16 @@ impl Training<'_> {
             self.model.clone(),
             self.init,
             world,
-            self.config.optimizer,
+            (self.config.optimizer, self.recipe),
             scale,
         )?;
         self.on_ranks(ranks, |step, ranks| {
-            let reference_loss = reference.step(step, self.passes)?;
+            let (reference_loss, reference_norm) = reference.step(step, self.passes)?;
             let comparison = Comparison {
                 loss: ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32,
                 reference_loss,
+                grad_norm: ranks.first().map_or(f32::NAN, |r| r.grad_norm.l2),
+                reference_grad_norm: reference_norm.l2,
                 difference: max_relative_difference(
                     &assemble(self.plan, ranks)?,
                     reference.values(),
@@ -619,6 +716,7 @@ impl Training<'_> {
             init,
             steps,
             passes,
+            recipe,
         } = *self;
         let world = plan.world_size();
         if ranks.len() != world {
@@ -638,12 +736,19 @@ impl Training<'_> {
                         let mut engine =
                             Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
                         load(&mut engine, init)?;
+                        let base_lr = config.optimizer.lr();
                         for step in 0..steps {
-                            let loss = sharded_step(model, &mut engine, step, passes)?;
+                            let (loss, grad_norm) =
+                                sharded_step(model, &mut engine, (step, passes), base_lr, recipe)?;
                             let shards = (0..plan.groups().len())
                                 .map(|g| engine.param_shard(g))
                                 .collect::<Result<Vec<_>>>()?;
-                            if tx.send((rank, RankStep { loss, shards })).is_err() {
+                            let record = RankStep {
+                                loss,
+                                grad_norm,
+                                shards,
+                            };
+                            if tx.send((rank, record)).is_err() {
                                 break;
                             }
                         }

@@ -38,6 +38,19 @@ pub(crate) struct OptimizerSlices<'a> {
     pub(crate) moments: Option<(&'a mut [f32], &'a mut [f32])>,
 }
 
+/// Adds `src`'s sum of squares (f64) to the f64 at `out[0..8]` and raises the u32 at
+/// `out[8..12]` to the largest magnitude's bits, as `Backend::norm_partials` says.
+pub(crate) fn norm_partials(src: &[f32], out: &mut [u8]) {
+    let mut sum = f64::from_le_bytes(out[..8].try_into().unwrap_or([0; 8]));
+    let mut top = u32::from_le_bytes(out[8..12].try_into().unwrap_or([0; 4]));
+    for &x in src {
+        sum += f64::from(x) * f64::from(x);
+        top = top.max(x.to_bits() & 0x7FFF_FFFF);
+    }
+    out[..8].copy_from_slice(&sum.to_le_bytes());
+    out[8..12].copy_from_slice(&top.to_le_bytes());
+}
+
 /// The shapes an optimizer step needs, checked before anything is queued.
 pub(crate) fn check_optimizer<B: crate::backend::Backend + ?Sized>(
     update: &Update,
@@ -68,7 +81,14 @@ pub(crate) fn optimizer_step(update: &Update, s: OptimizerSlices<'_>) {
             None => load_f32(param, dtype, i),
         };
         let p = match (update, &mut moments) {
-            (Update::Sgd { lr, weight_decay }, _) => sgd_element(p, g, *lr, *weight_decay),
+            (
+                Update::Sgd {
+                    lr,
+                    weight_decay,
+                    grad_scale,
+                },
+                _,
+            ) => sgd_element(p, g, *lr, *weight_decay, *grad_scale),
             (Update::AdamW(c), Some((m, v))) => {
                 let (p, mi, vi) = adamw_element(p, m[i], v[i], g, c);
                 m[i] = mi;

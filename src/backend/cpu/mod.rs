@@ -377,6 +377,29 @@ impl Backend for CpuBackend {
         })
     }
 
+    unsafe fn norm_partials(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        region: Region,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        let (src_memory, src_range) =
+            part(src, Region::new(region.offset, region.len, DType::F32))?;
+        let (out_memory, out_range) = part(out, Region::new(0, 4, DType::F32))?;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both.
+            let (src, out) = unsafe {
+                (
+                    math::f32s(src_memory.bytes(src_range)),
+                    out_memory.bytes_mut(out_range),
+                )
+            };
+            math::norm_partials(src, out);
+            Ok(())
+        })
+    }
+
     unsafe fn count_nonfinite(
         &self,
         stream: Stream,

@@ -16,7 +16,9 @@ use cudarc::driver::{CudaContext, CudaStream, result};
 use half::{bf16, f16};
 
 use super::*;
-use crate::optim::{OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element};
+use crate::optim::{
+    GroupSettings, OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element,
+};
 
 #[test]
 fn load_fails_cleanly_without_a_gpu_or_kernels() {
@@ -422,8 +424,13 @@ fn accumulate_case(gpu: &Gpu, src: DType, add: bool, pattern: &[u64], n: u64) {
     });
 }
 
+/// Step 7's coefficients with gradients scaled by 0.75, as clipping scales them.
 fn adamw_coefficients() -> AdamwCoefficients {
-    let Update::AdamW(c) = OptimizerConfig::default().coefficients(7) else {
+    let clipped = GroupSettings {
+        grad_scale: 0.75,
+        ..GroupSettings::default()
+    };
+    let Update::AdamW(c) = OptimizerConfig::default().coefficients(7, clipped) else {
         unreachable!("the default optimizer is AdamW")
     };
     c
@@ -477,14 +484,15 @@ fn adamw_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
 }
 
 fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
-    let (lr, weight_decay) = (0.01f32, 0.1f32);
+    let (lr, weight_decay, grad_scale) = (0.01f32, 0.1f32, 0.75f32);
     let f32_in = (DType::F32, Some(Fill::Finite));
     let mut specs = vec![f32_in, f32_in];
     if !aliased {
         specs.push((param, None));
     }
     let expect = move |v: &mut [u32]| {
-        let p = sgd_element(f32::from_bits(v[0]), f32::from_bits(v[1]), lr, weight_decay);
+        let g = f32::from_bits(v[1]);
+        let p = sgd_element(f32::from_bits(v[0]), g, lr, weight_decay, grad_scale);
         v[0] = p.to_bits();
         if !aliased {
             v[2] = from_f32(param, p);
@@ -506,8 +514,7 @@ fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
                 s[1],
                 param_ptr,
                 n as usize,
-                lr,
-                weight_decay,
+                (lr, weight_decay, grad_scale),
             )
         }
     });
@@ -811,6 +818,68 @@ fn count_nonfinite_counts_every_infinity_and_nan() {
     count_nonfinite_case(&gpu, 3, gib_of(DType::F32));
 }
 
+/// The sum of squares and largest magnitude of `n` f32 at element `offset` (finite values, or
+/// every bit pattern when `bits`), added to a part that starts at (2.5, bits of 0.25).
+fn norm_partials_case(gpu: &Gpu, offset: u64, n: u64, bits: bool) {
+    let fill = if bits { Fill::Bits } else { Fill::Finite };
+    let seed = gpu.seed ^ 0x0042_0042 ^ n;
+    let buf = DeviceBuffer::poisoned(gpu, (offset + n) * 4);
+    let start = buf.ptr + offset * 4;
+    upload_generated(gpu, start, 4, n, |i| generate(fill, DType::F32, seed, i));
+    let part = DeviceBuffer::poisoned(gpu, 16);
+    let mut initial = 2.5f64.to_le_bytes().to_vec();
+    initial.extend(0.25f32.to_bits().to_le_bytes());
+    initial.extend([0u8; 4]);
+    gpu.upload(part.ptr, &initial);
+    unsafe {
+        gpu.kernels
+            .norm_partials(&gpu.stream, start, n as usize, part.ptr)
+    }
+    .expect("norm_partials");
+    gpu.sync();
+    let mut got = [0u8; 16];
+    gpu.download(part.ptr, &mut got);
+    let values = (0..n).map(|i| f32::from_bits(generate(fill, DType::F32, seed, i)));
+    let want_sum = 2.5
+        + values
+            .clone()
+            .map(|x| f64::from(x) * f64::from(x))
+            .sum::<f64>();
+    let want_max = values
+        .map(|x| x.to_bits() & 0x7FFF_FFFF)
+        .fold(0.25f32.to_bits(), u32::max);
+    let sum = f64::from_le_bytes(got[..8].try_into().expect("8 bytes"));
+    let max = u32::from_le_bytes(got[8..12].try_into().expect("4 bytes"));
+    let what = format!("norm_partials of {n} f32 at +{offset} (seed {seed})");
+    assert_eq!(max, want_max, "{what}: largest magnitude");
+    if want_sum.is_finite() {
+        // The device adds in another order: f64 rounding apart.
+        assert!(
+            (sum - want_sum).abs() <= 1e-12 * want_sum,
+            "{what}: {sum} != {want_sum}"
+        );
+    } else {
+        assert_eq!(
+            sum.is_nan(),
+            want_sum.is_nan(),
+            "{what}: {sum} != {want_sum}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn norm_partials_sum_squares_in_f64_and_keep_the_largest_magnitude() {
+    let gpu = gpu();
+    for offset in [0, 1, 3] {
+        for n in SIZES {
+            norm_partials_case(&gpu, offset, n, false);
+            norm_partials_case(&gpu, offset, n, true);
+        }
+    }
+    norm_partials_case(&gpu, 3, gib_of(DType::F32), false);
+}
+
 fn fill_zero_case(gpu: &Gpu, offset: u64, bytes: u64) {
     let buf = DeviceBuffer::poisoned(gpu, offset + bytes + GUARD);
     unsafe {
@@ -1024,7 +1093,7 @@ fn misaligned_addresses_are_refused_before_launch() {
             k.cast(s, DType::Bf16, p, DType::F32, odd, 4),
             k.accumulate(s, DType::Bf16, p, odd, 4, 1.0, true),
             k.adamw(s, DType::Bf16, p, p + 64, odd, p + 128, p + 192, 4, &c),
-            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, 0.1, 0.0),
+            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
             k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
             k.unpack(s, DType::F32, p, 1, odd),
             k.reduce_sum(s, p + 4, 1, p + 64, 4, 1.0),
@@ -1068,7 +1137,7 @@ fn zero_length_calls_launch_nothing() {
             k.accumulate(s, dtype, 0, 0, 0, 1.0, true)
                 .expect("accumulate");
             k.adamw(s, dtype, 0, 0, 0, 0, 0, 0, &c).expect("adamw");
-            k.sgd(s, dtype, 0, 0, 0, 0, 0.1, 0.0).expect("sgd");
+            k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
             k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
             k.unpack(s, dtype, 0, 0, 0).expect("unpack");
         }

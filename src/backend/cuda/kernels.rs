@@ -140,6 +140,7 @@ pub struct Kernels {
     cast: [[Option<Kernel>; 3]; 3],
     reduce_sum: Kernel,
     count_nonfinite: Kernel,
+    norm_partials: Kernel,
     /// Owns the functions above; unloaded when the kernels are dropped.
     _module: Module,
 }
@@ -251,6 +252,7 @@ impl Kernels {
             cast,
             reduce_sum: module.kernel(c"reduce_sum_f32", sm_count)?,
             count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
+            norm_partials: module.kernel(c"norm_partials_f32", sm_count)?,
             _module: module,
         })
     }
@@ -467,8 +469,7 @@ impl Kernels {
         grad: u64,
         param: u64,
         n: usize,
-        lr: f32,
-        weight_decay: f32,
+        (lr, weight_decay, grad_scale): (f32, f32, f32),
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -479,7 +480,7 @@ impl Kernels {
         let kernel = self.sgd[dtype_index(param_dtype)];
         let n64 = n as u64;
         // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, float lr,
-        // float wd); the caller's contract.
+        // float wd, float grad_scale); the caller's contract.
         unsafe {
             self.launch(
                 stream,
@@ -492,6 +493,7 @@ impl Kernels {
                     arg(&n64),
                     arg(&lr),
                     arg(&weight_decay),
+                    arg(&grad_scale),
                 ],
             )
         }
@@ -638,6 +640,39 @@ impl Kernels {
                 kernel,
                 kernel.elementwise_grid(n),
                 &mut [arg(&src), arg(&n64), arg(&counter)],
+            )
+        }
+    }
+}
+
+impl Kernels {
+    /// Adds the sum of the squares of the `n` f32 at `src` to the f64 at `out`, and raises the
+    /// u32 at `out + 8` to the largest magnitude's bits (see `norm_partials_f32`).
+    ///
+    /// # Safety
+    /// `src` is valid for `n` f32 and `out` for 16 bytes, written by nothing else meanwhile.
+    pub unsafe fn norm_partials(
+        &self,
+        stream: &CudaStream,
+        src: u64,
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        check_aligned(src, DType::F32.size())?;
+        check_aligned(out, std::mem::align_of::<f64>())?;
+        let kernel = self.norm_partials;
+        let (n64, max_bits) = (n as u64, out + 8);
+        // SAFETY: norm_partials_f32(const float* src, uint64_t n, double* sum_squares,
+        // unsigned int* max_bits); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                kernel.elementwise_grid(n),
+                &mut [arg(&src), arg(&n64), arg(&out), arg(&max_bits)],
             )
         }
     }

@@ -493,9 +493,23 @@ impl Backend for CudaBackend {
         // SAFETY (both arms): every address is checked to hold `n` elements of a live buffer
         // borrowed for this call.
         match (update, moments) {
-            (Update::Sgd { lr, weight_decay }, _) => unsafe {
-                self.kernels
-                    .sgd(on, shard.dtype, master, grad, param, n, *lr, *weight_decay)
+            (
+                Update::Sgd {
+                    lr,
+                    weight_decay,
+                    grad_scale,
+                },
+                _,
+            ) => unsafe {
+                self.kernels.sgd(
+                    on,
+                    shard.dtype,
+                    master,
+                    grad,
+                    param,
+                    n,
+                    (*lr, *weight_decay, *grad_scale),
+                )
             },
             (Update::AdamW(c), Some((m, v))) => unsafe {
                 self.kernels
@@ -505,6 +519,24 @@ impl Backend for CudaBackend {
                 field: "optimizer",
                 reason: "AdamW needs moment buffers".into(),
             }),
+        }
+    }
+
+    unsafe fn norm_partials(
+        &self,
+        stream: Stream,
+        src: &CudaBuffer,
+        region: Region,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        let src_ptr = src.addr(f32_region(region))?;
+        let out_ptr = out.addr(Region::new(0, 4, DType::F32))?;
+        bind(&self.ctx)?;
+        // SAFETY: `src_ptr` is checked to hold `region.len` f32 and `out_ptr` 16 bytes, of
+        // buffers borrowed for this call; the caller orders other uses.
+        unsafe {
+            self.kernels
+                .norm_partials(self.stream(stream), src_ptr, region.len, out_ptr)
         }
     }
 

@@ -1,0 +1,157 @@
+//! The whole model's gradient norms over every rank's fp32 shards, and their clipping inside the
+//! optimizer step.
+
+use super::Engine;
+use crate::backend::{Backend, Region};
+use crate::comm::{Communicator, Purpose};
+use crate::error::{Error, Result};
+use crate::types::{DType, Stream};
+
+/// The 2-norm and the largest magnitude of the whole model's gradient (every trainable
+/// parameter, over every rank; padding holds zeros). Either is NaN or infinite when a gradient
+/// element is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GradNorm {
+    pub l2: f32,
+    pub max: f32,
+}
+
+impl GradNorm {
+    pub fn is_finite(&self) -> bool {
+        self.l2.is_finite() && self.max.is_finite()
+    }
+
+    /// The factor `torch.nn.utils.clip_grad_norm_` multiplies gradients by for `max_norm`:
+    /// `max_norm / (l2 + 1e-6)`, at most 1 (NaN stays NaN, as `torch.clamp` keeps it).
+    pub fn clip_coefficient(&self, max_norm: f32) -> f32 {
+        let coefficient = max_norm / (self.l2 + 1e-6);
+        if coefficient.is_nan() {
+            coefficient
+        } else {
+            coefficient.min(1.0)
+        }
+    }
+}
+
+/// Bytes of one rank's part: the f64 sum of squares, the u32 bits of the largest magnitude, and
+/// 4 bytes of padding.
+const PART_BYTES: usize = 16;
+
+/// The norms from every rank's part, summed in rank order (the same result on every rank).
+fn combine(parts: &[Vec<u8>]) -> GradNorm {
+    let (mut sum, mut top) = (0f64, 0u32);
+    for part in parts {
+        let field = |range: std::ops::Range<usize>| part.get(range).unwrap_or(&[]).to_vec();
+        sum += f64::from_le_bytes(field(0..8).try_into().unwrap_or([0; 8]));
+        top = top.max(u32::from_le_bytes(
+            field(8..12).try_into().unwrap_or([0; 4]),
+        ));
+    }
+    GradNorm {
+        l2: sum.sqrt() as f32,
+        max: f32::from_bits(top),
+    }
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// The whole model's gradient norms, after [`Engine::finish_grad_sync`] and before the
+    /// optimizer step. A collective (every rank calls it) that blocks the host.
+    pub fn grad_norm(&mut self) -> Result<GradNorm> {
+        self.healthy()?;
+        self.check_synced("the gradient norm")?;
+        self.effects(|e| {
+            let mut part = match e.norm_part.take() {
+                Some(part) => part,
+                None => e.backend.alloc_scratch(PART_BYTES)?,
+            };
+            let record = Region::new(0, PART_BYTES / 4, DType::F32);
+            // SAFETY: the part is the engine's own, used on the compute stream only; the gradient
+            // shards are read there after `finish_grad_sync` made it wait for the reductions, and
+            // before the next step's first ones, queued after compute's event.
+            unsafe { e.backend.zero(Stream::Compute, &mut part, record) }?;
+            for g in e.plan.groups() {
+                if let Some(shard) = &e.grad_shards[g.index] {
+                    let region = Region::new(0, g.shard_numel, DType::F32);
+                    // SAFETY: as above.
+                    unsafe {
+                        e.backend
+                            .norm_partials(Stream::Compute, shard, region, &mut part)
+                    }?;
+                }
+            }
+            let mut bytes = [0u8; PART_BYTES];
+            e.backend.download(&part, record, &mut bytes)?;
+            e.norm_part = Some(part);
+            let parts = if e.plan.world_size() == 1 {
+                vec![bytes.to_vec()]
+            } else {
+                e.exchange(Purpose::GradNorm, &bytes)?
+            };
+            Ok(combine(&parts))
+        })
+    }
+
+    /// [`Engine::grad_norm`], and this step's optimizer multiplies every gradient by
+    /// [`GradNorm::clip_coefficient`] of `max_norm` inside its update (no pass over memory of its
+    /// own), as `torch.nn.utils.clip_grad_norm_` would before the step. Returns the norms before
+    /// clipping. `max_norm` must be finite and > 0.
+    pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<GradNorm> {
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(Error::InvalidConfig {
+                field: "max_norm",
+                reason: format!("is {max_norm}, expected finite, > 0"),
+            });
+        }
+        let norm = self.grad_norm()?;
+        self.clip_scale = Some(norm.clip_coefficient(max_norm));
+        Ok(norm)
+    }
+
+    /// Refuses what needs the step's gradients synced and not yet stepped on.
+    fn check_synced(&self, action: &'static str) -> Result<()> {
+        self.check_not_stepped(action)?;
+        if !self.grads.synced() {
+            return Err(Error::GradsNotSynced { action });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_combine_in_rank_order_and_keep_non_finite_values() {
+        let part = |sum: f64, max: f32| {
+            let mut p = sum.to_le_bytes().to_vec();
+            p.extend(max.to_bits().to_le_bytes());
+            p.extend([0u8; 4]);
+            p
+        };
+        let norm = combine(&[part(9.0, 2.0), part(16.0, 3.5)]);
+        assert_eq!(norm, GradNorm { l2: 5.0, max: 3.5 });
+        assert!(norm.is_finite());
+        let nan = combine(&[part(1.0, f32::NAN), part(1.0, 1.0)]);
+        assert!(nan.max.is_nan() && !nan.is_finite());
+        let inf = combine(&[part(f64::INFINITY, f32::INFINITY)]);
+        assert_eq!(inf.l2, f32::INFINITY);
+    }
+
+    #[test]
+    fn the_clip_coefficient_is_torch_s() {
+        let norm = GradNorm { l2: 4.0, max: 1.0 };
+        assert_eq!(norm.clip_coefficient(2.0), 2.0 / (4.0 + 1e-6));
+        assert_eq!(norm.clip_coefficient(10.0), 1.0);
+        let nan = GradNorm {
+            l2: f32::NAN,
+            max: f32::NAN,
+        };
+        assert!(nan.clip_coefficient(1.0).is_nan());
+        let inf = GradNorm {
+            l2: f32::INFINITY,
+            max: f32::INFINITY,
+        };
+        assert_eq!(inf.clip_coefficient(1.0), 0.0);
+    }
+}

@@ -1,0 +1,84 @@
+//! A step's recipe from C: the learning rate and weight decay between steps, the gradient norms
+//! and their clipping.
+
+use super::handles::{on_engine, with_engine};
+use super::status::{boundary, fsdp_status, null, put};
+use super::types::{fsdp_engine, fsdp_grad_norm};
+use crate::engine::GradNorm;
+
+impl From<GradNorm> for fsdp_grad_norm {
+    fn from(n: GradNorm) -> fsdp_grad_norm {
+        fsdp_grad_norm {
+            l2: n.l2,
+            max: n.max,
+        }
+    }
+}
+
+/// Sets the learning rate of the next optimizer steps (call it before each step for a
+/// schedule); every parameter's is this times its `lr_scale`. Every rank must set the same.
+/// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_set_lr(engine: *mut fsdp_engine, lr: f32) -> fsdp_status {
+    boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.set_lr(lr))?)))
+}
+
+/// Sets the weight decay of the next optimizer steps, for the parameters that take it.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_set_weight_decay(
+    engine: *mut fsdp_engine,
+    weight_decay: f32,
+) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.set_weight_decay(weight_decay))?)
+        })
+    })
+}
+
+/// The whole model's gradient norms over every rank, after `fsdp_engine_finish_grad_sync` and
+/// before the optimizer step (`FSDP_MISUSE` otherwise). A collective: every rank calls it. Blocks
+/// the host until the norms are known.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_grad_norm(
+    engine: *mut fsdp_engine,
+    out: *mut fsdp_grad_norm,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let norm = on_engine(engine, |any| Ok(with_engine!(any, e => e.grad_norm())?))?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", norm.into()) }
+    })
+}
+
+/// As `fsdp_engine_grad_norm`, and this step's optimizer multiplies every gradient by
+/// `min(1, max_norm / (l2 + 1e-6))` inside its update, as `torch.nn.utils.clip_grad_norm_`
+/// would before the step; `*out` gets the norms before clipping. A step with non-finite norms
+/// can be skipped: end it with `fsdp_engine_end_step` without `fsdp_engine_optimizer_step` (the
+/// counters count it). `max_norm` must be finite and > 0.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_clip_grad_norm(
+    engine: *mut fsdp_engine,
+    max_norm: f32,
+    out: *mut fsdp_grad_norm,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() {
+            return Err(null("out"));
+        }
+        let norm = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.clip_grad_norm(max_norm))?)
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { put(out, "out", norm.into()) }
+    })
+}
