@@ -31,7 +31,7 @@ from .errors import (
     UnavailableError,
 )
 from .group import LocalGroup
-from .module import DTYPE_CODES, FusedFSDP
+from .module import DTYPE_CODES, FusedFSDP, StepReport, default_no_weight_decay
 
 __all__ = [
     "DTYPE_CODES",
@@ -53,6 +53,8 @@ __all__ = [
     "OutOfMemoryError",
     "PanicError",
     "PoisonedError",
+    "StepReport",
     "UnavailableError",
+    "default_no_weight_decay",
     "library_candidates",
 ]

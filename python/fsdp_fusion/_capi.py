@@ -34,6 +34,8 @@ class ParamSpec(ctypes.Structure):
         ("unit", c_int64),
         ("trainable", c_uint8),
         ("tied", c_uint8),
+        ("no_weight_decay", c_uint8),
+        ("lr_scale", ctypes.c_float),
     ]
 
 
@@ -86,8 +88,15 @@ class Counters(ctypes.Structure):
             "extra_slots",
             "host_waits",
             "steps",
+            "skipped_steps",
         )
     ]
+
+
+class GradNorm(ctypes.Structure):
+    """The whole model's gradient norms (`fsdp_grad_norm`)."""
+
+    _fields_ = [("l2", ctypes.c_float), ("max", ctypes.c_float)]
 
 
 _HANDLE = c_void_p
@@ -122,6 +131,10 @@ _SIGNATURES = {
     "fsdp_engine_counters": ([_HANDLE, POINTER(Counters)], c_int),
     "fsdp_engine_nonfinite_grads": ([_HANDLE, POINTER(c_uint64)], c_int),
     "fsdp_engine_abort": ([_HANDLE], c_int),
+    "fsdp_engine_set_lr": ([_HANDLE, ctypes.c_float], c_int),
+    "fsdp_engine_set_weight_decay": ([_HANDLE, ctypes.c_float], c_int),
+    "fsdp_engine_grad_norm": ([_HANDLE, POINTER(GradNorm)], c_int),
+    "fsdp_engine_clip_grad_norm": ([_HANDLE, ctypes.c_float, POINTER(GradNorm)], c_int),
     "fsdp_engine_param_shard": (
         [_HANDLE, c_size_t, c_void_p, c_size_t, POINTER(c_size_t)],
         c_int,

@@ -13,13 +13,24 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from ctypes import byref, c_size_t, c_uint8, c_uint64, c_void_p
 from dataclasses import dataclass
 
 import torch
 
 from . import _capi
-from ._capi import ROOT, UNIQUE_ID_BYTES, Config, Counters, Grad, ParamInfo, ParamSpec, Releasing
+from ._capi import (
+    ROOT,
+    UNIQUE_ID_BYTES,
+    Config,
+    Counters,
+    Grad,
+    GradNorm,
+    ParamInfo,
+    ParamSpec,
+    Releasing,
+)
 from ._dlpack import tensor_at
 from .errors import InvalidArgumentError, MisuseError
 from .group import LocalGroup
@@ -112,6 +123,66 @@ def _owners(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[_Para
     return params
 
 
+def default_no_weight_decay(module: torch.nn.Module) -> set[str]:
+    """The names of `module`'s parameters that LLM recipes exempt from weight decay: those with
+    fewer than two dimensions (biases, norm weights) and the weights of embeddings (every name of
+    a parameter held under several)."""
+    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
+    return {name for name, p in module.named_parameters(remove_duplicate=False)
+            if p.dim() < 2 or id(p) in embeddings}
+
+
+def _exempt(params: list[_Param], module: torch.nn.Module, rule) -> list[bool]:
+    """Per parameter, whether weight decay skips it under `rule` (see `FusedFSDP`)."""
+    if rule is None:
+        rule = default_no_weight_decay(module)
+    if callable(rule):
+        return [bool(rule(p.name, p.tensor)) for p in params]
+    names = set(rule)
+    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    unknown = sorted(names - known)
+    if unknown:
+        raise InvalidArgumentError(f"no_weight_decay names no parameter: {unknown}")
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), set()).add(name)
+    return [bool(aliases[id(p.tensor)] & names) for p in params]
+
+
+def _scales(params: list[_Param], module: torch.nn.Module, scales) -> list[float]:
+    """Per parameter, its learning-rate scale from `scales` (names to factors), else 1."""
+    scales = dict(scales or {})
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    unknown = sorted(set(scales) - {n for names in aliases.values() for n in names})
+    if unknown:
+        raise InvalidArgumentError(f"lr_scales names no parameter: {unknown}")
+    out = []
+    for p in params:
+        given = {scales[n] for n in aliases[id(p.tensor)] if n in scales}
+        if len(given) > 1:
+            raise InvalidArgumentError(f"lr_scales gives {p.name} several scales: {sorted(given)}")
+        scale = float(given.pop()) if given else 1.0
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise InvalidArgumentError(f"lr_scales: {p.name}'s scale {scale} is not finite and "
+                                       "> 0 (freeze a parameter that must not move)")
+        out.append(scale)
+    return out
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What `FusedFSDP.step` found: the gradient norms before clipping (when asked for, or when
+    clipping or skipping needed them), the non-finite count (when asked for), and whether the
+    optimizer step was skipped."""
+
+    grad_norm: float | None = None
+    grad_max: float | None = None
+    nonfinite: int | None = None
+    skipped: bool = False
+
+
 def _check_placement(params: list[_Param]) -> torch.device:
     """The one device every parameter is on, with every dtype one the engine trains."""
     device = params[0].tensor.device
@@ -190,6 +261,13 @@ class FusedFSDP(Releasing, torch.nn.Module):
     unit shows), except at world size 1, where it stays a view of its shard, current after
     every step.
 
+    Weight decay skips the parameters `no_weight_decay` names (a collection of names, or a
+    function of the name and the parameter); by default `default_no_weight_decay(module)`: those
+    with fewer than two dimensions and embeddings' weights. `lr_scales` maps parameter names to
+    factors of the learning rate (default 1). `set_lr` changes the learning rate between steps
+    (a schedule), `step(max_grad_norm=...)` clips the gradient's norm as
+    `torch.nn.utils.clip_grad_norm_` does.
+
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
@@ -212,6 +290,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
         grad_reduction: str = "mean",
         timeout: float = 600.0,
         verify_collectives: bool = False,
+        no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
+        lr_scales: Mapping[str, float] | None = None,
         local_group: LocalGroup | None = None,
         rank: int = 0,
     ):
@@ -219,6 +299,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self.module = module
         self._params = _owners(module, list(units))
         self._device = _check_placement(self._params)
+        self._exempt = _exempt(self._params, module, no_weight_decay)
+        self._lr_scales = _scales(self._params, module, lr_scales)
         self._lib = _capi.library(library)
         self._local_group = local_group
         if local_group is not None:
@@ -260,11 +342,12 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def _make_plan(self) -> c_void_p:
         # ctypes keeps the names and shapes assigned to `specs` alive as long as `specs`.
         specs = (ParamSpec * len(self._params))()
-        for spec, p in zip(specs, self._params):
+        for spec, p, exempt, scale in zip(specs, self._params, self._exempt, self._lr_scales):
             shape = (c_uint64 * max(p.tensor.dim(), 1))(*p.tensor.shape)
             spec.name, spec.shape, spec.ndim = p.name.encode(), shape, p.tensor.dim()
             spec.dtype, spec.unit = DTYPE_CODES[p.tensor.dtype], p.unit
             spec.trainable, spec.tied = int(p.tensor.requires_grad), int(p.tied)
+            spec.no_weight_decay, spec.lr_scale = int(exempt), scale
         plan = c_void_p()
         self._lib.call("fsdp_plan_from_specs", specs, len(specs), self._world, byref(plan))
         return plan
@@ -546,21 +629,45 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def step(self, count_nonfinite: bool = False) -> int | None:
+    def step(self, max_grad_norm: float | None = None, *, grad_norm: bool = False,
+             skip_nonfinite: bool = False, count_nonfinite: bool = False) -> StepReport:
         """Ends the step: syncs the gradients of its backward passes, steps the optimizer on the
-        shards and releases gathered parameters. Does not block the host on a GPU, unless
-        `count_nonfinite`: then it returns the number of infinite or NaN values in this rank's
-        synced gradient shards (a host wait)."""
+        shards and releases gathered parameters. `max_grad_norm` clips the whole gradient's
+        2-norm to it inside the optimizer step, as `torch.nn.utils.clip_grad_norm_`;
+        `skip_nonfinite` skips the optimizer step when the norm is not finite (AMP's
+        `found_inf`); `grad_norm` only reports the norm. Each of these, and `count_nonfinite`
+        (the infinite or NaN values in this rank's gradient shards), is a collective or a read
+        that waits for the device; without them the step does not block the host on a GPU."""
         self._close_backwards()
         self._lib.call("fsdp_engine_finish_grad_sync", self._engine)
-        count = None
+        norm = None
+        if max_grad_norm is not None:
+            norm = GradNorm()
+            self._lib.call("fsdp_engine_clip_grad_norm", self._engine, max_grad_norm,
+                           byref(norm))
+        elif grad_norm or skip_nonfinite:
+            norm = GradNorm()
+            self._lib.call("fsdp_engine_grad_norm", self._engine, byref(norm))
+        nonfinite = None
         if count_nonfinite:
             found = c_uint64()
             self._lib.call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
-            count = found.value
-        self._lib.call("fsdp_engine_optimizer_step", self._engine)
+            nonfinite = found.value
+        skipped = skip_nonfinite and not (math.isfinite(norm.l2) and math.isfinite(norm.max))
+        if not skipped:
+            self._lib.call("fsdp_engine_optimizer_step", self._engine)
         self._lib.call("fsdp_engine_end_step", self._engine)
-        return count
+        return StepReport(norm.l2 if norm else None, norm.max if norm else None, nonfinite,
+                          skipped)
+
+    def set_lr(self, lr: float):
+        """Sets the learning rate of the next steps (every rank the same); a parameter's is this
+        times its `lr_scales` factor."""
+        self._lib.call("fsdp_engine_set_lr", self._engine, lr)
+
+    def set_weight_decay(self, weight_decay: float):
+        """Sets the weight decay of the next steps, for the parameters that take it."""
+        self._lib.call("fsdp_engine_set_weight_decay", self._engine, weight_decay)
 
     def counters(self) -> Counters:
         """What the engine did so far; never waits for a call in progress."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from gpt import GPT, loss_of
 
-from fsdp_fusion import FusedFSDP, LocalGroup
+from fsdp_fusion import FusedFSDP, LocalGroup, default_no_weight_decay
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 4, 16, 4
 STEPS, PASSES = 4, 2
@@ -43,11 +43,17 @@ def optimizer_settings(optimizer: str) -> dict:
     return dict(lr=0.5)
 
 
-def torch_optimizer(optimizer: str, params):
+def torch_optimizer(optimizer: str, module: torch.nn.Module):
+    """The torch optimizer of the client's recipe: weight decay off for the parameters
+    `default_no_weight_decay` names, as the client's default."""
     settings = optimizer_settings(optimizer)
+    exempt = default_no_weight_decay(module)
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in trainable if n not in exempt]},
+              {"params": [p for n, p in trainable if n in exempt], "weight_decay": 0.0}]
     if optimizer == "adamw":
-        return torch.optim.AdamW(params, **settings)
-    return torch.optim.SGD(params, **settings)
+        return torch.optim.AdamW(groups, **settings)
+    return torch.optim.SGD(groups, **settings)
 
 
 @dataclass
@@ -79,8 +85,7 @@ def on_ranks(world: int, f):
 
 def train(optimizer: str, world: int = 1, checkpoint: bool = False, spy=None, **engine) -> Run:
     reference, module = models(checkpoint)
-    reference_optimizer = torch_optimizer(
-        optimizer, [p for p in reference.parameters() if p.requires_grad])
+    reference_optimizer = torch_optimizer(optimizer, reference)
     group = LocalGroup(world) if world > 1 else None
     modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
 
