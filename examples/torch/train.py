@@ -22,13 +22,18 @@ fsdp-fusion engine joins its own NCCL group of one rank. `--device cpu` runs the
 backend (gloo for FSDP2, host timers), small, as a smoke test without a GPU. Step times are CUDA
 events around forward, backward and optimizer (the loss is read on the host after each step, so
 every step starts on an idle machine); the trainers take turns step by step, so that all three
-see the same host and GPU conditions; the summary leaves out the first `--warmup` steps.
+see the same host and GPU conditions; the summary leaves out the first `--warmup` steps. `--lr-schedule warmup-cosine
+--warmup-steps N` and `--clip NORM` run the same recipe in all three (torch's schedulers and
+`clip_grad_norm_` for the other two) and print the gradient norms side by side. All three exempt
+1-D parameters and embeddings from weight decay (fsdp-fusion's default; AdamW parameter groups for
+the others).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import socket
 import statistics
@@ -45,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 # The package from this checkout when it is not installed.
 sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_fusion import FusedFSDP  # noqa: E402
+from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
 from gpt import GPT, loss_of  # noqa: E402
 
 
@@ -66,6 +71,10 @@ def arguments():
     parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     parser.add_argument("--eps", type=float, default=1e-8)
     parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--lr-schedule", default="constant", choices=["constant", "warmup-cosine"],
+                        help="warmup-cosine: linear warmup, then a cosine decay to 0 at the last step")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="of the warmup-cosine schedule")
+    parser.add_argument("--clip", type=float, help="clip the whole gradient's 2-norm to this")
     parser.add_argument("--checkpoint", action="store_true",
                         help="recompute each block's forward in backward (activation checkpointing)")
     parser.add_argument("--double-buffer-limit", type=int, default=4,
@@ -104,9 +113,56 @@ def initial_model(args) -> GPT:
     return model
 
 
-def adamw(args, params):
-    return torch.optim.AdamW(params, lr=args.lr, betas=tuple(args.betas), eps=args.eps,
+def adamw(args, module):
+    """AdamW with weight decay off for the parameters `default_no_weight_decay` names (1-D
+    parameters and embeddings), as fsdp-fusion's default."""
+    exempt = default_no_weight_decay(module)
+    named = list(module.named_parameters())
+    groups = [{"params": [p for n, p in named if n not in exempt]},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=tuple(args.betas), eps=args.eps,
                              weight_decay=args.weight_decay)
+
+
+def lr_factor(args, step: int) -> float:
+    """The learning rate of `step` over the base rate: fsdp-fusion's side of the schedule."""
+    if args.lr_schedule == "constant":
+        return 1.0
+    if step < args.warmup_steps:
+        start = 1 / args.warmup_steps
+        return start + (1 - start) * step / args.warmup_steps
+    span = max(args.steps - args.warmup_steps, 1)
+    return 0.5 * (1 + math.cos(math.pi * min(step - args.warmup_steps, span) / span))
+
+
+def torch_schedule(args, optimizer):
+    """The same schedule for a torch optimizer (its own schedulers), or None."""
+    if args.lr_schedule == "constant":
+        return None
+    lr = torch.optim.lr_scheduler
+    return lr.SequentialLR(optimizer, [
+        lr.LinearLR(optimizer, start_factor=1 / args.warmup_steps, total_iters=args.warmup_steps),
+        lr.CosineAnnealingLR(optimizer, T_max=max(args.steps - args.warmup_steps, 1)),
+    ], milestones=[args.warmup_steps])
+
+
+class TorchRecipe:
+    """Clipping and the schedule of a torch trainer's step."""
+
+    def __init__(self, args, optimizer, params):
+        self.clip, self.params = args.clip, list(params)
+        self.optimizer, self.schedule = optimizer, torch_schedule(args, optimizer)
+
+    def step(self):
+        """Clips, steps and advances the schedule; the norm (a tensor) when clipping."""
+        norm = None
+        if self.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            self.schedule.step()
+        return norm
 
 
 class Timer:
@@ -145,12 +201,14 @@ class FusionTrainer:
                                betas=tuple(args.betas), eps=args.eps,
                                weight_decay=args.weight_decay,
                                double_buffer_limit=args.double_buffer_limit)
+        self.args, self.steps = args, 0
 
     def step(self, tokens):
+        self.model.set_lr(self.args.lr * lr_factor(self.args, self.steps))
+        self.steps += 1
         loss = loss_of(self.model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
-        self.model.step()
-        return loss
+        return loss, self.model.step(max_grad_norm=self.args.clip).grad_norm
 
 
 class PlainTrainer:
@@ -160,7 +218,7 @@ class PlainTrainer:
         self.master = copy.deepcopy(model).to(device)
         self.compute = copy.deepcopy(self.master).to(torch.bfloat16)
         self.pairs = list(zip(self.master.parameters(), self.compute.parameters()))
-        self.optimizer = adamw(args, self.master.parameters())
+        self.recipe = TorchRecipe(args, adamw(args, self.master), self.master.parameters())
 
     def step(self, tokens):
         with torch.no_grad():
@@ -171,9 +229,7 @@ class PlainTrainer:
         for master, compute in self.pairs:
             master.grad = compute.grad.float()
             compute.grad = None
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return loss, self.recipe.step()
 
 
 class Fsdp2Trainer:
@@ -185,28 +241,29 @@ class Fsdp2Trainer:
         for block in self.model.blocks:
             fully_shard(block, mp_policy=policy)
         fully_shard(self.model, mp_policy=policy)
-        self.optimizer = adamw(args, self.model.parameters())
+        self.recipe = TorchRecipe(args, adamw(args, self.model), self.model.parameters())
 
     def step(self, tokens):
         loss = loss_of(self.model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss
+        return loss, self.recipe.step()
 
 
 def run(trainers, data, device):
     """Trains every trainer on every batch, the trainers taking turns step by step so that all
-    see the same machine; returns each one's losses (read after each step) and step times."""
+    see the same machine; returns each one's losses and gradient norms (read after each step)
+    and step times."""
     timers = [Timer(device) for _ in trainers]
-    losses = [[] for _ in trainers]
+    records = [([], []) for _ in trainers]
     for tokens in data:
-        for trainer, timer, out in zip(trainers, timers, losses):
+        for trainer, timer, (losses, norms) in zip(trainers, timers, records):
             timer.start()
-            loss = trainer.step(tokens)
+            loss, norm = trainer.step(tokens)
             timer.stop()
-            out.append(loss.item())
-    return {t.name: (out, timer.milliseconds()) for t, timer, out in zip(trainers, timers, losses)}
+            losses.append(loss.item())
+            norms.append(float(norm) if norm is not None else math.nan)
+    return {t.name: (losses, norms, timer.milliseconds())
+            for t, timer, (losses, norms) in zip(trainers, timers, records)}
 
 
 def main() -> int:
@@ -224,22 +281,31 @@ def main() -> int:
     results = run(trainers, data, device)
     trainers[0].model.close()  # the engine's memory and NCCL group, now rather than at exit
     names = [t.name for t in trainers]
+    recipe = f"{args.lr_schedule} schedule" + (f", clip {args.clip}" if args.clip else "")
     print(f"{args.layers} blocks, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x "
-          f"{args.seq} tokens, bf16, AdamW lr {args.lr}, {args.device}, world size 1")
-    print("step " + " ".join(f"{n + ' loss':>19} {'ms':>8}" for n in names))
+          f"{args.seq} tokens, bf16, AdamW lr {args.lr} ({recipe}), {args.device}, world size 1")
+    norm = " grad norm" if args.clip else ""
+    print("step " + " ".join(f"{n + ' loss':>19}{norm:>10} {'ms':>8}" for n in names))
     for step in range(args.steps):
-        row = " ".join(f"{results[n][0][step]:19.6f} {results[n][1][step]:8.2f}" for n in names)
-        print(f"{step:4d} {row}")
-    plain = results["plain PyTorch"][0]
+        cells = []
+        for n in names:
+            losses, norms, times = results[n]
+            shown = f"{norms[step]:10.4f}" if args.clip else ""
+            cells.append(f"{losses[step]:19.6f}{shown} {times[step]:8.2f}")
+        print(f"{step:4d} " + " ".join(cells))
+    plain_losses, plain_norms, _ = results["plain PyTorch"]
     medians = {}
     for name in names:
-        losses, times = results[name]
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain))
+        losses, norms, times = results[name]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses))
         timed = times[args.warmup:] or times
         medians[name] = statistics.median(timed)
         print(f"{name:>14}: mean step {statistics.mean(timed):8.2f} ms, median "
               f"{medians[name]:8.2f} ms (steps {args.warmup}..{args.steps - 1}), "
               f"max relative loss difference vs plain PyTorch {worst:.2e}")
+        if args.clip:
+            gap = max(abs(a - b) / b for a, b in zip(norms, plain_norms))
+            print(f"{name:>14}: max relative gradient-norm difference vs plain PyTorch {gap:.2e}")
     for name in names[0], names[2]:
         print(f"{name} / plain PyTorch, median step: {medians[name] / medians['plain PyTorch']:.3f}")
     dist.destroy_process_group()

@@ -10,7 +10,10 @@ import pytest
 from conftest import CHECKOUT
 
 
-@pytest.mark.parametrize("extra", [[], ["--checkpoint"]])
+@pytest.mark.parametrize("extra", [
+    [], ["--checkpoint"],
+    ["--clip", "0.5", "--lr-schedule", "warmup-cosine", "--warmup-steps", "2", "--lr", "1e-2"],
+])
 def test_train_script_runs_on_the_cpu_and_its_trainers_agree(extra):
     """train.py's three trainers (this package, plain PyTorch, FSDP2 on gloo), small, bf16."""
     small = ["--device", "cpu", "--steps", "4", "--warmup", "1", "--vocab", "128", "--dim", "32",
@@ -22,3 +25,7 @@ def test_train_script_runs_on_the_cpu_and_its_trainers_agree(extra):
     assert [name for name, _ in found] == ["fsdp-fusion", "PyTorch", "FSDP2"], run.stdout
     worst = max(float(difference) for _, difference in found)
     assert worst <= 1e-3, run.stdout
+    if "--clip" in extra:
+        norms = re.findall(r"max relative gradient-norm difference vs plain PyTorch (\S+)",
+                           run.stdout)
+        assert len(norms) == 3 and max(map(float, norms)) <= 1e-2, run.stdout
