@@ -13,6 +13,7 @@ use clap::{Parser, ValueEnum};
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Recipe, Training};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -46,6 +47,13 @@ enum Optimizer {
     Sgd,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum Schedule {
+    Constant,
+    /// A linear warmup over `--warmup-steps`, then a cosine decay to 0 at the last step.
+    WarmupCosine,
+}
+
 #[derive(Parser)]
 #[command(about = "Train the example model sharded over CPU ranks beside an unsharded reference")]
 struct Args {
@@ -69,9 +77,10 @@ struct Args {
     passes: u64,
     #[arg(long, value_enum, default_value = "f32")]
     dtype: Dtype,
-    /// Gathered buffers kept at once (double_buffer_limit). Each layer holds two groups (its
-    /// trainable weights and its frozen gain), so 4 lets the next layer's prefetch overlap.
-    #[arg(long, default_value_t = 4)]
+    /// Gathered buffers kept at once (double_buffer_limit). Each layer holds three groups (its
+    /// weight, its bias, which takes no weight decay, and its frozen gain), so 6 lets the next
+    /// layer's prefetch overlap.
+    #[arg(long, default_value_t = 6)]
     limit: usize,
     /// Gradient reduce-scatters in flight.
     #[arg(long, default_value_t = 2)]
@@ -86,6 +95,14 @@ struct Args {
     /// Sum gradients over ranks instead of averaging.
     #[arg(long)]
     sum: bool,
+    #[arg(long, value_enum, default_value = "constant")]
+    lr_schedule: Schedule,
+    /// Steps of the warmup-cosine schedule's warmup.
+    #[arg(long, default_value_t = 5)]
+    warmup_steps: u64,
+    /// Clip the whole gradient's 2-norm to this.
+    #[arg(long)]
+    clip: Option<f32>,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Defaults to local on the CPU backend, loopback on the CUDA backend.
@@ -164,7 +181,17 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         init: &init,
         steps: args.steps,
         passes: args.passes,
-        recipe: Recipe::default(),
+        recipe: Recipe {
+            schedule: match args.lr_schedule {
+                Schedule::Constant => LrSchedule::Constant,
+                Schedule::WarmupCosine => LrSchedule::WarmupCosine {
+                    warmup_steps: args.warmup_steps,
+                    total_steps: args.steps,
+                    min_factor: 0.0,
+                },
+            },
+            clip: args.clip,
+        },
     };
 
     println!(
@@ -197,8 +224,8 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         _ => println!("{line}"),
     };
     say(format!(
-        "{:>6}  {:>14}  {:>14}  {:>20}",
-        "step", "loss sharded", "loss reference", "max rel. param diff"
+        "{:>6}  {:>14}  {:>14}  {:>12}  {:>12}  {:>20}",
+        "step", "loss sharded", "loss reference", "grad norm", "reference", "max rel. param diff"
     ));
     let mut worst = 0f32;
     let on_step = |step: u64, c: &Comparison| -> fsdp_fusion::Result<()> {
@@ -206,9 +233,11 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         worst = worst.max(diff);
         if (step + 1) % every.max(1) == 0 || step == 0 {
             say(format!(
-                "{:>6}  {loss:>14.7}  {:>14.7}  {diff:>20.3e}",
+                "{:>6}  {loss:>14.7}  {:>14.7}  {:>12.6}  {:>12.6}  {diff:>20.3e}",
                 step + 1,
-                c.reference_loss
+                c.reference_loss,
+                c.grad_norm,
+                c.reference_grad_norm
             ));
         }
         if let Some(bar) = &bar {
