@@ -24,6 +24,9 @@
 
 #define FSDP_SUM 1
 
+// A sum of each rank's gradient times `fsdp_config.grad_scale`.
+#define FSDP_SCALED 2
+
 // The unit index that names the root unit (parameters outside every layer).
 #define FSDP_ROOT -1
 
@@ -82,7 +85,7 @@ typedef struct fsdp_config {
   size_t max_reduces_in_flight;
   // 1: prefetch and keep reductions in flight; 0: every collective completes within its hook.
   uint8_t overlap;
-  // `FSDP_MEAN` or `FSDP_SUM`.
+  // `FSDP_MEAN`, `FSDP_SUM` or `FSDP_SCALED`.
   uint32_t grad_reduction;
   // `FSDP_ADAMW` or `FSDP_SGD` (which uses `lr` and `weight_decay`, as `torch.optim.SGD`
   // without momentum: the decay is added to the gradient).
@@ -97,6 +100,8 @@ typedef struct fsdp_config {
   // 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
   // NCCL, which does not compare them itself; costs a small all-gather and a host wait).
   uint8_t verify_collectives;
+  // `FSDP_SCALED`'s factor (finite, > 0); ignored otherwise.
+  float grad_scale;
 } fsdp_config;
 
 // One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of

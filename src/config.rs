@@ -7,12 +7,15 @@ use crate::optim::OptimizerConfig;
 use crate::watch::DEFAULT_TIMEOUT;
 
 /// How gradients from the ranks combine.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum GradReduction {
     /// Sum divided by the world size.
     #[default]
     Mean,
     Sum,
+    /// Sum, each rank's gradient first multiplied by this factor (finite, > 0): a loop that
+    /// normalizes by a count of its own (the global token count, say) without a second pass.
+    Scaled(f32),
 }
 
 impl GradReduction {
@@ -21,6 +24,7 @@ impl GradReduction {
         match self {
             GradReduction::Mean => 1.0 / world_size as f32,
             GradReduction::Sum => 1.0,
+            GradReduction::Scaled(factor) => factor,
         }
     }
 }
@@ -78,6 +82,14 @@ impl EngineConfig {
                 field: "max_reduces_in_flight",
                 reason: "must be at least 1".into(),
             });
+        }
+        if let GradReduction::Scaled(factor) = self.grad_reduction {
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(Error::InvalidConfig {
+                    field: "grad_reduction",
+                    reason: format!("a scale of {factor}, expected finite, > 0"),
+                });
+            }
         }
         if self.timeout.is_zero() {
             return Err(Error::InvalidConfig {

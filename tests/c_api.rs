@@ -369,6 +369,20 @@ fn wrong_sizes_and_values() {
                 "optimizer 5",
             );
             c = config;
+            c.grad_reduction = FSDP_SCALED;
+            c.grad_scale = f32::NAN;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "a scale of NaN",
+            );
+            c.grad_reduction = 3;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "grad_reduction 3",
+            );
+            c = config;
             c.double_buffer_limit = 0;
             expect(
                 fsdp_engine_create_cpu(plan, &c, group, 0, &mut out_engine),

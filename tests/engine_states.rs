@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use fsdp_fusion::types::{BufferState, Stream};
 use fsdp_fusion::{
-    DType, Engine, EngineConfig, Input, LocalComm, ModelSpec, ParamSpec, Plan, Unit,
+    DType, Engine, EngineConfig, GradReduction, Input, LocalComm, ModelSpec, OptimizerConfig,
+    ParamSpec, Plan, Unit,
 };
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
@@ -230,36 +231,66 @@ fn memory_is_fixed_up_front_and_matches_the_plan() {
     });
 }
 
+/// The parameter shards after two steps of two layers at world size 1, each gradient `factor`
+/// times a fixed ramp, written into the slot (`zero_copy`) or handed over.
+fn two_steps(mode: Mode, config: EngineConfig, factor: f32, zero_copy: bool) -> Vec<Vec<u8>> {
+    let mut e = engine(mode, stack(2, false), config);
+    for _ in 0..2 {
+        for i in (0..2).rev() {
+            e.pre_backward(Unit::Layer(i)).unwrap();
+            let id = e.plan().param_id(&format!("w{i}")).unwrap();
+            let g: Vec<f32> = (0..16)
+                .map(|j| factor * (i as f32 + 1.0) * j as f32)
+                .collect();
+            if zero_copy {
+                e.grad_slot(id).unwrap().copy_from_slice(&g);
+                e.commit_grad(id).unwrap();
+            } else {
+                e.grad(id, Input::host(&g)).unwrap();
+            }
+            e.post_backward(Unit::Layer(i)).unwrap();
+        }
+        e.finish_grad_sync().unwrap();
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+    }
+    (0..e.plan().groups().len())
+        .map(|g| e.param_shard(g).unwrap())
+        .collect()
+}
+
 #[test]
 fn writing_into_the_slot_equals_handing_over_the_gradient() {
     for_each_mode(|mode| {
-        let run = |zero_copy: bool| {
-            let mut e = engine(mode, stack(2, false), EngineConfig::default());
-            for _ in 0..2 {
-                for i in (0..2).rev() {
-                    e.pre_backward(Unit::Layer(i)).unwrap();
-                    let id = e.plan().param_id(&format!("w{i}")).unwrap();
-                    let g: Vec<f32> = (0..16).map(|j| (i as f32 + 1.0) * j as f32).collect();
-                    if zero_copy {
-                        e.grad_slot(id).unwrap().copy_from_slice(&g);
-                        e.commit_grad(id).unwrap();
-                    } else {
-                        e.grad(id, Input::host(&g)).unwrap();
-                    }
-                    e.post_backward(Unit::Layer(i)).unwrap();
-                }
-                e.finish_grad_sync().unwrap();
-                e.optimizer_step().unwrap();
-                e.end_step().unwrap();
-            }
-            (0..e.plan().groups().len())
-                .map(|g| e.param_shard(g).unwrap())
-                .collect::<Vec<_>>()
+        let config = EngineConfig::default();
+        let copied = two_steps(mode, config.clone(), 1.0, false);
+        assert_eq!(two_steps(mode, config, 1.0, true), copied);
+        assert_ne!(copied, run_untrained(mode));
+    });
+}
+
+#[test]
+fn a_scaled_reduction_scales_gradients_written_either_way_at_world_size_1() {
+    for_each_mode(|mode| {
+        let sgd = OptimizerConfig::Sgd {
+            lr: 0.1,
+            weight_decay: 0.0,
         };
-        let copied = run(false);
-        assert_eq!(run(true), copied);
-        let start = run_untrained(mode);
-        assert_ne!(copied, start);
+        let config = |grad_reduction| EngineConfig {
+            grad_reduction,
+            optimizer: sgd,
+            ..EngineConfig::default()
+        };
+        // A power of two, so that scaling before or after the sum rounds the same.
+        let expected = two_steps(mode, config(GradReduction::Sum), 0.25, false);
+        for zero_copy in [false, true] {
+            let scaled = two_steps(mode, config(GradReduction::Scaled(0.25)), 1.0, zero_copy);
+            assert_eq!(scaled, expected, "zero copy {zero_copy}");
+        }
+        assert_ne!(
+            expected,
+            two_steps(mode, config(GradReduction::Sum), 1.0, false)
+        );
     });
 }
 

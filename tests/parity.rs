@@ -133,6 +133,19 @@ fn f16_parity_with_sgd_and_summed_gradients() {
 }
 
 #[test]
+fn parity_with_gradients_scaled_by_a_factor_of_the_loop_s_own() {
+    // A loop that divides by its global count itself: every rank's gradient times 1/24.
+    let config = EngineConfig {
+        grad_reduction: GradReduction::Scaled(1.0 / 24.0),
+        ..config(true)
+    };
+    for world in [1, 3, 4] {
+        let diff = parity(world, DType::F32, config.clone());
+        assert!(diff <= 1e-6, "world {world}: {diff}");
+    }
+}
+
+#[test]
 fn parity_holds_at_the_tightest_limits() {
     let config = EngineConfig {
         double_buffer_limit: 1,

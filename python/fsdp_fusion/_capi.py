@@ -53,6 +53,7 @@ class Config(ctypes.Structure):
         ("weight_decay", ctypes.c_float),
         ("timeout_seconds", ctypes.c_double),
         ("verify_collectives", c_uint8),
+        ("grad_scale", ctypes.c_float),
     ]
 
 

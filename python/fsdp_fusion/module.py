@@ -268,6 +268,10 @@ class FusedFSDP(Releasing, torch.nn.Module):
     (a schedule), `step(max_grad_norm=...)` clips the gradient's norm as
     `torch.nn.utils.clip_grad_norm_` does.
 
+    `grad_reduction` combines the ranks' gradients: "mean" (the sum over the world size), "sum",
+    or a number, the factor each rank's gradient is multiplied by before the sum (a loop that
+    normalizes by its global token count).
+
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
@@ -287,7 +291,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         double_buffer_limit: int = 4,
         max_reduces_in_flight: int = 2,
         overlap: bool = True,
-        grad_reduction: str = "mean",
+        grad_reduction: str | float = "mean",
         timeout: float = 600.0,
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
@@ -358,7 +362,11 @@ class FusedFSDP(Releasing, torch.nn.Module):
         config = Config()
         self._lib.call("fsdp_config_default", byref(config))
         config.optimizer = _choice("optimizer", optimizer, {"adamw": 0, "sgd": 1})
-        config.grad_reduction = _choice("grad_reduction", grad_reduction, {"mean": 0, "sum": 1})
+        if isinstance(grad_reduction, str):
+            config.grad_reduction = _choice("grad_reduction", grad_reduction,
+                                            {"mean": 0, "sum": 1})
+        else:
+            config.grad_reduction, config.grad_scale = 2, grad_reduction
         config.lr, (config.beta1, config.beta2) = lr, betas
         if weight_decay is None:
             weight_decay = 0.01 if optimizer == "adamw" else 0.0

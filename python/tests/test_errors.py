@@ -56,6 +56,8 @@ def test_settings_the_engine_refuses_raise_value_errors():
         FusedFSDP(module, list(module.blocks), optimizer="lamb")
     with pytest.raises(ValueError, match="grad_reduction 'max'"):
         FusedFSDP(module, list(module.blocks), grad_reduction="max")
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="grad_reduction.*a scale of -1"):
+        FusedFSDP(module, list(module.blocks), grad_reduction=-1.0)
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="FSDP_INVALID_ARGUMENT.*timeout"):
         FusedFSDP(module, list(module.blocks), timeout=-1.0)
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="rank 2 is not in a local group"):

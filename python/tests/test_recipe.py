@@ -136,3 +136,20 @@ def test_bad_recipes_are_refused_before_anything_changes():
         fused.set_lr(float("nan"))
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="max_norm"):
         fused.step(max_grad_norm=0.0)
+
+
+def test_a_scaled_reduction_multiplies_every_gradient_by_its_factor():
+    """SGD on gradients scaled by 0.25 by the engine equals SGD on a loss scaled by 0.25."""
+    tokens = batches(1)[0][0][0]
+    shards = []
+    for factor, reduction in ((0.25, "sum"), (1.0, 0.25)):
+        _, module = models()
+        fused = FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.5,
+                          grad_reduction=reduction)
+        for _ in range(2):
+            (loss_of(fused(tokens[:, :-1]), tokens[:, 1:]) * factor).backward()
+            fused.step()
+        shards.append(fused.full_parameter("blocks.1.up.weight"))
+    assert torch.equal(shards[0], shards[1])
+    _, module = models()
+    assert not torch.equal(shards[0], module.blocks[1].up.weight.detach())

@@ -608,7 +608,9 @@ impl State {
                 plan.grad_slot_count(config),
                 limits.reduces_in_flight,
                 config.overlap,
-                plan.world_size() == 1,
+                // At world size 1 gradients go straight into the shard, unless the reduction
+                // scales them: then the slot's reduction applies the factor.
+                plan.world_size() == 1 && config.grad_reduction.scale(1) == 1.0,
             ),
             padding,
         })

@@ -23,6 +23,8 @@ pub const FSDP_SGD: u32 = 1;
 /// `fsdp_config.grad_reduction` values.
 pub const FSDP_MEAN: u32 = 0;
 pub const FSDP_SUM: u32 = 1;
+/// A sum of each rank's gradient times `fsdp_config.grad_scale`.
+pub const FSDP_SCALED: u32 = 2;
 
 /// The unit index that names the root unit (parameters outside every layer).
 pub const FSDP_ROOT: i64 = -1;
@@ -81,7 +83,7 @@ pub struct fsdp_config {
     pub max_reduces_in_flight: usize,
     /// 1: prefetch and keep reductions in flight; 0: every collective completes within its hook.
     pub overlap: u8,
-    /// `FSDP_MEAN` or `FSDP_SUM`.
+    /// `FSDP_MEAN`, `FSDP_SUM` or `FSDP_SCALED`.
     pub grad_reduction: u32,
     /// `FSDP_ADAMW` or `FSDP_SGD` (which uses `lr` and `weight_decay`, as `torch.optim.SGD`
     /// without momentum: the decay is added to the gradient).
@@ -96,6 +98,8 @@ pub struct fsdp_config {
     /// 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
     /// NCCL, which does not compare them itself; costs a small all-gather and a host wait).
     pub verify_collectives: u8,
+    /// `FSDP_SCALED`'s factor (finite, > 0); ignored otherwise.
+    pub grad_scale: f32,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -248,9 +252,10 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
     let grad_reduction = match c.grad_reduction {
         FSDP_MEAN => GradReduction::Mean,
         FSDP_SUM => GradReduction::Sum,
+        FSDP_SCALED => GradReduction::Scaled(c.grad_scale),
         other => {
             return Err(invalid(format!(
-                "grad_reduction {other} is not FSDP_MEAN or FSDP_SUM"
+                "grad_reduction {other} is not FSDP_MEAN, FSDP_SUM or FSDP_SCALED"
             )));
         }
     };
@@ -309,6 +314,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             weight_decay,
             timeout_seconds: d.timeout.as_secs_f64(),
             verify_collectives: u8::from(d.verify_collectives),
+            grad_scale: 1.0,
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

@@ -15,9 +15,8 @@ use fsdp_fusion::optim::{
     GroupSettings, LrSchedule, Update, accumulate_element, adamw_element, sgd_element,
 };
 use fsdp_fusion::{
-    Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, GradReduction,
-    Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result,
-    Unit,
+    Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, Input,
+    LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result, Unit,
 };
 
 use crate::rng::Rng;
@@ -664,10 +663,7 @@ impl Training<'_> {
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let world = self.plan.world_size();
-        let scale = match self.config.grad_reduction {
-            GradReduction::Mean => 1.0 / world as f32,
-            GradReduction::Sum => 1.0,
-        };
+        let scale = self.config.grad_reduction.scale(world);
         let mut reference = Reference::new(
             self.model.clone(),
             self.init,
