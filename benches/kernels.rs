@@ -316,8 +316,12 @@ fn items(size: usize) -> Vec<Item> {
     }
     for src in DTYPES {
         for add in [false, true] {
-            items.push(accumulate(size, src, add));
+            items.push(accumulate(size, (src, DType::F32), add));
         }
+    }
+    // A gradient written into a bf16 transport slot.
+    for src in [DType::Bf16, DType::F32] {
+        items.push(accumulate(size, (src, DType::Bf16), false));
     }
     for param in DTYPES {
         items.push(adamw(size, param));
@@ -329,8 +333,10 @@ fn items(size: usize) -> Vec<Item> {
         items.push(pack(size, dtype, true));
         items.push(pack(size, dtype, false));
     }
-    for count in [2, 8] {
-        items.push(reduce_sum(size, count));
+    for dtype in [DType::F32, DType::Bf16] {
+        for count in [2, 8] {
+            items.push(reduce_sum(size, dtype, count));
+        }
     }
     items
 }
@@ -378,16 +384,16 @@ fn cast(size: usize, from: DType, to: DType) -> Item {
     )
 }
 
-fn accumulate(size: usize, src: DType, add: bool) -> Item {
-    let n = size / 4;
+fn accumulate(size: usize, (src, dst): (DType, DType), add: bool) -> Item {
+    let n = size / dst.size();
     let operands = vec![n * src.size(), size];
-    let moved = n * (src.size() + 4 + if add { 4 } else { 0 });
-    let what = format!("{src} {}", if add { "+=" } else { "=" });
+    let moved = n * (src.size() + dst.size() + if add { dst.size() } else { 0 });
+    let what = format!("{dst} {} {src}", if add { "+=" } else { "=" });
     Item::new("accumulate", what, operands, moved, move |gpu, a| {
-        // SAFETY: `src` holds `n` elements of its dtype, `dst` `n` f32.
+        // SAFETY: `src` holds `n` elements of its dtype, `dst` `n` of its own.
         Ok(unsafe {
             gpu.kernels
-                .accumulate(&gpu.stream, src, a[0], a[1], n, 0.5, add)
+                .accumulate(&gpu.stream, (src, dst), a[0], a[1], n, 0.5, add)
         }?)
     })
 }
@@ -551,22 +557,22 @@ fn pack(size: usize, dtype: DType, packing: bool) -> Item {
     item
 }
 
-fn reduce_sum(size: usize, count: usize) -> Item {
-    let n = size / 4;
+fn reduce_sum(size: usize, dtype: DType, count: usize) -> Item {
+    let n = size / dtype.size();
     let mut operands = vec![size; count + 1];
     operands.push(8 * count);
     let moved = (count + 1) * size;
     let mut item = Item::new(
         "reduce_sum",
-        format!("f32 x{count}"),
+        format!("{dtype} x{count}"),
         operands,
         moved,
         move |gpu, a| {
-            // SAFETY: the table (last operand) holds the `count` source addresses, each of `n` f32,
-            // and a[count] is the destination.
+            // SAFETY: the table (last operand) holds the `count` source addresses, each of `n`
+            // elements of `dtype`, and a[count] is the destination.
             Ok(unsafe {
                 gpu.kernels
-                    .reduce_sum(&gpu.stream, a[count + 1], count, a[count], n, 0.25)
+                    .reduce_sum(&gpu.stream, dtype, a[count + 1], count, a[count], n, 0.25)
             }?)
         },
     );

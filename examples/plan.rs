@@ -162,7 +162,8 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         ("fp32 grad shards", m.grad_shards),
         ("optimizer state", m.optimizer_state),
         ("gathered slots", m.gathered_slots),
-        ("fp32 grad slots", m.grad_slots),
+        ("grad slots", m.grad_slots),
+        ("grad accumulators", m.grad_accumulators),
         ("peak", m.peak),
     ] {
         writeln!(out, "  {name:<18} {} ({bytes} bytes)", mib(bytes))?;

@@ -27,6 +27,17 @@
 // A sum of each rank's gradient times `fsdp_config.grad_scale`.
 #define FSDP_SCALED 2
 
+// `fsdp_config.accumulation` values: how a step's backward passes come together.
+// Every pass reduce-scatters its gradients.
+#define FSDP_REDUCE_EVERY_PASS 0
+
+// The passes accumulate unsharded fp32 gradients; `fsdp_engine_finish_grad_sync` reduces them
+// once.
+#define FSDP_NO_SYNC 1
+
+// Every group stays gathered from its first use until the step ends.
+#define FSDP_KEEP_GATHERED 2
+
 // The unit index that names the root unit (parameters outside every layer).
 #define FSDP_ROOT -1
 
@@ -102,6 +113,11 @@ typedef struct fsdp_config {
   uint8_t verify_collectives;
   // `FSDP_SCALED`'s factor (finite, > 0); ignored otherwise.
   float grad_scale;
+  // The element type gradients travel in between ranks: `FSDP_F32` or `FSDP_BF16` (half the
+  // bytes and slot memory; sums rounded to bf16 before the fp32 shards accumulate them).
+  uint32_t reduce_dtype;
+  // `FSDP_REDUCE_EVERY_PASS`, `FSDP_NO_SYNC` or `FSDP_KEEP_GATHERED`.
+  uint32_t accumulation;
 } fsdp_config;
 
 // One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of
@@ -170,6 +186,8 @@ typedef struct fsdp_memory {
   size_t optimizer_state;
   size_t gathered_slots;
   size_t grad_slots;
+  // The unsharded fp32 gradients of `FSDP_NO_SYNC`.
+  size_t grad_accumulators;
   size_t peak;
 } fsdp_memory;
 
@@ -542,9 +560,9 @@ enum fsdp_status fsdp_engine_clip_grad_norm(struct fsdp_engine *engine,
 // until the thread's next failed call.
 const char *fsdp_last_error(void);
 
-// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean, AdamW with
-// PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a 600-second
-// timeout, collectives not verified.
+// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
+// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
+// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass.
 //
 // # Safety
 // `out` is NULL or valid for a write.

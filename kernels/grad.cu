@@ -1,28 +1,37 @@
-// Gradient arithmetic in f32: scaled accumulation and the element-wise sum of many buffers.
+// Gradient arithmetic in f32 (operands f32 or 16-bit, results rounded once): scaled accumulation
+// and the element-wise sum of many buffers.
 //
 // The arithmetic is written with round-to-nearest intrinsics so that nvcc cannot contract a
 // multiply and an add into an FMA: the host computes each step separately, and so must we.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace fsdp {
 
-// `dst = scale * src`, or `dst = dst + scale * src` when `add`, as `accumulate_element`.
-template <class S>
+// The wider of two element types: an element-wise op's chunk is one vector of it (`kChunk`).
+template <class A, class B>
+using Wider = typename std::conditional<(sizeof(typename A::Bits) >= sizeof(typename B::Bits)),
+                                        A, B>::type;
+
+// `dst = scale * src`, or `dst = dst + scale * src` when `add`, as `accumulate_element`, computed
+// in f32 and rounded to D once.
+template <class S, class D>
 struct AccumulateOp {
   const typename S::Bits* src;
-  float* dst;
+  typename D::Bits* dst;
   float scale;
   bool add;
   template <int N>
   struct Regs {
     Raw<typename S::Bits, N> s;
-    Raw<uint32_t, N> d;
+    Raw<typename D::Bits, N> d;
   };
   __device__ __forceinline__ int steps() const { return 1; }
   template <int N>
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
     r.s.load(src + i);
-    if (add) r.d.load(reinterpret_cast<const uint32_t*>(dst) + i);
+    if (add) r.d.load(dst + i);
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
@@ -30,36 +39,37 @@ struct AccumulateOp {
     to_floats<S>(r.s, s);
     float out[N];
     if (add) {
-      to_floats<F32>(r.d, out);
+      to_floats<D>(r.d, out);
 #pragma unroll
       for (int k = 0; k < N; ++k) out[k] = __fadd_rn(out[k], __fmul_rn(scale, s[k]));
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) out[k] = __fmul_rn(scale, s[k]);
     }
-    store_floats<F32>(reinterpret_cast<uint32_t*>(dst) + i, out);
+    store_floats<D>(dst + i, out);
   }
 };
 
-template <class S>
-__device__ __forceinline__ void accumulate(const typename S::Bits* src, float* dst, uint64_t n,
-                                           float scale, bool add) {
+template <class S, class D>
+__device__ __forceinline__ void accumulate(const typename S::Bits* src, typename D::Bits* dst,
+                                           uint64_t n, float scale, bool add) {
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kChunk<uint32_t>, 4>(AccumulateOp<S>{src, dst, scale, add}, n, phase, grid_thread(),
-                                   grid_threads());
+  elementwise<kChunk<typename Wider<S, D>::Bits>, 4>(AccumulateOp<S, D>{src, dst, scale, add}, n,
+                                                     phase, grid_thread(), grid_threads());
 }
 
-// `dst = ((scale * src0 + scale * src1) + scale * src2) + ...`: step k reads source k, so every
-// chunk of a round has its load of one source in flight together. `dst` may be one of the
-// sources: each element is read from every source before it is written, by the same thread.
-// Scaling each source before the sum keeps a mean finite where the plain sum would overflow; a
-// scale of 1 changes no bit.
+// `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
+// reads source k, so every chunk of a round has its load of one source in flight together. `dst`
+// may be one of the sources: each element is read from every source before it is written, by the
+// same thread. Scaling each source before the sum keeps a mean finite where the plain sum would
+// overflow; a scale of 1 changes no bit.
+template <class T>
 struct SumOp {
-  const float* const* srcs;
+  const typename T::Bits* const* srcs;
   int count;
-  float* dst;
+  typename T::Bits* dst;
   float scale;
   template <int N>
   struct Regs {
@@ -68,10 +78,10 @@ struct SumOp {
   __device__ __forceinline__ int steps() const { return count; }
   template <int N>
   __device__ __forceinline__ void load(int step, uint64_t i, Regs<N>& r) const {
-    Raw<uint32_t, N> raw;
-    raw.load(reinterpret_cast<const uint32_t*>(srcs[step]) + i);
+    Raw<typename T::Bits, N> raw;
+    raw.load(srcs[step] + i);
     float x[N];
-    to_floats<F32>(raw, x);
+    to_floats<T>(raw, x);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float scaled = __fmul_rn(scale, x[k]);
@@ -80,37 +90,45 @@ struct SumOp {
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
-    store_floats<F32>(reinterpret_cast<uint32_t*>(dst) + i, r.acc);
+    store_floats<T>(dst + i, r.acc);
   }
 };
 
-__device__ __forceinline__ void reduce_sum(const float* const* srcs, int count, float* dst,
-                                           uint64_t n, float scale) {
+template <class T>
+__device__ __forceinline__ void reduce_sum(const typename T::Bits* const* srcs, int count,
+                                           typename T::Bits* dst, uint64_t n, float scale) {
   Phase phase;
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
-  elementwise<kChunk<uint32_t>, 4>(SumOp{srcs, count, dst, scale}, n, phase, grid_thread(),
-                                   grid_threads());
+  elementwise<kChunk<typename T::Bits>, 4>(SumOp<T>{srcs, count, dst, scale}, n, phase,
+                                           grid_thread(), grid_threads());
 }
 
 }  // namespace fsdp
 
 using fsdp::kBlock;
 
-#define FSDP_ACCUMULATE(name, S)                                                          \
-  extern "C" __global__ void __launch_bounds__(kBlock) accumulate_##name(                 \
-      const S::Bits* src, float* dst, uint64_t n, float scale, uint32_t add) {            \
-    fsdp::accumulate<S>(src, dst, n, scale, add != 0);                                    \
+#define FSDP_ACCUMULATE(name, S, D)                                                        \
+  extern "C" __global__ void __launch_bounds__(kBlock) accumulate_##name(                  \
+      const S::Bits* src, D::Bits* dst, uint64_t n, float scale, uint32_t add) {           \
+    fsdp::accumulate<S, D>(src, dst, n, scale, add != 0);                                  \
   }
 
-FSDP_ACCUMULATE(bf16, fsdp::Bf16)
-FSDP_ACCUMULATE(f16, fsdp::F16)
-FSDP_ACCUMULATE(f32, fsdp::F32)
+FSDP_ACCUMULATE(bf16_f32, fsdp::Bf16, fsdp::F32)
+FSDP_ACCUMULATE(f16_f32, fsdp::F16, fsdp::F32)
+FSDP_ACCUMULATE(f32_f32, fsdp::F32, fsdp::F32)
+FSDP_ACCUMULATE(bf16_bf16, fsdp::Bf16, fsdp::Bf16)
+FSDP_ACCUMULATE(f16_bf16, fsdp::F16, fsdp::Bf16)
+FSDP_ACCUMULATE(f32_bf16, fsdp::F32, fsdp::Bf16)
 
-extern "C" __global__ void __launch_bounds__(kBlock) reduce_sum_f32(
-    const float* const* srcs, uint32_t count, float* dst, uint64_t n, float scale) {
-  fsdp::reduce_sum(srcs, static_cast<int>(count), dst, n, scale);
-}
+#define FSDP_REDUCE_SUM(name, T)                                                             \
+  extern "C" __global__ void __launch_bounds__(kBlock) reduce_sum_##name(                    \
+      const T::Bits* const* srcs, uint32_t count, T::Bits* dst, uint64_t n, float scale) {   \
+    fsdp::reduce_sum<T>(srcs, static_cast<int>(count), dst, n, scale);                       \
+  }
+
+FSDP_REDUCE_SUM(f32, fsdp::F32)
+FSDP_REDUCE_SUM(bf16, fsdp::Bf16)
 
 // `*counter += ` the number of non-finite (infinite or NaN) f32 values of `src[0..n)`. Each thread
 // counts its grid-stride share, each warp adds its threads' counts, and one lane per warp adds

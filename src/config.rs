@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
+use crate::types::DType;
 use crate::watch::DEFAULT_TIMEOUT;
 
 /// How gradients from the ranks combine.
@@ -16,6 +17,22 @@ pub enum GradReduction {
     /// Sum, each rank's gradient first multiplied by this factor (finite, > 0): a loop that
     /// normalizes by a count of its own (the global token count, say) without a second pass.
     Scaled(f32),
+}
+
+/// How the gradients of a step's several backward passes come together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Accumulation {
+    /// Every pass reduce-scatters its gradients, accumulated into the fp32 shards.
+    #[default]
+    ReduceEveryPass,
+    /// The passes accumulate each rank's gradients unsharded in fp32 (one accumulator per
+    /// trainable group, a whole unsharded gradient); `finish_grad_sync` reduce-scatters them
+    /// once. Fewer bytes moved for more memory; the reduction does not overlap a backward.
+    NoSync,
+    /// Every group stays gathered from its first use until the step ends, so later passes
+    /// gather nothing: the whole model's parameters in memory for no re-gathers. Gradients
+    /// reduce every pass.
+    KeepGathered,
 }
 
 impl GradReduction {
@@ -43,6 +60,12 @@ pub struct EngineConfig {
     /// completes before the hook that issued it returns.
     pub overlap: bool,
     pub grad_reduction: GradReduction,
+    /// The element type gradients travel in between ranks: f32, or bf16 (half the bytes sent
+    /// and half the gradient slots' memory; each rank's gradient rounded to bf16, the ranks' sum
+    /// rounded again, then accumulated into the fp32 shards). Nothing travels at world size 1,
+    /// where gradients stay f32.
+    pub reduce_dtype: DType,
+    pub accumulation: Accumulation,
     pub optimizer: OptimizerConfig,
     /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
     /// before it fails with `Error::Timeout`, poisoning the engine. Positive.
@@ -61,6 +84,8 @@ impl Default for EngineConfig {
             max_reduces_in_flight: 2,
             overlap: true,
             grad_reduction: GradReduction::Mean,
+            reduce_dtype: DType::F32,
+            accumulation: Accumulation::ReduceEveryPass,
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,
@@ -90,6 +115,12 @@ impl EngineConfig {
                     reason: format!("a scale of {factor}, expected finite, > 0"),
                 });
             }
+        }
+        if self.reduce_dtype == DType::F16 {
+            return Err(Error::InvalidConfig {
+                field: "reduce_dtype",
+                reason: "f16, expected f32 or bf16 (an f16 sum overflows at 65504)".into(),
+            });
         }
         if self.timeout.is_zero() {
             return Err(Error::InvalidConfig {

@@ -110,6 +110,8 @@ pub enum Error {
     GradSlotOpen { name: String },
     #[error("parameter {name:?} has no open gradient slot to commit")]
     GradSlotNotOpen { name: String },
+    #[error("no gradient slot to write into: {reason}; hand gradients over instead")]
+    GradSlotUnavailable { reason: &'static str },
     #[error("gradients are not synced: call finish_grad_sync before {action}")]
     GradsNotSynced { action: &'static str },
     #[error("parameter {name:?} is gathered: load parameters between steps, outside every unit")]

@@ -1,5 +1,6 @@
-//! Pure decisions for the gradient path: temporary fp32 slots, reduce-scatters in flight, and
-//! accumulation into the persistent fp32 shards. No I/O: each call returns the effects to apply.
+//! Pure decisions for the gradient path: temporary slots (in the transport's dtype),
+//! reduce-scatters in flight, unsharded accumulators of the no-sync mode, and accumulation into
+//! the persistent fp32 shards. No I/O: each call returns the effects to apply.
 
 use std::collections::VecDeque;
 
@@ -11,6 +12,21 @@ pub enum Place {
     /// Group `.0`'s persistent fp32 shard itself: at world size 1 the shard is the whole buffer,
     /// so a step's first gradients need no slot, no reduction and no copy.
     Shard(usize),
+    /// Group `.0`'s unsharded fp32 accumulator (no-sync mode): every pass of a step adds into
+    /// it, and the step's sync reduces it once.
+    Accumulator(usize),
+}
+
+/// How the passes of a step come together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Passes {
+    /// Each pass reduces its gradients.
+    ReduceEach,
+    /// The passes add into accumulators, reduced by the sync in place (an f32 transport).
+    AccumulateInPlace,
+    /// As `AccumulateInPlace`, each accumulator staged into a slot of the transport's dtype
+    /// first.
+    AccumulateStaged,
 }
 
 /// An effect the engine applies, in order.
@@ -23,13 +39,19 @@ pub enum GradEffect {
     ZeroPadding { place: Place, group: usize },
     /// Zero a parameter's place: it got no gradient before its group was reduced.
     ZeroParam { place: Place, param: usize },
-    /// Write the parameter's gradient into its place.
-    Write { param: usize, place: Place },
-    /// Reduce-scatter the slot and add (or, for the step's first, write) this rank's part,
-    /// scaled, into the group's persistent shard.
+    /// Write the parameter's gradient into its place, or add it to what the place holds.
+    Write {
+        param: usize,
+        place: Place,
+        add: bool,
+    },
+    /// Copy the group's accumulator into `slot`, rounded to the slot's dtype.
+    Stage { group: usize, slot: usize },
+    /// Reduce-scatter the place (a slot, or an accumulator) and add (or, for the step's first,
+    /// write) this rank's part, scaled, into the group's persistent shard.
     Reduce {
         group: usize,
-        slot: usize,
+        place: Place,
         overwrite: bool,
     },
     /// Zero the group's shard: it received no gradient this step.
@@ -60,6 +82,9 @@ pub struct GradPipeline {
     overlap: bool,
     /// A step's first gradients of a group go straight into its shard (world size 1).
     direct: bool,
+    passes: Passes,
+    /// Groups whose accumulator holds this step's gradients.
+    accumulated: Vec<bool>,
     written: Vec<bool>,
     pending: bool,
     synced: bool,
@@ -68,15 +93,15 @@ pub struct GradPipeline {
 impl GradPipeline {
     /// `members[g]`: the trainable parameters of group `g` (none for a frozen group); `params`:
     /// number of parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any
-    /// group trains; `direct` at world size 1, where a step's first gradients of a group go
-    /// straight into its shard.
+    /// group trains and a slot is used at all; `direct` at world size 1, where a step's first
+    /// gradients of a group go straight into its shard (then no group uses an accumulator).
     pub fn new(
         members: Vec<Vec<usize>>,
         params: usize,
-        slots: usize,
-        max_in_flight: usize,
+        (slots, max_in_flight): (usize, usize),
         overlap: bool,
         direct: bool,
+        passes: Passes,
     ) -> GradPipeline {
         let groups = members.len();
         GradPipeline {
@@ -91,6 +116,8 @@ impl GradPipeline {
             max_in_flight,
             overlap,
             direct,
+            passes,
+            accumulated: vec![false; groups],
             written: vec![false; groups],
             pending: false,
             synced: false,
@@ -130,22 +157,29 @@ impl GradPipeline {
             return;
         };
         self.fill_order.retain(|&g| g != group);
+        // An accumulator that an earlier pass filled keeps its values where this one wrote none.
+        let keeps = place == Place::Accumulator(group) && self.accumulated[group];
         for &param in &self.members[group] {
-            if !std::mem::take(&mut self.in_slot[param]) {
+            if !std::mem::take(&mut self.in_slot[param]) && !keeps {
                 effects.push(GradEffect::ZeroParam { place, param });
             }
         }
-        let Place::Slot(slot) = place else {
+        match place {
             // The gradients are in the shard already.
-            self.written[group] = true;
-            return;
-        };
+            Place::Shard(_) => self.written[group] = true,
+            // The step's sync reduces them.
+            Place::Accumulator(_) => self.accumulated[group] = true,
+            Place::Slot(slot) => self.reduce_slot(group, slot, effects),
+        }
+    }
+
+    fn reduce_slot(&mut self, group: usize, slot: usize, effects: &mut Vec<GradEffect>) {
         if self.in_flight.len() >= self.max_in_flight {
             self.retire_oldest(effects);
         }
         effects.push(GradEffect::Reduce {
             group,
-            slot,
+            place: Place::Slot(slot),
             overwrite: !self.written[group],
         });
         self.written[group] = true;
@@ -153,6 +187,27 @@ impl GradPipeline {
         self.in_flight.push_back(slot);
         if !self.overlap {
             self.retire_oldest(effects);
+        }
+    }
+
+    /// Reduces every accumulator this step filled, each once.
+    fn reduce_accumulators(&mut self, effects: &mut Vec<GradEffect>) {
+        for group in 0..self.members.len() {
+            if !std::mem::take(&mut self.accumulated[group]) {
+                continue;
+            }
+            if self.passes == Passes::AccumulateStaged {
+                let slot = self.claim_slot(effects);
+                effects.push(GradEffect::Stage { group, slot });
+                self.reduce_slot(group, slot, effects);
+            } else {
+                effects.push(GradEffect::Reduce {
+                    group,
+                    place: Place::Accumulator(group),
+                    overwrite: true,
+                });
+                self.written[group] = true;
+            }
         }
     }
 
@@ -183,8 +238,15 @@ impl GradPipeline {
     /// trainable and has no gradient yet in this pass.
     pub fn on_grad(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
         let place = self.open(group, effects);
-        effects.push(GradEffect::Write { param, place });
+        let add = self.adds(place);
+        effects.push(GradEffect::Write { param, place, add });
         self.commit(param, group, effects);
+    }
+
+    /// Whether a gradient written at `place` adds to what it holds: an accumulator an earlier
+    /// pass of the step filled.
+    pub fn adds(&self, place: Place) -> bool {
+        matches!(place, Place::Accumulator(group) if self.accumulated[group])
     }
 
     /// Where `group`'s gradients go in this pass: its shard for a step's first at world size 1,
@@ -199,12 +261,16 @@ impl GradPipeline {
         }
         let place = if self.direct && !self.written[group] {
             Place::Shard(group)
+        } else if self.passes != Passes::ReduceEach {
+            Place::Accumulator(group)
         } else {
             let slot = self.claim_slot(effects);
             self.slots[slot] = Slot::Filling;
             Place::Slot(slot)
         };
-        effects.push(GradEffect::ZeroPadding { place, group });
+        if !self.adds(place) {
+            effects.push(GradEffect::ZeroPadding { place, group });
+        }
         self.filling[group] = Some(place);
         self.fill_order.push_back(group);
         place
@@ -234,6 +300,7 @@ impl GradPipeline {
     /// this step get a zero shard.
     pub fn finish(&mut self, effects: &mut Vec<GradEffect>) {
         self.end_pass(effects);
+        self.reduce_accumulators(effects);
         while self.retire_oldest(effects).is_some() {}
         for group in 0..self.members.len() {
             if !self.members[group].is_empty() && !self.written[group] {
@@ -267,7 +334,7 @@ mod tests {
     #[test]
     fn a_group_reduces_once_its_last_gradient_arrives() {
         // Group 0: params 0 and 1.
-        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 3, 2, true, false);
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, false, Passes::ReduceEach);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(
@@ -279,7 +346,8 @@ mod tests {
                 },
                 Write {
                     param: 0,
-                    place: Place::Slot(0)
+                    place: Place::Slot(0),
+                    add: false
                 }
             ]
         );
@@ -290,11 +358,12 @@ mod tests {
             vec![
                 Write {
                     param: 1,
-                    place: Place::Slot(0)
+                    place: Place::Slot(0),
+                    add: false
                 },
                 Reduce {
                     group: 0,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: true
                 }
             ]
@@ -308,10 +377,10 @@ mod tests {
         let mut p = GradPipeline::new(
             (0..groups).map(|g| vec![g]).collect(),
             groups,
-            3,
-            2,
+            (3, 2),
             true,
             false,
+            Passes::ReduceEach,
         );
         let mut fx = Vec::new();
         for g in 0..groups {
@@ -333,7 +402,14 @@ mod tests {
 
     #[test]
     fn overlap_off_retires_each_reduction_at_once() {
-        let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, 3, 2, false, false);
+        let mut p = GradPipeline::new(
+            vec![vec![0], vec![1]],
+            2,
+            (3, 2),
+            false,
+            false,
+            Passes::ReduceEach,
+        );
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         assert_eq!(p.in_flight(), 0);
@@ -346,10 +422,10 @@ mod tests {
         let mut p = GradPipeline::new(
             vec![vec![0, 1], vec![2, 3], vec![4, 5]],
             6,
-            2,
-            1,
+            (2, 1),
             true,
             false,
+            Passes::ReduceEach,
         );
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
@@ -366,7 +442,7 @@ mod tests {
                 },
                 Reduce {
                     group: 0,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },
@@ -376,7 +452,8 @@ mod tests {
                 },
                 Write {
                     param: 4,
-                    place: Place::Slot(0)
+                    place: Place::Slot(0),
+                    add: false
                 },
             ]
         );
@@ -394,7 +471,7 @@ mod tests {
                 },
                 Reduce {
                     group: 1,
-                    slot: 1,
+                    place: Place::Slot(1),
                     overwrite: true
                 },
                 Retire { slot: 1 },
@@ -404,7 +481,8 @@ mod tests {
                 },
                 Write {
                     param: 1,
-                    place: Place::Slot(1)
+                    place: Place::Slot(1),
+                    add: false
                 },
                 ZeroParam {
                     place: Place::Slot(1),
@@ -412,7 +490,7 @@ mod tests {
                 },
                 Reduce {
                     group: 0,
-                    slot: 1,
+                    place: Place::Slot(1),
                     overwrite: false
                 },
             ]
@@ -429,7 +507,7 @@ mod tests {
                 Retire { slot: 1 },
                 Reduce {
                     group: 2,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },
@@ -440,7 +518,7 @@ mod tests {
 
     #[test]
     fn at_world_size_1_a_steps_first_gradients_go_straight_to_the_shard() {
-        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, 2, 1, true, true);
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, true, Passes::ReduceEach);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.on_grad(1, 0, &mut fx);
@@ -454,11 +532,13 @@ mod tests {
                 },
                 Write {
                     param: 0,
-                    place: shard
+                    place: shard,
+                    add: false
                 },
                 Write {
                     param: 1,
-                    place: shard
+                    place: shard,
+                    add: false
                 },
             ]
         );
@@ -477,7 +557,8 @@ mod tests {
                 },
                 Write {
                     param: 1,
-                    place: slot
+                    place: slot,
+                    add: false
                 },
                 ZeroParam {
                     place: slot,
@@ -485,7 +566,7 @@ mod tests {
                 },
                 Reduce {
                     group: 0,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: false
                 },
                 Retire { slot: 0 },
@@ -495,7 +576,7 @@ mod tests {
 
     #[test]
     fn passes_accumulate_and_steps_overwrite() {
-        let mut p = GradPipeline::new(vec![vec![0]], 1, 2, 1, true, false);
+        let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, false, Passes::ReduceEach);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.end_pass(&mut fx);
@@ -523,11 +604,12 @@ mod tests {
                 },
                 Write {
                     param: 0,
-                    place: Place::Slot(0)
+                    place: Place::Slot(0),
+                    add: false
                 },
                 Reduce {
                     group: 0,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: true
                 },
             ]
@@ -536,7 +618,14 @@ mod tests {
 
     #[test]
     fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
-        let mut p = GradPipeline::new(vec![vec![0, 1], vec![], vec![3]], 4, 3, 2, true, false);
+        let mut p = GradPipeline::new(
+            vec![vec![0, 1], vec![], vec![3]],
+            4,
+            (3, 2),
+            true,
+            false,
+            Passes::ReduceEach,
+        );
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         fx.clear();
@@ -550,7 +639,7 @@ mod tests {
                 },
                 Reduce {
                     group: 0,
-                    slot: 0,
+                    place: Place::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::config::EngineConfig;
+use crate::config::{Accumulation, EngineConfig};
 use crate::error::{Error, Result};
 use crate::spec::ModelSpec;
 use crate::types::DType;
@@ -71,6 +71,8 @@ pub struct MemoryPerRank {
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,
+    /// The unsharded fp32 gradients of `Accumulation::NoSync`.
+    pub grad_accumulators: usize,
     pub peak: usize,
 }
 
@@ -315,12 +317,17 @@ impl Plan {
             .unwrap_or(0)
     }
 
-    /// The configuration's limits as they act on this plan: no more gathered buffers than groups,
-    /// no more reductions in flight than trainable groups (a larger limit never binds).
+    /// The configuration's limits as they act on this plan: no more gathered buffers than groups
+    /// (every group with `Accumulation::KeepGathered`), no more reductions in flight than
+    /// trainable groups (a larger limit never binds).
     pub fn limits(&self, config: &EngineConfig) -> Limits {
         let trainable = self.groups.iter().filter(|g| g.trainable).count();
+        let gathered = match config.accumulation {
+            Accumulation::KeepGathered => self.groups.len(),
+            _ => config.double_buffer_limit.min(self.groups.len()),
+        };
         Limits {
-            gathered: config.double_buffer_limit.min(self.groups.len()).max(1),
+            gathered: gathered.max(1),
             reduces_in_flight: config.max_reduces_in_flight.min(trainable).max(1),
         }
     }
@@ -335,7 +342,29 @@ impl Plan {
         }
     }
 
-    /// Elements of the largest trainable group: the size of one fp32 gradient slot.
+    /// Whether a step's first gradients of a group go straight into its fp32 shard: at world
+    /// size 1 the shard is the whole gradient, unless the reduction scales it.
+    pub fn grads_direct(&self, config: &EngineConfig) -> bool {
+        self.world_size == 1 && config.grad_reduction.scale(1) == 1.0
+    }
+
+    /// Whether `Accumulation::NoSync` keeps unsharded fp32 accumulators: where gradients do
+    /// not go straight into the shards.
+    pub fn grad_accumulators(&self, config: &EngineConfig) -> bool {
+        config.accumulation == Accumulation::NoSync && !self.grads_direct(config)
+    }
+
+    /// The element type of the gradient slots: the transport's, f32 at world size 1 where
+    /// nothing travels.
+    pub fn grad_slot_dtype(&self, config: &EngineConfig) -> DType {
+        if self.world_size == 1 {
+            DType::F32
+        } else {
+            config.reduce_dtype
+        }
+    }
+
+    /// Elements of the largest trainable group: the size of one gradient slot.
     pub fn grad_slot_numel(&self) -> usize {
         self.groups
             .iter()
@@ -345,9 +374,11 @@ impl Plan {
             .unwrap_or(0)
     }
 
-    /// Number of temporary fp32 gradient slots: one being filled beside each reduction in flight.
+    /// Number of temporary gradient slots: one being filled beside each reduction in flight;
+    /// none when fp32 accumulators are reduced in place.
     pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
-        if self.groups.iter().any(|g| g.trainable) {
+        let in_place = self.grad_accumulators(config) && self.grad_slot_dtype(config) == DType::F32;
+        if self.groups.iter().any(|g| g.trainable) && !in_place {
             self.limits(config).reduces_in_flight + 1
         } else {
             0
@@ -390,14 +421,24 @@ impl Plan {
             .ok_or_else(overflow("gather slots"))?;
         m.grad_slots = self
             .grad_slot_numel()
-            .checked_mul(4)
+            .checked_mul(self.grad_slot_dtype(config).size())
             .and_then(|b| b.checked_mul(self.grad_slot_count(config)))
             .ok_or_else(overflow("gradient slots"))?;
+        if self.grad_accumulators(config) {
+            for g in self.groups.iter().filter(|g| g.trainable) {
+                m.grad_accumulators = add(
+                    m.grad_accumulators,
+                    g.padded_numel.checked_mul(4),
+                    "gradient accumulators",
+                )?;
+            }
+        }
         m.peak = [
             m.grad_shards,
             m.optimizer_state,
             m.gathered_slots,
             m.grad_slots,
+            m.grad_accumulators,
         ]
         .into_iter()
         .try_fold(m.param_shards, |total, b| total.checked_add(b))

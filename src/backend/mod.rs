@@ -208,9 +208,9 @@ pub trait Backend: Send {
     /// Copies `region` of `buf` to the host, after every stream's earlier work; blocks until done.
     fn download(&self, buf: &Self::Buffer, region: Region, out: &mut [u8]) -> Result<()>;
 
-    /// `dst = scale * src` (or `dst += scale * src` when `add`), `dst` an f32 region, `src` a
-    /// caller's tensor of any dtype with `dst.len` elements. Host input is copied before the call
-    /// returns.
+    /// `dst = scale * src` (or `dst += scale * src` when `add`) computed in f32 and rounded to
+    /// `dst`'s dtype, f32 or bf16 (`Error::Unsupported` for f16), `src` a caller's tensor of any
+    /// dtype with `dst.len` elements. Host input is copied before the call returns.
     ///
     /// # Safety
     /// As [`Backend::zero`], for `dst`; a device `src` is the caller's to keep valid (see
@@ -225,7 +225,8 @@ pub trait Backend: Send {
         add: bool,
     ) -> Result<()>;
 
-    /// `dst = scale * src` (or `dst += scale * src` when `add`), both f32 regions of one length.
+    /// `dst = scale * src` (or `dst += scale * src` when `add`) computed in f32 and rounded to
+    /// `dst`'s dtype, f32 or bf16; `src` of any dtype, of `dst`'s length.
     ///
     /// # Safety
     /// As [`Backend::zero`], for both regions.

@@ -15,10 +15,10 @@ use crate::backend::cpu::{CpuBackend, CpuBuffer};
 use crate::comm::{
     Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch,
 };
-use crate::dtype::load_f32;
+use crate::dtype::{load_f32, store_f32};
 use crate::error::{Error, Result};
 use crate::fallible::{copy_of, filled};
-use crate::types::{DType, Stream};
+use crate::types::Stream;
 use crate::watch::Watch;
 
 /// The collectives of one stream kind: the one in progress, met by every rank in turn.
@@ -291,8 +291,9 @@ impl Communicator<CpuBackend> for LocalComm {
         check_reduce_scatter(world, region)?;
         let part = region.len / world;
         let all = region.byte_range(buf.len())?;
-        let own = Region::new(region.offset + self.rank * part, part, DType::F32)
-            .byte_range(buf.len())?;
+        let dtype = region.dtype;
+        let own =
+            Region::new(region.offset + self.rank * part, part, dtype).byte_range(buf.len())?;
         let start = self.rank * part;
         let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
         let fingerprint = Fingerprint::reduce_scatter(tag, region);
@@ -301,14 +302,14 @@ impl Communicator<CpuBackend> for LocalComm {
         let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduce-scatter's deposit");
         // The deposits are byte copies, with no alignment to read them as f32 slices.
         let give = move |parts: &[&[u8]]| {
-            let out: &mut [f32] = bytemuck::cast_slice_mut(unsafe { written.bytes_mut(own) });
-            for (i, o) in out.iter_mut().enumerate() {
-                let at = |part: &[u8]| load_f32(part, DType::F32, start + i);
+            let out = unsafe { written.bytes_mut(own) };
+            for i in 0..part {
+                let at = |part: &[u8]| load_f32(part, dtype, start + i);
                 let mut acc = scale * at(parts[0]);
                 for part in &parts[1..] {
                     acc += scale * at(part);
                 }
-                *o = acc;
+                store_f32(out, dtype, i, acc);
             }
         };
         meet(self, backend, stream, fingerprint, take, give)
@@ -322,6 +323,7 @@ mod tests {
     use super::*;
     use crate::backend::Backend;
     use crate::comm::Purpose;
+    use crate::types::DType;
 
     /// The tag of the `seq`th collective of step 0, for group `group`.
     fn tag(group: usize, seq: u64) -> Tag {

@@ -21,7 +21,7 @@ use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
 use crate::comm::{Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter};
 use crate::error::{Error, Result};
-use crate::types::{DType, Stream};
+use crate::types::Stream;
 use crate::watch::Watch;
 use rendezvous::Rendezvous;
 
@@ -294,7 +294,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
             place: place(backend),
         };
         let rank = self.rank;
-        let own = (rank * part * DType::F32.size()) as u64;
+        let own = (rank * part * region.dtype.size()) as u64;
         // Allocated before meeting the others: a failure here is an ordinary early error.
         self.table(backend)?;
         self.run(backend, stream, op, base, |comm, on, bases| {
@@ -308,12 +308,14 @@ impl Communicator<CudaBackend> for LoopbackComm {
             // Every rank's copy of this rank's part, in rank order.
             let sources: Vec<u64> = bases.iter().map(|&b| b + own).collect();
             write_table(table, on, &sources)?;
-            // SAFETY: the table lists `world_size` addresses of `part` f32 each, checked by their
-            // ranks; the destination is one of them (this rank's own part), which `reduce_sum`
-            // allows; the streams' events order the reads after every rank's writes.
+            // SAFETY: the table lists `world_size` addresses of `part` elements of the region's
+            // dtype each, checked by their ranks; the destination is one of them (this rank's own
+            // part), which `reduce_sum` allows; the streams' events order the reads after every
+            // rank's writes.
             let summed = unsafe {
                 backend.kernels().reduce_sum(
                     on,
+                    region.dtype,
                     table.memory.ptr(),
                     sources.len(),
                     base + own,
@@ -330,6 +332,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::DType;
 
     use crate::comm::Purpose;
 

@@ -211,10 +211,11 @@ pub trait Communicator<B: Backend>: Send {
         out_region: Region,
     ) -> Result<()>;
 
-    /// Sums `scale` times the f32 `region` of `buf` over the ranks (each rank's values scaled
-    /// before the sum, which keeps a mean finite where a plain sum would overflow), adding in rank
-    /// order 0, 1, 2, ..., and leaves this rank's part (`region.len / world_size` elements at
-    /// `rank` times that) in place.
+    /// Sums `scale` times the `region` of `buf` (f32, or bf16) over the ranks (each rank's
+    /// values scaled before the sum, which keeps a mean finite where a plain sum would
+    /// overflow), and leaves this rank's part (`region.len / world_size` elements at `rank`
+    /// times that) in place. The local and loopback communicators add in f32, in rank order 0,
+    /// 1, 2, ..., and round a bf16 sum once; NCCL's order and bf16 roundings are its own.
     ///
     /// # Safety
     /// As [`Communicator::all_gather`], for the region.
@@ -244,7 +245,13 @@ pub(crate) fn check_all_gather(world_size: usize, shard: Region, out: Region) ->
 
 /// Checks the length of a reduce-scatter before any communication.
 pub(crate) fn check_reduce_scatter(world_size: usize, region: Region) -> Result<()> {
-    if region.dtype != crate::types::DType::F32 || region.len % world_size != 0 {
+    if region.dtype == DType::F16 {
+        return Err(Error::Unsupported {
+            backend: "communicator",
+            what: "an f16 reduction (f32 or bf16 only)",
+        });
+    }
+    if region.len % world_size != 0 {
         return Err(Error::OutOfRange {
             offset: region.offset,
             len: region.len,

@@ -19,6 +19,7 @@ use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
 use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter};
+use crate::dtype::store_f32;
 use crate::error::{Error, Result};
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
@@ -165,9 +166,9 @@ fn reduce_scatter_call(
     Ok(Call {
         kind: Kind::ReduceScatter { scale },
         send,
-        recv: send + (rank * count * DType::F32.size()) as u64,
+        recv: send + (rank * count * region.dtype.size()) as u64,
         count,
-        dtype: DType::F32,
+        dtype: region.dtype,
     })
 }
 
@@ -369,7 +370,7 @@ impl NcclComm {
                     (self.nccl.all_gather)(send, recv, call.count, dtype, self.comm, s),
                 ),
                 Kind::ReduceScatter { scale } => {
-                    let op = self.sum_scaled_by(scale)?;
+                    let op = self.sum_scaled_by(scale, call.dtype)?;
                     let status = (self.nccl.reduce_scatter)(
                         send, recv, call.count, dtype, op.0, self.comm, s,
                     );
@@ -380,19 +381,22 @@ impl NcclComm {
         self.nccl.check(name, status, self.comm)
     }
 
-    /// `ncclSum`, or for another `scale` a premultiplied sum made for this call.
-    fn sum_scaled_by(&self, mut scale: f32) -> Result<ScaledSum<'_>> {
+    /// `ncclSum`, or for another `scale` a premultiplied sum made for this call, the scalar in
+    /// the data's `dtype` as NCCL requires (rounded for bf16).
+    fn sum_scaled_by(&self, scale: f32, dtype: DType) -> Result<ScaledSum<'_>> {
         if scale == 1.0 {
             return Ok(ScaledSum(NCCL_SUM, None));
         }
+        let mut scalar = [0u8; 4];
+        store_f32(&mut scalar, dtype, 0, scale);
         let mut op: NcclRedOp = NCCL_SUM;
-        // SAFETY: NCCL writes one operator and reads the f32 scalar during the call
-        // (`ncclScalarHostImmediate`).
+        // SAFETY: NCCL writes one operator and reads the scalar, one element of `dtype`, during
+        // the call (`ncclScalarHostImmediate`).
         let status = unsafe {
             (self.nccl.red_op_create_pre_mul_sum)(
                 &mut op,
-                (&mut scale as *mut f32).cast(),
-                nccl_dtype(DType::F32),
+                scalar.as_mut_ptr().cast(),
+                nccl_dtype(dtype),
                 NCCL_SCALAR_HOST_IMMEDIATE,
                 self.comm,
             )
@@ -550,8 +554,14 @@ mod tests {
             reduce_scatter_call(2, 0, extent(64), Region::new(0, 3, DType::F32), 1.0).unwrap_err();
         assert!(matches!(err, Error::OutOfRange { len: 3, .. }), "{err:?}");
         let err =
-            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::Bf16), 1.0).unwrap_err();
-        assert!(matches!(err, Error::OutOfRange { len: 4, .. }), "{err:?}");
+            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::F16), 1.0).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
+        // bf16: this rank's part is counted in 2-byte elements.
+        let call = reduce_scatter_call(2, 1, extent(64), Region::new(2, 8, DType::Bf16), 1.0);
+        assert!(
+            matches!(call, Ok(Call { recv, count: 4, dtype: DType::Bf16, .. }) if recv == BASE + 4 + 8),
+            "{call:?}"
+        );
         let err =
             reduce_scatter_call(2, 1, extent(16), Region::new(2, 4, DType::F32), 1.0).unwrap_err();
         assert!(

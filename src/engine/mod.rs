@@ -22,7 +22,7 @@ use crate::backend::{Backend, MemoryUsage, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
 use crate::config::EngineConfig;
 use crate::error::{Error, Result};
-use crate::grads::{GradEffect, GradPipeline};
+use crate::grads::{GradEffect, GradPipeline, Passes};
 use crate::plan::Plan;
 use crate::schedule::{Phase, Schedule};
 use crate::state::{GatherEffect, Gathers};
@@ -94,6 +94,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     placed: Vec<Option<Placement<B::Event>>>,
     /// Per group, the regions of its layout that no gradient covers (padding), as f32.
     padding: Vec<Vec<Region>>,
+    /// Per trainable group in no-sync accumulation, its unsharded fp32 gradient.
+    grad_accumulators: Vec<Option<B::Buffer>>,
     gathered: Vec<Option<B::Event>>,
     released: Vec<Option<Arc<B::Event>>>,
     shards_updated: Option<B::Event>,
@@ -146,6 +148,7 @@ struct Buffers<B: Backend> {
     moments: Vec<Option<(B::Buffer, B::Buffer)>>,
     slot_buffers: Vec<B::Buffer>,
     grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
+    grad_accumulators: Vec<Option<B::Buffer>>,
 }
 
 /// Allocates `bytes` for `what`, naming it when memory runs out.
@@ -197,7 +200,7 @@ impl<B: Backend> Buffers<B> {
         for i in 0..slot_count {
             slot_buffers.push(alloc(backend, slot_bytes, || format!("gather slot {i}"))?);
         }
-        let grad_slot_bytes = plan.grad_slot_numel() * 4;
+        let grad_slot_bytes = plan.grad_slot_numel() * plan.grad_slot_dtype(config).size();
         let grad_slot_count = plan.grad_slot_count(config);
         let mut grad_slots = crate::fallible::with_capacity(grad_slot_count, what)?;
         for i in 0..grad_slot_count {
@@ -206,6 +209,20 @@ impl<B: Backend> Buffers<B> {
                 reduced: None,
             });
         }
+        let accumulates = plan.grad_accumulators(config);
+        let mut grad_accumulators = crate::fallible::with_capacity(groups.len(), what)?;
+        for g in groups {
+            let i = g.index;
+            grad_accumulators.push(
+                (accumulates && g.trainable)
+                    .then(|| {
+                        alloc(backend, g.padded_numel * 4, || {
+                            format!("the gradient accumulator of group {i}")
+                        })
+                    })
+                    .transpose()?,
+            );
+        }
         Ok(Buffers {
             shards,
             grad_shards,
@@ -213,6 +230,7 @@ impl<B: Backend> Buffers<B> {
             moments,
             slot_buffers,
             grad_slots,
+            grad_accumulators,
         })
     }
 }
@@ -316,6 +334,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             free_slots,
             shards_updated: None,
             grad_slots: buffers.grad_slots,
+            grad_accumulators: buffers.grad_accumulators,
             forward_open: vec![false; units],
             backward_open: vec![false; units],
             optimizer_steps: 0,
@@ -600,17 +619,22 @@ impl State {
             })
             .collect();
         let limits = plan.limits(config);
+        let passes = if !plan.grad_accumulators(config) {
+            Passes::ReduceEach
+        } else if plan.grad_slot_dtype(config) == DType::F32 {
+            Passes::AccumulateInPlace
+        } else {
+            Passes::AccumulateStaged
+        };
         Ok(State {
             gathers: Gathers::new(groups.len(), limits.gathered),
             grads: GradPipeline::new(
                 members,
                 plan.params().len(),
-                plan.grad_slot_count(config),
-                limits.reduces_in_flight,
+                (plan.grad_slot_count(config), limits.reduces_in_flight),
                 config.overlap,
-                // At world size 1 gradients go straight into the shard, unless the reduction
-                // scales them: then the slot's reduction applies the factor.
-                plan.world_size() == 1 && config.grad_reduction.scale(1) == 1.0,
+                plan.grads_direct(config),
+                passes,
             ),
             padding,
         })

@@ -15,29 +15,31 @@ pub(super) struct GradSlot<Buf, E> {
     pub(super) reduced: Option<E>,
 }
 
-/// The buffer behind a place for gradients: a slot, or (world size 1) a group's shard, whose
-/// layout is the group's.
+/// The buffer behind a place for gradients: a slot, a group's accumulator, or (world size 1) a
+/// group's shard, each laid out as the group.
 pub(super) fn place_buffer<'a, Buf, E>(
     slots: &'a mut [GradSlot<Buf, E>],
-    shards: &'a mut [Option<Buf>],
+    (shards, accumulators): (&'a mut [Option<Buf>], &'a mut [Option<Buf>]),
     place: Place,
 ) -> Result<&'a mut Buf> {
+    let of_group = |buffers: &'a mut [Option<Buf>], group: usize| {
+        let count = buffers.len();
+        buffers
+            .get_mut(group)
+            .and_then(Option::as_mut)
+            .ok_or(Error::GroupOutOfRange { group, count })
+    };
     match place {
         Place::Slot(slot) => Ok(&mut slots[slot].buffer),
-        Place::Shard(group) => {
-            let count = shards.len();
-            shards
-                .get_mut(group)
-                .and_then(Option::as_mut)
-                .ok_or(Error::GroupOutOfRange { group, count })
-        }
+        Place::Shard(group) => of_group(shards, group),
+        Place::Accumulator(group) => of_group(accumulators, group),
     }
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Hands over `param`'s gradient for this backward pass, in the param's dtype or f32; it is
-    /// written into an fp32 slot, and the group is reduce-scattered once all its trainable params
-    /// have theirs. The gradient may be read after this returns (host input is consumed at once).
+    /// written into a slot of the transport's dtype (or the fp32 shard, or accumulator), and the
+    /// group is reduce-scattered once all its trainable params have theirs. The gradient may be read after this returns (host input is consumed at once).
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
@@ -116,10 +118,22 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// pass's gradient into; returns the place and the region. The place is not zero-filled (that
     /// would cost a pass over it): it holds what an earlier gradient left there, so the caller
     /// writes every element (on a GPU, on the compute stream) and never adds into it.
-    /// [`Engine::commit_grad`] must follow before any other gradient.
+    /// [`Engine::commit_grad`] must follow before any other gradient. Refused
+    /// (`Error::GradSlotUnavailable`) where gradients travel in bf16 or accumulate over passes:
+    /// there the place is not one the caller can overwrite with f32.
     pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         self.healthy()?;
+        if self.plan.grad_slot_dtype(&self.config) != DType::F32 {
+            return Err(Error::GradSlotUnavailable {
+                reason: "gradients travel in bf16 (reduce_dtype)",
+            });
+        }
+        if self.plan.grad_accumulators(&self.config) {
+            return Err(Error::GradSlotUnavailable {
+                reason: "the passes add into fp32 accumulators (no-sync accumulation)",
+            });
+        }
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
         self.effects(|e| {
             e.enter(Phase::Backward)?;
@@ -177,27 +191,37 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 // size 1) only for a step's first gradients, after `finish_grad_sync` made compute
                 // wait for every reduction of the step before.
                 GradEffect::ZeroPadding { place, group } => {
+                    let dtype = self.place_dtype(place);
                     for i in 0..self.padding[group].len() {
-                        let region = self.padding[group][i];
-                        let buffer =
-                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                        let padding = self.padding[group][i];
+                        let region = Region::new(padding.offset, padding.len, dtype);
+                        let buffer = place_buffer(
+                            &mut self.grad_slots,
+                            (&mut self.grad_shards, &mut self.grad_accumulators),
+                            place,
+                        )?;
                         // SAFETY: see above.
                         unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                     }
                 }
                 GradEffect::ZeroParam { place, param } => {
-                    let layout = &self.plan.params()[param];
-                    let region = Region::new(layout.offset, layout.numel, DType::F32);
-                    let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                    let region = self.param_region(param, place);
+                    let buffer = place_buffer(
+                        &mut self.grad_slots,
+                        (&mut self.grad_shards, &mut self.grad_accumulators),
+                        place,
+                    )?;
                     // SAFETY: see above.
                     unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                 }
-                GradEffect::Write { param, place } => {
-                    let layout = &self.plan.params()[param];
-                    let region = Region::new(layout.offset, layout.numel, DType::F32);
+                GradEffect::Write { param, place, add } => {
+                    let region = self.param_region(param, place);
                     if let Some(input) = input {
-                        let buffer =
-                            place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+                        let buffer = place_buffer(
+                            &mut self.grad_slots,
+                            (&mut self.grad_shards, &mut self.grad_accumulators),
+                            place,
+                        )?;
                         // SAFETY: see above.
                         unsafe {
                             self.backend.accumulate_input(
@@ -206,16 +230,39 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                                 buffer,
                                 region,
                                 1.0,
-                                false,
+                                add,
                             )
                         }?;
                     }
                 }
+                GradEffect::Stage { group, slot } => {
+                    let numel = self.plan.groups()[group].padded_numel;
+                    let dtype = self.place_dtype(Place::Slot(slot));
+                    let count = self.grad_accumulators.len();
+                    let accumulator = self
+                        .grad_accumulators
+                        .get(group)
+                        .and_then(Option::as_ref)
+                        .ok_or(Error::GroupOutOfRange { group, count })?;
+                    // SAFETY: the slot as above; the accumulator was last written on the compute
+                    // stream, where this copy runs.
+                    unsafe {
+                        self.backend.accumulate(
+                            Stream::Compute,
+                            accumulator,
+                            Region::new(0, numel, DType::F32),
+                            &mut self.grad_slots[slot].buffer,
+                            Region::new(0, numel, dtype),
+                            1.0,
+                            false,
+                        )
+                    }?;
+                }
                 GradEffect::Reduce {
                     group,
-                    slot,
+                    place,
                     overwrite,
-                } => self.reduce(group, slot, overwrite)?,
+                } => self.reduce(group, place, overwrite)?,
                 GradEffect::ZeroShard { group } => {
                     let numel = self.plan.groups()[group].shard_numel;
                     if let Some(shard) = self.grad_shards[group].as_mut() {
@@ -231,49 +278,66 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    fn reduce(&mut self, group: usize, slot: usize, overwrite: bool) -> Result<()> {
+    /// The element type of gradients at `place`: a slot's is the transport's, the rest f32.
+    fn place_dtype(&self, place: Place) -> DType {
+        match place {
+            Place::Slot(_) => self.plan.grad_slot_dtype(&self.config),
+            Place::Shard(_) | Place::Accumulator(_) => DType::F32,
+        }
+    }
+
+    /// `param`'s region of its group's layout, at `place`.
+    fn param_region(&self, param: usize, place: Place) -> Region {
+        let layout = &self.plan.params()[param];
+        Region::new(layout.offset, layout.numel, self.place_dtype(place))
+    }
+
+    fn reduce(&mut self, group: usize, place: Place, overwrite: bool) -> Result<()> {
         let world = self.plan.world_size();
         let g = &self.plan.groups()[group];
         let (padded, shard_numel) = (g.padded_numel, g.shard_numel);
+        let dtype = self.place_dtype(place);
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;
         let start = self.mark(Stream::Reduce)?;
         let scale = self.config.grad_reduction.scale(world);
-        // At world size 1 the sum over ranks is the slot itself, scaled on its way to the shard.
-        let shard_scale = if world > 1 {
-            let region = Region::new(0, padded, DType::F32);
-            let tag = self.next_tag(Purpose::Group(group), |tag| {
+        let region = Region::new(0, padded, dtype);
+        let tag = (world > 1).then(|| {
+            self.next_tag(Purpose::Group(group), |tag| {
                 Fingerprint::reduce_scatter(tag, region)
-            });
-            // SAFETY: the reduce stream waited (above) for compute's writes of the slot; compute
-            // writes it again only after waiting for this reduction (`Retire`).
+            })
+        });
+        let source = place_buffer(
+            &mut self.grad_slots,
+            (&mut [], &mut self.grad_accumulators),
+            place,
+        )?;
+        // At world size 1 the sum over ranks is the place itself, scaled on its way to the shard.
+        let shard_scale = if let Some(tag) = tag {
+            // SAFETY: the reduce stream waited (above) for compute's writes of the place; compute
+            // writes a slot again only after waiting for this reduction (`Retire`), an
+            // accumulator only in the next step, after `finish_grad_sync` waited for it.
             unsafe {
-                self.comm.reduce_scatter(
-                    &self.backend,
-                    Stream::Reduce,
-                    tag,
-                    &mut self.grad_slots[slot].buffer,
-                    region,
-                    scale,
-                )
+                self.comm
+                    .reduce_scatter(&self.backend, Stream::Reduce, tag, source, region, scale)
             }?;
             1.0
         } else {
             scale
         };
         self.counters.reduce_scatters += 1;
-        let own = Region::new(self.rank * shard_numel, shard_numel, DType::F32);
+        let own = Region::new(self.rank * shard_numel, shard_numel, dtype);
         let Some(shard) = self.grad_shards[group].as_mut() else {
             return Ok(());
         };
-        // SAFETY: the slot as above; the gradient shard is written after every compute-stream
+        // SAFETY: the place as above; the gradient shard is written after every compute-stream
         // use of it so far (the wait above: the previous step's optimizer, this step's direct
         // writes at world size 1) and read by compute only after `finish_grad_sync` waited for
         // the reduce stream.
         unsafe {
             self.backend.accumulate(
                 Stream::Reduce,
-                &self.grad_slots[slot].buffer,
+                source,
                 own,
                 shard,
                 Region::new(0, shard_numel, DType::F32),
@@ -282,7 +346,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             )
         }?;
         self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
-        self.grad_slots[slot].reduced = Some(self.backend.record(Stream::Reduce)?);
+        let reduced = self.backend.record(Stream::Reduce)?;
+        if let Place::Slot(slot) = place {
+            self.grad_slots[slot].reduced = Some(reduced);
+        }
         Ok(())
     }
 }

@@ -88,7 +88,11 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| e.backend.drain(Stream::Compute))?;
-        let buffer = place_buffer(&mut self.grad_slots, &mut self.grad_shards, place)?;
+        let buffer = place_buffer(
+            &mut self.grad_slots,
+            (&mut self.grad_shards, &mut self.grad_accumulators),
+            place,
+        )?;
         // SAFETY: the compute stream completed its work, which waited for the reduction that last
         // read the place (see `apply_grad_effects`); no stream touches the place again before
         // `commit_grad` queues its reduction after this write.
@@ -118,7 +122,11 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| {
-            let buffer = place_buffer(&mut e.grad_slots, &mut e.grad_shards, place)?;
+            let buffer = place_buffer(
+                &mut e.grad_slots,
+                (&mut e.grad_shards, &mut e.grad_accumulators),
+                place,
+            )?;
             e.backend.address_mut(buffer, region)
         })
     }

@@ -97,6 +97,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::DuplicateGradient { .. }
         | Error::GradSlotOpen { .. }
         | Error::GradSlotNotOpen { .. }
+        | Error::GradSlotUnavailable { .. }
         | Error::GradsNotSynced { .. }
         | Error::NotGathered { .. }
         | Error::Gathered { .. }

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use super::status::{Outcome, fsdp_status, invalid, put};
-use crate::config::{EngineConfig, GradReduction};
+use crate::config::{Accumulation, EngineConfig, GradReduction};
 use crate::engine::Counters;
 use crate::optim::OptimizerConfig;
 use crate::plan::MemoryPerRank;
@@ -25,6 +25,15 @@ pub const FSDP_MEAN: u32 = 0;
 pub const FSDP_SUM: u32 = 1;
 /// A sum of each rank's gradient times `fsdp_config.grad_scale`.
 pub const FSDP_SCALED: u32 = 2;
+
+/// `fsdp_config.accumulation` values: how a step's backward passes come together.
+/// Every pass reduce-scatters its gradients.
+pub const FSDP_REDUCE_EVERY_PASS: u32 = 0;
+/// The passes accumulate unsharded fp32 gradients; `fsdp_engine_finish_grad_sync` reduces them
+/// once.
+pub const FSDP_NO_SYNC: u32 = 1;
+/// Every group stays gathered from its first use until the step ends.
+pub const FSDP_KEEP_GATHERED: u32 = 2;
 
 /// The unit index that names the root unit (parameters outside every layer).
 pub const FSDP_ROOT: i64 = -1;
@@ -100,6 +109,11 @@ pub struct fsdp_config {
     pub verify_collectives: u8,
     /// `FSDP_SCALED`'s factor (finite, > 0); ignored otherwise.
     pub grad_scale: f32,
+    /// The element type gradients travel in between ranks: `FSDP_F32` or `FSDP_BF16` (half the
+    /// bytes and slot memory; sums rounded to bf16 before the fp32 shards accumulate them).
+    pub reduce_dtype: u32,
+    /// `FSDP_REDUCE_EVERY_PASS`, `FSDP_NO_SYNC` or `FSDP_KEEP_GATHERED`.
+    pub accumulation: u32,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -111,6 +125,8 @@ pub struct fsdp_memory {
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,
+    /// The unsharded fp32 gradients of `FSDP_NO_SYNC`.
+    pub grad_accumulators: usize,
     pub peak: usize,
 }
 
@@ -122,6 +138,7 @@ impl From<MemoryPerRank> for fsdp_memory {
             optimizer_state: m.optimizer_state,
             gathered_slots: m.gathered_slots,
             grad_slots: m.grad_slots,
+            grad_accumulators: m.grad_accumulators,
             peak: m.peak,
         }
     }
@@ -259,6 +276,17 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
             )));
         }
     };
+    let accumulation = match c.accumulation {
+        FSDP_REDUCE_EVERY_PASS => Accumulation::ReduceEveryPass,
+        FSDP_NO_SYNC => Accumulation::NoSync,
+        FSDP_KEEP_GATHERED => Accumulation::KeepGathered,
+        other => {
+            return Err(invalid(format!(
+                "accumulation {other} is not FSDP_REDUCE_EVERY_PASS, FSDP_NO_SYNC or \
+                 FSDP_KEEP_GATHERED"
+            )));
+        }
+    };
     let timeout = Duration::try_from_secs_f64(c.timeout_seconds)
         .ok()
         .filter(|t| !t.is_zero())
@@ -273,6 +301,8 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         max_reduces_in_flight: c.max_reduces_in_flight,
         overlap: flag(c.overlap, "overlap")?,
         grad_reduction,
+        reduce_dtype: dtype_of(c.reduce_dtype)?,
+        accumulation,
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
@@ -281,9 +311,9 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
     Ok(config)
 }
 
-/// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean, AdamW with
-/// PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a 600-second
-/// timeout, collectives not verified.
+/// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
+/// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
+/// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -315,6 +345,8 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             timeout_seconds: d.timeout.as_secs_f64(),
             verify_collectives: u8::from(d.verify_collectives),
             grad_scale: 1.0,
+            reduce_dtype: FSDP_F32,
+            accumulation: FSDP_REDUCE_EVERY_PASS,
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

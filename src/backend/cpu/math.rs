@@ -14,10 +14,25 @@ pub(crate) fn f32s_mut(bytes: &mut [u8]) -> &mut [f32] {
     bytemuck::cast_slice_mut(bytes)
 }
 
-/// `dst = scale * src` (or `+=` when `add`), `src` holding `dst.len()` elements of `dtype`.
-pub(crate) fn accumulate(dst: &mut [f32], src: &[u8], dtype: DType, scale: f32, add: bool) {
-    for (i, d) in dst.iter_mut().enumerate() {
-        *d = accumulate_element(*d, load_f32(src, dtype, i), scale, add);
+/// `dst = scale * src` (or `+=` when `add`) in f32, rounded to `dst`'s dtype; `src` holds as many
+/// elements of its dtype as `dst` of its own.
+pub(crate) fn accumulate(
+    (dst, dst_dtype): (&mut [u8], DType),
+    (src, src_dtype): (&[u8], DType),
+    scale: f32,
+    add: bool,
+) {
+    if dst_dtype == DType::F32 {
+        // The source may be a caller's bytes, with no alignment to read them as f32 slices.
+        for (i, d) in f32s_mut(dst).iter_mut().enumerate() {
+            *d = accumulate_element(*d, load_f32(src, src_dtype, i), scale, add);
+        }
+        return;
+    }
+    for i in 0..dst.len() / dst_dtype.size() {
+        let d = load_f32(dst, dst_dtype, i);
+        let value = accumulate_element(d, load_f32(src, src_dtype, i), scale, add);
+        store_f32(dst, dst_dtype, i, value);
     }
 }
 

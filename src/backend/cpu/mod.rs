@@ -145,6 +145,17 @@ impl CpuBackend {
     }
 }
 
+/// Accumulations compute in f32 and round into f32 or bf16: an f16 sum would overflow at 65504.
+fn check_accumulator(dtype: DType) -> Result<()> {
+    if dtype == DType::F16 {
+        return Err(Error::Unsupported {
+            backend: NAME,
+            what: "accumulating into f16",
+        });
+    }
+    Ok(())
+}
+
 /// A byte range of a buffer and the memory behind it, for work queued on a stream.
 fn part(buf: &CpuBuffer, region: Region) -> Result<(Arc<Memory>, Range<usize>)> {
     Ok((Arc::clone(buf.memory()), region.byte_range(buf.len())?))
@@ -280,10 +291,9 @@ impl Backend for CpuBackend {
                 what: "device memory",
             });
         };
-        let (memory, range) = part(
-            dst,
-            Region::new(dst_region.offset, dst_region.len, DType::F32),
-        )?;
+        check_accumulator(dst_region.dtype)?;
+        let dst_dtype = dst_region.dtype;
+        let (memory, range) = part(dst, dst_region)?;
         if bytes.len() != dst_region.len * dtype.size() {
             return Err(length_mismatch(bytes.len() / dtype.size(), dst_region.len));
         }
@@ -292,9 +302,8 @@ impl Backend for CpuBackend {
             None => {
                 // SAFETY: eager: nothing else runs; the caller ordered every use of the region.
                 math::accumulate(
-                    math::f32s_mut(unsafe { memory.bytes_mut(range) }),
-                    bytes,
-                    dtype,
+                    (unsafe { memory.bytes_mut(range) }, dst_dtype),
+                    (bytes, dtype),
                     scale,
                     add,
                 );
@@ -304,8 +313,8 @@ impl Backend for CpuBackend {
         };
         self.run(stream, move || {
             // SAFETY: the caller ordered every other use of the region (the trait's contract).
-            let dst = math::f32s_mut(unsafe { memory.bytes_mut(range) });
-            math::accumulate(dst, &bytes, dtype, scale, add);
+            let dst = unsafe { memory.bytes_mut(range) };
+            math::accumulate((dst, dst_dtype), (&bytes, dtype), scale, add);
             Ok(())
         })
     }
@@ -320,9 +329,9 @@ impl Backend for CpuBackend {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let f32_region = |r: Region| Region::new(r.offset, r.len, DType::F32);
-        let (src_memory, src_range) = part(src, f32_region(src_region))?;
-        let (dst_memory, dst_range) = part(dst, f32_region(dst_region))?;
+        check_accumulator(dst_region.dtype)?;
+        let (src_memory, src_range) = part(src, src_region)?;
+        let (dst_memory, dst_range) = part(dst, dst_region)?;
         if src_region.len != dst_region.len {
             return Err(length_mismatch(src_region.len, dst_region.len));
         }
@@ -330,7 +339,7 @@ impl Backend for CpuBackend {
             // SAFETY: distinct buffers; the caller ordered every other use of both regions.
             let (src, dst) =
                 unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
-            math::accumulate(math::f32s_mut(dst), src, DType::F32, scale, add);
+            math::accumulate((dst, dst_region.dtype), (src, src_region.dtype), scale, add);
             Ok(())
         })
     }

@@ -401,26 +401,25 @@ fn cast_case(gpu: &Gpu, from: DType, to: DType, pattern: &[u64], n: u64) {
     });
 }
 
-fn accumulate_case(gpu: &Gpu, src: DType, add: bool, pattern: &[u64], n: u64) {
+/// The destinations an accumulation rounds into.
+const ACCUMULATORS: [DType; 2] = [DType::F32, DType::Bf16];
+
+fn accumulate_case(gpu: &Gpu, (src, dst): (DType, DType), add: bool, pattern: &[u64], n: u64) {
     let scale = if add { 1.0f32 / 3.0 } else { 0.7 };
     let dst_fill = add.then_some(Fill::Finite);
     let expect = move |v: &mut [u32]| {
-        let out = accumulate_element(f32::from_bits(v[1]), to_f32(src, v[0]), scale, add);
-        v[1] = out.to_bits();
+        let out = accumulate_element(to_f32(dst, v[1]), to_f32(src, v[0]), scale, add);
+        v[1] = from_f32(dst, out);
     };
     let case = Case {
-        what: format!("accumulate {src} (add: {add}) at offsets {pattern:?}"),
+        what: format!("accumulate {src} into {dst} (add: {add}) at offsets {pattern:?}"),
         n,
-        operands: Case::operands(
-            gpu,
-            pattern,
-            &[(src, Some(Fill::Finite)), (DType::F32, dst_fill)],
-        ),
+        operands: Case::operands(gpu, pattern, &[(src, Some(Fill::Finite)), (dst, dst_fill)]),
         expect: &expect,
     };
     run_case(gpu, &case, |s| unsafe {
         gpu.kernels
-            .accumulate(&gpu.stream, src, s[0], s[1], n as usize, scale, add)
+            .accumulate(&gpu.stream, (src, dst), s[0], s[1], n as usize, scale, add)
     });
 }
 
@@ -520,31 +519,33 @@ fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
     });
 }
 
-/// `count` sources, each scaled by `scale`, summed into a destination of their own, or into
-/// source `into`.
+/// `count` sources of `dtype`, each scaled by `scale`, summed in f32 into a destination of
+/// their own, or into source `into`, rounded once.
+#[allow(clippy::too_many_arguments)]
 fn reduce_sum_case(
     gpu: &Gpu,
+    dtype: DType,
     count: usize,
     into: Option<usize>,
     scale: f32,
     pattern: &[u64],
     n: u64,
 ) {
-    let mut specs = vec![(DType::F32, Some(Fill::Finite)); count];
+    let mut specs = vec![(dtype, Some(Fill::Finite)); count];
     if into.is_none() {
-        specs.push((DType::F32, None));
+        specs.push((dtype, None));
     }
     let expect = move |v: &mut [u32]| {
         let sum = v[1..count]
             .iter()
-            .fold(scale * f32::from_bits(v[0]), |acc, &x| {
-                acc + scale * f32::from_bits(x)
+            .fold(scale * to_f32(dtype, v[0]), |acc, &x| {
+                acc + scale * to_f32(dtype, x)
             });
-        v[into.unwrap_or(count)] = sum.to_bits();
+        v[into.unwrap_or(count)] = from_f32(dtype, sum);
     };
     let case = Case {
         what: format!(
-            "reduce_sum of {count} scaled by {scale} into {into:?} at offsets {pattern:?}"
+            "reduce_sum of {count} {dtype} scaled by {scale} into {into:?} at offsets {pattern:?}"
         ),
         n,
         operands: Case::operands(gpu, pattern, &specs),
@@ -557,7 +558,7 @@ fn reduce_sum_case(
         let dst = s[into.unwrap_or(count)];
         unsafe {
             gpu.kernels
-                .reduce_sum(&gpu.stream, table.ptr, count, dst, n as usize, scale)
+                .reduce_sum(&gpu.stream, dtype, table.ptr, count, dst, n as usize, scale)
         }
     });
 }
@@ -614,8 +615,10 @@ fn cast_one_gib() {
 fn accumulate_matches_the_host() {
     let gpu = gpu();
     for src in DTYPES {
-        for add in [false, true] {
-            for_small_cases(|pattern, n| accumulate_case(&gpu, src, add, pattern, n));
+        for dst in ACCUMULATORS {
+            for add in [false, true] {
+                for_small_cases(|pattern, n| accumulate_case(&gpu, (src, dst), add, pattern, n));
+            }
         }
     }
 }
@@ -625,8 +628,10 @@ fn accumulate_matches_the_host() {
 fn accumulate_one_gib() {
     let gpu = gpu();
     for src in DTYPES {
-        for add in [false, true] {
-            accumulate_case(&gpu, src, add, &[3], gib_of(DType::F32));
+        for dst in ACCUMULATORS {
+            for add in [false, true] {
+                accumulate_case(&gpu, (src, dst), add, &[3], gib_of(DType::F32));
+            }
         }
     }
 }
@@ -637,7 +642,7 @@ fn accumulate_one_gib() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_past_2_pow_31_elements() {
     let gpu = gpu();
-    accumulate_case(&gpu, DType::F32, true, &[3], (1 << 31) + 5);
+    accumulate_case(&gpu, (DType::F32, DType::F32), true, &[3], (1 << 31) + 5);
 }
 
 /// A bf16 to f32 cast of more than 2^32 elements (8 GiB in, 16 GiB out).
@@ -692,10 +697,14 @@ fn sgd_one_gib() {
 #[ignore = "needs a CUDA GPU"]
 fn reduce_sum_matches_the_host() {
     let gpu = gpu();
-    for count in [1, 2, 3, 8] {
-        for into in [None, Some(0), Some(count - 1)] {
-            for scale in [1.0, 0.125, 1.0 / 3.0] {
-                for_small_cases(|pattern, n| reduce_sum_case(&gpu, count, into, scale, pattern, n));
+    for dtype in ACCUMULATORS {
+        for count in [1, 2, 3, 8] {
+            for into in [None, Some(0), Some(count - 1)] {
+                for scale in [1.0, 0.125, 1.0 / 3.0] {
+                    for_small_cases(|pattern, n| {
+                        reduce_sum_case(&gpu, dtype, count, into, scale, pattern, n)
+                    });
+                }
             }
         }
     }
@@ -705,8 +714,17 @@ fn reduce_sum_matches_the_host() {
 #[ignore = "needs a CUDA GPU"]
 fn reduce_sum_one_gib() {
     let gpu = gpu();
-    reduce_sum_case(&gpu, 4, None, 0.25, &[3], gib_of(DType::F32));
-    reduce_sum_case(&gpu, 2, Some(1), 1.0, &[3], gib_of(DType::F32));
+    reduce_sum_case(&gpu, DType::F32, 4, None, 0.25, &[3], gib_of(DType::F32));
+    reduce_sum_case(&gpu, DType::F32, 2, Some(1), 1.0, &[3], gib_of(DType::F32));
+    reduce_sum_case(
+        &gpu,
+        DType::Bf16,
+        8,
+        Some(3),
+        0.125,
+        &[3],
+        gib_of(DType::Bf16),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1091,12 +1109,14 @@ fn misaligned_addresses_are_refused_before_launch() {
             k.copy(s, DType::F32, odd, p, 4),
             k.copy(s, DType::Bf16, p + 1, p + 64, 4),
             k.cast(s, DType::Bf16, p, DType::F32, odd, 4),
-            k.accumulate(s, DType::Bf16, p, odd, 4, 1.0, true),
+            k.accumulate(s, (DType::Bf16, DType::F32), p, odd, 4, 1.0, true),
+            k.accumulate(s, (DType::F32, DType::Bf16), p, p + 1, 4, 1.0, true),
             k.adamw(s, DType::Bf16, p, p + 64, odd, p + 128, p + 192, 4, &c),
             k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
             k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
             k.unpack(s, DType::F32, p, 1, odd),
-            k.reduce_sum(s, p + 4, 1, p + 64, 4, 1.0),
+            k.reduce_sum(s, DType::F32, p + 4, 1, p + 64, 4, 1.0),
+            k.reduce_sum(s, DType::Bf16, p, 1, p + 65, 4, 1.0),
         ]
     };
     for (i, r) in results.into_iter().enumerate() {
@@ -1115,7 +1135,7 @@ fn a_sum_of_no_sources_is_refused() {
     let buf = DeviceBuffer::poisoned(&gpu, 64);
     let r = unsafe {
         gpu.kernels
-            .reduce_sum(&gpu.stream, buf.ptr, 0, buf.ptr + 32, 4, 1.0)
+            .reduce_sum(&gpu.stream, DType::F32, buf.ptr, 0, buf.ptr + 32, 4, 1.0)
     };
     assert!(
         matches!(r, Err(Error::Unsupported { backend: "cuda", what }) if what.contains("zero sources")),
@@ -1134,8 +1154,10 @@ fn zero_length_calls_launch_nothing() {
         unsafe {
             k.copy(s, dtype, 0, 0, 0).expect("copy");
             k.cast(s, dtype, 0, DType::F32, 0, 0).expect("cast");
-            k.accumulate(s, dtype, 0, 0, 0, 1.0, true)
-                .expect("accumulate");
+            for dst in ACCUMULATORS {
+                k.accumulate(s, (dtype, dst), 0, 0, 0, 1.0, true)
+                    .expect("accumulate");
+            }
             k.adamw(s, dtype, 0, 0, 0, 0, 0, 0, &c).expect("adamw");
             k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
             k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
@@ -1144,7 +1166,9 @@ fn zero_length_calls_launch_nothing() {
     }
     unsafe {
         k.fill_zero(s, 0, 0).expect("fill_zero");
-        k.reduce_sum(s, 0, 0, 0, 0, 1.0).expect("reduce_sum");
+        for dtype in ACCUMULATORS {
+            k.reduce_sum(s, dtype, 0, 0, 0, 0, 1.0).expect("reduce_sum");
+        }
     }
     gpu.sync();
 }

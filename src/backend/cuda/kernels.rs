@@ -54,7 +54,17 @@ const PACK_TILE_BYTES: usize = 2048 * 16;
 const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
 const PACK: [&CStr; 3] = [c"pack_bf16", c"pack_f16", c"pack_f32"];
 const UNPACK: [&CStr; 3] = [c"unpack_bf16", c"unpack_f16", c"unpack_f32"];
-const ACCUMULATE: [&CStr; 3] = [c"accumulate_bf16", c"accumulate_f16", c"accumulate_f32"];
+/// By source dtype, into f32 and into bf16.
+const ACCUMULATE_TO_F32: [&CStr; 3] = [
+    c"accumulate_bf16_f32",
+    c"accumulate_f16_f32",
+    c"accumulate_f32_f32",
+];
+const ACCUMULATE_TO_BF16: [&CStr; 3] = [
+    c"accumulate_bf16_bf16",
+    c"accumulate_f16_bf16",
+    c"accumulate_f32_bf16",
+];
 const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
 const SGD: [&CStr; 3] = [c"sgd_bf16", c"sgd_f16", c"sgd_f32"];
 /// `CAST[src][dst]`; a same-dtype cast is a copy.
@@ -134,11 +144,13 @@ pub struct Kernels {
     copy: [Kernel; 3],
     pack: [Kernel; 3],
     unpack: [Kernel; 3],
-    accumulate: [Kernel; 3],
+    accumulate_to_f32: [Kernel; 3],
+    accumulate_to_bf16: [Kernel; 3],
     adamw: [Kernel; 3],
     sgd: [Kernel; 3],
     cast: [[Option<Kernel>; 3]; 3],
-    reduce_sum: Kernel,
+    reduce_sum_f32: Kernel,
+    reduce_sum_bf16: Kernel,
     count_nonfinite: Kernel,
     norm_partials: Kernel,
     /// Owns the functions above; unloaded when the kernels are dropped.
@@ -246,11 +258,13 @@ impl Kernels {
             copy: each(&COPY)?,
             pack: each(&PACK)?,
             unpack: each(&UNPACK)?,
-            accumulate: each(&ACCUMULATE)?,
+            accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
+            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
             adamw: each(&ADAMW)?,
             sgd: each(&SGD)?,
             cast,
-            reduce_sum: module.kernel(c"reduce_sum_f32", sm_count)?,
+            reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
+            reduce_sum_bf16: module.kernel(c"reduce_sum_bf16", sm_count)?,
             count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
             norm_partials: module.kernel(c"norm_partials_f32", sm_count)?,
             _module: module,
@@ -337,16 +351,16 @@ impl Kernels {
         }
     }
 
-    /// `dst = scale * src` or `dst = dst + scale * src` (f32 `dst`), exactly as
-    /// [`crate::optim::accumulate_element`].
+    /// `dst = scale * src` or `dst = dst + scale * src` computed in f32 and rounded to
+    /// `dst_dtype` (f32 or bf16), exactly as [`crate::optim::accumulate_element`].
     ///
     /// # Safety
-    /// `src` is valid for `n` elements of `src_dtype`, `dst` for `n` f32.
+    /// `src` is valid for `n` elements of `src_dtype`, `dst` for `n` of `dst_dtype`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn accumulate(
         &self,
         stream: &CudaStream,
-        src_dtype: DType,
+        (src_dtype, dst_dtype): (DType, DType),
         src: u64,
         dst: u64,
         n: usize,
@@ -357,11 +371,20 @@ impl Kernels {
             return Ok(());
         }
         check_aligned(src, src_dtype.size())?;
-        check_aligned(dst, DType::F32.size())?;
-        let kernel = self.accumulate[dtype_index(src_dtype)];
+        check_aligned(dst, dst_dtype.size())?;
+        let kernel = match dst_dtype {
+            DType::F32 => self.accumulate_to_f32[dtype_index(src_dtype)],
+            DType::Bf16 => self.accumulate_to_bf16[dtype_index(src_dtype)],
+            DType::F16 => {
+                return Err(Error::Unsupported {
+                    backend: "cuda",
+                    what: "accumulating into f16",
+                });
+            }
+        };
         let n64 = n as u64;
         let add = u32::from(add);
-        // SAFETY: accumulate_<src>(const S* src, float* dst, uint64_t n, float scale,
+        // SAFETY: accumulate_<src>_<dst>(const S* src, D* dst, uint64_t n, float scale,
         // uint32_t add); the caller's contract.
         unsafe {
             self.launch(
@@ -570,14 +593,16 @@ impl Kernels {
     }
 
     /// `dst[i] = ((s * src0[i] + s * src1[i]) + s * src2[i]) + ...` in f32 (`s` = `scale`), in
-    /// source order, `srcs` a device array of `count` addresses; `dst` may be one of the sources
-    /// (element-wise in place).
+    /// source order, rounded once to `dtype` (f32 or bf16), `srcs` a device array of `count`
+    /// addresses; `dst` may be one of the sources (element-wise in place).
     ///
     /// # Safety
-    /// Every source and `dst` is valid for `n` f32.
+    /// Every source and `dst` is valid for `n` elements of `dtype`.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn reduce_sum(
         &self,
         stream: &CudaStream,
+        dtype: DType,
         srcs: u64,
         count: usize,
         dst: u64,
@@ -596,11 +621,20 @@ impl Kernels {
         };
         let count32 = count32 as u32;
         check_aligned(srcs, std::mem::align_of::<u64>())?;
-        check_aligned(dst, DType::F32.size())?;
-        let kernel = self.reduce_sum;
+        check_aligned(dst, dtype.size())?;
+        let kernel = match dtype {
+            DType::F32 => self.reduce_sum_f32,
+            DType::Bf16 => self.reduce_sum_bf16,
+            DType::F16 => {
+                return Err(Error::Unsupported {
+                    backend: "cuda",
+                    what: "an f16 sum",
+                });
+            }
+        };
         let n64 = n as u64;
-        // SAFETY: reduce_sum_f32(const float* const* srcs, uint32_t count, float* dst,
-        // uint64_t n, float scale); the caller's contract.
+        // SAFETY: reduce_sum_<dtype>(const T* const* srcs, uint32_t count, T* dst, uint64_t n,
+        // float scale); the caller's contract.
         unsafe {
             self.launch(
                 stream,

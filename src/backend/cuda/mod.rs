@@ -379,8 +379,8 @@ impl Backend for CudaBackend {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let dst_region = f32_region(dst_region);
         let dst_ptr = dst.addr(dst_region)?;
+        let dtypes = (src.dtype(), dst_region.dtype);
         let (dtype, numel) = (src.dtype(), src.numel());
         let exact = match src.0 {
             Source::Host { bytes, .. } => bytes.len() == numel * dtype.size(),
@@ -404,10 +404,10 @@ impl Backend for CudaBackend {
                 }
                 // SAFETY: the caller vouches that `ptr` holds `numel` elements of `dtype` until
                 // `stream` consumed them (the contract of `Input::device`); `dst_ptr` is checked
-                // to hold `numel` f32.
+                // to hold `numel` elements of its region's dtype.
                 unsafe {
                     self.kernels
-                        .accumulate(on, dtype, ptr, dst_ptr, numel, scale, add)
+                        .accumulate(on, dtypes, ptr, dst_ptr, numel, scale, add)
                 }
             }
             Source::Host { bytes, .. } => {
@@ -416,10 +416,10 @@ impl Backend for CudaBackend {
                 self.staging()
                     .with_staged(&self.ctx, on, bytes, copied, |staged| {
                         // SAFETY: the staging area holds the `numel` elements just copied, and
-                        // `dst_ptr` is checked to hold `numel` f32.
+                        // `dst_ptr` is checked to hold `numel` elements of its region's dtype.
                         unsafe {
                             self.kernels
-                                .accumulate(on, dtype, staged, dst_ptr, numel, scale, add)
+                                .accumulate(on, dtypes, staged, dst_ptr, numel, scale, add)
                         }
                     })
             }
@@ -436,7 +436,6 @@ impl Backend for CudaBackend {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let (src_region, dst_region) = (f32_region(src_region), f32_region(dst_region));
         let src_ptr = src.addr(src_region)?;
         let dst_ptr = dst.addr(dst_region)?;
         if src_region.len != dst_region.len {
@@ -446,11 +445,12 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         bind(&self.ctx)?;
-        // SAFETY: both addresses are checked to hold `len` f32 of distinct live buffers.
+        // SAFETY: both addresses are checked to hold `len` elements of their regions' dtypes,
+        // in distinct live buffers.
         unsafe {
             self.kernels.accumulate(
                 self.stream(stream),
-                DType::F32,
+                (src_region.dtype, dst_region.dtype),
                 src_ptr,
                 dst_ptr,
                 src_region.len,
