@@ -14,7 +14,7 @@ use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
-use fsdp_fusion::{DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
+use fsdp_fusion::{Accumulation, DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Recipe, Training};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -52,6 +52,22 @@ enum Schedule {
     Constant,
     /// A linear warmup over `--warmup-steps`, then a cosine decay to 0 at the last step.
     WarmupCosine,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ReduceDtype {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Accumulate {
+    /// Every pass reduce-scatters its gradients.
+    Reduce,
+    /// The passes add into unsharded fp32 gradients, reduce-scattered once per step.
+    NoSync,
+    /// Parameters stay gathered between the passes of a step.
+    KeepGathered,
 }
 
 #[derive(Parser)]
@@ -103,6 +119,12 @@ struct Args {
     /// Clip the whole gradient's 2-norm to this.
     #[arg(long)]
     clip: Option<f32>,
+    /// The dtype gradients travel in between ranks (accumulated in fp32 either way).
+    #[arg(long, value_enum, default_value = "f32")]
+    reduce_dtype: ReduceDtype,
+    /// How a step's passes come together.
+    #[arg(long, value_enum, default_value = "reduce")]
+    accumulate: Accumulate,
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendKind,
     /// Defaults to local on the CPU backend, loopback on the CUDA backend.
@@ -168,6 +190,15 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         } else {
             GradReduction::Mean
         },
+        reduce_dtype: match args.reduce_dtype {
+            ReduceDtype::F32 => DType::F32,
+            ReduceDtype::Bf16 => DType::Bf16,
+        },
+        accumulation: match args.accumulate {
+            Accumulate::Reduce => Accumulation::ReduceEveryPass,
+            Accumulate::NoSync => Accumulation::NoSync,
+            Accumulate::KeepGathered => Accumulation::KeepGathered,
+        },
         optimizer,
         ..EngineConfig::default()
     };
@@ -195,7 +226,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     };
 
     println!(
-        "fsdp-fusion: {} {} ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step",
+        "fsdp-fusion: {} {} ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step ({:?}), gradients travel in {}",
         args.ranks,
         match args.backend {
             BackendKind::Cpu => "CPU",
@@ -207,7 +238,9 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         plan.groups().len(),
         args.limit,
         args.overlap,
-        args.passes
+        args.passes,
+        config.accumulation,
+        config.reduce_dtype
     );
     let bar = (args.steps > QUIET_AFTER).then(|| {
         let bar = ProgressBar::new(args.steps);
@@ -271,7 +304,15 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         "largest relative parameter difference, sharded vs reference, over all steps: {worst:.3e}"
     );
     let predicted = plan.memory_per_rank(&config)?;
-    println!("bytes per rank: measured peak vs plan (shards, grad shards, optimizer state, slots)");
+    println!(
+        "bytes per rank: measured peak vs plan (shards {}, grad shards {}, optimizer state {}, gather slots {}, grad slots {}, grad accumulators {})",
+        predicted.param_shards,
+        predicted.grad_shards,
+        predicted.optimizer_state,
+        predicted.gathered_slots,
+        predicted.grad_slots,
+        predicted.grad_accumulators
+    );
     for (rank, s) in summaries.iter().enumerate() {
         println!(
             "  rank {rank}: {:>10} measured, {:>10} predicted ({:.1}%); {} all-gathers ({} prefetched, {} reuses), {} reduce-scatters",

@@ -383,6 +383,20 @@ fn wrong_sizes_and_values() {
                 "grad_reduction 3",
             );
             c = config;
+            c.reduce_dtype = FSDP_F16;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "expected f32 or bf16",
+            );
+            c = config;
+            c.accumulation = 7;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "accumulation 7",
+            );
+            c = config;
             c.double_buffer_limit = 0;
             expect(
                 fsdp_engine_create_cpu(plan, &c, group, 0, &mut out_engine),
@@ -1698,4 +1712,46 @@ fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
             ok(fsdp_plan_destroy(plan));
         }
     });
+}
+
+#[test]
+fn the_memory_report_follows_the_transport_and_the_accumulation_mode() {
+    let plan = plan(2);
+    let memory = |edit: &dyn Fn(&mut fsdp_config)| {
+        let mut c = config();
+        edit(&mut c);
+        let mut m = fsdp_memory::default();
+        // SAFETY: valid pointers.
+        ok(unsafe { fsdp_plan_memory(plan, &c, &mut m) });
+        m
+    };
+    let f32s = memory(&|_| {});
+    let bf16 = memory(&|c| c.reduce_dtype = FSDP_BF16);
+    let no_sync = memory(&|c| c.accumulation = FSDP_NO_SYNC);
+    let staged = memory(&|c| {
+        c.accumulation = FSDP_NO_SYNC;
+        c.reduce_dtype = FSDP_BF16;
+    });
+    let keep = memory(&|c| c.accumulation = FSDP_KEEP_GATHERED);
+    assert!(f32s.grad_slots > 0 && f32s.grad_accumulators == 0);
+    assert_eq!(bf16.grad_slots * 2, f32s.grad_slots, "bf16 slots are half");
+    assert_eq!(f32s.peak - bf16.peak, bf16.grad_slots);
+    // fp32 accumulators reduced in place need no slot; bf16 transport stages them into one.
+    assert_eq!(no_sync.grad_slots, 0);
+    assert!(no_sync.grad_accumulators > 0);
+    assert_eq!(staged.grad_slots, bf16.grad_slots);
+    assert_eq!(staged.grad_accumulators, no_sync.grad_accumulators);
+    assert!(keep.gathered_slots > f32s.gathered_slots);
+    let sum = |m: &fsdp_memory| {
+        m.param_shards
+            + m.grad_shards
+            + m.optimizer_state
+            + m.gathered_slots
+            + m.grad_slots
+            + m.grad_accumulators
+    };
+    for m in [f32s, bf16, no_sync, staged, keep] {
+        assert_eq!(sum(&m), m.peak, "{m:?}");
+    }
+    ok(fsdp_plan_destroy(plan));
 }

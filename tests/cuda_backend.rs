@@ -220,6 +220,74 @@ fn accumulate_matches_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn accumulating_into_bf16_and_from_bf16_matches_the_cpu() {
+    let both = Both::new();
+    let mut rng = Rng::new(13);
+    let n = 3001;
+    // A gradient written into a bf16 transport slot, from a host or a device tensor...
+    for dtype in DTYPES {
+        let data = rng.mixed_bytes(dtype, n);
+        let src = both.twin(dtype, &data);
+        let mut dst = both.twin(DType::Bf16, &rng.mixed_bytes(DType::Bf16, n + 5));
+        let d = Region::new(5, n, DType::Bf16);
+        for (scale, add) in [(1.0, false), (0.25, true)] {
+            let host = Input::host_bytes(&data, dtype);
+            // SAFETY: `src` holds `n` elements and outlives the test's work.
+            let device = unsafe { Input::device(src.gpu.ptr(), n, dtype) };
+            // SAFETY: see the module note.
+            unsafe {
+                both.cpu
+                    .accumulate_input(Stream::Compute, host, &mut dst.cpu, d, scale, add)
+            }
+            .unwrap();
+            // SAFETY: see the module note.
+            unsafe {
+                both.gpu
+                    .accumulate_input(Stream::Compute, device, &mut dst.gpu, d, scale, add)
+            }
+            .unwrap();
+            both.assert_same(&dst, &format!("{dtype} into bf16, scale {scale} add {add}"));
+        }
+    }
+    // ...and a bf16 sum added into the fp32 shard.
+    let src = both.twin(DType::Bf16, &rng.mixed_bytes(DType::Bf16, n));
+    let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n));
+    let (s, d) = (all(n, DType::Bf16), all(n, DType::F32));
+    // SAFETY: see the module note.
+    unsafe {
+        both.cpu
+            .accumulate(Stream::Reduce, &src.cpu, s, &mut dst.cpu, d, 0.5, true)
+    }
+    .unwrap();
+    // SAFETY: see the module note.
+    unsafe {
+        both.gpu
+            .accumulate(Stream::Reduce, &src.gpu, s, &mut dst.gpu, d, 0.5, true)
+    }
+    .unwrap();
+    both.assert_same(&dst, "bf16 into f32");
+    // f16 accumulators are refused before anything is queued.
+    let mut f16 = both.twin(DType::F16, &rng.mixed_bytes(DType::F16, n));
+    // SAFETY: refused before anything is queued.
+    let refused = unsafe {
+        both.gpu.accumulate(
+            Stream::Reduce,
+            &src.gpu,
+            s,
+            &mut f16.gpu,
+            all(n, DType::F16),
+            1.0,
+            false,
+        )
+    };
+    assert!(
+        matches!(refused, Err(Error::Unsupported { .. })),
+        "{refused:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn accumulate_input_from_device_memory_matches_the_cpu() {
     let both = Both::new();
     let mut rng = Rng::new(4);

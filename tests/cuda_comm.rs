@@ -116,8 +116,9 @@ impl Scenario for AllGather {
     }
 }
 
-/// An in-place reduce-scatter of a region inside its buffer.
+/// An in-place reduce-scatter of a region of `dtype` inside its buffer.
 struct ReduceScatter {
+    dtype: DType,
     part: usize,
 }
 
@@ -125,11 +126,11 @@ impl Scenario for ReduceScatter {
     type Out = Vec<u8>;
 
     fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Vec<u8> {
-        let (world, part) = (c.world_size(), self.part);
+        let (world, part, dtype) = (c.world_size(), self.part, self.dtype);
         let values = Rng::new(c.rank() as u64 + 7).wide_values(3 + world * part + 5);
-        let bytes = values.len() * 4;
-        let mut buf = buffer(b, bytes, 0, DType::F32, &narrow(DType::F32, &values));
-        let region = Region::new(3, world * part, DType::F32);
+        let bytes = values.len() * dtype.size();
+        let mut buf = buffer(b, bytes, 0, dtype, &narrow(dtype, &values));
+        let region = Region::new(3, world * part, dtype);
         // A scale other than 1 takes NCCL's premultiplied sum and the loopback kernel's scaling.
         unsafe { c.reduce_scatter(b, Stream::Reduce, tag(0), &mut buf, region, 0.5) }.unwrap();
         read(b, &buf, bytes)
@@ -153,9 +154,11 @@ fn loopback_all_gather_equals_local_comm() {
 #[ignore = "needs a CUDA GPU"]
 fn loopback_reduce_scatter_equals_local_comm_in_rank_order() {
     for world in WORLD_SIZES {
-        for part in [1, 1001, 1 << 16] {
-            let what = format!("reduce-scatter of {part} f32 per rank");
-            loopback_equals_local(world, &ReduceScatter { part }, &what);
+        for dtype in [DType::F32, DType::Bf16] {
+            for part in [1, 1001, 1 << 16] {
+                let what = format!("reduce-scatter of {part} {dtype} per rank");
+                loopback_equals_local(world, &ReduceScatter { dtype, part }, &what);
+            }
         }
     }
 }
@@ -575,16 +578,18 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
             );
         }
     }
-    for part in [1, 1001, 1 << 16] {
-        let s = ReduceScatter { part };
-        let cpu = s.run(
-            &CpuBackend::new(),
-            &mut LocalComm::group(1).unwrap().remove(0),
-        );
-        assert!(
-            s.run(&b, &mut comm) == cpu,
-            "NCCL reduce-scatter of {part} f32"
-        );
+    for dtype in [DType::F32, DType::Bf16] {
+        for part in [1, 1001, 1 << 16] {
+            let s = ReduceScatter { dtype, part };
+            let cpu = s.run(
+                &CpuBackend::new(),
+                &mut LocalComm::group(1).unwrap().remove(0),
+            );
+            assert!(
+                s.run(&b, &mut comm) == cpu,
+                "NCCL reduce-scatter of {part} {dtype}"
+            );
+        }
     }
 }
 

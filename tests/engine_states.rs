@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use fsdp_fusion::types::{BufferState, Stream};
 use fsdp_fusion::{
-    DType, Engine, EngineConfig, GradReduction, Input, LocalComm, ModelSpec, OptimizerConfig,
-    ParamSpec, Plan, Unit,
+    Accumulation, DType, Engine, EngineConfig, GradReduction, Input, LocalComm, ModelSpec,
+    OptimizerConfig, ParamSpec, Plan, Unit,
 };
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
@@ -75,6 +75,14 @@ fn a_ready_reuse_issues_no_all_gather() {
 
 /// Runs one training step's hooks over every unit, checking `check` after each hook.
 fn walk_step(e: &mut CpuEngine, layers: u32, check: &mut impl FnMut(&CpuEngine)) {
+    walk_pass(e, layers, check);
+    e.finish_grad_sync().unwrap();
+    e.optimizer_step().unwrap();
+    e.end_step().unwrap();
+}
+
+/// Runs one forward and backward pass's hooks over every unit, checking `check` after each.
+fn walk_pass(e: &mut CpuEngine, layers: u32, check: &mut impl FnMut(&CpuEngine)) {
     let w = |e: &CpuEngine, i: u32| e.plan().param_id(&format!("w{i}")).unwrap();
     e.pre_forward(Unit::Root).unwrap();
     check(e);
@@ -94,9 +102,69 @@ fn walk_step(e: &mut CpuEngine, layers: u32, check: &mut impl FnMut(&CpuEngine))
     }
     let embed = e.plan().param_id("embed").unwrap();
     e.grad(embed, Input::host(&[0.25f32; 32])).unwrap();
-    e.finish_grad_sync().unwrap();
-    e.optimizer_step().unwrap();
-    e.end_step().unwrap();
+}
+
+/// Collectives and memory of two ranks over two steps of three passes each.
+#[derive(Debug, PartialEq)]
+struct PassesRun {
+    all_gathers: u64,
+    reduce_scatters: u64,
+    peak: usize,
+    predicted: usize,
+}
+
+fn three_passes_a_step(mode: Mode, accumulation: Accumulation) -> Vec<PassesRun> {
+    let config = EngineConfig {
+        accumulation,
+        ..EngineConfig::default()
+    };
+    on_two_ranks(mode, stack(4, true), config, |mut e| {
+        for _ in 0..2 {
+            for _ in 0..3 {
+                walk_pass(&mut e, 4, &mut |_| {});
+            }
+            e.finish_grad_sync().unwrap();
+            e.optimizer_step().unwrap();
+            e.end_step().unwrap();
+        }
+        PassesRun {
+            all_gathers: e.counters().all_gathers,
+            reduce_scatters: e.counters().reduce_scatters,
+            peak: e.memory().peak,
+            predicted: e.plan().memory_per_rank(e.config()).unwrap().peak,
+        }
+    })
+}
+
+#[test]
+fn keeping_groups_gathered_gathers_each_once_a_step_however_many_passes() {
+    for_each_mode(|mode| {
+        let groups = Plan::new(&stack(4, true), 2).unwrap().groups().len() as u64;
+        for run in three_passes_a_step(mode, Accumulation::KeepGathered) {
+            assert_eq!(run.all_gathers, 2 * groups, "{run:?}");
+            assert_eq!(run.peak, run.predicted, "{run:?}");
+        }
+        for run in three_passes_a_step(mode, Accumulation::ReduceEveryPass) {
+            assert!(run.all_gathers > 2 * 3 * (groups - 1), "{run:?}");
+        }
+    });
+}
+
+#[test]
+fn no_sync_reduces_each_trainable_group_once_a_step() {
+    for_each_mode(|mode| {
+        let plan = Plan::new(&stack(4, true), 2).unwrap();
+        let trainable = plan.groups().iter().filter(|g| g.trainable).count() as u64;
+        let no_sync = three_passes_a_step(mode, Accumulation::NoSync);
+        let every_pass = three_passes_a_step(mode, Accumulation::ReduceEveryPass);
+        for (once, each) in no_sync.iter().zip(&every_pass) {
+            assert_eq!(once.reduce_scatters, 2 * trainable, "{once:?}");
+            assert_eq!(each.reduce_scatters, 2 * 3 * trainable, "{each:?}");
+            // The accumulators: one unsharded fp32 gradient, in the plan.
+            assert_eq!(once.peak, once.predicted, "{once:?}");
+            assert!(once.predicted > each.predicted);
+        }
+    });
 }
 
 #[test]

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
-use fsdp_fusion::{Backend, Communicator, DType, EngineConfig, Plan};
+use fsdp_fusion::optim::LrSchedule;
+use fsdp_fusion::{Accumulation, Backend, Communicator, DType, EngineConfig, Plan};
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
 
 const STEPS: u64 = 4;
@@ -32,6 +33,16 @@ fn parity<B: Backend, C: Communicator<B>>(
     config: EngineConfig,
     ranks: Vec<(B, C)>,
 ) -> f32 {
+    parity_under(dtype, config, Recipe::default(), ranks)
+}
+
+/// As [`parity`], under `recipe`; the gradient norms agree too.
+fn parity_under<B: Backend, C: Communicator<B>>(
+    dtype: DType,
+    config: EngineConfig,
+    recipe: Recipe,
+    ranks: Vec<(B, C)>,
+) -> f32 {
     let model = model(dtype);
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), ranks.len()).unwrap());
     let init = model.init(9);
@@ -42,11 +53,13 @@ fn parity<B: Backend, C: Communicator<B>>(
         init: &init,
         steps: STEPS,
         passes: PASSES,
-        recipe: Recipe::default(),
+        recipe,
     };
     let mut worst = 0f32;
     training
-        .compare(ranks, |_, c| {
+        .compare(ranks, |step, c| {
+            let norms = (c.grad_norm - c.reference_grad_norm).abs() / c.reference_grad_norm;
+            assert!(norms <= 1e-6, "step {step}: {c:?}");
             worst = worst.max(c.difference);
             Ok(())
         })
@@ -97,5 +110,42 @@ fn nccl_engine_at_world_size_1_equals_the_reference() {
         let diff = parity(dtype, EngineConfig::default(), vec![(backend, comm)]);
         eprintln!("nccl world 1 {dtype}: max relative difference {diff:e}");
         assert!(diff <= 1e-6, "{dtype}: {diff}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_engines_equal_the_reference_in_every_mode_and_transport_under_a_recipe() {
+    let recipe = Recipe {
+        schedule: LrSchedule::WarmupCosine {
+            warmup_steps: 2,
+            total_steps: STEPS,
+            min_factor: 0.1,
+        },
+        clip: Some(0.05),
+    };
+    for accumulation in [
+        Accumulation::ReduceEveryPass,
+        Accumulation::NoSync,
+        Accumulation::KeepGathered,
+    ] {
+        for reduce_dtype in [DType::F32, DType::Bf16] {
+            for world in [1, 2, 4, 8] {
+                let config = EngineConfig {
+                    accumulation,
+                    reduce_dtype,
+                    ..EngineConfig::default()
+                };
+                let diff = parity_under(DType::Bf16, config, recipe, loopback(world));
+                eprintln!(
+                    "loopback world {world} {accumulation:?} {reduce_dtype} transport, bf16 \
+                     parameters, warmup-cosine, clip 0.05: max relative difference {diff:e}"
+                );
+                assert!(
+                    diff <= 1e-6,
+                    "world {world} {accumulation:?} {reduce_dtype}: {diff}"
+                );
+            }
+        }
     }
 }

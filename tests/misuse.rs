@@ -10,8 +10,8 @@ use fsdp_fusion::comm::Tag;
 use fsdp_fusion::types::Stream;
 use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
-    Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec, OptimizerConfig,
-    ParamId, ParamSpec, Plan, Unit,
+    Accumulation, Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec,
+    OptimizerConfig, ParamId, ParamSpec, Plan, Unit,
 };
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
@@ -796,4 +796,47 @@ fn a_step_ended_without_the_optimizer_is_skipped_and_counted() {
             }
         });
     }
+}
+
+#[test]
+fn no_gradient_slot_where_gradients_travel_in_bf16_or_accumulate() {
+    for_each_mode(|mode| {
+        for (config, reason) in [
+            (
+                EngineConfig {
+                    reduce_dtype: DType::Bf16,
+                    ..EngineConfig::default()
+                },
+                "bf16",
+            ),
+            (
+                EngineConfig {
+                    accumulation: Accumulation::NoSync,
+                    ..EngineConfig::default()
+                },
+                "accumulators",
+            ),
+        ] {
+            let plain = on_engines(&plan(2), &config, mode, |mut e| {
+                load(&mut e);
+                step(&mut e)
+            });
+            let refused = on_engines(&plan(2), &config, mode, move |mut e| {
+                load(&mut e);
+                e.pre_forward(Unit::Layer(0)).unwrap();
+                e.post_forward(Unit::Layer(0)).unwrap();
+                e.pre_backward(Unit::Layer(0)).unwrap();
+                let w = id(&e, "w");
+                let err = e.grad_slot(w).map(drop).unwrap_err();
+                assert!(
+                    matches!(&err, Error::GradSlotUnavailable { reason: r } if r.contains(reason)),
+                    "{err:?}"
+                );
+                e.post_backward(Unit::Layer(0)).unwrap();
+                e.end_step().unwrap();
+                step(&mut e)
+            });
+            assert_eq!(refused, plain, "{reason}: the refusal changed nothing");
+        }
+    });
 }

@@ -54,6 +54,8 @@ class Config(ctypes.Structure):
         ("timeout_seconds", ctypes.c_double),
         ("verify_collectives", c_uint8),
         ("grad_scale", ctypes.c_float),
+        ("reduce_dtype", c_uint32),
+        ("accumulation", c_uint32),
     ]
 
 

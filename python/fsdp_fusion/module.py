@@ -226,9 +226,9 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _choice(what: str, value: str, codes: dict[str, int]) -> int:
+def _choice(what: str, value, codes: dict) -> int:
     if value not in codes:
-        raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(codes)}")
+        raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(map(str, codes))}")
     return codes[value]
 
 
@@ -270,7 +270,12 @@ class FusedFSDP(Releasing, torch.nn.Module):
 
     `grad_reduction` combines the ranks' gradients: "mean" (the sum over the world size), "sum",
     or a number, the factor each rank's gradient is multiplied by before the sum (a loop that
-    normalizes by its global token count).
+    normalizes by its global token count). `reduce_dtype` is the dtype gradients travel in
+    between ranks: torch.float32, or torch.bfloat16 (half the bytes; each rank's gradient and the
+    ranks' sum rounded to bf16, accumulated in fp32). `accumulation` says how a step's several
+    backward passes come together: "reduce" (every pass reduce-scatters), "no-sync" (the passes
+    add into an unsharded fp32 gradient, reduced once by `step`) or "keep-gathered" (parameters
+    stay gathered from their first use until `step`, so later passes gather nothing).
 
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
@@ -292,6 +297,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
         max_reduces_in_flight: int = 2,
         overlap: bool = True,
         grad_reduction: str | float = "mean",
+        reduce_dtype: torch.dtype = torch.float32,
+        accumulation: str = "reduce",
         timeout: float = 600.0,
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
@@ -320,6 +327,11 @@ class FusedFSDP(Releasing, torch.nn.Module):
         config = self._config(optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
                               max_reduces_in_flight, overlap, grad_reduction, timeout,
                               verify_collectives)
+        config.reduce_dtype = _choice("reduce_dtype", reduce_dtype,
+                                      {torch.float32: DTYPE_CODES[torch.float32],
+                                       torch.bfloat16: DTYPE_CODES[torch.bfloat16]})
+        config.accumulation = _choice("accumulation", accumulation,
+                                      {"reduce": 0, "no-sync": 1, "keep-gathered": 2})
         self._plan = self._make_plan()
         self._group = c_void_p()
         if self._device.type == "cpu":

@@ -6,6 +6,7 @@ import pytest
 import torch
 from training import BATCH, FROZEN, SEQ, VOCAB, models, on_ranks, train
 
+from fsdp_fusion import FusedFSDP
 from fsdp_fusion.module import _Saved
 
 
@@ -130,3 +131,34 @@ def test_parameters_between_hooks_are_placeholders_above_world_size_1_and_shards
     assert weight.shape == (4 * 32, 32)
     assert weight.untyped_storage().nbytes() == weight.element_size(), "storage kept"
     assert torch.isnan(weight).all(), "a parameter outside its unit is not the NaN placeholder"
+
+
+@pytest.mark.parametrize("accumulation", ["no-sync", "keep-gathered"])
+def test_accumulation_modes_match_torch_with_fewer_collectives(accumulation):
+    every_pass = train("adamw", 2).ranks[0].counters()
+    run = train("adamw", 2, accumulation=accumulation)
+    worst = run.worst_loss_difference()
+    assert worst <= 1e-5, f"losses differ by {worst} (relative)"
+    counters = run.ranks[0].counters()
+    if accumulation == "no-sync":
+        assert counters.reduce_scatters < every_pass.reduce_scatters
+        assert counters.all_gathers == every_pass.all_gathers
+    else:
+        assert counters.all_gathers < every_pass.all_gathers
+        assert counters.reduce_scatters == every_pass.reduce_scatters
+
+
+def test_bf16_gradient_transport_trains_within_bf16_precision():
+    exact = train("adamw", 2)
+    rounded = train("adamw", 2, reduce_dtype=torch.bfloat16)
+    worst = rounded.worst_loss_difference()
+    assert worst <= 1e-2, f"losses differ by {worst} (relative)"
+    assert worst > exact.worst_loss_difference(), "bf16 transport rounded nothing"
+
+
+def test_an_unknown_transport_or_accumulation_is_refused():
+    _, module = models()
+    with pytest.raises(ValueError, match="reduce_dtype torch.float16"):
+        FusedFSDP(module, list(module.blocks), reduce_dtype=torch.float16)
+    with pytest.raises(ValueError, match="accumulation 'never'"):
+        FusedFSDP(module, list(module.blocks), accumulation="never")

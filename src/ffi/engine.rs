@@ -457,7 +457,9 @@ unsafe fn caller_input<'a>(
 /// the gradient). The engine owns the memory; it is the caller's to write until the commit.
 /// CPU engine: host memory, written by the host (on an asynchronous group, the call first waits
 /// for the engine's compute stream). CUDA engine: a device address, to write on the compute
-/// stream; does not block.
+/// stream; does not block. `FSDP_MISUSE`, with nothing opened, where gradients travel in bf16
+/// (`reduce_dtype`) above world size 1 or accumulate under `FSDP_NO_SYNC`: hand them over with
+/// `fsdp_engine_grad` there.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.

@@ -15,8 +15,9 @@ use fsdp_fusion::optim::{
     GroupSettings, LrSchedule, Update, accumulate_element, adamw_element, sgd_element,
 };
 use fsdp_fusion::{
-    Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, Input,
-    LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result, Unit,
+    Accumulation, Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error,
+    Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result,
+    Unit,
 };
 
 use crate::rng::Rng;
@@ -407,14 +408,80 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
     Ok((loss / passes as f32, norm))
 }
 
-/// The unsharded trainer: every parameter whole, gradients of each rank's micro-batch summed in
-/// rank order and scaled as the engine's reduction does, the same optimizer arithmetic.
+/// The arithmetic of the engine's gradient path, element by element: each rank's gradient in
+/// the transport's dtype, scaled and summed in rank order, the sum rounded to the transport's
+/// dtype; with accumulators, each rank's passes summed in fp32 first.
+#[derive(Clone, Copy, Debug)]
+pub struct GradPath {
+    /// The reduction's factor on each rank's gradient.
+    pub scale: f32,
+    /// The transport's dtype; f32 at world size 1, where nothing travels.
+    pub transport: DType,
+    /// Whether the passes accumulate before one reduction (no-sync).
+    pub accumulate: bool,
+}
+
+impl GradPath {
+    /// The path `config` gives gradients at `world_size` ranks.
+    pub fn of(config: &EngineConfig, world_size: usize) -> GradPath {
+        GradPath {
+            scale: config.grad_reduction.scale(world_size),
+            transport: if world_size == 1 {
+                DType::F32
+            } else {
+                config.reduce_dtype
+            },
+            accumulate: config.accumulation == Accumulation::NoSync,
+        }
+    }
+
+    /// `grads[pass][rank]`, one parameter's, combined as the engine combines them.
+    fn combine(&self, grads: &[Vec<Vec<f32>>]) -> Vec<f32> {
+        let reduce = |per_rank: &[Vec<f32>]| -> Vec<f32> {
+            let mut sum: Vec<f32> = Vec::new();
+            for g in per_rank {
+                let g = round_to(self.transport, g);
+                if sum.is_empty() {
+                    sum = g.iter().map(|&g| self.scale * g).collect();
+                } else {
+                    sum.iter_mut()
+                        .zip(g)
+                        .for_each(|(s, g)| *s = accumulate_element(*s, g, self.scale, true));
+                }
+            }
+            round_to(self.transport, &sum)
+        };
+        let add_up = |parts: &mut dyn Iterator<Item = Vec<f32>>| -> Vec<f32> {
+            let mut total: Vec<f32> = Vec::new();
+            for part in parts {
+                if total.is_empty() {
+                    total = part;
+                } else {
+                    total.iter_mut().zip(part).for_each(|(t, p)| *t += p);
+                }
+            }
+            total
+        };
+        if self.accumulate {
+            let ranks = grads.first().map_or(0, Vec::len);
+            let per_rank: Vec<Vec<f32>> = (0..ranks)
+                .map(|r| add_up(&mut grads.iter().map(|pass| pass[r].clone())))
+                .collect();
+            reduce(&per_rank)
+        } else {
+            add_up(&mut grads.iter().map(|pass| reduce(pass)))
+        }
+    }
+}
+
+/// The unsharded trainer: every parameter whole, gradients of each rank's micro-batch combined
+/// as the engine's [`GradPath`] does, the same optimizer arithmetic.
 pub struct Reference {
     model: Mlp,
     world_size: usize,
     optimizer: OptimizerConfig,
     recipe: Recipe,
-    scale: f32,
+    path: GradPath,
     trainable: Vec<bool>,
     /// Each parameter's learning-rate scale and whether weight decay applies.
     settings: Vec<(f32, bool)>,
@@ -445,15 +512,17 @@ impl Params for PassGrads<'_> {
 }
 
 impl Reference {
-    /// A reference for `world_size` ranks, starting from `init` (rounded to the dtype), with the
-    /// given optimizer, recipe and gradient scale (`1 / world_size` to average, `1` to sum).
+    /// A reference for `world_size` ranks, starting from `init` (rounded to the dtype), with
+    /// `config`'s optimizer and gradient path, and `recipe`.
     pub fn new(
         model: Mlp,
         init: &[Vec<f32>],
         world_size: usize,
-        (optimizer, recipe): (OptimizerConfig, Recipe),
-        scale: f32,
+        config: &EngineConfig,
+        recipe: Recipe,
     ) -> Result<Reference> {
+        let optimizer = config.optimizer;
+        let path = GradPath::of(config, world_size);
         let spec = model.spec()?;
         let dtype = model.config.dtype;
         let values: Vec<Vec<f32>> = init.iter().map(|v| round_to(dtype, v)).collect();
@@ -473,7 +542,7 @@ impl Reference {
             world_size,
             optimizer,
             recipe,
-            scale,
+            path,
             steps: 0,
         })
     }
@@ -506,8 +575,13 @@ impl Reference {
     /// and the gradient norm before clipping.
     pub fn step(&mut self, step: u64, passes: u64) -> Result<(f32, GradNorm)> {
         let mut loss = 0.0;
+        // grads[param][pass][rank]; a parameter without a gradient in a pass gets zeros, as the
+        // engine's slot does.
+        let mut grads: Vec<Vec<Vec<Vec<f32>>>> = vec![Vec::new(); self.values.len()];
         for pass in 0..passes {
-            let mut summed: Vec<Option<Vec<f32>>> = vec![None; self.values.len()];
+            for g in &mut grads {
+                g.push(Vec::new());
+            }
             for rank in 0..self.world_size {
                 let (x, y) = self.model.batch(step, pass, rank)?;
                 let mut pg = PassGrads {
@@ -515,22 +589,17 @@ impl Reference {
                     grads: vec![None; self.values.len()],
                 };
                 loss += self.model.pass(&mut pg, &x, &y)?;
-                // Each rank's gradient is scaled before the ranks' are summed, in rank order.
-                for (sum, g) in summed.iter_mut().zip(pg.grads) {
-                    let Some(g) = g else { continue };
-                    let scaled = g.iter().map(|&g| self.scale * g);
-                    match sum.as_mut() {
-                        None => *sum = Some(scaled.collect()),
-                        Some(s) => s.iter_mut().zip(scaled).for_each(|(s, g)| *s += g),
+                for (i, g) in pg.grads.into_iter().enumerate() {
+                    let g = g.unwrap_or_else(|| vec![0.0; self.values[i].len()]);
+                    if let Some(current) = grads[i].last_mut() {
+                        current.push(g);
                     }
                 }
             }
-            for (i, sum) in summed.into_iter().enumerate() {
-                if let Some(sum) = sum {
-                    for (g, s) in self.grads[i].iter_mut().zip(sum) {
-                        *g = accumulate_element(*g, s, 1.0, pass > 0);
-                    }
-                }
+        }
+        for (i, g) in grads.iter().enumerate() {
+            if self.trainable[i] {
+                self.grads[i] = self.path.combine(g);
             }
         }
         self.steps += 1;
@@ -663,13 +732,12 @@ impl Training<'_> {
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let world = self.plan.world_size();
-        let scale = self.config.grad_reduction.scale(world);
         let mut reference = Reference::new(
             self.model.clone(),
             self.init,
             world,
-            (self.config.optimizer, self.recipe),
-            scale,
+            self.config,
+            self.recipe,
         )?;
         self.on_ranks(ranks, |step, ranks| {
             let (reference_loss, reference_norm) = reference.step(step, self.passes)?;

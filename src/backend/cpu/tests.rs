@@ -110,6 +110,71 @@ fn accumulate_input_widens_and_scales() {
 }
 
 #[test]
+fn accumulation_rounds_into_bf16_once_and_refuses_f16() {
+    for b in backends() {
+        let mut slot = b.alloc(6).unwrap();
+        let bf16 = |n| Region::new(0, n, DType::Bf16);
+        // 1 + 2^-9 rounds (to even) to 1 in bf16; 3 * (1 + 2^-9) is computed in f32 first.
+        let g = [1.0 + 1.0 / 512.0, -3.0, 0.1];
+        // SAFETY: on the compute stream, in order; nothing else uses the buffers.
+        unsafe {
+            b.accumulate_input(
+                Stream::Compute,
+                Input::host(&g),
+                &mut slot,
+                bf16(3),
+                3.0,
+                false,
+            )
+            .unwrap();
+        }
+        let mut out = [0u8; 6];
+        b.download(&slot, bf16(3), &mut out).unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        let want: Vec<f32> = g
+            .iter()
+            .map(|&x| half::bf16::from_f32(3.0 * x).to_f32())
+            .collect();
+        assert_eq!(got, want);
+        let mut shard = b.alloc(12).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            b.accumulate(
+                Stream::Compute,
+                &slot,
+                bf16(3),
+                &mut shard,
+                f32_region(3),
+                0.5,
+                false,
+            )
+            .unwrap();
+        }
+        let halves: Vec<f32> = want.iter().map(|w| 0.5 * w).collect();
+        assert_eq!(download_f32(&b, &shard, 3), halves[..]);
+        // SAFETY: refused before anything is queued.
+        let refused = unsafe {
+            b.accumulate(
+                Stream::Compute,
+                &shard,
+                f32_region(3),
+                &mut slot,
+                Region::new(0, 3, DType::F16),
+                1.0,
+                false,
+            )
+        };
+        assert!(
+            matches!(refused, Err(Error::Unsupported { .. })),
+            "{refused:?}"
+        );
+    }
+}
+
+#[test]
 fn an_event_wait_orders_work_across_streams() {
     for seed in 0..16 {
         let b = CpuBackend::asynchronous(seed).unwrap();
