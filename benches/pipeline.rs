@@ -8,6 +8,9 @@
 //! `benches/fsdp2_pipeline.py --ours` puts beside PyTorch FSDP2. `--trace FILE` writes a Chrome
 //! trace of one step of the largest shape (FILE) and an SVG picture of it (FILE.svg).
 //!
+//! `--reduce-dtypes f32,bf16` runs each configuration with either gradient transport (bf16 hands
+//! the GEMM's fp32 weight gradient over instead of writing it into a slot).
+//!
 //!     .gpu/bin/bench-pipeline [--json] [--trace step.json] [--shapes 32x1024x64,...]
 
 use std::process::ExitCode;
@@ -20,7 +23,7 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::trace::{self, TimedSpan};
 use fsdp_fusion::types::Stream;
-use fsdp_fusion::{Backend, Communicator, Engine, EngineConfig, Plan, Result};
+use fsdp_fusion::{Backend, Communicator, DType, Engine, EngineConfig, Plan, Result};
 use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion_support::ranks::on_threads;
 
@@ -46,6 +49,9 @@ struct Args {
     /// Writes a Chrome trace of one step of the largest shape here, and an SVG beside it.
     #[arg(long)]
     trace: Option<String>,
+    /// Comma-separated gradient transport dtypes: f32, bf16.
+    #[arg(long, default_value = "f32")]
+    reduce_dtypes: String,
     /// Accepted and ignored, as cargo bench passes it.
     #[arg(long, hide = true)]
     bench: bool,
@@ -62,6 +68,8 @@ struct RankResult {
     gather_wait_ms: f64,
     peak_bytes: usize,
     plan_bytes: usize,
+    /// Bytes each rank's reduce-scatters of a step take in.
+    reduced_bytes: usize,
     spans: Vec<TimedSpan>,
 }
 
@@ -93,15 +101,27 @@ fn time_unsharded(backend: &CudaBackend, shape: StackShape, args: &Args) -> Resu
 fn run_rank<C: Communicator<CudaBackend>>(
     backend: CudaBackend,
     comm: C,
-    shape: StackShape,
+    (shape, reduce_dtype): (StackShape, DType),
     args: &Args,
     start: &Barrier,
 ) -> Result<RankResult> {
     start.wait();
     let unsharded_ms = time_unsharded(&backend, shape, args)?;
     let plan = Arc::new(Plan::new(&shape.spec()?, comm.world_size())?);
-    let config = EngineConfig::default();
+    let config = EngineConfig {
+        reduce_dtype,
+        ..EngineConfig::default()
+    };
     let plan_bytes = plan.memory_per_rank(&config)?.peak;
+    let reduced_bytes = if plan.world_size() > 1 {
+        plan.groups()
+            .iter()
+            .filter(|g| g.trainable)
+            .map(|g| g.padded_numel * reduce_dtype.size())
+            .sum()
+    } else {
+        0
+    };
     let mut stack = Stack::new(&backend, shape, 1)?;
     let mut engine = Engine::new(plan, config, backend, comm)?;
     stack.load(&mut engine, 1)?;
@@ -150,6 +170,7 @@ fn run_rank<C: Communicator<CudaBackend>>(
         gather_wait_ms: trace::gather_wait_ms(&spans),
         peak_bytes: engine.memory().peak,
         plan_bytes,
+        reduced_bytes,
         spans,
     })
 }
@@ -157,7 +178,7 @@ fn run_rank<C: Communicator<CudaBackend>>(
 /// Runs every rank of one configuration, one thread each.
 fn run_ranks<C: Communicator<CudaBackend> + 'static>(
     ranks: Vec<(CudaBackend, C)>,
-    shape: StackShape,
+    shape: (StackShape, DType),
     args: &Args,
 ) -> Result<Vec<RankResult>> {
     let start = Barrier::new(ranks.len());
@@ -166,7 +187,7 @@ fn run_ranks<C: Communicator<CudaBackend> + 'static>(
         .collect()
 }
 
-fn run_comm(comm: &str, shape: StackShape, args: &Args) -> Result<Vec<RankResult>> {
+fn run_comm(comm: &str, shape: (StackShape, DType), args: &Args) -> Result<Vec<RankResult>> {
     if let Some(world) = comm.strip_prefix("loop") {
         let world: usize = world.parse().map_err(|_| bad_comm(comm))?;
         let ranks = LoopbackComm::group(world)?
@@ -222,11 +243,22 @@ fn run(args: &Args) -> Result<()> {
         .iter()
         .copied()
         .max_by(|a, b| a.flops().total_cmp(&b.flops()));
+    let reduce_dtypes = args
+        .reduce_dtypes
+        .split(',')
+        .map(|d| {
+            DType::parse(d).ok_or_else(|| fsdp_fusion::Error::InvalidConfig {
+                field: "reduce_dtypes",
+                reason: format!("{d:?} is not f32 or bf16"),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     if !args.json {
         println!(
-            "{:<20} {:<6} {:>9} {:>10} {:>7} {:>11} {:>10} {:>11} {:>13} {:>9} {:>9} {:>9}",
+            "{:<20} {:<6} {:<5} {:>9} {:>10} {:>7} {:>11} {:>10} {:>11} {:>13} {:>9} {:>9} {:>9} {:>10}",
             "shape (L,w,batch)",
             "comm",
+            "grads",
             "step ms",
             "unshard ms",
             "+%",
@@ -236,19 +268,26 @@ fn run(args: &Args) -> Result<()> {
             "gather wait",
             "optim ms",
             "peak GiB",
-            "plan GiB"
+            "plan GiB",
+            "RS MiB/st"
         );
     }
     for shape in &shapes {
-        for comm in args.comms.split(',') {
-            let ranks = run_comm(comm, *shape, args)?;
+        for (comm, &reduce_dtype) in args
+            .comms
+            .split(',')
+            .flat_map(|c| reduce_dtypes.iter().map(move |d| (c, d)))
+        {
+            let ranks = run_comm(comm, (*shape, reduce_dtype), args)?;
             let r = &ranks[0];
             let per_unit_us = (r.step_ms - r.unsharded_ms) * 1e3 / shape.layers as f64;
             if args.json {
                 println!(
                     "{}",
                     serde_json::json!({
-                        "who": "fsdp-fusion", "comm": comm, "layers": shape.layers, "width": shape.width,
+                        "who": "fsdp-fusion", "comm": comm, "reduce_dtype": reduce_dtype.name(),
+                        "reduced_bytes_per_step": r.reduced_bytes,
+                        "layers": shape.layers, "width": shape.width,
                         "batch": shape.batch, "world_size": ranks.len(), "step_ms": r.step_ms,
                         "unsharded_ms": r.unsharded_ms, "per_unit_overhead_us": per_unit_us,
                         "host_us_per_hook": r.hook_us, "hook_calls_per_step": r.hook_calls_per_step,
@@ -258,9 +297,10 @@ fn run(args: &Args) -> Result<()> {
                 );
             } else {
                 println!(
-                    "{:<20} {:<6} {:>9.3} {:>10.3} {:>7.1} {:>11.1} {:>10.2} {:>11.0} {:>13.3} {:>9.3} {:>9.3} {:>9.3}",
+                    "{:<20} {:<6} {:<5} {:>9.3} {:>10.3} {:>7.1} {:>11.1} {:>10.2} {:>11.0} {:>13.3} {:>9.3} {:>9.3} {:>9.3} {:>10.1}",
                     format!("({}, {}, {})", shape.layers, shape.width, shape.batch),
                     comm,
+                    reduce_dtype.name(),
                     r.step_ms,
                     r.unsharded_ms,
                     100.0 * (r.step_ms / r.unsharded_ms - 1.0),
@@ -270,7 +310,8 @@ fn run(args: &Args) -> Result<()> {
                     r.gather_wait_ms,
                     r.optimizer_ms,
                     r.peak_bytes as f64 / (1u64 << 30) as f64,
-                    r.plan_bytes as f64 / (1u64 << 30) as f64
+                    r.plan_bytes as f64 / (1u64 << 30) as f64,
+                    r.reduced_bytes as f64 / (1u64 << 20) as f64
                 );
             }
             if let (Some(path), Some(largest)) = (&args.trace, largest) {

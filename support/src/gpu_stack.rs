@@ -319,6 +319,10 @@ pub struct Stack {
     shape: StackShape,
     gemm: Gemm,
     data: Activations,
+    stream: Arc<CudaStream>,
+    /// Where the weight GEMM writes when the engine has no slot to write into (bf16 transport,
+    /// no-sync): the gradient is then handed over from here. Made at its first use.
+    handed_over: Option<DeviceBytes>,
 }
 
 impl Stack {
@@ -329,6 +333,8 @@ impl Stack {
             shape,
             gemm: Gemm::new(stream)?,
             data: Activations::new(stream, shape, seed)?,
+            stream: Arc::clone(stream),
+            handed_over: None,
         })
     }
 
@@ -351,11 +357,27 @@ impl Stack {
         engine: &mut Engine<CudaBackend, C>,
         hooks: &mut HookTime,
     ) -> Result<()> {
+        let slots = engine.plan().grad_slot_dtype(engine.config()) == DType::F32
+            && !engine.plan().grad_accumulators(engine.config());
+        let handed_over = match (&self.handed_over, slots) {
+            (_, true) => None,
+            (Some(buffer), false) => Some(buffer.ptr()),
+            (None, false) => {
+                let width = self.shape.width;
+                let buffer = DeviceBytes::zeros(&self.stream, width * width * 4)?;
+                Some(self.handed_over.insert(buffer).ptr())
+            }
+        };
+        let numel = self.shape.width * self.shape.width;
         pass(
             &self.gemm,
             &self.data,
             self.shape,
-            &mut EngineWeights { engine, hooks },
+            &mut EngineWeights {
+                engine,
+                hooks,
+                handed_over: handed_over.map(|ptr| (ptr, numel)),
+            },
         )?;
         hooks.time(|| engine.finish_grad_sync())
     }
@@ -371,10 +393,12 @@ trait Weights {
     fn close(&mut self, layer: usize, backward: bool) -> Result<()>;
 }
 
-/// The engine's gathered weights and gradient slots, with the hooks timed.
+/// The engine's gathered weights and gradient slots (or, where it has none to write into, a
+/// buffer of `numel` f32 whose gradient is handed over), with the hooks timed.
 struct EngineWeights<'a, C: Communicator<CudaBackend>> {
     engine: &'a mut Engine<CudaBackend, C>,
     hooks: &'a mut HookTime,
+    handed_over: Option<(u64, usize)>,
 }
 
 impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
@@ -390,6 +414,9 @@ impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
     }
 
     fn grad(&mut self, layer: usize) -> Result<u64> {
+        if let Some((ptr, _)) = self.handed_over {
+            return Ok(ptr);
+        }
         let engine = &mut *self.engine;
         self.hooks.time(|| engine.grad_slot_address(ParamId(layer)))
     }
@@ -398,7 +425,16 @@ impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
         let unit = Unit::Layer(layer as u32);
         let engine = &mut *self.engine;
         if backward {
-            self.hooks.time(|| engine.commit_grad(ParamId(layer)))?;
+            match self.handed_over {
+                Some((ptr, numel)) => {
+                    // SAFETY: the buffer holds `numel` f32, written by this layer's GEMM on the
+                    // compute stream, where the engine reads it; the next write to it (the next
+                    // layer's GEMM) is queued there after that read.
+                    let gradient = unsafe { Input::device(ptr, numel, DType::F32) };
+                    self.hooks.time(|| engine.grad(ParamId(layer), gradient))?;
+                }
+                None => self.hooks.time(|| engine.commit_grad(ParamId(layer)))?,
+            }
             self.hooks.time(|| engine.post_backward(unit))
         } else {
             self.hooks.time(|| engine.post_forward(unit))
