@@ -514,15 +514,18 @@ fn norm_partials_agree_with_the_cpu_backend() {
         let whole = Region::new(0, 4, DType::F32);
         let cpu = read(&|out| both.cpu.download(&parts.cpu, whole, out).unwrap());
         let gpu = read(&|out| both.gpu.download(&parts.gpu, whole, out).unwrap());
-        // The largest magnitude is exact; the f64 sums differ by their order at most.
+        // The largest magnitude is exact; the f64 sums of the 2n non-negative squares differ by
+        // their order at most: each within 2n epsilons (relative) of the exact sum.
         assert_eq!(cpu.1, gpu.1, "n = {n}: largest magnitude");
+        let bound = 4.0 * n as f64 * f64::EPSILON;
         assert!(
-            (cpu.0 - gpu.0).abs() <= 1e-12 * cpu.0,
+            (cpu.0 - gpu.0).abs() <= bound * cpu.0,
             "n = {n}: {} != {}",
             cpu.0,
             gpu.0
         );
-        assert!(n == 0 || cpu.0 > 0.0);
+        // A single value may be a zero; the longer runs are not all zeros.
+        assert!(n < 7 || cpu.0 > 0.0, "n = {n}: nothing to sum");
     }
 }
 
