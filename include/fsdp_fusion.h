@@ -364,7 +364,8 @@ enum fsdp_status fsdp_engine_params(struct fsdp_engine *engine,
 // CPU engine: host memory, written by the host (on an asynchronous group, the call first waits
 // for the engine's compute stream). CUDA engine: a device address, to write on the compute
 // stream; does not block. `FSDP_MISUSE`, with nothing opened, where gradients travel in bf16
-// (`reduce_dtype`) above world size 1 or accumulate under `FSDP_NO_SYNC`: hand them over with
+// (`reduce_dtype`) above world size 1, and for a step's later passes at world size 1 or under
+// `FSDP_NO_SYNC` (where they add into the earlier passes'): hand them over with
 // `fsdp_engine_grad` there.
 //
 // # Safety

@@ -10,7 +10,7 @@ pub enum Place {
     /// A temporary fp32 slot, reduce-scattered into the group's shard once the group is complete.
     Slot(usize),
     /// Group `.0`'s persistent fp32 shard itself: at world size 1 the shard is the whole buffer,
-    /// so a step's first gradients need no slot, no reduction and no copy.
+    /// so gradients need no slot, no reduction and no copy; a step's later passes add into it.
     Shard(usize),
     /// Group `.0`'s unsharded fp32 accumulator (no-sync mode): every pass of a step adds into
     /// it, and the step's sync reduces it once.
@@ -157,8 +157,8 @@ impl GradPipeline {
             return;
         };
         self.fill_order.retain(|&g| g != group);
-        // An accumulator that an earlier pass filled keeps its values where this one wrote none.
-        let keeps = place == Place::Accumulator(group) && self.accumulated[group];
+        // A place an earlier pass filled keeps its values where this one wrote none.
+        let keeps = self.adds(place);
         for &param in &self.members[group] {
             if !std::mem::take(&mut self.in_slot[param]) && !keeps {
                 effects.push(GradEffect::ZeroParam { place, param });
@@ -243,14 +243,29 @@ impl GradPipeline {
         self.commit(param, group, effects);
     }
 
-    /// Whether a gradient written at `place` adds to what it holds: an accumulator an earlier
-    /// pass of the step filled.
+    /// Whether a gradient written at `place` adds to what it holds: a shard or an accumulator an
+    /// earlier pass of the step filled.
     pub fn adds(&self, place: Place) -> bool {
-        matches!(place, Place::Accumulator(group) if self.accumulated[group])
+        match place {
+            Place::Slot(_) => false,
+            Place::Shard(group) => self.written[group],
+            Place::Accumulator(group) => self.accumulated[group],
+        }
     }
 
-    /// Where `group`'s gradients go in this pass: its shard for a step's first at world size 1,
-    /// else a slot, taken (its padding zeroed) if the group has none. A slot stays the group's
+    /// Whether `group`'s next gradient (by [`GradPipeline::open`]) would add to what its place
+    /// holds, so that a caller cannot write the place whole.
+    pub fn next_adds(&self, group: usize) -> bool {
+        match self.filling[group] {
+            Some(place) => self.adds(place),
+            None if self.direct => self.written[group],
+            None if self.passes != Passes::ReduceEach => self.accumulated[group],
+            None => false,
+        }
+    }
+
+    /// Where `group`'s gradients go in this pass: its shard at world size 1, its accumulator in
+    /// no-sync accumulation, else a slot, taken (its padding zeroed) if the group has none. A slot stays the group's
     /// until a later `open` of another group needs its place, so a caller writing into it
     /// commits before asking for another.
     pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> Place {
@@ -259,7 +274,7 @@ impl GradPipeline {
         if let Some(place) = self.filling[group] {
             return place;
         }
-        let place = if self.direct && !self.written[group] {
+        let place = if self.direct {
             Place::Shard(group)
         } else if self.passes != Passes::ReduceEach {
             Place::Accumulator(group)
@@ -517,12 +532,17 @@ mod tests {
     }
 
     #[test]
-    fn at_world_size_1_a_steps_first_gradients_go_straight_to_the_shard() {
-        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, true, Passes::ReduceEach);
+    fn at_world_size_1_gradients_go_straight_to_the_shard_and_later_passes_add() {
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, Passes::ReduceEach);
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.on_grad(1, 0, &mut fx);
         let shard = Place::Shard(0);
+        let write = |param, add| Write {
+            param,
+            place: shard,
+            add,
+        };
         assert_eq!(
             fx,
             vec![
@@ -530,48 +550,79 @@ mod tests {
                     place: shard,
                     group: 0
                 },
-                Write {
-                    param: 0,
-                    place: shard,
-                    add: false
-                },
-                Write {
-                    param: 1,
-                    place: shard,
-                    add: false
-                },
+                write(0, false),
+                write(1, false),
             ]
         );
-        // The second pass adds through a slot; param 0 gets no gradient in it.
+        // The second pass adds; param 0 gets no gradient in it and keeps the first pass's.
         p.end_pass(&mut fx);
         fx.clear();
+        assert!(p.next_adds(0));
         p.on_grad(1, 0, &mut fx);
         p.finish(&mut fx);
-        let slot = Place::Slot(0);
-        assert_eq!(
-            fx,
-            vec![
-                ZeroPadding {
-                    place: slot,
-                    group: 0
-                },
-                Write {
-                    param: 1,
-                    place: slot,
-                    add: false
-                },
-                ZeroParam {
-                    place: slot,
-                    param: 0
-                },
-                Reduce {
+        assert_eq!(fx, vec![write(1, true)]);
+        // The next step overwrites again.
+        p.end_step();
+        fx.clear();
+        assert!(!p.next_adds(0));
+        p.on_grad(0, 0, &mut fx);
+        assert_eq!(fx[1], write(0, false));
+    }
+
+    #[test]
+    fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
+        for passes in [Passes::AccumulateInPlace, Passes::AccumulateStaged] {
+            let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, false, passes);
+            let mut fx = Vec::new();
+            let acc = Place::Accumulator(0);
+            p.on_grad(1, 0, &mut fx);
+            p.end_pass(&mut fx);
+            assert_eq!(
+                fx,
+                vec![
+                    ZeroPadding {
+                        place: acc,
+                        group: 0
+                    },
+                    Write {
+                        param: 1,
+                        place: acc,
+                        add: false
+                    },
+                    ZeroParam {
+                        place: acc,
+                        param: 0
+                    },
+                ],
+                "{passes:?}: the first pass writes, and zeroes what it did not write"
+            );
+            fx.clear();
+            p.on_grad(0, 0, &mut fx);
+            p.on_grad(1, 0, &mut fx);
+            assert!(
+                fx.iter().all(|e| matches!(e, Write { add: true, .. })),
+                "{passes:?}: {fx:?}"
+            );
+            fx.clear();
+            p.finish(&mut fx);
+            let expected = match passes {
+                Passes::AccumulateInPlace => vec![Reduce {
                     group: 0,
-                    place: Place::Slot(0),
-                    overwrite: false
-                },
-                Retire { slot: 0 },
-            ]
-        );
+                    place: acc,
+                    overwrite: true,
+                }],
+                _ => vec![
+                    Stage { group: 0, slot: 0 },
+                    Reduce {
+                        group: 0,
+                        place: Place::Slot(0),
+                        overwrite: true,
+                    },
+                    Retire { slot: 0 },
+                ],
+            };
+            assert_eq!(fx, expected, "{passes:?}");
+        }
     }
 
     #[test]

@@ -342,8 +342,8 @@ impl Plan {
         }
     }
 
-    /// Whether a step's first gradients of a group go straight into its fp32 shard: at world
-    /// size 1 the shard is the whole gradient, unless the reduction scales it.
+    /// Whether gradients go straight into the fp32 shards (every pass, adding after the first):
+    /// at world size 1 the shard is the whole gradient, unless the reduction scales it.
     pub fn grads_direct(&self, config: &EngineConfig) -> bool {
         self.world_size == 1 && config.grad_reduction.scale(1) == 1.0
     }
@@ -375,10 +375,12 @@ impl Plan {
     }
 
     /// Number of temporary gradient slots: one being filled beside each reduction in flight;
-    /// none when fp32 accumulators are reduced in place.
+    /// none where gradients go straight into the shards (world size 1) or fp32 accumulators are
+    /// reduced in place.
     pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
         let in_place = self.grad_accumulators(config) && self.grad_slot_dtype(config) == DType::F32;
-        if self.groups.iter().any(|g| g.trainable) && !in_place {
+        let needed = !self.grads_direct(config) && !in_place;
+        if self.groups.iter().any(|g| g.trainable) && needed {
             self.limits(config).reduces_in_flight + 1
         } else {
             0

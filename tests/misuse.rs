@@ -799,44 +799,85 @@ fn a_step_ended_without_the_optimizer_is_skipped_and_counted() {
 }
 
 #[test]
-fn no_gradient_slot_where_gradients_travel_in_bf16_or_accumulate() {
+fn no_gradient_slot_where_gradients_travel_in_bf16() {
     for_each_mode(|mode| {
-        for (config, reason) in [
-            (
-                EngineConfig {
-                    reduce_dtype: DType::Bf16,
-                    ..EngineConfig::default()
-                },
-                "bf16",
-            ),
-            (
-                EngineConfig {
-                    accumulation: Accumulation::NoSync,
-                    ..EngineConfig::default()
-                },
-                "accumulators",
-            ),
-        ] {
-            let plain = on_engines(&plan(2), &config, mode, |mut e| {
+        let config = EngineConfig {
+            reduce_dtype: DType::Bf16,
+            ..EngineConfig::default()
+        };
+        let plain = on_engines(&plan(2), &config, mode, |mut e| {
+            load(&mut e);
+            step(&mut e)
+        });
+        let refused = on_engines(&plan(2), &config, mode, move |mut e| {
+            load(&mut e);
+            e.pre_forward(Unit::Layer(0)).unwrap();
+            e.post_forward(Unit::Layer(0)).unwrap();
+            e.pre_backward(Unit::Layer(0)).unwrap();
+            let w = id(&e, "w");
+            let err = e.grad_slot(w).map(drop).unwrap_err();
+            assert!(
+                matches!(&err, Error::GradSlotUnavailable { reason } if reason.contains("bf16")),
+                "{err:?}"
+            );
+            e.post_backward(Unit::Layer(0)).unwrap();
+            e.end_step().unwrap();
+            step(&mut e)
+        });
+        assert_eq!(refused, plain, "the refusal changed nothing");
+    });
+}
+
+/// A backward pass over unit 0 that writes `w`'s gradient into its slot and hands the others
+/// over; the slot is refused, with nothing changed, where an earlier pass's gradient is in its
+/// place, and the gradient handed over instead.
+fn pass_through_the_slot(e: &mut CpuEngine) {
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    e.post_forward(Unit::Layer(0)).unwrap();
+    e.pre_backward(Unit::Layer(0)).unwrap();
+    let w = id(e, "w");
+    match e.grad_slot(w) {
+        Ok(slot) => {
+            slot.copy_from_slice(&grad_values(9));
+            e.commit_grad(w).unwrap();
+        }
+        Err(Error::GradSlotUnavailable { reason }) => {
+            assert!(reason.contains("earlier pass"), "{reason}");
+            grad(e, "w").unwrap();
+        }
+        Err(other) => panic!("{other:?}"),
+    }
+    grad(e, "b").unwrap();
+    e.post_backward(Unit::Layer(0)).unwrap();
+}
+
+#[test]
+fn the_slot_of_a_later_pass_is_refused_where_it_adds_to_an_earlier_one() {
+    for_each_mode(|mode| {
+        let no_sync = EngineConfig {
+            accumulation: Accumulation::NoSync,
+            ..EngineConfig::default()
+        };
+        for (world, config) in [(1, EngineConfig::default()), (2, no_sync)] {
+            let handed_over = on_engines(&plan(world), &config, mode, |mut e| {
                 load(&mut e);
-                step(&mut e)
+                for _ in 0..2 {
+                    e.pre_forward(Unit::Layer(0)).unwrap();
+                    e.post_forward(Unit::Layer(0)).unwrap();
+                    e.pre_backward(Unit::Layer(0)).unwrap();
+                    grad(&mut e, "w").unwrap();
+                    grad(&mut e, "b").unwrap();
+                    e.post_backward(Unit::Layer(0)).unwrap();
+                }
+                end_step(&mut e)
             });
-            let refused = on_engines(&plan(2), &config, mode, move |mut e| {
+            let through_slots = on_engines(&plan(world), &config, mode, |mut e| {
                 load(&mut e);
-                e.pre_forward(Unit::Layer(0)).unwrap();
-                e.post_forward(Unit::Layer(0)).unwrap();
-                e.pre_backward(Unit::Layer(0)).unwrap();
-                let w = id(&e, "w");
-                let err = e.grad_slot(w).map(drop).unwrap_err();
-                assert!(
-                    matches!(&err, Error::GradSlotUnavailable { reason: r } if r.contains(reason)),
-                    "{err:?}"
-                );
-                e.post_backward(Unit::Layer(0)).unwrap();
-                e.end_step().unwrap();
-                step(&mut e)
+                pass_through_the_slot(&mut e);
+                pass_through_the_slot(&mut e);
+                end_step(&mut e)
             });
-            assert_eq!(refused, plain, "{reason}: the refusal changed nothing");
+            assert_eq!(through_slots, handed_over, "world {world}");
         }
     });
 }

@@ -119,8 +119,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// would cost a pass over it): it holds what an earlier gradient left there, so the caller
     /// writes every element (on a GPU, on the compute stream) and never adds into it.
     /// [`Engine::commit_grad`] must follow before any other gradient. Refused
-    /// (`Error::GradSlotUnavailable`) where gradients travel in bf16 or accumulate over passes:
-    /// there the place is not one the caller can overwrite with f32.
+    /// (`Error::GradSlotUnavailable`) where gradients travel in bf16, and for a step's later
+    /// passes where they add into an earlier pass's (world size 1, no-sync): there the place is
+    /// not one the caller can overwrite with f32.
     pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         self.healthy()?;
@@ -129,12 +130,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 reason: "gradients travel in bf16 (reduce_dtype)",
             });
         }
-        if self.plan.grad_accumulators(&self.config) {
+        let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
+        if self.grads.next_adds(group) {
             return Err(Error::GradSlotUnavailable {
-                reason: "the passes add into fp32 accumulators (no-sync accumulation)",
+                reason: "an earlier pass's gradient of the step is in its place (world size 1, \
+                         or no-sync accumulation)",
             });
         }
-        let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
         self.effects(|e| {
             e.enter(Phase::Backward)?;
             let mut fx = std::mem::take(&mut e.grad_effects);

@@ -82,6 +82,8 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     /// `param`'s fp32 place in its gradient slot, to overwrite whole with this pass's gradient
     /// before [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient
     /// left there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient.
+    /// `Error::GradSlotUnavailable` where no such place exists (bf16 transport; a step's later
+    /// passes at world size 1 or under no-sync accumulation): hand the gradient over instead.
     ///
     /// On an asynchronous backend it first waits for the compute stream (the host writes the slot
     /// as compute-stream work).
@@ -117,8 +119,8 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// The address of `param`'s fp32 place in its gradient slot, for the caller to overwrite
     /// whole with this pass's gradient (on a GPU, on the compute stream) before
     /// [`Engine::commit_grad`]. It is not zero-filled: it holds what an earlier gradient left
-    /// there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient. On the CPU
-    /// it first waits for the compute stream.
+    /// there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient. Refused
+    /// as [`Engine::grad_slot`] is. On the CPU it first waits for the compute stream.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| {
