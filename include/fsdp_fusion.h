@@ -38,6 +38,14 @@
 // Every group stays gathered from its first use until the step ends.
 #define FSDP_KEEP_GATHERED 2
 
+// `fsdp_config.param_storage` values: where a trainable bf16/f16 parameter persists.
+// A shard in its dtype beside the fp32 master; at world size 1 the views are the shards.
+#define FSDP_SHARD_AND_MASTER 0
+
+// The fp32 master only, cast at every gather: less memory, and views that move at every world
+// size.
+#define FSDP_MASTER_ONLY 1
+
 // The unit index that names the root unit (parameters outside every layer).
 #define FSDP_ROOT -1
 
@@ -118,6 +126,8 @@ typedef struct fsdp_config {
   uint32_t reduce_dtype;
   // `FSDP_REDUCE_EVERY_PASS`, `FSDP_NO_SYNC` or `FSDP_KEEP_GATHERED`.
   uint32_t accumulation;
+  // `FSDP_SHARD_AND_MASTER` or `FSDP_MASTER_ONLY`.
+  uint32_t param_storage;
 } fsdp_config;
 
 // One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of
@@ -565,7 +575,8 @@ const char *fsdp_last_error(void);
 
 // Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
-// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass.
+// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
+// a shard beside each master.
 //
 // # Safety
 // `out` is NULL or valid for a write.

@@ -35,6 +35,20 @@ pub enum Accumulation {
     KeepGathered,
 }
 
+/// Where a trainable bf16 or f16 parameter's values persist between steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum ParamStorage {
+    /// A shard in the parameter's dtype beside its fp32 master: a gather reads the shard, and at
+    /// world size 1 the shard is the gathered view (it never moves).
+    #[default]
+    ShardAndMaster,
+    /// The fp32 master only: a gather first casts this rank's part of the master into its place
+    /// in the gather slot, then gathers in place; at world size 1 the cast fills the slot that
+    /// is the view (views then move between slots, as above world size 1). Saves the shard's
+    /// bytes (half the master's for bf16) for a cast per gather.
+    MasterOnly,
+}
+
 impl GradReduction {
     /// The factor each rank's gradient is multiplied by before the ranks' are summed.
     pub fn scale(self, world_size: usize) -> f32 {
@@ -66,6 +80,7 @@ pub struct EngineConfig {
     /// where gradients stay f32.
     pub reduce_dtype: DType,
     pub accumulation: Accumulation,
+    pub param_storage: ParamStorage,
     pub optimizer: OptimizerConfig,
     /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
     /// before it fails with `Error::Timeout`, poisoning the engine. Positive.
@@ -86,6 +101,7 @@ impl Default for EngineConfig {
             grad_reduction: GradReduction::Mean,
             reduce_dtype: DType::F32,
             accumulation: Accumulation::ReduceEveryPass,
+            param_storage: ParamStorage::ShardAndMaster,
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::config::{Accumulation, EngineConfig};
+use crate::config::{Accumulation, EngineConfig, ParamStorage};
 use crate::error::{Error, Result};
 use crate::spec::ModelSpec;
 use crate::types::DType;
@@ -332,14 +332,29 @@ impl Plan {
         }
     }
 
-    /// Number of gather slots: the limit, or none at world size 1, where each shard is its whole
-    /// buffer and serves as the gathered view.
+    /// Number of gather slots: the limit; at world size 1, where a shard is its whole buffer and
+    /// serves as the gathered view, only as many as groups without a shard (master-only) can be
+    /// gathered at once.
     pub fn gather_slot_count(&self, config: &EngineConfig) -> usize {
+        let limit = self.limits(config).gathered;
         if self.world_size == 1 {
-            0
+            let casts = self
+                .groups
+                .iter()
+                .filter(|g| self.master_only(config, g))
+                .count();
+            casts.min(limit)
         } else {
-            self.limits(config).gathered
+            limit
         }
+    }
+
+    /// Whether `group` keeps its values in the fp32 master only (`ParamStorage::MasterOnly`, a
+    /// trainable bf16 or f16 group): no shard in its dtype, each gather casting the master.
+    pub fn master_only(&self, config: &EngineConfig, group: &Group) -> bool {
+        config.param_storage == ParamStorage::MasterOnly
+            && group.trainable
+            && group.dtype != DType::F32
     }
 
     /// Whether gradients go straight into the fp32 shards (every pass, adding after the first):
@@ -398,7 +413,11 @@ impl Plan {
         };
         let mut m = MemoryPerRank::default();
         for g in &self.groups {
-            let size = g.dtype.size();
+            let size = if self.master_only(config, g) {
+                0
+            } else {
+                g.dtype.size()
+            };
             m.param_shards = add(
                 m.param_shards,
                 g.shard_numel.checked_mul(size),

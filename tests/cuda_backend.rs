@@ -370,26 +370,20 @@ fn accumulate_input_from_host_memory_matches_the_cpu_with_one_host_wait() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn widen_matches_the_cpu() {
+fn cast_matches_the_cpu_for_every_pair_of_dtypes() {
     let both = Both::new();
     let mut rng = Rng::new(6);
-    for dtype in DTYPES {
-        let src = both.twin(dtype, &rng.mixed_bytes(dtype, 3000));
-        let mut dst = both.zeros(2900 * 4 + 8);
-        let region = Region::new(33, 2900, dtype);
-        // SAFETY: see the module note.
-        unsafe {
-            both.cpu
-                .widen(Stream::Compute, &src.cpu, region, &mut dst.cpu)
+    for from in DTYPES {
+        for to in DTYPES {
+            let src = both.twin(from, &rng.mixed_bytes(from, 3000));
+            let mut dst = both.zeros(2900 * to.size() + 8);
+            let (s, d) = (Region::new(33, 2900, from), Region::new(3, 2900, to));
+            // SAFETY: see the module note.
+            unsafe { both.cpu.cast(Stream::Compute, &src.cpu, s, &mut dst.cpu, d) }.unwrap();
+            // SAFETY: see the module note.
+            unsafe { both.gpu.cast(Stream::Compute, &src.gpu, s, &mut dst.gpu, d) }.unwrap();
+            both.assert_same(&dst, &format!("cast {from} to {to}"));
         }
-        .unwrap();
-        // SAFETY: see the module note.
-        unsafe {
-            both.gpu
-                .widen(Stream::Compute, &src.gpu, region, &mut dst.gpu)
-        }
-        .unwrap();
-        both.assert_same(&dst, &format!("widen {dtype}"));
     }
 }
 
@@ -420,14 +414,24 @@ fn optimizer_steps_match_the_cpu() {
             if let Some(m) = s.master.as_mut() {
                 // SAFETY: see the module note.
                 unsafe {
-                    both.cpu
-                        .widen(Stream::Compute, &s.param.cpu, all(n, dtype), &mut m.cpu)
+                    both.cpu.cast(
+                        Stream::Compute,
+                        &s.param.cpu,
+                        all(n, dtype),
+                        &mut m.cpu,
+                        all(n, DType::F32),
+                    )
                 }
                 .unwrap();
                 // SAFETY: see the module note.
                 unsafe {
-                    both.gpu
-                        .widen(Stream::Compute, &s.param.gpu, all(n, dtype), &mut m.gpu)
+                    both.gpu.cast(
+                        Stream::Compute,
+                        &s.param.gpu,
+                        all(n, dtype),
+                        &mut m.gpu,
+                        all(n, DType::F32),
+                    )
                 }
                 .unwrap();
             }
@@ -571,8 +575,8 @@ fn regions_past_the_end_are_errors_before_any_work() {
     );
     out_of_range(
         // SAFETY: refused before anything is queued.
-        unsafe { b.widen(Stream::Compute, &x, past, &mut y) },
-        "widen",
+        unsafe { b.cast(Stream::Compute, &x, past, &mut y, ok) },
+        "cast",
     );
     assert_eq!(b.host_waits(), 0, "a refused upload or download waited");
     assert_eq!(download(&b, &y), vec![0u8; 64], "a refused op wrote");
@@ -722,7 +726,7 @@ fn events_streams_and_launches_never_block_the_host() {
         // SAFETY: see the module note.
         unsafe { b.accumulate_input(from, input, &mut f, r, 2.0, false) }.unwrap();
         // SAFETY: see the module note.
-        unsafe { b.widen(from, &h, all(n, DType::Bf16), &mut f) }.unwrap();
+        unsafe { b.cast(from, &h, all(n, DType::Bf16), &mut f, all(n, DType::F32)) }.unwrap();
     }
     let shard = OptimizerShard {
         param: &mut h,

@@ -116,6 +116,44 @@ impl Scenario for AllGather {
     }
 }
 
+/// An in-place all-gather of `len` elements per rank in a region that starts inside its buffer:
+/// each rank writes only its own part; the rest of the buffer holds a pattern that must survive.
+struct AllGatherInPlace {
+    dtype: DType,
+    len: usize,
+}
+
+impl Scenario for AllGatherInPlace {
+    type Out = Vec<u8>;
+
+    fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Vec<u8> {
+        let (dtype, len, world, rank) = (self.dtype, self.len, c.world_size(), c.rank());
+        let size = dtype.size();
+        let bytes = (9 + world * len + 3) * size;
+        let pattern = narrow(dtype, &Rng::new(99).wide_values(bytes / size));
+        let mut buf = buffer(b, bytes, 0, dtype, &pattern);
+        let own = narrow(dtype, &Rng::new(rank as u64 + 1).wide_values(len));
+        b.upload(&mut buf, Region::new(9 + rank * len, len, dtype), &own)
+            .unwrap();
+        let region = Region::new(9, world * len, dtype);
+        unsafe { c.all_gather_in_place(b, Stream::Gather, tag(0), &mut buf, region) }.unwrap();
+        read(b, &buf, bytes)
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_all_gather_in_place_equals_local_comm() {
+    for world in WORLD_SIZES {
+        for dtype in DTYPES {
+            for len in [1, 1003, 1 << 16] {
+                let what = format!("in-place all-gather of {len} {dtype}");
+                loopback_equals_local(world, &AllGatherInPlace { dtype, len }, &what);
+            }
+        }
+    }
+}
+
 /// An in-place reduce-scatter of a region of `dtype` inside its buffer.
 struct ReduceScatter {
     dtype: DType,
@@ -577,6 +615,17 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
                 "NCCL all-gather of {len} {dtype}"
             );
         }
+    }
+    for dtype in DTYPES {
+        let s = AllGatherInPlace { dtype, len: 1003 };
+        let cpu = s.run(
+            &CpuBackend::new(),
+            &mut LocalComm::group(1).unwrap().remove(0),
+        );
+        assert!(
+            s.run(&b, &mut comm) == cpu,
+            "NCCL in-place all-gather of 1003 {dtype}"
+        );
     }
     for dtype in [DType::F32, DType::Bf16] {
         for part in [1, 1001, 1 << 16] {

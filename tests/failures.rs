@@ -453,6 +453,20 @@ impl fsdp_fusion::Communicator<fsdp_fusion::CpuBackend> for Untagged {
             )
         }
     }
+    unsafe fn all_gather_in_place(
+        &mut self,
+        backend: &fsdp_fusion::CpuBackend,
+        stream: fsdp_fusion::types::Stream,
+        _: fsdp_fusion::comm::Tag,
+        buf: &mut fsdp_fusion::backend::cpu::CpuBuffer,
+        region: fsdp_fusion::backend::Region,
+    ) -> Result<()> {
+        // SAFETY: the engine's own call, passed on.
+        unsafe {
+            self.0
+                .all_gather_in_place(backend, stream, ONE_TAG, buf, region)
+        }
+    }
     unsafe fn reduce_scatter(
         &mut self,
         backend: &fsdp_fusion::CpuBackend,

@@ -556,6 +556,16 @@ impl Communicator<CpuBackend> for BadRank {
     ) -> fsdp_fusion::Result<()> {
         Ok(())
     }
+    unsafe fn all_gather_in_place(
+        &mut self,
+        _: &CpuBackend,
+        _: Stream,
+        _: Tag,
+        _: &mut CpuBuffer,
+        _: Region,
+    ) -> fsdp_fusion::Result<()> {
+        Ok(())
+    }
     unsafe fn reduce_scatter(
         &mut self,
         _: &CpuBackend,

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{
-    Accumulation, DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, Plan,
+    Accumulation, DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, ParamStorage,
+    Plan,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
@@ -246,5 +247,63 @@ fn bf16_parameters_with_bf16_transport_and_no_sync_sgd_with_a_scaled_sum() {
     for world in [1, 3] {
         let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
         assert!(diff <= 1e-6, "world {world}: {diff}");
+    }
+}
+
+#[test]
+fn master_only_storage_trains_exactly_as_a_shard_beside_its_master() {
+    // A gather casts the fp32 master: exactly the value a bf16/f16 shard would hold.
+    for (dtype, optimizer) in [
+        (DType::Bf16, OptimizerConfig::default()),
+        (DType::F16, OptimizerConfig::sgd(0.05)),
+    ] {
+        let config = EngineConfig {
+            param_storage: ParamStorage::MasterOnly,
+            optimizer,
+            ..config(true)
+        };
+        for world in [1, 2, 3, 4, 8] {
+            let diff = parity_with(world, dtype, config.clone(), full_recipe());
+            assert!(diff <= 1e-6, "{dtype} world {world}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn master_only_storage_holds_no_shard_for_its_groups() {
+    let model = Mlp::new(MlpConfig {
+        layers: 3,
+        width: 24,
+        inputs: 12,
+        batch: 5,
+        dtype: DType::Bf16,
+        seed: 11,
+        embed_lr_scale: 0.5,
+    });
+    for world in [1, 4] {
+        let plan = Plan::new(&model.spec().unwrap(), world).unwrap();
+        let both = EngineConfig::default();
+        let master_only = EngineConfig {
+            param_storage: ParamStorage::MasterOnly,
+            ..EngineConfig::default()
+        };
+        let (a, b) = (
+            plan.memory_per_rank(&both).unwrap(),
+            plan.memory_per_rank(&master_only).unwrap(),
+        );
+        let trainable: usize = plan
+            .groups()
+            .iter()
+            .filter(|g| g.trainable)
+            .map(|g| g.shard_numel * 2)
+            .sum();
+        assert_eq!(a.param_shards - b.param_shards, trainable, "world {world}");
+        if world == 1 {
+            // The views need slots now: as many as the limit lets be gathered.
+            assert_eq!(a.gathered_slots, 0);
+            assert_eq!(b.gathered_slots, 2 * plan.gather_slot_bytes());
+        } else {
+            assert_eq!(a.gathered_slots, b.gathered_slots);
+        }
     }
 }

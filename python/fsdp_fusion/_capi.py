@@ -56,6 +56,7 @@ class Config(ctypes.Structure):
         ("grad_scale", ctypes.c_float),
         ("reduce_dtype", c_uint32),
         ("accumulation", c_uint32),
+        ("param_storage", c_uint32),
     ]
 
 
@@ -75,6 +76,23 @@ class Grad(ctypes.Structure):
     """One entry of `fsdp_engine_grads`."""
 
     _fields_ = [("param", c_size_t), ("data", c_void_p), ("numel", c_size_t), ("dtype", c_uint32)]
+
+
+class Memory(ctypes.Structure):
+    """Bytes one rank allocates, as the plan predicts them (`fsdp_memory`)."""
+
+    _fields_ = [
+        (name, c_size_t)
+        for name in (
+            "param_shards",
+            "grad_shards",
+            "optimizer_state",
+            "gathered_slots",
+            "grad_slots",
+            "grad_accumulators",
+            "peak",
+        )
+    ]
 
 
 class Counters(ctypes.Structure):
@@ -132,6 +150,8 @@ _SIGNATURES = {
     "fsdp_engine_optimizer_step": ([_HANDLE], c_int),
     "fsdp_engine_end_step": ([_HANDLE], c_int),
     "fsdp_engine_counters": ([_HANDLE, POINTER(Counters)], c_int),
+    "fsdp_engine_memory": ([_HANDLE, POINTER(c_size_t), POINTER(c_size_t)], c_int),
+    "fsdp_plan_memory": ([_HANDLE, POINTER(Config), POINTER(Memory)], c_int),
     "fsdp_engine_nonfinite_grads": ([_HANDLE, POINTER(c_uint64)], c_int),
     "fsdp_engine_abort": ([_HANDLE], c_int),
     "fsdp_engine_set_lr": ([_HANDLE, ctypes.c_float], c_int),

@@ -25,6 +25,7 @@ from ._capi import (
     UNIQUE_ID_BYTES,
     Config,
     Counters,
+    Memory,
     Grad,
     GradNorm,
     ParamInfo,
@@ -258,8 +259,10 @@ class FusedFSDP(Releasing, torch.nn.Module):
     driven on its own thread: making an engine compares the ranks' plans).
 
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
-    unit shows), except at world size 1, where it stays a view of its shard, current after
-    every step.
+    unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of
+    its shard, current after every step. `param_storage="master"` keeps a bf16/f16 trainable
+    parameter only as its fp32 master, cast into a gather slot at every gather: the memory of
+    one bf16 copy of the model less, for a cast per gather and moving views.
 
     Weight decay skips the parameters `no_weight_decay` names (a collection of names, or a
     function of the name and the parameter); by default `default_no_weight_decay(module)`: those
@@ -299,6 +302,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         grad_reduction: str | float = "mean",
         reduce_dtype: torch.dtype = torch.float32,
         accumulation: str = "reduce",
+        param_storage: str = "shard",
         timeout: float = 600.0,
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
@@ -332,6 +336,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
                                        torch.bfloat16: DTYPE_CODES[torch.bfloat16]})
         config.accumulation = _choice("accumulation", accumulation,
                                       {"reduce": 0, "no-sync": 1, "keep-gathered": 2})
+        config.param_storage = _choice("param_storage", param_storage, {"shard": 0, "master": 1})
+        self._config_struct = config
         self._plan = self._make_plan()
         self._group = c_void_p()
         if self._device.type == "cpu":
@@ -347,8 +353,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._unit_of = {u.index: u for u in (*self._units, self._root)}
         self._load_and_release()
         # At world size 1 the views are the shards, which never move: autograd's saved views
-        # stay right without the saved-tensor hooks below.
-        self._views_move = self._world > 1
+        # stay right without the saved-tensor hooks below. Without shards (master storage) they
+        # are gather slots, at every world size.
+        self._views_move = self._world > 1 or param_storage == "master"
         self._open_units: list[_Unit] = []
         self._saved_hooks = None
         self._install_hooks(units)
@@ -694,6 +701,20 @@ class FusedFSDP(Releasing, torch.nn.Module):
         counters = Counters()
         self._lib.call("fsdp_engine_counters", self._engine, byref(counters))
         return counters
+
+    def memory(self) -> tuple[int, int]:
+        """The engine's device (or host) bytes now and at their peak; every buffer is made
+        with the engine, so both equal `planned_memory().peak` unless a gather needed a slot
+        beyond the limit. Never waits for a call in progress."""
+        current, peak = c_size_t(), c_size_t()
+        self._lib.call("fsdp_engine_memory", self._engine, byref(current), byref(peak))
+        return current.value, peak.value
+
+    def planned_memory(self) -> Memory:
+        """The plan's bytes per rank under this engine's settings, buffer by buffer."""
+        memory = Memory()
+        self._lib.call("fsdp_plan_memory", self._plan, byref(self._config_struct), byref(memory))
+        return memory
 
     def abort(self):
         """Makes every wait of the engine end with `AbortedError`, now and later (from any

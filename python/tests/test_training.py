@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from training import BATCH, FROZEN, SEQ, VOCAB, models, on_ranks, train
+from gpt import loss_of
+from training import BATCH, FROZEN, SEQ, VOCAB, batches, models, on_ranks, train
 
 from fsdp_fusion import FusedFSDP
 from fsdp_fusion.module import _Saved
@@ -162,3 +163,44 @@ def test_an_unknown_transport_or_accumulation_is_refused():
         FusedFSDP(module, list(module.blocks), reduce_dtype=torch.float16)
     with pytest.raises(ValueError, match="accumulation 'never'"):
         FusedFSDP(module, list(module.blocks), accumulation="never")
+    with pytest.raises(ValueError, match="param_storage 'both'"):
+        FusedFSDP(module, list(module.blocks), param_storage="both")
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_master_storage_trains_a_bf16_model_exactly_as_shard_storage(checkpoint):
+    """At world size 1 the master storage casts each group into a slot that moves between
+    groups (saved tensors follow it); losses and parameters equal the shard storage's bit for
+    bit, placeholders show between the hooks."""
+    runs = []
+    for storage in ("shard", "master"):
+        _, module = models(checkpoint)
+        module = module.bfloat16()
+        fused = FusedFSDP(module, list(module.blocks), param_storage=storage, lr=1e-2,
+                          double_buffer_limit=12)
+        losses = []
+        for step in batches(1):
+            for per_rank in step:
+                tokens = per_rank[0]
+                loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
+                loss.backward()
+                losses.append(loss.item())
+            fused.step()
+        weight = module.blocks[1].up.weight
+        between_hooks = bool(torch.isnan(weight.detach()).all())
+        assert fused.counters().extra_slots == 0
+        runs.append((losses, fused.full_parameter("blocks.1.up.weight"), between_hooks,
+                     fused.memory(), fused.planned_memory()))
+    shard, master = runs
+    (shard_losses, shard_weight, shard_nan, shard_bytes, shard_plan) = shard
+    (master_losses, master_weight, master_nan, master_bytes, master_plan) = master
+    assert master_losses == shard_losses
+    assert torch.equal(master_weight, shard_weight)
+    assert not shard_nan and master_nan, "master storage views are slots, not shards"
+    # The engine holds what its plan says (a limit with room for the root's groups, the unit's
+    # in use and the next's: no slot beyond it), and master storage no bf16 shard of what
+    # trains.
+    for (current, peak), plan in ((shard_bytes, shard_plan), (master_bytes, master_plan)):
+        assert current == peak == plan.peak
+    assert master_plan.param_shards < shard_plan.param_shards
+    assert master_plan.gathered_slots > shard_plan.gathered_slots == 0

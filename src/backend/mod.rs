@@ -280,16 +280,19 @@ pub trait Backend: Send {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// Copies `region` of `src` (any dtype) to f32 `dst`.
+    /// Copies `src_region` of `src` to `dst_region` of `dst` (the same length), converting
+    /// between their dtypes: exact when widening, rounding to nearest even when narrowing (as
+    /// the `half` crate does, NaN payloads included).
     ///
     /// # Safety
     /// As [`Backend::zero`], for both buffers.
-    unsafe fn widen(
+    unsafe fn cast(
         &self,
         stream: Stream,
         src: &Self::Buffer,
         src_region: Region,
         dst: &mut Self::Buffer,
+        dst_region: Region,
     ) -> Result<()>;
 }
 

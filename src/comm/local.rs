@@ -13,7 +13,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::backend::Region;
 use crate::backend::cpu::{CpuBackend, CpuBuffer};
 use crate::comm::{
-    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch,
+    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch, own_part,
 };
 use crate::dtype::{load_f32, store_f32};
 use crate::error::{Error, Result};
@@ -271,6 +271,32 @@ impl Communicator<CpuBackend> for LocalComm {
         let take = move || copy_of(unsafe { shard.bytes(src) }, "an all-gather's deposit");
         let give = move |parts: &[&[u8]]| {
             let out = unsafe { out.bytes_mut(dst) };
+            for (rank, bytes) in parts.iter().enumerate() {
+                out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
+            }
+        };
+        meet(self, backend, stream, fingerprint, take, give)
+    }
+
+    unsafe fn all_gather_in_place(
+        &mut self,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CpuBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let own = own_part(self.shared.world_size, self.rank, region)?;
+        let src = own.byte_range(buf.len())?;
+        let dst = region.byte_range(buf.len())?;
+        let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
+        let part = src.len();
+        let fingerprint = Fingerprint::all_gather(tag, Region::new(0, own.len, own.dtype));
+        // SAFETY (both closures): the caller ordered every other use of the region (the trait's
+        // contract); the copy of this rank's part is taken before the parts are written back.
+        let take = move || copy_of(unsafe { memory.bytes(src) }, "an all-gather's deposit");
+        let give = move |parts: &[&[u8]]| {
+            let out = unsafe { written.bytes_mut(dst) };
             for (rank, bytes) in parts.iter().enumerate() {
                 out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
             }

@@ -19,7 +19,9 @@ use cudarc::driver::{CudaEvent, CudaStream, result};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
-use crate::comm::{Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter};
+use crate::comm::{
+    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, own_part,
+};
 use crate::error::{Error, Result};
 use crate::types::Stream;
 use crate::watch::Watch;
@@ -270,6 +272,39 @@ impl Communicator<CudaBackend> for LoopbackComm {
                 // SAFETY: `out_region` is checked to hold `world_size * bytes` bytes and every
                 // rank checked its shard to hold `bytes`; the streams' events order the copies
                 // after every rank's writes and before its later reuse.
+                unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
+                    .map_err(cuda("cuMemcpyDtoDAsync"))?;
+            }
+            Ok(())
+        })
+    }
+
+    unsafe fn all_gather_in_place(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CudaBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let own = own_part(self.world_size, self.rank, region)?;
+        let src = buf.addr(own)?;
+        let dst = buf.addr(region)?;
+        let bytes = own.len * own.dtype.size();
+        let op = Op {
+            fingerprint: Fingerprint::all_gather(tag, Region::new(0, own.len, own.dtype)),
+            place: place(backend),
+        };
+        let rank = self.rank;
+        self.run(backend, stream, op, src, |_, on, sources| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            for (from, &source) in sources.iter().enumerate().filter(|&(r, _)| r != rank) {
+                let to = dst + (from * bytes) as u64;
+                // SAFETY: `region` is checked to hold `world_size * bytes` bytes and every rank
+                // checked its own part; the streams' events order the copies after every rank's
+                // writes and before its later reuse. This rank's part is not copied onto itself.
                 unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
                     .map_err(cuda("cuMemcpyDtoDAsync"))?;
             }

@@ -211,6 +211,21 @@ pub trait Communicator<B: Backend>: Send {
         out_region: Region,
     ) -> Result<()>;
 
+    /// As [`Communicator::all_gather`], with this rank's part already in place: `region` of
+    /// `buf` holds `world_size` parts of `region.len / world_size` elements, rank `r`'s at
+    /// `r * region.len / world_size`; afterwards every rank's part is in every rank's region.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_gather`], for the region.
+    unsafe fn all_gather_in_place(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut B::Buffer,
+        region: Region,
+    ) -> Result<()>;
+
     /// Sums `scale` times the `region` of `buf` (f32, or bf16) over the ranks (each rank's
     /// values scaled before the sum, which keeps a mean finite where a plain sum would
     /// overflow), and leaves this rank's part (`region.len / world_size` elements at `rank`
@@ -241,6 +256,19 @@ pub(crate) fn check_all_gather(world_size: usize, shard: Region, out: Region) ->
         });
     }
     Ok(())
+}
+
+/// This rank's part of an in-place all-gather's `region`, checked to split evenly.
+pub(crate) fn own_part(world_size: usize, rank: usize, region: Region) -> Result<Region> {
+    if region.len % world_size != 0 {
+        return Err(Error::OutOfRange {
+            offset: region.offset,
+            len: region.len,
+            capacity: region.len / world_size * world_size,
+        });
+    }
+    let part = region.len / world_size;
+    Ok(Region::new(region.offset + rank * part, part, region.dtype))
 }
 
 /// Checks the length of a reduce-scatter before any communication.

@@ -18,7 +18,7 @@ use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
-use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter};
+use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter, own_part};
 use crate::dtype::store_f32;
 use crate::error::{Error, Result};
 use crate::types::{DType, Stream};
@@ -149,6 +149,23 @@ fn all_gather_call(
         recv: out.addr(out_region)?,
         count: shard_region.len,
         dtype: shard_region.dtype,
+    })
+}
+
+/// NCCL's in-place all-gather: the rank sends its own part of the output.
+fn all_gather_in_place_call(
+    world_size: usize,
+    rank: usize,
+    buf: Extent,
+    region: Region,
+) -> Result<Call> {
+    let own = own_part(world_size, rank, region)?;
+    Ok(Call {
+        kind: Kind::AllGather,
+        send: buf.addr(own)?,
+        recv: buf.addr(region)?,
+        count: own.len,
+        dtype: own.dtype,
     })
 }
 
@@ -463,6 +480,19 @@ impl Communicator<CudaBackend> for NcclComm {
             Extent::of(out),
             out_region,
         )?;
+        let on = self.prepare(backend, stream, "ncclAllGather")?;
+        self.issue(&call, on)
+    }
+
+    unsafe fn all_gather_in_place(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        _tag: Tag,
+        buf: &mut CudaBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let call = all_gather_in_place_call(self.world_size, self.rank, Extent::of(buf), region)?;
         let on = self.prepare(backend, stream, "ncclAllGather")?;
         self.issue(&call, on)
     }

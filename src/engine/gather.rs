@@ -5,10 +5,10 @@ use std::sync::Arc;
 use super::{Engine, alloc};
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::state::GatherEffect;
 use crate::trace::SpanKind;
-use crate::types::{BufferState, Stream};
+use crate::types::{BufferState, DType, Stream};
 
 /// Where a gathered group's values live.
 pub(super) enum Placement<E> {
@@ -94,7 +94,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     fn gather(&mut self, g: usize) -> Result<()> {
         self.counters.all_gathers += 1;
-        if self.plan.world_size() == 1 {
+        let master_only = self.plan.master_only(&self.config, &self.plan.groups()[g]);
+        if self.plan.world_size() == 1 && !master_only {
             self.placed[g] = Some(Placement::Shard);
             return Ok(());
         }
@@ -121,26 +122,64 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.backend.wait(Stream::Gather, &updated)?;
         }
         let start = self.mark(Stream::Gather)?;
-        let group = &self.plan.groups()[g];
+        let plan = Arc::clone(&self.plan);
+        let group = &plan.groups()[g];
         let shard_region = Region::new(0, group.shard_numel, group.dtype);
         let full_region = Region::new(0, group.padded_numel, group.dtype);
-        let tag = self.next_tag(Purpose::Group(g), |tag| {
-            Fingerprint::all_gather(tag, shard_region)
+        let world = self.plan.world_size();
+        let tag = (world > 1).then(|| {
+            self.next_tag(Purpose::Group(g), |tag| {
+                Fingerprint::all_gather(tag, shard_region)
+            })
         });
-        // SAFETY: the gather stream writes the slot after compute's last use of the group that
-        // held it (`free_after`, waited above) and reads the shard after the optimizer's last
-        // write (`shards_updated`, waited above for the step's first gather; later ones follow it
-        // on the gather stream). The optimizer waits for the gather stream before it writes.
-        let result = unsafe {
-            self.comm.all_gather(
-                &self.backend,
-                Stream::Gather,
-                tag,
-                &self.shards[g],
-                shard_region,
-                &mut self.slot_buffers[slot.buffer_index],
-                full_region,
-            )
+        let out = &mut self.slot_buffers[slot.buffer_index];
+        // SAFETY (the cast and the all-gathers): the gather stream writes the slot after
+        // compute's last use of the group that held it (`free_after`, waited above) and reads the
+        // shard or master after the optimizer's last write (`shards_updated`, waited above for
+        // the step's first gather; later ones follow it on the gather stream). The optimizer
+        // waits for the gather stream before it writes.
+        let result = match (master_only, self.masters[g].as_ref()) {
+            (true, Some(master)) => {
+                let own = Region::new(
+                    self.rank * group.shard_numel,
+                    group.shard_numel,
+                    group.dtype,
+                );
+                let master_region = Region::new(0, group.shard_numel, DType::F32);
+                let cast = unsafe {
+                    self.backend
+                        .cast(Stream::Gather, master, master_region, out, own)
+                };
+                match (cast, tag) {
+                    (Ok(()), Some(tag)) => unsafe {
+                        self.comm.all_gather_in_place(
+                            &self.backend,
+                            Stream::Gather,
+                            tag,
+                            out,
+                            full_region,
+                        )
+                    },
+                    (cast, _) => cast,
+                }
+            }
+            _ => match tag {
+                Some(tag) => unsafe {
+                    self.comm.all_gather(
+                        &self.backend,
+                        Stream::Gather,
+                        tag,
+                        &self.shards[g],
+                        shard_region,
+                        out,
+                        full_region,
+                    )
+                },
+                None => Err(Error::GroupOutOfRange {
+                    group: g,
+                    count: self.masters.len(),
+                }),
+            },
         };
         self.placed[g] = Some(Placement::Slot(GatherSlot {
             free_after: None,

@@ -172,7 +172,12 @@ impl<B: Backend> Buffers<B> {
         let mut moments = crate::fallible::with_capacity(groups.len(), what)?;
         for g in groups {
             let i = g.index;
-            let shard_bytes = g.shard_numel * g.dtype.size();
+            // A master-only group has no shard in its dtype: its gathers cast the master.
+            let shard_bytes = if plan.master_only(config, g) {
+                0
+            } else {
+                g.shard_numel * g.dtype.size()
+            };
             shards.push(alloc(backend, shard_bytes, || {
                 format!("the parameter shard of group {i}")
             })?);

@@ -4,6 +4,7 @@
 use super::Engine;
 use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
+use crate::dtype::{load_f32, store_f32};
 use crate::error::{Error, Result};
 use crate::optim::GroupSettings;
 use crate::trace::SpanKind;
@@ -61,8 +62,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn step_shards(&mut self) -> Result<()> {
-        // A gather still in flight (a prefetch no hook used) reads the shards the optimizer writes.
-        if self.plan.world_size() > 1 {
+        // A gather still in flight (a prefetch no hook used) reads the shards (or masters) the
+        // optimizer writes.
+        if !self.slot_buffers.is_empty() {
             let gathered = self.backend.record(Stream::Gather)?;
             self.backend.wait(Stream::Compute, &gathered)?;
         }
@@ -82,29 +84,36 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let Some(grad) = self.grad_shards[i].as_ref() else {
                 continue;
             };
-            if self.master_stale[i] {
+            let master_only = self.plan.master_only(&self.config, g);
+            if self.master_stale[i] && !master_only {
                 if let Some(master) = self.masters[i].as_mut() {
                     let whole = Region::new(0, g.shard_numel, g.dtype);
+                    let f32s = Region::new(0, g.shard_numel, DType::F32);
                     // SAFETY: as the optimizer's accesses below.
                     unsafe {
                         self.backend
-                            .widen(Stream::Compute, &self.shards[i], whole, master)
+                            .cast(Stream::Compute, &self.shards[i], whole, master, f32s)
                     }?;
                 }
                 self.master_stale[i] = false;
             }
+            // A master-only group steps its master as an f32 parameter that is its own master.
+            let (param, dtype, master) = match (master_only, self.masters[i].as_mut()) {
+                (true, Some(master)) => (master, DType::F32, None),
+                (_, master) => (&mut self.shards[i], g.dtype, master),
+            };
             let shard = OptimizerShard {
-                param: &mut self.shards[i],
-                dtype: g.dtype,
+                param,
+                dtype,
                 numel: g.shard_numel,
                 grad,
-                master: self.masters[i].as_mut(),
+                master,
                 moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
             };
             // SAFETY: on the compute stream, which waited for every reduction into the gradient
-            // shards (`finish_grad_sync`) and for every gather reading the parameter shards
-            // (above); the masters and moments are only ever used on the compute stream. The
-            // step's next gather waits for this one (`shards_updated`), and the next step's first
+            // shards (`finish_grad_sync`) and for every gather reading the parameter shards or
+            // masters (above); the moments are only ever used on the compute stream. The step's
+            // next gather waits for this one (`shards_updated`), and the next step's first
             // reductions are queued after it with compute's event.
             unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }?;
         }
@@ -209,11 +218,27 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let (offset, index) = (layout.offset, layout.group);
         let start = offset.max(shard.start);
         let end = (offset + layout.numel).min(shard.end);
+        let master_only = self.plan.master_only(&self.config, group);
         self.effects(|e| {
             if start < end {
                 let src = &bytes[(start - offset) * dtype.size()..(end - offset) * dtype.size()];
-                let region = Region::new(start - shard.start, end - start, dtype);
-                e.backend.upload(&mut e.shards[index], region, src)?;
+                if master_only {
+                    // The master holds the value widened: exactly what a shard would hold.
+                    let mut wide = crate::fallible::filled((end - start) * 4, 0u8, "a master")?;
+                    for i in 0..end - start {
+                        store_f32(&mut wide, DType::F32, i, load_f32(src, dtype, i));
+                    }
+                    let region = Region::new(start - shard.start, end - start, DType::F32);
+                    let count = e.masters.len();
+                    let master = e.masters[index].as_mut().ok_or(Error::GroupOutOfRange {
+                        group: index,
+                        count,
+                    })?;
+                    e.backend.upload(master, region, &wide)?;
+                } else {
+                    let region = Region::new(start - shard.start, end - start, dtype);
+                    e.backend.upload(&mut e.shards[index], region, src)?;
+                }
             }
             e.master_stale[index] = true;
             Ok(())
@@ -258,14 +283,25 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// This rank's parameter shard of `group`, as bytes in the group's dtype. Blocks until the
-    /// copy is done.
+    /// This rank's parameter shard of `group`, as bytes in the group's dtype (of a master-only
+    /// group, its master rounded to the dtype: what a gather casts). Blocks until the copy is
+    /// done.
     pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
         self.healthy()?;
         let g = self.plan.group(group)?;
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
-        self.observe(self.backend.download(&self.shards[group], region, &mut out))?;
+        match self.masters[group].as_ref() {
+            Some(master) if self.plan.master_only(&self.config, g) => {
+                let f32s = Region::new(0, g.shard_numel, DType::F32);
+                let mut wide = crate::fallible::filled(g.shard_numel * 4, 0u8, "a master's copy")?;
+                self.observe(self.backend.download(master, f32s, &mut wide))?;
+                for i in 0..g.shard_numel {
+                    store_f32(&mut out, g.dtype, i, load_f32(&wide, DType::F32, i));
+                }
+            }
+            _ => self.observe(self.backend.download(&self.shards[group], region, &mut out))?,
+        }
         Ok(out)
     }
 

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use super::status::{Outcome, fsdp_status, invalid, put};
-use crate::config::{Accumulation, EngineConfig, GradReduction};
+use crate::config::{Accumulation, EngineConfig, GradReduction, ParamStorage};
 use crate::engine::Counters;
 use crate::optim::OptimizerConfig;
 use crate::plan::MemoryPerRank;
@@ -34,6 +34,13 @@ pub const FSDP_REDUCE_EVERY_PASS: u32 = 0;
 pub const FSDP_NO_SYNC: u32 = 1;
 /// Every group stays gathered from its first use until the step ends.
 pub const FSDP_KEEP_GATHERED: u32 = 2;
+
+/// `fsdp_config.param_storage` values: where a trainable bf16/f16 parameter persists.
+/// A shard in its dtype beside the fp32 master; at world size 1 the views are the shards.
+pub const FSDP_SHARD_AND_MASTER: u32 = 0;
+/// The fp32 master only, cast at every gather: less memory, and views that move at every world
+/// size.
+pub const FSDP_MASTER_ONLY: u32 = 1;
 
 /// The unit index that names the root unit (parameters outside every layer).
 pub const FSDP_ROOT: i64 = -1;
@@ -114,6 +121,8 @@ pub struct fsdp_config {
     pub reduce_dtype: u32,
     /// `FSDP_REDUCE_EVERY_PASS`, `FSDP_NO_SYNC` or `FSDP_KEEP_GATHERED`.
     pub accumulation: u32,
+    /// `FSDP_SHARD_AND_MASTER` or `FSDP_MASTER_ONLY`.
+    pub param_storage: u32,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -287,6 +296,15 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
             )));
         }
     };
+    let param_storage = match c.param_storage {
+        FSDP_SHARD_AND_MASTER => ParamStorage::ShardAndMaster,
+        FSDP_MASTER_ONLY => ParamStorage::MasterOnly,
+        other => {
+            return Err(invalid(format!(
+                "param_storage {other} is not FSDP_SHARD_AND_MASTER or FSDP_MASTER_ONLY"
+            )));
+        }
+    };
     let timeout = Duration::try_from_secs_f64(c.timeout_seconds)
         .ok()
         .filter(|t| !t.is_zero())
@@ -303,6 +321,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         grad_reduction,
         reduce_dtype: dtype_of(c.reduce_dtype)?,
         accumulation,
+        param_storage,
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
@@ -313,7 +332,8 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 
 /// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 /// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
-/// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass.
+/// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
+/// a shard beside each master.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -347,6 +367,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             grad_scale: 1.0,
             reduce_dtype: FSDP_F32,
             accumulation: FSDP_REDUCE_EVERY_PASS,
+            param_storage: FSDP_SHARD_AND_MASTER,
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

@@ -36,10 +36,11 @@ pub(crate) fn accumulate(
     }
 }
 
-/// `dst` = `src` (of `dtype`) widened to f32.
-pub(crate) fn widen(dst: &mut [f32], src: &[u8], dtype: DType) {
-    for (i, d) in dst.iter_mut().enumerate() {
-        *d = load_f32(src, dtype, i);
+/// `dst` = `src` converted between their dtypes, element by element through f32 (exact for
+/// every pair but the narrowing ones, which round as the `half` crate does).
+pub(crate) fn cast((dst, dst_dtype): (&mut [u8], DType), (src, src_dtype): (&[u8], DType)) {
+    for i in 0..dst.len() / dst_dtype.size() {
+        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
     }
 }
 

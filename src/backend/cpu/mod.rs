@@ -434,21 +434,25 @@ impl Backend for CpuBackend {
         })
     }
 
-    unsafe fn widen(
+    unsafe fn cast(
         &self,
         stream: Stream,
         src: &CpuBuffer,
         src_region: Region,
         dst: &mut CpuBuffer,
+        dst_region: Region,
     ) -> Result<()> {
         let (src_memory, src_range) = part(src, src_region)?;
-        let (dst_memory, dst_range) = part(dst, Region::new(0, src_region.len, DType::F32))?;
-        let dtype = src_region.dtype;
+        let (dst_memory, dst_range) = part(dst, dst_region)?;
+        if src_region.len != dst_region.len {
+            return Err(length_mismatch(src_region.len, dst_region.len));
+        }
+        let dtypes = (src_region.dtype, dst_region.dtype);
         self.run(stream, move || {
             // SAFETY: distinct buffers; the caller ordered every other use of both regions.
             let (src, dst) =
                 unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
-            math::widen(math::f32s_mut(dst), src, dtype);
+            math::cast((dst, dtypes.1), (src, dtypes.0));
             Ok(())
         })
     }

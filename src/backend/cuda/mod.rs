@@ -558,16 +558,20 @@ impl Backend for CudaBackend {
         }
     }
 
-    unsafe fn widen(
+    unsafe fn cast(
         &self,
         stream: Stream,
         src: &CudaBuffer,
         src_region: Region,
         dst: &mut CudaBuffer,
+        dst_region: Region,
     ) -> Result<()> {
         let n = src_region.len;
         let src_ptr = src.addr(src_region)?;
-        let dst_ptr = dst.addr(Region::new(0, n, DType::F32))?;
+        let dst_ptr = dst.addr(dst_region)?;
+        if n != dst_region.len {
+            return Err(length_mismatch(n, dst_region.len));
+        }
         if n == 0 {
             return Ok(());
         }
@@ -578,7 +582,7 @@ impl Backend for CudaBackend {
                 self.stream(stream),
                 src_region.dtype,
                 src_ptr,
-                DType::F32,
+                dst_region.dtype,
                 dst_ptr,
                 n,
             )
