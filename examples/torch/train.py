@@ -77,6 +77,8 @@ def arguments():
     parser.add_argument("--clip", type=float, help="clip the whole gradient's 2-norm to this")
     parser.add_argument("--checkpoint", action="store_true",
                         help="recompute each block's forward in backward (activation checkpointing)")
+    parser.add_argument("--param-storage", default="shard", choices=["shard", "master"],
+                        help="fsdp-fusion: a bf16 shard beside each fp32 master, or the master only")
     parser.add_argument("--double-buffer-limit", type=int, default=4,
                         help="fsdp-fusion's gathered groups: 2 root groups, the unit, a prefetch")
     return parser.parse_args()
@@ -200,7 +202,8 @@ class FusionTrainer:
         self.model = FusedFSDP(module, list(module.blocks), args.library, lr=args.lr,
                                betas=tuple(args.betas), eps=args.eps,
                                weight_decay=args.weight_decay,
-                               double_buffer_limit=args.double_buffer_limit)
+                               double_buffer_limit=args.double_buffer_limit,
+                               param_storage=args.param_storage)
         self.args, self.steps = args, 0
 
     def step(self, tokens):
