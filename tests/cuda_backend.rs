@@ -376,7 +376,7 @@ fn cast_matches_the_cpu_for_every_pair_of_dtypes() {
     for from in DTYPES {
         for to in DTYPES {
             let src = both.twin(from, &rng.mixed_bytes(from, 3000));
-            let mut dst = both.zeros(2900 * to.size() + 8);
+            let mut dst = both.zeros((2900 + 4) * to.size() + 8);
             let (s, d) = (Region::new(33, 2900, from), Region::new(3, 2900, to));
             // SAFETY: see the module note.
             unsafe { both.cpu.cast(Stream::Compute, &src.cpu, s, &mut dst.cpu, d) }.unwrap();
