@@ -157,17 +157,24 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         "bytes per rank (limit {}, {} reduce-scatters in flight, {}):",
         args.limit, args.reduces, args.optimizer
     )?;
-    for (name, bytes) in [
-        ("param shards", m.param_shards),
-        ("fp32 grad shards", m.grad_shards),
-        ("optimizer state", m.optimizer_state),
-        ("gathered slots", m.gathered_slots),
-        ("grad slots", m.grad_slots),
-        ("grad accumulators", m.grad_accumulators),
-        ("peak", m.peak),
-    ] {
-        writeln!(out, "  {name:<18} {} ({bytes} bytes)", mib(bytes))?;
+    for b in plan.buffer_report(&config)? {
+        writeln!(
+            out,
+            "  {:<22} {:>4} x, {} ({} bytes): {}",
+            b.what,
+            b.count,
+            mib(b.bytes),
+            b.bytes,
+            b.why
+        )?;
     }
+    writeln!(
+        out,
+        "  {:<22}         {} ({} bytes)",
+        "peak",
+        mib(m.peak),
+        m.peak
+    )?;
     Ok(())
 }
 

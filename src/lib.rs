@@ -97,6 +97,6 @@ pub use dtype::Element;
 pub use engine::{Counters, Engine};
 pub use error::{Error, Result};
 pub use optim::OptimizerConfig;
-pub use plan::{Group, MemoryPerRank, ParamLayout, Plan};
+pub use plan::{BufferReport, Group, MemoryPerRank, ParamLayout, Plan};
 pub use spec::{ModelSpec, ParamSpec};
 pub use types::{BufferState, DType, ParamId, Stream, Unit};

@@ -76,6 +76,15 @@ pub struct MemoryPerRank {
     pub peak: usize,
 }
 
+/// One kind of buffer a rank allocates: how many, their bytes together, and why that many.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BufferReport {
+    pub what: &'static str,
+    pub count: usize,
+    pub bytes: usize,
+    pub why: String,
+}
+
 /// The layout of a model at one world size.
 #[derive(Clone, Debug)]
 pub struct Plan {
@@ -467,6 +476,106 @@ impl Plan {
         Ok(m)
     }
 
+    /// Every buffer [`Plan::memory_per_rank`] counts, by kind, with the reason for its count;
+    /// the bytes add up to its peak.
+    pub fn buffer_report(&self, config: &EngineConfig) -> Result<Vec<BufferReport>> {
+        let m = self.memory_per_rank(config)?;
+        let limits = self.limits(config);
+        let trainable = self.groups.iter().filter(|g| g.trainable).count();
+        let shards = self
+            .groups
+            .iter()
+            .filter(|g| !self.master_only(config, g))
+            .count();
+        let masters = self
+            .groups
+            .iter()
+            .filter(|g| g.trainable && g.dtype != DType::F32)
+            .count();
+        let moments = if config.optimizer.has_moments() {
+            trainable * 2
+        } else {
+            0
+        };
+        let gather_slots = self.gather_slot_count(config);
+        let gather_why = match (self.world_size, config.accumulation) {
+            (1, _) if gather_slots == 0 => {
+                "none: at world size 1 each shard is its group's view".to_string()
+            }
+            (1, _) => format!(
+                "master-only groups cast into slots, at most {} gathered at once",
+                limits.gathered
+            ),
+            (_, Accumulation::KeepGathered) => "every group stays gathered for the step".into(),
+            _ => format!(
+                "double_buffer_limit: {} of {} groups gathered at once",
+                limits.gathered,
+                self.groups.len()
+            ),
+        };
+        let grad_slots = self.grad_slot_count(config);
+        let grad_why = if trainable == 0 {
+            "none: nothing trains".to_string()
+        } else if self.grads_direct(config) {
+            "none: at world size 1 gradients go straight into the shards".into()
+        } else if grad_slots == 0 {
+            "none: the fp32 accumulators are reduced in place".into()
+        } else {
+            format!(
+                "one filling beside each of {} reductions in flight, in {}",
+                limits.reduces_in_flight,
+                self.grad_slot_dtype(config)
+            )
+        };
+        let accumulators = if self.grad_accumulators(config) {
+            trainable
+        } else {
+            0
+        };
+        Ok(vec![
+            BufferReport {
+                what: "parameter shards",
+                count: shards,
+                bytes: m.param_shards,
+                why: "each group's part in its dtype (master-only groups have none)".into(),
+            },
+            BufferReport {
+                what: "gradient shards",
+                count: trainable,
+                bytes: m.grad_shards,
+                why: "each trainable group's part of the reduced fp32 gradient".into(),
+            },
+            BufferReport {
+                what: "optimizer state",
+                count: masters + moments,
+                bytes: m.optimizer_state,
+                why: "fp32 masters of bf16/f16 groups, and AdamW's two moments".into(),
+            },
+            BufferReport {
+                what: "gather slots",
+                count: gather_slots,
+                bytes: m.gathered_slots,
+                why: gather_why,
+            },
+            BufferReport {
+                what: "gradient slots",
+                count: grad_slots,
+                bytes: m.grad_slots,
+                why: grad_why,
+            },
+            BufferReport {
+                what: "gradient accumulators",
+                count: accumulators,
+                bytes: m.grad_accumulators,
+                why: if accumulators > 0 {
+                    "no-sync: each trainable group's unsharded fp32 gradient".into()
+                } else {
+                    "none: no no-sync accumulation".into()
+                },
+            },
+        ])
+    }
+
     /// Every fact of parameter `index`'s declaration and layout, as the ranks compare their plans.
     pub fn describe_param(&self, index: usize) -> String {
         match self.params.get(index) {
@@ -524,6 +633,7 @@ impl Plan {
             "max_reduces_in_flight": config.max_reduces_in_flight,
             "groups": groups,
             "memory_per_rank": self.memory_per_rank(config).ok(),
+            "buffers": self.buffer_report(config).ok(),
         })
     }
 }
@@ -624,6 +734,47 @@ mod tests {
                 + mem.gathered_slots
                 + mem.grad_slots
         );
+    }
+
+    #[test]
+    fn the_buffer_report_adds_up_to_the_peak_and_says_why() {
+        let m = model(vec![
+            ParamSpec::new("w", &[1000], DType::Bf16).in_unit(0),
+            ParamSpec::new("f", &[10], DType::F32).in_unit(0).frozen(),
+        ]);
+        let configs = [
+            EngineConfig::default(),
+            EngineConfig {
+                accumulation: Accumulation::NoSync,
+                ..EngineConfig::default()
+            },
+            EngineConfig {
+                accumulation: Accumulation::KeepGathered,
+                reduce_dtype: DType::Bf16,
+                ..EngineConfig::default()
+            },
+            EngineConfig {
+                param_storage: ParamStorage::MasterOnly,
+                ..EngineConfig::default()
+            },
+        ];
+        for world in [1, 4] {
+            let plan = Plan::new(&m, world).unwrap();
+            for config in &configs {
+                let report = plan.buffer_report(config).unwrap();
+                let total: usize = report.iter().map(|b| b.bytes).sum();
+                let peak = plan.memory_per_rank(config).unwrap().peak;
+                assert_eq!(total, peak, "world {world} {config:?}");
+                let slots = &report[4];
+                assert_eq!(slots.what, "gradient slots");
+                match (world, config.accumulation) {
+                    (1, _) => assert!(slots.why.contains("straight into the shards")),
+                    (_, Accumulation::NoSync) => assert!(slots.why.contains("in place")),
+                    _ => assert!(slots.why.contains("reductions in flight"), "{}", slots.why),
+                }
+                assert_eq!(slots.count == 0, slots.bytes == 0);
+            }
+        }
     }
 
     #[test]
