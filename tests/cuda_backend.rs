@@ -220,36 +220,11 @@ fn accumulate_matches_the_cpu() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn accumulating_into_bf16_and_from_bf16_matches_the_cpu() {
+fn accumulating_a_bf16_sum_into_f32_matches_the_cpu_and_f16_is_refused() {
     let both = Both::new();
     let mut rng = Rng::new(13);
     let n = 3001;
-    // A gradient written into a bf16 transport slot, from a host or a device tensor...
-    for dtype in DTYPES {
-        let data = rng.mixed_bytes(dtype, n);
-        let src = both.twin(dtype, &data);
-        let mut dst = both.twin(DType::Bf16, &rng.mixed_bytes(DType::Bf16, n + 5));
-        let d = Region::new(5, n, DType::Bf16);
-        for (scale, add) in [(1.0, false), (0.25, true)] {
-            let host = Input::host_bytes(&data, dtype);
-            // SAFETY: `src` holds `n` elements and outlives the test's work.
-            let device = unsafe { Input::device(src.gpu.ptr(), n, dtype) };
-            // SAFETY: see the module note.
-            unsafe {
-                both.cpu
-                    .accumulate_input(Stream::Compute, host, &mut dst.cpu, d, scale, add)
-            }
-            .unwrap();
-            // SAFETY: see the module note.
-            unsafe {
-                both.gpu
-                    .accumulate_input(Stream::Compute, device, &mut dst.gpu, d, scale, add)
-            }
-            .unwrap();
-            both.assert_same(&dst, &format!("{dtype} into bf16, scale {scale} add {add}"));
-        }
-    }
-    // ...and a bf16 sum added into the fp32 shard.
+    // A bf16 sum added into the fp32 shard.
     let src = both.twin(DType::Bf16, &rng.mixed_bytes(DType::Bf16, n));
     let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n));
     let (s, d) = (all(n, DType::Bf16), all(n, DType::F32));
@@ -291,12 +266,16 @@ fn accumulating_into_bf16_and_from_bf16_matches_the_cpu() {
 fn accumulate_input_from_device_memory_matches_the_cpu() {
     let both = Both::new();
     let mut rng = Rng::new(4);
-    for dtype in DTYPES {
+    // Into f32 (a gradient shard) and bf16 (a transport slot).
+    for (dtype, into) in DTYPES
+        .into_iter()
+        .flat_map(|d| [(d, DType::F32), (d, DType::Bf16)])
+    {
         let n = 2053;
         let data = rng.mixed_bytes(dtype, n + 3);
         let src = both.twin(dtype, &data);
-        let mut dst = both.twin(DType::F32, &rng.mixed_bytes(DType::F32, n + 11));
-        let d = Region::new(11, n, DType::F32);
+        let mut dst = both.twin(into, &rng.mixed_bytes(into, n + 11));
+        let d = Region::new(11, n, into);
         for (scale, add) in [(1.0, false), (0.25, true)] {
             let host = Input::host_bytes(&data[3 * dtype.size()..], dtype);
             // SAFETY: `src` holds `n + 3` elements and outlives the test's work.
@@ -316,7 +295,7 @@ fn accumulate_input_from_device_memory_matches_the_cpu() {
             .unwrap();
             both.assert_same(
                 &dst,
-                &format!("device input {dtype} scale {scale} add {add}"),
+                &format!("device input {dtype} into {into} scale {scale} add {add}"),
             );
         }
     }

@@ -8,10 +8,11 @@
 //! aborted, its thread gone) fails its peers' waits at once, and every wait has the rank's
 //! deadline.
 
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::backend::Region;
-use crate::backend::cpu::{CpuBackend, CpuBuffer};
+use crate::backend::cpu::{CpuBackend, CpuBuffer, Memory};
 use crate::comm::{
     Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch, own_part,
 };
@@ -214,6 +215,28 @@ impl Drop for LocalComm {
 }
 
 /// Runs one collective on `stream`: the meeting happens where the stream runs it.
+/// An all-gather of the bytes `src` of `from` into `dst` of `into`, rank `r`'s part at `r` times
+/// their length; `src` may lie inside `dst` (in place): it is copied before anything is written.
+fn gather_bytes(
+    comm: &LocalComm,
+    (backend, stream): (&CpuBackend, Stream),
+    fingerprint: Fingerprint,
+    (from, src): (Arc<Memory>, Range<usize>),
+    (into, dst): (Arc<Memory>, Range<usize>),
+) -> Result<()> {
+    let part = src.len();
+    // SAFETY (both closures): the caller ordered every other use of both ranges (the trait's
+    // contract); the deposit is a copy, taken before the parts are written.
+    let take = move || copy_of(unsafe { from.bytes(src) }, "an all-gather's deposit");
+    let give = move |parts: &[&[u8]]| {
+        let out = unsafe { into.bytes_mut(dst) };
+        for (rank, bytes) in parts.iter().enumerate() {
+            out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
+        }
+    };
+    meet(comm, backend, stream, fingerprint, take, give)
+}
+
 fn meet(
     comm: &LocalComm,
     backend: &CpuBackend,
@@ -263,19 +286,15 @@ impl Communicator<CpuBackend> for LocalComm {
         check_all_gather(self.shared.world_size, shard_region, out_region)?;
         let src = shard_region.byte_range(shard.len())?;
         let dst = out_region.byte_range(out.len())?;
-        let (shard, out) = (Arc::clone(shard.memory()), Arc::clone(out.memory()));
-        let part = src.len();
         let fingerprint = Fingerprint::all_gather(tag, shard_region);
-        // SAFETY (both closures): the caller ordered every other use of both regions (the
-        // trait's contract); the two slices are of distinct buffers and live one after the other.
-        let take = move || copy_of(unsafe { shard.bytes(src) }, "an all-gather's deposit");
-        let give = move |parts: &[&[u8]]| {
-            let out = unsafe { out.bytes_mut(dst) };
-            for (rank, bytes) in parts.iter().enumerate() {
-                out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
-            }
-        };
-        meet(self, backend, stream, fingerprint, take, give)
+        let (shard, out) = (Arc::clone(shard.memory()), Arc::clone(out.memory()));
+        gather_bytes(
+            self,
+            (backend, stream),
+            fingerprint,
+            (shard, src),
+            (out, dst),
+        )
     }
 
     unsafe fn all_gather_in_place(
@@ -289,19 +308,15 @@ impl Communicator<CpuBackend> for LocalComm {
         let own = own_part(self.shared.world_size, self.rank, region)?;
         let src = own.byte_range(buf.len())?;
         let dst = region.byte_range(buf.len())?;
-        let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
-        let part = src.len();
         let fingerprint = Fingerprint::all_gather(tag, Region::new(0, own.len, own.dtype));
-        // SAFETY (both closures): the caller ordered every other use of the region (the trait's
-        // contract); the copy of this rank's part is taken before the parts are written back.
-        let take = move || copy_of(unsafe { memory.bytes(src) }, "an all-gather's deposit");
-        let give = move |parts: &[&[u8]]| {
-            let out = unsafe { written.bytes_mut(dst) };
-            for (rank, bytes) in parts.iter().enumerate() {
-                out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
-            }
-        };
-        meet(self, backend, stream, fingerprint, take, give)
+        let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
+        gather_bytes(
+            self,
+            (backend, stream),
+            fingerprint,
+            (memory, src),
+            (written, dst),
+        )
     }
 
     unsafe fn reduce_scatter(

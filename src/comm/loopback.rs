@@ -126,6 +126,40 @@ impl LoopbackComm {
     /// Runs one collective whose arguments were checked: meets the others, runs `work` with every
     /// rank's data address on this rank's stream once all streams reached the collective, meets
     /// again and holds this rank's stream until every rank's work is done.
+    /// An all-gather of every rank's part (`fingerprint.len` elements at `src`) into `dst`,
+    /// rank `r`'s at `r` times its bytes; `skip` names a rank whose part is there already.
+    fn gather(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        fingerprint: Fingerprint,
+        (src, dst): (u64, u64),
+        skip: Option<usize>,
+    ) -> Result<()> {
+        let bytes = fingerprint.len * fingerprint.dtype.size();
+        let op = Op {
+            fingerprint,
+            place: place(backend),
+        };
+        self.run(backend, stream, op, src, |_, on, sources| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            for (rank, &source) in sources.iter().enumerate() {
+                if Some(rank) == skip {
+                    continue;
+                }
+                let to = dst + (rank * bytes) as u64;
+                // SAFETY: the output is checked to hold `world_size * bytes` bytes and every rank
+                // checked its part to hold `bytes`; the streams' events order the copies after
+                // every rank's writes and before its later reuse.
+                unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
+                    .map_err(cuda("cuMemcpyDtoDAsync"))?;
+            }
+            Ok(())
+        })
+    }
+
     fn run(
         &mut self,
         backend: &CudaBackend,
@@ -258,25 +292,8 @@ impl Communicator<CudaBackend> for LoopbackComm {
         check_all_gather(self.world_size, shard_region, out_region)?;
         let src = shard.addr(shard_region)?;
         let dst = out.addr(out_region)?;
-        let bytes = shard_region.len * shard_region.dtype.size();
-        let op = Op {
-            fingerprint: Fingerprint::all_gather(tag, shard_region),
-            place: place(backend),
-        };
-        self.run(backend, stream, op, src, |_, on, sources| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            for (rank, &source) in sources.iter().enumerate() {
-                let to = dst + (rank * bytes) as u64;
-                // SAFETY: `out_region` is checked to hold `world_size * bytes` bytes and every
-                // rank checked its shard to hold `bytes`; the streams' events order the copies
-                // after every rank's writes and before its later reuse.
-                unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
-                    .map_err(cuda("cuMemcpyDtoDAsync"))?;
-            }
-            Ok(())
-        })
+        let fingerprint = Fingerprint::all_gather(tag, shard_region);
+        self.gather(backend, stream, fingerprint, (src, dst), None)
     }
 
     unsafe fn all_gather_in_place(
@@ -290,26 +307,9 @@ impl Communicator<CudaBackend> for LoopbackComm {
         let own = own_part(self.world_size, self.rank, region)?;
         let src = buf.addr(own)?;
         let dst = buf.addr(region)?;
-        let bytes = own.len * own.dtype.size();
-        let op = Op {
-            fingerprint: Fingerprint::all_gather(tag, Region::new(0, own.len, own.dtype)),
-            place: place(backend),
-        };
-        let rank = self.rank;
-        self.run(backend, stream, op, src, |_, on, sources| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            for (from, &source) in sources.iter().enumerate().filter(|&(r, _)| r != rank) {
-                let to = dst + (from * bytes) as u64;
-                // SAFETY: `region` is checked to hold `world_size * bytes` bytes and every rank
-                // checked its own part; the streams' events order the copies after every rank's
-                // writes and before its later reuse. This rank's part is not copied onto itself.
-                unsafe { result::memcpy_dtod_async(to, source, bytes, on.cu_stream()) }
-                    .map_err(cuda("cuMemcpyDtoDAsync"))?;
-            }
-            Ok(())
-        })
+        let fingerprint = Fingerprint::all_gather(tag, Region::new(0, own.len, own.dtype));
+        // This rank's part is in place: it is not copied onto itself.
+        self.gather(backend, stream, fingerprint, (src, dst), Some(self.rank))
     }
 
     unsafe fn reduce_scatter(

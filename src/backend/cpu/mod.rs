@@ -33,7 +33,7 @@ use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use math::OptimizerSlices;
 pub use memory::CpuBuffer;
-use memory::Memory;
+pub(crate) use memory::Memory;
 use streams::{Marker, Streams};
 
 const NAME: &str = "cpu";
