@@ -21,6 +21,16 @@ pub enum Error {
         #[source]
         source: Arc<std::io::Error>,
     },
+    #[error("checkpoint {path}: {reason}")]
+    CheckpointUnreadable { path: String, reason: String },
+    #[error("the checkpoint is of another model: {}", differences.join("; "))]
+    CheckpointMismatch { differences: Vec<String> },
+    #[error("{path} exists: a save never overwrites a checkpoint (save into a new directory)")]
+    CheckpointExists { path: String },
+    #[error(
+        "a step is under way (hooks open, gradients taken, or synced): {action} is allowed between end_step and the next step's first hook"
+    )]
+    MidStep { action: &'static str },
     #[error("model file {path} is not UTF-8: the bytes from offset {offset} on are not text")]
     NotUtf8 { path: String, offset: usize },
     #[error("malformed model JSON at line {line}, column {column}: {message}")]

@@ -70,6 +70,7 @@
 //! ```
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod dtype;

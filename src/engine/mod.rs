@@ -8,6 +8,7 @@
 //!   `views`: the gathered parameters and gradient places as the caller reads and writes them;
 //!   `checks`: the ranks' comparisons of their plans and their collectives; `spans`: tracing.
 
+mod checkpoint;
 mod checks;
 mod gather;
 mod norm;

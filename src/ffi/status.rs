@@ -62,7 +62,9 @@ impl Failure {
 pub(crate) fn status_of(e: &Error) -> fsdp_status {
     use fsdp_status::*;
     match e {
-        Error::ModelFile { .. } | Error::Write { .. } => FSDP_IO_ERROR,
+        Error::ModelFile { .. } | Error::Write { .. } | Error::CheckpointUnreadable { .. } => {
+            FSDP_IO_ERROR
+        }
         Error::NotUtf8 { .. }
         | Error::Json { .. }
         | Error::EmptyModel
@@ -85,6 +87,8 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::DataLength { .. }
         | Error::DtypeMismatch { .. }
         | Error::PlanMismatch { .. }
+        | Error::CheckpointMismatch { .. }
+        | Error::CheckpointExists { .. }
         | Error::OutOfRange { .. } => FSDP_INVALID_ARGUMENT,
         Error::UnknownUnit { .. }
         | Error::ForwardAlreadyOpen { .. }
@@ -103,6 +107,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::Gathered { .. }
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
+        | Error::MidStep { .. }
         | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
         Error::CudaUnavailable { .. }
         | Error::KernelsUnavailable

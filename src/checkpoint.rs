@@ -1,0 +1,296 @@
+//! The on-disk form of a sharded checkpoint, with no engine in it: each rank's manifest and data
+//! file, written atomically, read back and checked.
+//!
+//! A checkpoint is a directory. Rank `r` writes `rank-<r>.bin` (its sections, one after
+//! another) and then `rank-<r>.json` (its manifest: the layout it was saved with, the optimizer
+//! state's step and settings, where each section lies, the data file's length and xxh3-64
+//! checksum). Each file is written under a temporary name, flushed to disk and renamed, the
+//! manifest last, so a rank's part becomes visible only once complete; a checkpoint is complete
+//! when every rank's manifest is there and they agree.
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+
+/// The version of the layout below; a manifest of another is refused.
+pub const FORMAT: u32 = 1;
+
+/// What a section of a rank's data file holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SectionKind {
+    /// The rank's shard of the group's values, in the group's dtype.
+    Values,
+    /// The fp32 master of a bf16/f16 group.
+    Master,
+    /// AdamW's first moment.
+    FirstMoment,
+    /// AdamW's second moment.
+    SecondMoment,
+}
+
+/// One section of a data file: `bytes` bytes at `offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Section {
+    pub group: usize,
+    pub kind: SectionKind,
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// A parameter as the checkpoint's plan laid it out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamRecord {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub dtype: String,
+    pub trainable: bool,
+    pub group: usize,
+    pub offset: usize,
+    pub padded_numel: usize,
+}
+
+/// One rank's manifest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankManifest {
+    pub format: u32,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Optimizer steps taken before the save (AdamW's bias correction continues from it).
+    pub optimizer_steps: u64,
+    pub lr: f32,
+    pub weight_decay: f32,
+    /// "adamw" or "sgd".
+    pub optimizer: String,
+    pub params: Vec<ParamRecord>,
+    pub sections: Vec<Section>,
+    pub data_bytes: u64,
+    /// The data file's xxh3-64, as 16 hex digits.
+    pub data_xxh3: String,
+}
+
+/// Every parameter of `plan`, as a manifest records it.
+pub fn records(plan: &Plan) -> Vec<ParamRecord> {
+    plan.params()
+        .iter()
+        .map(|p| ParamRecord {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            dtype: p.dtype.name().to_string(),
+            trainable: p.trainable,
+            group: p.group,
+            offset: p.offset,
+            padded_numel: p.padded_numel,
+        })
+        .collect()
+}
+
+/// What differs between a checkpoint's parameters and a plan's, one line each, first the
+/// declarations (names, shapes, dtypes, trainable), then the layout; empty when they agree.
+pub fn differences(saved: &[ParamRecord], plan: &[ParamRecord]) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in plan {
+        match saved.iter().find(|s| s.name == p.name) {
+            None => out.push(format!("{:?} is not in the checkpoint", p.name)),
+            Some(s) if (&s.shape, &s.dtype, s.trainable) != (&p.shape, &p.dtype, p.trainable) => {
+                out.push(format!(
+                    "{:?}: saved as {} {:?}{}, declared {} {:?}{}",
+                    p.name,
+                    s.dtype,
+                    s.shape,
+                    if s.trainable { "" } else { " frozen" },
+                    p.dtype,
+                    p.shape,
+                    if p.trainable { "" } else { " frozen" },
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    for s in saved {
+        if !plan.iter().any(|p| p.name == s.name) {
+            out.push(format!(
+                "{:?} is in the checkpoint, not in the model",
+                s.name
+            ));
+        }
+    }
+    if out.is_empty() && saved != plan {
+        out.push("the parameters are laid out differently (another order or world size)".into());
+    }
+    out
+}
+
+pub fn data_path(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank:05}.bin"))
+}
+
+pub fn manifest_path(dir: &Path, rank: usize) -> PathBuf {
+    dir.join(format!("rank-{rank:05}.json"))
+}
+
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |source| Error::Write {
+        path: path.display().to_string(),
+        source: Arc::new(source),
+    }
+}
+
+fn unreadable(path: &Path, reason: impl Into<String>) -> Error {
+    Error::CheckpointUnreadable {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// Writes `path` under a temporary name, flushed to disk, then renames it into place.
+fn write_atomically(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
+    let temporary = path.with_extension("partial");
+    let mut file = File::create(&temporary).map_err(io_error(&temporary))?;
+    write(&mut file)?;
+    file.sync_all().map_err(io_error(&temporary))?;
+    drop(file);
+    fs::rename(&temporary, path).map_err(io_error(path))
+}
+
+/// Makes `dir` for rank `rank`'s part, refusing one that holds that part already: a save never
+/// overwrites a checkpoint.
+pub fn prepare(dir: &Path, rank: usize) -> Result<()> {
+    fs::create_dir_all(dir).map_err(io_error(dir))?;
+    for path in [manifest_path(dir, rank), data_path(dir, rank)] {
+        if path.exists() {
+            return Err(Error::CheckpointExists {
+                path: path.display().to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Writes rank `manifest.rank`'s data (the sections `write_sections` writes, in order) and then
+/// its manifest, each atomically; fills in the data's length and checksum.
+pub fn write_rank(
+    dir: &Path,
+    mut manifest: RankManifest,
+    write_sections: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    let data = data_path(dir, manifest.rank);
+    let mut hasher = Xxh3::new();
+    let mut length = 0u64;
+    write_atomically(&data, |file| {
+        let mut out = std::io::BufWriter::with_capacity(1 << 22, file);
+        write_sections(&mut |bytes: &[u8]| {
+            hasher.update(bytes);
+            length += bytes.len() as u64;
+            out.write_all(bytes).map_err(io_error(&data))
+        })?;
+        out.flush().map_err(io_error(&data))
+    })?;
+    manifest.data_bytes = length;
+    manifest.data_xxh3 = format!("{:016x}", hasher.digest());
+    let path = manifest_path(dir, manifest.rank);
+    let text =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| unreadable(&path, e.to_string()))?;
+    write_atomically(&path, |file| file.write_all(&text).map_err(io_error(&path)))?;
+    sync_dir(dir)
+}
+
+/// Makes the renames durable.
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(dir))
+}
+
+/// Rank `rank`'s manifest, parsed and of this format.
+pub fn read_manifest(dir: &Path, rank: usize) -> Result<RankManifest> {
+    let path = manifest_path(dir, rank);
+    let text = match fs::read(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let reason = if dir.is_dir() {
+                "missing: the checkpoint is incomplete (a save that did not finish), or of fewer ranks"
+            } else {
+                "missing: no checkpoint directory"
+            };
+            return Err(unreadable(&path, reason));
+        }
+        Err(e) => return Err(unreadable(&path, e.to_string())),
+    };
+    let manifest: RankManifest = serde_json::from_slice(&text)
+        .map_err(|e| unreadable(&path, format!("not a manifest: {e}")))?;
+    if manifest.format != FORMAT || manifest.rank != rank {
+        return Err(unreadable(
+            &path,
+            format!(
+                "format {} of rank {}, expected format {FORMAT} of rank {rank}",
+                manifest.format, manifest.rank
+            ),
+        ));
+    }
+    Ok(manifest)
+}
+
+/// Rank `manifest.rank`'s data file, whole, checked against its manifest's length and checksum.
+pub fn read_data(dir: &Path, manifest: &RankManifest) -> Result<Vec<u8>> {
+    let path = data_path(dir, manifest.rank);
+    let mut file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
+    let expected = usize::try_from(manifest.data_bytes)
+        .map_err(|_| unreadable(&path, "larger than this machine's address space"))?;
+    let mut data = crate::fallible::filled(expected, 0u8, "a checkpoint's data")?;
+    let mut read = 0;
+    while read < expected {
+        match file.read(&mut data[read..]) {
+            Ok(0) => break,
+            Ok(n) => read += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(unreadable(&path, e.to_string())),
+        }
+    }
+    let mut rest = [0u8; 1];
+    let longer = matches!(file.read(&mut rest), Ok(n) if n > 0);
+    if read < expected || longer {
+        return Err(unreadable(
+            &path,
+            format!(
+                "truncated or grown: {} bytes, the manifest says {expected}",
+                if longer {
+                    "more than".to_string()
+                } else {
+                    read.to_string()
+                }
+            ),
+        ));
+    }
+    let mut hasher = Xxh3::new();
+    hasher.update(&data);
+    let digest = format!("{:016x}", hasher.digest());
+    if digest != manifest.data_xxh3 {
+        return Err(unreadable(
+            &path,
+            format!(
+                "corrupted: checksum {digest}, the manifest says {}",
+                manifest.data_xxh3
+            ),
+        ));
+    }
+    for s in &manifest.sections {
+        if s.offset
+            .checked_add(s.bytes)
+            .is_none_or(|end| end > manifest.data_bytes)
+        {
+            return Err(unreadable(
+                &path,
+                format!("section {s:?} runs past the data"),
+            ));
+        }
+    }
+    Ok(data)
+}

@@ -1,0 +1,373 @@
+//! Sharded checkpoints on CPU ranks: a run saved and loaded into fresh engines continues bit for
+//! bit; every refusal (missing, incomplete, truncated, corrupted, another model, an existing
+//! checkpoint, a save mid-step) is its own error and changes nothing. Eager and asynchronous.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+
+use fsdp_fusion::optim::LrSchedule;
+use fsdp_fusion::{DType, EngineConfig, Error, OptimizerConfig, ParamStorage, Plan, Unit};
+use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, load, sharded_step};
+use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
+
+const PASSES: u64 = 2;
+
+fn model(dtype: DType, width: usize) -> Mlp {
+    Mlp::new(MlpConfig {
+        layers: 3,
+        width,
+        inputs: 12,
+        batch: 5,
+        dtype,
+        seed: 11,
+        embed_lr_scale: 0.5,
+    })
+}
+
+fn recipe() -> Recipe {
+    Recipe {
+        schedule: LrSchedule::WarmupCosine {
+            warmup_steps: 2,
+            total_steps: 6,
+            min_factor: 0.1,
+        },
+        clip: Some(0.05),
+    }
+}
+
+/// A fresh directory under the system's temporary one, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Scratch {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("fsdp-fusion-checkpoint-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Every group's shard, as bytes.
+fn shards(e: &CpuEngine) -> Vec<Vec<u8>> {
+    (0..e.plan().groups().len())
+        .map(|g| e.param_shard(g).unwrap())
+        .collect()
+}
+
+/// Steps `steps` of the model on every rank; each rank's engine is made by `make` (loaded with
+/// the initial values or from a checkpoint) and handed to `after` when done.
+fn train<R: Send + 'static>(
+    (mlp, plan, config): (&Mlp, &Arc<Plan>, &EngineConfig),
+    mode: Mode,
+    steps: std::ops::Range<u64>,
+    make: impl Fn(&mut CpuEngine) + Send + Sync + 'static,
+    after: impl Fn(&CpuEngine) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let mlp = mlp.clone();
+    let base_lr = config.optimizer.lr();
+    on_engines(plan, config, mode, move |mut e| {
+        make(&mut e);
+        for step in steps.clone() {
+            sharded_step(&mlp, &mut e, (step, PASSES), base_lr, recipe()).unwrap();
+        }
+        after(&e)
+    })
+}
+
+#[test]
+fn a_saved_run_continues_bit_for_bit_in_fresh_engines() {
+    for_each_mode(|mode| {
+        let adamw = OptimizerConfig::default();
+        let shard = ParamStorage::ShardAndMaster;
+        for (dtype, optimizer, storage, world) in [
+            (DType::F32, adamw, shard, 1),
+            (DType::F32, adamw, shard, 2),
+            (DType::F32, adamw, shard, 3),
+            (DType::F32, adamw, shard, 4),
+            (DType::Bf16, adamw, shard, 2),
+            (DType::Bf16, adamw, ParamStorage::MasterOnly, 3),
+            (DType::F16, OptimizerConfig::sgd(0.05), shard, 4),
+        ] {
+            let mlp = model(dtype, 24);
+            let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+            let config = EngineConfig {
+                optimizer,
+                param_storage: storage,
+                ..EngineConfig::default()
+            };
+            let init = mlp.init(3);
+            let what = format!("{dtype} {storage:?} world {world}");
+            let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
+            let straight = train(
+                (&mlp, &plan, &config),
+                mode,
+                0..6,
+                start(init.clone()),
+                shards,
+            );
+            let scratch = Scratch::new();
+            let dir = scratch.0.clone();
+            let halfway = train((&mlp, &plan, &config), mode, 0..3, start(init), move |e| {
+                e.save(&dir).unwrap();
+                shards(e)
+            });
+            assert_ne!(halfway, straight, "{what}: training moved nothing");
+            let dir = scratch.0.clone();
+            let resumed = train(
+                (&mlp, &plan, &config),
+                mode,
+                3..6,
+                move |e| e.load(&dir).unwrap(),
+                shards,
+            );
+            assert_eq!(resumed, straight, "{what}: resumed != straight");
+        }
+    });
+}
+
+#[test]
+fn either_storage_loads_the_other_s_checkpoint() {
+    let mlp = model(DType::Bf16, 24);
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+    let config = |param_storage| EngineConfig {
+        param_storage,
+        ..EngineConfig::default()
+    };
+    let init = mlp.init(3);
+    for (saved, loaded) in [
+        (ParamStorage::ShardAndMaster, ParamStorage::MasterOnly),
+        (ParamStorage::MasterOnly, ParamStorage::ShardAndMaster),
+    ] {
+        let straight = {
+            let init = init.clone();
+            train(
+                (&mlp, &plan, &config(loaded)),
+                Mode::Eager,
+                0..4,
+                move |e| load(e, &init).unwrap(),
+                shards,
+            )
+        };
+        let scratch = Scratch::new();
+        let dir = scratch.0.clone();
+        let init = init.clone();
+        train(
+            (&mlp, &plan, &config(saved)),
+            Mode::Eager,
+            0..2,
+            move |e| load(e, &init).unwrap(),
+            move |e| e.save(&dir).unwrap(),
+        );
+        let dir = scratch.0.clone();
+        let resumed = train(
+            (&mlp, &plan, &config(loaded)),
+            Mode::Eager,
+            2..4,
+            move |e| e.load(&dir).unwrap(),
+            shards,
+        );
+        assert_eq!(resumed, straight, "saved {saved:?}, loaded {loaded:?}");
+    }
+}
+
+/// Two ranks, trained two steps and saved into `dir`.
+fn saved_pair(mlp: &Mlp, dir: &Path) -> (Arc<Plan>, EngineConfig) {
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+    let config = EngineConfig::default();
+    let init = mlp.init(3);
+    let dir = dir.to_path_buf();
+    train(
+        (mlp, &plan, &config),
+        Mode::Eager,
+        0..2,
+        move |e| load(e, &init).unwrap(),
+        move |e| e.save(&dir).unwrap(),
+    );
+    (plan, config)
+}
+
+/// Each rank's error loading `dir` into an engine of `plan`, checking that the refusal changed
+/// nothing: one step after it gives the shards of an engine that never tried.
+fn refused(mlp: &Mlp, (plan, config): (&Arc<Plan>, &EngineConfig), dir: &Path) -> Vec<Error> {
+    let init = mlp.init(3);
+    let untouched = {
+        let init = init.clone();
+        train(
+            (mlp, plan, config),
+            Mode::Eager,
+            0..1,
+            move |e| load(e, &init).unwrap(),
+            shards,
+        )
+    };
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let (seen, dir) = (Arc::clone(&errors), dir.to_path_buf());
+    let after = train(
+        (mlp, plan, config),
+        Mode::Eager,
+        0..1,
+        move |e| {
+            load(e, &init).unwrap();
+            let err = e.load(&dir).unwrap_err();
+            seen.lock().unwrap().push((e.rank(), err));
+        },
+        shards,
+    );
+    assert_eq!(after, untouched, "a refused load changed the engine");
+    let mut errors = std::mem::take(&mut *errors.lock().unwrap());
+    errors.sort_by_key(|(rank, _)| *rank);
+    errors.into_iter().map(|(_, e)| e).collect()
+}
+
+fn reason(e: &Error) -> String {
+    match e {
+        Error::CheckpointUnreadable { path, reason } => format!("{path}: {reason}"),
+        other => panic!("expected CheckpointUnreadable, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_missing_incomplete_truncated_or_corrupted_checkpoint_is_refused_by_name() {
+    let mlp = model(DType::Bf16, 24);
+    let scratch = Scratch::new();
+    let dir = &scratch.0;
+    let (plan, config) = saved_pair(&mlp, dir);
+    let nowhere = dir.join("nowhere");
+    for e in refused(&mlp, (&plan, &config), &nowhere) {
+        assert!(reason(&e).contains("no checkpoint directory"), "{e}");
+    }
+    // A save that did not finish: rank 1's manifest never appeared.
+    let manifest = dir.join("rank-00001.json");
+    let kept = std::fs::read(&manifest).unwrap();
+    std::fs::remove_file(&manifest).unwrap();
+    for e in refused(&mlp, (&plan, &config), dir) {
+        let r = reason(&e);
+        assert!(
+            r.contains("rank-00001.json") && r.contains("incomplete"),
+            "{r}"
+        );
+    }
+    std::fs::write(&manifest, kept).unwrap();
+    // Every rank's data truncated, then one byte of each flipped.
+    let data = |rank: usize| dir.join(format!("rank-{rank:05}.bin"));
+    let bytes: Vec<Vec<u8>> = (0..2).map(|r| std::fs::read(data(r)).unwrap()).collect();
+    for (r, b) in bytes.iter().enumerate() {
+        std::fs::write(data(r), &b[..b.len() - 7]).unwrap();
+    }
+    for (rank, e) in refused(&mlp, (&plan, &config), dir).iter().enumerate() {
+        let r = reason(e);
+        assert!(
+            r.contains(&format!("rank-{rank:05}.bin")) && r.contains("truncated"),
+            "{r}"
+        );
+    }
+    for (r, b) in bytes.iter().enumerate() {
+        let mut flipped = b.clone();
+        flipped[b.len() / 2] ^= 0x10;
+        std::fs::write(data(r), &flipped).unwrap();
+    }
+    for (rank, e) in refused(&mlp, (&plan, &config), dir).iter().enumerate() {
+        let r = reason(e);
+        assert!(
+            r.contains(&format!("rank-{rank:05}.bin")) && r.contains("corrupted"),
+            "{r}"
+        );
+    }
+    for (r, b) in bytes.iter().enumerate() {
+        std::fs::write(data(r), b).unwrap();
+    }
+    std::fs::write(&manifest, "{ not json").unwrap();
+    for e in refused(&mlp, (&plan, &config), dir) {
+        assert!(reason(&e).contains("rank-00001.json"), "{e}");
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
+    let scratch = Scratch::new();
+    saved_pair(&model(DType::Bf16, 24), &scratch.0);
+    // Another width (every parameter but the output bias changes shape) and another dtype
+    // (every parameter changes): one line per parameter that differs.
+    let saved = model(DType::Bf16, 24).spec().unwrap().params;
+    for other in [model(DType::Bf16, 16), model(DType::F32, 24)] {
+        let spec = other.spec().unwrap();
+        let differing = spec
+            .params
+            .iter()
+            .zip(&saved)
+            .filter(|(a, b)| (&a.shape, a.dtype) != (&b.shape, b.dtype))
+            .count();
+        assert!(differing >= spec.params.len() - 1);
+        let plan = Arc::new(Plan::new(&spec, 2).unwrap());
+        for e in refused(&other, (&plan, &EngineConfig::default()), &scratch.0) {
+            let Error::CheckpointMismatch { differences } = &e else {
+                panic!("{e:?}");
+            };
+            assert_eq!(differences.len(), differing, "{e}");
+            assert!(differences.iter().all(|d| d.contains("saved as")), "{e}");
+        }
+    }
+    // Another world size, and another optimizer.
+    let mlp = model(DType::Bf16, 24);
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 4).unwrap());
+    for e in refused(&mlp, (&plan, &EngineConfig::default()), &scratch.0) {
+        assert!(
+            e.to_string().contains("saved by 2 ranks, loaded by 4"),
+            "{e}"
+        );
+    }
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+    let sgd = EngineConfig {
+        optimizer: OptimizerConfig::sgd(0.1),
+        ..EngineConfig::default()
+    };
+    for e in refused(&mlp, (&plan, &sgd), &scratch.0) {
+        assert!(
+            e.to_string().contains("saved with adamw, loaded with sgd"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn a_save_never_overwrites_and_never_runs_mid_step() {
+    for_each_mode(|mode| {
+        let mlp = model(DType::F32, 24);
+        let scratch = Scratch::new();
+        let dir = scratch.0.clone();
+        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+        let init = mlp.init(3);
+        // Every rank's part is on disk before any rank loads (a rank's collectives may still
+        // be queued on its streams when its calls return).
+        let saved = Arc::new(Barrier::new(2));
+        on_engines(&plan, &EngineConfig::default(), mode, move |mut e| {
+            load(&mut e, &init).unwrap();
+            e.save(&dir).unwrap();
+            saved.wait();
+            let again = e.save(&dir).unwrap_err();
+            assert!(
+                matches!(&again, Error::CheckpointExists { path } if path.contains("rank-")),
+                "{again:?}"
+            );
+            e.pre_forward(Unit::Root).unwrap();
+            let mid = e.save(&dir.join("later")).unwrap_err();
+            assert!(matches!(mid, Error::MidStep { .. }), "{mid:?}");
+            let mid = e.load(&dir).unwrap_err();
+            assert!(matches!(mid, Error::MidStep { .. }), "{mid:?}");
+            e.post_forward(Unit::Root).unwrap();
+            e.end_step().unwrap();
+            // At the boundary again: the first save loads.
+            e.load(&dir).unwrap();
+        });
+        assert!(!scratch.0.join("later").join("rank-00000.json").exists());
+    });
+}
