@@ -212,6 +212,29 @@ typedef struct fsdp_grad_norm {
 extern "C" {
 #endif // __cplusplus
 
+// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards,
+// fp32 masters, AdamW moments, the optimizer's step and settings and the plan's layout, data
+// first and its manifest last, each flushed and renamed into place, so an interrupted save never
+// looks complete. No communication: every rank calls it with the same `dir`. Between
+// `fsdp_engine_end_step` and the next step's first hook only (`FSDP_MISUSE` otherwise);
+// `FSDP_INVALID_ARGUMENT` where `dir` holds this rank's part already (a save never overwrites);
+// `FSDP_IO_ERROR` when a file cannot be written. Blocks until every byte is on disk.
+//
+// # Safety
+// `dir` is NULL or NUL-terminated.
+enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
+
+// Restores this rank's part of the checkpoint in `dir`, saved by engines of the same plan and
+// optimizer: the optimizer continues from the saved step, learning rate and weight decay.
+// Everything is checked before anything changes: `FSDP_IO_ERROR` naming the file for a
+// checkpoint that is missing, incomplete (a rank's manifest absent), truncated or corrupted
+// (its checksum); `FSDP_INVALID_ARGUMENT` listing the differences for one of another model,
+// world size or optimizer; `FSDP_MISUSE` inside a step. Blocks until the state is loaded.
+//
+// # Safety
+// `dir` is NULL or NUL-terminated.
+enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine, const char *dir);
+
 // Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
 // (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a
 // collective: every rank of the group makes its engine) and fails with `FSDP_INVALID_ARGUMENT`,

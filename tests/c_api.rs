@@ -1755,3 +1755,56 @@ fn the_memory_report_follows_the_transport_and_the_accumulation_mode() {
     }
     ok(fsdp_plan_destroy(plan));
 }
+
+#[test]
+fn a_checkpoint_saved_and_loaded_through_the_c_api_continues_the_optimizer() {
+    for_each_mode(|mode| {
+        let dir = std::env::temp_dir().join(format!(
+            "fsdp-fusion-c-checkpoint-{}-{mode:?}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = CString::new(dir.to_str().unwrap()).unwrap();
+        let (plan, group, saved) = engine(mode);
+        sgd_step(saved, plan, 0, &Host::default());
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_save(saved, path.as_ptr()));
+            expect(
+                fsdp_engine_save(saved, path.as_ptr()),
+                fsdp_status::FSDP_INVALID_ARGUMENT,
+                "never overwrites",
+            );
+        }
+        // The same initial values again, then a second step: it runs on the saved moments and
+        // step count in both engines.
+        let straight = sgd_step(saved, plan, 0, &Host::default());
+        let other_group = local_group(mode, 1);
+        let mut loaded = null_mut();
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_create_cpu(
+                plan,
+                &config(),
+                other_group,
+                0,
+                &mut loaded,
+            ));
+            let missing = CString::new(dir.join("nowhere").to_str().unwrap()).unwrap();
+            expect(
+                fsdp_engine_load(loaded, missing.as_ptr()),
+                fsdp_status::FSDP_IO_ERROR,
+                "no checkpoint directory",
+            );
+            expect(fsdp_engine_load(loaded, null()), NULL, "dir");
+            ok(fsdp_engine_load(loaded, path.as_ptr()));
+        }
+        assert_eq!(sgd_step(loaded, plan, 0, &Host::default()), straight);
+        ok(fsdp_engine_destroy(loaded));
+        ok(fsdp_engine_destroy(saved));
+        ok(fsdp_local_group_destroy(other_group));
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}

@@ -702,6 +702,19 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._lib.call("fsdp_engine_counters", self._engine, byref(counters))
         return counters
 
+    def save(self, directory: str | os.PathLike):
+        """Writes this rank's part of a sharded checkpoint into `directory` (every rank the
+        same one; no communication): shards, fp32 masters, AdamW moments, the optimizer's step
+        and settings, atomically, a save never overwriting one. Between steps only."""
+        self._lib.call("fsdp_engine_save", self._engine, os.fsencode(directory))
+
+    def load(self, directory: str | os.PathLike):
+        """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
+        same model, world size and optimizer; the optimizer continues from the saved step.
+        A missing, incomplete, truncated or corrupted checkpoint raises `IoError`, one of
+        another model `InvalidArgumentError` listing the differences; either changes nothing."""
+        self._lib.call("fsdp_engine_load", self._engine, os.fsencode(directory))
+
     def memory(self) -> tuple[int, int]:
         """The engine's device (or host) bytes now and at their peak; every buffer is made
         with the engine, so both equal `planned_memory().peak` unless a gather needed a slot

@@ -15,6 +15,7 @@
 //! while initial values and shard copies stay in host memory.
 #![allow(non_camel_case_types)]
 
+mod checkpoint;
 mod engine;
 mod group;
 pub(crate) mod handles;
@@ -24,6 +25,7 @@ mod registry;
 mod status;
 mod types;
 
+pub use checkpoint::*;
 pub use engine::*;
 pub use group::*;
 pub use plan::*;

@@ -1,0 +1,51 @@
+//! Sharded checkpoints from C: each rank saves and loads its own part.
+
+use std::ffi::c_char;
+use std::path::Path;
+
+use super::handles::{on_engine, with_engine};
+use super::status::{boundary, fsdp_status, text};
+use super::types::fsdp_engine;
+
+/// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards,
+/// fp32 masters, AdamW moments, the optimizer's step and settings and the plan's layout, data
+/// first and its manifest last, each flushed and renamed into place, so an interrupted save never
+/// looks complete. No communication: every rank calls it with the same `dir`. Between
+/// `fsdp_engine_end_step` and the next step's first hook only (`FSDP_MISUSE` otherwise);
+/// `FSDP_INVALID_ARGUMENT` where `dir` holds this rank's part already (a save never overwrites);
+/// `FSDP_IO_ERROR` when a file cannot be written. Blocks until every byte is on disk.
+///
+/// # Safety
+/// `dir` is NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_save(
+    engine: *mut fsdp_engine,
+    dir: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let dir = Path::new(unsafe { text(dir, "dir") }?);
+        on_engine(engine, |any| Ok(with_engine!(any, e => e.save(dir))?))
+    })
+}
+
+/// Restores this rank's part of the checkpoint in `dir`, saved by engines of the same plan and
+/// optimizer: the optimizer continues from the saved step, learning rate and weight decay.
+/// Everything is checked before anything changes: `FSDP_IO_ERROR` naming the file for a
+/// checkpoint that is missing, incomplete (a rank's manifest absent), truncated or corrupted
+/// (its checksum); `FSDP_INVALID_ARGUMENT` listing the differences for one of another model,
+/// world size or optimizer; `FSDP_MISUSE` inside a step. Blocks until the state is loaded.
+///
+/// # Safety
+/// `dir` is NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_load(
+    engine: *mut fsdp_engine,
+    dir: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let dir = Path::new(unsafe { text(dir, "dir") }?);
+        on_engine(engine, |any| Ok(with_engine!(any, e => e.load(dir))?))
+    })
+}
