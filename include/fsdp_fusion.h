@@ -224,12 +224,14 @@ extern "C" {
 // `dir` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 
-// Restores this rank's part of the checkpoint in `dir`, saved by engines of the same plan and
-// optimizer: the optimizer continues from the saved step, learning rate and weight decay.
-// Everything is checked before anything changes: `FSDP_IO_ERROR` naming the file for a
-// checkpoint that is missing, incomplete (a rank's manifest absent), truncated or corrupted
-// (its checksum); `FSDP_INVALID_ARGUMENT` listing the differences for one of another model,
-// world size or optimizer; `FSDP_MISUSE` inside a step. Blocks until the state is loaded.
+// Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model
+// (parameters declared in the same order) and optimizer at this world size or another: each
+// rank reads what its shards need from the saved ranks' files. The optimizer continues from
+// the saved step, learning rate and weight decay. Everything is checked before anything
+// changes: `FSDP_IO_ERROR` naming the file for a checkpoint that is missing, incomplete (a
+// rank's manifest absent), truncated or corrupted (its checksum); `FSDP_INVALID_ARGUMENT`
+// listing the differences for one of another model or optimizer; `FSDP_MISUSE` inside a step.
+// Blocks until the state is loaded.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.

@@ -92,8 +92,9 @@ pub fn records(plan: &Plan) -> Vec<ParamRecord> {
         .collect()
 }
 
-/// What differs between a checkpoint's parameters and a plan's, one line each, first the
-/// declarations (names, shapes, dtypes, trainable), then the layout; empty when they agree.
+/// What differs between a checkpoint's parameters and a plan's declarations (names, shapes,
+/// dtypes, trainable, and so groups), one line each; empty when they agree. Offsets and padding
+/// may differ: they follow the world size.
 pub fn differences(saved: &[ParamRecord], plan: &[ParamRecord]) -> Vec<String> {
     let mut out = Vec::new();
     for p in plan {
@@ -122,8 +123,11 @@ pub fn differences(saved: &[ParamRecord], plan: &[ParamRecord]) -> Vec<String> {
             ));
         }
     }
-    if out.is_empty() && saved != plan {
-        out.push("the parameters are laid out differently (another order or world size)".into());
+    let groups = |records: &[ParamRecord]| -> Vec<(String, usize)> {
+        records.iter().map(|r| (r.name.clone(), r.group)).collect()
+    };
+    if out.is_empty() && groups(saved) != groups(plan) {
+        out.push("the parameters are declared in another order (other groups)".into());
     }
     out
 }
@@ -238,39 +242,66 @@ pub fn read_manifest(dir: &Path, rank: usize) -> Result<RankManifest> {
     Ok(manifest)
 }
 
-/// Rank `manifest.rank`'s data file, whole, checked against its manifest's length and checksum.
-pub fn read_data(dir: &Path, manifest: &RankManifest) -> Result<Vec<u8>> {
+/// A byte range of a data file that a load needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Wanted {
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Reads rank `manifest.rank`'s data file once, front to back, handing `deliver(i, at, bytes)`
+/// the bytes of `wanted[i]` from `at` on as they pass; checks the file's length and checksum
+/// against the manifest at the end (the caller uses nothing delivered before this returns Ok).
+pub fn scan_data(
+    dir: &Path,
+    manifest: &RankManifest,
+    wanted: &[Wanted],
+    mut deliver: impl FnMut(usize, u64, &[u8]),
+) -> Result<()> {
     let path = data_path(dir, manifest.rank);
-    let mut file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
-    let expected = usize::try_from(manifest.data_bytes)
-        .map_err(|_| unreadable(&path, "larger than this machine's address space"))?;
-    let mut data = crate::fallible::filled(expected, 0u8, "a checkpoint's data")?;
-    let mut read = 0;
-    while read < expected {
-        match file.read(&mut data[read..]) {
-            Ok(0) => break,
-            Ok(n) => read += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(unreadable(&path, e.to_string())),
+    for w in wanted {
+        if w.offset
+            .checked_add(w.len)
+            .is_none_or(|end| end > manifest.data_bytes)
+        {
+            return Err(unreadable(&path, format!("a range {w:?} past the data")));
         }
     }
-    let mut rest = [0u8; 1];
-    let longer = matches!(file.read(&mut rest), Ok(n) if n > 0);
-    if read < expected || longer {
+    let mut file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
+    let mut chunk = crate::fallible::filled(1 << 22, 0u8, "a checkpoint read")?;
+    let mut hasher = Xxh3::new();
+    let mut at = 0u64;
+    loop {
+        let n = match file.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(unreadable(&path, e.to_string())),
+        };
+        let bytes = &chunk[..n];
+        hasher.update(bytes);
+        let end = at + n as u64;
+        for (i, w) in wanted.iter().enumerate() {
+            let (lo, hi) = (w.offset.max(at), (w.offset + w.len).min(end));
+            if lo < hi {
+                deliver(
+                    i,
+                    lo - w.offset,
+                    &bytes[(lo - at) as usize..(hi - at) as usize],
+                );
+            }
+        }
+        at = end;
+    }
+    if at != manifest.data_bytes {
         return Err(unreadable(
             &path,
             format!(
-                "truncated or grown: {} bytes, the manifest says {expected}",
-                if longer {
-                    "more than".to_string()
-                } else {
-                    read.to_string()
-                }
+                "truncated or grown: {at} bytes, the manifest says {}",
+                manifest.data_bytes
             ),
         ));
     }
-    let mut hasher = Xxh3::new();
-    hasher.update(&data);
     let digest = format!("{:016x}", hasher.digest());
     if digest != manifest.data_xxh3 {
         return Err(unreadable(
@@ -281,16 +312,5 @@ pub fn read_data(dir: &Path, manifest: &RankManifest) -> Result<Vec<u8>> {
             ),
         ));
     }
-    for s in &manifest.sections {
-        if s.offset
-            .checked_add(s.bytes)
-            .is_none_or(|end| end > manifest.data_bytes)
-        {
-            return Err(unreadable(
-                &path,
-                format!("section {s:?} runs past the data"),
-            ));
-        }
-    }
-    Ok(data)
+    Ok(())
 }

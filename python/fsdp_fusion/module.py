@@ -710,7 +710,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
 
     def load(self, directory: str | os.PathLike):
         """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
-        same model, world size and optimizer; the optimizer continues from the saved step.
+        same model and optimizer at any world size; the optimizer continues from the saved step.
         A missing, incomplete, truncated or corrupted checkpoint raises `IoError`, one of
         another model `InvalidArgumentError` listing the differences; either changes nothing."""
         self._lib.call("fsdp_engine_load", self._engine, os.fsencode(directory))

@@ -10,6 +10,14 @@ use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
 use crate::types::{BufferState, DType};
 
+/// A run of a saved rank's data that belongs at byte `to` of this rank's part `part`.
+struct SavedRun {
+    rank: usize,
+    from: checkpoint::Wanted,
+    part: usize,
+    to: usize,
+}
+
 /// A section of this rank's state: which buffer, and its region.
 struct Part {
     group: usize,
@@ -63,98 +71,150 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Restores this rank's state from the checkpoint in `dir`, saved by an engine of the same
-    /// plan (the same parameters, laid out at the same world size) and optimizer. Everything is
-    /// checked before anything changes: every rank's manifest present and agreeing (a save
-    /// that did not finish is refused), this rank's data of the manifest's length and checksum,
-    /// the parameters equal to the plan's (`Error::CheckpointMismatch` lists what differs).
-    /// The optimizer continues from the saved step with the saved learning rate and weight
-    /// decay. Allowed at a step boundary only; blocks until the state is on the device.
+    /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same
+    /// model (the same parameters, declared in the same order) and optimizer, at this world size
+    /// or another: each rank takes its shard of every group from the saved ranks' parts that
+    /// hold it, reading each file it needs once. Everything is checked before anything
+    /// changes: every saved rank's manifest present and agreeing (a save that did not finish is
+    /// refused), each file read of its manifest's length and checksum, the parameters equal to
+    /// the plan's (`Error::CheckpointMismatch` lists what differs). The optimizer continues from
+    /// the saved step with the saved learning rate and weight decay. Allowed at a step boundary
+    /// only; blocks until the state is on the device.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("loading a checkpoint")?;
-        let world = self.plan.world_size();
-        let manifest = match checkpoint::read_manifest(dir, self.rank) {
-            Ok(manifest) => manifest,
-            // A rank past the saved world size finds no manifest of its own: rank 0's says why.
-            Err(missing) => {
-                return Err(match checkpoint::read_manifest(dir, 0) {
-                    Ok(first) if first.world_size != world => Error::CheckpointMismatch {
-                        differences: vec![saved_by(first.world_size, world)],
-                    },
-                    _ => missing,
-                });
-            }
-        };
+        let first = checkpoint::read_manifest(dir, 0)?;
         let mut differences = Vec::new();
-        if manifest.world_size != world {
-            differences.push(saved_by(manifest.world_size, world));
-        }
-        if manifest.optimizer != optimizer_name(&self.config.optimizer) {
+        if first.optimizer != optimizer_name(&self.config.optimizer) {
             differences.push(format!(
                 "saved with {}, loaded with {}",
-                manifest.optimizer,
+                first.optimizer,
                 optimizer_name(&self.config.optimizer)
             ));
         }
         differences.extend(checkpoint::differences(
-            &manifest.params,
+            &first.params,
             &checkpoint::records(&self.plan),
         ));
         if !differences.is_empty() {
             return Err(Error::CheckpointMismatch { differences });
         }
-        for rank in (0..world).filter(|&r| r != self.rank) {
-            let other = checkpoint::read_manifest(dir, rank)?;
-            if (other.world_size, other.optimizer_steps) != (world, manifest.optimizer_steps) {
+        let mut saved = Vec::with_capacity(first.world_size);
+        for rank in 0..first.world_size {
+            let m = checkpoint::read_manifest(dir, rank)?;
+            let agrees = m.world_size == first.world_size
+                && m.optimizer_steps == first.optimizer_steps
+                && m.params == first.params;
+            if !agrees {
                 return Err(Error::CheckpointUnreadable {
                     path: checkpoint::manifest_path(dir, rank).display().to_string(),
                     reason: format!(
-                        "of another save: {} ranks at step {}, rank {}'s says {} at {}",
-                        other.world_size,
-                        other.optimizer_steps,
-                        self.rank,
-                        world,
-                        manifest.optimizer_steps
+                        "of another save: {} ranks at step {}, rank 0's says {} at {}",
+                        m.world_size, m.optimizer_steps, first.world_size, first.optimizer_steps
                     ),
                 });
             }
+            saved.push(m);
         }
-        let data = checkpoint::read_data(dir, &manifest)?;
         let parts = self.parts();
-        let found: Vec<&Section> = parts
+        let copies = self.copies(dir, &saved, &parts)?;
+        let mut filled: Vec<Vec<u8>> = parts
             .iter()
             .map(|p| {
-                manifest
-                    .sections
-                    .iter()
-                    .find(|s| (s.group, s.kind) == (p.group, p.kind))
-                    .filter(|s| s.bytes == (p.region.len * p.region.dtype.size()) as u64)
-                    .ok_or_else(|| Error::CheckpointUnreadable {
-                        path: checkpoint::manifest_path(dir, self.rank)
-                            .display()
-                            .to_string(),
-                        reason: format!("no {:?} section of group {} of its size", p.kind, p.group),
-                    })
+                crate::fallible::filled(
+                    p.region.len * p.region.dtype.size(),
+                    0u8,
+                    "a checkpoint section",
+                )
             })
             .collect::<Result<_>>()?;
+        for (rank, m) in saved.iter().enumerate() {
+            let mine: Vec<&SavedRun> = copies.iter().filter(|c| c.rank == rank).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let wanted: Vec<checkpoint::Wanted> = mine.iter().map(|c| c.from).collect();
+            checkpoint::scan_data(dir, m, &wanted, |i, at, bytes| {
+                let c = mine[i];
+                let start = c.to + at as usize;
+                filled[c.part][start..start + bytes.len()].copy_from_slice(bytes);
+            })?;
+        }
         let optimizer = self
             .config
             .optimizer
-            .with_lr_and_decay(manifest.lr, manifest.weight_decay)?;
+            .with_lr_and_decay(first.lr, first.weight_decay)?;
         self.effects(|e| {
-            for (p, s) in parts.iter().zip(&found) {
-                let start = s.offset as usize;
-                let bytes = &data[start..start + s.bytes as usize];
+            for (p, bytes) in parts.iter().zip(&filled) {
                 e.write_part(p, bytes)?;
             }
             Ok(())
         })?;
         self.config.optimizer = optimizer;
-        self.optimizer_steps = manifest.optimizer_steps;
+        self.optimizer_steps = first.optimizer_steps;
         // The masters were loaded: nothing is widened from the shards at the next step.
         self.master_stale.fill(false);
         Ok(())
+    }
+
+    /// Where each element of this rank's `parts` lies in the saved ranks' data: for every
+    /// parameter, the elements of this rank's shard range, found in the saved layout (each
+    /// saved rank holding `section bytes / element size` of the group), run by run. Padding
+    /// stays zero.
+    fn copies(&self, dir: &Path, saved: &[RankManifest], parts: &[Part]) -> Result<Vec<SavedRun>> {
+        let unreadable = |rank: usize, reason: String| Error::CheckpointUnreadable {
+            path: checkpoint::manifest_path(dir, rank).display().to_string(),
+            reason,
+        };
+        let mut copies = Vec::new();
+        for (index, p) in parts.iter().enumerate() {
+            let size = p.region.dtype.size();
+            let section = |rank: usize| -> Result<&Section> {
+                saved[rank]
+                    .sections
+                    .iter()
+                    .find(|s| (s.group, s.kind) == (p.group, p.kind))
+                    .ok_or_else(|| {
+                        unreadable(
+                            rank,
+                            format!("no {:?} section of group {}", p.kind, p.group),
+                        )
+                    })
+            };
+            let saved_shard = (section(0)?.bytes / size as u64) as usize;
+            let group = &self.plan.groups()[p.group];
+            let mine = self.plan.shard_range(group, self.rank);
+            for &id in &group.params {
+                let layout = &self.plan.params()[id.0];
+                let Some(old) = saved[0].params.iter().find(|r| r.name == layout.name) else {
+                    continue;
+                };
+                let lo = layout.offset.max(mine.start);
+                let hi = (layout.offset + layout.numel).min(mine.end);
+                let mut i = lo.saturating_sub(layout.offset);
+                let end = hi.saturating_sub(layout.offset);
+                while i < end {
+                    let position = old.offset + i;
+                    let (rank, within) = (position / saved_shard, position % saved_shard);
+                    let run = (end - i).min(saved_shard - within);
+                    let s = section(rank)?;
+                    if s.bytes != (saved_shard * size) as u64 {
+                        return Err(unreadable(rank, format!("section {s:?} of another size")));
+                    }
+                    copies.push(SavedRun {
+                        rank,
+                        from: checkpoint::Wanted {
+                            offset: s.offset + (within * size) as u64,
+                            len: (run * size) as u64,
+                        },
+                        part: index,
+                        to: (layout.offset + i - mine.start) * size,
+                    });
+                    i += run;
+                }
+            }
+        }
+        Ok(copies)
     }
 
     /// Every section of this rank's state, in group order.
@@ -263,8 +323,4 @@ fn optimizer_name(optimizer: &OptimizerConfig) -> &'static str {
         OptimizerConfig::AdamW { .. } => "adamw",
         OptimizerConfig::Sgd { .. } => "sgd",
     }
-}
-
-fn saved_by(saved: usize, loaded: usize) -> String {
-    format!("saved by {saved} ranks, loaded by {loaded} (resharding is not supported yet)")
 }
