@@ -446,3 +446,95 @@ fn a_checkpoint_loads_at_every_other_world_size() {
 fn resharding_holds_on_asynchronous_streams() {
     for_each_mode(|mode| reshard(mode, DType::Bf16, (4, 3)));
 }
+
+/// Set in a child process: the directory its save writes into.
+const CHILD_DIR: &str = "FSDP_CHECKPOINT_CHILD_DIR";
+
+/// A model large enough that its save takes a while (about 5 MB per checkpoint).
+fn large() -> Mlp {
+    model(DType::F32, 320)
+}
+
+/// The child's engine: the large model's initial values, one AdamW step, at world size 1.
+fn child_engine() -> (Arc<Plan>, Vec<Vec<u8>>) {
+    let mlp = large();
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 1).unwrap());
+    let init = mlp.init(3);
+    let got = train(
+        (&mlp, &plan, &EngineConfig::default()),
+        Mode::Eager,
+        0..1,
+        move |e| load(e, &init).unwrap(),
+        shards,
+    );
+    (plan, got.into_iter().next().unwrap())
+}
+
+#[test]
+fn a_save_killed_at_any_point_never_loads_wrong_data() {
+    if let Ok(dir) = std::env::var(CHILD_DIR) {
+        // The child: train, save, and be killed somewhere on the way.
+        let mlp = large();
+        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 1).unwrap());
+        let init = mlp.init(3);
+        train(
+            (&mlp, &plan, &EngineConfig::default()),
+            Mode::Eager,
+            0..1,
+            move |e| load(e, &init).unwrap(),
+            move |e| e.save(Path::new(&dir)).unwrap(),
+        );
+        return;
+    }
+    let (plan, expected) = child_engine();
+    let exe = std::env::current_exe().unwrap();
+    // Runs the child, killed after `delay` (or left to finish), and loads what it left.
+    let run = |delay: Option<std::time::Duration>| {
+        let scratch = Scratch::new();
+        let mut child = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "a_save_killed_at_any_point_never_loads_wrong_data",
+            ])
+            .env(CHILD_DIR, &scratch.0)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        if let Some(delay) = delay {
+            std::thread::sleep(delay);
+            let _ = child.kill();
+        }
+        assert!(
+            child.wait().unwrap().success() || delay.is_some(),
+            "the child failed"
+        );
+        let dir = scratch.0.clone();
+        let loaded = on_engines(
+            &plan,
+            &EngineConfig::default(),
+            Mode::Eager,
+            move |mut e| e.load(&dir).map(|()| shards(&e)),
+        );
+        loaded.into_iter().next().unwrap()
+    };
+    let started = std::time::Instant::now();
+    assert_eq!(run(None).unwrap(), expected, "an uninterrupted save");
+    let whole = started.elapsed();
+    let mut outcomes = (0, 0);
+    // Kill points spread over the child's whole run: its start, training and save.
+    for k in 1..=24u32 {
+        match run(Some(whole * k / 24)) {
+            Ok(got) => {
+                assert_eq!(
+                    got, expected,
+                    "killed at {k}/24: a checkpoint loaded wrong data"
+                );
+                outcomes.0 += 1;
+            }
+            Err(Error::CheckpointUnreadable { .. }) => outcomes.1 += 1,
+            Err(other) => panic!("killed at {k}/24: {other:?}"),
+        }
+    }
+    eprintln!("{} loads complete, {} refused", outcomes.0, outcomes.1);
+}
