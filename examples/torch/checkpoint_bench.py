@@ -1,0 +1,142 @@
+"""Sharded checkpoint save and load throughput at world size 1 on a GPU: fsdp-fusion's
+`save`/`load` beside `torch.distributed.checkpoint` with FSDP2, on transformers' Llama of about
+1 B parameters (bf16 compute, fp32 masters, AdamW after one step), in one process.
+
+    NCCL_NVLS_ENABLE=0 python examples/torch/checkpoint_bench.py \\
+        --library .gpu/lib/libfsdp_fusion.so --dir /tmp/ckpt-bench
+
+Each save is timed from the call to the files on disk (fsdp-fusion flushes every file; DCP's
+save returns once written, then `os.sync()` is included), each load to the state on the GPU.
+The load follows its save, so both read from the page cache: what is compared is the
+checkpoint code, not the disk. GB/s are of the bytes the checkpoint holds on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
+from fsdp_fusion import FusedFSDP  # noqa: E402
+
+
+def llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def one_step(model, step):
+    tokens = torch.randint(0, 32000, (2, 512), device="cuda")
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    step()
+
+
+def size_of(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def timed(f) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def fusion(args, root: Path) -> dict:
+    model = llama(args.layers).to(device="cuda", dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    fused = FusedFSDP(model, list(model.model.layers), args.library, lr=3e-4)
+    one_step(fused, fused.step)
+    path = root / "fusion"
+    save = timed(lambda: fused.save(path))
+    load = timed(lambda: fused.load(path))
+    bytes_ = size_of(path)
+    fused.close()
+    shutil.rmtree(path)
+    return dict(who="fsdp-fusion", params=params, bytes=bytes_, save=save, load=load)
+
+
+def fsdp2(args, root: Path) -> dict:
+    model = llama(args.layers).cuda()
+    params = sum(p.numel() for p in model.parameters())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    one_step(model, step)
+    path = root / "dcp"
+
+    def save():
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        os.sync()
+
+    def load():
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    saved, loaded = timed(save), timed(load)
+    bytes_ = size_of(path)
+    shutil.rmtree(path)
+    return dict(who="FSDP2 + DCP", params=params, bytes=bytes_, save=saved, load=loaded)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--library", help="libfsdp_fusion.so")
+    parser.add_argument("--dir", default="/tmp/fsdp-fusion-checkpoint-bench")
+    parser.add_argument("--layers", type=int, default=20, help="20: 1.03 B parameters")
+    args = parser.parse_args()
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    torch.cuda.set_device(0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0),
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    rows = [fusion(args, root)]
+    torch.cuda.empty_cache()
+    rows.append(fsdp2(args, root))
+    print(f"Llama, {rows[0]['params'] / 1e9:.2f} B parameters, world size 1, AdamW state")
+    print(f"{'':<14} {'GB':>7} {'save s':>8} {'GB/s':>7} {'load s':>8} {'GB/s':>7}")
+    for r in rows:
+        gb = r["bytes"] / 1e9
+        print(f"{r['who']:<14} {gb:7.2f} {r['save']:8.2f} {gb / r['save']:7.2f} "
+              f"{r['load']:8.2f} {gb / r['load']:7.2f}")
+    dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
