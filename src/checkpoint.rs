@@ -249,55 +249,30 @@ pub struct Wanted {
     pub len: u64,
 }
 
-/// Reads rank `manifest.rank`'s data file once, front to back, handing `deliver(i, at, bytes)`
-/// the bytes of `wanted[i]` from `at` on as they pass; checks the file's length and checksum
-/// against the manifest at the end (the caller uses nothing delivered before this returns Ok).
-pub fn scan_data(
-    dir: &Path,
-    manifest: &RankManifest,
-    wanted: &[Wanted],
-    mut deliver: impl FnMut(usize, u64, &[u8]),
-) -> Result<()> {
+/// Rank `manifest.rank`'s data file, opened once its length and checksum are checked against
+/// the manifest (a front-to-back read): ranges read from it afterwards are the saved bytes.
+pub fn verified_data(dir: &Path, manifest: &RankManifest) -> Result<File> {
     let path = data_path(dir, manifest.rank);
-    for w in wanted {
-        if w.offset
-            .checked_add(w.len)
-            .is_none_or(|end| end > manifest.data_bytes)
-        {
-            return Err(unreadable(&path, format!("a range {w:?} past the data")));
-        }
-    }
     let mut file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
-    let mut chunk = crate::fallible::filled(1 << 22, 0u8, "a checkpoint read")?;
+    let mut chunk = crate::fallible::filled(1 << 23, 0u8, "a checkpoint read")?;
     let mut hasher = Xxh3::new();
-    let mut at = 0u64;
+    let mut length = 0u64;
     loop {
-        let n = match file.read(&mut chunk) {
+        match file.read(&mut chunk) {
             Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(unreadable(&path, e.to_string())),
-        };
-        let bytes = &chunk[..n];
-        hasher.update(bytes);
-        let end = at + n as u64;
-        for (i, w) in wanted.iter().enumerate() {
-            let (lo, hi) = (w.offset.max(at), (w.offset + w.len).min(end));
-            if lo < hi {
-                deliver(
-                    i,
-                    lo - w.offset,
-                    &bytes[(lo - at) as usize..(hi - at) as usize],
-                );
+            Ok(n) => {
+                hasher.update(&chunk[..n]);
+                length += n as u64;
             }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(unreadable(&path, e.to_string())),
         }
-        at = end;
     }
-    if at != manifest.data_bytes {
+    if length != manifest.data_bytes {
         return Err(unreadable(
             &path,
             format!(
-                "truncated or grown: {at} bytes, the manifest says {}",
+                "truncated or grown: {length} bytes, the manifest says {}",
                 manifest.data_bytes
             ),
         ));
@@ -312,5 +287,20 @@ pub fn scan_data(
             ),
         ));
     }
-    Ok(())
+    Ok(file)
+}
+
+/// Reads `wanted` of the data file `file` of rank `rank` into `out` (`wanted.len` bytes).
+pub fn read_range(
+    dir: &Path,
+    rank: usize,
+    file: &mut File,
+    wanted: Wanted,
+    out: &mut [u8],
+) -> Result<()> {
+    use std::io::{Seek, SeekFrom};
+    let path = data_path(dir, rank);
+    file.seek(SeekFrom::Start(wanted.offset))
+        .and_then(|_| file.read_exact(out))
+        .map_err(|e| unreadable(&path, format!("{wanted:?}: {e}")))
 }

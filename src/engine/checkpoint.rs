@@ -8,7 +8,7 @@ use crate::checkpoint::{self, RankManifest, Section, SectionKind};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
-use crate::types::{BufferState, DType};
+use crate::types::{BufferState, DType, Stream};
 
 /// A run of a saved rank's data that belongs at byte `to` of this rank's part `part`.
 struct SavedRun {
@@ -63,9 +63,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             data_bytes: 0,
             data_xxh3: String::new(),
         };
+        let largest = parts
+            .iter()
+            .map(|p| p.region.len * p.region.dtype.size())
+            .max()
+            .unwrap_or(0);
+        let mut buffer = crate::fallible::filled(largest, 0u8, "a checkpoint section")?;
         checkpoint::write_rank(dir, manifest, |write| {
+            // One part at a time through one host buffer.
             for p in &parts {
-                write(&self.read_part(p)?)?;
+                let part = &mut buffer[..p.region.len * p.region.dtype.size()];
+                self.read_part(p, part)?;
+                write(part)?;
             }
             Ok(())
         })
@@ -118,37 +127,42 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         let parts = self.parts();
         let copies = self.copies(dir, &saved, &parts)?;
-        let mut filled: Vec<Vec<u8>> = parts
-            .iter()
-            .map(|p| {
-                crate::fallible::filled(
-                    p.region.len * p.region.dtype.size(),
-                    0u8,
-                    "a checkpoint section",
-                )
-            })
-            .collect::<Result<_>>()?;
+        // Every file this rank reads is checked whole before anything is loaded.
+        let mut files = Vec::with_capacity(saved.len());
         for (rank, m) in saved.iter().enumerate() {
-            let mine: Vec<&SavedRun> = copies.iter().filter(|c| c.rank == rank).collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let wanted: Vec<checkpoint::Wanted> = mine.iter().map(|c| c.from).collect();
-            checkpoint::scan_data(dir, m, &wanted, |i, at, bytes| {
-                let c = mine[i];
-                let start = c.to + at as usize;
-                filled[c.part][start..start + bytes.len()].copy_from_slice(bytes);
-            })?;
+            let needed = copies.iter().any(|c| c.rank == rank);
+            files.push(
+                needed
+                    .then(|| checkpoint::verified_data(dir, m))
+                    .transpose()?,
+            );
         }
+        let largest = parts
+            .iter()
+            .map(|p| p.region.len * p.region.dtype.size())
+            .max()
+            .unwrap_or(0);
+        let mut buffer = crate::fallible::filled(largest, 0u8, "a checkpoint section")?;
         let optimizer = self
             .config
             .optimizer
             .with_lr_and_decay(first.lr, first.weight_decay)?;
         self.effects(|e| {
-            for (p, bytes) in parts.iter().zip(&filled) {
-                e.write_part(p, bytes)?;
+            // One part at a time through one host buffer: read its runs, upload it.
+            for (index, p) in parts.iter().enumerate() {
+                let part = &mut buffer[..p.region.len * p.region.dtype.size()];
+                part.fill(0);
+                for c in copies.iter().filter(|c| c.part == index) {
+                    let to = &mut part[c.to..c.to + c.from.len as usize];
+                    let file = files[c.rank].as_mut().ok_or(Error::GroupOutOfRange {
+                        group: p.group,
+                        count: e.plan.groups().len(),
+                    })?;
+                    checkpoint::read_range(dir, c.rank, file, c.from, to)?;
+                }
+                e.write_part(p, part)?;
             }
-            Ok(())
+            e.values_from_masters()
         })?;
         self.config.optimizer = optimizer;
         self.optimizer_steps = first.optimizer_steps;
@@ -222,11 +236,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut parts = Vec::new();
         for g in self.plan.groups() {
             let (group, n) = (g.index, g.shard_numel);
-            parts.push(Part {
-                group,
-                kind: SectionKind::Values,
-                region: Region::new(0, n, g.dtype),
-            });
+            // A bf16/f16 group's values are its master rounded: the master alone is saved.
+            if self.masters[group].is_none() {
+                parts.push(Part {
+                    group,
+                    kind: SectionKind::Values,
+                    region: Region::new(0, n, g.dtype),
+                });
+            }
             if !g.trainable {
                 continue;
             }
@@ -250,18 +267,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         parts
     }
 
-    fn read_part(&self, p: &Part) -> Result<Vec<u8>> {
+    /// Copies part `p` of this rank's state into `out` (its size).
+    fn read_part(&self, p: &Part, out: &mut [u8]) -> Result<()> {
         if p.kind == SectionKind::Values {
-            return self.param_shard(p.group);
+            out.copy_from_slice(&self.param_shard(p.group)?);
+            return Ok(());
         }
-        let mut out = crate::fallible::filled(
-            p.region.len * p.region.dtype.size(),
-            0u8,
-            "a checkpoint section",
-        )?;
         let buffer = self.state_buffer(p)?;
-        self.observe(self.backend.download(buffer, p.region, &mut out))?;
-        Ok(out)
+        self.observe(self.backend.download(buffer, p.region, out))
     }
 
     fn write_part(&mut self, p: &Part, bytes: &[u8]) -> Result<()> {
@@ -284,6 +297,36 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
         };
         self.backend.upload(buffer, p.region, bytes)
+    }
+
+    /// A bf16/f16 shard beside its loaded master becomes the master rounded, as the optimizer
+    /// leaves it; the next gather waits for the casts.
+    fn values_from_masters(&mut self) -> Result<()> {
+        for g in self.plan.groups() {
+            let (Some(master), false) = (
+                self.masters[g.index].as_ref(),
+                self.plan.master_only(&self.config, g),
+            ) else {
+                continue;
+            };
+            let (f32s, values) = (
+                Region::new(0, g.shard_numel, DType::F32),
+                Region::new(0, g.shard_numel, g.dtype),
+            );
+            // SAFETY: on the compute stream; every stream's earlier work finished in the uploads
+            // above (they block), and the next gather waits for this cast (`shards_updated`).
+            unsafe {
+                self.backend.cast(
+                    Stream::Compute,
+                    master,
+                    f32s,
+                    &mut self.shards[g.index],
+                    values,
+                )
+            }?;
+        }
+        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
+        Ok(())
     }
 
     fn state_buffer(&self, p: &Part) -> Result<&B::Buffer> {
