@@ -147,7 +147,8 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
     }
 }
 
-fn unreadable(path: &Path, reason: impl Into<String>) -> Error {
+/// The refusal of the checkpoint file at `path`, for `reason`.
+pub fn unreadable(path: &Path, reason: impl Into<String>) -> Error {
     Error::CheckpointUnreadable {
         path: path.display().to_string(),
         reason: reason.into(),

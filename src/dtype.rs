@@ -69,6 +69,15 @@ pub(crate) fn store_f32(bytes: &mut [u8], dtype: DType, index: usize, value: f32
     }
 }
 
+/// `dst` = `src` converted between their dtypes, element by element through f32 (exact for
+/// every pair but the narrowing ones, which round as the `half` crate does); `dst` holds as many
+/// elements of its dtype as `src` of its own.
+pub(crate) fn convert((dst, dst_dtype): (&mut [u8], DType), (src, src_dtype): (&[u8], DType)) {
+    for i in 0..dst.len() / dst_dtype.size() {
+        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -115,13 +115,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 && m.optimizer_steps == first.optimizer_steps
                 && m.params == first.params;
             if !agrees {
-                return Err(Error::CheckpointUnreadable {
-                    path: checkpoint::manifest_path(dir, rank).display().to_string(),
-                    reason: format!(
+                return Err(checkpoint::unreadable(
+                    &checkpoint::manifest_path(dir, rank),
+                    format!(
                         "of another save: {} ranks at step {}, rank 0's says {} at {}",
                         m.world_size, m.optimizer_steps, first.world_size, first.optimizer_steps
                     ),
-                });
+                ));
             }
             saved.push(m);
         }
@@ -176,9 +176,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// saved rank holding `section bytes / element size` of the group), run by run. Padding
     /// stays zero.
     fn copies(&self, dir: &Path, saved: &[RankManifest], parts: &[Part]) -> Result<Vec<SavedRun>> {
-        let unreadable = |rank: usize, reason: String| Error::CheckpointUnreadable {
-            path: checkpoint::manifest_path(dir, rank).display().to_string(),
-            reason,
+        let unreadable = |rank: usize, reason: String| {
+            checkpoint::unreadable(&checkpoint::manifest_path(dir, rank), reason)
         };
         let mut copies = Vec::new();
         for (index, p) in parts.iter().enumerate() {

@@ -4,7 +4,7 @@
 use super::Engine;
 use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
-use crate::dtype::{load_f32, store_f32};
+use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::optim::GroupSettings;
 use crate::trace::SpanKind;
@@ -225,9 +225,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 if master_only {
                     // The master holds the value widened: exactly what a shard would hold.
                     let mut wide = crate::fallible::filled((end - start) * 4, 0u8, "a master")?;
-                    for i in 0..end - start {
-                        store_f32(&mut wide, DType::F32, i, load_f32(src, dtype, i));
-                    }
+                    convert((&mut wide, DType::F32), (src, dtype));
                     let region = Region::new(start - shard.start, end - start, DType::F32);
                     let count = e.masters.len();
                     let master = e.masters[index].as_mut().ok_or(Error::GroupOutOfRange {
@@ -296,9 +294,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let f32s = Region::new(0, g.shard_numel, DType::F32);
                 let mut wide = crate::fallible::filled(g.shard_numel * 4, 0u8, "a master's copy")?;
                 self.observe(self.backend.download(master, f32s, &mut wide))?;
-                for i in 0..g.shard_numel {
-                    store_f32(&mut out, g.dtype, i, load_f32(&wide, DType::F32, i));
-                }
+                convert((&mut out, g.dtype), (&wide, DType::F32));
             }
             _ => self.observe(self.backend.download(&self.shards[group], region, &mut out))?,
         }

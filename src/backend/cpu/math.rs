@@ -36,14 +36,6 @@ pub(crate) fn accumulate(
     }
 }
 
-/// `dst` = `src` converted between their dtypes, element by element through f32 (exact for
-/// every pair but the narrowing ones, which round as the `half` crate does).
-pub(crate) fn cast((dst, dst_dtype): (&mut [u8], DType), (src, src_dtype): (&[u8], DType)) {
-    for i in 0..dst.len() / dst_dtype.size() {
-        store_f32(dst, dst_dtype, i, load_f32(src, src_dtype, i));
-    }
-}
-
 /// The slices of one optimizer step: the parameter shard in its dtype, its fp32 gradient, and
 /// the fp32 master and moments where the group has them.
 pub(crate) struct OptimizerSlices<'a> {

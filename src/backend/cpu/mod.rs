@@ -452,7 +452,7 @@ impl Backend for CpuBackend {
             // SAFETY: distinct buffers; the caller ordered every other use of both regions.
             let (src, dst) =
                 unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
-            math::cast((dst, dtypes.1), (src, dtypes.0));
+            crate::dtype::convert((dst, dtypes.1), (src, dtypes.0));
             Ok(())
         })
     }
