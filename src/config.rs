@@ -49,6 +49,20 @@ pub enum ParamStorage {
     MasterOnly,
 }
 
+/// When each trainable group's fp32 gradient shard exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum GradShardMemory {
+    /// Allocated with the engine, kept for its life.
+    #[default]
+    Persistent,
+    /// Allocated when a step first writes it, freed when the step ends: between steps and
+    /// through the step's first forward the engine holds no gradient memory, so a framework
+    /// allocating from the same pool (the CUDA backend with a caller's allocator) uses it for
+    /// the forward's activations. Needs a backend that frees in stream order
+    /// ([`crate::backend::Backend::frees_in_stream_order`]).
+    PerStep,
+}
+
 impl GradReduction {
     /// The factor each rank's gradient is multiplied by before the ranks' are summed.
     pub fn scale(self, world_size: usize) -> f32 {
@@ -81,6 +95,7 @@ pub struct EngineConfig {
     pub reduce_dtype: DType,
     pub accumulation: Accumulation,
     pub param_storage: ParamStorage,
+    pub grad_shard_memory: GradShardMemory,
     pub optimizer: OptimizerConfig,
     /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
     /// before it fails with `Error::Timeout`, poisoning the engine. Positive.
@@ -102,6 +117,7 @@ impl Default for EngineConfig {
             reduce_dtype: DType::F32,
             accumulation: Accumulation::ReduceEveryPass,
             param_storage: ParamStorage::ShardAndMaster,
+            grad_shard_memory: GradShardMemory::Persistent,
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,

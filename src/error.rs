@@ -199,6 +199,11 @@ pub enum Error {
     SizeOverflow { what: &'static str },
     #[error("out of memory: {bytes} bytes for {what}")]
     OutOfMemory { bytes: usize, what: String },
+    /// The caller's device allocator gave an address that cannot be device memory it owns.
+    #[error(
+        "the caller's allocator gave address {address:#x} for {bytes} bytes: not a 256-byte aligned, non-null address"
+    )]
+    BadAllocation { address: u64, bytes: usize },
     #[error("the {stream:?} stream failed, and everything queued after it was skipped: {cause}")]
     StreamFailed {
         stream: Stream,

@@ -58,6 +58,22 @@ pub enum GradEffect {
     ZeroShard { group: usize },
 }
 
+impl GradEffect {
+    /// The group whose persistent fp32 shard the effect writes, if any.
+    pub fn shard_written(&self) -> Option<usize> {
+        match *self {
+            GradEffect::ZeroPadding { place, .. }
+            | GradEffect::ZeroParam { place, .. }
+            | GradEffect::Write { place, .. } => match place {
+                Place::Shard(group) => Some(group),
+                Place::Slot(_) | Place::Accumulator(_) => None,
+            },
+            GradEffect::Reduce { group, .. } | GradEffect::ZeroShard { group } => Some(group),
+            GradEffect::Retire { .. } | GradEffect::Stage { .. } => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Slot {
     Free,

@@ -93,7 +93,7 @@ pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, Input, MemoryUsage};
 pub use comm::Communicator;
 pub use comm::local::LocalComm;
-pub use config::{Accumulation, EngineConfig, GradReduction, ParamStorage};
+pub use config::{Accumulation, EngineConfig, GradReduction, GradShardMemory, ParamStorage};
 pub use dtype::Element;
 pub use engine::{Counters, Engine};
 pub use error::{Error, Result};

@@ -5,7 +5,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::config::{Accumulation, EngineConfig, ParamStorage};
+use crate::config::{Accumulation, EngineConfig, GradShardMemory, ParamStorage};
 use crate::error::{Error, Result};
 use crate::spec::ModelSpec;
 use crate::types::DType;
@@ -63,7 +63,9 @@ pub struct Limits {
     pub reduces_in_flight: usize,
 }
 
-/// Bytes one rank holds, all allocated before the first step.
+/// Bytes one rank holds: everything is allocated before the first step, except per-step gradient
+/// shards ([`crate::GradShardMemory::PerStep`]), which exist from a step's first gradient to its
+/// end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryPerRank {
     pub param_shards: usize,
@@ -73,7 +75,10 @@ pub struct MemoryPerRank {
     pub grad_slots: usize,
     /// The unsharded fp32 gradients of `Accumulation::NoSync`.
     pub grad_accumulators: usize,
+    /// Everything, held during a step's backward.
     pub peak: usize,
+    /// What is held between steps: `peak` less per-step gradient shards.
+    pub between_steps: usize,
 }
 
 /// One kind of buffer a rank allocates: how many, their bytes together, and why that many.
@@ -473,6 +478,10 @@ impl Plan {
         .into_iter()
         .try_fold(m.param_shards, |total, b| total.checked_add(b))
         .ok_or_else(overflow("the total"))?;
+        m.between_steps = match config.grad_shard_memory {
+            GradShardMemory::Persistent => m.peak,
+            GradShardMemory::PerStep => m.peak - m.grad_shards,
+        };
         Ok(m)
     }
 
@@ -543,7 +552,14 @@ impl Plan {
                 what: "gradient shards",
                 count: trainable,
                 bytes: m.grad_shards,
-                why: "each trainable group's part of the reduced fp32 gradient".into(),
+                why: match config.grad_shard_memory {
+                    GradShardMemory::Persistent => {
+                        "each trainable group's part of the reduced fp32 gradient".into()
+                    }
+                    GradShardMemory::PerStep => "each trainable group's part of the reduced \
+                        fp32 gradient, from the step's first gradient of the group to the step's end"
+                        .into(),
+                },
             },
             BufferReport {
                 what: "optimizer state",

@@ -572,7 +572,18 @@ fn cuda_nccl_engine_checks_its_arguments_before_touching_a_device() {
     // SAFETY: valid pointers, or NULL on purpose.
     unsafe {
         let create = |plan, config, device, id, id_len, rank, world, out| {
-            fsdp_engine_create_cuda_nccl(plan, config, device, id, id_len, rank, world, 0, out)
+            fsdp_engine_create_cuda_nccl(
+                plan,
+                config,
+                device,
+                id,
+                id_len,
+                rank,
+                world,
+                0,
+                null(),
+                out,
+            )
         };
         let id = id.as_ptr();
         expect(
@@ -645,7 +656,7 @@ fn cuda_loopback_engine_checks_its_group_and_keeps_it_when_the_device_fails() {
         ok(fsdp_loopback_group_create(2, &mut loopback));
         ok(fsdp_local_group_create(2, &mut local));
         let create = |plan, config, device, group, rank, out| {
-            fsdp_engine_create_cuda_loopback(plan, config, device, group, rank, 0, out)
+            fsdp_engine_create_cuda_loopback(plan, config, device, group, rank, 0, null(), out)
         };
         expect(
             create(null(), &config, 0, loopback, 0, &mut engine),
@@ -992,6 +1003,7 @@ fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
             0,
             1,
             0,
+            null(),
             &mut engine,
         ));
     }
@@ -1120,6 +1132,7 @@ fn cuda_loopback_engines_of_2_ranks_average_their_gradients_through_the_c_api() 
                         group,
                         rank,
                         stream,
+                        null(),
                         &mut engine,
                     ));
                 }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use fsdp_fusion::types::{BufferState, Stream};
 use fsdp_fusion::{
-    Accumulation, DType, Engine, EngineConfig, GradReduction, Input, LocalComm, ModelSpec,
-    OptimizerConfig, ParamSpec, Plan, Unit,
+    Accumulation, DType, Engine, EngineConfig, GradReduction, GradShardMemory, Input, LocalComm,
+    ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
 };
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
@@ -531,5 +531,64 @@ fn a_forward_recomputed_inside_the_backward_keeps_the_pass_and_its_reductions() 
         assert_eq!(plain_reduces, 3);
         assert_eq!(recomputed_reduces, plain_reduces);
         assert_eq!(recomputed_shard, plain_shard);
+    });
+}
+
+#[test]
+fn per_step_gradient_shards_exist_from_the_first_gradient_to_the_step_s_end() {
+    let config = EngineConfig {
+        grad_shard_memory: GradShardMemory::PerStep,
+        ..EngineConfig::default()
+    };
+    let layers = 4;
+    let run = move |mut e: CpuEngine| {
+        let m = e.plan().memory_per_rank(e.config()).unwrap();
+        assert_eq!(m.between_steps, m.peak - m.grad_shards);
+        assert!(m.grad_shards > 0);
+        assert_eq!(e.memory().current, m.between_steps, "before the first step");
+        for step in 0..2 {
+            let mut seen = Vec::new();
+            walk_pass(&mut e, layers, &mut |e| seen.push(e.memory().current));
+            // The forward's hooks (the root and each layer) saw no gradient memory; the first
+            // backward hook of a layer neither (its gradient comes after it).
+            let forward = layers as usize + 2;
+            assert!(
+                seen[..forward].iter().all(|&b| b == m.between_steps),
+                "step {step}: {seen:?}"
+            );
+            assert!(
+                seen[forward..].iter().any(|&b| b > m.between_steps),
+                "step {step}: {seen:?}"
+            );
+            e.finish_grad_sync().unwrap();
+            assert_eq!(
+                e.memory().current,
+                m.peak,
+                "step {step}: every shard, once synced"
+            );
+            e.optimizer_step().unwrap();
+            e.end_step().unwrap();
+            assert_eq!(e.memory().current, m.between_steps, "after step {step}");
+        }
+        assert_eq!(e.memory().peak, m.peak);
+        e.param_shard(1).unwrap()
+    };
+    for_each_mode(|mode| {
+        run(engine(mode, stack(layers, true), config.clone()));
+        let shards = on_two_ranks(mode, stack(layers, true), config.clone(), run);
+        // The same steps with persistent shards give the same values.
+        let persistent = on_two_ranks(
+            mode,
+            stack(layers, true),
+            EngineConfig::default(),
+            move |e| {
+                let mut e = e;
+                for _ in 0..2 {
+                    walk_step(&mut e, layers, &mut |_| {});
+                }
+                e.param_shard(1).unwrap()
+            },
+        );
+        assert_eq!(shards, persistent);
     });
 }

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{
-    Accumulation, DType, EngineConfig, GradReduction, LocalComm, OptimizerConfig, ParamStorage,
-    Plan,
+    Accumulation, DType, EngineConfig, GradReduction, GradShardMemory, LocalComm, OptimizerConfig,
+    ParamStorage, Plan,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
@@ -70,13 +70,17 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recip
         })
         .unwrap();
     assert_eq!(steps.len() as u64, STEPS);
-    // Every mode's buffers are in the plan before step 1, exactly, but for the gather slots a
-    // limit too tight for the model added (each counted).
-    let predicted = plan.memory_per_rank(&config).unwrap().peak;
+    // Every mode's buffers are in the plan, exactly, but for the gather slots a limit too tight
+    // for the model added (each counted); between steps only per-step gradient shards are gone.
+    let predicted = plan.memory_per_rank(&config).unwrap();
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
-        assert_eq!(s.memory.peak, predicted + extra, "rank {rank}'s peak");
-        assert_eq!(s.memory.current, predicted + extra, "rank {rank}'s bytes");
+        assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}'s peak");
+        assert_eq!(
+            s.memory.current,
+            predicted.between_steps + extra,
+            "rank {rank}'s bytes"
+        );
         if config.accumulation == Accumulation::KeepGathered {
             assert_eq!(s.counters.extra_slots, 0, "every group has its slot");
         }
@@ -229,6 +233,31 @@ fn parity_in_every_accumulation_mode_and_transport_dtype_under_a_schedule_and_a_
                 assert!(
                     diff <= 1e-6,
                     "{accumulation:?} {reduce_dtype} world {world}: {diff}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn per_step_gradient_shards_in_every_accumulation_mode_and_parameter_storage() {
+    for accumulation in [
+        Accumulation::ReduceEveryPass,
+        Accumulation::NoSync,
+        Accumulation::KeepGathered,
+    ] {
+        for param_storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
+            let config = EngineConfig {
+                accumulation,
+                param_storage,
+                grad_shard_memory: GradShardMemory::PerStep,
+                ..config(true)
+            };
+            for world in [1, 3, 4] {
+                let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
+                assert!(
+                    diff <= 1e-6,
+                    "{accumulation:?} {param_storage:?} world {world}: {diff}"
                 );
             }
         }

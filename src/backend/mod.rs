@@ -172,6 +172,11 @@ pub trait Backend: Send {
 
     fn memory(&self) -> MemoryUsage;
 
+    /// Whether dropping a buffer neither blocks the host nor lets its memory be used again before
+    /// the work queued on any stream so far is done with it, so that buffers can come and go
+    /// every step ([`crate::GradShardMemory::PerStep`]).
+    fn frees_in_stream_order(&self) -> bool;
+
     /// Times the host blocked on the device.
     fn host_waits(&self) -> u64;
 

@@ -21,7 +21,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::backend::{Backend, MemoryUsage, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, GradShardMemory};
 use crate::error::{Error, Result};
 use crate::grads::{GradEffect, GradPipeline, Passes};
 use crate::plan::Plan;
@@ -188,7 +188,13 @@ impl<B: Backend> Buffers<B> {
                 })
             };
             let trains = g.trainable;
-            grad_shards.push(trains.then(|| f32_shard("gradient shard")).transpose()?);
+            // Per-step gradient shards come with the step's first gradient of their group.
+            let persistent = config.grad_shard_memory == GradShardMemory::Persistent;
+            grad_shards.push(
+                (trains && persistent)
+                    .then(|| f32_shard("gradient shard"))
+                    .transpose()?,
+            );
             masters.push(
                 (trains && g.dtype != DType::F32)
                     .then(|| f32_shard("fp32 master shard"))
@@ -261,7 +267,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let watch = Watch::new(config.timeout);
         backend.set_watch(&watch);
         comm.set_watch(&watch);
-        let parts = Engine::<B, C>::check_arguments(&plan, &config, &comm)
+        let parts = Engine::<B, C>::check_arguments(&plan, &config, &backend, &comm)
             .and_then(|()| Buffers::allocate(&plan, &config, &backend))
             .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)));
         let (buffers, state) = match parts {
@@ -286,8 +292,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(engine)
     }
 
-    fn check_arguments(plan: &Plan, config: &EngineConfig, comm: &C) -> Result<()> {
+    fn check_arguments(plan: &Plan, config: &EngineConfig, backend: &B, comm: &C) -> Result<()> {
         config.validate()?;
+        if config.grad_shard_memory == GradShardMemory::PerStep && !backend.frees_in_stream_order()
+        {
+            return Err(Error::InvalidConfig {
+                field: "grad_shard_memory",
+                reason: format!(
+                    "per step, but the {} backend does not free in stream order (a CUDA backend \
+                     needs the caller's allocator)",
+                    backend.name()
+                ),
+            });
+        }
         let (rank, world) = (comm.rank(), comm.world_size());
         if world != plan.world_size() {
             return Err(Error::WorldSizeMismatch {

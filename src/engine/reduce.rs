@@ -181,6 +181,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         input: Option<Input<'_>>,
     ) -> Result<()> {
         for &effect in effects {
+            if let Some(group) = effect.shard_written() {
+                self.ensure_grad_shard(group)?;
+            }
             match effect {
                 GradEffect::Retire { slot } => {
                     if let Some(reduced) = self.grad_slots[slot].reduced.take() {
@@ -277,6 +280,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Makes trainable `group`'s per-step gradient shard ([`crate::GradShardMemory::PerStep`]) when the
+    /// step first writes it; it goes at the step's end.
+    fn ensure_grad_shard(&mut self, group: usize) -> Result<()> {
+        let g = &self.plan.groups()[group];
+        if !g.trainable || self.grad_shards[group].is_some() {
+            return Ok(());
+        }
+        let shard = super::alloc(&self.backend, g.shard_numel * 4, || {
+            format!("the gradient shard of group {group}")
+        })?;
+        self.grad_shards[group] = Some(shard);
         Ok(())
     }
 

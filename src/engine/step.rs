@@ -4,6 +4,7 @@
 use super::Engine;
 use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
+use crate::config::GradShardMemory;
 use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::optim::GroupSettings;
@@ -152,6 +153,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.apply_gather_effects(&fx)?;
                 if e.grads.synced() && !e.stepped {
                     e.counters.skipped_steps += 1;
+                }
+                if e.config.grad_shard_memory == GradShardMemory::PerStep {
+                    // Dropped after the optimizer's work was queued: the backend frees them in
+                    // stream order.
+                    e.grad_shards.iter_mut().for_each(|shard| *shard = None);
                 }
                 e.schedule.end_step();
                 e.grads.end_step();

@@ -3,6 +3,7 @@
 
 use std::ffi::{c_int, c_void};
 
+use super::allocator::{allocator_of, fsdp_device_allocator};
 use super::group::{device_ordinal, give_back, take_comm, unique_id_of};
 use super::handles::{
     AnyEngine, Comms, abort_engine, destroy, engine_report, object, on_engine, plan_of,
@@ -74,7 +75,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
 /// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 /// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
-/// own gather and reduce streams.
+/// own gather and reduce streams. `allocator` is NULL (buffers from `cuMemAlloc`) or the
+/// caller's device allocator, which every buffer of the engine then comes from; it is copied.
 ///
 /// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
 /// device; parameters start at zero until `fsdp_engine_load_param`. Release with
@@ -82,8 +84,9 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
 ///
 /// # Safety
-/// `config` is NULL or valid for a read; `unique_id` is NULL or valid for `id_len` bytes; `out` is
-/// NULL or valid for a write.
+/// `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
+/// `id_len` bytes; `out` is NULL or valid for a write; an allocator keeps the contract of
+/// `fsdp_device_allocator` until the engine is destroyed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
     plan: *const fsdp_plan,
@@ -94,6 +97,7 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
     rank: usize,
     world_size: usize,
     stream: u64,
+    allocator: *const fsdp_device_allocator,
     out: *mut *mut fsdp_engine,
 ) -> fsdp_status {
     boundary(|| {
@@ -117,8 +121,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
         if rank >= world_size {
             return Err(Error::RankOutOfRange { rank, world_size }.into());
         }
-        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
-        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
+        // SAFETY: the function's contract.
+        let backend = unsafe { cuda_backend(device, stream, allocator) }?;
         let comm = NcclComm::new(&id, rank, world_size, &backend)?;
         let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::CudaNccl(engine), out)
@@ -128,10 +132,12 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
 /// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 /// `group` (once per rank, and only once the device is found usable: a failed call leaves it in
 /// the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
-/// each rank its own. Does not block on the other ranks. Release with `fsdp_engine_destroy`.
+/// each rank its own; `allocator` as there. Does not block on the other ranks. Release with
+/// `fsdp_engine_destroy`.
 ///
 /// # Safety
-/// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+/// `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an
+/// allocator keeps the contract of `fsdp_device_allocator` until the engine is destroyed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
     plan: *const fsdp_plan,
@@ -140,6 +146,7 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
     group: *mut fsdp_loopback_group,
     rank: usize,
     stream: u64,
+    allocator: *const fsdp_device_allocator,
     out: *mut *mut fsdp_engine,
 ) -> fsdp_status {
     boundary(|| {
@@ -154,8 +161,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
         let Object::Group(Comms::Loopback(comms)) = &*group else {
             return Err(wrong_kind("group"));
         };
-        // SAFETY: the function's contract: `stream` is 0 or a live stream that outlives the engine.
-        let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
+        // SAFETY: the function's contract.
+        let backend = unsafe { cuda_backend(device, stream, allocator) }?;
         let comm = take_comm(comms, rank)?;
         match Engine::try_new(plan, config, backend, comm) {
             Ok(engine) => store_engine(AnyEngine::CudaLoopback(engine), out),
@@ -164,6 +171,27 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
                 Err(refused.error.into())
             }
         }
+    })
+}
+
+/// The CUDA backend of a C engine: on `device`, with `stream` as its compute stream and its
+/// buffers from `allocator` when one is given.
+///
+/// # Safety
+/// `stream` is 0 or a live stream that outlives the engine; `allocator` is NULL or valid for a
+/// read, keeping its contract for the engine's life.
+unsafe fn cuda_backend(
+    device: usize,
+    stream: u64,
+    allocator: *const fsdp_device_allocator,
+) -> Outcome<CudaBackend> {
+    // SAFETY: the caller's contract.
+    let allocator = unsafe { allocator_of(allocator) }?;
+    // SAFETY: the caller's contract.
+    let backend = unsafe { CudaBackend::with_raw_stream(device, stream) }?;
+    Ok(match allocator {
+        Some(allocator) => backend.with_allocator(allocator),
+        None => backend,
     })
 }
 

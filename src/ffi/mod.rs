@@ -15,6 +15,7 @@
 //! while initial values and shard copies stay in host memory.
 #![allow(non_camel_case_types)]
 
+mod allocator;
 mod checkpoint;
 mod engine;
 mod group;
@@ -25,6 +26,7 @@ mod registry;
 mod status;
 mod types;
 
+pub use allocator::fsdp_device_allocator;
 pub use checkpoint::*;
 pub use engine::*;
 pub use group::*;

@@ -113,9 +113,10 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::KernelsUnavailable
         | Error::NcclUnavailable { .. }
         | Error::Unsupported { .. } => FSDP_UNAVAILABLE,
-        Error::Cuda { .. } | Error::Spawn { .. } | Error::WorkerPanicked { .. } => {
-            FSDP_DEVICE_ERROR
-        }
+        Error::Cuda { .. }
+        | Error::BadAllocation { .. }
+        | Error::Spawn { .. }
+        | Error::WorkerPanicked { .. } => FSDP_DEVICE_ERROR,
         Error::Nccl { .. }
         | Error::CollectiveMismatch { .. }
         | Error::PeerGone { .. }

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use super::status::{Outcome, fsdp_status, invalid, put};
-use crate::config::{Accumulation, EngineConfig, GradReduction, ParamStorage};
+use crate::config::{Accumulation, EngineConfig, GradReduction, GradShardMemory, ParamStorage};
 use crate::engine::Counters;
 use crate::optim::OptimizerConfig;
 use crate::plan::MemoryPerRank;
@@ -41,6 +41,13 @@ pub const FSDP_SHARD_AND_MASTER: u32 = 0;
 /// The fp32 master only, cast at every gather: less memory, and views that move at every world
 /// size.
 pub const FSDP_MASTER_ONLY: u32 = 1;
+
+/// `fsdp_config.grad_shard_memory` values: when the fp32 gradient shards exist.
+/// Allocated with the engine, kept for its life.
+pub const FSDP_GRAD_SHARDS_PERSISTENT: u32 = 0;
+/// Allocated at a step's first gradient of each group, freed at `fsdp_engine_end_step`: needs the
+/// CPU backend or a CUDA engine made with an allocator (`fsdp_device_allocator`).
+pub const FSDP_GRAD_SHARDS_PER_STEP: u32 = 1;
 
 /// The unit index that names the root unit (parameters outside every layer).
 pub const FSDP_ROOT: i64 = -1;
@@ -123,6 +130,8 @@ pub struct fsdp_config {
     pub accumulation: u32,
     /// `FSDP_SHARD_AND_MASTER` or `FSDP_MASTER_ONLY`.
     pub param_storage: u32,
+    /// `FSDP_GRAD_SHARDS_PERSISTENT` or `FSDP_GRAD_SHARDS_PER_STEP`.
+    pub grad_shard_memory: u32,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -136,7 +145,10 @@ pub struct fsdp_memory {
     pub grad_slots: usize,
     /// The unsharded fp32 gradients of `FSDP_NO_SYNC`.
     pub grad_accumulators: usize,
+    /// Everything, held during a step's backward.
     pub peak: usize,
+    /// What is held between steps: `peak` less per-step gradient shards.
+    pub between_steps: usize,
 }
 
 impl From<MemoryPerRank> for fsdp_memory {
@@ -149,6 +161,7 @@ impl From<MemoryPerRank> for fsdp_memory {
             grad_slots: m.grad_slots,
             grad_accumulators: m.grad_accumulators,
             peak: m.peak,
+            between_steps: m.between_steps,
         }
     }
 }
@@ -305,6 +318,16 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
             )));
         }
     };
+    let grad_shard_memory = match c.grad_shard_memory {
+        FSDP_GRAD_SHARDS_PERSISTENT => GradShardMemory::Persistent,
+        FSDP_GRAD_SHARDS_PER_STEP => GradShardMemory::PerStep,
+        other => {
+            return Err(invalid(format!(
+                "grad_shard_memory {other} is not FSDP_GRAD_SHARDS_PERSISTENT or \
+                 FSDP_GRAD_SHARDS_PER_STEP"
+            )));
+        }
+    };
     let timeout = Duration::try_from_secs_f64(c.timeout_seconds)
         .ok()
         .filter(|t| !t.is_zero())
@@ -322,6 +345,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         reduce_dtype: dtype_of(c.reduce_dtype)?,
         accumulation,
         param_storage,
+        grad_shard_memory,
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
@@ -333,7 +357,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 /// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 /// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 /// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-/// a shard beside each master.
+/// a shard beside each master, persistent gradient shards.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -368,6 +392,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             reduce_dtype: FSDP_F32,
             accumulation: FSDP_REDUCE_EVERY_PASS,
             param_storage: FSDP_SHARD_AND_MASTER,
+            grad_shard_memory: FSDP_GRAD_SHARDS_PERSISTENT,
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

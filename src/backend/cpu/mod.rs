@@ -190,6 +190,11 @@ impl Backend for CpuBackend {
         self.tracker.usage()
     }
 
+    /// A buffer's bytes live on while queued work refers to them.
+    fn frees_in_stream_order(&self) -> bool {
+        true
+    }
+
     fn host_waits(&self) -> u64 {
         self.host_waits.load(Ordering::Relaxed)
     }

@@ -1,10 +1,11 @@
-//! Device allocations: raw ones for internal scratch, counted ones for the engine's buffers.
+//! Device allocations: raw ones for internal scratch, counted ones for the engine's buffers
+//! (from the driver, or from the caller's allocator).
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
 use cudarc::driver::result;
 use cudarc::driver::sys::CUresult;
+use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::backend::cuda::driver::{bind, cuda};
 use crate::backend::{Region, Tracker};
@@ -67,15 +68,120 @@ impl Drop for DeviceMemory {
     }
 }
 
+/// Device memory from the caller: a framework's caching allocator, say, so that the engine's
+/// buffers and the framework's tensors share one pool (and its accounting).
+///
+/// The backend asks for memory on the host, in the order of its compute stream, and gives it back
+/// once its compute stream is ordered after every use of it on the backend's streams: the
+/// allocator may hand it out again for work queued on the compute stream later, with no wait
+/// (as PyTorch's caching allocator does with a block allocated on a stream).
+///
+/// # Safety
+/// `allocate` returns the address of `bytes` bytes of device memory on the backend's device (its
+/// primary context), 256-byte aligned, that nothing else uses until it is given back with
+/// `release`; memory given back is used again only by work queued on the backend's compute stream
+/// after the call, or after that work is complete.
+pub unsafe trait DeviceAllocator: Send + Sync {
+    /// `bytes` (> 0) bytes; `Error::OutOfMemory` when there are not.
+    fn allocate(&self, bytes: usize) -> Result<u64>;
+
+    /// Gives back what `allocate` returned for `bytes`.
+    fn release(&self, ptr: u64, bytes: usize);
+}
+
+/// Memory from a [`DeviceAllocator`], given back on drop once the compute stream is ordered
+/// after the gather and reduce streams' work.
+pub(crate) struct LentMemory {
+    ptr: u64,
+    bytes: usize,
+    allocator: Arc<dyn DeviceAllocator>,
+    /// The compute stream, then the streams it waits for before the memory goes back.
+    streams: [Arc<CudaStream>; 3],
+}
+
+impl LentMemory {
+    pub(crate) fn allocate(
+        allocator: &Arc<dyn DeviceAllocator>,
+        bytes: usize,
+        streams: [Arc<CudaStream>; 3],
+    ) -> Result<LentMemory> {
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            allocator.allocate(bytes)?
+        };
+        Ok(LentMemory {
+            ptr,
+            bytes,
+            allocator: Arc::clone(allocator),
+            streams,
+        })
+    }
+
+    /// Orders the compute stream after the other streams' work so far.
+    fn join_on_compute(&self) -> Result<()> {
+        let [compute, others @ ..] = &self.streams;
+        for other in others {
+            let event = other.record_event(None).map_err(cuda("cuEventRecord"))?;
+            compute.wait(&event).map_err(cuda("cuStreamWaitEvent"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LentMemory {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        // Memory whose last uses cannot be ordered before the compute stream's next work is
+        // leaked rather than handed out again while the device may still use it.
+        if self.join_on_compute().is_ok() {
+            self.allocator.release(self.ptr, self.bytes);
+        }
+    }
+}
+
+/// Where a buffer's memory came from.
+pub(crate) enum BufferMemory {
+    Driver(DeviceMemory),
+    Lent(LentMemory),
+}
+
+impl BufferMemory {
+    fn ptr(&self) -> u64 {
+        match self {
+            BufferMemory::Driver(m) => m.ptr(),
+            BufferMemory::Lent(m) => m.ptr,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            BufferMemory::Driver(m) => m.bytes(),
+            BufferMemory::Lent(m) => m.bytes,
+        }
+    }
+}
+
 /// A device buffer of the CUDA backend, counted by its backend while it lives.
-#[derive(Debug)]
 pub struct CudaBuffer {
-    memory: DeviceMemory,
+    memory: BufferMemory,
     tracker: Arc<Tracker>,
 }
 
+impl std::fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBuffer")
+            .field("ptr", &self.ptr())
+            .field("bytes", &self.bytes())
+            .field("lent", &matches!(self.memory, BufferMemory::Lent(_)))
+            .finish()
+    }
+}
+
 impl CudaBuffer {
-    pub(crate) fn new(memory: DeviceMemory, tracker: &Arc<Tracker>) -> CudaBuffer {
+    pub(crate) fn new(memory: BufferMemory, tracker: &Arc<Tracker>) -> CudaBuffer {
         tracker.add(memory.bytes());
         CudaBuffer {
             memory,

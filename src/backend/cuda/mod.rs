@@ -10,7 +10,8 @@
 //! (`cuEventRecord` / `cuStreamWaitEvent`). Only [`Backend::synchronize`], [`Backend::upload`],
 //! [`Backend::download`] and a host-memory [`Input`] block the host, and each counts in
 //! [`Backend::host_waits`]. Dropping a buffer frees it with `cuMemFree`, which waits for the device
-//! work still using it.
+//! work still using it; a buffer from the caller's [`DeviceAllocator`] goes back to it in stream
+//! order instead, with no wait.
 
 mod driver;
 pub mod kernels;
@@ -35,8 +36,9 @@ use crate::watch::Watch;
 pub use driver::is_driver_present;
 pub(crate) use driver::{bind, cuda, primary_context};
 use kernels::Kernels;
-pub use memory::CudaBuffer;
 pub(crate) use memory::DeviceMemory;
+use memory::{BufferMemory, LentMemory};
+pub use memory::{CudaBuffer, DeviceAllocator};
 use staging::Staging;
 
 const NAME: &str = "cuda";
@@ -58,6 +60,8 @@ pub struct CudaBackend {
     staging: Mutex<Staging>,
     /// The caller's handle of the compute stream, kept alive while the backend uses it.
     caller_stream: Option<Arc<CudaStream>>,
+    /// Where buffers come from, when not from `cuMemAlloc`.
+    allocator: Option<Arc<dyn DeviceAllocator>>,
     /// The deadline and abort flag of the host's waits.
     watch: Watch,
 }
@@ -161,8 +165,17 @@ impl CudaBackend {
             host_waits: AtomicU64::new(0),
             staging: Mutex::default(),
             caller_stream: None,
+            allocator: None,
             watch: Watch::default(),
         })
+    }
+
+    /// The backend, with its buffers from now on (scratch included) taken from `allocator`
+    /// rather than `cuMemAlloc`; they go back to it in stream order when dropped, so that the
+    /// backend frees in stream order ([`Backend::frees_in_stream_order`]).
+    pub fn with_allocator(mut self, allocator: Arc<dyn DeviceAllocator>) -> CudaBackend {
+        self.allocator = Some(allocator);
+        self
     }
 
     /// The device's context.
@@ -190,9 +203,18 @@ impl CudaBackend {
 
     /// Allocates `bytes`, zero-filled as [`Backend::alloc`] says, counted by `tracker`.
     fn alloc_counted(&self, bytes: usize, tracker: &Arc<Tracker>) -> Result<CudaBuffer> {
-        let memory = DeviceMemory::alloc(&self.ctx, bytes)?;
+        let memory = match &self.allocator {
+            None => BufferMemory::Driver(DeviceMemory::alloc(&self.ctx, bytes)?),
+            Some(allocator) => {
+                bind(&self.ctx)?;
+                let streams = [&self.compute, &self.gather, &self.reduce].map(Arc::clone);
+                BufferMemory::Lent(LentMemory::allocate(allocator, bytes, streams)?)
+            }
+        };
+        let memory = CudaBuffer::new(memory, tracker);
         if bytes > 0 {
-            // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything.
+            // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything (lent
+            // memory only by work queued on the compute stream before this fill).
             unsafe { result::memset_d8_async(memory.ptr(), 0, bytes, self.compute.cu_stream()) }
                 .map_err(cuda("cuMemsetD8Async"))?;
             let zeroed = self.record_raw(Stream::Compute)?;
@@ -200,7 +222,7 @@ impl CudaBackend {
                 other.wait(&zeroed).map_err(cuda("cuStreamWaitEvent"))?;
             }
         }
-        Ok(CudaBuffer::new(memory, tracker))
+        Ok(memory)
     }
 
     pub(crate) fn record_raw(&self, stream: Stream) -> Result<CudaEvent> {
@@ -276,6 +298,11 @@ impl Backend for CudaBackend {
 
     fn memory(&self) -> MemoryUsage {
         self.tracker.usage()
+    }
+
+    /// With a caller's allocator only: `cuMemFree` waits for the device.
+    fn frees_in_stream_order(&self) -> bool {
+        self.allocator.is_some()
     }
 
     fn host_waits(&self) -> u64 {
