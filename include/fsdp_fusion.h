@@ -46,6 +46,14 @@
 // size.
 #define FSDP_MASTER_ONLY 1
 
+// `fsdp_config.grad_shard_memory` values: when the fp32 gradient shards exist.
+// Allocated with the engine, kept for its life.
+#define FSDP_GRAD_SHARDS_PERSISTENT 0
+
+// Allocated at a step's first gradient of each group, freed at `fsdp_engine_end_step`: needs the
+// CPU backend or a CUDA engine made with an allocator (`fsdp_device_allocator`).
+#define FSDP_GRAD_SHARDS_PER_STEP 1
+
 // The unit index that names the root unit (parameters outside every layer).
 #define FSDP_ROOT -1
 
@@ -128,7 +136,30 @@ typedef struct fsdp_config {
   uint32_t accumulation;
   // `FSDP_SHARD_AND_MASTER` or `FSDP_MASTER_ONLY`.
   uint32_t param_storage;
+  // `FSDP_GRAD_SHARDS_PERSISTENT` or `FSDP_GRAD_SHARDS_PER_STEP`.
+  uint32_t grad_shard_memory;
 } fsdp_config;
+
+// Device memory from the caller for a CUDA engine's buffers: a framework's caching allocator,
+// say, so that the engine's buffers and the framework's tensors share one pool and its
+// accounting (PyTorch: `torch.cuda.caching_allocator_alloc` on the engine's compute stream).
+//
+// The engine asks for memory in the order of its compute stream and gives it back once its
+// compute stream is ordered after every use of it on the engine's streams: memory given back
+// may be handed out again, with no wait, to work queued on the compute stream later. Both
+// functions are called on the threads that call the engine's functions, `fsdp_engine_destroy`
+// included; with `FSDP_GRAD_SHARDS_PER_STEP` every step allocates and releases the gradient
+// shards.
+typedef struct fsdp_device_allocator {
+  // Passed to both functions as is; valid until the engine is destroyed.
+  void *context;
+  // Writes to `*out` the address of `bytes` (> 0) bytes of device memory on the engine's
+  // device, 256-byte aligned, that nothing else uses until it is released; returns 0, or
+  // nonzero when it has none (the engine's call fails with `FSDP_OUT_OF_MEMORY`).
+  int (*allocate)(void *context, size_t bytes, uint64_t *out);
+  // Takes back what `allocate` gave for `bytes`.
+  void (*release)(void *context, uint64_t address, size_t bytes);
+} fsdp_device_allocator;
 
 // One gradient of a batch handed to `fsdp_engine_grads`: as the arguments of
 // `fsdp_engine_grad`.
@@ -198,7 +229,10 @@ typedef struct fsdp_memory {
   size_t grad_slots;
   // The unsharded fp32 gradients of `FSDP_NO_SYNC`.
   size_t grad_accumulators;
+  // Everything, held during a step's backward.
   size_t peak;
+  // What is held between steps: `peak` less per-step gradient shards.
+  size_t between_steps;
 } fsdp_memory;
 
 // The whole model's gradient norms: the 2-norm and the largest magnitude (NaN or infinite when
@@ -261,7 +295,8 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
 // keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 // makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
-// own gather and reduce streams.
+// own gather and reduce streams. `allocator` is NULL (buffers from `cuMemAlloc`) or the
+// caller's device allocator, which every buffer of the engine then comes from; it is copied.
 //
 // Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
 // device; parameters start at zero until `fsdp_engine_load_param`. Release with
@@ -269,8 +304,9 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
 //
 // # Safety
-// `config` is NULL or valid for a read; `unique_id` is NULL or valid for `id_len` bytes; `out` is
-// NULL or valid for a write.
+// `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
+// `id_len` bytes; `out` is NULL or valid for a write; an allocator keeps the contract of
+// `fsdp_device_allocator` until the engine is destroyed.
 enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               const struct fsdp_config *config,
                                               int device,
@@ -279,21 +315,25 @@ enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               size_t rank,
                                               size_t world_size,
                                               uint64_t stream,
+                                              const struct fsdp_device_allocator *allocator,
                                               struct fsdp_engine **out);
 
 // Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 // `group` (once per rank, and only once the device is found usable: a failed call leaves it in
 // the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
-// each rank its own. Does not block on the other ranks. Release with `fsdp_engine_destroy`.
+// each rank its own; `allocator` as there. Does not block on the other ranks. Release with
+// `fsdp_engine_destroy`.
 //
 // # Safety
-// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
+// `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an
+// allocator keeps the contract of `fsdp_device_allocator` until the engine is destroyed.
 enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
                                                   const struct fsdp_config *config,
                                                   int device,
                                                   struct fsdp_loopback_group *group,
                                                   size_t rank,
                                                   uint64_t stream,
+                                                  const struct fsdp_device_allocator *allocator,
                                                   struct fsdp_engine **out);
 
 // Releases an engine and everything it allocated; NULL is accepted. Never waits for another
@@ -601,7 +641,7 @@ const char *fsdp_last_error(void);
 // Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 // 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-// a shard beside each master.
+// a shard beside each master, persistent gradient shards.
 //
 // # Safety
 // `out` is NULL or valid for a write.

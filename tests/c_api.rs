@@ -397,6 +397,13 @@ fn wrong_sizes_and_values() {
                 "accumulation 7",
             );
             c = config;
+            c.grad_shard_memory = 2;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "grad_shard_memory 2",
+            );
+            c = config;
             c.double_buffer_limit = 0;
             expect(
                 fsdp_engine_create_cpu(plan, &c, group, 0, &mut out_engine),
@@ -1765,8 +1772,40 @@ fn the_memory_report_follows_the_transport_and_the_accumulation_mode() {
     };
     for m in [f32s, bf16, no_sync, staged, keep] {
         assert_eq!(sum(&m), m.peak, "{m:?}");
+        assert_eq!(m.between_steps, m.peak, "persistent gradient shards");
     }
+    let per_step = memory(&|c| c.grad_shard_memory = FSDP_GRAD_SHARDS_PER_STEP);
+    assert_eq!(per_step.peak, f32s.peak);
+    assert_eq!(per_step.between_steps, f32s.peak - f32s.grad_shards);
     ok(fsdp_plan_destroy(plan));
+}
+
+#[test]
+fn a_cpu_engine_with_per_step_gradient_shards_holds_them_only_within_a_step() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut c = config();
+        c.grad_shard_memory = FSDP_GRAD_SHARDS_PER_STEP;
+        let mut engine = null_mut();
+        let mut m = fsdp_memory::default();
+        let (mut current, mut peak) = (0usize, 0usize);
+        // SAFETY: valid pointers.
+        unsafe {
+            ok(fsdp_engine_create_cpu(plan, &c, group, 0, &mut engine));
+            ok(fsdp_plan_memory(plan, &c, &mut m));
+            ok(fsdp_engine_memory(engine, &mut current, &mut peak));
+        }
+        assert!(m.grad_shards > 0);
+        assert_eq!((current, peak), (m.between_steps, m.between_steps));
+        sgd_step(engine, plan, 0, &Host::default());
+        // SAFETY: valid pointers.
+        unsafe { ok(fsdp_engine_memory(engine, &mut current, &mut peak)) };
+        assert_eq!((current, peak), (m.between_steps, m.peak));
+        ok(fsdp_engine_destroy(engine));
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
 }
 
 #[test]

@@ -3,12 +3,15 @@
 //! 1, 2, 4 and 8 on one GPU, and NCCL at world size 1.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::backend::cuda::{CudaBackend, DeviceAllocator};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
-use fsdp_fusion::{Accumulation, Backend, Communicator, DType, EngineConfig, ParamStorage, Plan};
+use fsdp_fusion::{
+    Accumulation, Backend, Communicator, DType, EngineConfig, GradShardMemory, ParamStorage, Plan,
+};
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
 
 const STEPS: u64 = 4;
@@ -65,10 +68,15 @@ fn parity_under<B: Backend, C: Communicator<B>>(
         })
         .unwrap_or_else(|e| panic!("{e}"));
     // The device memory each rank held is the plan's, but for slots a tight limit added.
-    let predicted = plan.memory_per_rank(&config).unwrap().peak;
+    let predicted = plan.memory_per_rank(&config).unwrap();
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
-        assert_eq!(s.memory.peak, predicted + extra, "rank {rank}");
+        assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");
+        assert_eq!(
+            s.memory.current,
+            predicted.between_steps + extra,
+            "rank {rank}"
+        );
     }
     worst
 }
@@ -168,5 +176,91 @@ fn loopback_engines_with_master_only_storage_equal_the_reference() {
         let diff = parity(DType::Bf16, config, loopback(world));
         eprintln!("loopback world {world}, master-only bf16: max relative difference {diff:e}");
         assert!(diff <= 1e-6, "world {world}: {diff}");
+    }
+}
+
+/// Device memory from `cuMemAlloc`, counted: what a framework's caching allocator would lend.
+#[derive(Default)]
+struct CountingAllocator {
+    outstanding: AtomicUsize,
+    allocations: AtomicUsize,
+}
+
+// SAFETY: every address is a fresh `cuMemAlloc` of the context current on the calling thread
+// (the backend's primary context, bound by the backend before it asks); `cuMemFree` waits for the
+// device, so a release never lets memory be reused early.
+unsafe impl DeviceAllocator for CountingAllocator {
+    fn allocate(&self, bytes: usize) -> fsdp_fusion::Result<u64> {
+        // SAFETY: a plain allocation in the current context.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|_| {
+            fsdp_fusion::Error::OutOfMemory {
+                bytes,
+                what: "the test's allocator".into(),
+            }
+        })?;
+        self.outstanding.fetch_add(bytes, Ordering::SeqCst);
+        self.allocations.fetch_add(1, Ordering::SeqCst);
+        Ok(ptr)
+    }
+
+    fn release(&self, ptr: u64, bytes: usize) {
+        // SAFETY: allocated above, released once.
+        unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap_or_else(|e| panic!("{e}"));
+        self.outstanding.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
+    let recipe = Recipe {
+        schedule: LrSchedule::Constant,
+        clip: Some(0.05),
+    };
+    for world in [1, 2, 4] {
+        for accumulation in [Accumulation::ReduceEveryPass, Accumulation::NoSync] {
+            let allocator = Arc::new(CountingAllocator::default());
+            let ranks = LoopbackComm::group(world)
+                .unwrap()
+                .into_iter()
+                .map(|c| {
+                    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+                    (backend.with_allocator(allocator.clone()), c)
+                })
+                .collect();
+            let config = EngineConfig {
+                accumulation,
+                grad_shard_memory: GradShardMemory::PerStep,
+                ..EngineConfig::default()
+            };
+            let diff = parity_under(DType::Bf16, config.clone(), recipe, ranks);
+            eprintln!("per-step loopback world {world} {accumulation:?}: {diff:e}");
+            assert!(diff <= 1e-6, "world {world} {accumulation:?}: {diff}");
+            // Every buffer came from the allocator and went back to it; the gradient shards
+            // came anew each step.
+            let plan = Plan::new(&model(DType::Bf16).spec().unwrap(), world).unwrap();
+            let trainable = plan.groups().iter().filter(|g| g.trainable).count();
+            let allocations = allocator.allocations.load(Ordering::SeqCst);
+            assert!(
+                allocations >= world * trainable * STEPS as usize,
+                "{allocations} allocations"
+            );
+            assert_eq!(allocator.outstanding.load(Ordering::SeqCst), 0);
+        }
+    }
+    // Without an allocator `cuMemFree` would wait for the device every step: refused.
+    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+    let comm = LoopbackComm::group(1).unwrap().pop().unwrap();
+    let plan = Arc::new(Plan::new(&model(DType::F32).spec().unwrap(), 1).unwrap());
+    let config = EngineConfig {
+        grad_shard_memory: GradShardMemory::PerStep,
+        ..EngineConfig::default()
+    };
+    match fsdp_fusion::Engine::new(plan, config, backend, comm) {
+        Err(fsdp_fusion::Error::InvalidConfig { field, reason }) => {
+            assert_eq!(field, "grad_shard_memory");
+            assert!(reason.contains("allocator"), "{reason}");
+        }
+        other => panic!("{:?}", other.err()),
     }
 }

@@ -1,15 +1,16 @@
 """Device memory and step time of one training setup at a time, each in a fresh process so that
 each peak is its own: fsdp-fusion with a bf16 shard beside each fp32 master ("fusion-shard") or
-the master only ("fusion-master"), plain PyTorch (bf16 compute copy, fp32 master, AdamW) and
-FSDP2 (`fully_shard` per layer and the root, bf16 parameters, fp32 reduction), all at world
-size 1, on the GPT example or transformers' Llama.
+the master only ("fusion-master"), each with per-step gradient shards, and the master only with
+persistent ones ("fusion-master-persistent"); plain PyTorch (bf16 compute copy, fp32 master,
+AdamW) and FSDP2 (`fully_shard` per layer and the root, bf16 parameters, fp32 reduction), all at
+world size 1, on the GPT example or transformers' Llama.
 
     NCCL_NVLS_ENABLE=0 python examples/torch/memory.py --library .gpu/lib/libfsdp_fusion.so \\
         --model llama
 
 The step's device peak is what PyTorch's allocator held at most during the measured steps
-(`torch.cuda.max_memory_allocated`) plus, for fsdp-fusion, the engine's own buffers (allocated
-once, outside PyTorch, so constant: the engine's bytes are its plan's). Step times are CUDA
+(`torch.cuda.max_memory_allocated`): the engine takes its buffers from that allocator, so they
+are in it (the "engine" column is the engine's own peak, a part of it). Step times are CUDA
 events around forward, backward and the optimizer step, medians after the warm-up steps.
 """
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
 from gpt import GPT, loss_of  # noqa: E402
 
-SETUPS = ("fusion-shard", "fusion-master", "plain", "fsdp2")
+SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "plain", "fsdp2")
 GIB = 1 << 30
 
 
@@ -82,8 +83,10 @@ def trainer(setup: str, args, device):
     model, layers, loss_fn = build(args)
     if setup.startswith("fusion"):
         module = model.to(device=device, dtype=torch.bfloat16)
+        storage, _, persistent = setup.removeprefix("fusion-").partition("-")
         fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
-                          weight_decay=0.1, param_storage=setup.removeprefix("fusion-"))
+                          weight_decay=0.1, param_storage=storage,
+                          grad_shards=persistent or "per-step")
 
         def step(tokens):
             loss = loss_fn(fused, tokens)
@@ -159,7 +162,7 @@ def measure(setup: str, args) -> dict:
     free, total = torch.cuda.mem_get_info()
     report = dict(setup=setup, model=args.model, step_ms=statistics.median(times[args.warmup:]),
                   torch_peak=torch_peak, engine=engine_bytes(),
-                  peak=torch_peak + engine_bytes(), device_used=total - free,
+                  peak=torch_peak, device_used=total - free,
                   last_loss=losses[-1])
     if fused is not None:
         m = fused.planned_memory()
@@ -190,13 +193,12 @@ def main() -> int:
         reports.append(json.loads(out.strip().splitlines()[-1]))
     fsdp2 = next((r for r in reports if r["setup"] == "fsdp2"), None)
     print(f"{args.model}, batch {args.batch} x {args.seq}, bf16, AdamW, world size 1")
-    print(f"{'setup':<14} {'step ms':>8} {'torch peak':>11} {'engine':>8} {'peak GiB':>9} "
-          f"{'vs FSDP2':>9} {'last loss':>10}")
+    print(f"{'setup':<26} {'step ms':>8} {'engine':>8} {'peak GiB':>9} {'vs FSDP2':>9} "
+          f"{'last loss':>10}")
     for r in reports:
         ratio = r["peak"] / fsdp2["peak"] if fsdp2 else float("nan")
-        print(f"{r['setup']:<14} {r['step_ms']:8.2f} {r['torch_peak'] / GIB:11.2f} "
-              f"{r['engine'] / GIB:8.2f} {r['peak'] / GIB:9.2f} {ratio:9.3f} "
-              f"{r['last_loss']:10.4f}")
+        print(f"{r['setup']:<26} {r['step_ms']:8.2f} {r['engine'] / GIB:8.2f} "
+              f"{r['peak'] / GIB:9.2f} {ratio:9.3f} {r['last_loss']:10.4f}")
     for r in reports:
         if "plan" in r:
             print(f"{r['setup']} plan: " + ", ".join(f"{k} {v / GIB:.3f} GiB"

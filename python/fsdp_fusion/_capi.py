@@ -57,6 +57,7 @@ class Config(ctypes.Structure):
         ("reduce_dtype", c_uint32),
         ("accumulation", c_uint32),
         ("param_storage", c_uint32),
+        ("grad_shard_memory", c_uint32),
     ]
 
 
@@ -91,6 +92,7 @@ class Memory(ctypes.Structure):
             "grad_slots",
             "grad_accumulators",
             "peak",
+            "between_steps",
         )
     ]
 
@@ -134,7 +136,7 @@ _SIGNATURES = {
     "fsdp_nccl_unique_id": ([POINTER(c_uint8), c_size_t], c_int),
     "fsdp_engine_create_cuda_nccl": (
         [_HANDLE, POINTER(Config), c_int, POINTER(c_uint8), c_size_t, c_size_t, c_size_t,
-         c_uint64, _OUT],
+         c_uint64, c_void_p, _OUT],
         c_int,
     ),
     "fsdp_engine_destroy": ([_HANDLE], c_int),

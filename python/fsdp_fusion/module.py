@@ -32,6 +32,7 @@ from ._capi import (
     ParamSpec,
     Releasing,
 )
+from ._allocator import TorchAllocator
 from ._dlpack import tensor_at
 from .errors import InvalidArgumentError, MisuseError
 from .group import LocalGroup
@@ -280,6 +281,12 @@ class FusedFSDP(Releasing, torch.nn.Module):
     add into an unsharded fp32 gradient, reduced once by `step`) or "keep-gathered" (parameters
     stay gathered from their first use until `step`, so later passes gather nothing).
 
+    On a GPU the engine's buffers come from PyTorch's caching allocator (on the compute stream),
+    so `torch.cuda.memory_allocated` and its peak count them. `grad_shards="per-step"` (the
+    default) makes each fp32 gradient shard when a step's backward first writes it and frees it
+    when `step` ends, so the forward's activations use that memory; "persistent" keeps them for
+    the engine's life.
+
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
@@ -303,6 +310,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         reduce_dtype: torch.dtype = torch.float32,
         accumulation: str = "reduce",
         param_storage: str = "shard",
+        grad_shards: str = "per-step",
         timeout: float = 600.0,
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
@@ -337,15 +345,19 @@ class FusedFSDP(Releasing, torch.nn.Module):
         config.accumulation = _choice("accumulation", accumulation,
                                       {"reduce": 0, "no-sync": 1, "keep-gathered": 2})
         config.param_storage = _choice("param_storage", param_storage, {"shard": 0, "master": 1})
+        config.grad_shard_memory = _choice("grad_shards", grad_shards,
+                                           {"persistent": 0, "per-step": 1})
         self._config_struct = config
         self._plan = self._make_plan()
         self._group = c_void_p()
+        self._allocator = None
         if self._device.type == "cpu":
             self._stream = None
             self._engine = self._make_cpu_engine(config)
         else:
             # The engine's compute stream is the caller's: keep the object so the stream lives on.
             self._stream = torch.cuda.current_stream(self._device)
+            self._allocator = TorchAllocator(self._device.index or 0, self._stream)
             self._engine = self._make_cuda_engine(config)
         self._units = [_Unit(u, [p for p in self._params if p.unit == u])
                        for u in range(len(units))]
@@ -408,7 +420,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
             self._lib.call("fsdp_local_group_create", 1, byref(self._group))
             group = self._group
         engine = c_void_p()
-        self._lib.call("fsdp_engine_create_cpu", self._plan, byref(config), group, self._rank,
+        self._call("fsdp_engine_create_cpu", self._plan, byref(config), group, self._rank,
                        byref(engine))
         return engine
 
@@ -416,9 +428,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
         """This process's rank on its GPU with NCCL; blocks until every rank joined."""
         engine = c_void_p()
         uid = self._unique_id()
-        self._lib.call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
+        self._call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
                        self._device.index or 0, uid, len(uid), self._rank, self._world,
-                       self._stream.cuda_stream, byref(engine))
+                       self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
         return engine
 
     def _unique_id(self):
@@ -438,7 +450,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         until the parameter is gathered."""
         for p in self._params:
             host = p.tensor.detach().to("cpu").contiguous()
-            self._lib.call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
+            self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
                            host.numel(), DTYPE_CODES[host.dtype])
         for p in self._params:
             t = p.tensor
@@ -568,9 +580,13 @@ class FusedFSDP(Releasing, torch.nn.Module):
 
     # -- gathered views --------------------------------------------------------------------
 
+    def _call(self, name: str, *args):
+        self._check(getattr(self._lib, name)(*args), name)
+
     def _check(self, status: int, name: str):
         if status != 0:
-            raise self._lib.error(name, status)
+            failure = self._allocator.take_failure() if self._allocator else None
+            raise self._lib.error(name, status) from failure
 
     def _open(self, u: _Unit, hook):
         """Runs the engine's pre hook for the unit and points its parameters at their views."""
@@ -666,61 +682,61 @@ class FusedFSDP(Releasing, torch.nn.Module):
         (the infinite or NaN values in this rank's gradient shards), is a collective or a read
         that waits for the device; without them the step does not block the host on a GPU."""
         self._close_backwards()
-        self._lib.call("fsdp_engine_finish_grad_sync", self._engine)
+        self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
         if max_grad_norm is not None:
             norm = GradNorm()
-            self._lib.call("fsdp_engine_clip_grad_norm", self._engine, max_grad_norm,
+            self._call("fsdp_engine_clip_grad_norm", self._engine, max_grad_norm,
                            byref(norm))
         elif grad_norm or skip_nonfinite:
             norm = GradNorm()
-            self._lib.call("fsdp_engine_grad_norm", self._engine, byref(norm))
+            self._call("fsdp_engine_grad_norm", self._engine, byref(norm))
         nonfinite = None
         if count_nonfinite:
             found = c_uint64()
-            self._lib.call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
+            self._call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
             nonfinite = found.value
         skipped = skip_nonfinite and not (math.isfinite(norm.l2) and math.isfinite(norm.max))
         if not skipped:
-            self._lib.call("fsdp_engine_optimizer_step", self._engine)
-        self._lib.call("fsdp_engine_end_step", self._engine)
+            self._call("fsdp_engine_optimizer_step", self._engine)
+        self._call("fsdp_engine_end_step", self._engine)
         return StepReport(norm.l2 if norm else None, norm.max if norm else None, nonfinite,
                           skipped)
 
     def set_lr(self, lr: float):
         """Sets the learning rate of the next steps (every rank the same); a parameter's is this
         times its `lr_scales` factor."""
-        self._lib.call("fsdp_engine_set_lr", self._engine, lr)
+        self._call("fsdp_engine_set_lr", self._engine, lr)
 
     def set_weight_decay(self, weight_decay: float):
         """Sets the weight decay of the next steps, for the parameters that take it."""
-        self._lib.call("fsdp_engine_set_weight_decay", self._engine, weight_decay)
+        self._call("fsdp_engine_set_weight_decay", self._engine, weight_decay)
 
     def counters(self) -> Counters:
         """What the engine did so far; never waits for a call in progress."""
         counters = Counters()
-        self._lib.call("fsdp_engine_counters", self._engine, byref(counters))
+        self._call("fsdp_engine_counters", self._engine, byref(counters))
         return counters
 
     def save(self, directory: str | os.PathLike):
         """Writes this rank's part of a sharded checkpoint into `directory` (every rank the
         same one; no communication): shards, fp32 masters, AdamW moments, the optimizer's step
         and settings, atomically, a save never overwriting one. Between steps only."""
-        self._lib.call("fsdp_engine_save", self._engine, os.fsencode(directory))
+        self._call("fsdp_engine_save", self._engine, os.fsencode(directory))
 
     def load(self, directory: str | os.PathLike):
         """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
         same model and optimizer at any world size; the optimizer continues from the saved step.
         A missing, incomplete, truncated or corrupted checkpoint raises `IoError`, one of
         another model `InvalidArgumentError` listing the differences; either changes nothing."""
-        self._lib.call("fsdp_engine_load", self._engine, os.fsencode(directory))
+        self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 
     def memory(self) -> tuple[int, int]:
-        """The engine's device (or host) bytes now and at their peak; every buffer is made
-        with the engine, so both equal `planned_memory().peak` unless a gather needed a slot
-        beyond the limit. Never waits for a call in progress."""
+        """The engine's device (or host) bytes now and at their peak: between steps
+        `planned_memory().between_steps`, at the peak `planned_memory().peak` (more only where a
+        gather needed a slot beyond the limit). Never waits for a call in progress."""
         current, peak = c_size_t(), c_size_t()
-        self._lib.call("fsdp_engine_memory", self._engine, byref(current), byref(peak))
+        self._call("fsdp_engine_memory", self._engine, byref(current), byref(peak))
         return current.value, peak.value
 
     def planned_memory(self) -> Memory:
@@ -732,7 +748,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def abort(self):
         """Makes every wait of the engine end with `AbortedError`, now and later (from any
         thread): a rank that must give up without hanging its peers' collectives."""
-        self._lib.call("fsdp_engine_abort", self._engine)
+        self._call("fsdp_engine_abort", self._engine)
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """A host copy of parameter `name` from this rank's shard, at world size 1 (where the
@@ -750,7 +766,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         element = p.tensor.element_size()
         shard = torch.empty(group_numel * element, dtype=torch.uint8)
         written = c_size_t()
-        self._lib.call("fsdp_engine_param_shard", self._engine, info.group, shard.data_ptr(),
+        self._call("fsdp_engine_param_shard", self._engine, info.group, shard.data_ptr(),
                        shard.numel(), byref(written))
         values = shard[info.offset * element:(info.offset + info.numel) * element]
         return values.view(p.tensor.dtype).view(p.tensor.shape).clone()

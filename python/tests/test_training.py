@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpt import loss_of
-from training import BATCH, FROZEN, SEQ, VOCAB, batches, models, on_ranks, train
+from training import BATCH, FROZEN, PASSES, SEQ, VOCAB, batches, models, on_ranks, train
 
 import fsdp_fusion
 from fsdp_fusion import FusedFSDP
@@ -202,9 +202,47 @@ def test_master_storage_trains_a_bf16_model_exactly_as_shard_storage(checkpoint)
     # in use and the next's: no slot beyond it), and master storage no bf16 shard of what
     # trains.
     for (current, peak), plan in ((shard_bytes, shard_plan), (master_bytes, master_plan)):
-        assert current == peak == plan.peak
+        assert (current, peak) == (plan.between_steps, plan.peak)
+        assert plan.between_steps == plan.peak - plan.grad_shards
     assert master_plan.param_shards < shard_plan.param_shards
     assert master_plan.gathered_slots > shard_plan.gathered_slots == 0
+
+
+def test_per_step_gradient_shards_train_exactly_as_persistent_ones():
+    """The engine holds its gradient shards only from a step's backward to its end: between
+    steps it holds the plan's `between_steps`; losses and parameters are the persistent
+    shards' bit for bit; an unknown choice is refused by name."""
+    runs = []
+    for grad_shards in ("per-step", "persistent"):
+        _, module = models(False)
+        fused = FusedFSDP(module, list(module.blocks), grad_shards=grad_shards, lr=1e-2)
+        losses, currents = [], []
+        for step in batches(1):
+            for per_rank in step:
+                tokens = per_rank[0]
+                loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
+                currents.append(fused.memory()[0])
+                loss.backward()
+                losses.append(loss.item())
+            fused.step()
+        runs.append((losses, fused.full_parameter("blocks.1.up.weight"), currents,
+                     fused.memory(), fused.planned_memory()))
+    (step_losses, step_weight, step_currents, step_bytes, step_plan) = runs[0]
+    (kept_losses, kept_weight, kept_currents, kept_bytes, kept_plan) = runs[1]
+    assert step_losses == kept_losses
+    assert torch.equal(step_weight, kept_weight)
+    assert step_plan.grad_shards > 0
+    assert step_plan.between_steps == step_plan.peak - step_plan.grad_shards
+    assert kept_plan.between_steps == kept_plan.peak == step_plan.peak
+    # After each forward (the first pass of a step's) no gradient memory yet, or persistent.
+    assert set(step_currents[::PASSES]) == {step_plan.between_steps}
+    assert max(step_currents) == step_plan.peak, "the later passes add into the shards"
+    assert set(kept_currents) == {kept_plan.peak}
+    assert step_bytes == (step_plan.between_steps, step_plan.peak)
+    assert kept_bytes == (kept_plan.peak, kept_plan.peak)
+    _, module = models(False)
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="grad_shards"):
+        FusedFSDP(module, list(module.blocks), grad_shards="sometimes")
 
 
 def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):

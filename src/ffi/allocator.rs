@@ -98,3 +98,95 @@ pub(crate) unsafe fn allocator_of(
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// What the fake allocator gives next, and what it was given back.
+    struct Fake {
+        gives: u64,
+        status: c_int,
+        released: Mutex<Vec<(u64, usize)>>,
+    }
+
+    unsafe extern "C" fn allocate(context: *mut c_void, _bytes: usize, out: *mut u64) -> c_int {
+        // SAFETY: the tests pass a live `Fake` and a valid `out`.
+        let fake = unsafe { &*(context as *const Fake) };
+        // SAFETY: as above.
+        unsafe { *out = fake.gives };
+        fake.status
+    }
+
+    unsafe extern "C" fn release(context: *mut c_void, address: u64, bytes: usize) {
+        // SAFETY: as above.
+        let fake = unsafe { &*(context as *const Fake) };
+        fake.released.lock().unwrap().push((address, bytes));
+    }
+
+    fn through(fake: &Fake) -> Result<u64> {
+        let raw = fsdp_device_allocator {
+            context: fake as *const Fake as *mut c_void,
+            allocate: Some(allocate),
+            release: Some(release),
+        };
+        // SAFETY: the fake keeps the contract for this call.
+        let allocator = unsafe { allocator_of(&raw) }.unwrap().unwrap();
+        allocator.allocate(4096)
+    }
+
+    fn fake(gives: u64, status: c_int) -> Fake {
+        Fake {
+            gives,
+            status,
+            released: Mutex::default(),
+        }
+    }
+
+    #[test]
+    fn an_aligned_address_is_taken_and_bad_ones_are_refused_and_given_back() {
+        assert_eq!(
+            through(&fake(0x7f00_0000_0200, 0)).unwrap(),
+            0x7f00_0000_0200
+        );
+        let refused = fake(0, 1);
+        match through(&refused) {
+            Err(Error::OutOfMemory { bytes: 4096, what }) => assert!(what.contains("caller")),
+            other => panic!("{other:?}"),
+        }
+        let misaligned = fake(0x7f00_0000_0010, 0);
+        match through(&misaligned) {
+            Err(Error::BadAllocation {
+                address: 0x7f00_0000_0010,
+                bytes: 4096,
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            *misaligned.released.lock().unwrap(),
+            [(0x7f00_0000_0010, 4096)]
+        );
+        assert!(matches!(
+            through(&fake(0, 0)),
+            Err(Error::BadAllocation { address: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn null_is_no_allocator_and_a_missing_function_is_refused() {
+        // SAFETY: NULL is allowed.
+        assert!(unsafe { allocator_of(std::ptr::null()) }.unwrap().is_none());
+        let raw = fsdp_device_allocator {
+            context: std::ptr::null_mut(),
+            allocate: Some(allocate),
+            release: None,
+        };
+        // SAFETY: a valid struct; nothing is called.
+        let Err(refused) = (unsafe { allocator_of(&raw) }) else {
+            panic!("an allocator without release")
+        };
+        assert!(refused.message.contains("release"), "{}", refused.message);
+    }
+}
