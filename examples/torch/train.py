@@ -79,6 +79,8 @@ def arguments():
                         help="recompute each block's forward in backward (activation checkpointing)")
     parser.add_argument("--param-storage", default="shard", choices=["shard", "master"],
                         help="fsdp-fusion: a bf16 shard beside each fp32 master, or the master only")
+    parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
+                        help="fsdp-fusion: gradient shards made each step, or kept")
     parser.add_argument("--double-buffer-limit", type=int, default=4,
                         help="fsdp-fusion's gathered groups: 2 root groups, the unit, a prefetch")
     return parser.parse_args()
@@ -203,7 +205,8 @@ class FusionTrainer:
                                betas=tuple(args.betas), eps=args.eps,
                                weight_decay=args.weight_decay,
                                double_buffer_limit=args.double_buffer_limit,
-                               param_storage=args.param_storage)
+                               param_storage=args.param_storage,
+                               grad_shards=args.grad_shards)
         self.args, self.steps = args, 0
 
     def step(self, tokens):
