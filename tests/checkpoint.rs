@@ -538,3 +538,127 @@ fn a_save_killed_at_any_point_never_loads_wrong_data() {
     }
     eprintln!("{} loads complete, {} refused", outcomes.0, outcomes.1);
 }
+
+/// Trains 3 steps at world size 1, exports; the file holds every parameter's values under its
+/// name and shape (read back with the `safetensors` crate alone), and engines of every world
+/// size importing it hold exactly those values.
+fn export_and_import(mode: Mode, dtype: DType, storage: ParamStorage) {
+    let mlp = model(dtype, 24);
+    let plan = |world| Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+    let one = plan(1);
+    let config = EngineConfig {
+        param_storage: storage,
+        ..EngineConfig::default()
+    };
+    let init = mlp.init(3);
+    let scratch = Scratch::new();
+    std::fs::create_dir_all(&scratch.0).unwrap();
+    let file = scratch.0.join("model.safetensors");
+    let path = file.clone();
+    let trained = train(
+        (&mlp, &one, &config),
+        mode,
+        0..3,
+        move |e| load(e, &init).unwrap(),
+        move |e| {
+            e.export_safetensors(&path).unwrap();
+            match e.export_safetensors(&path) {
+                Err(Error::CheckpointExists { .. }) => {}
+                other => panic!("an export over a file: {other:?}"),
+            }
+            shards(e)
+        },
+    );
+    let exported = values(&one, &trained);
+    let bytes = std::fs::read(&file).unwrap();
+    let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(read.len(), one.params().len());
+    for (p, values) in one.params().iter().zip(&exported) {
+        let t = read.tensor(&p.name).unwrap();
+        let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
+        assert_eq!(shape, p.shape, "{}", p.name);
+        assert_eq!(t.data(), &values[..], "{}", p.name);
+    }
+    for world in [1, 2, 3, 4, 8] {
+        let path = file.clone();
+        let imported = train(
+            (&mlp, &plan(world), &config),
+            mode,
+            0..0,
+            move |e| e.import_safetensors(&path).unwrap(),
+            shards,
+        );
+        assert_eq!(
+            values(&plan(world), &imported),
+            exported,
+            "{dtype} {storage:?} imported at world size {world}"
+        );
+    }
+}
+
+#[test]
+fn a_model_exported_as_safetensors_imports_exactly_at_every_world_size() {
+    export_and_import(Mode::Eager, DType::F32, ParamStorage::ShardAndMaster);
+    export_and_import(Mode::Eager, DType::Bf16, ParamStorage::ShardAndMaster);
+    export_and_import(Mode::Eager, DType::F16, ParamStorage::MasterOnly);
+    for_each_mode(|mode| export_and_import(mode, DType::Bf16, ParamStorage::MasterOnly));
+}
+
+#[test]
+fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
+    let scratch = Scratch::new();
+    std::fs::create_dir_all(&scratch.0).unwrap();
+    let file = scratch.0.join("narrow.safetensors");
+    let narrow = model(DType::F32, 12);
+    let plan = Arc::new(Plan::new(&narrow.spec().unwrap(), 1).unwrap());
+    let path = file.clone();
+    let config = EngineConfig::default();
+    train(
+        (&narrow, &plan, &config),
+        Mode::Eager,
+        0..0,
+        move |e| e.export_safetensors(&path).unwrap(),
+        |_| (),
+    );
+    for (other, what) in [
+        (model(DType::F32, 24), "shape"),
+        (model(DType::Bf16, 12), "F32"),
+    ] {
+        let plan = Arc::new(Plan::new(&other.spec().unwrap(), 2).unwrap());
+        let path = file.clone();
+        let what = what.to_string();
+        on_engines(&plan, &config, Mode::Eager, move |mut e| {
+            let before = shards(&e);
+            match e.import_safetensors(&path) {
+                Err(Error::CheckpointMismatch { differences }) => {
+                    assert!(!differences.is_empty());
+                    assert!(
+                        differences.iter().any(|d| d.contains(&what)),
+                        "{differences:?}"
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(shards(&e), before, "a refused import changed nothing");
+            let elsewhere = path.with_extension("sharded");
+            match e.export_safetensors(&elsewhere) {
+                Err(Error::Unsupported { what, .. }) => assert!(what.contains("world size 1")),
+                other => panic!("an export at world size 2: {other:?}"),
+            }
+            assert!(!elsewhere.exists());
+        });
+    }
+    // A file that is not safetensors, and a missing one, are refused by name.
+    let garbage = scratch.0.join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    on_engines(&plan, &config, Mode::Eager, move |mut e| {
+        for path in [garbage.clone(), garbage.with_extension("missing")] {
+            match e.import_safetensors(&path) {
+                Err(Error::CheckpointUnreadable { path: named, .. }) => {
+                    assert_eq!(named, path.display().to_string());
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    });
+}

@@ -344,7 +344,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Refuses `action` between a step's first hook or gradient and its `end_step`.
-    fn check_step_boundary(&self, action: &'static str) -> Result<()> {
+    pub(super) fn check_step_boundary(&self, action: &'static str) -> Result<()> {
         self.check_not_stepped(action)?;
         let open = self
             .forward_open

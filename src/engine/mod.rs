@@ -10,6 +10,7 @@
 
 mod checkpoint;
 mod checks;
+mod full_model;
 mod gather;
 mod norm;
 mod reduce;
