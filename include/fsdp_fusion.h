@@ -271,6 +271,28 @@ enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 // `dir` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine, const char *dir);
 
+// Writes the full model into the safetensors file `path`: every parameter under its name,
+// shape and dtype, readable by the Python `safetensors` package and loadable into a PyTorch
+// model's `state_dict`. Written under a temporary name, flushed and renamed. World size 1 only
+// (`FSDP_UNAVAILABLE` otherwise: save, load into an engine of world size 1, export from it);
+// between steps only (`FSDP_MISUSE`); `FSDP_INVALID_ARGUMENT` where `path` exists;
+// `FSDP_IO_ERROR` when it cannot be written. Holds the model's bytes in host memory meanwhile.
+//
+// # Safety
+// `path` is NULL or NUL-terminated.
+enum fsdp_status fsdp_engine_export_safetensors(struct fsdp_engine *engine, const char *path);
+
+// Loads every parameter's values from the safetensors file `path` (an export, or a pretrained
+// model's) at any world size: the file is memory-mapped and each rank reads only its shard's
+// elements; every rank calls it. The file must hold exactly the model's parameters by name,
+// shape and dtype: `FSDP_INVALID_ARGUMENT` lists every difference, and nothing is loaded;
+// `FSDP_IO_ERROR` for a file that is missing or not safetensors; `FSDP_MISUSE` inside a step.
+// The optimizer's state is left as it is.
+//
+// # Safety
+// `path` is NULL or NUL-terminated.
+enum fsdp_status fsdp_engine_import_safetensors(struct fsdp_engine *engine, const char *path);
+
 // Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
 // (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a
 // collective: every rank of the group makes its engine) and fails with `FSDP_INVALID_ARGUMENT`,

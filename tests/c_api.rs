@@ -1860,3 +1860,62 @@ fn a_checkpoint_saved_and_loaded_through_the_c_api_continues_the_optimizer() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+#[test]
+fn a_model_exported_through_the_c_api_imports_into_a_fresh_engine() {
+    for_each_mode(|mode| {
+        let dir = std::env::temp_dir().join(format!(
+            "fsdp-fusion-c-export-{}-{mode:?}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = CString::new(dir.join("model.safetensors").to_str().unwrap()).unwrap();
+        let (plan, group, trained) = engine(mode);
+        sgd_step(trained, plan, 0, &Host::default());
+        let (other_plan, other_group, fresh) = engine(mode);
+        let shard = |e| {
+            let mut out = vec![0u8; 4096];
+            let mut written = 0usize;
+            // SAFETY: valid pointers.
+            ok(unsafe {
+                fsdp_engine_param_shard(e, 0, out.as_mut_ptr().cast(), out.len(), &mut written)
+            });
+            out.truncate(written);
+            out
+        };
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            expect(
+                fsdp_engine_export_safetensors(trained, null()),
+                NULL,
+                "path",
+            );
+            ok(fsdp_engine_export_safetensors(trained, file.as_ptr()));
+            expect(
+                fsdp_engine_export_safetensors(trained, file.as_ptr()),
+                fsdp_status::FSDP_INVALID_ARGUMENT,
+                "exists",
+            );
+            assert_ne!(shard(fresh), shard(trained), "a step moved the values");
+            let missing = CString::new(dir.join("none").to_str().unwrap()).unwrap();
+            expect(
+                fsdp_engine_import_safetensors(fresh, missing.as_ptr()),
+                fsdp_status::FSDP_IO_ERROR,
+                "none",
+            );
+            ok(fsdp_engine_import_safetensors(fresh, file.as_ptr()));
+        }
+        assert_eq!(shard(fresh), shard(trained));
+        for e in [trained, fresh] {
+            ok(fsdp_engine_destroy(e));
+        }
+        for g in [group, other_group] {
+            ok(fsdp_local_group_destroy(g));
+        }
+        for p in [plan, other_plan] {
+            ok(fsdp_plan_destroy(p));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}

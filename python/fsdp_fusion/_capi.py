@@ -154,6 +154,8 @@ _SIGNATURES = {
     "fsdp_engine_counters": ([_HANDLE, POINTER(Counters)], c_int),
     "fsdp_engine_save": ([_HANDLE, c_char_p], c_int),
     "fsdp_engine_load": ([_HANDLE, c_char_p], c_int),
+    "fsdp_engine_export_safetensors": ([_HANDLE, c_char_p], c_int),
+    "fsdp_engine_import_safetensors": ([_HANDLE, c_char_p], c_int),
     "fsdp_engine_memory": ([_HANDLE, POINTER(c_size_t), POINTER(c_size_t)], c_int),
     "fsdp_plan_memory": ([_HANDLE, POINTER(Config), POINTER(Memory)], c_int),
     "fsdp_engine_nonfinite_grads": ([_HANDLE, POINTER(c_uint64)], c_int),

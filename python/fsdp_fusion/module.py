@@ -731,6 +731,20 @@ class FusedFSDP(Releasing, torch.nn.Module):
         another model `InvalidArgumentError` listing the differences; either changes nothing."""
         self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 
+    def export(self, path: str | os.PathLike):
+        """Writes the full model into the safetensors file `path` under the module's parameter
+        names, shapes and dtypes (`safetensors.torch.load_file` and `load_state_dict` take it
+        back into a plain PyTorch model). Atomic; an existing file raises
+        `InvalidArgumentError`. World size 1, between steps."""
+        self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
+
+    def import_(self, path: str | os.PathLike):
+        """Loads every parameter's values from the safetensors file `path` (an export, or a
+        pretrained model's with the same names, shapes and dtypes), each rank reading only its
+        shard's part; a file of another model raises `InvalidArgumentError` listing every
+        difference and loads nothing. The optimizer's state is unchanged. Between steps."""
+        self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
+
     def memory(self) -> tuple[int, int]:
         """The engine's device (or host) bytes now and at their peak: between steps
         `planned_memory().between_steps`, at the peak `planned_memory().peak` (more only where a

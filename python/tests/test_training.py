@@ -278,3 +278,39 @@ def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):
     blob.write_bytes(bytes(corrupted))
     with pytest.raises(fsdp_fusion.IoError, match="corrupted"):
         second.load(tmp_path / "ckpt")
+
+
+def test_an_exported_model_loads_into_plain_pytorch_and_a_fresh_wrapper(tmp_path):
+    """After a step the export holds every parameter as `full_parameter` gives it; a plain
+    PyTorch copy loaded from it computes the wrapper's loss; a fresh wrapper imports it
+    exactly, and a file of another model is refused with the differences."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    plain, module = models(False)
+    fused = FusedFSDP(module, list(module.blocks), lr=1e-2)
+    data = [per_rank[0] for step in batches(1) for per_rank in step]
+    loss_of(fused(data[0][:, :-1]), data[0][:, 1:]).backward()
+    fused.step()
+    path = tmp_path / "model.safetensors"
+    fused.export(path)
+    with pytest.raises(fsdp_fusion.InvalidArgumentError):
+        fused.export(path)
+    tensors = safetensors_torch.load_file(str(path))
+    names = [name for name, _ in plain.named_parameters()]
+    assert sorted(tensors) == sorted(names)
+    for name in names:
+        assert torch.equal(tensors[name], fused.full_parameter(name)), name
+    missing, unexpected = plain.load_state_dict(tensors, strict=False)
+    assert not unexpected and all(name not in names for name in missing)
+    with torch.no_grad():
+        tokens = data[1]
+        assert torch.equal(loss_of(plain(tokens[:, :-1]), tokens[:, 1:]),
+                           loss_of(fused(tokens[:, :-1]), tokens[:, 1:]))
+    _, other = models(False)
+    fresh = FusedFSDP(other, list(other.blocks), lr=1e-2)
+    fresh.import_(path)
+    for name in names:
+        assert torch.equal(fresh.full_parameter(name), fused.full_parameter(name)), name
+    bf16_path = tmp_path / "bf16.safetensors"
+    safetensors_torch.save_file({n: t.bfloat16() for n, t in tensors.items()}, str(bf16_path))
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="BF16 in the file"):
+        fresh.import_(bf16_path)

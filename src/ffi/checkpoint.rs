@@ -51,3 +51,49 @@ pub unsafe extern "C" fn fsdp_engine_load(
         on_engine(engine, |any| Ok(with_engine!(any, e => e.load(dir))?))
     })
 }
+
+/// Writes the full model into the safetensors file `path`: every parameter under its name,
+/// shape and dtype, readable by the Python `safetensors` package and loadable into a PyTorch
+/// model's `state_dict`. Written under a temporary name, flushed and renamed. World size 1 only
+/// (`FSDP_UNAVAILABLE` otherwise: save, load into an engine of world size 1, export from it);
+/// between steps only (`FSDP_MISUSE`); `FSDP_INVALID_ARGUMENT` where `path` exists;
+/// `FSDP_IO_ERROR` when it cannot be written. Holds the model's bytes in host memory meanwhile.
+///
+/// # Safety
+/// `path` is NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_export_safetensors(
+    engine: *mut fsdp_engine,
+    path: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let path = Path::new(unsafe { text(path, "path") }?);
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.export_safetensors(path))?)
+        })
+    })
+}
+
+/// Loads every parameter's values from the safetensors file `path` (an export, or a pretrained
+/// model's) at any world size: the file is memory-mapped and each rank reads only its shard's
+/// elements; every rank calls it. The file must hold exactly the model's parameters by name,
+/// shape and dtype: `FSDP_INVALID_ARGUMENT` lists every difference, and nothing is loaded;
+/// `FSDP_IO_ERROR` for a file that is missing or not safetensors; `FSDP_MISUSE` inside a step.
+/// The optimizer's state is left as it is.
+///
+/// # Safety
+/// `path` is NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_import_safetensors(
+    engine: *mut fsdp_engine,
+    path: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let path = Path::new(unsafe { text(path, "path") }?);
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.import_safetensors(path))?)
+        })
+    })
+}
