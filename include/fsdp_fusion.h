@@ -80,7 +80,8 @@ typedef enum fsdp_status {
   FSDP_IO_ERROR = 8,
   // The library panicked; the engine involved is poisoned and has left its group.
   FSDP_PANIC = 9,
-  // Too little host or device memory; nothing was half-built.
+  // Too little host or device memory: nothing was half-built where a call allocates up front
+  // (making an engine); a per-step gradient shard refused inside a step poisons the engine.
   FSDP_OUT_OF_MEMORY = 10,
   // A wait passed the engine's deadline (`fsdp_config.timeout_seconds`); the engine is
   // poisoned.
@@ -146,10 +147,13 @@ typedef struct fsdp_config {
 //
 // The engine asks for memory in the order of its compute stream and gives it back once its
 // compute stream is ordered after every use of it on the engine's streams: memory given back
-// may be handed out again, with no wait, to work queued on the compute stream later. Both
-// functions are called on the threads that call the engine's functions, `fsdp_engine_destroy`
-// included; with `FSDP_GRAD_SHARDS_PER_STEP` every step allocates and releases the gradient
-// shards.
+// may be handed out again, with no wait, to work queued on the compute stream later: give each
+// engine (compute stream) its own allocator context. Both functions are called on the threads
+// that call the engine's functions, `fsdp_engine_destroy` included, while the engine is locked:
+// they must not call the engine. With `FSDP_GRAD_SHARDS_PER_STEP` every step allocates the
+// gradient shards (in the gradient and sync calls) and releases them (`fsdp_engine_end_step`);
+// a refused allocation inside a step poisons the engine. Memory whose last uses could not be
+// ordered before the compute stream's next work (a failed event) is never released.
 typedef struct fsdp_device_allocator {
   // Passed to both functions as is; valid until the engine is destroyed.
   void *context;
@@ -229,7 +233,7 @@ typedef struct fsdp_memory {
   size_t grad_slots;
   // The unsharded fp32 gradients of `FSDP_NO_SYNC`.
   size_t grad_accumulators;
-  // Everything, held during a step's backward.
+  // Everything, held once a step's gradients are synced.
   size_t peak;
   // What is held between steps: `peak` less per-step gradient shards.
   size_t between_steps;
@@ -321,7 +325,7 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // caller's device allocator, which every buffer of the engine then comes from; it is copied.
 //
 // Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
-// device; parameters start at zero until `fsdp_engine_load_param`. Release with
+// device (per-step gradient shards, which need an allocator, each step); parameters start at zero until `fsdp_engine_load_param`. Release with
 // `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
 // `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
 //
@@ -361,7 +365,8 @@ enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
 // Releases an engine and everything it allocated; NULL is accepted. Never waits for another
 // handle. A call still running on the engine in another thread (blocked in a collective, say) is
 // aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
-// the work it queued first (on a GPU, the device work still using its memory). CPU and loopback
+// the work it queued first (on a GPU, the device work still using its memory; memory from an
+// allocator goes back to it in stream order instead). CPU and loopback
 // ranks still in a collective with it fail with `FSDP_COMM_ERROR` instead of waiting; NCCL ranks
 // must all destroy their engines at the same point of the training.
 enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);

@@ -75,7 +75,7 @@ pub struct MemoryPerRank {
     pub grad_slots: usize,
     /// The unsharded fp32 gradients of `Accumulation::NoSync`.
     pub grad_accumulators: usize,
-    /// Everything, held during a step's backward.
+    /// Everything, held once a step's gradients are synced.
     pub peak: usize,
     /// What is held between steps: `peak` less per-step gradient shards.
     pub between_steps: usize,

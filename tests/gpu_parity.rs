@@ -2,8 +2,8 @@
 //! (and so like the CPU backend), parameter by parameter after every step: loopback at world sizes
 //! 1, 2, 4 and 8 on one GPU, and NCCL at world size 1.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use fsdp_fusion::backend::cuda::{CudaBackend, DeviceAllocator};
 use fsdp_fusion::comm::loopback::LoopbackComm;
@@ -11,6 +11,7 @@ use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{
     Accumulation, Backend, Communicator, DType, EngineConfig, GradShardMemory, ParamStorage, Plan,
+    Stream,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
 
@@ -179,34 +180,68 @@ fn loopback_engines_with_master_only_storage_equal_the_reference() {
     }
 }
 
-/// Device memory from `cuMemAlloc`, counted: what a framework's caching allocator would lend.
-#[derive(Default)]
-struct CountingAllocator {
+/// A caching allocator as PyTorch's is, made harsh: a block given back goes on a free list at
+/// once and is handed out again with no wait, and its bytes are overwritten (0xFF) on the compute
+/// stream when it comes back, as the next compute-stream work that reused it would. A release
+/// that came before the engine's last use of a block shows as wrong values.
+struct ReusingAllocator {
+    compute: u64,
+    free: Mutex<Vec<(u64, usize)>>,
     outstanding: AtomicUsize,
     allocations: AtomicUsize,
+    reuses: AtomicUsize,
 }
 
-// SAFETY: every address is a fresh `cuMemAlloc` of the context current on the calling thread
-// (the backend's primary context, bound by the backend before it asks); `cuMemFree` waits for the
-// device, so a release never lets memory be reused early.
-unsafe impl DeviceAllocator for CountingAllocator {
+impl ReusingAllocator {
+    fn new(backend: &CudaBackend) -> ReusingAllocator {
+        ReusingAllocator {
+            compute: backend.stream(Stream::Compute).cu_stream() as u64,
+            free: Mutex::default(),
+            outstanding: AtomicUsize::new(0),
+            allocations: AtomicUsize::new(0),
+            reuses: AtomicUsize::new(0),
+        }
+    }
+}
+
+// SAFETY: every address is a `cuMemAlloc` of the context current on the calling thread (the
+// backend's primary context, bound by the backend before it asks), used by one block at a time;
+// a block is reused only in the compute stream's order, which the contract allows.
+unsafe impl DeviceAllocator for ReusingAllocator {
     fn allocate(&self, bytes: usize) -> fsdp_fusion::Result<u64> {
+        self.outstanding.fetch_add(bytes, Ordering::SeqCst);
+        self.allocations.fetch_add(1, Ordering::SeqCst);
+        let mut free = self.free.lock().unwrap();
+        if let Some(i) = free.iter().position(|&(_, b)| b == bytes) {
+            self.reuses.fetch_add(1, Ordering::SeqCst);
+            return Ok(free.swap_remove(i).0);
+        }
         // SAFETY: a plain allocation in the current context.
-        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|_| {
+        unsafe { cudarc::driver::result::malloc_sync(bytes) }.map_err(|_| {
             fsdp_fusion::Error::OutOfMemory {
                 bytes,
                 what: "the test's allocator".into(),
             }
-        })?;
-        self.outstanding.fetch_add(bytes, Ordering::SeqCst);
-        self.allocations.fetch_add(1, Ordering::SeqCst);
-        Ok(ptr)
+        })
     }
 
     fn release(&self, ptr: u64, bytes: usize) {
-        // SAFETY: allocated above, released once.
-        unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap_or_else(|e| panic!("{e}"));
+        let stream = self.compute as usize as cudarc::driver::sys::CUstream;
+        // SAFETY: the block is this allocator's; the fill is queued on the compute stream, after
+        // the work the engine ordered before giving the block back.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, stream) }
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.free.lock().unwrap().push((ptr, bytes));
         self.outstanding.fetch_sub(bytes, Ordering::SeqCst);
+    }
+}
+
+impl Drop for ReusingAllocator {
+    fn drop(&mut self) {
+        for &(ptr, _) in self.free.lock().unwrap().iter() {
+            // SAFETY: allocated above, freed once; cuMemFree waits for the fills.
+            unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap_or_else(|e| panic!("{e}"));
+        }
     }
 }
 
@@ -219,13 +254,16 @@ fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
     };
     for world in [1, 2, 4] {
         for accumulation in [Accumulation::ReduceEveryPass, Accumulation::NoSync] {
-            let allocator = Arc::new(CountingAllocator::default());
+            // One allocator per rank (per compute stream), as the contract says.
+            let mut allocators = Vec::new();
             let ranks = LoopbackComm::group(world)
                 .unwrap()
                 .into_iter()
                 .map(|c| {
                     let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
-                    (backend.with_allocator(allocator.clone()), c)
+                    let allocator = Arc::new(ReusingAllocator::new(&backend));
+                    allocators.push(allocator.clone());
+                    (backend.with_allocator(allocator), c)
                 })
                 .collect();
             let config = EngineConfig {
@@ -237,15 +275,19 @@ fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
             eprintln!("per-step loopback world {world} {accumulation:?}: {diff:e}");
             assert!(diff <= 1e-6, "world {world} {accumulation:?}: {diff}");
             // Every buffer came from the allocator and went back to it; the gradient shards
-            // came anew each step.
+            // came anew each step, in blocks that the steps before used.
             let plan = Plan::new(&model(DType::Bf16).spec().unwrap(), world).unwrap();
             let trainable = plan.groups().iter().filter(|g| g.trainable).count();
-            let allocations = allocator.allocations.load(Ordering::SeqCst);
-            assert!(
-                allocations >= world * trainable * STEPS as usize,
-                "{allocations} allocations"
-            );
-            assert_eq!(allocator.outstanding.load(Ordering::SeqCst), 0);
+            for a in &allocators {
+                let allocations = a.allocations.load(Ordering::SeqCst);
+                assert!(
+                    allocations >= trainable * STEPS as usize,
+                    "{allocations} allocations"
+                );
+                let reuses = a.reuses.load(Ordering::SeqCst);
+                assert!(reuses >= trainable * (STEPS as usize - 1), "{reuses} reuses");
+                assert_eq!(a.outstanding.load(Ordering::SeqCst), 0);
+            }
         }
     }
     // Without an allocator `cuMemFree` would wait for the device every step: refused.

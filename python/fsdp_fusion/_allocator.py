@@ -26,16 +26,21 @@ class TorchAllocator:
         handle = stream.cuda_stream
         self.failure: BaseException | None = None
 
+        alloc, delete = torch.cuda.caching_allocator_alloc, torch.cuda.caching_allocator_delete
+
         def allocate(_context, nbytes, out):
             try:
-                out[0] = torch.cuda.caching_allocator_alloc(nbytes, device, handle)
+                out[0] = alloc(nbytes, device, handle)
             except BaseException as e:  # noqa: BLE001 - nothing may cross into C
                 self.failure = e
                 return 1
             return 0
 
         def release(_context, address, _nbytes):
-            torch.cuda.caching_allocator_delete(address)
+            try:
+                delete(address)
+            except Exception:  # noqa: BLE001 - at interpreter exit PyTorch may be gone
+                pass
 
         # The ctypes function objects must outlive every call the engine makes through them.
         self._allocate, self._release = _ALLOCATE(allocate), _RELEASE(release)

@@ -55,8 +55,9 @@ class PanicError(FsdpError):
 
 
 class OutOfMemoryError(FsdpError, MemoryError):
-    """FSDP_OUT_OF_MEMORY: a host or device allocation failed; nothing changed, a smaller
-    configuration can be tried."""
+    """FSDP_OUT_OF_MEMORY: a host or device allocation failed. Making a wrapper: nothing
+    changed, a smaller configuration can be tried; a per-step gradient shard refused during a
+    backward poisons the engine."""
 
 
 class FsdpTimeoutError(FsdpError, TimeoutError):

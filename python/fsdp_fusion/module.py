@@ -586,6 +586,10 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def _check(self, status: int, name: str):
         if status != 0:
             failure = self._allocator.take_failure() if self._allocator else None
+            if failure is None:
+                raise self._lib.error(name, status)
+            if not isinstance(failure, Exception):
+                raise failure  # KeyboardInterrupt in an allocation: not the engine's error
             raise self._lib.error(name, status) from failure
 
     def _open(self, u: _Unit, hook):

@@ -142,7 +142,7 @@ impl<B, C> std::fmt::Debug for Refused<B, C> {
     }
 }
 
-/// The buffers of an engine, allocated up front.
+/// The buffers of an engine, allocated up front (per-step gradient shards come later).
 struct Buffers<B: Backend> {
     shards: Vec<B::Buffer>,
     grad_shards: Vec<Option<B::Buffer>>,
@@ -249,8 +249,8 @@ impl<B: Backend> Buffers<B> {
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
-    /// Allocates every buffer the plan predicts (shards, gradient shards, optimizer state, gather
-    /// and gradient slots), then compares the ranks' plans (a collective: every rank makes its
+    /// Allocates every buffer the plan predicts (shards, gradient shards unless per step,
+    /// optimizer state, gather and gradient slots), then compares the ranks' plans (a collective: every rank makes its
     /// engine at the same point) and refuses to start on a difference, naming the first differing
     /// parameter. Parameters start at zero until [`Engine::load_param`].
     pub fn new(plan: Arc<Plan>, config: EngineConfig, backend: B, comm: C) -> Result<Self> {

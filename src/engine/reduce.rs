@@ -346,9 +346,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         self.counters.reduce_scatters += 1;
         let own = Region::new(self.rank * shard_numel, shard_numel, dtype);
-        let Some(shard) = self.grad_shards[group].as_mut() else {
-            return Ok(());
-        };
+        let count = self.grad_shards.len();
+        // Made by `ensure_grad_shard` before any effect that writes it.
+        let shard = self.grad_shards[group]
+            .as_mut()
+            .ok_or(Error::GroupOutOfRange { group, count })?;
         // SAFETY: the place as above; the gradient shard is written after every compute-stream
         // use of it so far (the wait above: the previous step's optimizer, this step's direct
         // writes at world size 1) and read by compute only after `finish_grad_sync` waited for

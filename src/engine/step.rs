@@ -82,9 +82,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     grad_scale,
                 },
             );
-            let Some(grad) = self.grad_shards[i].as_ref() else {
-                continue;
-            };
+            // Every trainable group has its shard once synced (a group without gradients got a
+            // zeroed one).
+            let count = self.grad_shards.len();
+            let grad = self.grad_shards[i]
+                .as_ref()
+                .ok_or(Error::GroupOutOfRange { group: i, count })?;
             let master_only = self.plan.master_only(&self.config, g);
             if self.master_stale[i] && !master_only {
                 if let Some(master) = self.masters[i].as_mut() {
@@ -307,7 +310,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(out)
     }
 
-    /// This rank's fp32 gradient shard of trainable `group`, as synced so far this step.
+    /// This rank's fp32 gradient shard of trainable `group`, as synced so far this step (zeros
+    /// where per-step shards are not made yet, or freed by the step's end).
     pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
         self.healthy()?;
         let g = self.plan.group(group)?;

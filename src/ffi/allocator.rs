@@ -13,10 +13,13 @@ use crate::error::{Error, Result};
 ///
 /// The engine asks for memory in the order of its compute stream and gives it back once its
 /// compute stream is ordered after every use of it on the engine's streams: memory given back
-/// may be handed out again, with no wait, to work queued on the compute stream later. Both
-/// functions are called on the threads that call the engine's functions, `fsdp_engine_destroy`
-/// included; with `FSDP_GRAD_SHARDS_PER_STEP` every step allocates and releases the gradient
-/// shards.
+/// may be handed out again, with no wait, to work queued on the compute stream later: give each
+/// engine (compute stream) its own allocator context. Both functions are called on the threads
+/// that call the engine's functions, `fsdp_engine_destroy` included, while the engine is locked:
+/// they must not call the engine. With `FSDP_GRAD_SHARDS_PER_STEP` every step allocates the
+/// gradient shards (in the gradient and sync calls) and releases them (`fsdp_engine_end_step`);
+/// a refused allocation inside a step poisons the engine. Memory whose last uses could not be
+/// ordered before the compute stream's next work (a failed event) is never released.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct fsdp_device_allocator {

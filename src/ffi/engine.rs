@@ -15,10 +15,11 @@ use super::types::{
     config_of, dtype_code, dtype_of, fsdp_config, fsdp_counters, fsdp_engine, fsdp_grad,
     fsdp_local_group, fsdp_loopback_group, fsdp_plan, unit_of,
 };
-use crate::backend::Input;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::{Backend, Input};
 use crate::comm::nccl::NcclComm;
+use crate::config::GradShardMemory;
 use crate::engine::Engine;
 use crate::error::Error;
 use crate::types::{DType, ParamId};
@@ -79,7 +80,7 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// caller's device allocator, which every buffer of the engine then comes from; it is copied.
 ///
 /// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
-/// device; parameters start at zero until `fsdp_engine_load_param`. Release with
+/// device (per-step gradient shards, which need an allocator, each step); parameters start at zero until `fsdp_engine_load_param`. Release with
 /// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
 /// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
 ///
@@ -123,6 +124,15 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
         }
         // SAFETY: the function's contract.
         let backend = unsafe { cuda_backend(device, stream, allocator) }?;
+        // Refused before joining, as the engine would refuse it after.
+        if config.grad_shard_memory == GradShardMemory::PerStep && !backend.frees_in_stream_order()
+        {
+            return Err(Error::InvalidConfig {
+                field: "grad_shard_memory",
+                reason: "per step, but no allocator was given".into(),
+            }
+            .into());
+        }
         let comm = NcclComm::new(&id, rank, world_size, &backend)?;
         let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::CudaNccl(engine), out)
@@ -198,7 +208,8 @@ unsafe fn cuda_backend(
 /// Releases an engine and everything it allocated; NULL is accepted. Never waits for another
 /// handle. A call still running on the engine in another thread (blocked in a collective, say) is
 /// aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
-/// the work it queued first (on a GPU, the device work still using its memory). CPU and loopback
+/// the work it queued first (on a GPU, the device work still using its memory; memory from an
+/// allocator goes back to it in stream order instead). CPU and loopback
 /// ranks still in a collective with it fail with `FSDP_COMM_ERROR` instead of waiting; NCCL ranks
 /// must all destroy their engines at the same point of the training.
 #[unsafe(no_mangle)]

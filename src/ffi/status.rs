@@ -32,7 +32,8 @@ pub enum fsdp_status {
     FSDP_IO_ERROR = 8,
     /// The library panicked; the engine involved is poisoned and has left its group.
     FSDP_PANIC = 9,
-    /// Too little host or device memory; nothing was half-built.
+    /// Too little host or device memory: nothing was half-built where a call allocates up front
+    /// (making an engine); a per-step gradient shard refused inside a step poisons the engine.
     FSDP_OUT_OF_MEMORY = 10,
     /// A wait passed the engine's deadline (`fsdp_config.timeout_seconds`); the engine is
     /// poisoned.

@@ -71,7 +71,8 @@ impl Drop for DeviceMemory {
 /// Device memory from the caller: a framework's caching allocator, say, so that the engine's
 /// buffers and the framework's tensors share one pool (and its accounting).
 ///
-/// The backend asks for memory on the host, in the order of its compute stream, and gives it back
+/// One allocator per compute stream: the backend asks for memory on the host, in the order of
+/// its compute stream (from whichever thread calls the engine), and gives it back
 /// once its compute stream is ordered after every use of it on the backend's streams: the
 /// allocator may hand it out again for work queued on the compute stream later, with no wait
 /// (as PyTorch's caching allocator does with a block allocated on a stream).

@@ -208,7 +208,10 @@ impl CudaBackend {
             Some(allocator) => {
                 bind(&self.ctx)?;
                 let streams = [&self.compute, &self.gather, &self.reduce].map(Arc::clone);
-                BufferMemory::Lent(LentMemory::allocate(allocator, bytes, streams)?)
+                let lent = LentMemory::allocate(allocator, bytes, streams)?;
+                // The caller's allocator may have made another context current.
+                bind(&self.ctx)?;
+                BufferMemory::Lent(lent)
             }
         };
         let memory = CudaBuffer::new(memory, tracker);
@@ -286,7 +289,7 @@ impl Backend for CudaBackend {
         NAME
     }
 
-    /// Allocates with `cuMemAlloc` and zero-fills on the compute stream; the gather and reduce
+    /// Allocates with `cuMemAlloc` (or the caller's allocator) and zero-fills on the compute stream; the gather and reduce
     /// streams wait for the fill, so the zeros are what any stream sees first.
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
         self.alloc_counted(bytes, &self.tracker)
