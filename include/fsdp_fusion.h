@@ -7,6 +7,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// The version of the C ABI this header describes: the layout of every struct and the
+// parameters of every function. It changes with each of them; a caller compares it with its
+// own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
+// versions never exchange structs.
+#define FSDP_ABI_VERSION 2
+
 // Element types, for the `dtype` arguments and fields.
 #define FSDP_BF16 0
 
@@ -660,6 +666,9 @@ enum fsdp_status fsdp_engine_grad_norm(struct fsdp_engine *engine, struct fsdp_g
 enum fsdp_status fsdp_engine_clip_grad_norm(struct fsdp_engine *engine,
                                             float max_norm,
                                             struct fsdp_grad_norm *out);
+
+// The library's `FSDP_ABI_VERSION`.
+uint32_t fsdp_abi_version(void);
 
 // The calling thread's message for its last failed call; never NULL. The string stays valid
 // until the thread's next failed call.

@@ -285,7 +285,10 @@ fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
                     "{allocations} allocations"
                 );
                 let reuses = a.reuses.load(Ordering::SeqCst);
-                assert!(reuses >= trainable * (STEPS as usize - 1), "{reuses} reuses");
+                assert!(
+                    reuses >= trainable * (STEPS as usize - 1),
+                    "{reuses} reuses"
+                );
                 assert_eq!(a.outstanding.load(Ordering::SeqCst), 0);
             }
         }

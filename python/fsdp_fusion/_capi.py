@@ -24,6 +24,9 @@ ROOT = -1
 
 UNIQUE_ID_BYTES = 128
 
+ABI_VERSION = 2
+"""The C ABI (`FSDP_ABI_VERSION`) this package's structs and signatures follow."""
+
 
 class ParamSpec(ctypes.Structure):
     _fields_ = [
@@ -126,6 +129,7 @@ _HANDLE = c_void_p
 _OUT = POINTER(c_void_p)
 _SIGNATURES = {
     "fsdp_last_error": ([], c_char_p),
+    "fsdp_abi_version": ([], c_uint32),
     "fsdp_config_default": ([POINTER(Config)], c_int),
     "fsdp_plan_from_specs": ([POINTER(ParamSpec), c_size_t, c_size_t, _OUT], c_int),
     "fsdp_plan_destroy": ([_HANDLE], c_int),
@@ -181,6 +185,15 @@ class Library:
             self._lib = ctypes.CDLL(os.fspath(path))
         except OSError as e:
             raise UnavailableError(f"{path} does not load: {e}") from e
+        version = getattr(self._lib, "fsdp_abi_version", None)
+        if version is None:
+            raise UnavailableError(f"{path} has no fsdp_abi_version: a library older than this "
+                                   "package")
+        version.argtypes, version.restype = [], c_uint32
+        if version() != ABI_VERSION:
+            raise UnavailableError(f"{path} has C ABI {version()}, this package needs "
+                                   f"{ABI_VERSION}: build the library and the package of one "
+                                   "checkout")
         for name, (args, result) in _SIGNATURES.items():
             try:
                 function = getattr(self._lib, name)

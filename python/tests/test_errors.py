@@ -11,7 +11,7 @@ from conftest import CHECKOUT
 from training import models
 
 import fsdp_fusion
-from fsdp_fusion import FusedFSDP, LocalGroup
+from fsdp_fusion import FusedFSDP, LocalGroup, _capi
 from fsdp_fusion.errors import STATUS_ERRORS
 
 
@@ -72,6 +72,20 @@ def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):
     places = fsdp_fusion.library_candidates()
     assert places[0].name == "libfsdp_fusion.so" and places[0].parent.name == "fsdp_fusion"
     assert any(p.parent.parts[-2:] == ("target", "release") for p in places[1:])
+
+
+def test_a_library_of_another_c_abi_is_refused(monkeypatch):
+    """The package's structs follow the header's ABI; a library of another version is refused
+    before any struct crosses, and the header's version is the package's."""
+    header = (CHECKOUT / "include" / "fsdp_fusion.h").read_text()
+    version = int(re.search(r"#define FSDP_ABI_VERSION (\d+)", header).group(1))
+    assert version == _capi.ABI_VERSION
+    path = fsdp_fusion.library_candidates()
+    path = next(p for p in path if p.exists())
+    assert _capi.Library(path).fsdp_abi_version() == version
+    monkeypatch.setattr(_capi, "ABI_VERSION", version + 1)
+    with pytest.raises(fsdp_fusion.UnavailableError, match=f"C ABI {version}"):
+        _capi.Library(path)
 
 
 def test_status_classes_follow_the_header():

@@ -32,5 +32,5 @@ pub use engine::*;
 pub use group::*;
 pub use plan::*;
 pub use recipe::*;
-pub use status::{fsdp_last_error, fsdp_status};
+pub use status::{FSDP_ABI_VERSION, fsdp_abi_version, fsdp_last_error, fsdp_status};
 pub use types::*;

@@ -212,6 +212,18 @@ pub(crate) unsafe fn text<'a>(s: *const c_char, what: &str) -> Outcome<&'a str> 
         .map_err(|_| invalid(format!("{what} is not UTF-8")))
 }
 
+/// The version of the C ABI this header describes: the layout of every struct and the
+/// parameters of every function. It changes with each of them; a caller compares it with its
+/// own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
+/// versions never exchange structs.
+pub const FSDP_ABI_VERSION: u32 = 2;
+
+/// The library's `FSDP_ABI_VERSION`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_abi_version() -> u32 {
+    FSDP_ABI_VERSION
+}
+
 /// The calling thread's message for its last failed call; never NULL. The string stays valid
 /// until the thread's next failed call.
 #[unsafe(no_mangle)]
