@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 use fsdp_fusion::backend::cuda::kernels::{Kernels, PackEntry};
-use fsdp_fusion::optim::AdamwCoefficients;
+use fsdp_fusion::optim::{AdamwCoefficients, MomentStorage};
 use fsdp_fusion::{DType, Error};
 
 type Outcome<T> = Result<T, Box<dyn StdError>>;
@@ -442,8 +442,7 @@ fn adamw(size: usize, param: DType) -> Item {
                 &gpu.stream,
                 param,
                 a[0],
-                a[1],
-                a[2],
+                (a[1], a[2], MomentStorage::F32),
                 a[3],
                 param_ptr,
                 n,

@@ -11,7 +11,7 @@
 // parameters of every function. It changes with each of them; a caller compares it with its
 // own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
 // versions never exchange structs.
-#define FSDP_ABI_VERSION 2
+#define FSDP_ABI_VERSION 3
 
 // Element types, for the `dtype` arguments and fields.
 #define FSDP_BF16 0
@@ -145,6 +145,9 @@ typedef struct fsdp_config {
   uint32_t param_storage;
   // `FSDP_GRAD_SHARDS_PERSISTENT` or `FSDP_GRAD_SHARDS_PER_STEP`.
   uint32_t grad_shard_memory;
+  // AdamW's moments: `FSDP_F32`, or `FSDP_BF16` (half the memory; each new moment rounded
+  // stochastically, unbiased, the update itself computed in f32).
+  uint32_t moment_dtype;
 } fsdp_config;
 
 // Device memory from the caller for a CUDA engine's buffers: a framework's caching allocator,
@@ -677,7 +680,7 @@ const char *fsdp_last_error(void);
 // Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 // 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-// a shard beside each master, persistent gradient shards.
+// a shard beside each master, persistent gradient shards, f32 moments.
 //
 // # Safety
 // `out` is NULL or valid for a write.

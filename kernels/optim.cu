@@ -70,6 +70,95 @@ struct AdamwOp {
   }
 };
 
+// `crate::optim`'s hash of the moments' rounding, operation for operation (32-bit wrapping).
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x = (x ^ (x >> 16)) * 0x7feb352du;
+  x = (x ^ (x >> 15)) * 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+__device__ __forceinline__ uint32_t rounding_bits(uint32_t seed, uint64_t index, uint32_t which) {
+  return mix(seed ^ mix(static_cast<uint32_t>(index) ^ mix(static_cast<uint32_t>(index >> 32) ^ which)));
+}
+
+// `crate::optim::bf16_stochastic`: the bits below bf16's added to, then cut off; infinities and
+// NaN round to nearest.
+__device__ __forceinline__ uint32_t bf16_stochastic(float x, uint32_t bits) {
+  if (!isfinite(x)) return Bf16::from_f32(x);
+  return (__float_as_uint(x) + (bits & 0xFFFFu)) >> 16;
+}
+
+// As AdamwOp, the moments stored as bf16: read widened, computed in f32, stored rounded
+// stochastically with the bits of (seed, first_index + the element's index in the shard).
+template <class P>
+struct AdamwBf16MomentsOp {
+  float* master;
+  Bf16::Bits* m;
+  Bf16::Bits* v;
+  const float* grad;
+  typename P::Bits* param;
+  AdamwCoefficients c;
+  uint32_t seed;
+  uint64_t first_index;
+  bool aliased;
+  template <int N>
+  struct Regs {
+    Raw<uint32_t, N> p;
+    Raw<uint16_t, N> m;
+    Raw<uint16_t, N> v;
+    Raw<uint32_t, N> g;
+  };
+  __device__ __forceinline__ int steps() const { return 1; }
+  template <int N>
+  __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
+    r.p.load(reinterpret_cast<const uint32_t*>(master) + i);
+    r.m.load(m + i);
+    r.v.load(v + i);
+    r.g.load(reinterpret_cast<const uint32_t*>(grad) + i);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    float p[N];
+    float mo[N];
+    float vo[N];
+    float g[N];
+    to_floats<F32>(r.p, p);
+    to_floats<Bf16>(r.m, mo);
+    to_floats<Bf16>(r.v, vo);
+    to_floats<F32>(r.g, g);
+    Raw<uint16_t, N> ms;
+    Raw<uint16_t, N> vs;
+    uint32_t mb[N];
+    uint32_t vb[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      g[k] = __fmul_rn(g[k], c.grad_scale);
+      const float decayed = __fmul_rn(p[k], c.decay);
+      mo[k] = __fadd_rn(__fmul_rn(c.beta1, mo[k]), __fmul_rn(c.one_minus_beta1, g[k]));
+      vo[k] = __fadd_rn(__fmul_rn(c.beta2, vo[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g[k]), g[k]));
+      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vo[k]), c.sqrt_bias2), c.eps);
+      p[k] = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(mo[k], denom)));
+      const uint64_t index = first_index + i + k;
+      mb[k] = bf16_stochastic(mo[k], rounding_bits(seed, index, 0));
+      vb[k] = bf16_stochastic(vo[k], rounding_bits(seed, index, 1));
+    }
+    if constexpr (N == 1) {
+      ms.x = static_cast<uint16_t>(mb[0]);
+      vs.x = static_cast<uint16_t>(vb[0]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < N / 2; ++k) {
+        ms.w[k] = mb[2 * k] | (mb[2 * k + 1] << 16);
+        vs.w[k] = vb[2 * k] | (vb[2 * k + 1] << 16);
+      }
+    }
+    store_floats<F32>(reinterpret_cast<uint32_t*>(master) + i, p);
+    ms.store(m + i);
+    vs.store(v + i);
+    if (!aliased) store_floats<P>(param + i, p);
+  }
+};
+
 template <class P>
 struct SgdOp {
   float* master;
@@ -125,6 +214,23 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
 }
 
 template <class P>
+__device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m, Bf16::Bits* v,
+                                                   const float* grad, typename P::Bits* param,
+                                                   uint64_t n, const AdamwCoefficients& c,
+                                                   uint32_t seed, uint64_t first_index) {
+  Phase phase;
+  phase.add(master);
+  phase.add(m);
+  phase.add(v);
+  phase.add(grad);
+  phase.add(param);
+  const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
+  elementwise<kChunk<uint32_t>, 2>(
+      AdamwBf16MomentsOp<P>{master, m, v, grad, param, c, seed, first_index, aliased}, n, phase,
+      grid_thread(), grid_threads());
+}
+
+template <class P>
 __device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
                                     uint64_t n, float lr, float weight_decay,
                                     float grad_scale) {
@@ -147,6 +253,12 @@ using fsdp::kBlock;
       adamw_##name(float* master, float* m, float* v, const float* grad, P::Bits* param,        \
                    uint64_t n, fsdp::AdamwCoefficients c) {                                     \
     fsdp::adamw<P>(master, m, v, grad, param, n, c);                                            \
+  }                                                                                             \
+  extern "C" __global__ void __launch_bounds__(kBlock)                                          \
+      adamw_bf16m_##name(float* master, fsdp::Bf16::Bits* m, fsdp::Bf16::Bits* v,              \
+                         const float* grad, P::Bits* param, uint64_t n,                         \
+                         fsdp::AdamwCoefficients c, uint32_t seed, uint64_t first_index) {       \
+    fsdp::adamw_bf16_moments<P>(master, m, v, grad, param, n, c, seed, first_index);            \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(kBlock)                                          \
       sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n, float lr,        \

@@ -18,6 +18,7 @@ use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{Error, Result};
 use crate::plan::Plan;
+use crate::types::DType;
 
 /// The version of the layout below; a manifest of another is refused.
 pub const FORMAT: u32 = 1;
@@ -69,11 +70,18 @@ pub struct RankManifest {
     pub weight_decay: f32,
     /// "adamw" or "sgd".
     pub optimizer: String,
+    /// The dtype AdamW's moments are saved in ("f32" or "bf16"; absent in earlier saves: f32).
+    #[serde(default = "f32_name")]
+    pub moment_dtype: String,
     pub params: Vec<ParamRecord>,
     pub sections: Vec<Section>,
     pub data_bytes: u64,
     /// The data file's xxh3-64, as 16 hex digits.
     pub data_xxh3: String,
+}
+
+fn f32_name() -> String {
+    DType::F32.to_string()
 }
 
 /// Every parameter of `plan`, as a manifest records it.

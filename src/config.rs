@@ -96,6 +96,10 @@ pub struct EngineConfig {
     pub accumulation: Accumulation,
     pub param_storage: ParamStorage,
     pub grad_shard_memory: GradShardMemory,
+    /// How AdamW's moments are stored: f32, or bf16 (half their memory; each new moment, computed
+    /// in f32, rounded stochastically so that it stays unbiased,
+    /// [`crate::optim::MomentStorage::Bf16Stochastic`]). The update itself is the f32 one.
+    pub moment_dtype: DType,
     pub optimizer: OptimizerConfig,
     /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
     /// before it fails with `Error::Timeout`, poisoning the engine. Positive.
@@ -118,6 +122,7 @@ impl Default for EngineConfig {
             accumulation: Accumulation::ReduceEveryPass,
             param_storage: ParamStorage::ShardAndMaster,
             grad_shard_memory: GradShardMemory::Persistent,
+            moment_dtype: DType::F32,
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,
@@ -152,6 +157,13 @@ impl EngineConfig {
             return Err(Error::InvalidConfig {
                 field: "reduce_dtype",
                 reason: "f16, expected f32 or bf16 (an f16 sum overflows at 65504)".into(),
+            });
+        }
+        if self.moment_dtype == DType::F16 {
+            return Err(Error::InvalidConfig {
+                field: "moment_dtype",
+                reason: "f16, expected f32 or bf16 (f16's range cuts off small second moments)"
+                    .into(),
             });
         }
         if self.timeout.is_zero() {

@@ -88,12 +88,17 @@ impl OptimizerConfig {
     }
 
     /// Bytes of state per trainable group shard: an fp32 master copy for bf16/f16 params, and
-    /// AdamW's two fp32 moments; `None` when that overflows.
-    pub fn state_bytes(&self, dtype: DType, shard_numel: usize) -> Option<usize> {
+    /// AdamW's two moments in `moment_dtype`; `None` when that overflows.
+    pub fn state_bytes(
+        &self,
+        dtype: DType,
+        moment_dtype: DType,
+        shard_numel: usize,
+    ) -> Option<usize> {
         let master = if dtype == DType::F32 { 0 } else { 4 };
         let moments = match self {
             OptimizerConfig::Sgd { .. } => 0,
-            OptimizerConfig::AdamW { .. } => 8,
+            OptimizerConfig::AdamW { .. } => 2 * moment_dtype.size(),
         };
         shard_numel.checked_mul(master + moments)
     }
@@ -285,6 +290,61 @@ pub fn adamw_element(p: f32, m: f32, v: f32, g: f32, c: &AdamwCoefficients) -> (
     (p - c.step_size * (m / denom), m, v)
 }
 
+/// How AdamW's moments are stored between steps. The update always computes them in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MomentStorage {
+    F32,
+    /// bf16, each new moment rounded stochastically (up with the probability of its distance
+    /// from the value below): unbiased, so that the second moment still moves when
+    /// `(1 - beta2) * g^2` is below half a bf16 step of it, where rounding to nearest would stall
+    /// it. The random bits are a hash of `seed` (the step and the group, [`moment_seed`]) and
+    /// the element's index in the group's layout (`first_index` + its index in the shard), so
+    /// every backend and the reference round alike.
+    Bf16Stochastic {
+        seed: u32,
+        first_index: u64,
+    },
+}
+
+impl MomentStorage {
+    /// The element type the moments are stored in.
+    pub fn dtype(self) -> DType {
+        match self {
+            MomentStorage::F32 => DType::F32,
+            MomentStorage::Bf16Stochastic { .. } => DType::Bf16,
+        }
+    }
+}
+
+/// One round of a 32-bit integer hash (lowbias32).
+#[inline]
+fn mix(x: u32) -> u32 {
+    let x = (x ^ (x >> 16)).wrapping_mul(0x7feb_352d);
+    let x = (x ^ (x >> 15)).wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// The seed of the moments' rounding of optimizer step `step` (1-based) of group `group`.
+pub fn moment_seed(step: u64, group: usize) -> u32 {
+    mix((step as u32) ^ mix(((step >> 32) as u32) ^ mix(group as u32 ^ 0x9e37_79b9)))
+}
+
+/// The random bits of moment `which` (0: first, 1: second) of the element at `index`.
+#[inline]
+pub fn rounding_bits(seed: u32, index: u64, which: u32) -> u32 {
+    mix(seed ^ mix((index as u32) ^ mix(((index >> 32) as u32) ^ which)))
+}
+
+/// `x` rounded to bf16 stochastically with the random `bits` (their low 16 are used): the bits
+/// below bf16's are added to before they are cut off. Infinities and NaN round to nearest.
+#[inline]
+pub fn bf16_stochastic(x: f32, bits: u32) -> u16 {
+    if !x.is_finite() {
+        return half::bf16::from_f32(x).to_bits();
+    }
+    (x.to_bits().wrapping_add(bits & 0xFFFF) >> 16) as u16
+}
+
 /// One element of SGD: the gradient (times `grad_scale`) plus `weight_decay * p` (none at all
 /// when it is 0, as `torch.optim.SGD` skips the term), times `lr`, off the parameter.
 #[inline]
@@ -307,6 +367,48 @@ pub fn accumulate_element(dst: f32, src: f32, scale: f32, add: bool) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stochastic_bf16_rounding_is_unbiased_and_one_step_wide() {
+        // (1 - beta2) * g^2 far below half a bf16 step of v: rounding to nearest never moves v.
+        let v = 1.0f32;
+        let updated = 0.999 * v + 0.001 * 1.5;
+        assert_eq!(
+            half::bf16::from_f32(updated).to_f32(),
+            1.0,
+            "nearest stalls"
+        );
+        let (down, up) = (1.0f32, f32::from_bits(1.0f32.to_bits() + 0x1_0000));
+        let seed = moment_seed(7, 3);
+        let mut sum = 0f64;
+        let n = 1 << 16;
+        for i in 0..n {
+            let r = half::bf16::from_bits(bf16_stochastic(updated, rounding_bits(seed, i, 1)));
+            let r = r.to_f32();
+            assert!(r == down || r == up, "{r}");
+            sum += f64::from(r);
+        }
+        let mean = sum / n as f64;
+        assert!(
+            (mean - f64::from(updated)).abs() < 3e-5,
+            "{mean} against {updated}"
+        );
+        // Exact values stay exact; negative ones round in magnitude the same way.
+        assert_eq!(
+            bf16_stochastic(-0.75, u32::MAX),
+            half::bf16::from_f32(-0.75).to_bits()
+        );
+        assert_eq!(
+            bf16_stochastic(f32::INFINITY, 0x1234),
+            half::bf16::INFINITY.to_bits()
+        );
+        assert!(half::bf16::from_bits(bf16_stochastic(f32::NAN, 7)).is_nan());
+        // Different steps, groups, elements and moments draw different bits.
+        assert_ne!(moment_seed(1, 0), moment_seed(2, 0));
+        assert_ne!(moment_seed(1, 0), moment_seed(1, 1));
+        assert_ne!(rounding_bits(seed, 0, 0), rounding_bits(seed, 0, 1));
+        assert_ne!(rounding_bits(seed, 0, 0), rounding_bits(seed, 1 << 32, 0));
+    }
 
     #[test]
     fn adamw_first_step_moves_each_param_by_about_lr() {
@@ -371,10 +473,12 @@ mod tests {
     fn state_bytes_count_master_and_moments() {
         let adamw = OptimizerConfig::default();
         let sgd = OptimizerConfig::sgd(0.1);
-        assert_eq!(adamw.state_bytes(DType::F32, 10), Some(80));
-        assert_eq!(adamw.state_bytes(DType::Bf16, 10), Some(120));
-        assert_eq!(sgd.state_bytes(DType::F32, 10), Some(0));
-        assert_eq!(sgd.state_bytes(DType::F16, 10), Some(40));
-        assert_eq!(adamw.state_bytes(DType::F32, usize::MAX / 4), None);
+        let f32s = DType::F32;
+        assert_eq!(adamw.state_bytes(DType::F32, f32s, 10), Some(80));
+        assert_eq!(adamw.state_bytes(DType::Bf16, f32s, 10), Some(120));
+        assert_eq!(adamw.state_bytes(DType::Bf16, DType::Bf16, 10), Some(80));
+        assert_eq!(sgd.state_bytes(DType::F32, DType::Bf16, 10), Some(0));
+        assert_eq!(sgd.state_bytes(DType::F16, f32s, 10), Some(40));
+        assert_eq!(adamw.state_bytes(DType::F32, f32s, usize::MAX / 4), None);
     }
 }

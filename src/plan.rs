@@ -445,7 +445,9 @@ impl Plan {
                 )?;
                 m.optimizer_state = add(
                     m.optimizer_state,
-                    config.optimizer.state_bytes(g.dtype, g.shard_numel),
+                    config
+                        .optimizer
+                        .state_bytes(g.dtype, config.moment_dtype, g.shard_numel),
                     "optimizer state",
                 )?;
             }

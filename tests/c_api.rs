@@ -397,6 +397,13 @@ fn wrong_sizes_and_values() {
                 "accumulation 7",
             );
             c = config;
+            c.moment_dtype = FSDP_F16;
+            expect(
+                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                bad,
+                "moment_dtype",
+            );
+            c = config;
             c.grad_shard_memory = 2;
             expect(
                 fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),

@@ -380,11 +380,14 @@ fn values(plan: &Plan, ranks: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
 /// Saves at `saved` ranks after 3 steps and loads at `loaded`: the values are exactly the saved
 /// ones. Saved again there and loaded back at `saved` ranks, 3 more steps give exactly the
 /// uninterrupted run's shards: masters and moments went through both reshardings unchanged.
-fn reshard(mode: Mode, dtype: DType, (saved, loaded): (usize, usize)) {
+fn reshard(mode: Mode, dtype: DType, sizes: (usize, usize)) {
+    reshard_with(mode, dtype, sizes, EngineConfig::default());
+}
+
+fn reshard_with(mode: Mode, dtype: DType, (saved, loaded): (usize, usize), config: EngineConfig) {
     let mlp = model(dtype, 24);
     let plan = |world| Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
     let (from, to) = (plan(saved), plan(loaded));
-    let config = EngineConfig::default();
     let init = mlp.init(3);
     let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
     let straight = train(
@@ -440,6 +443,41 @@ fn a_checkpoint_loads_at_every_other_world_size() {
     }
     reshard(Mode::Eager, DType::Bf16, (3, 8));
     reshard(Mode::Eager, DType::F16, (8, 1));
+}
+
+#[test]
+fn bf16_moments_save_load_and_reshard_exactly_and_refuse_f32_ones() {
+    let bf16_moments = EngineConfig {
+        moment_dtype: DType::Bf16,
+        ..EngineConfig::default()
+    };
+    for sizes in [(1, 1), (2, 3), (4, 1)] {
+        reshard_with(Mode::Eager, DType::Bf16, sizes, bf16_moments.clone());
+    }
+    let mlp = model(DType::F32, 24);
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+    let scratch = Scratch::new();
+    let dir = scratch.0.clone();
+    let init = mlp.init(3);
+    let f32_moments = EngineConfig::default();
+    train(
+        (&mlp, &plan, &f32_moments),
+        Mode::Eager,
+        0..1,
+        move |e| load(e, &init).unwrap(),
+        {
+            let dir = dir.clone();
+            move |e| e.save(&dir).unwrap()
+        },
+    );
+    on_engines(&plan, &bf16_moments, Mode::Eager, move |mut e| {
+        match e.load(&dir) {
+            Err(Error::CheckpointMismatch { differences }) => {
+                assert_eq!(differences, ["moments saved in f32, loaded into bf16"]);
+            }
+            other => panic!("{other:?}"),
+        }
+    });
 }
 
 #[test]

@@ -12,10 +12,10 @@ use cudarc::driver::CudaContext;
 
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
 use fsdp_fusion::backend::cuda::{CudaBackend, CudaBuffer, is_driver_present};
-use fsdp_fusion::backend::{Backend, Input, OptimizerShard, Region};
+use fsdp_fusion::backend::{Backend, Input, Moments, OptimizerShard, Region};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::engine::DeviceTensor;
-use fsdp_fusion::optim::GroupSettings;
+use fsdp_fusion::optim::{GroupSettings, MomentStorage, moment_seed};
 use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
@@ -380,7 +380,15 @@ fn optimizer_steps_match_the_cpu() {
     let both = Both::new();
     let mut rng = Rng::new(7);
     let n = 5003;
-    for dtype in DTYPES {
+    // bf16 moments: the shard's elements at 4000..9003 of their group's layout.
+    let storages = [
+        MomentStorage::F32,
+        MomentStorage::Bf16Stochastic {
+            seed: 0,
+            first_index: 4000,
+        },
+    ];
+    for (dtype, storage) in DTYPES.into_iter().flat_map(|d| storages.map(|s| (d, s))) {
         for config in [OptimizerConfig::sgd(0.01), OptimizerConfig::default()] {
             let mut s = ShardState {
                 param: both.twin(dtype, &rng.mixed_bytes(dtype, n)),
@@ -429,13 +437,26 @@ fn optimizer_steps_match_the_cpu() {
                     lr_scale: 0.5,
                 };
                 let update = config.coefficients(step, settings);
+                let storage = match storage {
+                    MomentStorage::Bf16Stochastic { first_index, .. } => {
+                        MomentStorage::Bf16Stochastic {
+                            seed: moment_seed(step, 2),
+                            first_index,
+                        }
+                    }
+                    f32s => f32s,
+                };
                 let cpu = OptimizerShard {
                     param: &mut s.param.cpu,
                     dtype,
                     numel: n,
                     grad: &s.grad.cpu,
                     master: s.master.as_mut().map(|m| &mut m.cpu),
-                    moments: s.moments.as_mut().map(|(m, v)| (&mut m.cpu, &mut v.cpu)),
+                    moments: s.moments.as_mut().map(|(m, v)| Moments {
+                        first: &mut m.cpu,
+                        second: &mut v.cpu,
+                        storage,
+                    }),
                 };
                 // SAFETY: see the module note.
                 unsafe { both.cpu.optimizer_step(Stream::Compute, &update, cpu) }.unwrap();
@@ -445,11 +466,15 @@ fn optimizer_steps_match_the_cpu() {
                     numel: n,
                     grad: &s.grad.gpu,
                     master: s.master.as_mut().map(|m| &mut m.gpu),
-                    moments: s.moments.as_mut().map(|(m, v)| (&mut m.gpu, &mut v.gpu)),
+                    moments: s.moments.as_mut().map(|(m, v)| Moments {
+                        first: &mut m.gpu,
+                        second: &mut v.gpu,
+                        storage,
+                    }),
                 };
                 // SAFETY: see the module note.
                 unsafe { both.gpu.optimizer_step(Stream::Compute, &update, gpu) }.unwrap();
-                let what = format!("{config:?} {dtype} step {step}");
+                let what = format!("{config:?} {dtype} {storage:?} step {step}");
                 both.assert_same(&s.param, &format!("{what}: param"));
                 if let Some(m) = &s.master {
                     both.assert_same(m, &format!("{what}: master"));
@@ -713,7 +738,11 @@ fn events_streams_and_launches_never_block_the_host() {
         numel: n,
         grad: &g,
         master: Some(&mut f),
-        moments: Some((&mut m, &mut v)),
+        moments: Some(Moments {
+            first: &mut m,
+            second: &mut v,
+            storage: MomentStorage::F32,
+        }),
     };
     // SAFETY: see the module note.
     unsafe {

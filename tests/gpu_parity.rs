@@ -180,6 +180,27 @@ fn loopback_engines_with_master_only_storage_equal_the_reference() {
     }
 }
 
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_engines_with_bf16_moments_equal_the_reference() {
+    let recipe = Recipe {
+        schedule: LrSchedule::Constant,
+        clip: Some(0.05),
+    };
+    for world in [1, 2, 4] {
+        for param_storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
+            let config = EngineConfig {
+                moment_dtype: DType::Bf16,
+                param_storage,
+                ..EngineConfig::default()
+            };
+            let diff = parity_under(DType::Bf16, config, recipe, loopback(world));
+            eprintln!("bf16 moments loopback world {world} {param_storage:?}: {diff:e}");
+            assert!(diff <= 1e-6, "world {world} {param_storage:?}: {diff}");
+        }
+    }
+}
+
 /// A caching allocator as PyTorch's is, made harsh: a block given back goes on a free list at
 /// once and is handed out again with no wait, and its bytes are overwritten (0xFF) on the compute
 /// stream when it comes back, as the next compute-stream work that reused it would. A release

@@ -265,6 +265,25 @@ fn per_step_gradient_shards_in_every_accumulation_mode_and_parameter_storage() {
 }
 
 #[test]
+fn bf16_moments_round_as_the_reference_does_at_every_world_size() {
+    // The reference rounds each new moment with the same bits (the step, the group, the
+    // element's place in its layout), so the runs agree to 1e-6 as f32 moments do.
+    for param_storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
+        let config = EngineConfig {
+            moment_dtype: DType::Bf16,
+            param_storage,
+            ..config(true)
+        };
+        for world in [1, 2, 3, 4, 8] {
+            let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
+            assert!(diff <= 1e-6, "{param_storage:?} world {world}: {diff}");
+        }
+        let f32_params = parity_with(3, DType::F32, config.clone(), full_recipe());
+        assert!(f32_params <= 1e-6, "f32 parameters: {f32_params}");
+    }
+}
+
+#[test]
 fn bf16_parameters_with_bf16_transport_and_no_sync_sgd_with_a_scaled_sum() {
     let config = EngineConfig {
         accumulation: Accumulation::NoSync,

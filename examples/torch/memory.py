@@ -1,7 +1,8 @@
 """Device memory and step time of one training setup at a time, each in a fresh process so that
 each peak is its own: fsdp-fusion with a bf16 shard beside each fp32 master ("fusion-shard") or
 the master only ("fusion-master"), each with per-step gradient shards, and the master only with
-persistent ones ("fusion-master-persistent"); plain PyTorch (bf16 compute copy, fp32 master,
+persistent ones ("fusion-master-persistent") or with bf16 AdamW moments
+("fusion-master-bf16moments"); plain PyTorch (bf16 compute copy, fp32 master,
 AdamW) and FSDP2 (`fully_shard` per layer and the root, bf16 parameters, fp32 reduction), all at
 world size 1, on the GPT example or transformers' Llama.
 
@@ -37,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
 from gpt import GPT, loss_of  # noqa: E402
 
-SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "plain", "fsdp2")
+SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "fusion-master-bf16moments",
+          "plain", "fsdp2")
 GIB = 1 << 30
 
 
@@ -83,10 +85,12 @@ def trainer(setup: str, args, device):
     model, layers, loss_fn = build(args)
     if setup.startswith("fusion"):
         module = model.to(device=device, dtype=torch.bfloat16)
-        storage, _, persistent = setup.removeprefix("fusion-").partition("-")
+        storage, _, variant = setup.removeprefix("fusion-").partition("-")
         fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
                           weight_decay=0.1, param_storage=storage,
-                          grad_shards=persistent or "per-step")
+                          grad_shards="persistent" if variant == "persistent" else "per-step",
+                          moment_dtype=torch.bfloat16 if variant == "bf16moments"
+                          else torch.float32)
 
         def step(tokens):
             loss = loss_fn(fused, tokens)

@@ -24,7 +24,7 @@ ROOT = -1
 
 UNIQUE_ID_BYTES = 128
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """The C ABI (`FSDP_ABI_VERSION`) this package's structs and signatures follow."""
 
 
@@ -61,6 +61,7 @@ class Config(ctypes.Structure):
         ("accumulation", c_uint32),
         ("param_storage", c_uint32),
         ("grad_shard_memory", c_uint32),
+        ("moment_dtype", c_uint32),
     ]
 
 

@@ -287,6 +287,10 @@ class FusedFSDP(Releasing, torch.nn.Module):
     when `step` ends, so the forward's activations use that memory; "persistent" keeps them for
     the engine's life.
 
+    `moment_dtype=torch.bfloat16` stores AdamW's moments in bf16 (half their memory), each new
+    moment computed in fp32 and rounded stochastically so that it stays unbiased; the update
+    itself is the fp32 one.
+
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
@@ -311,6 +315,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         accumulation: str = "reduce",
         param_storage: str = "shard",
         grad_shards: str = "per-step",
+        moment_dtype: torch.dtype = torch.float32,
         timeout: float = 600.0,
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
@@ -347,6 +352,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
         config.param_storage = _choice("param_storage", param_storage, {"shard": 0, "master": 1})
         config.grad_shard_memory = _choice("grad_shards", grad_shards,
                                            {"persistent": 0, "per-step": 1})
+        config.moment_dtype = _choice("moment_dtype", moment_dtype,
+                                      {torch.float32: DTYPE_CODES[torch.float32],
+                                       torch.bfloat16: DTYPE_CODES[torch.bfloat16]})
         self._config_struct = config
         self._plan = self._make_plan()
         self._group = c_void_p()

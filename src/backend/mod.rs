@@ -145,7 +145,14 @@ pub struct OptimizerShard<'a, B: Backend + ?Sized> {
     /// The fp32 master copy of a bf16/f16 shard.
     pub master: Option<&'a mut B::Buffer>,
     /// AdamW's first and second moments.
-    pub moments: Option<(&'a mut B::Buffer, &'a mut B::Buffer)>,
+    pub moments: Option<Moments<'a, B>>,
+}
+
+/// AdamW's moments of a shard, `numel` elements each, stored as `storage` says.
+pub struct Moments<'a, B: Backend + ?Sized> {
+    pub first: &'a mut B::Buffer,
+    pub second: &'a mut B::Buffer,
+    pub storage: crate::optim::MomentStorage,
 }
 
 /// Memory, streams, events and data operations of one rank's device.

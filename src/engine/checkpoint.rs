@@ -58,6 +58,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             lr: self.config.optimizer.lr(),
             weight_decay: self.config.optimizer.weight_decay(),
             optimizer: optimizer_name(&self.config.optimizer).into(),
+            moment_dtype: self.config.moment_dtype.to_string(),
             params: checkpoint::records(&self.plan),
             sections,
             data_bytes: 0,
@@ -99,6 +100,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 "saved with {}, loaded with {}",
                 first.optimizer,
                 optimizer_name(&self.config.optimizer)
+            ));
+        }
+        if self.config.optimizer.has_moments()
+            && first.moment_dtype != self.config.moment_dtype.to_string()
+        {
+            differences.push(format!(
+                "moments saved in {}, loaded into {}",
+                first.moment_dtype, self.config.moment_dtype
             ));
         }
         differences.extend(checkpoint::differences(
@@ -258,7 +267,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     parts.push(Part {
                         group,
                         kind,
-                        region: Region::new(0, n, DType::F32),
+                        region: Region::new(0, n, self.config.moment_dtype),
                     });
                 }
             }

@@ -201,9 +201,14 @@ impl<B: Backend> Buffers<B> {
                     .then(|| f32_shard("fp32 master shard"))
                     .transpose()?,
             );
+            let moment = |what: &str| {
+                alloc(backend, g.shard_numel * config.moment_dtype.size(), || {
+                    format!("the {what} of group {i}")
+                })
+            };
             moments.push(
                 (trains && config.optimizer.has_moments())
-                    .then(|| Ok((f32_shard("first moment")?, f32_shard("second moment")?)))
+                    .then(|| Ok((moment("first moment")?, moment("second moment")?)))
                     .transpose()?,
             );
         }

@@ -2,12 +2,12 @@
 //! of the shards between steps.
 
 use super::Engine;
-use crate::backend::{Backend, Input, OptimizerShard, Region, Source};
+use crate::backend::{Backend, Input, Moments, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
 use crate::config::GradShardMemory;
 use crate::dtype::convert;
 use crate::error::{Error, Result};
-use crate::optim::GroupSettings;
+use crate::optim::{GroupSettings, MomentStorage, moment_seed};
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
@@ -112,7 +112,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 numel: g.shard_numel,
                 grad,
                 master,
-                moments: self.moments[i].as_mut().map(|(m, v)| (m, v)),
+                moments: self.moments[i].as_mut().map(|(first, second)| Moments {
+                    first,
+                    second,
+                    storage: match self.config.moment_dtype {
+                        DType::Bf16 => MomentStorage::Bf16Stochastic {
+                            seed: moment_seed(self.optimizer_steps, i),
+                            first_index: (self.rank * g.shard_numel) as u64,
+                        },
+                        _ => MomentStorage::F32,
+                    },
+                }),
             };
             // SAFETY: on the compute stream, which waited for every reduction into the gradient
             // shards (`finish_grad_sync`) and for every gather reading the parameter shards or

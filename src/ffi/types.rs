@@ -132,6 +132,9 @@ pub struct fsdp_config {
     pub param_storage: u32,
     /// `FSDP_GRAD_SHARDS_PERSISTENT` or `FSDP_GRAD_SHARDS_PER_STEP`.
     pub grad_shard_memory: u32,
+    /// AdamW's moments: `FSDP_F32`, or `FSDP_BF16` (half the memory; each new moment rounded
+    /// stochastically, unbiased, the update itself computed in f32).
+    pub moment_dtype: u32,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -346,6 +349,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         accumulation,
         param_storage,
         grad_shard_memory,
+        moment_dtype: dtype_of(c.moment_dtype)?,
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
@@ -357,7 +361,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 /// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 /// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 /// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-/// a shard beside each master, persistent gradient shards.
+/// a shard beside each master, persistent gradient shards, f32 moments.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -393,6 +397,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             accumulation: FSDP_REDUCE_EVERY_PASS,
             param_storage: FSDP_SHARD_AND_MASTER,
             grad_shard_memory: FSDP_GRAD_SHARDS_PERSISTENT,
+            moment_dtype: FSDP_F32,
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

@@ -12,7 +12,8 @@ use std::sync::mpsc;
 
 use fsdp_fusion::engine::GradNorm;
 use fsdp_fusion::optim::{
-    GroupSettings, LrSchedule, Update, accumulate_element, adamw_element, sgd_element,
+    GroupSettings, LrSchedule, Update, accumulate_element, adamw_element, bf16_stochastic,
+    moment_seed, rounding_bits, sgd_element,
 };
 use fsdp_fusion::{
     Accumulation, Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error,
@@ -489,6 +490,10 @@ pub struct Reference {
     values: Vec<Vec<f32>>,
     masters: Vec<Vec<f32>>,
     moments: Vec<(Vec<f32>, Vec<f32>)>,
+    /// bf16 moments round as the engine's do, by each element's group and place in its layout
+    /// at this world size.
+    moment_dtype: DType,
+    layout: Vec<(usize, usize)>,
     grads: Vec<Vec<f32>>,
     steps: u64,
 }
@@ -527,7 +532,10 @@ impl Reference {
         let dtype = model.config.dtype;
         let values: Vec<Vec<f32>> = init.iter().map(|v| round_to(dtype, v)).collect();
         let zeros = |v: &Vec<f32>| vec![0f32; v.len()];
+        let plan = Plan::new(&spec, world_size)?;
         Ok(Reference {
+            layout: plan.params().iter().map(|p| (p.group, p.offset)).collect(),
+            moment_dtype: config.moment_dtype,
             trainable: spec.params.iter().map(|p| p.trainable).collect(),
             settings: spec
                 .params
@@ -627,6 +635,16 @@ impl Reference {
                 },
             );
             let (m, v) = &mut self.moments[i];
+            let (group, offset) = self.layout[i];
+            let seed = moment_seed(self.steps, group);
+            let moment_dtype = self.moment_dtype;
+            let stored = |x: f32, j: usize, which: u32| match moment_dtype {
+                DType::Bf16 => {
+                    let bits = rounding_bits(seed, (offset + j) as u64, which);
+                    half::bf16::from_bits(bf16_stochastic(x, bits)).to_f32()
+                }
+                _ => x,
+            };
             for j in 0..self.values[i].len() {
                 let g = self.grads[i][j];
                 let p = self.masters[i][j];
@@ -638,8 +656,8 @@ impl Reference {
                     } => sgd_element(p, g, lr, weight_decay, grad_scale),
                     Update::AdamW(c) => {
                         let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
-                        m[j] = mj;
-                        v[j] = vj;
+                        m[j] = stored(mj, j, 0);
+                        v[j] = stored(vj, j, 1);
                         p
                     }
                 };

@@ -2,7 +2,10 @@
 
 use crate::backend::OptimizerShard;
 use crate::dtype::{load_f32, store_f32};
-use crate::optim::{Update, accumulate_element, adamw_element, sgd_element};
+use crate::optim::{
+    MomentStorage, Update, accumulate_element, adamw_element, bf16_stochastic, rounding_bits,
+    sgd_element,
+};
 use crate::types::DType;
 
 /// f32 values over bytes that hold them (every region of an f32 buffer is 4-byte aligned).
@@ -43,7 +46,39 @@ pub(crate) struct OptimizerSlices<'a> {
     pub(crate) dtype: DType,
     pub(crate) grad: &'a [f32],
     pub(crate) master: Option<&'a mut [f32]>,
-    pub(crate) moments: Option<(&'a mut [f32], &'a mut [f32])>,
+    pub(crate) moments: Option<MomentSlices<'a>>,
+}
+
+/// AdamW's moments of a shard, as bytes stored as `storage` says.
+pub(crate) struct MomentSlices<'a> {
+    pub(crate) first: &'a mut [u8],
+    pub(crate) second: &'a mut [u8],
+    pub(crate) storage: MomentStorage,
+}
+
+impl MomentSlices<'_> {
+    fn load(&self, i: usize) -> (f32, f32) {
+        let dtype = self.storage.dtype();
+        (
+            load_f32(self.first, dtype, i),
+            load_f32(self.second, dtype, i),
+        )
+    }
+
+    fn store(&mut self, i: usize, (m, v): (f32, f32)) {
+        match self.storage {
+            MomentStorage::F32 => {
+                store_f32(self.first, DType::F32, i, m);
+                store_f32(self.second, DType::F32, i, v);
+            }
+            MomentStorage::Bf16Stochastic { seed, first_index } => {
+                let index = first_index + i as u64;
+                let bits = |x, which| bf16_stochastic(x, rounding_bits(seed, index, which));
+                self.first[2 * i..2 * i + 2].copy_from_slice(&bits(m, 0).to_le_bytes());
+                self.second[2 * i..2 * i + 2].copy_from_slice(&bits(v, 1).to_le_bytes());
+            }
+        }
+    }
 }
 
 /// Adds `src`'s sum of squares (f64) to the f64 at `out[0..8]` and raises the u32 at
@@ -97,10 +132,10 @@ pub(crate) fn optimizer_step(update: &Update, s: OptimizerSlices<'_>) {
                 },
                 _,
             ) => sgd_element(p, g, *lr, *weight_decay, *grad_scale),
-            (Update::AdamW(c), Some((m, v))) => {
-                let (p, mi, vi) = adamw_element(p, m[i], v[i], g, c);
-                m[i] = mi;
-                v[i] = vi;
+            (Update::AdamW(c), Some(moments)) => {
+                let (m, v) = moments.load(i);
+                let (p, m, v) = adamw_element(p, m, v, g, c);
+                moments.store(i, (m, v));
                 p
             }
             // Refused by `check_optimizer` before anything was queued.

@@ -363,7 +363,10 @@ impl Backend for CpuBackend {
         let grad = part(shard.grad, whole)?;
         let master = shard.master.map(|m| part(m, whole)).transpose()?;
         let moments = match shard.moments {
-            Some((m, v)) => Some((part(m, whole)?, part(v, whole)?)),
+            Some(m) => {
+                let region = Region::new(0, n, m.storage.dtype());
+                Some((part(m.first, region)?, part(m.second, region)?, m.storage))
+            }
             None => None,
         };
         let update = *update;
@@ -378,11 +381,12 @@ impl Backend for CpuBackend {
                     master: master
                         .as_ref()
                         .map(|(m, r)| math::f32s_mut(m.bytes_mut(r.clone()))),
-                    moments: moments.as_ref().map(|((m, mr), (v, vr))| {
-                        (
-                            math::f32s_mut(m.bytes_mut(mr.clone())),
-                            math::f32s_mut(v.bytes_mut(vr.clone())),
-                        )
+                    moments: moments.as_ref().map(|((m, mr), (v, vr), storage)| {
+                        math::MomentSlices {
+                            first: m.bytes_mut(mr.clone()),
+                            second: v.bytes_mut(vr.clone()),
+                            storage: *storage,
+                        }
                     }),
                 }
             };

@@ -17,7 +17,8 @@ use half::{bf16, f16};
 
 use super::*;
 use crate::optim::{
-    GroupSettings, OptimizerConfig, Update, accumulate_element, adamw_element, sgd_element,
+    GroupSettings, MomentStorage, OptimizerConfig, Update, accumulate_element, adamw_element,
+    bf16_stochastic, moment_seed, rounding_bits, sgd_element,
 };
 
 #[test]
@@ -262,13 +263,13 @@ impl Operand {
     }
 }
 
-/// One launch over `n` elements. `expect` turns the operands' initial values at one index into
-/// their final values (inputs are left as they are).
+/// One launch over `n` elements. `expect` turns the operands' initial values at one index (its
+/// first argument) into their final values (inputs are left as they are).
 struct Case<'a> {
     what: String,
     n: u64,
     operands: Vec<Operand>,
-    expect: &'a (dyn Fn(&mut [u32]) + Sync),
+    expect: &'a (dyn Fn(u64, &mut [u32]) + Sync),
 }
 
 impl Case<'_> {
@@ -339,7 +340,7 @@ fn run_case(gpu: &Gpu, case: &Case<'_>, launch: impl FnOnce(&[u64]) -> Result<()
                 for (value, op) in values.iter_mut().zip(&case.operands) {
                     *value = op.initial(i);
                 }
-                (case.expect)(&mut values[..case.operands.len()]);
+                (case.expect)(i, &mut values[..case.operands.len()]);
                 for (j, (op, bytes)) in case.operands.iter().zip(&chunks).enumerate() {
                     let width = op.dtype.size();
                     let got = decode(&bytes[k * width..(k + 1) * width]);
@@ -373,7 +374,7 @@ fn copy_case(gpu: &Gpu, dtype: DType, pattern: &[u64], n: u64) {
         what: format!("copy {dtype} at offsets {pattern:?}"),
         n,
         operands: Case::operands(gpu, pattern, &[(dtype, Some(Fill::Bits)), (dtype, None)]),
-        expect: &|v| v[1] = v[0],
+        expect: &|_, v| v[1] = v[0],
     };
     run_case(gpu, &case, |s| unsafe {
         gpu.kernels.copy(&gpu.stream, dtype, s[0], s[1], n as usize)
@@ -382,7 +383,7 @@ fn copy_case(gpu: &Gpu, dtype: DType, pattern: &[u64], n: u64) {
 
 fn cast_case(gpu: &Gpu, from: DType, to: DType, pattern: &[u64], n: u64) {
     // A same-dtype cast is a copy: every bit pattern, signalling NaNs included, goes through.
-    let expect = move |v: &mut [u32]| {
+    let expect = move |_: u64, v: &mut [u32]| {
         v[1] = if from == to {
             v[0]
         } else {
@@ -407,7 +408,7 @@ const ACCUMULATORS: [DType; 2] = [DType::F32, DType::Bf16];
 fn accumulate_case(gpu: &Gpu, (src, dst): (DType, DType), add: bool, pattern: &[u64], n: u64) {
     let scale = if add { 1.0f32 / 3.0 } else { 0.7 };
     let dst_fill = add.then_some(Fill::Finite);
-    let expect = move |v: &mut [u32]| {
+    let expect = move |_: u64, v: &mut [u32]| {
         let out = accumulate_element(to_f32(dst, v[1]), to_f32(src, v[0]), scale, add);
         v[1] = from_f32(dst, out);
     };
@@ -435,31 +436,58 @@ fn adamw_coefficients() -> AdamwCoefficients {
     c
 }
 
-/// `aliased`: an f32 param that is its own master copy.
-fn adamw_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
+/// `aliased`: an f32 param that is its own master copy; `moments` as the kernel stores them.
+fn adamw_case(
+    gpu: &Gpu,
+    (param, aliased, moments): (DType, bool, MomentStorage),
+    pattern: &[u64],
+    n: u64,
+) {
     let c = adamw_coefficients();
     let f32_in = (DType::F32, Some(Fill::Finite));
-    let mut specs = vec![f32_in, f32_in, (DType::F32, Some(Fill::Positive)), f32_in];
+    let moment = moments.dtype();
+    let mut specs = vec![
+        f32_in,
+        (moment, Some(Fill::Finite)),
+        (moment, Some(Fill::Positive)),
+        f32_in,
+    ];
     if !aliased {
         specs.push((param, None));
     }
-    let expect = move |v: &mut [u32]| {
+    let expect = move |i: u64, v: &mut [u32]| {
+        let widen = |bits: u32| match moment {
+            DType::Bf16 => half::bf16::from_bits(bits as u16).to_f32(),
+            _ => f32::from_bits(bits),
+        };
         let (p, m, s) = adamw_element(
             f32::from_bits(v[0]),
-            f32::from_bits(v[1]),
-            f32::from_bits(v[2]),
+            widen(v[1]),
+            widen(v[2]),
             f32::from_bits(v[3]),
             &c,
         );
         v[0] = p.to_bits();
-        v[1] = m.to_bits();
-        v[2] = s.to_bits();
+        (v[1], v[2]) = match moments {
+            MomentStorage::F32 => (m.to_bits(), s.to_bits()),
+            MomentStorage::Bf16Stochastic { seed, first_index } => {
+                let round = |x, which| {
+                    u32::from(bf16_stochastic(
+                        x,
+                        rounding_bits(seed, first_index + i, which),
+                    ))
+                };
+                (round(m, 0), round(s, 1))
+            }
+        };
         if !aliased {
             v[4] = from_f32(param, p);
         }
     };
     let case = Case {
-        what: format!("adamw {param} (aliased: {aliased}) at offsets {pattern:?}"),
+        what: format!(
+            "adamw {param} (aliased: {aliased}, moments {moments:?}) at offsets {pattern:?}"
+        ),
         n,
         operands: Case::operands(gpu, pattern, &specs),
         expect: &expect,
@@ -471,8 +499,7 @@ fn adamw_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
                 &gpu.stream,
                 param,
                 s[0],
-                s[1],
-                s[2],
+                (s[1], s[2], moments),
                 s[3],
                 param_ptr,
                 n as usize,
@@ -489,7 +516,7 @@ fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
     if !aliased {
         specs.push((param, None));
     }
-    let expect = move |v: &mut [u32]| {
+    let expect = move |_: u64, v: &mut [u32]| {
         let g = f32::from_bits(v[1]);
         let p = sgd_element(f32::from_bits(v[0]), g, lr, weight_decay, grad_scale);
         v[0] = p.to_bits();
@@ -535,7 +562,7 @@ fn reduce_sum_case(
     if into.is_none() {
         specs.push((dtype, None));
     }
-    let expect = move |v: &mut [u32]| {
+    let expect = move |_: u64, v: &mut [u32]| {
         let sum = v[1..count]
             .iter()
             .fold(scale * to_f32(dtype, v[0]), |acc, &x| {
@@ -657,20 +684,33 @@ fn cast_bf16_to_f32_past_2_pow_32_elements() {
 #[ignore = "needs a CUDA GPU"]
 fn adamw_matches_the_host() {
     let gpu = gpu();
-    for param in DTYPES {
-        for_small_cases(|pattern, n| adamw_case(&gpu, param, false, pattern, n));
+    // Elements far into a shard of a large group: the index's high word reaches the hash.
+    let bf16 = MomentStorage::Bf16Stochastic {
+        seed: moment_seed(7, 3),
+        first_index: (5 << 32) + 11,
+    };
+    for moments in [MomentStorage::F32, bf16] {
+        for param in DTYPES {
+            for_small_cases(|pattern, n| adamw_case(&gpu, (param, false, moments), pattern, n));
+        }
+        for_small_cases(|pattern, n| adamw_case(&gpu, (DType::F32, true, moments), pattern, n));
     }
-    for_small_cases(|pattern, n| adamw_case(&gpu, DType::F32, true, pattern, n));
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn adamw_one_gib() {
     let gpu = gpu();
-    for param in DTYPES {
-        adamw_case(&gpu, param, false, &[3], gib_of(param));
+    let bf16 = MomentStorage::Bf16Stochastic {
+        seed: moment_seed(1, 0),
+        first_index: 0,
+    };
+    for moments in [MomentStorage::F32, bf16] {
+        for param in DTYPES {
+            adamw_case(&gpu, (param, false, moments), &[3], gib_of(param));
+        }
+        adamw_case(&gpu, (DType::F32, true, moments), &[3], gib_of(DType::F32));
     }
-    adamw_case(&gpu, DType::F32, true, &[3], gib_of(DType::F32));
 }
 
 #[test]
@@ -1106,6 +1146,10 @@ fn misaligned_addresses_are_refused_before_launch() {
     let k = &gpu.kernels;
     let s = &gpu.stream;
     let c = adamw_coefficients();
+    let bf16_moments = MomentStorage::Bf16Stochastic {
+        seed: 1,
+        first_index: 0,
+    };
     let results = unsafe {
         [
             k.copy(s, DType::F32, odd, p, 4),
@@ -1113,7 +1157,26 @@ fn misaligned_addresses_are_refused_before_launch() {
             k.cast(s, DType::Bf16, p, DType::F32, odd, 4),
             k.accumulate(s, (DType::Bf16, DType::F32), p, odd, 4, 1.0, true),
             k.accumulate(s, (DType::F32, DType::Bf16), p, p + 1, 4, 1.0, true),
-            k.adamw(s, DType::Bf16, p, p + 64, odd, p + 128, p + 192, 4, &c),
+            k.adamw(
+                s,
+                DType::Bf16,
+                p,
+                (p + 64, odd, MomentStorage::F32),
+                p + 128,
+                p + 192,
+                4,
+                &c,
+            ),
+            k.adamw(
+                s,
+                DType::Bf16,
+                p,
+                (p + 64, p + 1, bf16_moments),
+                p + 128,
+                p + 192,
+                4,
+                &c,
+            ),
             k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
             k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
             k.unpack(s, DType::F32, p, 1, odd),
@@ -1160,7 +1223,8 @@ fn zero_length_calls_launch_nothing() {
                 k.accumulate(s, (dtype, dst), 0, 0, 0, 1.0, true)
                     .expect("accumulate");
             }
-            k.adamw(s, dtype, 0, 0, 0, 0, 0, 0, &c).expect("adamw");
+            k.adamw(s, dtype, 0, (0, 0, MomentStorage::F32), 0, 0, 0, &c)
+                .expect("adamw");
             k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
             k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
             k.unpack(s, dtype, 0, 0, 0).expect("unpack");

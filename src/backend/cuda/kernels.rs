@@ -13,7 +13,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::optim::AdamwCoefficients;
+use crate::optim::{AdamwCoefficients, MomentStorage};
 use crate::types::DType;
 
 /// One parameter of a pack or unpack table, in elements of the group's dtype.
@@ -66,6 +66,8 @@ const ACCUMULATE_TO_BF16: [&CStr; 3] = [
     c"accumulate_f32_bf16",
 ];
 const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
+const ADAMW_BF16_MOMENTS: [&CStr; 3] =
+    [c"adamw_bf16m_bf16", c"adamw_bf16m_f16", c"adamw_bf16m_f32"];
 const SGD: [&CStr; 3] = [c"sgd_bf16", c"sgd_f16", c"sgd_f32"];
 /// `CAST[src][dst]`; a same-dtype cast is a copy.
 const CAST: [[Option<&CStr>; 3]; 3] = [
@@ -147,6 +149,7 @@ pub struct Kernels {
     accumulate_to_f32: [Kernel; 3],
     accumulate_to_bf16: [Kernel; 3],
     adamw: [Kernel; 3],
+    adamw_bf16_moments: [Kernel; 3],
     sgd: [Kernel; 3],
     cast: [[Option<Kernel>; 3]; 3],
     reduce_sum_f32: Kernel,
@@ -261,6 +264,7 @@ impl Kernels {
             accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
             accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
             adamw: each(&ADAMW)?,
+            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
             sgd: each(&SGD)?,
             cast,
             reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
@@ -430,9 +434,9 @@ impl Kernels {
         }
     }
 
-    /// AdamW exactly as [`crate::optim::adamw_element`] on fp32 `master`, `m`, `v`, `grad`, writing
-    /// the result to `master` and, rounded, to `param` (of `param_dtype`). For f32 params `master`
-    /// may equal `param`.
+    /// AdamW exactly as [`crate::optim::adamw_element`] on fp32 `master` and `grad` and moments
+    /// `m`, `v` stored as `moments` says, writing the result to `master` and, rounded, to `param`
+    /// (of `param_dtype`). For f32 params `master` may equal `param`.
     ///
     /// # Safety
     /// Every address is valid for `n` elements.
@@ -442,8 +446,7 @@ impl Kernels {
         stream: &CudaStream,
         param_dtype: DType,
         master: u64,
-        m: u64,
-        v: u64,
+        (m, v, moments): (u64, u64, MomentStorage),
         grad: u64,
         param: u64,
         n: usize,
@@ -452,12 +455,42 @@ impl Kernels {
         if n == 0 {
             return Ok(());
         }
-        for addr in [master, m, v, grad] {
+        for addr in [master, grad] {
             check_aligned(addr, DType::F32.size())?;
         }
         check_aligned(param, param_dtype.size())?;
-        let kernel = self.adamw[dtype_index(param_dtype)];
         let n64 = n as u64;
+        if let MomentStorage::Bf16Stochastic { seed, first_index } = moments {
+            for addr in [m, v] {
+                check_aligned(addr, DType::Bf16.size())?;
+            }
+            let kernel = self.adamw_bf16_moments[dtype_index(param_dtype)];
+            // SAFETY: adamw_bf16m_<param>(float* master, uint16_t* m, uint16_t* v, const float*
+            // grad, P* param, uint64_t n, AdamwCoefficients c, uint32_t seed, uint64_t
+            // first_index); the caller's contract.
+            return unsafe {
+                self.launch(
+                    stream,
+                    kernel,
+                    kernel.elementwise_grid(n),
+                    &mut [
+                        arg(&master),
+                        arg(&m),
+                        arg(&v),
+                        arg(&grad),
+                        arg(&param),
+                        arg(&n64),
+                        arg(c),
+                        arg(&seed),
+                        arg(&first_index),
+                    ],
+                )
+            };
+        }
+        for addr in [m, v] {
+            check_aligned(addr, DType::F32.size())?;
+        }
+        let kernel = self.adamw[dtype_index(param_dtype)];
         // SAFETY: adamw_<param>(float* master, float* m, float* v, const float* grad, P* param,
         // uint64_t n, AdamwCoefficients c), the struct laid out as the #[repr(C)] one; the
         // caller's contract.

@@ -512,7 +512,10 @@ impl Backend for CudaBackend {
             }
         };
         let moments = match shard.moments {
-            Some((m, v)) => Some((m.addr(whole)?, v.addr(whole)?)),
+            Some(m) => {
+                let region = Region::new(0, n, m.storage.dtype());
+                Some((m.first.addr(region)?, m.second.addr(region)?, m.storage))
+            }
             None => None,
         };
         if n == 0 {
@@ -541,9 +544,9 @@ impl Backend for CudaBackend {
                     (*lr, *weight_decay, *grad_scale),
                 )
             },
-            (Update::AdamW(c), Some((m, v))) => unsafe {
+            (Update::AdamW(c), Some(moments)) => unsafe {
                 self.kernels
-                    .adamw(on, shard.dtype, master, m, v, grad, param, n, c)
+                    .adamw(on, shard.dtype, master, moments, grad, param, n, c)
             },
             (Update::AdamW(_), None) => Err(Error::InvalidConfig {
                 field: "optimizer",
