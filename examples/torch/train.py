@@ -81,6 +81,9 @@ def arguments():
                         help="fsdp-fusion: a bf16 shard beside each fp32 master, or the master only")
     parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
                         help="fsdp-fusion: gradient shards made each step, or kept")
+    parser.add_argument("--export", metavar="FILE",
+                        help="fsdp-fusion: after training, export the model as safetensors to "
+                             "FILE, load it into a plain PyTorch copy and compare their losses")
     parser.add_argument("--double-buffer-limit", type=int, default=4,
                         help="fsdp-fusion's gathered groups: 2 root groups, the unit, a prefetch")
     return parser.parse_args()
@@ -272,6 +275,27 @@ def run(trainers, data, device):
             for t, timer, (losses, norms) in zip(trainers, timers, records)}
 
 
+def exported_losses(fused, model, tokens, path, device):
+    """Exports the trained model, loads the file into a plain bf16 copy of `model` and prints
+    both models' loss on `tokens`."""
+    from safetensors.torch import load_file
+
+    fused.export(path)
+    plain = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+    tensors = load_file(path, device=str(device))
+    missing, unexpected = plain.load_state_dict(tensors, strict=False)
+    names = {name for name, _ in plain.named_parameters()}
+    if unexpected or names & set(missing):
+        raise SystemExit(f"the export does not fit the model: missing {missing}, "
+                         f"unexpected {unexpected}")
+    with torch.no_grad():
+        ours = loss_of(fused(tokens[:, :-1]), tokens[:, 1:]).item()
+        theirs = loss_of(plain(tokens[:, :-1]), tokens[:, 1:]).item()
+    print(f"exported to {path} ({len(tensors)} tensors): loss on batch 0 {ours:.6f} through "
+          f"fsdp-fusion, {theirs:.6f} through plain PyTorch loaded from the file "
+          f"(difference {abs(ours - theirs):.2e})")
+
+
 def main() -> int:
     args = arguments()
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -285,6 +309,8 @@ def main() -> int:
     data = list(batches(args, device))
     trainers = [make(args, model, device) for make in (FusionTrainer, PlainTrainer, Fsdp2Trainer)]
     results = run(trainers, data, device)
+    if args.export:
+        exported_losses(trainers[0].model, model, data[0], args.export, device)
     trainers[0].model.close()  # the engine's memory and NCCL group, now rather than at exit
     names = [t.name for t in trainers]
     recipe = f"{args.lr_schedule} schedule" + (f", clip {args.clip}" if args.clip else "")
