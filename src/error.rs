@@ -25,7 +25,7 @@ pub enum Error {
     CheckpointUnreadable { path: String, reason: String },
     #[error("the checkpoint is of another model: {}", differences.join("; "))]
     CheckpointMismatch { differences: Vec<String> },
-    #[error("{path} exists: a save never overwrites a checkpoint (save into a new directory)")]
+    #[error("{path} exists: a save or an export never overwrites one (choose a new path)")]
     CheckpointExists { path: String },
     #[error(
         "a step is under way (hooks open, gradients taken, or synced): {action} is allowed between end_step and the next step's first hook"

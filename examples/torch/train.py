@@ -81,6 +81,8 @@ def arguments():
                         help="fsdp-fusion: a bf16 shard beside each fp32 master, or the master only")
     parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
                         help="fsdp-fusion: gradient shards made each step, or kept")
+    parser.add_argument("--moment-dtype", default="f32", choices=["f32", "bf16"],
+                        help="fsdp-fusion: AdamW's moments in f32, or bf16 (rounded stochastically)")
     parser.add_argument("--export", metavar="FILE",
                         help="fsdp-fusion: after training, export the model as safetensors to "
                              "FILE, load it into a plain PyTorch copy and compare their losses")
@@ -209,7 +211,9 @@ class FusionTrainer:
                                weight_decay=args.weight_decay,
                                double_buffer_limit=args.double_buffer_limit,
                                param_storage=args.param_storage,
-                               grad_shards=args.grad_shards)
+                               grad_shards=args.grad_shards,
+                               moment_dtype=torch.bfloat16 if args.moment_dtype == "bf16"
+                               else torch.float32)
         self.args, self.steps = args, 0
 
     def step(self, tokens):
