@@ -306,6 +306,17 @@ enum fsdp_status fsdp_engine_export_safetensors(struct fsdp_engine *engine, cons
 // `path` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_import_safetensors(struct fsdp_engine *engine, const char *path);
 
+// Writes the full model of the sharded checkpoint in directory `dir` (saved by engines of any
+// world size) into the safetensors file `path`, as `fsdp_engine_export_safetensors` does at
+// world size 1: no engine and no communication, so one process exports after every rank saved.
+// `FSDP_IO_ERROR` naming the file for a checkpoint that is missing, incomplete, truncated or
+// corrupted; `FSDP_INVALID_ARGUMENT` where `path` exists. Holds the model's bytes in host memory
+// meanwhile.
+//
+// # Safety
+// `dir` and `path` are NULL or NUL-terminated.
+enum fsdp_status fsdp_checkpoint_export_safetensors(const char *dir, const char *path);
+
 // Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
 // (once per rank). Allocates every buffer the plan predicts, then compares the ranks' plans (a
 // collective: every rank of the group makes its engine) and fails with `FSDP_INVALID_ARGUMENT`,

@@ -251,6 +251,30 @@ pub fn read_manifest(dir: &Path, rank: usize) -> Result<RankManifest> {
     Ok(manifest)
 }
 
+/// Every rank's manifest of the checkpoint in `dir`, checked to be of one save: the same world
+/// size, step and parameters as rank 0's.
+pub fn read_manifests(dir: &Path) -> Result<Vec<RankManifest>> {
+    let first = read_manifest(dir, 0)?;
+    let mut saved = crate::fallible::with_capacity(first.world_size, "the manifests")?;
+    for rank in 0..first.world_size {
+        let m = read_manifest(dir, rank)?;
+        let agrees = m.world_size == first.world_size
+            && m.optimizer_steps == first.optimizer_steps
+            && m.params == first.params;
+        if !agrees {
+            return Err(unreadable(
+                &manifest_path(dir, rank),
+                format!(
+                    "of another save: {} ranks at step {}, rank 0's says {} at {}",
+                    m.world_size, m.optimizer_steps, first.world_size, first.optimizer_steps
+                ),
+            ));
+        }
+        saved.push(m);
+    }
+    Ok(saved)
+}
+
 /// A byte range of a data file that a load needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Wanted {

@@ -76,6 +76,7 @@ pub mod config;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod export;
 mod fallible;
 pub mod ffi;
 mod grads;

@@ -700,3 +700,82 @@ fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
         }
     });
 }
+
+#[test]
+fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
+    for (dtype, storage) in [
+        (DType::F32, ParamStorage::ShardAndMaster),
+        (DType::Bf16, ParamStorage::ShardAndMaster),
+        (DType::Bf16, ParamStorage::MasterOnly),
+    ] {
+        let mlp = model(dtype, 24);
+        let config = EngineConfig {
+            param_storage: storage,
+            ..EngineConfig::default()
+        };
+        let scratch = Scratch::new();
+        for world in [1, 2, 3, 4, 8] {
+            let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+            let dir = scratch.0.join(format!("saved-{world}"));
+            let direct = scratch.0.join(format!("direct-{world}.safetensors"));
+            let (to_save, to_export) = (dir.clone(), direct.clone());
+            let init = mlp.init(3);
+            let trained = train(
+                (&mlp, &plan, &config),
+                Mode::Eager,
+                0..3,
+                move |e| load(e, &init).unwrap(),
+                move |e| {
+                    e.save(&to_save).unwrap();
+                    if e.plan().world_size() == 1 {
+                        e.export_safetensors(&to_export).unwrap();
+                    }
+                    shards(e)
+                },
+            );
+            let file = scratch.0.join(format!("converted-{world}.safetensors"));
+            fsdp_fusion::export::export_checkpoint(&dir, &file).unwrap();
+            let what = format!("{dtype} {storage:?} saved at world size {world}");
+            let bytes = std::fs::read(&file).unwrap();
+            let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (p, values) in plan.params().iter().zip(values(&plan, &trained)) {
+                assert_eq!(read.tensor(&p.name).unwrap().data(), &values[..], "{what}");
+            }
+            if world == 1 {
+                assert_eq!(
+                    bytes,
+                    std::fs::read(&direct).unwrap(),
+                    "{what}: the engine's export"
+                );
+            }
+            match fsdp_fusion::export::export_checkpoint(&dir, &file) {
+                Err(Error::CheckpointExists { .. }) => {}
+                other => panic!("{what}: over an export: {other:?}"),
+            }
+        }
+    }
+    // An incomplete checkpoint (a rank's manifest gone) is refused by name, and nothing written.
+    let mlp = model(DType::F32, 24);
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
+    let scratch = Scratch::new();
+    let dir = scratch.0.clone();
+    let init = mlp.init(3);
+    let config = EngineConfig::default();
+    train(
+        (&mlp, &plan, &config),
+        Mode::Eager,
+        0..1,
+        move |e| load(e, &init).unwrap(),
+        {
+            let dir = dir.clone();
+            move |e| e.save(&dir).unwrap()
+        },
+    );
+    std::fs::remove_file(scratch.0.join("rank-00001.json")).unwrap();
+    let file = scratch.0.join("model.safetensors");
+    match fsdp_fusion::export::export_checkpoint(&scratch.0, &file) {
+        Err(Error::CheckpointUnreadable { path, .. }) => assert!(path.ends_with("rank-00001.json")),
+        other => panic!("{other:?}"),
+    }
+    assert!(!file.exists());
+}

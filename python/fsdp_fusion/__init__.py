@@ -31,7 +31,13 @@ from .errors import (
     UnavailableError,
 )
 from .group import LocalGroup
-from .module import DTYPE_CODES, FusedFSDP, StepReport, default_no_weight_decay
+from .module import (
+    DTYPE_CODES,
+    FusedFSDP,
+    StepReport,
+    default_no_weight_decay,
+    export_checkpoint,
+)
 
 __all__ = [
     "DTYPE_CODES",
@@ -56,5 +62,6 @@ __all__ = [
     "StepReport",
     "UnavailableError",
     "default_no_weight_decay",
+    "export_checkpoint",
     "library_candidates",
 ]

@@ -228,6 +228,17 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
+                      library: str | os.PathLike | None = None):
+    """Writes the full model of the sharded checkpoint in `directory` (saved by `FusedFSDP.save`
+    on every rank, at any world size) into the safetensors file `path`, under the module's
+    parameter names, as `FusedFSDP.export` does at world size 1. No engine and no communication:
+    one process calls it once every rank saved. A missing, incomplete or corrupted checkpoint
+    raises `IoError`; an existing `path` raises `InvalidArgumentError`."""
+    _capi.library(library).call("fsdp_checkpoint_export_safetensors", os.fsencode(directory),
+                                os.fsencode(path))
+
+
 def _choice(what: str, value, codes: dict) -> int:
     if value not in codes:
         raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(map(str, codes))}")
@@ -378,6 +389,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._views_move = self._world > 1 or param_storage == "master"
         self._open_units: list[_Unit] = []
         self._saved_hooks = None
+        # Whether the step so far had forward passes, and gradients: a step of forwards only
+        # (an evaluation) is ended before a save or a load.
+        self._forwards, self._gradients = False, False
         self._install_hooks(units)
 
     # -- construction ----------------------------------------------------------------------
@@ -502,6 +516,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         if self._views_move:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
+        self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
         return self._wrap_inputs(ROOT, args, kwargs)
 
@@ -576,6 +591,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         caching allocator reuses their memory only afterwards."""
         if not u.pending:
             return
+        self._gradients = True
         batch = u.batch
         for k, (p, grad) in enumerate(u.pending):
             entry = batch[k]
@@ -712,8 +728,16 @@ class FusedFSDP(Releasing, torch.nn.Module):
         if not skipped:
             self._call("fsdp_engine_optimizer_step", self._engine)
         self._call("fsdp_engine_end_step", self._engine)
+        self._forwards, self._gradients = False, False
         return StepReport(norm.l2 if norm else None, norm.max if norm else None, nonfinite,
                           skipped)
+
+    def _end_evaluation(self):
+        """Ends a step of forward passes only (an evaluation under `no_grad`), which would
+        otherwise hold the engine inside a step; a step with gradients is left to `step`."""
+        if self._forwards and not self._gradients:
+            self._call("fsdp_engine_end_step", self._engine)
+            self._forwards = False
 
     def set_lr(self, lr: float):
         """Sets the learning rate of the next steps (every rank the same); a parameter's is this
@@ -733,7 +757,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def save(self, directory: str | os.PathLike):
         """Writes this rank's part of a sharded checkpoint into `directory` (every rank the
         same one; no communication): shards, fp32 masters, AdamW moments, the optimizer's step
-        and settings, atomically, a save never overwriting one. Between steps only."""
+        and settings, atomically, a save never overwriting one. Between steps only (forward
+        passes with no gradient since the last step, an evaluation, end their step first)."""
+        self._end_evaluation()
         self._call("fsdp_engine_save", self._engine, os.fsencode(directory))
 
     def load(self, directory: str | os.PathLike):
@@ -741,6 +767,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         same model and optimizer at any world size; the optimizer continues from the saved step.
         A missing, incomplete, truncated or corrupted checkpoint raises `IoError`, one of
         another model `InvalidArgumentError` listing the differences; either changes nothing."""
+        self._end_evaluation()
         self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 
     def export(self, path: str | os.PathLike):
@@ -748,6 +775,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         names, shapes and dtypes (`safetensors.torch.load_file` and `load_state_dict` take it
         back into a plain PyTorch model). Atomic; an existing file raises
         `InvalidArgumentError`. World size 1, between steps."""
+        self._end_evaluation()
         self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
 
     def import_(self, path: str | os.PathLike):
@@ -755,6 +783,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         pretrained model's with the same names, shapes and dtypes), each rank reading only its
         shard's part; a file of another model raises `InvalidArgumentError` listing every
         difference and loads nothing. The optimizer's state is unchanged. Between steps."""
+        self._end_evaluation()
         self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
 
     def memory(self) -> tuple[int, int]:

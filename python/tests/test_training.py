@@ -310,6 +310,12 @@ def test_an_exported_model_loads_into_plain_pytorch_and_a_fresh_wrapper(tmp_path
     fresh.import_(path)
     for name in names:
         assert torch.equal(fresh.full_parameter(name), fused.full_parameter(name)), name
+    # After the evaluation above, a save (between steps of forwards only) is allowed.
+    fused.save(tmp_path / "saved")
+    fsdp_fusion.export_checkpoint(tmp_path / "saved", tmp_path / "converted.safetensors")
+    assert (tmp_path / "converted.safetensors").read_bytes() == path.read_bytes()
+    with pytest.raises(fsdp_fusion.IoError, match="nowhere"):
+        fsdp_fusion.export_checkpoint(tmp_path / "nowhere", tmp_path / "none.safetensors")
     bf16_path = tmp_path / "bf16.safetensors"
     safetensors_torch.save_file({n: t.bfloat16() for n, t in tensors.items()}, str(bf16_path))
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="BF16 in the file"):

@@ -117,23 +117,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !differences.is_empty() {
             return Err(Error::CheckpointMismatch { differences });
         }
-        let mut saved = Vec::with_capacity(first.world_size);
-        for rank in 0..first.world_size {
-            let m = checkpoint::read_manifest(dir, rank)?;
-            let agrees = m.world_size == first.world_size
-                && m.optimizer_steps == first.optimizer_steps
-                && m.params == first.params;
-            if !agrees {
-                return Err(checkpoint::unreadable(
-                    &checkpoint::manifest_path(dir, rank),
-                    format!(
-                        "of another save: {} ranks at step {}, rank 0's says {} at {}",
-                        m.world_size, m.optimizer_steps, first.world_size, first.optimizer_steps
-                    ),
-                ));
-            }
-            saved.push(m);
-        }
+        let saved = checkpoint::read_manifests(dir)?;
         let parts = self.parts();
         let copies = self.copies(dir, &saved, &parts)?;
         // Every file this rank reads is checked whole before anything is loaded.

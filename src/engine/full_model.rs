@@ -1,55 +1,17 @@
 //! The full model as one safetensors file: exported from a world-size-1 engine, imported into
 //! the ranks of any world size (each reading only its shard's elements).
 
-use std::borrow::Cow;
 use std::fs::File;
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::SafeTensors;
 
 use super::Engine;
 use crate::backend::{Backend, Input};
-use crate::checkpoint;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::types::{DType, ParamId};
-
-/// One parameter's bytes, as the file holds them.
-struct Tensor {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    bytes: Vec<u8>,
-}
-
-impl View for &Tensor {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
-fn safetensors_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::Bf16 => Dtype::BF16,
-        DType::F16 => Dtype::F16,
-        DType::F32 => Dtype::F32,
-    }
-}
-
-fn file_error(path: &Path, reason: impl std::fmt::Display) -> Error {
-    checkpoint::unreadable(path, reason.to_string())
-}
+use crate::export::{Tensor, check_new, file_error, safetensors_dtype, write};
+use crate::types::ParamId;
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Writes every parameter, frozen ones included, under the model's names, shapes and dtypes
@@ -58,23 +20,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// that a file at `path` is always whole; an existing file is refused
     /// (`Error::CheckpointExists`). At world size 1, between steps (`Error::MidStep`); at a
     /// larger world size every rank saves ([`Engine::save`]) and one engine of world size 1
-    /// loads the checkpoint and exports (`Error::Unsupported` here). Holds the model's bytes in
-    /// host memory while it writes.
+    /// loads the checkpoint and exports, or [`crate::export::export_checkpoint`] converts the
+    /// checkpoint (`Error::Unsupported` here). Holds the model's bytes in host memory while it
+    /// writes.
     pub fn export_safetensors(&self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("exporting the model")?;
         if self.plan.world_size() != 1 {
             return Err(Error::Unsupported {
                 backend: self.backend.name(),
-                what: "an export above world size 1 (save, load into an engine of world size 1, \
-                       export from it)",
+                what: "an export above world size 1 (save, then export_checkpoint)",
             });
         }
-        if path.exists() {
-            return Err(Error::CheckpointExists {
-                path: path.display().to_string(),
-            });
-        }
+        check_new(path)?;
         let mut tensors = crate::fallible::with_capacity(self.plan.params().len(), "the export")?;
         for group in self.plan.groups() {
             let values = self.param_shard(group.index)?;
@@ -88,27 +46,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 tensors.push((
                     p.name.clone(),
                     Tensor {
-                        dtype: safetensors_dtype(p.dtype),
+                        dtype: p.dtype,
                         shape,
                         bytes: copy,
                     },
                 ));
             }
         }
-        let temporary = path.with_extension("partial");
-        let views = tensors.iter().map(|(name, t)| (name.as_str(), t));
-        let written = safetensors::serialize_to_file(views, None, &temporary)
-            .map_err(|e| file_error(&temporary, e))
-            .and_then(|()| {
-                File::open(&temporary)
-                    .and_then(|f| f.sync_all())
-                    .map_err(|e| file_error(&temporary, e))
-            })
-            .and_then(|()| std::fs::rename(&temporary, path).map_err(|e| file_error(path, e)));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&temporary);
-        }
-        written
+        write(&tensors, path)
     }
 
     /// Loads every parameter's values from the safetensors file `path` (as

@@ -97,3 +97,26 @@ pub unsafe extern "C" fn fsdp_engine_import_safetensors(
         })
     })
 }
+
+/// Writes the full model of the sharded checkpoint in directory `dir` (saved by engines of any
+/// world size) into the safetensors file `path`, as `fsdp_engine_export_safetensors` does at
+/// world size 1: no engine and no communication, so one process exports after every rank saved.
+/// `FSDP_IO_ERROR` naming the file for a checkpoint that is missing, incomplete, truncated or
+/// corrupted; `FSDP_INVALID_ARGUMENT` where `path` exists. Holds the model's bytes in host memory
+/// meanwhile.
+///
+/// # Safety
+/// `dir` and `path` are NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_checkpoint_export_safetensors(
+    dir: *const c_char,
+    path: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let dir = Path::new(unsafe { text(dir, "dir") }?);
+        // SAFETY: the caller's contract.
+        let path = Path::new(unsafe { text(path, "path") }?);
+        Ok(crate::export::export_checkpoint(dir, path)?)
+    })
+}
