@@ -5,7 +5,10 @@
 //! cargo run --release --example train [-- --ranks 4 --layers 4 --width 64 --steps 20 ...]
 //! cargo run --release --example train -- --backend cuda --comm loopback   # ranks on one GPU
 //! cargo run --release --example train -- --backend cuda --comm nccl       # one GPU per rank
+//! cargo run --release --example train -- --steps 10 --save run        # then:
+//! cargo run --release --example train -- --steps 20 --resume run --export model.safetensors
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -15,7 +18,7 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{Accumulation, DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
-use fsdp_fusion_support::mlp::{Comparison, Mlp, MlpConfig, Recipe, Training};
+use fsdp_fusion_support::mlp::{Checkpoints, Comparison, Mlp, MlpConfig, Recipe, Training};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -130,6 +133,17 @@ struct Args {
     /// Defaults to local on the CPU backend, loopback on the CUDA backend.
     #[arg(long, value_enum)]
     comm: Option<CommKind>,
+    /// Continue from this checkpoint (of `--save`) at its saved step, up to `--steps`; the
+    /// reference runs every step from the start (at this run's rank count: resharded from
+    /// another, the comparison shows the other run's data).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Save every rank's state into this directory (a new one) after the last step.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Write the full model as a safetensors file (a new one) after the last step.
+    #[arg(long)]
+    export: Option<PathBuf>,
 }
 
 /// Runs longer than this show a progress bar and print a line every few steps.
@@ -279,14 +293,48 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         }
         Ok(())
     };
+    // An export without a save goes through a checkpoint of its own.
+    let export_dir = args.export.as_ref().map(|file| match &args.save {
+        Some(dir) => (dir.clone(), false),
+        None => (file.with_extension("checkpoint"), true),
+    });
+    if let (Some(file), Some((dir, true))) = (&args.export, &export_dir) {
+        if file.exists() || dir.exists() {
+            return Err(fsdp_fusion::Error::CheckpointExists {
+                path: if file.exists() { file } else { dir }.display().to_string(),
+            });
+        }
+    }
+    // Refused before training, rather than after it.
+    if let Some(dir) = &args.save {
+        let first = fsdp_fusion::checkpoint::manifest_path(dir, 0);
+        if first.exists() {
+            return Err(fsdp_fusion::Error::CheckpointExists {
+                path: first.display().to_string(),
+            });
+        }
+    }
+    let checkpoints = Checkpoints {
+        resume: args.resume.as_deref(),
+        save: args
+            .save
+            .as_deref()
+            .or(export_dir.as_ref().map(|(dir, _)| dir.as_path())),
+    };
     let summaries = match setup {
-        Setup::CpuLocal => training.compare_on_cpu(on_step)?,
+        Setup::CpuLocal => {
+            let ranks = fsdp_fusion::LocalComm::group(args.ranks)?
+                .into_iter()
+                .map(|c| (fsdp_fusion::CpuBackend::new(), c))
+                .collect();
+            training.compare_with(ranks, checkpoints, on_step)?
+        }
         Setup::CudaLoopback => {
             let ranks = LoopbackComm::group(args.ranks)?
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(0)?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
-            training.compare(ranks, on_step)?
+            training.compare_with(ranks, checkpoints, on_step)?
         }
         Setup::CudaNccl => {
             let devices: Vec<usize> = (0..args.ranks).collect();
@@ -294,9 +342,20 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(c.device())?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
-            training.compare(ranks, on_step)?
+            training.compare_with(ranks, checkpoints, on_step)?
         }
     };
+    if let Some(dir) = &args.save {
+        println!("saved every rank's state into {}", dir.display());
+    }
+    if let (Some(file), Some((dir, temporary))) = (&args.export, &export_dir) {
+        let exported = fsdp_fusion::export::export_checkpoint(dir, file);
+        if *temporary {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        exported?;
+        println!("exported the model to {}", file.display());
+    }
     if let Some(bar) = &bar {
         bar.finish_and_clear();
     }

@@ -7,6 +7,7 @@
 //! weights. Both trainers run the same functions in the same order, so a correct sharded engine
 //! reproduces the reference exactly.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::mpsc;
 
@@ -715,6 +716,24 @@ pub struct Training<'a> {
     pub recipe: Recipe,
 }
 
+/// Where a run starts and what it leaves: from the initial values, or from the checkpoint in
+/// `resume` (continuing at its saved step); with every rank's state saved into `save` at the end.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Checkpoints<'a> {
+    pub resume: Option<&'a Path>,
+    pub save: Option<&'a Path>,
+}
+
+impl Checkpoints<'_> {
+    /// The first step to run: the checkpoint's optimizer steps, else 0.
+    fn start(&self) -> Result<u64> {
+        match self.resume {
+            Some(dir) => Ok(fsdp_fusion::checkpoint::read_manifest(dir, 0)?.optimizer_steps),
+            None => Ok(0),
+        }
+    }
+}
+
 /// One step of a sharded run beside the reference.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Comparison {
@@ -747,6 +766,17 @@ impl Training<'_> {
     pub fn compare<B: Backend, C: Communicator<B>>(
         &self,
         ranks: Vec<(B, C)>,
+        on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.compare_with(ranks, Checkpoints::default(), on_step)
+    }
+
+    /// As [`Training::compare`], starting and ending as `checkpoints` says; a resumed run is
+    /// compared with a reference that ran every step from the initial values.
+    pub fn compare_with<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C)>,
+        checkpoints: Checkpoints<'_>,
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let world = self.plan.world_size();
@@ -757,7 +787,10 @@ impl Training<'_> {
             self.config,
             self.recipe,
         )?;
-        self.on_ranks(ranks, |step, ranks| {
+        for step in 0..checkpoints.start()? {
+            reference.step(step, self.passes)?;
+        }
+        self.on_ranks_with(ranks, checkpoints, |step, ranks| {
             let (reference_loss, reference_norm) = reference.step(step, self.passes)?;
             let comparison = Comparison {
                 loss: ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32,
@@ -789,8 +822,19 @@ impl Training<'_> {
     pub fn on_ranks<B: Backend, C: Communicator<B>>(
         &self,
         ranks: Vec<(B, C)>,
+        on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.on_ranks_with(ranks, Checkpoints::default(), on_step)
+    }
+
+    /// As [`Training::on_ranks`], starting and ending as `checkpoints` says.
+    pub fn on_ranks_with<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C)>,
+        checkpoints: Checkpoints<'_>,
         mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
+        let start = checkpoints.start()?;
         let Training {
             model,
             plan,
@@ -817,9 +861,12 @@ impl Training<'_> {
                         let rank = comm.rank();
                         let mut engine =
                             Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
-                        load(&mut engine, init)?;
+                        match checkpoints.resume {
+                            Some(dir) => engine.load(dir)?,
+                            None => load(&mut engine, init)?,
+                        }
                         let base_lr = config.optimizer.lr();
-                        for step in 0..steps {
+                        for step in start..steps {
                             let (loss, grad_norm) =
                                 sharded_step(model, &mut engine, (step, passes), base_lr, recipe)?;
                             let shards = (0..plan.groups().len())
@@ -834,6 +881,9 @@ impl Training<'_> {
                                 break;
                             }
                         }
+                        if let Some(dir) = checkpoints.save {
+                            engine.save(dir)?;
+                        }
                         Ok(RankSummary {
                             memory: engine.memory(),
                             counters: engine.counters(),
@@ -843,7 +893,7 @@ impl Training<'_> {
                 .collect();
             drop(tx);
             let mut outcome = Ok(());
-            'steps: for step in 0..steps {
+            'steps: for step in start..steps {
                 let mut ranks: Vec<Option<RankStep>> = vec![None; world];
                 for _ in 0..world {
                     match rx.recv() {
