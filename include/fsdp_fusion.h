@@ -271,6 +271,21 @@ extern "C" {
 // `dir` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 
+// As `fsdp_engine_save`, with the files written on a thread of the library's while training goes
+// on: the call copies this rank's state into host memory (blocking until the copy is done, the
+// bytes held until the files are written) and returns; `fsdp_engine_wait_save` gives the save's
+// outcome. One save is written at a time: `FSDP_MISUSE` while one is. Destroying the engine
+// waits for the files.
+//
+// # Safety
+// `dir` is NULL or NUL-terminated.
+enum fsdp_status fsdp_engine_save_async(struct fsdp_engine *engine, const char *dir);
+
+// Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
+// `fsdp_engine_save_async` and returns the save's status (`FSDP_IO_ERROR` naming a file it could
+// not write); `FSDP_OK` when no save is pending.
+enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
+
 // Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model
 // (parameters declared in the same order) and optimizer at this world size or another: each
 // rank reads what its shards need from the saved ranks' files. The optimizer continues from

@@ -31,6 +31,8 @@ pub enum Error {
         "a step is under way (hooks open, gradients taken, or synced): {action} is allowed between end_step and the next step's first hook"
     )]
     MidStep { action: &'static str },
+    #[error("the save into {dir} is still being written: wait for it (wait_save) before another")]
+    SavePending { dir: String },
     #[error("model file {path} is not UTF-8: the bytes from offset {offset} on are not text")]
     NotUtf8 { path: String, offset: usize },
     #[error("malformed model JSON at line {line}, column {column}: {message}")]

@@ -1826,6 +1826,7 @@ fn a_checkpoint_saved_and_loaded_through_the_c_api_continues_the_optimizer() {
         let path = CString::new(dir.to_str().unwrap()).unwrap();
         let (plan, group, saved) = engine(mode);
         sgd_step(saved, plan, 0, &Host::default());
+        let background = CString::new(dir.join("background").to_str().unwrap()).unwrap();
         // SAFETY: valid pointers throughout.
         unsafe {
             ok(fsdp_engine_save(saved, path.as_ptr()));
@@ -1834,7 +1835,20 @@ fn a_checkpoint_saved_and_loaded_through_the_c_api_continues_the_optimizer() {
                 fsdp_status::FSDP_INVALID_ARGUMENT,
                 "never overwrites",
             );
+            ok(fsdp_engine_save_async(saved, background.as_ptr()));
+            expect(
+                fsdp_engine_save_async(saved, path.as_ptr()),
+                fsdp_status::FSDP_MISUSE,
+                "still being written",
+            );
+            ok(fsdp_engine_wait_save(saved));
+            ok(fsdp_engine_wait_save(saved));
         }
+        let data = |name: &str| std::fs::read(dir.join(name).join("rank-00000.bin")).unwrap();
+        assert_eq!(
+            data("background"),
+            std::fs::read(dir.join("rank-00000.bin")).unwrap()
+        );
         // The same initial values again, then a second step: it runs on the saved moments and
         // step count in both engines.
         let straight = sgd_step(saved, plan, 0, &Host::default());

@@ -837,3 +837,58 @@ fn the_training_harness_saves_and_resumes_where_the_reference_is() {
         assert_eq!(c.difference, 0.0);
     }
 }
+
+#[test]
+fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
+    for_each_mode(|mode| {
+        for world in [1, 3] {
+            let mlp = model(DType::Bf16, 24);
+            let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+            let config = EngineConfig::default();
+            let scratch = Scratch::new();
+            let (blocking, background) = (scratch.0.join("blocking"), scratch.0.join("async"));
+            let (b, a) = (blocking.clone(), background.clone());
+            let init = mlp.init(3);
+            let trained = mlp.clone();
+            on_engines(&plan, &config, mode, move |mut e| {
+                load(&mut e, &init).unwrap();
+                let lr = e.config().optimizer.lr();
+                for step in 0..3 {
+                    sharded_step(&trained, &mut e, (step, PASSES), lr, recipe()).unwrap();
+                }
+                e.save(&b).unwrap();
+                e.save_async(&a).unwrap();
+                // One save is written at a time; a blocking one into the same place waits too.
+                for refused in [e.save_async(&scratch_other(&a)), e.save(&a)] {
+                    assert!(
+                        matches!(refused, Err(Error::SavePending { .. })),
+                        "{refused:?}"
+                    );
+                }
+                // Training goes on while the files are written; they hold the call's state.
+                for step in 3..5 {
+                    sharded_step(&trained, &mut e, (step, PASSES), lr, recipe()).unwrap();
+                }
+                e.wait_save().unwrap();
+                assert!(!e.save_pending());
+                e.wait_save().unwrap();
+            });
+            for rank in 0..world {
+                for path in [
+                    fsdp_fusion::checkpoint::data_path,
+                    fsdp_fusion::checkpoint::manifest_path,
+                ] {
+                    assert_eq!(
+                        std::fs::read(path(&background, rank)).unwrap(),
+                        std::fs::read(path(&blocking, rank)).unwrap(),
+                        "{mode:?} world {world} rank {rank}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+fn scratch_other(dir: &Path) -> PathBuf {
+    dir.with_extension("other")
+}

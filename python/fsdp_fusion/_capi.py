@@ -159,6 +159,8 @@ _SIGNATURES = {
     "fsdp_engine_counters": ([_HANDLE, POINTER(Counters)], c_int),
     "fsdp_engine_save": ([_HANDLE, c_char_p], c_int),
     "fsdp_engine_load": ([_HANDLE, c_char_p], c_int),
+    "fsdp_engine_save_async": ([_HANDLE, c_char_p], c_int),
+    "fsdp_engine_wait_save": ([_HANDLE], c_int),
     "fsdp_engine_export_safetensors": ([_HANDLE, c_char_p], c_int),
     "fsdp_checkpoint_export_safetensors": ([c_char_p, c_char_p], c_int),
     "fsdp_engine_import_safetensors": ([_HANDLE, c_char_p], c_int),

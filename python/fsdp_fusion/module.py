@@ -754,13 +754,21 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._call("fsdp_engine_counters", self._engine, byref(counters))
         return counters
 
-    def save(self, directory: str | os.PathLike):
+    def save(self, directory: str | os.PathLike, *, wait: bool = True):
         """Writes this rank's part of a sharded checkpoint into `directory` (every rank the
         same one; no communication): shards, fp32 masters, AdamW moments, the optimizer's step
         and settings, atomically, a save never overwriting one. Between steps only (forward
-        passes with no gradient since the last step, an evaluation, end their step first)."""
+        passes with no gradient since the last step, an evaluation, end their step first).
+        `wait=False` copies the state into host memory and returns while a thread writes the
+        files; `wait_save()` gives the outcome (one save at a time)."""
         self._end_evaluation()
-        self._call("fsdp_engine_save", self._engine, os.fsencode(directory))
+        name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
+        self._call(name, self._engine, os.fsencode(directory))
+
+    def wait_save(self):
+        """Waits for the files of `save(wait=False)` and raises what failed (`IoError`, ...);
+        returns at once when no save is pending."""
+        self._call("fsdp_engine_wait_save", self._engine)
 
     def load(self, directory: str | os.PathLike):
         """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the

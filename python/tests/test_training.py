@@ -246,8 +246,9 @@ def test_per_step_gradient_shards_train_exactly_as_persistent_ones():
 
 
 def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):
-    """Two steps, a save, two more steps: a fresh wrapper loaded from the save gives the same
-    last two losses and parameters bit for bit; a corrupted checkpoint is refused."""
+    """Two steps, a save (and one written in the background while training goes on), two more
+    steps: a fresh wrapper loaded from either save gives the same last two losses and
+    parameters bit for bit; a corrupted checkpoint is refused."""
     data = [per_rank[0] for step in batches(1) for per_rank in step]
 
     def steps(fused, tokens_list):
@@ -263,11 +264,17 @@ def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):
     first = FusedFSDP(module, list(module.blocks), lr=1e-2)
     steps(first, data[:2])
     first.save(tmp_path / "ckpt")
+    first.save(tmp_path / "background", wait=False)
+    with pytest.raises(fsdp_fusion.MisuseError, match="still being written"):
+        first.save(tmp_path / "another", wait=False)
     want = steps(first, data[2:4])
-    _, fresh = models()
-    second = FusedFSDP(fresh, list(fresh.blocks), lr=1e-2)
-    second.load(tmp_path / "ckpt")
-    assert steps(second, data[2:4]) == want
+    first.wait_save()
+    first.wait_save()
+    for saved in ("ckpt", "background"):
+        _, fresh = models()
+        second = FusedFSDP(fresh, list(fresh.blocks), lr=1e-2)
+        second.load(tmp_path / saved)
+        assert steps(second, data[2:4]) == want, saved
     name = "blocks.1.up.weight"
     assert torch.equal(second.full_parameter(name), first.full_parameter(name))
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="never overwrites"):

@@ -18,6 +18,23 @@ struct SavedRun {
     to: usize,
 }
 
+/// How often [`Engine::wait_save`] looks at the writer.
+const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The writer of an asynchronous save; dropping it waits for the files.
+pub(super) struct PendingSave {
+    dir: std::path::PathBuf,
+    thread: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl Drop for PendingSave {
+    fn drop(&mut self) {
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 /// A section of this rank's state: which buffer, and its region.
 struct Part {
     group: usize,
@@ -36,34 +53,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn save(&self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("saving a checkpoint")?;
+        self.check_no_save_into(dir)?;
         checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();
-        let mut sections = Vec::with_capacity(parts.len());
-        let mut offset = 0u64;
-        for p in &parts {
-            let bytes = (p.region.len * p.region.dtype.size()) as u64;
-            sections.push(Section {
-                group: p.group,
-                kind: p.kind,
-                offset,
-                bytes,
-            });
-            offset += bytes;
-        }
-        let manifest = RankManifest {
-            format: checkpoint::FORMAT,
-            rank: self.rank,
-            world_size: self.plan.world_size(),
-            optimizer_steps: self.optimizer_steps,
-            lr: self.config.optimizer.lr(),
-            weight_decay: self.config.optimizer.weight_decay(),
-            optimizer: optimizer_name(&self.config.optimizer).into(),
-            moment_dtype: self.config.moment_dtype.to_string(),
-            params: checkpoint::records(&self.plan),
-            sections,
-            data_bytes: 0,
-            data_xxh3: String::new(),
-        };
+        let manifest = self.manifest(&parts);
         let largest = parts
             .iter()
             .map(|p| p.region.len * p.region.dtype.size())
@@ -79,6 +72,120 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             Ok(())
         })
+    }
+
+    /// As [`Engine::save`], with the files written on a thread of their own while training
+    /// goes on: this rank's state is first copied into host memory (blocking until the copy is
+    /// done; its bytes are held until the files are written), then the call returns.
+    /// [`Engine::wait_save`] gives the save's outcome; one save is written at a time
+    /// (`Error::SavePending` while one is). Dropping the engine waits for the files.
+    pub fn save_async(&mut self, dir: &Path) -> Result<()> {
+        self.healthy()?;
+        self.check_step_boundary("saving a checkpoint")?;
+        if let Some(pending) = &self.pending_save {
+            return Err(Error::SavePending {
+                dir: pending.dir.display().to_string(),
+            });
+        }
+        checkpoint::prepare(dir, self.rank)?;
+        let parts = self.parts();
+        let manifest = self.manifest(&parts);
+        let mut snapshot = crate::fallible::with_capacity(parts.len(), "a checkpoint's parts")?;
+        for p in &parts {
+            let bytes = p.region.len * p.region.dtype.size();
+            let mut part = crate::fallible::filled(bytes, 0u8, "a checkpoint's snapshot")?;
+            self.read_part(p, &mut part)?;
+            snapshot.push(part);
+        }
+        let target = dir.to_path_buf();
+        let thread = std::thread::Builder::new()
+            .name(format!("fsdp-save-rank-{}", self.rank))
+            .spawn(move || {
+                checkpoint::write_rank(&target, manifest, |write| {
+                    snapshot.iter().try_for_each(|part| write(part))
+                })
+            })
+            .map_err(|e| Error::Spawn {
+                what: "the checkpoint writer",
+                source: std::sync::Arc::new(e),
+            })?;
+        self.pending_save = Some(PendingSave {
+            dir: dir.to_path_buf(),
+            thread: Some(thread),
+        });
+        Ok(())
+    }
+
+    /// Waits for the files of [`Engine::save_async`] (within the engine's timeout:
+    /// `Error::Timeout` leaves the save pending) and returns its outcome; `Ok` when no save is
+    /// pending.
+    pub fn wait_save(&mut self) -> Result<()> {
+        let Some(mut pending) = self.pending_save.take() else {
+            return Ok(());
+        };
+        let what = || format!("the save into {}", pending.dir.display());
+        let waited = self.watch.poll(SAVE_POLL, what, || {
+            Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
+        });
+        if let Err(e) = waited {
+            self.pending_save = Some(pending);
+            return Err(e);
+        }
+        match pending.thread.take().map(std::thread::JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(written)) => written,
+            Some(Err(_)) => Err(Error::Panicked {
+                message: what() + " panicked",
+            }),
+        }
+    }
+
+    /// Whether [`Engine::save_async`]'s files are still being written.
+    pub fn save_pending(&self) -> bool {
+        self.pending_save
+            .as_ref()
+            .is_some_and(|p| p.thread.as_ref().is_some_and(|t| !t.is_finished()))
+    }
+
+    /// Refuses a save into the directory a pending one writes (their temporary files would
+    /// meet).
+    fn check_no_save_into(&self, dir: &Path) -> Result<()> {
+        match &self.pending_save {
+            Some(pending) if pending.dir == dir => Err(Error::SavePending {
+                dir: dir.display().to_string(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// This rank's manifest of `parts`, before its data's length and checksum.
+    fn manifest(&self, parts: &[Part]) -> RankManifest {
+        let mut sections = Vec::with_capacity(parts.len());
+        let mut offset = 0u64;
+        for p in parts {
+            let bytes = (p.region.len * p.region.dtype.size()) as u64;
+            sections.push(Section {
+                group: p.group,
+                kind: p.kind,
+                offset,
+                bytes,
+            });
+            offset += bytes;
+        }
+        RankManifest {
+            format: checkpoint::FORMAT,
+            rank: self.rank,
+            world_size: self.plan.world_size(),
+            optimizer_steps: self.optimizer_steps,
+            lr: self.config.optimizer.lr(),
+            weight_decay: self.config.optimizer.weight_decay(),
+            optimizer: optimizer_name(&self.config.optimizer).into(),
+            moment_dtype: self.config.moment_dtype.to_string(),
+            params: checkpoint::records(&self.plan),
+            sections,
+            data_bytes: 0,
+            data_xxh3: String::new(),
+        }
     }
 
     /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same

@@ -124,6 +124,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     gather_effects: Vec<GatherEffect>,
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
+    /// The files of [`Engine::save_async`] being written.
+    pending_save: Option<checkpoint::PendingSave>,
 }
 
 /// An engine that could not be made, with the backend and communicator it was given: the rank can
@@ -378,6 +380,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             gather_effects: Vec::new(),
             grad_effects: Vec::new(),
             trace: None,
+            pending_save: None,
             poisoned: OnceLock::new(),
             watch,
             plan,

@@ -29,6 +29,34 @@ pub unsafe extern "C" fn fsdp_engine_save(
     })
 }
 
+/// As `fsdp_engine_save`, with the files written on a thread of the library's while training goes
+/// on: the call copies this rank's state into host memory (blocking until the copy is done, the
+/// bytes held until the files are written) and returns; `fsdp_engine_wait_save` gives the save's
+/// outcome. One save is written at a time: `FSDP_MISUSE` while one is. Destroying the engine
+/// waits for the files.
+///
+/// # Safety
+/// `dir` is NULL or NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_save_async(
+    engine: *mut fsdp_engine,
+    dir: *const c_char,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let dir = Path::new(unsafe { text(dir, "dir") }?);
+        on_engine(engine, |any| Ok(with_engine!(any, e => e.save_async(dir))?))
+    })
+}
+
+/// Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
+/// `fsdp_engine_save_async` and returns the save's status (`FSDP_IO_ERROR` naming a file it could
+/// not write); `FSDP_OK` when no save is pending.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.wait_save())?)))
+}
+
 /// Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model
 /// (parameters declared in the same order) and optimizer at this world size or another: each
 /// rank reads what its shards need from the saved ranks' files. The optimizer continues from

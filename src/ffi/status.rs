@@ -109,6 +109,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
         | Error::MidStep { .. }
+        | Error::SavePending { .. }
         | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
         Error::CudaUnavailable { .. }
         | Error::KernelsUnavailable
