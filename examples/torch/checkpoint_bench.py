@@ -5,6 +5,10 @@
     NCCL_NVLS_ENABLE=0 python examples/torch/checkpoint_bench.py \\
         --library .gpu/lib/libfsdp_fusion.so --dir /tmp/ckpt-bench
 
+Then fsdp-fusion's asynchronous save (`save(wait=False)`): the time its call blocks the training
+loop, the time until its files are written, and the training steps while they are, beside steps
+without a save.
+
 Each save is timed from the call to the files on disk (fsdp-fusion flushes every file; DCP's
 save returns once written, then `os.sync()` is included), each load to the state on the GPU.
 The load follows its save, so both read from the page cache: what is compared is the
@@ -17,6 +21,7 @@ import argparse
 import os
 import shutil
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,9 +75,21 @@ def fusion(args, root: Path) -> dict:
     save = timed(lambda: fused.save(path))
     load = timed(lambda: fused.load(path))
     bytes_ = size_of(path)
-    fused.close()
     shutil.rmtree(path)
-    return dict(who="fsdp-fusion", params=params, bytes=bytes_, save=save, load=load)
+    # The asynchronous save: what its call costs the training loop, and the steps while the
+    # files are written, beside steps without.
+    quiet = [timed(lambda: one_step(fused, fused.step)) for _ in range(args.steps)]
+    background = root / "fusion-async"
+    call = timed(lambda: fused.save(background, wait=False))
+    start = time.perf_counter()
+    during = [timed(lambda: one_step(fused, fused.step)) for _ in range(args.steps)]
+    wait = timed(fused.wait_save)
+    written = time.perf_counter() - start + call
+    fused.close()
+    shutil.rmtree(background)
+    return dict(who="fsdp-fusion", params=params, bytes=bytes_, save=save, load=load,
+                async_call=call, async_written=written, async_wait=wait,
+                quiet=quiet, during=during)
 
 
 def fsdp2(args, root: Path) -> dict:
@@ -114,6 +131,8 @@ def main() -> int:
     parser.add_argument("--library", help="libfsdp_fusion.so")
     parser.add_argument("--dir", default="/tmp/fsdp-fusion-checkpoint-bench")
     parser.add_argument("--layers", type=int, default=20, help="20: 1.03 B parameters")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="steps timed without and during an asynchronous save")
     args = parser.parse_args()
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -133,6 +152,13 @@ def main() -> int:
         gb = r["bytes"] / 1e9
         print(f"{r['who']:<14} {gb:7.2f} {r['save']:8.2f} {gb / r['save']:7.2f} "
               f"{r['load']:8.2f} {gb / r['load']:7.2f}")
+    f = rows[0]
+    print(f"fsdp-fusion save(wait=False): the call {f['async_call']:.2f} s (the state copied to "
+          f"host memory), files written {f['async_written']:.2f} s after it began "
+          f"({f['async_wait']:.2f} s of wait_save after {args.steps} steps); median step "
+          f"{statistics.median(f['quiet']) * 1e3:.1f} ms without a save, "
+          f"{statistics.median(f['during']) * 1e3:.1f} ms while the files are written "
+          f"(steps: {', '.join(f'{t * 1e3:.0f}' for t in f['during'])} ms)")
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)
     return 0
