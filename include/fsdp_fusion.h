@@ -551,6 +551,19 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
                                          size_t capacity,
                                          size_t *written);
 
+// Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
+// shard, into `out`, host memory of `capacity` bytes; `*written` gets its size. A collective:
+// every rank calls it for the same groups in the same order, between steps (`FSDP_MISUSE`
+// inside one). Blocks until the bytes are there.
+//
+// # Safety
+// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_gather_group(struct fsdp_engine *engine,
+                                          size_t group,
+                                          void *out,
+                                          size_t capacity,
+                                          size_t *written);
+
 // Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
 // this step (a non-finite gradient on any rank shows on the rank holding its element). Allowed
 // from `fsdp_engine_finish_grad_sync` to `fsdp_engine_end_step` (`FSDP_MISUSE` otherwise);

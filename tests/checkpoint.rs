@@ -892,3 +892,48 @@ fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
 fn scratch_other(dir: &Path) -> PathBuf {
     dir.with_extension("other")
 }
+
+#[test]
+fn every_rank_gathers_the_whole_groups_it_holds_a_part_of() {
+    for_each_mode(|mode| {
+        for storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
+            for world in [1, 2, 3, 4] {
+                let mlp = model(DType::Bf16, 24);
+                let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+                let config = EngineConfig {
+                    param_storage: storage,
+                    ..EngineConfig::default()
+                };
+                let init = mlp.init(3);
+                let trained = mlp.clone();
+                let ranks = on_engines(&plan, &config, mode, move |mut e| {
+                    load(&mut e, &init).unwrap();
+                    let lr = e.config().optimizer.lr();
+                    for step in 0..2 {
+                        sharded_step(&trained, &mut e, (step, PASSES), lr, recipe()).unwrap();
+                    }
+                    let held = shards(&e);
+                    let groups: Vec<Vec<u8>> = (0..e.plan().groups().len())
+                        .map(|g| e.gather_group(g).unwrap())
+                        .collect();
+                    // Training goes on after the gathers.
+                    sharded_step(&trained, &mut e, (2, PASSES), lr, recipe()).unwrap();
+                    (held, groups)
+                });
+                let shards: Vec<Vec<Vec<u8>>> = ranks.iter().map(|r| r.0.clone()).collect();
+                for (p, values) in plan.params().iter().zip(values(&plan, &shards)) {
+                    let size = p.dtype.size();
+                    for (rank, (_, groups)) in ranks.iter().enumerate() {
+                        let whole = &groups[p.group];
+                        let mine = &whole[p.offset * size..(p.offset + p.numel) * size];
+                        assert_eq!(
+                            mine,
+                            &values[..],
+                            "{mode:?} {storage:?} world {world} rank {rank}"
+                        );
+                    }
+                }
+            }
+        }
+    });
+}

@@ -73,3 +73,68 @@ fn loopback_ranks_save_reshard_and_continue_exactly() {
         "saved at 2, loaded at 4, saved, loaded at 2: not the straight run"
     );
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_ranks_gather_whole_groups_and_save_in_the_background() {
+    for (world, storage) in [
+        (2, fsdp_fusion::ParamStorage::ShardAndMaster),
+        (4, fsdp_fusion::ParamStorage::MasterOnly),
+    ] {
+        let mlp = model();
+        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+        let init = mlp.init(9);
+        let dir = std::env::temp_dir().join(format!(
+            "fsdp-fusion-gpu-async-{}-{world}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (background, blocking) = (dir.join("async"), dir.join("blocking"));
+        let comms = LoopbackComm::group(world).unwrap();
+        let ranks = on_threads(comms, {
+            let plan = Arc::clone(&plan);
+            let (background, blocking) = (background.clone(), blocking.clone());
+            move |_, comm| {
+                let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+                let config = EngineConfig {
+                    param_storage: storage,
+                    ..EngineConfig::default()
+                };
+                let base_lr = config.optimizer.lr();
+                let mut e = Engine::new(Arc::clone(&plan), config, backend, comm).unwrap();
+                load(&mut e, &init).unwrap();
+                for step in 0..2 {
+                    sharded_step(&mlp, &mut e, (step, 2), base_lr, Recipe::default()).unwrap();
+                }
+                let shards: Vec<Vec<u8>> = (0..plan.groups().len())
+                    .map(|g| e.param_shard(g).unwrap())
+                    .collect();
+                let groups: Vec<Vec<u8>> = (0..plan.groups().len())
+                    .map(|g| e.gather_group(g).unwrap())
+                    .collect();
+                e.save(&blocking).unwrap();
+                e.save_async(&background).unwrap();
+                sharded_step(&mlp, &mut e, (2, 2), base_lr, Recipe::default()).unwrap();
+                e.wait_save().unwrap();
+                (shards, groups)
+            }
+        });
+        for (g, group) in plan.groups().iter().enumerate() {
+            let whole: Vec<u8> = ranks.iter().flat_map(|(s, _)| s[g].clone()).collect();
+            for (rank, (_, groups)) in ranks.iter().enumerate() {
+                assert_eq!(groups[g], whole, "world {world} group {g} on rank {rank}");
+            }
+            assert_eq!(whole.len(), group.padded_numel * group.dtype.size());
+        }
+        for rank in 0..world {
+            let read =
+                |d: &PathBuf| std::fs::read(fsdp_fusion::checkpoint::data_path(d, rank)).unwrap();
+            assert_eq!(
+                read(&background),
+                read(&blocking),
+                "world {world} rank {rank}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

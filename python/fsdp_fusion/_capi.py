@@ -163,6 +163,8 @@ _SIGNATURES = {
     "fsdp_engine_wait_save": ([_HANDLE], c_int),
     "fsdp_engine_export_safetensors": ([_HANDLE, c_char_p], c_int),
     "fsdp_checkpoint_export_safetensors": ([c_char_p, c_char_p], c_int),
+    "fsdp_engine_gather_group": ([_HANDLE, c_size_t, c_void_p, c_size_t, POINTER(c_size_t)],
+                                 c_int),
     "fsdp_engine_import_safetensors": ([_HANDLE, c_char_p], c_int),
     "fsdp_engine_memory": ([_HANDLE, POINTER(c_size_t), POINTER(c_size_t)], c_int),
     "fsdp_plan_memory": ([_HANDLE, POINTER(Config), POINTER(Memory)], c_int),

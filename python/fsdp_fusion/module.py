@@ -834,6 +834,27 @@ class FusedFSDP(Releasing, torch.nn.Module):
         values = shard[info.offset * element:(info.offset + info.numel) * element]
         return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole value as a host tensor under the module's names (what
+        `load_state_dict` of a plain copy takes), gathered from every rank's shards: a
+        collective, every rank calls it. Between steps (an evaluation's step is ended first).
+        The module's own `state_dict()` holds the engine's views or placeholders, not this."""
+        self._end_evaluation()
+        infos = [self._info(p.id) for p in self._params]
+        state = {}
+        for group in sorted({i.group for i in infos}):
+            members = [(p, i) for p, i in zip(self._params, infos) if i.group == group]
+            element = members[0][0].tensor.element_size()
+            numel = max(i.offset + i.padded_numel for _, i in members)
+            whole = torch.empty(numel * element, dtype=torch.uint8)
+            written = c_size_t()
+            self._call("fsdp_engine_gather_group", self._engine, group, whole.data_ptr(),
+                       whole.numel(), byref(written))
+            for p, i in members:
+                values = whole[i.offset * element:(i.offset + i.numel) * element]
+                state[p.name] = values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+        return state
+
     def _info(self, param: int) -> ParamInfo:
         info = ParamInfo()
         self._lib.call("fsdp_plan_param_info", self._plan, param, byref(info))

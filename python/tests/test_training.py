@@ -356,3 +356,25 @@ def test_bf16_moments_halve_the_moments_and_train_close_to_f32_ones():
     _, module = models(False)
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="moment_dtype"):
         FusedFSDP(module, list(module.blocks), moment_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_full_state_dict_is_every_parameter_whole_on_every_rank(world):
+    """Gathered on every rank, each parameter's value equals the unsharded reference's (as the
+    training tests hold them), and a plain copy loads it."""
+    run = train("adamw", world=world)
+    states = on_ranks(world, lambda rank: run.ranks[rank].full_state_dict())
+    names = [name for name, _ in run.reference.named_parameters()]
+    for state in states:
+        assert sorted(state) == sorted(names)
+        for name in names:
+            assert torch.equal(state[name], states[0][name]), name
+    reference = dict(run.reference.named_parameters())
+    for name in names:
+        assert (states[0][name] - reference[name].detach()).abs().max().item() <= 1e-4, name
+    if world == 1:
+        for name in names:
+            assert torch.equal(states[0][name], run.ranks[0].full_parameter(name)), name
+    _, plain = models(False)
+    missing, unexpected = plain.load_state_dict(states[0], strict=False)
+    assert not unexpected and not set(missing) & set(names)

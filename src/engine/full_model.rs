@@ -7,11 +7,11 @@ use std::path::Path;
 use safetensors::SafeTensors;
 
 use super::Engine;
-use crate::backend::{Backend, Input};
-use crate::comm::Communicator;
+use crate::backend::{Backend, Input, Region};
+use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
 use crate::export::{Tensor, check_new, file_error, safetensors_dtype, write};
-use crate::types::ParamId;
+use crate::types::{DType, ParamId, Stream};
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Writes every parameter, frozen ones included, under the model's names, shapes and dtypes
@@ -54,6 +54,47 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
         }
         write(&tensors, path)
+    }
+
+    /// Group `group`'s whole padded buffer, as bytes in its dtype, gathered from every rank's
+    /// shard (of a master-only group, its masters rounded to the dtype): a collective, every rank
+    /// calls it for the same groups in the same order. Between steps. Borrows a device buffer of
+    /// the group's size for the call (outside the plan's count). Blocks until the bytes are here.
+    pub fn gather_group(&mut self, group: usize) -> Result<Vec<u8>> {
+        self.healthy()?;
+        self.check_step_boundary("gathering a group")?;
+        let g = self.plan.group(group)?.clone();
+        if self.plan.world_size() == 1 {
+            return self.param_shard(group);
+        }
+        let own = Region::new(self.rank * g.shard_numel, g.shard_numel, g.dtype);
+        let whole = Region::new(0, g.padded_numel, g.dtype);
+        let master_only = self.plan.master_only(&self.config, &g);
+        self.effects(|e| {
+            let mut buffer = e.backend.alloc_scratch(g.padded_numel * g.dtype.size())?;
+            let (source, region) = match (master_only, e.masters[group].as_ref()) {
+                (true, Some(master)) => (master, Region::new(0, g.shard_numel, DType::F32)),
+                _ => (&e.shards[group], Region::new(0, g.shard_numel, g.dtype)),
+            };
+            // SAFETY: the scratch buffer is this call's; the shard (or master) is read on the
+            // compute stream, after the last optimizer step there and before the next one.
+            unsafe {
+                e.backend
+                    .cast(Stream::Compute, source, region, &mut buffer, own)
+            }?;
+            let tag = e.next_tag(Purpose::Group(group), |tag| {
+                Fingerprint::all_gather(tag, Region::new(0, g.shard_numel, g.dtype))
+            });
+            // SAFETY: as above; the download below orders itself after the gather.
+            unsafe {
+                e.comm
+                    .all_gather_in_place(&e.backend, Stream::Compute, tag, &mut buffer, whole)
+            }?;
+            let mut out =
+                crate::fallible::filled(g.padded_numel * g.dtype.size(), 0u8, "a gathered group")?;
+            e.backend.download(&buffer, whole, &mut out)?;
+            Ok(out)
+        })
     }
 
     /// Loads every parameter's values from the safetensors file `path` (as

@@ -623,17 +623,57 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
         let shard = on_engine(engine, |any| {
             Ok(with_engine!(any, e => e.param_shard(group))?)
         })?;
-        if shard.len() > capacity {
-            return Err(invalid(format!(
-                "the shard has {} bytes, out holds {capacity}",
-                shard.len()
-            )));
-        }
-        // SAFETY: non-null, valid for `capacity` >= `shard.len()` bytes by the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(shard.as_ptr(), out.cast::<u8>(), shard.len()) };
         // SAFETY: the caller's contract.
-        unsafe { put(written, "written", shard.len()) }
+        unsafe { copy_out(&shard, (out, capacity), written) }
     })
+}
+
+/// Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
+/// shard, into `out`, host memory of `capacity` bytes; `*written` gets its size. A collective:
+/// every rank calls it for the same groups in the same order, between steps (`FSDP_MISUSE`
+/// inside one). Blocks until the bytes are there.
+///
+/// # Safety
+/// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_gather_group(
+    engine: *mut fsdp_engine,
+    group: usize,
+    out: *mut c_void,
+    capacity: usize,
+    written: *mut usize,
+) -> fsdp_status {
+    boundary(|| {
+        if out.is_null() || written.is_null() {
+            return Err(null("out or written"));
+        }
+        let whole = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.gather_group(group))?)
+        })?;
+        // SAFETY: the caller's contract.
+        unsafe { copy_out(&whole, (out, capacity), written) }
+    })
+}
+
+/// Copies `bytes` into the caller's `out` of `capacity` bytes and their count into `written`.
+///
+/// # Safety
+/// `out` is valid for `capacity` bytes and `written` for a write, both non-null.
+unsafe fn copy_out(
+    bytes: &[u8],
+    (out, capacity): (*mut c_void, usize),
+    written: *mut usize,
+) -> Outcome {
+    if bytes.len() > capacity {
+        return Err(invalid(format!(
+            "the copy has {} bytes, out holds {capacity}",
+            bytes.len()
+        )));
+    }
+    // SAFETY: non-null, valid for `capacity` >= `bytes.len()` bytes by the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
+    // SAFETY: the caller's contract.
+    unsafe { put(written, "written", bytes.len()) }
 }
 
 /// Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
