@@ -166,6 +166,9 @@ pub trait Backend: Send {
     /// A device allocation, untyped; regions give it a dtype.
     type Buffer: Send;
     type Event: Send;
+    /// Host memory that device buffers are copied into in stream order (page-locked on a GPU,
+    /// so that the copies run at the link's speed while the host goes on).
+    type HostBuffer: Send + 'static;
 
     /// A short name for errors and reports.
     fn name(&self) -> &'static str;
@@ -178,6 +181,29 @@ pub trait Backend: Send {
     fn alloc_scratch(&self, bytes: usize) -> Result<Self::Buffer>;
 
     fn memory(&self) -> MemoryUsage;
+
+    /// `bytes` bytes of host memory for [`Backend::copy_to_host`], outside [`Backend::memory`]'s
+    /// count.
+    fn alloc_host(&self, bytes: usize) -> Result<Self::HostBuffer>;
+
+    /// The bytes of `buf`.
+    ///
+    /// # Safety
+    /// Every copy queued into `buf` completed (its stream's event was synchronized).
+    unsafe fn host_bytes(buf: &Self::HostBuffer) -> &[u8];
+
+    /// Queues on `stream` a copy of `region` of `src` into `dst` from byte `at`.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`] for `src`; nothing reads `dst`'s range until the copy completed.
+    unsafe fn copy_to_host(
+        &self,
+        stream: Stream,
+        src: &Self::Buffer,
+        region: Region,
+        dst: &mut Self::HostBuffer,
+        at: usize,
+    ) -> Result<()>;
 
     /// Whether dropping a buffer neither blocks the host nor lets its memory be used again before
     /// the work queued on any stream so far is done with it, so that buffers can come and go

@@ -21,13 +21,18 @@ struct SavedRun {
 /// How often [`Engine::wait_save`] looks at the writer.
 const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// The writer of an asynchronous save; dropping it waits for the files.
-pub(super) struct PendingSave {
+/// The writer of an asynchronous save, which gives its staging area back; dropping it waits for
+/// the files.
+pub(super) struct PendingSave<H> {
     dir: std::path::PathBuf,
-    thread: Option<std::thread::JoinHandle<Result<()>>>,
+    thread: Option<std::thread::JoinHandle<Written<H>>>,
 }
 
-impl Drop for PendingSave {
+/// What the writer of an asynchronous save ends with: its outcome, and the staging area (with
+/// its bytes) for the next save.
+type Written<H> = (Result<()>, (H, usize));
+
+impl<H> Drop for PendingSave<H> {
     fn drop(&mut self) {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -75,10 +80,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// As [`Engine::save`], with the files written on a thread of their own while training
-    /// goes on: this rank's state is first copied into host memory (blocking until the copy is
-    /// done; its bytes are held until the files are written), then the call returns.
-    /// [`Engine::wait_save`] gives the save's outcome; one save is written at a time
-    /// (`Error::SavePending` while one is). Dropping the engine waits for the files.
+    /// goes on: this rank's state is first copied on the compute stream into host memory
+    /// (page-locked on a GPU; made at the first such save, the size of the rank's state, and
+    /// kept for the next ones), the call returning once the copy is done. [`Engine::wait_save`]
+    /// gives the save's outcome; one save is written at a time (`Error::SavePending` while one
+    /// is). Dropping the engine waits for the files.
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("saving a checkpoint")?;
@@ -90,20 +96,44 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();
         let manifest = self.manifest(&parts);
-        let mut snapshot = crate::fallible::with_capacity(parts.len(), "a checkpoint's parts")?;
-        for p in &parts {
-            let bytes = p.region.len * p.region.dtype.size();
-            let mut part = crate::fallible::filled(bytes, 0u8, "a checkpoint's snapshot")?;
-            self.read_part(p, &mut part)?;
-            snapshot.push(part);
-        }
+        let total: usize = manifest.sections.iter().map(|s| s.bytes as usize).sum();
+        let mut staging = match self.save_staging.take() {
+            Some((staging, bytes)) if bytes >= total => (staging, bytes),
+            _ => (self.backend.alloc_host(total)?, total),
+        };
+        self.effects(|e| {
+            // After every stream's work so far, in the compute stream's order (before the next
+            // optimizer step writes the state).
+            for other in [Stream::Gather, Stream::Reduce] {
+                let reached = e.backend.record(other)?;
+                e.backend.wait(Stream::Compute, &reached)?;
+            }
+            for (p, section) in parts.iter().zip(&manifest.sections) {
+                let buffer = e.state_buffer(p)?;
+                let at = section.offset as usize;
+                // SAFETY: ordered after every stream's work above; the staging area is read
+                // only once the copies completed (synchronized below).
+                unsafe {
+                    e.backend
+                        .copy_to_host(Stream::Compute, buffer, p.region, &mut staging.0, at)
+                }?;
+            }
+            let copied = e.backend.record(Stream::Compute)?;
+            e.backend.synchronize(&copied)
+        })?;
         let target = dir.to_path_buf();
+        let sections = manifest.sections.clone();
         let thread = std::thread::Builder::new()
             .name(format!("fsdp-save-rank-{}", self.rank))
             .spawn(move || {
-                checkpoint::write_rank(&target, manifest, |write| {
-                    snapshot.iter().try_for_each(|part| write(part))
-                })
+                // SAFETY: the copies into the staging area completed (synchronized above).
+                let bytes = unsafe { B::host_bytes(&staging.0) };
+                let written = checkpoint::write_rank(&target, manifest, |write| {
+                    sections.iter().try_for_each(|s| {
+                        write(&bytes[s.offset as usize..(s.offset + s.bytes) as usize])
+                    })
+                });
+                (written, staging)
             })
             .map_err(|e| Error::Spawn {
                 what: "the checkpoint writer",
@@ -133,7 +163,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         match pending.thread.take().map(std::thread::JoinHandle::join) {
             None => Ok(()),
-            Some(Ok(written)) => written,
+            Some(Ok((written, staging))) => {
+                self.save_staging = Some(staging);
+                written
+            }
             Some(Err(_)) => Err(Error::Panicked {
                 message: what() + " panicked",
             }),

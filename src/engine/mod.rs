@@ -125,7 +125,9 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
     /// The files of [`Engine::save_async`] being written.
-    pending_save: Option<checkpoint::PendingSave>,
+    pending_save: Option<checkpoint::PendingSave<B::HostBuffer>>,
+    /// The host memory the last asynchronous save copied into, and its bytes.
+    save_staging: Option<(B::HostBuffer, usize)>,
 }
 
 /// An engine that could not be made, with the backend and communicator it was given: the rank can
@@ -381,6 +383,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             grad_effects: Vec::new(),
             trace: None,
             pending_save: None,
+            save_staging: None,
             poisoned: OnceLock::new(),
             watch,
             plan,

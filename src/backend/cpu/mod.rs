@@ -173,6 +173,7 @@ fn length_mismatch(len: usize, capacity: usize) -> Error {
 impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
     type Event = CpuEvent;
+    type HostBuffer = CpuBuffer;
 
     fn name(&self) -> &'static str {
         NAME
@@ -188,6 +189,41 @@ impl Backend for CpuBackend {
 
     fn memory(&self) -> MemoryUsage {
         self.tracker.usage()
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
+        CpuBuffer::zeroed(bytes, &Arc::default())
+    }
+
+    unsafe fn host_bytes(buf: &CpuBuffer) -> &[u8] {
+        // SAFETY: the caller's contract: no copy into it is still queued.
+        unsafe { buf.memory().bytes(0..buf.len()) }
+    }
+
+    unsafe fn copy_to_host(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        region: Region,
+        dst: &mut CpuBuffer,
+        at: usize,
+    ) -> Result<()> {
+        let (src_memory, src_range) = part(src, region)?;
+        let bytes = src_range.len();
+        let end = at.checked_add(bytes).filter(|&end| end <= dst.len());
+        let dst_range = end.map(|end| at..end).ok_or(Error::OutOfRange {
+            offset: at,
+            len: bytes,
+            capacity: dst.len(),
+        })?;
+        let dst_memory = Arc::clone(dst.memory());
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
+            let (src, dst) =
+                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            dst.copy_from_slice(src);
+            Ok(())
+        })
     }
 
     /// A buffer's bytes live on while queued work refers to them.

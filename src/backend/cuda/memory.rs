@@ -68,6 +68,79 @@ impl Drop for DeviceMemory {
     }
 }
 
+/// Page-locked host memory (`cuMemHostAlloc`), freed on drop: device-to-host copies into it run
+/// asynchronously at the link's speed.
+pub struct PinnedHost {
+    ptr: *mut u8,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: `PinnedHost` owns its allocation; its bytes are reached only through `bytes`, whose
+// callers order the copies into it before any read.
+unsafe impl Send for PinnedHost {}
+
+impl PinnedHost {
+    pub(crate) fn alloc(ctx: &Arc<CudaContext>, bytes: usize) -> Result<PinnedHost> {
+        let ptr = if bytes == 0 {
+            std::ptr::NonNull::<u8>::dangling().as_ptr()
+        } else {
+            bind(ctx)?;
+            // SAFETY: a plain page-locked allocation in the current context.
+            unsafe { result::malloc_host(bytes, 0) }
+                .map_err(|e| match e.0 {
+                    CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                        bytes,
+                        what: "page-locked host memory".into(),
+                    },
+                    _ => cuda("cuMemHostAlloc")(e),
+                })?
+                .cast()
+        };
+        Ok(PinnedHost {
+            ptr,
+            bytes,
+            ctx: Arc::clone(ctx),
+        })
+    }
+
+    /// # Safety
+    /// No copy into the memory is still running.
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
+        // SAFETY: `bytes` bytes at `ptr`, allocated above; no writer by the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.bytes) }
+    }
+
+    /// The bytes from `at`, `len` of them, as the destination of a copy.
+    pub(crate) fn range_mut(&mut self, at: usize, len: usize) -> Result<&mut [u8]> {
+        let end = at.checked_add(len).filter(|&end| end <= self.bytes);
+        let Some(end) = end else {
+            return Err(Error::OutOfRange {
+                offset: at,
+                len,
+                capacity: self.bytes,
+            });
+        };
+        // SAFETY: inside the allocation; `&mut self` keeps other Rust accesses away.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), end - at) })
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        // SAFETY: allocated by cuMemHostAlloc in `ctx`, freed once. cuMemFreeHost waits for the
+        // copies still writing it.
+        unsafe {
+            if result::ctx::set_current(self.ctx.cu_ctx()).is_ok() {
+                let _ = result::free_host(self.ptr.cast());
+            }
+        }
+    }
+}
+
 /// Device memory from the caller: a framework's caching allocator, say, so that the engine's
 /// buffers and the framework's tensors share one pool (and its accounting).
 ///

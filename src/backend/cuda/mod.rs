@@ -38,7 +38,7 @@ pub(crate) use driver::{bind, cuda, primary_context};
 use kernels::Kernels;
 pub(crate) use memory::DeviceMemory;
 use memory::{BufferMemory, LentMemory};
-pub use memory::{CudaBuffer, DeviceAllocator};
+pub use memory::{CudaBuffer, DeviceAllocator, PinnedHost};
 use staging::Staging;
 
 const NAME: &str = "cuda";
@@ -284,6 +284,7 @@ fn length_mismatch(len: usize, capacity: usize) -> Error {
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Event = CudaBackendEvent;
+    type HostBuffer = PinnedHost;
 
     fn name(&self) -> &'static str {
         NAME
@@ -306,6 +307,37 @@ impl Backend for CudaBackend {
     /// With a caller's allocator only: `cuMemFree` waits for the device.
     fn frees_in_stream_order(&self) -> bool {
         self.allocator.is_some()
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<PinnedHost> {
+        PinnedHost::alloc(&self.ctx, bytes)
+    }
+
+    unsafe fn host_bytes(buf: &PinnedHost) -> &[u8] {
+        // SAFETY: the caller's contract.
+        unsafe { buf.bytes() }
+    }
+
+    unsafe fn copy_to_host(
+        &self,
+        stream: Stream,
+        src: &CudaBuffer,
+        region: Region,
+        dst: &mut PinnedHost,
+        at: usize,
+    ) -> Result<()> {
+        let range = region.byte_range(src.bytes())?;
+        let out = dst.range_mut(at, range.len())?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        let from = src.ptr() + range.start as u64;
+        // SAFETY: `from` holds `out.len()` bytes of a live buffer; `out` is page-locked memory
+        // that outlives the copy (dropping it waits), read only once the copy completed (the
+        // caller's contract).
+        unsafe { result::memcpy_dtoh_async(out, from, self.stream(stream).cu_stream()) }
+            .map_err(cuda("cuMemcpyDtoHAsync"))
     }
 
     fn host_waits(&self) -> u64 {
