@@ -18,6 +18,17 @@ struct AdamwCoefficients {
   float grad_scale;
 };
 
+// `crate::optim::adamw_element`, operation for operation: the new p, m and v in place.
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g,
+                                              const AdamwCoefficients& c) {
+  g = __fmul_rn(g, c.grad_scale);
+  const float decayed = __fmul_rn(p, c.decay);
+  m = __fadd_rn(__fmul_rn(c.beta1, m), __fmul_rn(c.one_minus_beta1, g));
+  v = __fadd_rn(__fmul_rn(c.beta2, v), __fmul_rn(__fmul_rn(c.one_minus_beta2, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_bias2), c.eps);
+  p = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(m, denom)));
+}
+
 // For f32 params `param` may be `master`; then the second store is skipped, it would write the
 // same bits again.
 template <class P>
@@ -55,14 +66,7 @@ struct AdamwOp {
     to_floats<F32>(r.v, vo);
     to_floats<F32>(r.g, g);
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      g[k] = __fmul_rn(g[k], c.grad_scale);
-      const float decayed = __fmul_rn(p[k], c.decay);
-      mo[k] = __fadd_rn(__fmul_rn(c.beta1, mo[k]), __fmul_rn(c.one_minus_beta1, g[k]));
-      vo[k] = __fadd_rn(__fmul_rn(c.beta2, vo[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g[k]), g[k]));
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vo[k]), c.sqrt_bias2), c.eps);
-      p[k] = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(mo[k], denom)));
-    }
+    for (int k = 0; k < N; ++k) adamw_element(p[k], mo[k], vo[k], g[k], c);
     store_floats<F32>(reinterpret_cast<uint32_t*>(master) + i, p);
     store_floats<F32>(reinterpret_cast<uint32_t*>(m) + i, mo);
     store_floats<F32>(reinterpret_cast<uint32_t*>(v) + i, vo);
@@ -132,12 +136,7 @@ struct AdamwBf16MomentsOp {
     uint32_t vb[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      g[k] = __fmul_rn(g[k], c.grad_scale);
-      const float decayed = __fmul_rn(p[k], c.decay);
-      mo[k] = __fadd_rn(__fmul_rn(c.beta1, mo[k]), __fmul_rn(c.one_minus_beta1, g[k]));
-      vo[k] = __fadd_rn(__fmul_rn(c.beta2, vo[k]), __fmul_rn(__fmul_rn(c.one_minus_beta2, g[k]), g[k]));
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vo[k]), c.sqrt_bias2), c.eps);
-      p[k] = __fsub_rn(decayed, __fmul_rn(c.step_size, __fdiv_rn(mo[k], denom)));
+      adamw_element(p[k], mo[k], vo[k], g[k], c);
       const uint64_t index = first_index + i + k;
       mb[k] = bf16_stochastic(mo[k], rounding_bits(seed, index, 0));
       vb[k] = bf16_stochastic(vo[k], rounding_bits(seed, index, 1));

@@ -12,6 +12,19 @@ from fsdp_fusion import FusedFSDP
 from fsdp_fusion.module import _Saved
 
 
+def train_steps(fused) -> list[float]:
+    """Every step of `batches(1)` through `fused`; the loss of each pass."""
+    losses = []
+    for step in batches(1):
+        for per_rank in step:
+            tokens = per_rank[0]
+            loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+        fused.step()
+    return losses
+
+
 def test_adamw_at_world_size_1_matches_torch():
     run = train("adamw")
     worst = run.worst_loss_difference()
@@ -179,14 +192,7 @@ def test_master_storage_trains_a_bf16_model_exactly_as_shard_storage(checkpoint)
         module = module.bfloat16()
         fused = FusedFSDP(module, list(module.blocks), param_storage=storage, lr=1e-2,
                           double_buffer_limit=12)
-        losses = []
-        for step in batches(1):
-            for per_rank in step:
-                tokens = per_rank[0]
-                loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
-                loss.backward()
-                losses.append(loss.item())
-            fused.step()
+        losses = train_steps(fused)
         weight = module.blocks[1].up.weight
         between_hooks = bool(torch.isnan(weight.detach()).all())
         assert fused.counters().extra_slots == 0
@@ -337,14 +343,7 @@ def test_bf16_moments_halve_the_moments_and_train_close_to_f32_ones():
     for moment_dtype in (torch.float32, torch.bfloat16):
         _, module = models(False)
         fused = FusedFSDP(module, list(module.blocks), lr=1e-2, moment_dtype=moment_dtype)
-        losses = []
-        for step in batches(1):
-            for per_rank in step:
-                tokens = per_rank[0]
-                loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
-                loss.backward()
-                losses.append(loss.item())
-            fused.step()
+        losses = train_steps(fused)
         runs.append((losses, fused.planned_memory(), fused.memory()))
     (f32_losses, f32_plan, _), (bf16_losses, bf16_plan, bf16_bytes) = runs
     trainable = sum(p.numel() for p in models(False)[1].parameters() if p.requires_grad)

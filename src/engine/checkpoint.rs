@@ -40,6 +40,15 @@ impl<H> Drop for PendingSave<H> {
     }
 }
 
+/// The bytes of the largest of `parts`.
+fn largest(parts: &[Part]) -> usize {
+    parts
+        .iter()
+        .map(|p| p.region.len * p.region.dtype.size())
+        .max()
+        .unwrap_or(0)
+}
+
 /// A section of this rank's state: which buffer, and its region.
 struct Part {
     group: usize,
@@ -62,12 +71,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();
         let manifest = self.manifest(&parts);
-        let largest = parts
-            .iter()
-            .map(|p| p.region.len * p.region.dtype.size())
-            .max()
-            .unwrap_or(0);
-        let mut buffer = crate::fallible::filled(largest, 0u8, "a checkpoint section")?;
+        let mut buffer = crate::fallible::filled(largest(&parts), 0u8, "a checkpoint section")?;
         checkpoint::write_rank(dir, manifest, |write| {
             // One part at a time through one host buffer.
             for p in &parts {
@@ -270,12 +274,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     .transpose()?,
             );
         }
-        let largest = parts
-            .iter()
-            .map(|p| p.region.len * p.region.dtype.size())
-            .max()
-            .unwrap_or(0);
-        let mut buffer = crate::fallible::filled(largest, 0u8, "a checkpoint section")?;
+        let mut buffer = crate::fallible::filled(largest(&parts), 0u8, "a checkpoint section")?;
         let optimizer = self
             .config
             .optimizer

@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 use std::path::Path;
 
-use super::handles::{on_engine, with_engine};
+use super::handles::{AnyEngine, on_engine, with_engine};
 use super::status::{boundary, fsdp_status, text};
 use super::types::fsdp_engine;
 
@@ -22,16 +22,14 @@ pub unsafe extern "C" fn fsdp_engine_save(
     engine: *mut fsdp_engine,
     dir: *const c_char,
 ) -> fsdp_status {
-    boundary(|| {
-        // SAFETY: the caller's contract.
-        let dir = Path::new(unsafe { text(dir, "dir") }?);
-        on_engine(engine, |any| Ok(with_engine!(any, e => e.save(dir))?))
-    })
+    // SAFETY: the caller's contract.
+    unsafe { at_path(engine, dir, "dir", PathOp::Save) }
 }
 
 /// As `fsdp_engine_save`, with the files written on a thread of the library's while training goes
-/// on: the call copies this rank's state into host memory (blocking until the copy is done, the
-/// bytes held until the files are written) and returns; `fsdp_engine_wait_save` gives the save's
+/// on: the call copies this rank's state on the compute stream into host memory that the engine
+/// keeps for its next asynchronous save (page-locked on a GPU; the size of the rank's state) and
+/// returns once the copy is done; `fsdp_engine_wait_save` gives the save's
 /// outcome. One save is written at a time: `FSDP_MISUSE` while one is. Destroying the engine
 /// waits for the files.
 ///
@@ -42,11 +40,8 @@ pub unsafe extern "C" fn fsdp_engine_save_async(
     engine: *mut fsdp_engine,
     dir: *const c_char,
 ) -> fsdp_status {
-    boundary(|| {
-        // SAFETY: the caller's contract.
-        let dir = Path::new(unsafe { text(dir, "dir") }?);
-        on_engine(engine, |any| Ok(with_engine!(any, e => e.save_async(dir))?))
-    })
+    // SAFETY: the caller's contract.
+    unsafe { at_path(engine, dir, "dir", PathOp::SaveAsync) }
 }
 
 /// Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
@@ -73,11 +68,8 @@ pub unsafe extern "C" fn fsdp_engine_load(
     engine: *mut fsdp_engine,
     dir: *const c_char,
 ) -> fsdp_status {
-    boundary(|| {
-        // SAFETY: the caller's contract.
-        let dir = Path::new(unsafe { text(dir, "dir") }?);
-        on_engine(engine, |any| Ok(with_engine!(any, e => e.load(dir))?))
-    })
+    // SAFETY: the caller's contract.
+    unsafe { at_path(engine, dir, "dir", PathOp::Load) }
 }
 
 /// Writes the full model into the safetensors file `path`: every parameter under its name,
@@ -94,13 +86,8 @@ pub unsafe extern "C" fn fsdp_engine_export_safetensors(
     engine: *mut fsdp_engine,
     path: *const c_char,
 ) -> fsdp_status {
-    boundary(|| {
-        // SAFETY: the caller's contract.
-        let path = Path::new(unsafe { text(path, "path") }?);
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.export_safetensors(path))?)
-        })
-    })
+    // SAFETY: the caller's contract.
+    unsafe { at_path(engine, path, "path", PathOp::Export) }
 }
 
 /// Loads every parameter's values from the safetensors file `path` (an export, or a pretrained
@@ -117,13 +104,8 @@ pub unsafe extern "C" fn fsdp_engine_import_safetensors(
     engine: *mut fsdp_engine,
     path: *const c_char,
 ) -> fsdp_status {
-    boundary(|| {
-        // SAFETY: the caller's contract.
-        let path = Path::new(unsafe { text(path, "path") }?);
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.import_safetensors(path))?)
-        })
-    })
+    // SAFETY: the caller's contract.
+    unsafe { at_path(engine, path, "path", PathOp::Import) }
 }
 
 /// Writes the full model of the sharded checkpoint in directory `dir` (saved by engines of any
@@ -146,5 +128,40 @@ pub unsafe extern "C" fn fsdp_checkpoint_export_safetensors(
         // SAFETY: the caller's contract.
         let path = Path::new(unsafe { text(path, "path") }?);
         Ok(crate::export::export_checkpoint(dir, path)?)
+    })
+}
+
+/// What an engine does with a path from C.
+#[derive(Clone, Copy)]
+enum PathOp {
+    Save,
+    SaveAsync,
+    Load,
+    Export,
+    Import,
+}
+
+/// Runs `op` on the engine with the NUL-terminated `path` (named `what` when NULL).
+///
+/// # Safety
+/// `path` is NULL or NUL-terminated.
+unsafe fn at_path(
+    engine: *mut fsdp_engine,
+    path: *const c_char,
+    what: &'static str,
+    op: PathOp,
+) -> fsdp_status {
+    boundary(|| {
+        // SAFETY: the caller's contract.
+        let path = Path::new(unsafe { text(path, what) }?);
+        on_engine(engine, |any: &mut AnyEngine| {
+            Ok(with_engine!(any, e => match op {
+                PathOp::Save => e.save(path),
+                PathOp::SaveAsync => e.save_async(path),
+                PathOp::Load => e.load(path),
+                PathOp::Export => e.export_safetensors(path),
+                PathOp::Import => e.import_safetensors(path),
+            })?)
+        })
     })
 }

@@ -616,16 +616,8 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
     capacity: usize,
     written: *mut usize,
 ) -> fsdp_status {
-    boundary(|| {
-        if out.is_null() || written.is_null() {
-            return Err(null("out or written"));
-        }
-        let shard = on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.param_shard(group))?)
-        })?;
-        // SAFETY: the caller's contract.
-        unsafe { copy_out(&shard, (out, capacity), written) }
-    })
+    // SAFETY: the caller's contract.
+    unsafe { group_bytes(engine, (group, false), (out, capacity), written) }
 }
 
 /// Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
@@ -643,15 +635,34 @@ pub unsafe extern "C" fn fsdp_engine_gather_group(
     capacity: usize,
     written: *mut usize,
 ) -> fsdp_status {
+    // SAFETY: the caller's contract.
+    unsafe { group_bytes(engine, (group, true), (out, capacity), written) }
+}
+
+/// Copies this rank's shard of `group` (or, `gathered`, the whole group from every rank's) into
+/// the caller's `out` of `capacity` bytes and their count into `written`.
+///
+/// # Safety
+/// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
+unsafe fn group_bytes(
+    engine: *mut fsdp_engine,
+    (group, gathered): (usize, bool),
+    (out, capacity): (*mut c_void, usize),
+    written: *mut usize,
+) -> fsdp_status {
     boundary(|| {
         if out.is_null() || written.is_null() {
             return Err(null("out or written"));
         }
-        let whole = on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.gather_group(group))?)
+        let bytes = on_engine(engine, |any| {
+            Ok(with_engine!(any, e => if gathered {
+                e.gather_group(group)
+            } else {
+                e.param_shard(group)
+            })?)
         })?;
         // SAFETY: the caller's contract.
-        unsafe { copy_out(&whole, (out, capacity), written) }
+        unsafe { copy_out(&bytes, (out, capacity), written) }
     })
 }
 
