@@ -272,8 +272,9 @@ extern "C" {
 enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 
 // As `fsdp_engine_save`, with the files written on a thread of the library's while training goes
-// on: the call copies this rank's state into host memory (blocking until the copy is done, the
-// bytes held until the files are written) and returns; `fsdp_engine_wait_save` gives the save's
+// on: the call copies this rank's state on the compute stream into host memory that the engine
+// keeps for its next asynchronous save (page-locked on a GPU; the size of the rank's state) and
+// returns once the copy is done; `fsdp_engine_wait_save` gives the save's
 // outcome. One save is written at a time: `FSDP_MISUSE` while one is. Destroying the engine
 // waits for the files.
 //
