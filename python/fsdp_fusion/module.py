@@ -228,6 +228,13 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _value(p: _Param, info: ParamInfo, group_bytes: torch.Tensor) -> torch.Tensor:
+    """Parameter `p`'s value, a copy, out of its group's bytes."""
+    element = p.tensor.element_size()
+    values = group_bytes[info.offset * element:(info.offset + info.numel) * element]
+    return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+
+
 def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
                       library: str | os.PathLike | None = None):
     """Writes the full model of the sharded checkpoint in `directory` (saved by `FusedFSDP.save`
@@ -822,17 +829,10 @@ class FusedFSDP(Releasing, torch.nn.Module):
         if p is None:
             raise InvalidArgumentError(f"no parameter named {name!r}")
         info = self._info(p.id)
-        # Parameters lie padded one after another: the group ends where its last one does.
-        group_numel = max(i.offset + i.padded_numel
-                          for i in map(self._info, range(len(self._params)))
-                          if i.group == info.group)
-        element = p.tensor.element_size()
-        shard = torch.empty(group_numel * element, dtype=torch.uint8)
-        written = c_size_t()
-        self._call("fsdp_engine_param_shard", self._engine, info.group, shard.data_ptr(),
-                       shard.numel(), byref(written))
-        values = shard[info.offset * element:(info.offset + info.numel) * element]
-        return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+        members = [(q, i) for q, i in zip(self._params, map(self._info, range(len(self._params))))
+                   if i.group == info.group]
+        shard = self._group_bytes("fsdp_engine_param_shard", info.group, members)
+        return _value(p, info, shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole value as a host tensor under the module's names (what
@@ -844,16 +844,21 @@ class FusedFSDP(Releasing, torch.nn.Module):
         state = {}
         for group in sorted({i.group for i in infos}):
             members = [(p, i) for p, i in zip(self._params, infos) if i.group == group]
-            element = members[0][0].tensor.element_size()
-            numel = max(i.offset + i.padded_numel for _, i in members)
-            whole = torch.empty(numel * element, dtype=torch.uint8)
-            written = c_size_t()
-            self._call("fsdp_engine_gather_group", self._engine, group, whole.data_ptr(),
-                       whole.numel(), byref(written))
+            whole = self._group_bytes("fsdp_engine_gather_group", group, members)
             for p, i in members:
-                values = whole[i.offset * element:(i.offset + i.numel) * element]
-                state[p.name] = values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+                state[p.name] = _value(p, i, whole)
         return state
+
+    def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
+        """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies
+        of `group`, whose parameters and their infos are `members`."""
+        element = members[0][0].tensor.element_size()
+        # Parameters lie padded one after another: the group ends where its last one does.
+        numel = max(i.offset + i.padded_numel for _, i in members)
+        whole = torch.empty(numel * element, dtype=torch.uint8)
+        written = c_size_t()
+        self._call(function, self._engine, group, whole.data_ptr(), whole.numel(), byref(written))
+        return whole
 
     def _info(self, param: int) -> ParamInfo:
         info = ParamInfo()
