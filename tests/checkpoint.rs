@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, Error, OptimizerConfig, ParamStorage, Plan, Unit};
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, load, sharded_step};
-use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
+use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines, within_deadline};
 
 const PASSES: u64 = 2;
 
@@ -782,60 +782,62 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
 
 #[test]
 fn the_training_harness_saves_and_resumes_where_the_reference_is() {
-    // What the main job's --save and --resume do: 3 steps and a save, then steps 3..6 from it,
-    // compared with a reference that ran all 6 from the start.
-    let mlp = model(DType::Bf16, 24);
-    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 3).unwrap());
-    let config = EngineConfig::default();
-    let init = mlp.init(3);
-    let training = |steps| Training {
-        model: &mlp,
-        plan: &plan,
-        config: &config,
-        init: &init,
-        steps,
-        passes: PASSES,
-        recipe: recipe(),
-    };
-    let straight = std::cell::RefCell::new(Vec::new());
-    training(6)
-        .compare_on_cpu(|_, c| {
-            straight.borrow_mut().push(*c);
-            Ok(())
-        })
-        .unwrap();
-    let scratch = Scratch::new();
-    let saving = Checkpoints {
-        resume: None,
-        save: Some(&scratch.0),
-    };
-    let ranks = || {
-        fsdp_fusion::LocalComm::group(3)
-            .unwrap()
-            .into_iter()
-            .map(|c| (fsdp_fusion::CpuBackend::new(), c))
-            .collect()
-    };
-    training(3)
-        .compare_with(ranks(), saving, |_, _| Ok(()))
-        .unwrap();
-    let resuming = Checkpoints {
-        resume: Some(&scratch.0),
-        save: None,
-    };
-    let mut resumed = Vec::new();
-    training(6)
-        .compare_with(ranks(), resuming, |step, c| {
-            resumed.push((step, *c));
-            Ok(())
-        })
-        .unwrap();
-    let straight = straight.into_inner();
-    assert_eq!(resumed.iter().map(|r| r.0).collect::<Vec<_>>(), [3, 4, 5]);
-    for (step, c) in resumed {
-        assert_eq!(c, straight[step as usize], "step {step}");
-        assert_eq!(c.difference, 0.0);
-    }
+    within_deadline("the harness's save and resume", || {
+        // What the main job's --save and --resume do: 3 steps and a save, then steps 3..6 from it,
+        // compared with a reference that ran all 6 from the start.
+        let mlp = model(DType::Bf16, 24);
+        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 3).unwrap());
+        let config = EngineConfig::default();
+        let init = mlp.init(3);
+        let training = |steps| Training {
+            model: &mlp,
+            plan: &plan,
+            config: &config,
+            init: &init,
+            steps,
+            passes: PASSES,
+            recipe: recipe(),
+        };
+        let straight = std::cell::RefCell::new(Vec::new());
+        training(6)
+            .compare_on_cpu(|_, c| {
+                straight.borrow_mut().push(*c);
+                Ok(())
+            })
+            .unwrap();
+        let scratch = Scratch::new();
+        let saving = Checkpoints {
+            resume: None,
+            save: Some(&scratch.0),
+        };
+        let ranks = || {
+            fsdp_fusion::LocalComm::group(3)
+                .unwrap()
+                .into_iter()
+                .map(|c| (fsdp_fusion::CpuBackend::new(), c))
+                .collect()
+        };
+        training(3)
+            .compare_with(ranks(), saving, |_, _| Ok(()))
+            .unwrap();
+        let resuming = Checkpoints {
+            resume: Some(&scratch.0),
+            save: None,
+        };
+        let mut resumed = Vec::new();
+        training(6)
+            .compare_with(ranks(), resuming, |step, c| {
+                resumed.push((step, *c));
+                Ok(())
+            })
+            .unwrap();
+        let straight = straight.into_inner();
+        assert_eq!(resumed.iter().map(|r| r.0).collect::<Vec<_>>(), [3, 4, 5]);
+        for (step, c) in resumed {
+            assert_eq!(c, straight[step as usize], "step {step}");
+            assert_eq!(c.difference, 0.0);
+        }
+    });
 }
 
 #[test]
