@@ -198,7 +198,7 @@ fn run_comm(comm: &str, shape: (StackShape, DType), args: &Args) -> Result<Vec<R
     } else if let Some(world) = comm.strip_prefix("nccl") {
         // One process drives GPUs 0..world, one NCCL rank each.
         let devices: Vec<usize> = (0..world.parse().map_err(|_| bad_comm(comm))?).collect();
-        let ranks = NcclComm::group(&devices)?
+        let ranks = NcclComm::group(&devices, fsdp_fusion::watch::DEFAULT_TIMEOUT)?
             .into_iter()
             .map(|c| Ok((CudaBackend::new(c.device())?, c)))
             .collect::<Result<Vec<_>>>()?;

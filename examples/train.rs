@@ -338,7 +338,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         }
         Setup::CudaNccl => {
             let devices: Vec<usize> = (0..args.ranks).collect();
-            let ranks = NcclComm::group(&devices)?
+            let ranks = NcclComm::group(&devices, fsdp_fusion::watch::DEFAULT_TIMEOUT)?
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(c.device())?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;

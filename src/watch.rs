@@ -2,7 +2,7 @@
 //! another thread, and whether it left its group.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, MutexGuard};
+use std::sync::{Arc, Condvar, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -18,6 +18,8 @@ struct State {
     timeout: Duration,
     aborted: AtomicBool,
     left: AtomicBool,
+    /// A failure seen off the rank's thread (a communicator's watchdog), ending its waits.
+    fault: OnceLock<Error>,
 }
 
 /// One rank's deadline and abort flag, shared by its engine, backend and communicator.
@@ -36,6 +38,7 @@ impl Watch {
             timeout,
             aborted: AtomicBool::new(false),
             left: AtomicBool::new(false),
+            fault: OnceLock::new(),
         }))
     }
 
@@ -55,6 +58,14 @@ impl Watch {
         self.0.left.store(true, Ordering::SeqCst);
     }
 
+    /// Makes every blocked and later wait of the rank fail with `cause` (the first one given),
+    /// and its peers see it gone: for a failure found by another thread, such as a
+    /// communicator's watchdog.
+    pub(crate) fn fail(&self, cause: Error) {
+        let _ = self.0.fault.set(cause);
+        self.leave();
+    }
+
     pub fn is_aborted(&self) -> bool {
         self.0.aborted.load(Ordering::SeqCst)
     }
@@ -64,8 +75,12 @@ impl Watch {
         self.0.left.load(Ordering::SeqCst)
     }
 
-    /// `Err(Error::Aborted)` once the rank was aborted.
+    /// The failure given to [`Watch::fail`], once the rank failed that way, else
+    /// `Err(Error::Aborted)` once it was aborted.
     pub(crate) fn check(&self) -> Result<()> {
+        if let Some(cause) = self.0.fault.get() {
+            return Err(cause.clone());
+        }
         if self.is_aborted() {
             return Err(Error::Aborted);
         }

@@ -15,6 +15,7 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::{Collective, NcclComm, nccl_version};
 use fsdp_fusion::comm::{Purpose, Tag};
 use fsdp_fusion::types::Stream;
+use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
     Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Unit,
@@ -568,15 +569,18 @@ fn without_nccl_its_constructors_report_nccl_unavailable() {
         matches!(&r, Err(Error::NcclUnavailable { reason }) if reason.contains("libnccl")),
         "{r:?}"
     );
-    let r = NcclComm::group(&[0]).map(|_| ());
+    let r = NcclComm::group(&[0], DEFAULT_TIMEOUT).map(|_| ());
     assert!(matches!(r, Err(Error::NcclUnavailable { .. })), "{r:?}");
 }
 
 #[test]
 fn nccl_device_lists_are_checked_before_loading_anything() {
-    assert!(matches!(NcclComm::group(&[]), Err(Error::ZeroWorldSize)));
     assert!(matches!(
-        NcclComm::group(&[2, 2]),
+        NcclComm::group(&[], DEFAULT_TIMEOUT),
+        Err(Error::ZeroWorldSize)
+    ));
+    assert!(matches!(
+        NcclComm::group(&[2, 2], DEFAULT_TIMEOUT),
         Err(Error::InvalidConfig {
             field: "devices",
             ..
@@ -594,7 +598,8 @@ fn nccl_is_found_and_is_a_2_x_release() {
 
 fn nccl_of_one(b: &CudaBackend) -> NcclComm {
     let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("unique id: {e}"));
-    NcclComm::new(&id, 0, 1, b).unwrap_or_else(|e| panic!("a communicator of one rank: {e}"))
+    NcclComm::new(&id, 0, 1, b, DEFAULT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("a communicator of one rank: {e}"))
 }
 
 #[test]
@@ -645,7 +650,8 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_group_of_one_device_works() {
-    let mut comms = NcclComm::group(&[0]).unwrap_or_else(|e| panic!("ncclCommInitAll: {e}"));
+    let mut comms = NcclComm::group(&[0], DEFAULT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("NCCL's init of a group: {e}"));
     assert_eq!(comms.len(), 1);
     let b = gpu();
     let s = AllGather {
@@ -658,7 +664,7 @@ fn nccl_group_of_one_device_works() {
     );
     assert!(
         s.run(&b, &mut comms[0]) == cpu,
-        "all-gather through ncclCommInitAll"
+        "all-gather through a group made in one process"
     );
 }
 
@@ -697,14 +703,14 @@ fn nccl_arguments_are_checked_before_nccl_is_called() {
     let b = gpu();
     let id = NcclComm::unique_id().unwrap();
     assert!(matches!(
-        NcclComm::new(&id, 1, 1, &b),
+        NcclComm::new(&id, 1, 1, &b, DEFAULT_TIMEOUT),
         Err(Error::RankOutOfRange {
             rank: 1,
             world_size: 1
         })
     ));
     assert!(matches!(
-        NcclComm::new(&id, 0, 0, &b),
+        NcclComm::new(&id, 0, 0, &b, DEFAULT_TIMEOUT),
         Err(Error::ZeroWorldSize)
     ));
     let mut comm = nccl_of_one(&b);

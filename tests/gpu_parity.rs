@@ -9,6 +9,7 @@ use fsdp_fusion::backend::cuda::{CudaBackend, DeviceAllocator};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
+use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
     Accumulation, Backend, Communicator, DType, EngineConfig, GradShardMemory, ParamStorage, Plan,
     Stream,
@@ -121,7 +122,8 @@ fn nccl_engine_at_world_size_1_equals_the_reference() {
     for dtype in [DType::F32, DType::Bf16] {
         let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
         let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
-        let comm = NcclComm::new(&id, 0, 1, &backend).unwrap_or_else(|e| panic!("{e}"));
+        let comm =
+            NcclComm::new(&id, 0, 1, &backend, DEFAULT_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
         let diff = parity(dtype, EngineConfig::default(), vec![(backend, comm)]);
         eprintln!("nccl world 1 {dtype}: max relative difference {diff:e}");
         assert!(diff <= 1e-6, "{dtype}: {diff}");

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{Communicator, Engine, EngineConfig, Plan};
 use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion_support::ranks::on_threads;
@@ -60,7 +61,8 @@ fn grads_of_one_step<C: Communicator<CudaBackend>>(backend: CudaBackend, comm: C
 fn nccl_rank() -> (CudaBackend, NcclComm) {
     let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
     let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
-    let comm = NcclComm::new(&id, 0, 1, &backend).unwrap_or_else(|e| panic!("{e}"));
+    let comm =
+        NcclComm::new(&id, 0, 1, &backend, DEFAULT_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
     (backend, comm)
 }
 

@@ -159,6 +159,20 @@ pub struct LocalComm {
     shared: Arc<Shared>,
     rank: usize,
     watch: Watch,
+    /// The collectives of the batch under way, queued at its end.
+    batch: Option<Vec<Queued>>,
+}
+
+/// One rank's part of a collective, kept for its stream until its batch ends.
+struct Queued {
+    stream: Stream,
+    run: Box<dyn FnOnce() -> Result<()> + Send>,
+}
+
+impl std::fmt::Debug for Queued {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a collective for the {:?} stream", self.stream)
+    }
 }
 
 impl LocalComm {
@@ -194,6 +208,7 @@ impl LocalComm {
                     shared: Arc::clone(&shared),
                     rank,
                     watch,
+                    batch: None,
                 }),
         );
         Ok(comms)
@@ -218,7 +233,7 @@ impl Drop for LocalComm {
 /// An all-gather of the bytes `src` of `from` into `dst` of `into`, rank `r`'s part at `r` times
 /// their length; `src` may lie inside `dst` (in place): it is copied before anything is written.
 fn gather_bytes(
-    comm: &LocalComm,
+    comm: &mut LocalComm,
     (backend, stream): (&CpuBackend, Stream),
     fingerprint: Fingerprint,
     (from, src): (Arc<Memory>, Range<usize>),
@@ -237,8 +252,10 @@ fn gather_bytes(
     meet(comm, backend, stream, fingerprint, take, give)
 }
 
+/// Queues the rank's part of one collective on `stream`, or keeps it for the end of the batch
+/// under way.
 fn meet(
-    comm: &LocalComm,
+    comm: &mut LocalComm,
     backend: &CpuBackend,
     stream: Stream,
     fingerprint: Fingerprint,
@@ -246,7 +263,7 @@ fn meet(
     give: impl FnOnce(&[&[u8]]) + Send + 'static,
 ) -> Result<()> {
     let (shared, rank, watch) = (Arc::clone(&comm.shared), comm.rank, comm.watch.clone());
-    backend.run(stream, move || {
+    let collective = move || {
         let meeting = Meeting {
             shared: &shared,
             rank,
@@ -255,7 +272,21 @@ fn meet(
             watch: &watch,
         };
         meeting.exchange(take()?, give)
-    })
+    };
+    match &mut comm.batch {
+        Some(batch) => {
+            batch.try_reserve(1).map_err(|_| Error::OutOfMemory {
+                bytes: std::mem::size_of::<Queued>(),
+                what: "a batch of collectives".into(),
+            })?;
+            batch.push(Queued {
+                stream,
+                run: Box::new(collective),
+            });
+            Ok(())
+        }
+        None => backend.run(stream, collective),
+    }
 }
 
 impl Communicator<CpuBackend> for LocalComm {
@@ -271,6 +302,33 @@ impl Communicator<CpuBackend> for LocalComm {
         self.watch = watch.clone();
         self.lock().watches[self.rank] = watch.clone();
         self.shared.changed.notify_all();
+    }
+
+    /// The rank leaves the group: its peers' waits for it fail at once.
+    fn abort(&self) {
+        self.watch.leave();
+        self.shared.changed.notify_all();
+    }
+
+    /// The batch's collectives run when it ends, as NCCL's group call launches them, so that
+    /// the engine's order of work around a batch is checked on the CPU too.
+    fn begin_batch(&mut self) -> Result<()> {
+        if self.batch.is_some() {
+            return Err(Error::Unsupported {
+                backend: "communicator",
+                what: "a batch of collectives inside another",
+            });
+        }
+        self.batch = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_batch(&mut self, backend: &CpuBackend) -> Result<()> {
+        self.batch
+            .take()
+            .into_iter()
+            .flatten()
+            .try_for_each(|queued| backend.run(queued.stream, queued.run))
     }
 
     unsafe fn all_gather(

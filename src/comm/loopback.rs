@@ -279,6 +279,11 @@ impl Communicator<CudaBackend> for LoopbackComm {
         self.rendezvous.set_watch(self.rank, watch);
     }
 
+    /// The rank leaves the group: its peers' waits for it fail.
+    fn abort(&self) {
+        self.watch.leave();
+    }
+
     unsafe fn all_gather(
         &mut self,
         backend: &CudaBackend,

@@ -194,6 +194,30 @@ pub trait Communicator<B: Backend>: Send {
     /// The deadline and abort flag of the rank's waits, from its engine.
     fn set_watch(&mut self, watch: &Watch);
 
+    /// `Err` once the communicator failed on its own, between calls (NCCL's asynchronous
+    /// error: a peer's connection lost, say); checked by the engine at every call.
+    fn health(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Ends the communicator after its rank failed: collectives queued and under way stop, so
+    /// that the rank's streams drain instead of waiting for peers, and every later one fails.
+    /// The engine calls it when it is poisoned.
+    fn abort(&self) {}
+
+    /// Starts a batch of collectives, ended by [`Communicator::end_batch`]: the collectives
+    /// issued in between may be queued on their streams only there, together (NCCL's group
+    /// call), so work queued on a stream between a batch's collective and its end may run
+    /// before the collective. Batches do not nest.
+    fn begin_batch(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Queues the collectives of the batch [`Communicator::begin_batch`] started.
+    fn end_batch(&mut self, _backend: &B) -> Result<()> {
+        Ok(())
+    }
+
     /// Gathers every rank's `shard_region` of `shard` into `out_region` of `out`, rank `r`'s part
     /// at `r * shard_region.len`. `out_region.len` is `world_size * shard_region.len`.
     ///

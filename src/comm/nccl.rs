@@ -8,13 +8,16 @@
 //! checked before every call. The library is loaded as `libnccl.so.2`, then `libnccl.so`, or from
 //! the path in [`NCCL_LIBRARY_ENV`].
 
+mod handle;
 mod library;
+mod watchdog;
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::sys::{cudaStream_t, ncclComm_t, ncclDataType_t, ncclUniqueId};
+use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
@@ -23,7 +26,9 @@ use crate::dtype::store_f32;
 use crate::error::{Error, Result};
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
-use library::{NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
+use handle::{Handle, Probe};
+use library::{NCCL_IN_PROGRESS, NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
+use watchdog::Watchdog;
 
 pub use library::NCCL_LIBRARY_ENV;
 
@@ -206,19 +211,28 @@ pub enum Collective<'a> {
     },
 }
 
-/// One rank's NCCL communicator, on one GPU. Used from one thread at a time.
+/// One rank's NCCL communicators, on one GPU: one for all-gathers and one for reductions (NCCL
+/// runs one communicator's collectives one after another, so a prefetch would wait behind a
+/// reduction), both nonblocking, so that joining, queueing and closing wait under the rank's
+/// deadline. A watchdog thread looks for NCCL's asynchronous errors while the host waits; a
+/// failure aborts both. Used from one thread at a time.
 pub struct NcclComm {
-    nccl: &'static Nccl,
-    comm: ncclComm_t,
+    gathers: Handle,
+    reductions: Handle,
     rank: usize,
     world_size: usize,
     device: usize,
+    watch: Watch,
+    watchdog: Option<Watchdog>,
+    /// Inside [`Communicator::begin_batch`]: the collectives wait for the group's end.
+    batching: bool,
     /// Keeps the device's primary context, which NCCL's resources live in, until the comm is gone.
     ctx: Arc<CudaContext>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time; `NcclComm` is not
-// `Sync` and every call takes `&mut self` or happens in `Drop`.
+// `Sync` and every call takes `&mut self`, happens in `Drop`, or is one NCCL allows from any
+// thread (`ncclCommGetAsyncError`, `ncclCommAbort`).
 unsafe impl Send for NcclComm {}
 
 impl NcclComm {
@@ -235,61 +249,103 @@ impl NcclComm {
     }
 
     /// Joins the group of `world_size` ranks named by `id` as `rank`, on `backend`'s device.
-    /// Blocks until every rank joined.
+    /// Blocks until every rank joined, at most `timeout`: past it, the half-made communicator is
+    /// aborted and the error is [`Error::Timeout`].
     pub fn new(
         id: &[u8; UNIQUE_ID_BYTES],
         rank: usize,
         world_size: usize,
         backend: &CudaBackend,
+        timeout: Duration,
     ) -> Result<NcclComm> {
         let (rank32, world32) = membership(rank, world_size)?;
         let nccl = library::nccl()?;
+        let watch = Watch::new(timeout);
         // NCCL creates its resources on the calling thread's current device.
         bind(backend.context())?;
         let id = ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
-        let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: writes one communicator handle; the id is passed by value.
-        let status = unsafe { (nccl.comm_init_rank)(&mut comm, world32, id, rank32) };
-        nccl.check("ncclCommInitRank", status, std::ptr::null_mut())?;
-        Ok(NcclComm {
-            nccl,
-            comm,
-            rank,
-            world_size,
-            device: backend.ordinal(),
-            ctx: Arc::clone(backend.context()),
-        })
+        let gathers = Handle::start_init(nccl, id, rank32, world32)?;
+        gathers.wait_ready(&watch, "ncclCommInitRankConfig", || {
+            format!("NCCL's init of rank {rank} of {world_size}, waiting for every rank to join")
+        })?;
+        let reductions = gathers.start_duplicate(rank32)?;
+        reductions.wait_ready(&watch, "ncclCommSplit", split_wait)?;
+        NcclComm::assemble(
+            (gathers, reductions),
+            (rank, world_size),
+            backend.ordinal(),
+            Arc::clone(backend.context()),
+            watch,
+        )
     }
 
     /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for
     /// one process driving several GPUs: pair each with a backend on its device, one thread each.
-    pub fn group(devices: &[usize]) -> Result<Vec<NcclComm>> {
+    /// Waits at most `timeout` for NCCL to make them.
+    pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<NcclComm>> {
         let list = device_list(devices)?;
         let nccl = library::nccl()?;
         let contexts = devices
             .iter()
             .map(|&d| primary_context(d))
             .collect::<Result<Vec<_>>>()?;
-        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); list.len()];
-        // SAFETY: writes `list.len()` handles into `comms`, which holds as many.
-        let status =
-            unsafe { (nccl.comm_init_all)(comms.as_mut_ptr(), list.len() as c_int, list.as_ptr()) };
-        nccl.check("ncclCommInitAll", status, std::ptr::null_mut())?;
-        Ok(comms
+        let world = list.len();
+        let (_, world32) = membership(0, world)?;
+        let watch = Watch::new(timeout);
+        let id = ncclUniqueId {
+            internal: NcclComm::unique_id()?.map(|b| b as std::ffi::c_char),
+        };
+        // One process joins every rank: each init (and each split) is one call of a group.
+        let gathers = grouped(nccl, &contexts, |rank, _| {
+            Handle::start_init(nccl, id, rank as c_int, world32)
+        })?;
+        wait_all(&gathers, &watch, "ncclCommInitRankConfig", || {
+            format!("NCCL's init of {world} ranks in one process")
+        })?;
+        let reductions = grouped(nccl, &contexts, |rank, _| {
+            gathers[rank].start_duplicate(rank as c_int)
+        })?;
+        wait_all(&reductions, &watch, "ncclCommSplit", split_wait)?;
+        gathers
             .into_iter()
+            .zip(reductions)
             .zip(contexts)
             .enumerate()
-            .map(|(rank, (comm, ctx))| NcclComm {
-                nccl,
-                comm,
-                rank,
-                world_size: devices.len(),
-                device: devices[rank],
-                ctx,
+            .map(|(rank, (pair, ctx))| {
+                NcclComm::assemble(pair, (rank, world), devices[rank], ctx, watch.clone())
             })
-            .collect())
+            .collect()
+    }
+
+    fn assemble(
+        (gathers, reductions): (Handle, Handle),
+        (rank, world_size): (usize, usize),
+        device: usize,
+        ctx: Arc<CudaContext>,
+        watch: Watch,
+    ) -> Result<NcclComm> {
+        let mut comm = NcclComm {
+            gathers,
+            reductions,
+            rank,
+            world_size,
+            device,
+            watch: watch.clone(),
+            watchdog: None,
+            batching: false,
+            ctx,
+        };
+        comm.watchdog = Some(comm.start_watchdog(watch)?);
+        Ok(comm)
+    }
+
+    fn start_watchdog(&self, watch: Watch) -> Result<Watchdog> {
+        let probes = [self.gathers.probe(), self.reductions.probe()];
+        Watchdog::start(watch, watchdog::PERIOD, move || {
+            probes.iter().find_map(Probe::failure)
+        })
     }
 
     /// The device the communicator runs on.
@@ -336,14 +392,10 @@ impl NcclComm {
             return Ok(());
         }
         let on = self.prepare(backend, stream, "ncclGroupStart")?;
-        // SAFETY: starts a group that the call below ends on every path.
-        let started = unsafe { (self.nccl.group_start)() };
-        self.nccl
-            .check("ncclGroupStart", started, std::ptr::null_mut())?;
+        self.begin_batch()?;
         let issued = calls.iter().try_for_each(|call| self.issue(call, on));
-        // SAFETY: ends the group started above.
-        let ended = unsafe { (self.nccl.group_end)() };
-        issued.and(self.nccl.check("ncclGroupEnd", ended, self.comm))
+        let ended = self.end_batch(backend);
+        issued.and(ended)
     }
 
     /// Checks that `backend` is on the communicator's device and makes its context current;
@@ -369,84 +421,156 @@ impl NcclComm {
         Ok(backend.stream(stream))
     }
 
+    /// The communicator a call goes to: gathers and reductions each have their own.
+    fn handle(&self, kind: Kind) -> &Handle {
+        match kind {
+            Kind::AllGather => &self.gathers,
+            Kind::ReduceScatter { .. } => &self.reductions,
+        }
+    }
+
     fn issue(&self, call: &Call, stream: &CudaStream) -> Result<()> {
         if call.count == 0 {
             return Ok(());
         }
+        let handle = self.handle(call.kind);
+        let name = match call.kind {
+            Kind::AllGather => "ncclAllGather",
+            Kind::ReduceScatter { .. } => "ncclReduceScatter",
+        };
+        let comm = handle.raw(name)?;
         let s = stream.cu_stream() as cudaStream_t;
         let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
         let dtype = nccl_dtype(call.dtype);
+        let nccl = handle.nccl();
         // SAFETY: the addresses were checked against live buffers the caller borrows for this
         // call: `count` elements at `send`, and `count` (reduce-scatter, in place) or
         // `world_size * count` (all-gather, in another buffer) at `recv`; NCCL orders its work
         // on `stream` only.
-        let (name, status) = unsafe {
+        let status = unsafe {
             match call.kind {
-                Kind::AllGather => (
-                    "ncclAllGather",
-                    (self.nccl.all_gather)(send, recv, call.count, dtype, self.comm, s),
-                ),
+                Kind::AllGather => (nccl.all_gather)(send, recv, call.count, dtype, comm, s),
                 Kind::ReduceScatter { scale } => {
-                    let op = self.sum_scaled_by(scale, call.dtype)?;
-                    let status = (self.nccl.reduce_scatter)(
-                        send, recv, call.count, dtype, op.0, self.comm, s,
-                    );
-                    ("ncclReduceScatter", status)
+                    let op = ScaledSum::new(handle, scale, call.dtype)?;
+                    (nccl.reduce_scatter)(send, recv, call.count, dtype, op.op, comm, s)
                 }
             }
         };
-        self.nccl.check(name, status, self.comm)
-    }
-
-    /// `ncclSum`, or for another `scale` a premultiplied sum made for this call, the scalar in
-    /// the data's `dtype` as NCCL requires (rounded for bf16).
-    fn sum_scaled_by(&self, scale: f32, dtype: DType) -> Result<ScaledSum<'_>> {
-        if scale == 1.0 {
-            return Ok(ScaledSum(NCCL_SUM, None));
+        // Inside a group the call only records the work; the group's end is waited for.
+        match self.batching {
+            true => handle.check(name, status),
+            false => handle.settle(name, status, &self.watch, || {
+                format!("NCCL's queueing of {name}")
+            }),
         }
+    }
+}
+
+fn split_wait() -> String {
+    "NCCL's split of the communicator for reductions, waiting for every rank".into()
+}
+
+/// Makes one handle per context in one NCCL group, `start(rank, context)` on that context.
+fn grouped(
+    nccl: &'static Nccl,
+    contexts: &[Arc<CudaContext>],
+    mut start: impl FnMut(usize, &Arc<CudaContext>) -> Result<Handle>,
+) -> Result<Vec<Handle>> {
+    // SAFETY: starts a group that the call below ends on every path.
+    let status = unsafe { (nccl.group_start)() };
+    nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;
+    let made = contexts
+        .iter()
+        .enumerate()
+        .map(|(rank, ctx)| bind(ctx).and_then(|()| start(rank, ctx)))
+        .collect::<Result<Vec<_>>>();
+    // SAFETY: ends the group started above.
+    let ended = unsafe { (nccl.group_end)() };
+    let made = made?;
+    if ended != NCCL_IN_PROGRESS {
+        nccl.check("ncclGroupEnd", ended, std::ptr::null_mut())?;
+    }
+    Ok(made)
+}
+
+fn wait_all(
+    handles: &[Handle],
+    watch: &Watch,
+    call: &'static str,
+    op: impl Fn() -> String,
+) -> Result<()> {
+    let result = handles
+        .iter()
+        .try_for_each(|h| h.wait_ready(watch, call, &op));
+    if result.is_err() {
+        handles.iter().for_each(Handle::abort);
+    }
+    result
+}
+
+/// `ncclSum`, or for another `scale` a premultiplied sum made for one call and destroyed after
+/// it (NCCL allows that as soon as the call that used it returned).
+struct ScaledSum<'a> {
+    op: NcclRedOp,
+    made_for: Option<&'a Handle>,
+}
+
+impl<'a> ScaledSum<'a> {
+    /// The scalar is passed in the data's `dtype`, as NCCL requires (rounded for bf16).
+    fn new(handle: &'a Handle, scale: f32, dtype: DType) -> Result<ScaledSum<'a>> {
+        if scale == 1.0 {
+            return Ok(ScaledSum {
+                op: NCCL_SUM,
+                made_for: None,
+            });
+        }
+        let comm = handle.raw("ncclRedOpCreatePreMulSum")?;
         let mut scalar = [0u8; 4];
         store_f32(&mut scalar, dtype, 0, scale);
         let mut op: NcclRedOp = NCCL_SUM;
         // SAFETY: NCCL writes one operator and reads the scalar, one element of `dtype`, during
         // the call (`ncclScalarHostImmediate`).
         let status = unsafe {
-            (self.nccl.red_op_create_pre_mul_sum)(
+            (handle.nccl().red_op_create_pre_mul_sum)(
                 &mut op,
                 scalar.as_mut_ptr().cast(),
                 nccl_dtype(dtype),
                 NCCL_SCALAR_HOST_IMMEDIATE,
-                self.comm,
+                comm,
             )
         };
-        self.nccl
-            .check("ncclRedOpCreatePreMulSum", status, self.comm)?;
-        Ok(ScaledSum(op, Some(self)))
+        handle.check("ncclRedOpCreatePreMulSum", status)?;
+        Ok(ScaledSum {
+            op,
+            made_for: Some(handle),
+        })
     }
 }
 
-/// A reduction operator for one call, destroyed after it (NCCL allows that as soon as the call
-/// that used it returned).
-struct ScaledSum<'a>(NcclRedOp, Option<&'a NcclComm>);
-
 impl Drop for ScaledSum<'_> {
     fn drop(&mut self) {
-        if let Some(comm) = self.1 {
+        let Some(handle) = self.made_for else {
+            return;
+        };
+        if let Ok(comm) = handle.raw("ncclRedOpDestroy") {
             // SAFETY: the operator was made for this communicator and is destroyed once; an
             // error here only leaks it.
-            let _ = unsafe { (comm.nccl.red_op_destroy)(self.0, comm.comm) };
+            let _ = unsafe { (handle.nccl().red_op_destroy)(self.op, comm) };
         }
     }
 }
 
 /// `ncclInvalidArgument`.
-const NCCL_INVALID_ARGUMENT: i32 = 4;
+pub(crate) const NCCL_INVALID_ARGUMENT: i32 = 4;
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // The watchdog looks at the handles: it ends first.
+        self.watchdog = None;
         // Errors cannot be reported here; the process keeps running without the communicator.
         let _ = bind(&self.ctx);
-        // SAFETY: the handle came from NCCL and is destroyed once.
-        let _ = unsafe { (self.nccl.comm_destroy)(self.comm) };
+        self.reductions.close(&self.watch);
+        self.gathers.close(&self.watch);
     }
 }
 
@@ -459,9 +583,57 @@ impl Communicator<CudaBackend> for NcclComm {
         self.world_size
     }
 
-    /// NCCL's own waits (in its kernels) take no deadline from here; the host's waits for them
-    /// are the backend's, under its watch.
-    fn set_watch(&mut self, _watch: &Watch) {}
+    /// The engine's deadline for queueing and closing; the watchdog fails this watch on an
+    /// asynchronous error, so the backend's waits under it end.
+    fn set_watch(&mut self, watch: &Watch) {
+        self.watch = watch.clone();
+        // Without a watchdog the hooks' health checks still find the errors.
+        self.watchdog = None;
+        self.watchdog = self.start_watchdog(watch.clone()).ok();
+    }
+
+    fn health(&self) -> Result<()> {
+        self.gathers.in_progress("a collective")?;
+        self.reductions.in_progress("a collective")?;
+        Ok(())
+    }
+
+    fn abort(&self) {
+        self.gathers.abort();
+        self.reductions.abort();
+    }
+
+    fn begin_batch(&mut self) -> Result<()> {
+        if self.batching {
+            return Err(Error::Unsupported {
+                backend: "communicator",
+                what: "a batch of collectives inside another",
+            });
+        }
+        let nccl = self.gathers.nccl();
+        // SAFETY: starts a group that `end_batch` ends.
+        let status = unsafe { (nccl.group_start)() };
+        nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;
+        self.batching = true;
+        Ok(())
+    }
+
+    fn end_batch(&mut self, backend: &CudaBackend) -> Result<()> {
+        if !std::mem::replace(&mut self.batching, false) {
+            return Ok(());
+        }
+        // NCCL takes the group's end on the thread's current device.
+        bind(backend.context())?;
+        let nccl = self.gathers.nccl();
+        // SAFETY: ends the group `begin_batch` started.
+        let status = unsafe { (nccl.group_end)() };
+        for handle in [&self.gathers, &self.reductions] {
+            handle.settle("ncclGroupEnd", status, &self.watch, || {
+                "NCCL's queueing of a group of collectives".into()
+            })?;
+        }
+        Ok(())
+    }
 
     unsafe fn all_gather(
         &mut self,

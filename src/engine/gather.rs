@@ -17,6 +17,29 @@ pub(super) enum Placement<E> {
     Shard,
 }
 
+/// The gathers queued since the last wait, and whether the communicator's batch began.
+pub(super) struct GatherBatch<E> {
+    began: bool,
+    /// Each group gathered, with its span's start when tracing.
+    queued: Vec<(usize, Option<E>)>,
+}
+
+impl<E> Default for GatherBatch<E> {
+    fn default() -> Self {
+        GatherBatch {
+            began: false,
+            queued: Vec::new(),
+        }
+    }
+}
+
+impl<E> GatherBatch<E> {
+    fn clear(&mut self) {
+        self.began = false;
+        self.queued.clear();
+    }
+}
+
 pub(super) struct GatherSlot<E> {
     pub(super) buffer_index: usize,
     /// Compute's last use of the group that held the slot.
@@ -70,9 +93,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
+    /// Applies `effects` in order; the gathers between two waits go to the communicator as one
+    /// batch, and each group's gathered event is recorded after the batch's end.
     pub(super) fn apply_gather_effects(&mut self, effects: &[GatherEffect]) -> Result<()> {
+        let mut batch = std::mem::take(&mut self.gather_batch);
+        batch.clear();
+        let mut result = Ok(());
         for &effect in effects {
-            match effect {
+            result = match effect {
                 GatherEffect::Evict(g) => {
                     if let Some(Placement::Slot(mut slot)) = self.placed[g].take() {
                         slot.free_after = self.released[g].take();
@@ -80,19 +108,46 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     }
                     self.gathered[g] = None;
                     self.counters.evictions += 1;
+                    Ok(())
                 }
-                GatherEffect::Gather(g) => self.gather(g)?,
+                GatherEffect::Gather(g) => self.gather(g, &mut batch),
                 GatherEffect::Wait(g) => {
-                    if let Some(done) = self.gathered[g].take() {
-                        self.backend.wait(Stream::Compute, &done)?;
-                    }
+                    self.end_gathers(&mut batch)
+                        .and_then(|()| match self.gathered[g].take() {
+                            Some(done) => self.backend.wait(Stream::Compute, &done),
+                            None => Ok(()),
+                        })
                 }
+            };
+            if result.is_err() {
+                break;
             }
         }
-        Ok(())
+        let ended = self.end_gathers(&mut batch);
+        self.gather_batch = batch;
+        result.and(ended)
     }
 
-    fn gather(&mut self, g: usize) -> Result<()> {
+    /// Ends the gathers queued since the last end: the communicator's batch, if one began, then
+    /// each group's span and gathered event, which follow its collective on the gather stream.
+    fn end_gathers(&mut self, batch: &mut GatherBatch<B::Event>) -> Result<()> {
+        let mut result = match std::mem::replace(&mut batch.began, false) {
+            true => self.comm.end_batch(&self.backend),
+            false => Ok(()),
+        };
+        for (g, start) in batch.queued.drain(..) {
+            if result.is_ok() {
+                result = self
+                    .push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)
+                    .and_then(|()| self.backend.record(Stream::Gather))
+                    .map(|done| self.gathered[g] = Some(done));
+            }
+        }
+        result
+    }
+
+    /// Queues group `g`'s gather into a slot; [`Engine::end_gathers`] completes it.
+    fn gather(&mut self, g: usize, batch: &mut GatherBatch<B::Event>) -> Result<()> {
         self.counters.all_gathers += 1;
         let master_only = self.plan.master_only(&self.config, &self.plan.groups()[g]);
         if self.plan.world_size() == 1 && !master_only {
@@ -132,6 +187,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 Fingerprint::all_gather(tag, shard_region)
             })
         });
+        // Queued before the batch can end, so that a failure below still completes it.
+        batch.queued.push((g, start));
+        if tag.is_some() && !batch.began {
+            self.comm.begin_batch()?;
+            batch.began = true;
+        }
         let out = &mut self.slot_buffers[slot.buffer_index];
         // SAFETY (the cast and the all-gathers): the gather stream writes the slot after
         // compute's last use of the group that held it (`free_after`, waited above) and reads the
@@ -185,9 +246,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             free_after: None,
             ..slot
         }));
-        result?;
-        self.push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)?;
-        self.gathered[g] = Some(self.backend.record(Stream::Gather)?);
-        Ok(())
+        result
     }
 }

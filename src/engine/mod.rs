@@ -30,7 +30,7 @@ use crate::schedule::{Phase, Schedule};
 use crate::state::{GatherEffect, Gathers};
 use crate::types::{BufferState, DType, ParamId, Unit};
 use crate::watch::{AbortHandle, Watch};
-use gather::{GatherSlot, Placement};
+use gather::{GatherBatch, GatherSlot, Placement};
 pub use norm::GradNorm;
 use reduce::GradSlot;
 use spans::Trace;
@@ -122,6 +122,7 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
     clip_scale: Option<f32>,
     gather_effects: Vec<GatherEffect>,
+    gather_batch: GatherBatch<B::Event>,
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
     /// The files of [`Engine::save_async`] being written.
@@ -380,6 +381,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             norm_part: None,
             clip_scale: None,
             gather_effects: Vec::new(),
+            gather_batch: GatherBatch::default(),
             grad_effects: Vec::new(),
             trace: None,
             pending_save: None,
@@ -453,21 +455,28 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.poisoned.get()
     }
 
-    /// Marks the engine failed with `cause` (a panic in a call, seen by the C API).
+    /// Marks the engine failed with `cause` (also a panic in a call, seen by the C API) and
+    /// aborts its communicator, so that work queued on its streams ends instead of waiting for
+    /// peers.
     pub(crate) fn poison(&self, cause: Error) {
         // Only the first failure is kept.
-        let _ = self.poisoned.set(cause);
+        if self.poisoned.set(cause).is_ok() {
+            self.comm.abort();
+        }
     }
 
     /// `Err(Error::Poisoned)` once a failure poisoned the engine, `Err(Error::Aborted)` once it
-    /// was aborted.
+    /// was aborted; a failure its communicator or watch found since poisons it.
     fn healthy(&self) -> Result<()> {
         if let Some(cause) = self.poisoned.get() {
             return Err(Error::Poisoned {
                 cause: Box::new(cause.clone()),
             });
         }
-        self.watch.check()
+        match self.watch.check().and_then(|()| self.comm.health()) {
+            Err(Error::Aborted) => Err(Error::Aborted),
+            found => self.observe(found),
+        }
     }
 
     /// Runs the part of a call that changes the engine: an error there leaves it half-done, so

@@ -133,7 +133,7 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
             }
             .into());
         }
-        let comm = NcclComm::new(&id, rank, world_size, &backend)?;
+        let comm = NcclComm::new(&id, rank, world_size, &backend, config.timeout)?;
         let engine = Engine::new(plan, config, backend, comm)?;
         store_engine(AnyEngine::CudaNccl(engine), out)
     })

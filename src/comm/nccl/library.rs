@@ -48,14 +48,66 @@ pub(super) const NCCL_SUM: NcclRedOp = 0;
 /// `ncclScalarHostImmediate`: the scalar is read from host memory during the call.
 pub(super) const NCCL_SCALAR_HOST_IMMEDIATE: c_int = 1;
 
-/// The functions the crate calls, with the C signatures of `nccl.h` (2.x).
+/// `ncclInProgress`: a nonblocking communicator's call is still under way.
+pub(super) const NCCL_IN_PROGRESS: NcclStatus = 7;
+
+/// `NCCL_CONFIG_UNDEF_INT`: a setting left to NCCL.
+const UNDEF_INT: c_int = c_int::MIN;
+
+/// `ncclConfig_t` as NCCL 2.14 defined it, the first version with nonblocking communicators.
+/// NCCL reads a config by the version it names, so this prefix serves every later library too
+/// (cudarc's binding is the layout of one newer version, which an older library would misread).
+#[repr(C)]
+pub(super) struct NcclConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+}
+
+impl NcclConfig {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: calls return at once (`ncclInProgress`)
+    /// and their end is polled, so every wait keeps a deadline.
+    pub(super) fn nonblocking() -> NcclConfig {
+        NcclConfig {
+            size: std::mem::size_of::<NcclConfig>(),
+            magic: 0xcafe_beef,
+            version: 21400,
+            blocking: 0,
+            cga_cluster_size: UNDEF_INT,
+            min_ctas: UNDEF_INT,
+            max_ctas: UNDEF_INT,
+            net_name: std::ptr::null(),
+        }
+    }
+}
+
+/// The functions the crate calls, with the C signatures of `nccl.h` (2.18 or later).
 pub(super) struct Nccl {
     pub(super) get_version: unsafe extern "C" fn(*mut c_int) -> NcclStatus,
     pub(super) get_unique_id: unsafe extern "C" fn(*mut ncclUniqueId) -> NcclStatus,
-    pub(super) comm_init_rank:
-        unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> NcclStatus,
-    pub(super) comm_init_all:
-        unsafe extern "C" fn(*mut ncclComm_t, c_int, *const c_int) -> NcclStatus,
+    pub(super) comm_init_rank_config: unsafe extern "C" fn(
+        *mut ncclComm_t,
+        c_int,
+        ncclUniqueId,
+        c_int,
+        *mut NcclConfig,
+    ) -> NcclStatus,
+    pub(super) comm_split: unsafe extern "C" fn(
+        ncclComm_t,
+        c_int,
+        c_int,
+        *mut ncclComm_t,
+        *mut NcclConfig,
+    ) -> NcclStatus,
+    pub(super) comm_get_async_error:
+        unsafe extern "C" fn(ncclComm_t, *mut NcclStatus) -> NcclStatus,
+    pub(super) comm_finalize: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
+    pub(super) comm_abort: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
     pub(super) comm_destroy: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
     pub(super) all_gather: unsafe extern "C" fn(
         *const c_void,
@@ -127,13 +179,16 @@ fn resolve(library: Library, name: &OsStr) -> Result<Nccl, String> {
             .map(|f| *f)
             .map_err(|e| format!("{} lacks {symbol}: {e}", name.to_string_lossy()))
     }
-    // SAFETY: each type below is the C signature of its function in nccl.h (2.x).
+    // SAFETY: each type below is the C signature of its function in nccl.h (2.18 or later).
     unsafe {
         Ok(Nccl {
             get_version: get(&library, name, "ncclGetVersion")?,
             get_unique_id: get(&library, name, "ncclGetUniqueId")?,
-            comm_init_rank: get(&library, name, "ncclCommInitRank")?,
-            comm_init_all: get(&library, name, "ncclCommInitAll")?,
+            comm_init_rank_config: get(&library, name, "ncclCommInitRankConfig")?,
+            comm_split: get(&library, name, "ncclCommSplit")?,
+            comm_get_async_error: get(&library, name, "ncclCommGetAsyncError")?,
+            comm_finalize: get(&library, name, "ncclCommFinalize")?,
+            comm_abort: get(&library, name, "ncclCommAbort")?,
             comm_destroy: get(&library, name, "ncclCommDestroy")?,
             all_gather: get(&library, name, "ncclAllGather")?,
             reduce_scatter: get(&library, name, "ncclReduceScatter")?,
