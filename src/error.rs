@@ -184,6 +184,13 @@ pub enum Error {
         code: i32,
         message: String,
     },
+    #[error("the launch environment's {variable} {reason}")]
+    LaunchEnv {
+        variable: &'static str,
+        reason: String,
+    },
+    #[error("the NCCL unique id exchange with {peer} failed: {reason}")]
+    Rendezvous { peer: String, reason: String },
     #[error("NCCL is not available: {reason}")]
     NcclUnavailable { reason: String },
     #[error("NCCL call {call} failed: {message} (code {code})")]

@@ -8,9 +8,11 @@
 
 use std::fmt::Debug;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, Input, Region};
+use fsdp_fusion::comm::launch::LaunchEnv;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::{Collective, NcclComm, nccl_version};
 use fsdp_fusion::comm::{Purpose, Tag};
@@ -787,4 +789,106 @@ fn an_engine_on_nccl_at_world_size_1_trains_exactly_like_the_cpu() {
         let gpu = vec![t.train(b, comm)];
         assert_same_training(&cpu, &gpu, "NCCL world size 1");
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_init_past_its_deadline_is_a_timeout_and_the_process_goes_on() {
+    let b = gpu();
+    let id = NcclComm::unique_id().unwrap();
+    let started = Instant::now();
+    // Rank 0 of 2, with no rank 1 ever coming.
+    let r = NcclComm::new(&id, 0, 2, &b, Duration::from_millis(1500));
+    match &r {
+        Err(Error::Timeout { op, waited }) => {
+            assert!(op.contains("init of rank 0 of 2"), "{op}");
+            assert!(*waited >= Duration::from_millis(1500));
+        }
+        other => panic!("{:?}", other.as_ref().map(|_| ())),
+    }
+    assert!(started.elapsed() < Duration::from_secs(60));
+    // The half-made communicator was aborted: a new one works.
+    let s = AllGather {
+        dtype: DType::F32,
+        len: 777,
+    };
+    let cpu = s.run(
+        &CpuBackend::new(),
+        &mut LocalComm::group(1).unwrap().remove(0),
+    );
+    assert!(
+        s.run(&b, &mut nccl_of_one(&b)) == cpu,
+        "after a timed-out init"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_aborted_nccl_communicator_refuses_later_collectives_and_drops_at_once() {
+    let b = gpu();
+    let mut comm = nccl_of_one(&b);
+    assert!(comm.health().is_ok());
+    comm.abort();
+    let shard = b.alloc(64).unwrap();
+    let mut out = b.alloc(64).unwrap();
+    let r = Region::new(0, 16, DType::F32);
+    let got = unsafe { comm.all_gather(&b, Stream::Gather, tag(0), &shard, r, &mut out, r) };
+    assert!(
+        matches!(&got, Err(Error::Nccl { message, .. }) if message.contains("aborted")),
+        "{got:?}"
+    );
+    assert!(
+        comm.health().is_err(),
+        "an aborted communicator is not healthy"
+    );
+    let started = Instant::now();
+    drop(comm);
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_from_the_launch_environment_at_world_size_1_gathers() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let env = LaunchEnv::from_vars(|name| match name {
+        "RANK" | "LOCAL_RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some("1".into()),
+        "MASTER_ADDR" => Some("127.0.0.1".into()),
+        "MASTER_PORT" => Some(port.clone()),
+        _ => None,
+    })
+    .unwrap();
+    let b = CudaBackend::new(env.local_rank).unwrap();
+    let mut comm = NcclComm::from_launch(&env, &b, DEFAULT_TIMEOUT).unwrap();
+    let s = AllGather {
+        dtype: DType::Bf16,
+        len: 1001,
+    };
+    let cpu = s.run(
+        &CpuBackend::new(),
+        &mut LocalComm::group(1).unwrap().remove(0),
+    );
+    assert!(
+        s.run(&b, &mut comm) == cpu,
+        "through the launch environment"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_aborted_nccl_engine_drops_at_once() {
+    let b = gpu();
+    let comm = nccl_of_one(&b);
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    let mut e = Engine::new(plan, EngineConfig::default(), b, comm).unwrap();
+    e.abort_handle().abort();
+    assert!(matches!(e.pre_forward(Unit::Layer(0)), Err(Error::Aborted)));
+    let started = Instant::now();
+    drop(e);
+    assert!(started.elapsed() < Duration::from_secs(10));
 }

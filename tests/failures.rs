@@ -3,13 +3,19 @@
 //! runs eagerly and on asynchronous CPU backends, under the harness deadline.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use fsdp_fusion::backend::Region;
+use fsdp_fusion::backend::cpu::CpuBuffer;
+use fsdp_fusion::comm::{Purpose, Tag};
+use fsdp_fusion::types::Stream;
+use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
-    DType, Engine, EngineConfig, Error, Input, ModelSpec, OptimizerConfig, ParamSpec, Plan, Result,
-    Unit,
+    Communicator, CpuBackend, DType, Engine, EngineConfig, Error, Input, ModelSpec,
+    OptimizerConfig, ParamSpec, Plan, Result, Unit,
 };
-use fsdp_fusion_support::ranks::{CpuEngine, for_each_mode, on_engines, on_ranks};
+use fsdp_fusion_support::ranks::{for_each_mode, on_engines, on_ranks};
 
 /// The failure under the wrappers an asynchronous stream or a poisoned engine puts around it.
 fn root(e: &Error) -> &Error {
@@ -41,7 +47,7 @@ fn sgd() -> EngineConfig {
 }
 
 /// The forward of both units.
-fn forward(e: &mut CpuEngine) -> Result<()> {
+fn forward<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
     for u in [Unit::Layer(0), Unit::Layer(1)] {
         e.pre_forward(u)?;
         e.post_forward(u)?;
@@ -51,7 +57,10 @@ fn forward(e: &mut CpuEngine) -> Result<()> {
 
 /// Hands over gradients of 1 for `names` in that order, then syncs, steps and ends the step, and
 /// reads a shard: an asynchronous stream's failure shows where the host waits for it.
-fn backward_in_order(e: &mut CpuEngine, names: [&str; 2]) -> Result<()> {
+fn backward_in_order<C: Communicator<CpuBackend>>(
+    e: &mut Engine<CpuBackend, C>,
+    names: [&str; 2],
+) -> Result<()> {
     for name in names {
         let id = e.plan().param_id(name)?;
         e.grad(id, Input::host(&[1f32; 64]))?;
@@ -63,7 +72,7 @@ fn backward_in_order(e: &mut CpuEngine, names: [&str; 2]) -> Result<()> {
 }
 
 /// Checks that a rank's engine is poisoned: every call says why, and no view is handed out.
-fn assert_poisoned(e: &mut CpuEngine) {
+fn assert_poisoned<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) {
     let a = e.plan().param_id("a").unwrap();
     assert!(matches!(
         e.pre_forward(Unit::Layer(0)),
@@ -411,77 +420,167 @@ fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
     });
 }
 
-/// A communicator that compares nothing: every collective goes out with one tag, as over NCCL.
-struct Untagged(fsdp_fusion::LocalComm);
+/// A local communicator seen as another kind: with `one_tag`, every collective goes out with
+/// one tag, as over NCCL, so it compares nothing; `fault` set makes its health check fail, as
+/// NCCL's asynchronous error does; `aborts` counts the engine's aborts.
+struct Wrapped {
+    inner: fsdp_fusion::LocalComm,
+    one_tag: bool,
+    fault: Arc<AtomicBool>,
+    aborts: Arc<AtomicUsize>,
+}
 
-const ONE_TAG: fsdp_fusion::comm::Tag = fsdp_fusion::comm::Tag {
-    purpose: fsdp_fusion::comm::Purpose::Group(0),
-    step: 0,
-    seq: 0,
-};
+impl Wrapped {
+    fn new(inner: fsdp_fusion::LocalComm, one_tag: bool) -> Wrapped {
+        Wrapped {
+            inner,
+            one_tag,
+            fault: Arc::default(),
+            aborts: Arc::default(),
+        }
+    }
 
-impl fsdp_fusion::Communicator<fsdp_fusion::CpuBackend> for Untagged {
+    fn tag(&self, tag: Tag) -> Tag {
+        match self.one_tag {
+            true => Tag {
+                purpose: Purpose::Group(0),
+                step: 0,
+                seq: 0,
+            },
+            false => tag,
+        }
+    }
+}
+
+/// The error a [`Wrapped`] communicator's health check reports once its fault is set.
+fn remote_error() -> Error {
+    Error::Nccl {
+        call: "ncclCommGetAsyncError",
+        code: 6,
+        message: "remote process exited or there was a network error".into(),
+    }
+}
+
+fn is_remote_error(e: &Error) -> bool {
+    matches!(e, Error::Nccl { code: 6, .. })
+}
+
+impl Communicator<CpuBackend> for Wrapped {
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.inner.rank()
     }
     fn world_size(&self) -> usize {
-        self.0.world_size()
+        self.inner.world_size()
     }
-    fn set_watch(&mut self, watch: &fsdp_fusion::watch::Watch) {
-        self.0.set_watch(watch);
+    fn set_watch(&mut self, watch: &Watch) {
+        self.inner.set_watch(watch);
+    }
+    fn health(&self) -> Result<()> {
+        match self.fault.load(Ordering::SeqCst) {
+            true => Err(remote_error()),
+            false => self.inner.health(),
+        }
+    }
+    fn abort(&self) {
+        self.aborts.fetch_add(1, Ordering::SeqCst);
+        self.inner.abort();
+    }
+    fn begin_batch(&mut self) -> Result<()> {
+        self.inner.begin_batch()
+    }
+    fn end_batch(&mut self, backend: &CpuBackend) -> Result<()> {
+        self.inner.end_batch(backend)
     }
     unsafe fn all_gather(
         &mut self,
-        backend: &fsdp_fusion::CpuBackend,
-        stream: fsdp_fusion::types::Stream,
-        _: fsdp_fusion::comm::Tag,
-        shard: &fsdp_fusion::backend::cpu::CpuBuffer,
-        shard_region: fsdp_fusion::backend::Region,
-        out: &mut fsdp_fusion::backend::cpu::CpuBuffer,
-        out_region: fsdp_fusion::backend::Region,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        shard: &CpuBuffer,
+        shard_region: Region,
+        out: &mut CpuBuffer,
+        out_region: Region,
     ) -> Result<()> {
+        let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
-            self.0.all_gather(
-                backend,
-                stream,
-                ONE_TAG,
-                shard,
-                shard_region,
-                out,
-                out_region,
-            )
+            self.inner
+                .all_gather(backend, stream, tag, shard, shard_region, out, out_region)
         }
     }
     unsafe fn all_gather_in_place(
         &mut self,
-        backend: &fsdp_fusion::CpuBackend,
-        stream: fsdp_fusion::types::Stream,
-        _: fsdp_fusion::comm::Tag,
-        buf: &mut fsdp_fusion::backend::cpu::CpuBuffer,
-        region: fsdp_fusion::backend::Region,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CpuBuffer,
+        region: Region,
     ) -> Result<()> {
+        let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
-            self.0
-                .all_gather_in_place(backend, stream, ONE_TAG, buf, region)
+            self.inner
+                .all_gather_in_place(backend, stream, tag, buf, region)
         }
     }
     unsafe fn reduce_scatter(
         &mut self,
-        backend: &fsdp_fusion::CpuBackend,
-        stream: fsdp_fusion::types::Stream,
-        _: fsdp_fusion::comm::Tag,
-        buf: &mut fsdp_fusion::backend::cpu::CpuBuffer,
-        region: fsdp_fusion::backend::Region,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CpuBuffer,
+        region: Region,
         scale: f32,
     ) -> Result<()> {
+        let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
-            self.0
-                .reduce_scatter(backend, stream, ONE_TAG, buf, region, scale)
+            self.inner
+                .reduce_scatter(backend, stream, tag, buf, region, scale)
         }
     }
+}
+
+#[test]
+fn a_communicator_failure_found_between_calls_poisons_the_rank_and_fails_its_peers_at_once() {
+    for_each_mode(|mode| {
+        let p = plan(&two_units(), 2);
+        let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
+            let comm = Wrapped::new(comm, false);
+            let (fault, aborts) = (Arc::clone(&comm.fault), Arc::clone(&comm.aborts));
+            let mut e = Engine::new(Arc::clone(&p), sgd(), backend, comm).unwrap();
+            forward(&mut e).unwrap();
+            if rank == 1 {
+                fault.store(true, Ordering::SeqCst);
+                let err = e.pre_backward(Unit::Layer(1)).unwrap_err();
+                assert!(is_remote_error(&err), "{err:?}");
+                assert_poisoned(&mut e);
+                assert!(
+                    e.poisoned().is_some_and(is_remote_error),
+                    "{:?}",
+                    e.poisoned()
+                );
+                // Aborted once, when poisoned: the peer is not left waiting while this rank's
+                // thread lives on.
+                assert_eq!(aborts.load(Ordering::SeqCst), 1);
+                std::thread::sleep(Duration::from_millis(1000));
+                return None;
+            }
+            let started = Instant::now();
+            let err = backward_in_order(&mut e, ["b", "a"]).unwrap_err();
+            assert_eq!(aborts.load(Ordering::SeqCst), 1, "the peer's own abort");
+            Some((root(&err).clone(), started.elapsed()))
+        });
+        match &outcomes[0] {
+            Some((Error::PeerGone { rank: 1, .. }, waited)) => {
+                assert!(
+                    *waited < Duration::from_millis(700),
+                    "the peer waited {waited:?}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    });
 }
 
 #[test]
@@ -495,8 +594,13 @@ fn verifying_collectives_catches_what_a_communicator_cannot_compare() {
             let p = plan(&two_units(), 2);
             let config = config.clone();
             let outcomes = on_ranks(2, mode, move |_, backend, comm| {
-                let mut e =
-                    Engine::new(Arc::clone(&p), config.clone(), backend, Untagged(comm)).unwrap();
+                let mut e = Engine::new(
+                    Arc::clone(&p),
+                    config.clone(),
+                    backend,
+                    Wrapped::new(comm, true),
+                )
+                .unwrap();
                 let order = if e.rank() == 0 {
                     ["a", "b"]
                 } else {

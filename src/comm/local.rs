@@ -494,6 +494,42 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_runs_its_collectives_in_order_only_when_it_ends() {
+        let runs = run_in(&[None], 2, |mut c, b| {
+            let r = c.rank() as f32;
+            let shard = filled(&b, &[r]);
+            let mut out = filled(&b, &[-1.0, -1.0]);
+            let mut sums = filled(&b, &[r + 1.0, 10.0 * r]);
+            c.begin_batch().unwrap();
+            assert!(matches!(c.begin_batch(), Err(Error::Unsupported { .. })));
+            unsafe {
+                c.all_gather(
+                    &b,
+                    Stream::Gather,
+                    tag(0, 0),
+                    &shard,
+                    f32s(1),
+                    &mut out,
+                    f32s(2),
+                )
+                .unwrap();
+                c.reduce_scatter(&b, Stream::Reduce, tag(1, 1), &mut sums, f32s(2), 1.0)
+                    .unwrap();
+            }
+            // The eager backend ran nothing yet: the collectives wait for the batch's end.
+            let before = (read(&b, &out, 2), read(&b, &sums, 2));
+            c.end_batch(&b).unwrap();
+            (before, read(&b, &out, 2), read(&b, &sums, 2))
+        });
+        for (rank, (before, gathered, summed)) in runs[0].iter().enumerate() {
+            let r = rank as f32;
+            assert_eq!(before, &(vec![-1.0, -1.0], vec![r + 1.0, 10.0 * r]));
+            assert_eq!(gathered, &vec![0.0, 1.0]);
+            assert_eq!(summed[rank], [3.0, 10.0][rank], "rank {rank}");
+        }
+    }
+
+    #[test]
     fn all_gather_places_each_rank_in_order() {
         let runs = run(3, |mut c, b| {
             let r = c.rank() as f32;

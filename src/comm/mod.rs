@@ -1,5 +1,6 @@
 //! Collectives on a stream, between the ranks of one data-parallel group.
 
+pub mod launch;
 pub mod local;
 pub mod loopback;
 pub mod nccl;

@@ -21,6 +21,7 @@ use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
+use crate::comm::launch::LaunchEnv;
 use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter, own_part};
 use crate::dtype::store_f32;
 use crate::error::{Error, Result};
@@ -279,6 +280,19 @@ impl NcclComm {
             Arc::clone(backend.context()),
             watch,
         )
+    }
+
+    /// This process's rank, its place read from the environment a launcher such as torchrun
+    /// sets ([`LaunchEnv::from_env`]; `backend` on the device `LOCAL_RANK` names): rank 0 makes
+    /// the unique id and serves it over TCP, the others fetch it ([`LaunchEnv::share_id`]), then
+    /// every rank joins as [`NcclComm::new`] does; each wait at most `timeout`.
+    pub fn from_launch(
+        env: &LaunchEnv,
+        backend: &CudaBackend,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
+        let id = env.share_id(NcclComm::unique_id, timeout)?;
+        NcclComm::new(&id, env.rank, env.world_size, backend, timeout)
     }
 
     /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for

@@ -2,6 +2,7 @@
 //! destroyed.
 
 use std::ffi::{c_int, c_void};
+use std::time::Duration;
 
 use super::allocator::{allocator_of, fsdp_device_allocator};
 use super::group::{device_ordinal, give_back, take_comm, unique_id_of};
@@ -18,7 +19,8 @@ use super::types::{
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Input};
-use crate::comm::nccl::NcclComm;
+use crate::comm::launch::LaunchEnv;
+use crate::comm::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use crate::config::GradShardMemory;
 use crate::engine::Engine;
 use crate::error::Error;
@@ -76,13 +78,22 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
 /// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 /// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
-/// own gather and reduce streams. `allocator` is NULL (buffers from `cuMemAlloc`) or the
-/// caller's device allocator, which every buffer of the engine then comes from; it is copied.
+/// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
+/// reductions, so that neither waits behind the other). `allocator` is NULL (buffers from
+/// `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
+/// from; it is copied.
 ///
-/// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
-/// device (per-step gradient shards, which need an allocator, each step); parameters start at zero until `fsdp_engine_load_param`. Release with
-/// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
-/// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
+/// Blocks until every rank joined the NCCL group, at most `config->timeout_seconds`
+/// (`FSDP_TIMEOUT` past it). Allocates every buffer the plan predicts on the device (per-step
+/// gradient shards, which need an allocator, each step); parameters start at zero until
+/// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the
+/// CUDA driver, the kernels or NCCL (2.18 or later) are missing, `FSDP_DEVICE_ERROR` for a device
+/// that does not exist or a stream of another context.
+///
+/// Once made, NCCL's asynchronous errors are looked for at every call and, by a watchdog thread,
+/// while the host waits; such an error, a timeout or any failure that poisons the engine aborts
+/// its communicators (`ncclCommAbort`), so that its streams drain and destroying it does not wait
+/// for peers.
 ///
 /// # Safety
 /// `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
@@ -102,41 +113,110 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
     out: *mut *mut fsdp_engine,
 ) -> fsdp_status {
     boundary(|| {
-        let plan = plan_of(plan)?;
-        // SAFETY: the caller's contract.
-        let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
-        if out.is_null() {
-            return Err(null("out"));
-        }
         // SAFETY: the caller's contract.
         let id = unsafe { unique_id_of(unique_id, id_len) }?;
         let device = device_ordinal(device)?;
-        // Checked before joining: a rank that joins with the wrong world size hangs the others.
-        if world_size != plan.world_size() {
-            return Err(Error::WorldSizeMismatch {
-                plan: plan.world_size(),
-                comm: world_size,
-            }
-            .into());
-        }
-        if rank >= world_size {
-            return Err(Error::RankOutOfRange { rank, world_size }.into());
-        }
-        // SAFETY: the function's contract.
-        let backend = unsafe { cuda_backend(device, stream, allocator) }?;
-        // Refused before joining, as the engine would refuse it after.
-        if config.grad_shard_memory == GradShardMemory::PerStep && !backend.frees_in_stream_order()
-        {
-            return Err(Error::InvalidConfig {
-                field: "grad_shard_memory",
-                reason: "per step, but no allocator was given".into(),
-            }
-            .into());
-        }
-        let comm = NcclComm::new(&id, rank, world_size, &backend, config.timeout)?;
-        let engine = Engine::new(plan, config, backend, comm)?;
-        store_engine(AnyEngine::CudaNccl(engine), out)
+        let place = Place {
+            device,
+            rank,
+            world_size,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { nccl_engine(plan, config, place, stream, allocator, out, |_| Ok(id)) }
     })
+}
+
+/// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its place read from
+/// the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the
+/// CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
+/// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
+/// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
+/// other rank fetches it, retrying until rank 0 listens. Each exchange waits at most
+/// `config->timeout_seconds` (`FSDP_TIMEOUT`). A variable missing or malformed, or a world size
+/// other than the plan's, is `FSDP_INVALID_ARGUMENT` naming it; ranks whose `WORLD_SIZE`
+/// differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming both values. `stream` and
+/// `allocator` as for `fsdp_engine_create_cuda_nccl`.
+///
+/// # Safety
+/// As `fsdp_engine_create_cuda_nccl`, for `config`, `allocator` and `out`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl_env(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    stream: u64,
+    allocator: *const fsdp_device_allocator,
+    out: *mut *mut fsdp_engine,
+) -> fsdp_status {
+    boundary(|| {
+        let env = LaunchEnv::from_env()?;
+        let place = Place {
+            device: env.local_rank,
+            rank: env.rank,
+            world_size: env.world_size,
+        };
+        let share = |timeout| env.share_id(NcclComm::unique_id, timeout);
+        // SAFETY: the caller's contract.
+        unsafe { nccl_engine(plan, config, place, stream, allocator, out, share) }
+    })
+}
+
+/// Where an NCCL rank runs.
+struct Place {
+    device: usize,
+    rank: usize,
+    world_size: usize,
+}
+
+/// The body of both NCCL constructors: every argument checked, and the backend made, before
+/// `unique_id` is fetched (with the config's timeout) and the rank joins its group.
+///
+/// # Safety
+/// As `fsdp_engine_create_cuda_nccl`, for `config`, `allocator` and `out`.
+unsafe fn nccl_engine(
+    plan: *const fsdp_plan,
+    config: *const fsdp_config,
+    place: Place,
+    stream: u64,
+    allocator: *const fsdp_device_allocator,
+    out: *mut *mut fsdp_engine,
+    unique_id: impl FnOnce(Duration) -> crate::error::Result<[u8; UNIQUE_ID_BYTES]>,
+) -> Outcome {
+    let plan = plan_of(plan)?;
+    // SAFETY: the caller's contract.
+    let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
+    if out.is_null() {
+        return Err(null("out"));
+    }
+    let Place {
+        device,
+        rank,
+        world_size,
+    } = place;
+    // Checked before joining: a rank that joins with the wrong world size hangs the others.
+    if world_size != plan.world_size() {
+        return Err(Error::WorldSizeMismatch {
+            plan: plan.world_size(),
+            comm: world_size,
+        }
+        .into());
+    }
+    if rank >= world_size {
+        return Err(Error::RankOutOfRange { rank, world_size }.into());
+    }
+    // SAFETY: the function's contract.
+    let backend = unsafe { cuda_backend(device, stream, allocator) }?;
+    // Refused before joining, as the engine would refuse it after.
+    if config.grad_shard_memory == GradShardMemory::PerStep && !backend.frees_in_stream_order() {
+        return Err(Error::InvalidConfig {
+            field: "grad_shard_memory",
+            reason: "per step, but no allocator was given".into(),
+        }
+        .into());
+    }
+    let id = unique_id(config.timeout)?;
+    let comm = NcclComm::new(&id, rank, world_size, &backend, config.timeout)?;
+    let engine = Engine::new(plan, config, backend, comm)?;
+    store_engine(AnyEngine::CudaNccl(engine), out)
 }
 
 /// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from

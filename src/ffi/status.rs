@@ -16,8 +16,8 @@ pub enum fsdp_status {
     FSDP_NULL_POINTER = 1,
     /// A handle that is not live, or of the wrong kind.
     FSDP_INVALID_HANDLE = 2,
-    /// A bad value: size, dtype, name, shape, configuration, model file contents; or ranks whose
-    /// plans differ.
+    /// A bad value: size, dtype, name, shape, configuration, model file contents, a launch
+    /// environment variable; or ranks whose plans differ.
     FSDP_INVALID_ARGUMENT = 3,
     /// A call out of order: hooks, gradients, steps. Nothing changed.
     FSDP_MISUSE = 4,
@@ -26,7 +26,7 @@ pub enum fsdp_status {
     /// The device failed (the engine is poisoned).
     FSDP_DEVICE_ERROR = 6,
     /// A collective failed: ranks that issued different collectives, a peer that left (the engine
-    /// is poisoned).
+    /// is poisoned); or the unique id exchange of a launch from the environment failed.
     FSDP_COMM_ERROR = 7,
     /// A file could not be read or written.
     FSDP_IO_ERROR = 8,
@@ -90,6 +90,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::PlanMismatch { .. }
         | Error::CheckpointMismatch { .. }
         | Error::CheckpointExists { .. }
+        | Error::LaunchEnv { .. }
         | Error::OutOfRange { .. } => FSDP_INVALID_ARGUMENT,
         Error::UnknownUnit { .. }
         | Error::ForwardAlreadyOpen { .. }
@@ -122,6 +123,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         Error::Nccl { .. }
         | Error::CollectiveMismatch { .. }
         | Error::PeerGone { .. }
+        | Error::Rendezvous { .. }
         | Error::RankPanicked { .. } => FSDP_COMM_ERROR,
         Error::Panicked { .. } => FSDP_PANIC,
         Error::OutOfMemory { .. } => FSDP_OUT_OF_MEMORY,

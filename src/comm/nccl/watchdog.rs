@@ -39,10 +39,9 @@ impl Watchdog {
                     std::thread::park_timeout(period);
                 }
             })
-            .map_err(|e| Error::Nccl {
-                call: "the communicator's watchdog",
-                code: NCCL_SYSTEM_ERROR,
-                message: format!("its thread could not start: {e}"),
+            .map_err(|e| Error::Spawn {
+                what: "the NCCL communicator's watchdog thread",
+                source: Arc::new(e),
             })?;
         Ok(Watchdog {
             stop,
@@ -60,9 +59,6 @@ impl Drop for Watchdog {
         }
     }
 }
-
-/// `ncclSystemError`.
-const NCCL_SYSTEM_ERROR: i32 = 2;
 
 #[cfg(test)]
 mod tests {

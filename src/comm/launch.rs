@@ -1,0 +1,528 @@
+//! Launch as torchrun does: a rank learns its place from the environment (`RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), and rank 0 hands the NCCL unique id to every
+//! other rank over TCP, each side under a deadline.
+//!
+//! The exchange: a rank connects to rank 0 (retrying until rank 0 listens) and sends
+//! [`HELLO_MAGIC`], its world size and its rank; rank 0 answers a hello that agrees with its own
+//! world size, from a rank not served yet, with status 0 and the id, and any other with status 1
+//! and the reason, which both sides report. Rank 0 returns once every other rank was served.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Bytes of the id handed over (an NCCL unique id).
+pub const ID_BYTES: usize = 128;
+
+/// What a hello starts with: this protocol, version 1.
+const HELLO_MAGIC: [u8; 8] = *b"FSDPID01";
+
+/// Bytes of a hello: the magic, the world size and the rank (little-endian u32 each).
+const HELLO_BYTES: usize = 16;
+
+/// The longest refusal read back.
+const MAX_REASON: usize = 4096;
+
+/// How long a rank waits between attempts to reach rank 0.
+const RETRY: Duration = Duration::from_millis(50);
+
+/// One rank's place, as a launcher such as torchrun gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    /// The rank's place among the ranks of its node: its GPU.
+    pub local_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Whether torchrun's agent serves its own store on `MASTER_PORT`
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
+    pub agent_store: bool,
+}
+
+impl LaunchEnv {
+    /// The process's launch environment.
+    pub fn from_env() -> Result<LaunchEnv> {
+        LaunchEnv::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// The launch environment read through `var`; each variable missing or malformed is an
+    /// error naming it.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
+        let read = |name: &'static str| -> Result<String> {
+            var(name).ok_or_else(|| Error::LaunchEnv {
+                variable: name,
+                reason: "is not set (launch with torchrun, or set it)".into(),
+            })
+        };
+        let number = |name: &'static str| -> Result<usize> {
+            let text = read(name)?;
+            text.trim().parse().map_err(|_| Error::LaunchEnv {
+                variable: name,
+                reason: format!("is {text:?}, not a number"),
+            })
+        };
+        let rank = number("RANK")?;
+        let world_size = number("WORLD_SIZE")?;
+        if world_size == 0 {
+            return Err(Error::LaunchEnv {
+                variable: "WORLD_SIZE",
+                reason: "is 0".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(Error::LaunchEnv {
+                variable: "RANK",
+                reason: format!("is {rank}, not below WORLD_SIZE {world_size}"),
+            });
+        }
+        let local_rank = number("LOCAL_RANK")?;
+        let master_addr = read("MASTER_ADDR")?;
+        if master_addr.trim().is_empty() {
+            return Err(Error::LaunchEnv {
+                variable: "MASTER_ADDR",
+                reason: "is empty".into(),
+            });
+        }
+        let port = number("MASTER_PORT")?;
+        let master_port = u16::try_from(port)
+            .ok()
+            .filter(|&p| p != 0)
+            .ok_or_else(|| Error::LaunchEnv {
+                variable: "MASTER_PORT",
+                reason: format!("is {port}, not a port (1 to 65535)"),
+            })?;
+        let agent_store = var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v == "True");
+        if agent_store && master_port == u16::MAX {
+            return Err(Error::LaunchEnv {
+                variable: "MASTER_PORT",
+                reason: "is 65535: torchrun's store holds it and the id needs the next".into(),
+            });
+        }
+        Ok(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr: master_addr.trim().to_string(),
+            master_port,
+            agent_store,
+        })
+    }
+
+    /// The port rank 0 serves the id on: `MASTER_PORT`, or the next one when torchrun's agent
+    /// already serves its store there.
+    pub fn id_port(&self) -> u16 {
+        match self.agent_store {
+            // `from_vars` refused 65535 with an agent store.
+            true => self.master_port.saturating_add(1),
+            false => self.master_port,
+        }
+    }
+
+    /// Every rank's copy of the id: rank 0 makes it with `make`, serves it and returns it once
+    /// every rank has it; the others fetch it. At most `timeout` in all.
+    pub fn share_id(
+        &self,
+        make: impl FnOnce() -> Result<[u8; ID_BYTES]>,
+        timeout: Duration,
+    ) -> Result<[u8; ID_BYTES]> {
+        let deadline = Instant::now() + timeout;
+        let addr = resolve(&self.master_addr, self.id_port())?;
+        if self.rank == 0 {
+            let listener = TcpListener::bind(addr).map_err(|e| Error::Rendezvous {
+                peer: format!("rank 0 listening on {addr}"),
+                reason: e.to_string(),
+            })?;
+            let id = make()?;
+            serve_id(&listener, self.world_size, &id, deadline)?;
+            Ok(id)
+        } else {
+            fetch_id(addr, self.rank, self.world_size, deadline)
+        }
+    }
+}
+
+/// The first address `host:port` names.
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let unreachable = |reason: String| Error::Rendezvous {
+        peer: format!("{host}:{port}"),
+        reason,
+    };
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| unreachable(format!("MASTER_ADDR does not resolve: {e}")))?
+        .next()
+        .ok_or_else(|| unreachable("MASTER_ADDR names no address".into()))
+}
+
+/// Serves `id` on `listener` to ranks 1 to `world - 1`, each once, until all were served or
+/// `deadline` passed.
+pub fn serve_id(
+    listener: &TcpListener,
+    world: usize,
+    id: &[u8; ID_BYTES],
+    deadline: Instant,
+) -> Result<()> {
+    let started = Instant::now();
+    if world == 0 {
+        return Err(Error::ZeroWorldSize);
+    }
+    let mut served = crate::fallible::filled(world, false, "the ranks served the id")?;
+    served[0] = true;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| serving(e.to_string()))?;
+    while served.iter().any(|s| !s) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                // A refused or broken exchange is the peer's to report (it may try again);
+                // rank 0 goes on serving.
+                if let Ok(rank) = answer(stream, world, &served, id, deadline) {
+                    served[rank] = true;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<String> = (0..world)
+                        .filter(|&r| !served[r])
+                        .map(|r| r.to_string())
+                        .collect();
+                    return Err(Error::Timeout {
+                        op: format!(
+                            "rank 0 serving the NCCL unique id (ranks {} never came)",
+                            missing.join(", ")
+                        ),
+                        waited: started.elapsed(),
+                    });
+                }
+                std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
+            }
+            Err(e) => return Err(serving(e.to_string())),
+        }
+    }
+    Ok(())
+}
+
+fn serving(reason: String) -> Error {
+    Error::Rendezvous {
+        peer: "rank 0 serving the id".into(),
+        reason,
+    }
+}
+
+/// Reads one hello on `stream` and answers it; the rank served, or why not.
+fn answer(
+    mut stream: TcpStream,
+    world: usize,
+    served: &[bool],
+    id: &[u8; ID_BYTES],
+    deadline: Instant,
+) -> Result<usize> {
+    let io = |e: std::io::Error| serving(e.to_string());
+    stream.set_nonblocking(false).map_err(io)?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(RETRY);
+    stream.set_read_timeout(Some(left)).map_err(io)?;
+    stream.set_write_timeout(Some(left)).map_err(io)?;
+    let mut hello = [0u8; HELLO_BYTES];
+    stream.read_exact(&mut hello).map_err(io)?;
+    let word = |i: usize| u32::from_le_bytes([hello[i], hello[i + 1], hello[i + 2], hello[i + 3]]);
+    let (their_world, rank) = (word(8) as usize, word(12) as usize);
+    let refusal = if hello[..8] != HELLO_MAGIC {
+        Some("the hello is not this protocol's".to_string())
+    } else if their_world != world {
+        Some(format!(
+            "rank {rank} has WORLD_SIZE {their_world}, rank 0 has {world}"
+        ))
+    } else if rank == 0 || rank >= world {
+        Some(format!(
+            "rank {rank} is not a rank 1 to {} may serve",
+            world - 1
+        ))
+    } else if served[rank] {
+        Some(format!(
+            "rank {rank} already took the id: two ranks have RANK {rank}"
+        ))
+    } else {
+        None
+    };
+    match refusal {
+        None => {
+            let mut reply = [0u8; 1 + ID_BYTES];
+            reply[1..].copy_from_slice(id);
+            stream.write_all(&reply).map_err(io)?;
+            Ok(rank)
+        }
+        Some(reason) => {
+            let mut reply = vec![1u8];
+            reply.extend_from_slice(reason.as_bytes());
+            let _ = stream.write_all(&reply);
+            Err(serving(reason))
+        }
+    }
+}
+
+/// Fetches the id from rank 0 at `addr` as `rank` of `world`, trying until `deadline`.
+pub fn fetch_id(
+    addr: SocketAddr,
+    rank: usize,
+    world: usize,
+    deadline: Instant,
+) -> Result<[u8; ID_BYTES]> {
+    let started = Instant::now();
+    let failed = |reason: String| Error::Rendezvous {
+        peer: format!("rank 0 at {addr}"),
+        reason,
+    };
+    let (world32, rank32) = match (u32::try_from(world), u32::try_from(rank)) {
+        (Ok(w), Ok(r)) => (w, r),
+        _ => {
+            return Err(failed(format!(
+                "rank {rank} of {world} does not fit the hello"
+            )));
+        }
+    };
+    let mut hello = [0u8; HELLO_BYTES];
+    hello[..8].copy_from_slice(&HELLO_MAGIC);
+    hello[8..12].copy_from_slice(&world32.to_le_bytes());
+    hello[12..].copy_from_slice(&rank32.to_le_bytes());
+    let mut last = String::from("no attempt");
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Timeout {
+                op: format!(
+                    "rank {rank} fetching the NCCL unique id from rank 0 at {addr} ({last})"
+                ),
+                waited: started.elapsed(),
+            });
+        }
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+            Ok(mut stream) => {
+                let io = |e: std::io::Error| failed(e.to_string());
+                stream.set_read_timeout(Some(left.max(RETRY))).map_err(io)?;
+                stream
+                    .set_write_timeout(Some(left.max(RETRY)))
+                    .map_err(io)?;
+                stream.write_all(&hello).map_err(io)?;
+                let mut reply = Vec::new();
+                stream
+                    .take((1 + ID_BYTES.max(MAX_REASON)) as u64)
+                    .read_to_end(&mut reply)
+                    .map_err(io)?;
+                return match reply.split_first() {
+                    Some((0, id)) if id.len() == ID_BYTES => {
+                        let mut out = [0u8; ID_BYTES];
+                        out.copy_from_slice(id);
+                        Ok(out)
+                    }
+                    Some((1, reason)) => Err(failed(format!(
+                        "rank 0 refused: {}",
+                        String::from_utf8_lossy(reason)
+                    ))),
+                    _ => Err(failed(format!(
+                        "rank 0 answered {} bytes, not an id",
+                        reply.len()
+                    ))),
+                };
+            }
+            // Rank 0 may not listen yet.
+            Err(e) => last = e.to_string(),
+        }
+        std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| map.get(name).cloned()
+    }
+
+    const TORCHRUN: [(&str, &str); 5] = [
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "node-0"),
+        ("MASTER_PORT", "29500"),
+    ];
+
+    fn with(changes: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        let mut all: Vec<_> = TORCHRUN
+            .iter()
+            .filter(|(k, _)| !changes.iter().any(|(c, _)| c == k))
+            .copied()
+            .collect();
+        all.extend(changes.iter().filter(|(_, v)| !v.is_empty()));
+        all
+    }
+
+    fn refused(changes: &[(&'static str, &'static str)]) -> (&'static str, String) {
+        match LaunchEnv::from_vars(vars(&with(changes))) {
+            Err(Error::LaunchEnv { variable, reason }) => (variable, reason),
+            other => panic!("{changes:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn torchruns_variables_give_the_ranks_place() {
+        let env = LaunchEnv::from_vars(vars(&TORCHRUN)).unwrap();
+        assert_eq!(
+            env,
+            LaunchEnv {
+                rank: 3,
+                world_size: 8,
+                local_rank: 1,
+                master_addr: "node-0".into(),
+                master_port: 29500,
+                agent_store: false,
+            }
+        );
+        assert_eq!(env.id_port(), 29500);
+        let agent =
+            LaunchEnv::from_vars(vars(&with(&[("TORCHELASTIC_USE_AGENT_STORE", "True")]))).unwrap();
+        assert_eq!(agent.id_port(), 29501, "torchrun's store holds MASTER_PORT");
+    }
+
+    #[test]
+    fn each_missing_or_malformed_variable_is_named() {
+        for name in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            let mut all: Vec<_> = TORCHRUN.to_vec();
+            all.retain(|(k, _)| *k != name);
+            match LaunchEnv::from_vars(vars(&all)) {
+                Err(Error::LaunchEnv { variable, reason }) => {
+                    assert_eq!(variable, name);
+                    assert!(reason.contains("not set"), "{reason}");
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        assert_eq!(refused(&[("RANK", "three")]).0, "RANK");
+        assert_eq!(refused(&[("RANK", "8")]).0, "RANK");
+        assert_eq!(refused(&[("WORLD_SIZE", "0")]).0, "WORLD_SIZE");
+        assert_eq!(refused(&[("MASTER_PORT", "70000")]).0, "MASTER_PORT");
+        assert_eq!(refused(&[("MASTER_PORT", "0")]).0, "MASTER_PORT");
+        assert_eq!(refused(&[("MASTER_ADDR", " ")]).0, "MASTER_ADDR");
+        assert_eq!(
+            refused(&[
+                ("MASTER_PORT", "65535"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True")
+            ])
+            .0,
+            "MASTER_PORT"
+        );
+    }
+
+    fn local_listener() -> (TcpListener, SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        (listener, addr)
+    }
+
+    #[test]
+    fn rank_0_hands_the_id_to_every_rank_once() {
+        let (listener, addr) = local_listener();
+        let id: [u8; ID_BYTES] = std::array::from_fn(|i| (i * 7 + 3) as u8);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let fetched = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, 4, &id, deadline));
+            let clients: Vec<_> = (1..4)
+                .map(|rank| s.spawn(move || fetch_id(addr, rank, 4, deadline)))
+                .collect();
+            let fetched: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+            server.join().unwrap().unwrap();
+            fetched
+        });
+        for f in fetched {
+            assert_eq!(f.unwrap(), id);
+        }
+    }
+
+    #[test]
+    fn a_rank_that_disagrees_is_refused_with_the_reason_on_both_sides() {
+        let (listener, addr) = local_listener();
+        let id = [9u8; ID_BYTES];
+        let deadline = Instant::now() + Duration::from_millis(1500);
+        let (server, wrong, twice) = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, 3, &id, deadline));
+            let wrong = fetch_id(addr, 1, 4, deadline);
+            let first = fetch_id(addr, 1, 3, deadline).unwrap();
+            assert_eq!(first, id);
+            let twice = fetch_id(addr, 1, 3, deadline);
+            (server.join().unwrap(), wrong, twice)
+        });
+        let reason = |r: Result<[u8; ID_BYTES]>| match r {
+            Err(Error::Rendezvous { reason, .. }) => reason,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            reason(wrong).contains("rank 1 has WORLD_SIZE 4, rank 0 has 3"),
+            "the world sizes named"
+        );
+        assert!(reason(twice).contains("two ranks have RANK 1"));
+        // Rank 2 never came: rank 0 names it at its deadline.
+        match server {
+            Err(Error::Timeout { op, .. }) => assert!(op.contains("ranks 2 never came"), "{op}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_rank_with_no_rank_0_times_out_naming_the_address() {
+        let (listener, addr) = local_listener();
+        drop(listener);
+        let started = Instant::now();
+        match fetch_id(addr, 1, 2, Instant::now() + Duration::from_millis(300)) {
+            Err(Error::Timeout { op, .. }) => assert!(op.contains(&addr.to_string()), "{op}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn share_id_connects_rank_0_and_the_others_through_the_environment() {
+        let port = {
+            let (listener, addr) = local_listener();
+            drop(listener);
+            addr.port().to_string()
+        };
+        let env = |rank: &'static str| {
+            let port = port.clone();
+            LaunchEnv::from_vars(move |name| match name {
+                "RANK" => Some(rank.into()),
+                "WORLD_SIZE" => Some("2".into()),
+                "LOCAL_RANK" => Some("0".into()),
+                "MASTER_ADDR" => Some("127.0.0.1".into()),
+                "MASTER_PORT" => Some(port.clone()),
+                _ => None,
+            })
+            .unwrap()
+        };
+        let (zero, one) = (env("0"), env("1"));
+        let timeout = Duration::from_secs(30);
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| zero.share_id(|| Ok([5u8; ID_BYTES]), timeout));
+            let b = s.spawn(|| one.share_id(|| panic!("only rank 0 makes the id"), timeout));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        assert_eq!(a.unwrap(), [5u8; ID_BYTES]);
+        assert_eq!(b.unwrap(), [5u8; ID_BYTES]);
+    }
+}
