@@ -271,8 +271,9 @@ impl NcclComm {
         gathers.wait_ready(&watch, "ncclCommInitRankConfig", || {
             format!("NCCL's init of rank {rank} of {world_size}, waiting for every rank to join")
         })?;
-        let reductions = gathers.start_duplicate(rank32)?;
-        reductions.wait_ready(&watch, "ncclCommSplit", split_wait)?;
+        let reductions = gathers
+            .start_duplicate(rank32)?
+            .wait(&gathers, &watch, split_wait)?;
         NcclComm::assemble(
             (gathers, reductions),
             (rank, world_size),
@@ -318,10 +319,21 @@ impl NcclComm {
         wait_all(&gathers, &watch, "ncclCommInitRankConfig", || {
             format!("NCCL's init of {world} ranks in one process")
         })?;
-        let reductions = grouped(nccl, &contexts, |rank, _| {
+        let splits = grouped(nccl, &contexts, |rank, _| {
             gathers[rank].start_duplicate(rank as c_int)
         })?;
-        wait_all(&reductions, &watch, "ncclCommSplit", split_wait)?;
+        let reductions = splits
+            .into_iter()
+            .zip(&gathers)
+            .map(|(split, parent)| split.wait(parent, &watch, split_wait))
+            .collect::<Result<Vec<_>>>();
+        let reductions = match reductions {
+            Ok(r) => r,
+            Err(e) => {
+                gathers.iter().for_each(Handle::abort);
+                return Err(e);
+            }
+        };
         gathers
             .into_iter()
             .zip(reductions)
@@ -484,12 +496,12 @@ fn split_wait() -> String {
     "NCCL's split of the communicator for reductions, waiting for every rank".into()
 }
 
-/// Makes one handle per context in one NCCL group, `start(rank, context)` on that context.
-fn grouped(
+/// Starts one call per context in one NCCL group, `start(rank, context)` on that context.
+fn grouped<T>(
     nccl: &'static Nccl,
     contexts: &[Arc<CudaContext>],
-    mut start: impl FnMut(usize, &Arc<CudaContext>) -> Result<Handle>,
-) -> Result<Vec<Handle>> {
+    mut start: impl FnMut(usize, &Arc<CudaContext>) -> Result<T>,
+) -> Result<Vec<T>> {
     // SAFETY: starts a group that the call below ends on every path.
     let status = unsafe { (nccl.group_start)() };
     nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;

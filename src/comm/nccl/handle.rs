@@ -3,10 +3,11 @@
 //! whose wait ran out is aborted, never destroyed (destroying waits for peers).
 
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use cudarc::nccl::sys::{ncclComm_t, ncclUniqueId};
+use cudarc::nccl::sys::{ncclComm, ncclComm_t, ncclUniqueId};
 
 use super::library::{NCCL_IN_PROGRESS, Nccl, NcclConfig, NcclStatus};
 use crate::error::{Error, Result};
@@ -25,6 +26,16 @@ pub(super) struct Handle {
 struct Shared {
     raw: ncclComm_t,
     live: Mutex<bool>,
+    /// Where NCCL wrote the handle: a nonblocking init or split writes it again when it ends,
+    /// from NCCL's own thread, so the place lives as long as the handle.
+    _slot: Slot,
+}
+
+/// A place for NCCL to write a communicator handle into.
+type Slot = Box<AtomicPtr<ncclComm>>;
+
+fn slot() -> Slot {
+    Box::new(AtomicPtr::new(std::ptr::null_mut()))
 }
 
 // SAFETY: NCCL allows `ncclCommGetAsyncError` and `ncclCommAbort` from any thread while another
@@ -37,6 +48,32 @@ impl Shared {
         self.live
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A split under way: the place NCCL writes the new handle into, and the call's status.
+pub(super) struct Split {
+    slot: Slot,
+    status: NcclStatus,
+}
+
+impl Split {
+    /// Waits under `watch` for the split `parent` started, then for the new communicator.
+    pub(super) fn wait(
+        self,
+        parent: &Handle,
+        watch: &Watch,
+        op: impl Fn() -> String,
+    ) -> Result<Handle> {
+        if let Err(e) = parent.settle("ncclCommSplit", self.status, watch, &op) {
+            // The parent was aborted, which ends its split; the slot is left to NCCL, should it
+            // still write there.
+            std::mem::forget(self.slot);
+            return Err(e);
+        }
+        let handle = Handle::made(parent.nccl, self.slot, "ncclCommSplit", NCCL_IN_PROGRESS)?;
+        handle.wait_ready(watch, "ncclCommSplit", op)?;
+        Ok(handle)
     }
 }
 
@@ -76,23 +113,25 @@ impl Handle {
         world: c_int,
     ) -> Result<Handle> {
         let mut config = NcclConfig::nonblocking();
-        let mut raw: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: writes one handle; NCCL copies the config during the call.
+        let slot = slot();
+        // SAFETY: NCCL writes one handle into the slot (now, and again when the init ends), which
+        // lives as long as the handle; it copies the config during the call.
         let status =
-            unsafe { (nccl.comm_init_rank_config)(&mut raw, world, id, rank, &mut config) };
-        Handle::made(nccl, raw, "ncclCommInitRankConfig", status)
+            unsafe { (nccl.comm_init_rank_config)(slot.as_ptr(), world, id, rank, &mut config) };
+        Handle::made(nccl, slot, "ncclCommInitRankConfig", status)
     }
 
     /// Starts a second communicator over the same ranks, in the same rank order
-    /// (`ncclCommSplit` with one color), a collective of every rank; [`Handle::wait_ready`]
-    /// waits for it.
-    pub(super) fn start_duplicate(&self, rank: c_int) -> Result<Handle> {
+    /// (`ncclCommSplit` with one color), a collective of every rank; [`Split::wait`] waits for
+    /// it.
+    pub(super) fn start_duplicate(&self, rank: c_int) -> Result<Split> {
         let parent = self.raw("ncclCommSplit")?;
         let mut config = NcclConfig::nonblocking();
-        let mut raw: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: the parent is live; writes one handle; NCCL copies the config.
-        let status = unsafe { (self.nccl.comm_split)(parent, 0, rank, &mut raw, &mut config) };
-        Handle::made(self.nccl, raw, "ncclCommSplit", status)
+        let slot = slot();
+        // SAFETY: the parent is live; NCCL writes one handle into the slot when the split ends
+        // (a slot that outlives the split: `Split::wait`) and copies the config.
+        let status = unsafe { (self.nccl.comm_split)(parent, 0, rank, slot.as_ptr(), &mut config) };
+        Ok(Split { slot, status })
     }
 
     /// Waits under `watch` until NCCL made the communicator `call` started.
@@ -112,15 +151,17 @@ impl Handle {
     /// The handle NCCL wrote, unless the call that made it failed at once.
     fn made(
         nccl: &'static Nccl,
-        raw: ncclComm_t,
+        slot: Slot,
         call: &'static str,
         status: NcclStatus,
     ) -> Result<Handle> {
+        let raw = slot.load(Ordering::SeqCst);
         let handle = Handle {
             nccl,
             shared: Arc::new(Shared {
                 raw,
                 live: Mutex::new(!raw.is_null()),
+                _slot: slot,
             }),
         };
         if status != NCCL_IN_PROGRESS {
