@@ -67,6 +67,8 @@ pub enum Error {
     InvalidConfig { field: &'static str, reason: String },
     #[error("the plan has world size {plan}, the communicator {comm}")]
     WorldSizeMismatch { plan: usize, comm: usize },
+    #[error("the plan is for {plan} replicas, the communicator has {comm}")]
+    ReplicasMismatch { plan: usize, comm: usize },
 
     #[error("no parameter named {name:?}")]
     UnknownParam { name: String },

@@ -90,10 +90,13 @@ pub struct BufferReport {
     pub why: String,
 }
 
-/// The layout of a model at one world size.
+/// The layout of a model at one world size: the ranks that shard it, each holding
+/// `1 / world_size` of every group; under hybrid sharding ([`Plan::hybrid`]) the ranks of one
+/// replica, of `replicas` that each hold it all.
 #[derive(Clone, Debug)]
 pub struct Plan {
     world_size: usize,
+    replicas: usize,
     params: Vec<ParamLayout>,
     groups: Vec<Group>,
     units: Vec<Unit>,
@@ -115,7 +118,14 @@ struct GroupKey {
 impl Plan {
     /// Groups, orders and pads `model`'s parameters for `world_size` ranks.
     pub fn new(model: &ModelSpec, world_size: usize) -> Result<Plan> {
-        if world_size == 0 {
+        Plan::hybrid(model, 1, world_size)
+    }
+
+    /// The plan of hybrid sharding ([`crate::comm::hybrid`]): `model` sharded over the
+    /// `shard_size` ranks of each of `replicas` replicas.
+    pub fn hybrid(model: &ModelSpec, replicas: usize, shard_size: usize) -> Result<Plan> {
+        let world_size = shard_size;
+        if world_size == 0 || replicas == 0 {
             return Err(Error::ZeroWorldSize);
         }
         // Groups in order of first appearance, members in model order.
@@ -228,6 +238,7 @@ impl Plan {
             .collect();
         Ok(Plan {
             world_size,
+            replicas,
             params,
             groups,
             units,
@@ -238,6 +249,16 @@ impl Plan {
 
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// Replicas of the sharded model: 1 but under hybrid sharding.
+    pub fn replicas(&self) -> usize {
+        self.replicas
+    }
+
+    /// Whether a gradient goes to other ranks: a sharded group, or replicas to agree with.
+    pub fn grads_travel(&self) -> bool {
+        self.world_size > 1 || self.replicas > 1
     }
 
     /// Parameters in model order.
@@ -372,9 +393,10 @@ impl Plan {
     }
 
     /// Whether gradients go straight into the fp32 shards (every pass, adding after the first):
-    /// at world size 1 the shard is the whole gradient, unless the reduction scales it.
+    /// at world size 1 the shard is the whole gradient, unless the reduction scales it or
+    /// replicas must agree on it.
     pub fn grads_direct(&self, config: &EngineConfig) -> bool {
-        self.world_size == 1 && config.grad_reduction.scale(1) == 1.0
+        !self.grads_travel() && config.grad_reduction.scale(1) == 1.0
     }
 
     /// Whether `Accumulation::NoSync` keeps unsharded fp32 accumulators: where gradients do
@@ -383,10 +405,9 @@ impl Plan {
         config.accumulation == Accumulation::NoSync && !self.grads_direct(config)
     }
 
-    /// The element type of the gradient slots: the transport's, f32 at world size 1 where
-    /// nothing travels.
+    /// The element type of the gradient slots: the transport's, f32 where nothing travels.
     pub fn grad_slot_dtype(&self, config: &EngineConfig) -> DType {
-        if self.world_size == 1 {
+        if !self.grads_travel() {
             DType::F32
         } else {
             config.reduce_dtype

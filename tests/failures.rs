@@ -539,6 +539,22 @@ impl Communicator<CpuBackend> for Wrapped {
                 .reduce_scatter(backend, stream, tag, buf, region, scale)
         }
     }
+    unsafe fn all_reduce(
+        &mut self,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CpuBuffer,
+        region: Region,
+        scale: f32,
+    ) -> Result<()> {
+        let tag = self.tag(tag);
+        // SAFETY: the engine's own call, passed on.
+        unsafe {
+            self.inner
+                .all_reduce(backend, stream, tag, buf, region, scale)
+        }
+    }
 }
 
 #[test]

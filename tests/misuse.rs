@@ -577,6 +577,17 @@ impl Communicator<CpuBackend> for BadRank {
     ) -> fsdp_fusion::Result<()> {
         Ok(())
     }
+    unsafe fn all_reduce(
+        &mut self,
+        _: &CpuBackend,
+        _: Stream,
+        _: Tag,
+        _: &mut CpuBuffer,
+        _: Region,
+        _: f32,
+    ) -> fsdp_fusion::Result<()> {
+        Ok(())
+    }
 }
 
 #[test]

@@ -14,7 +14,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use crate::backend::Region;
 use crate::backend::cpu::{CpuBackend, CpuBuffer, Memory};
 use crate::comm::{
-    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, mismatch, own_part,
+    Communicator, Fingerprint, Tag, check_all_gather, check_all_reduce, check_reduce_scatter,
+    mismatch, own_part,
 };
 use crate::dtype::{load_f32, store_f32};
 use crate::error::{Error, Result};
@@ -389,30 +390,70 @@ impl Communicator<CpuBackend> for LocalComm {
         let world = self.shared.world_size;
         check_reduce_scatter(world, region)?;
         let part = region.len / world;
-        let all = region.byte_range(buf.len())?;
-        let dtype = region.dtype;
-        let own =
-            Region::new(region.offset + self.rank * part, part, dtype).byte_range(buf.len())?;
-        let start = self.rank * part;
-        let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
         let fingerprint = Fingerprint::reduce_scatter(tag, region);
-        // SAFETY (both closures): the caller ordered every other use of the region (the trait's
-        // contract); the copy's slice ends before the write's begins.
-        let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduce-scatter's deposit");
-        // The deposits are byte copies, with no alignment to read them as f32 slices.
-        let give = move |parts: &[&[u8]]| {
-            let out = unsafe { written.bytes_mut(own) };
-            for i in 0..part {
-                let at = |part: &[u8]| load_f32(part, dtype, start + i);
-                let mut acc = scale * at(parts[0]);
-                for part in &parts[1..] {
-                    acc += scale * at(part);
-                }
-                store_f32(out, dtype, i, acc);
-            }
-        };
-        meet(self, backend, stream, fingerprint, take, give)
+        let kept = self.rank * part..(self.rank + 1) * part;
+        reduce(
+            self,
+            (backend, stream),
+            fingerprint,
+            (buf, region),
+            kept,
+            scale,
+        )
     }
+
+    unsafe fn all_reduce(
+        &mut self,
+        backend: &CpuBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CpuBuffer,
+        region: Region,
+        scale: f32,
+    ) -> Result<()> {
+        check_all_reduce(region)?;
+        let fingerprint = Fingerprint::all_reduce(tag, region);
+        reduce(
+            self,
+            (backend, stream),
+            fingerprint,
+            (buf, region),
+            0..region.len,
+            scale,
+        )
+    }
+}
+
+/// Sums `scale` times every rank's `region` of its buffer, in f32 in rank order, and writes the
+/// elements `kept` (of the region) of the sum in place, rounded once.
+fn reduce(
+    comm: &mut LocalComm,
+    (backend, stream): (&CpuBackend, Stream),
+    fingerprint: Fingerprint,
+    (buf, region): (&mut CpuBuffer, Region),
+    kept: Range<usize>,
+    scale: f32,
+) -> Result<()> {
+    let dtype = region.dtype;
+    let all = region.byte_range(buf.len())?;
+    let out = Region::new(region.offset + kept.start, kept.len(), dtype).byte_range(buf.len())?;
+    let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
+    // SAFETY (both closures): the caller ordered every other use of the region (the trait's
+    // contract); every rank's deposit is a copy, taken before any rank writes.
+    let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduction's deposit");
+    // The deposits are byte copies, with no alignment to read them as f32 slices.
+    let give = move |parts: &[&[u8]]| {
+        let out = unsafe { written.bytes_mut(out) };
+        for (i, at) in kept.enumerate() {
+            let value = |part: &[u8]| load_f32(part, dtype, at);
+            let mut acc = scale * value(parts[0]);
+            for part in &parts[1..] {
+                acc += scale * value(part);
+            }
+            store_f32(out, dtype, i, acc);
+        }
+    };
+    meet(comm, backend, stream, fingerprint, take, give)
 }
 
 #[cfg(test)]

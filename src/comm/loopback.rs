@@ -20,7 +20,8 @@ use cudarc::driver::{CudaEvent, CudaStream, result};
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
 use crate::comm::{
-    Communicator, Fingerprint, Tag, check_all_gather, check_reduce_scatter, own_part,
+    Communicator, Fingerprint, Tag, check_all_gather, check_all_reduce, check_reduce_scatter,
+    own_part,
 };
 use crate::error::{Error, Result};
 use crate::types::Stream;
@@ -102,6 +103,12 @@ pub struct LoopbackComm {
     world_size: usize,
     watch: Watch,
     table: Option<SourceTable>,
+    /// The copy of this rank's values an all-reduce's ranks read, while each writes its own
+    /// region; grown to the largest all-reduce so far.
+    scratch: Option<DeviceMemory>,
+    /// Scratch memory outgrown, which other ranks' streams may still read: freed with the
+    /// communicator.
+    retired: Vec<DeviceMemory>,
 }
 
 impl LoopbackComm {
@@ -119,6 +126,8 @@ impl LoopbackComm {
             world_size,
             watch: Watch::default(),
             table: None,
+            scratch: None,
+            retired: Vec::new(),
         }));
         Ok(comms)
     }
@@ -220,6 +229,26 @@ impl LoopbackComm {
             }
         }
         launched
+    }
+
+    /// The scratch memory for an all-reduce of `bytes`, made or grown in `backend`'s context
+    /// (outside its counted memory, as the table is).
+    fn scratch(&mut self, backend: &CudaBackend, bytes: usize) -> Result<u64> {
+        if let Some(scratch) = &self.scratch {
+            if scratch.bytes() >= bytes {
+                return Ok(scratch.ptr());
+            }
+        }
+        let outgrown = self.scratch.as_ref().map_or(0, DeviceMemory::bytes);
+        let grown = DeviceMemory::alloc(backend.context(), bytes.max(outgrown.saturating_mul(2)))?;
+        self.retired
+            .try_reserve(1)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: std::mem::size_of::<DeviceMemory>(),
+                what: "the loopback communicator's outgrown scratch".into(),
+            })?;
+        self.retired.extend(self.scratch.take());
+        Ok(self.scratch.insert(grown).ptr())
     }
 
     /// The source table, allocated on first use in `backend`'s context (outside its counted
@@ -360,6 +389,65 @@ impl Communicator<CudaBackend> for LoopbackComm {
                     sources.len(),
                     base + own,
                     part,
+                    scale,
+                )
+            };
+            table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
+            summed
+        })
+    }
+
+    /// Each rank copies its region into its scratch memory first, then sums every rank's
+    /// scratch into its own region: no rank writes what another reads.
+    unsafe fn all_reduce(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut CudaBuffer,
+        region: Region,
+        scale: f32,
+    ) -> Result<()> {
+        check_all_reduce(region)?;
+        let base = buf.addr(region)?;
+        let bytes = region.len * region.dtype.size();
+        let op = Op {
+            fingerprint: Fingerprint::all_reduce(tag, region),
+            place: place(backend),
+        };
+        // Allocated before meeting the others: a failure here is an ordinary early error.
+        self.table(backend)?;
+        let scratch = self.scratch(backend, bytes)?;
+        if bytes > 0 {
+            bind(backend.context())?;
+            // SAFETY: the region was checked to hold `bytes`, the scratch holds at least as many;
+            // the scratch's last readers (the previous all-reduce's ranks) finished before this
+            // stream went past it (its second meeting).
+            unsafe {
+                result::memcpy_dtod_async(scratch, base, bytes, backend.stream(stream).cu_stream())
+            }
+            .map_err(cuda("cuMemcpyDtoDAsync"))?;
+        }
+        self.run(backend, stream, op, scratch, |comm, on, sources| {
+            if bytes == 0 {
+                return Ok(());
+            }
+            let table = comm.table(backend)?;
+            if let Some(last) = &table.last_read {
+                on.wait(last).map_err(cuda("cuStreamWaitEvent"))?;
+            }
+            write_table(table, on, sources)?;
+            // SAFETY: the table lists every rank's scratch, each holding the region's values,
+            // checked by its rank; the destination is this rank's own region, which no rank
+            // reads; the streams' events order the reads after every rank's copy.
+            let summed = unsafe {
+                backend.kernels().reduce_sum(
+                    on,
+                    region.dtype,
+                    table.memory.ptr(),
+                    sources.len(),
+                    base,
+                    region.len,
                     scale,
                 )
             };

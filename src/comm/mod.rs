@@ -1,5 +1,6 @@
 //! Collectives on a stream, between the ranks of one data-parallel group.
 
+pub mod hybrid;
 pub mod launch;
 pub mod local;
 pub mod loopback;
@@ -41,6 +42,7 @@ pub struct Tag {
 pub enum CollectiveOp {
     AllGather,
     ReduceScatter,
+    AllReduce,
 }
 
 /// A collective as the ranks compare it: its tag, kind, element type and length (per rank for an
@@ -58,6 +60,7 @@ impl fmt::Display for Fingerprint {
         let op = match self.op {
             CollectiveOp::AllGather => "all-gather",
             CollectiveOp::ReduceScatter => "reduce-scatter",
+            CollectiveOp::AllReduce => "all-reduce",
         };
         let what = match self.tag.purpose {
             Purpose::Group(g) => format!("group {g}"),
@@ -92,6 +95,15 @@ impl Fingerprint {
         }
     }
 
+    pub fn all_reduce(tag: Tag, region: Region) -> Fingerprint {
+        Fingerprint {
+            tag,
+            op: CollectiveOp::AllReduce,
+            dtype: region.dtype,
+            len: region.len,
+        }
+    }
+
     /// A fixed encoding, the same on every machine, for hashing and exchanging.
     pub fn to_bytes(&self) -> [u8; FINGERPRINT_BYTES] {
         let (kind, group) = match self.tag.purpose {
@@ -103,6 +115,7 @@ impl Fingerprint {
         let op = match self.op {
             CollectiveOp::AllGather => 0u64,
             CollectiveOp::ReduceScatter => 1,
+            CollectiveOp::AllReduce => 2,
         };
         let dtype = match self.dtype {
             DType::Bf16 => 0u64,
@@ -135,12 +148,14 @@ impl Fingerprint {
             (0, g) => Purpose::Group(usize::try_from(g).ok()?),
             (1, _) => Purpose::PlanCheck,
             (2, _) => Purpose::CollectiveCheck,
+            (3, _) => Purpose::GradNorm,
             _ => return None,
         };
         let kind = word(4)?;
         let op = match kind >> 8 {
             0 => CollectiveOp::AllGather,
             1 => CollectiveOp::ReduceScatter,
+            2 => CollectiveOp::AllReduce,
             _ => return None,
         };
         let dtype = match kind & 0xff {
@@ -194,6 +209,13 @@ pub trait Communicator<B: Backend>: Send {
 
     /// The deadline and abort flag of the rank's waits, from its engine.
     fn set_watch(&mut self, watch: &Watch);
+
+    /// This rank's replica and how many there are, under hybrid sharding
+    /// ([`hybrid::Hybrid`]): the ranks of one replica shard the parameters among themselves, each
+    /// replica holds them all. `(0, 1)` for a plain group.
+    fn replica(&self) -> Replica {
+        Replica { index: 0, count: 1 }
+    }
 
     /// `Err` once the communicator failed on its own, between calls (NCCL's asynchronous
     /// error: a peer's connection lost, say); checked by the engine at every call.
@@ -269,6 +291,40 @@ pub trait Communicator<B: Backend>: Send {
         region: Region,
         scale: f32,
     ) -> Result<()>;
+
+    /// Sums `scale` times the `region` of `buf` (f32, or bf16) over the ranks, leaving the sum
+    /// in every rank's region, with the arithmetic of [`Communicator::reduce_scatter`].
+    ///
+    /// # Safety
+    /// As [`Communicator::all_gather`], for the region.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn all_reduce(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        buf: &mut B::Buffer,
+        region: Region,
+        scale: f32,
+    ) -> Result<()>;
+}
+
+/// A rank's replica under hybrid sharding, and how many there are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Replica {
+    pub index: usize,
+    pub count: usize,
+}
+
+/// Checks the element type of an all-reduce before any communication.
+pub(crate) fn check_all_reduce(region: Region) -> Result<()> {
+    if region.dtype == DType::F16 {
+        return Err(Error::Unsupported {
+            backend: "communicator",
+            what: "an f16 reduction (f32 or bf16 only)",
+        });
+    }
+    Ok(())
 }
 
 /// Checks the lengths of an all-gather before any communication.

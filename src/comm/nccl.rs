@@ -21,8 +21,11 @@ use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
+use crate::comm::hybrid::Hybrid;
 use crate::comm::launch::LaunchEnv;
-use crate::comm::{Communicator, Tag, check_all_gather, check_reduce_scatter, own_part};
+use crate::comm::{
+    Communicator, Tag, check_all_gather, check_all_reduce, check_reduce_scatter, own_part,
+};
 use crate::dtype::store_f32;
 use crate::error::{Error, Result};
 use crate::types::{DType, Stream};
@@ -106,6 +109,10 @@ enum Kind {
     AllGather,
     /// Each rank's values times `scale`, summed.
     ReduceScatter {
+        scale: f32,
+    },
+    /// As a reduce-scatter, the whole sum kept on every rank.
+    AllReduce {
         scale: f32,
     },
 }
@@ -195,6 +202,19 @@ fn reduce_scatter_call(
     })
 }
 
+/// NCCL's in-place all-reduce of the region.
+fn all_reduce_call(buf: Extent, region: Region, scale: f32) -> Result<Call> {
+    check_all_reduce(region)?;
+    let at = buf.addr(region)?;
+    Ok(Call {
+        kind: Kind::AllReduce { scale },
+        send: at,
+        recv: at,
+        count: region.len,
+        dtype: region.dtype,
+    })
+}
+
 /// One collective of a [`NcclComm::batch`], with the buffers it reads and writes.
 pub enum Collective<'a> {
     /// As [`Communicator::all_gather`].
@@ -272,7 +292,7 @@ impl NcclComm {
             format!("NCCL's init of rank {rank} of {world_size}, waiting for every rank to join")
         })?;
         let reductions = gathers
-            .start_duplicate(rank32)?
+            .start_split(0, rank32)?
             .wait(&gathers, &watch, split_wait)?;
         NcclComm::assemble(
             (gathers, reductions),
@@ -294,6 +314,58 @@ impl NcclComm {
     ) -> Result<NcclComm> {
         let id = env.share_id(NcclComm::unique_id, timeout)?;
         NcclComm::new(&id, env.rank, env.world_size, backend, timeout)
+    }
+
+    /// The ranks of this group that give the same `color`, ordered by `key`, as a group of
+    /// their own (`ncclCommSplit`, for each of the two communicators): a collective of every
+    /// rank of this group, each with its own color and key, waited for at most `timeout`.
+    pub fn split(&self, color: usize, key: usize, timeout: Duration) -> Result<NcclComm> {
+        let number = |what: &'static str, n: usize| {
+            c_int::try_from(n).map_err(|_| Error::InvalidConfig {
+                field: what,
+                reason: format!("is {n}, NCCL takes at most {}", c_int::MAX),
+            })
+        };
+        let (color32, key32) = (number("color", color)?, number("key", key)?);
+        let watch = Watch::new(timeout);
+        bind(&self.ctx)?;
+        let gathers =
+            self.gathers
+                .start_split(color32, key32)?
+                .wait(&self.gathers, &watch, split_wait)?;
+        let reductions = self.reductions.start_split(color32, key32)?.wait(
+            &self.reductions,
+            &watch,
+            split_wait,
+        )?;
+        let place = gathers.place()?;
+        NcclComm::assemble(
+            (gathers, reductions),
+            place,
+            self.device,
+            Arc::clone(&self.ctx),
+            watch,
+        )
+    }
+
+    /// This rank's communicators for hybrid sharding of this group's ranks in `replicas`
+    /// replicas ([`crate::comm::hybrid`]): rank `r` in replica `r / shard_size` at place
+    /// `r % shard_size`. A collective of every rank, each wait at most `timeout`.
+    pub fn hybrid(&self, replicas: usize, timeout: Duration) -> Result<Hybrid<NcclComm>> {
+        if replicas == 0 || self.world_size % replicas != 0 {
+            return Err(Error::InvalidConfig {
+                field: "replicas",
+                reason: format!(
+                    "is {replicas}, which does not divide the {} ranks",
+                    self.world_size
+                ),
+            });
+        }
+        let shard_size = self.world_size / replicas;
+        let (replica, place) = (self.rank / shard_size, self.rank % shard_size);
+        let shard = self.split(replica, place, timeout)?;
+        let across = self.split(place, replica, timeout)?;
+        Ok(Hybrid::new(shard, across))
     }
 
     /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for
@@ -320,7 +392,7 @@ impl NcclComm {
             format!("NCCL's init of {world} ranks in one process")
         })?;
         let splits = grouped(nccl, &contexts, |rank, _| {
-            gathers[rank].start_duplicate(rank as c_int)
+            gathers[rank].start_split(0, rank as c_int)
         })?;
         let reductions = splits
             .into_iter()
@@ -451,7 +523,7 @@ impl NcclComm {
     fn handle(&self, kind: Kind) -> &Handle {
         match kind {
             Kind::AllGather => &self.gathers,
-            Kind::ReduceScatter { .. } => &self.reductions,
+            Kind::ReduceScatter { .. } | Kind::AllReduce { .. } => &self.reductions,
         }
     }
 
@@ -463,6 +535,7 @@ impl NcclComm {
         let name = match call.kind {
             Kind::AllGather => "ncclAllGather",
             Kind::ReduceScatter { .. } => "ncclReduceScatter",
+            Kind::AllReduce { .. } => "ncclAllReduce",
         };
         let comm = handle.raw(name)?;
         let s = stream.cu_stream() as cudaStream_t;
@@ -479,6 +552,10 @@ impl NcclComm {
                 Kind::ReduceScatter { scale } => {
                     let op = ScaledSum::new(handle, scale, call.dtype)?;
                     (nccl.reduce_scatter)(send, recv, call.count, dtype, op.op, comm, s)
+                }
+                Kind::AllReduce { scale } => {
+                    let op = ScaledSum::new(handle, scale, call.dtype)?;
+                    (nccl.all_reduce)(send, recv, call.count, dtype, op.op, comm, s)
                 }
             }
         };
@@ -706,6 +783,20 @@ impl Communicator<CudaBackend> for NcclComm {
     ) -> Result<()> {
         let call = reduce_scatter_call(self.world_size, self.rank, Extent::of(buf), region, scale)?;
         let on = self.prepare(backend, stream, "ncclReduceScatter")?;
+        self.issue(&call, on)
+    }
+
+    unsafe fn all_reduce(
+        &mut self,
+        backend: &CudaBackend,
+        stream: Stream,
+        _tag: Tag,
+        buf: &mut CudaBuffer,
+        region: Region,
+        scale: f32,
+    ) -> Result<()> {
+        let call = all_reduce_call(Extent::of(buf), region, scale)?;
+        let on = self.prepare(backend, stream, "ncclAllReduce")?;
         self.issue(&call, on)
     }
 }

@@ -63,10 +63,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// manifest last, each under a temporary name, flushed and renamed, so a part that a crash
     /// interrupts is never taken for a whole one. Refused (`Error::CheckpointExists`) where
     /// `dir` holds this rank's part already, and between a step's first hook and its
-    /// `end_step`. Blocks until every byte is on disk.
+    /// `end_step`. Blocks until every byte is on disk. Under hybrid sharding only the first
+    /// replica's ranks write: every replica holds the same state.
     pub fn save(&self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("saving a checkpoint")?;
+        if self.comm.replica().index > 0 {
+            return Ok(());
+        }
         self.check_no_save_into(dir)?;
         checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();
@@ -96,6 +100,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::SavePending {
                 dir: pending.dir.display().to_string(),
             });
+        }
+        if self.comm.replica().index > 0 {
+            return Ok(());
         }
         checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();

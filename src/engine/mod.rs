@@ -329,6 +329,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 world_size: world,
             });
         }
+        let replicas = comm.replica().count;
+        if replicas != plan.replicas() {
+            return Err(Error::ReplicasMismatch {
+                plan: plan.replicas(),
+                comm: replicas,
+            });
+        }
         Ok(())
     }
 
@@ -433,6 +440,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Gathered buffers now (SYNCING, USING or READY).
     pub fn gathered_count(&self) -> usize {
         self.gathers.gathered()
+    }
+
+    /// This rank's replica under hybrid sharding, and how many there are (`(0, 1)` without).
+    pub fn replica(&self) -> crate::comm::Replica {
+        self.comm.replica()
     }
 
     /// A handle that aborts this engine from another thread: a blocked call returns

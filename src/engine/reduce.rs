@@ -319,9 +319,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;
         let start = self.mark(Stream::Reduce)?;
-        let scale = self.config.grad_reduction.scale(world);
+        let ranks = world.saturating_mul(self.plan.replicas());
+        let scale = self.config.grad_reduction.scale(ranks);
         let region = Region::new(0, padded, dtype);
-        let tag = (world > 1).then(|| {
+        let tag = self.plan.grads_travel().then(|| {
             self.next_tag(Purpose::Group(group), |tag| {
                 Fingerprint::reduce_scatter(tag, region)
             })
@@ -331,7 +332,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             (&mut [], &mut self.grad_accumulators),
             place,
         )?;
-        // At world size 1 the sum over ranks is the place itself, scaled on its way to the shard.
+        // Where nothing travels the sum over ranks is the place itself, scaled on its way to the
+        // shard.
         let shard_scale = if let Some(tag) = tag {
             // SAFETY: the reduce stream waited (above) for compute's writes of the place; compute
             // writes a slot again only after waiting for this reduction (`Retire`), an

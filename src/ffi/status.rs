@@ -79,6 +79,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::SizeOverflow { .. }
         | Error::InvalidConfig { .. }
         | Error::WorldSizeMismatch { .. }
+        | Error::ReplicasMismatch { .. }
         | Error::UnknownParam { .. }
         | Error::ParamIdOutOfRange { .. }
         | Error::GroupOutOfRange { .. }

@@ -393,7 +393,8 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
     base_lr: f32,
     recipe: Recipe,
 ) -> Result<(f32, GradNorm)> {
-    let rank = engine.rank();
+    // Each rank of the grid takes its own micro-batches: replica by replica, rank by rank.
+    let rank = engine.replica().index * engine.plan().world_size() + engine.rank();
     engine.set_lr(base_lr * recipe.schedule.factor(step))?;
     let mut loss = 0.0;
     for pass in 0..passes {
@@ -412,11 +413,14 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
 
 /// The arithmetic of the engine's gradient path, element by element: each rank's gradient in
 /// the transport's dtype, scaled and summed in rank order, the sum rounded to the transport's
-/// dtype; with accumulators, each rank's passes summed in fp32 first.
+/// dtype; with accumulators, each rank's passes summed in fp32 first. Under hybrid sharding
+/// each replica's ranks are summed so, then the replicas' sums, in replica order, rounded once.
 #[derive(Clone, Copy, Debug)]
 pub struct GradPath {
     /// The reduction's factor on each rank's gradient.
     pub scale: f32,
+    /// Ranks per replica: the ranks summed before the replicas are.
+    pub shard_size: usize,
     /// The transport's dtype; f32 at world size 1, where nothing travels.
     pub transport: DType,
     /// Whether the passes accumulate before one reduction (no-sync).
@@ -426,9 +430,16 @@ pub struct GradPath {
 impl GradPath {
     /// The path `config` gives gradients at `world_size` ranks.
     pub fn of(config: &EngineConfig, world_size: usize) -> GradPath {
+        GradPath::hybrid(config, 1, world_size)
+    }
+
+    /// The path of hybrid sharding, `replicas` of `shard_size` ranks.
+    pub fn hybrid(config: &EngineConfig, replicas: usize, shard_size: usize) -> GradPath {
+        let ranks = replicas * shard_size;
         GradPath {
-            scale: config.grad_reduction.scale(world_size),
-            transport: if world_size == 1 {
+            scale: config.grad_reduction.scale(ranks),
+            shard_size,
+            transport: if ranks == 1 {
                 DType::F32
             } else {
                 config.reduce_dtype
@@ -439,7 +450,7 @@ impl GradPath {
 
     /// `grads[pass][rank]`, one parameter's, combined as the engine combines them.
     fn combine(&self, grads: &[Vec<Vec<f32>>]) -> Vec<f32> {
-        let reduce = |per_rank: &[Vec<f32>]| -> Vec<f32> {
+        let within = |per_rank: &[Vec<f32>]| -> Vec<f32> {
             let mut sum: Vec<f32> = Vec::new();
             for g in per_rank {
                 let g = round_to(self.transport, g);
@@ -452,6 +463,19 @@ impl GradPath {
                 }
             }
             round_to(self.transport, &sum)
+        };
+        let reduce = |per_rank: &[Vec<f32>]| -> Vec<f32> {
+            let replicas: Vec<Vec<f32>> = per_rank.chunks(self.shard_size).map(within).collect();
+            match replicas.as_slice() {
+                [one] => one.clone(),
+                _ => {
+                    let mut total = replicas[0].clone();
+                    for replica in &replicas[1..] {
+                        total.iter_mut().zip(replica).for_each(|(t, r)| *t += r);
+                    }
+                    round_to(self.transport, &total)
+                }
+            }
         };
         let add_up = |parts: &mut dyn Iterator<Item = Vec<f32>>| -> Vec<f32> {
             let mut total: Vec<f32> = Vec::new();
@@ -527,13 +551,26 @@ impl Reference {
         config: &EngineConfig,
         recipe: Recipe,
     ) -> Result<Reference> {
+        Reference::hybrid(model, init, (1, world_size), config, recipe)
+    }
+
+    /// A reference for hybrid sharding: `replicas` of `shard_size` ranks, each rank with its
+    /// own micro-batches.
+    pub fn hybrid(
+        model: Mlp,
+        init: &[Vec<f32>],
+        (replicas, shard_size): (usize, usize),
+        config: &EngineConfig,
+        recipe: Recipe,
+    ) -> Result<Reference> {
+        let world_size = replicas * shard_size;
         let optimizer = config.optimizer;
-        let path = GradPath::of(config, world_size);
+        let path = GradPath::hybrid(config, replicas, shard_size);
         let spec = model.spec()?;
         let dtype = model.config.dtype;
         let values: Vec<Vec<f32>> = init.iter().map(|v| round_to(dtype, v)).collect();
         let zeros = |v: &Vec<f32>| vec![0f32; v.len()];
-        let plan = Plan::new(&spec, world_size)?;
+        let plan = Plan::hybrid(&spec, replicas, shard_size)?;
         Ok(Reference {
             layout: plan.params().iter().map(|p| (p.group, p.offset)).collect(),
             moment_dtype: config.moment_dtype,
@@ -779,11 +816,11 @@ impl Training<'_> {
         checkpoints: Checkpoints<'_>,
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
-        let world = self.plan.world_size();
-        let mut reference = Reference::new(
+        let (replicas, world) = (self.plan.replicas(), self.plan.world_size());
+        let mut reference = Reference::hybrid(
             self.model.clone(),
             self.init,
-            world,
+            (replicas, world),
             self.config,
             self.recipe,
         )?;
@@ -797,10 +834,14 @@ impl Training<'_> {
                 reference_loss,
                 grad_norm: ranks.first().map_or(f32::NAN, |r| r.grad_norm.l2),
                 reference_grad_norm: reference_norm.l2,
-                difference: max_relative_difference(
-                    &assemble(self.plan, ranks)?,
-                    reference.values(),
-                ),
+                // Every replica's parameters, each against the reference.
+                difference: ranks
+                    .chunks(world)
+                    .map(|replica| {
+                        assemble(self.plan, replica)
+                            .map(|values| max_relative_difference(&values, reference.values()))
+                    })
+                    .try_fold(0f32, |worst, d| d.map(|d| worst.max(d)))?,
             };
             on_step(step, &comparison)
         })
@@ -844,7 +885,9 @@ impl Training<'_> {
             passes,
             recipe,
         } = *self;
-        let world = plan.world_size();
+        // Every rank of the grid, replica by replica.
+        let shard_size = plan.world_size();
+        let world = shard_size * plan.replicas();
         if ranks.len() != world {
             return Err(Error::WorldSizeMismatch {
                 plan: world,
@@ -858,7 +901,7 @@ impl Training<'_> {
                 .map(|(backend, comm)| {
                     let tx = tx.clone();
                     scope.spawn(move || -> Result<RankSummary> {
-                        let rank = comm.rank();
+                        let rank = comm.replica().index * shard_size + comm.rank();
                         let mut engine =
                             Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
                         match checkpoints.resume {

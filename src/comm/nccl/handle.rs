@@ -58,22 +58,34 @@ pub(super) struct Split {
 }
 
 impl Split {
-    /// Waits under `watch` for the split `parent` started, then for the new communicator.
+    /// Waits under `watch` for the split `parent` started: NCCL writes the new handle only once
+    /// the split is complete, and a failure shows as the parent's asynchronous error.
     pub(super) fn wait(
         self,
         parent: &Handle,
         watch: &Watch,
         op: impl Fn() -> String,
     ) -> Result<Handle> {
-        if let Err(e) = parent.settle("ncclCommSplit", self.status, watch, &op) {
-            // The parent was aborted, which ends its split; the slot is left to NCCL, should it
-            // still write there.
+        let started = match self.status {
+            0 | NCCL_IN_PROGRESS => Ok(()),
+            failed => parent.check("ncclCommSplit", failed),
+        };
+        let done = started.and_then(|()| {
+            watch.poll(POLL, &op, || {
+                if !self.slot.load(Ordering::SeqCst).is_null() {
+                    return Ok(true);
+                }
+                parent.in_progress("ncclCommSplit").map(|_| false)
+            })
+        });
+        if let Err(e) = done {
+            // Aborting the parent ends its split; the slot is left to NCCL, should it still
+            // write there.
+            parent.abort();
             std::mem::forget(self.slot);
             return Err(e);
         }
-        let handle = Handle::made(parent.nccl, self.slot, "ncclCommSplit", NCCL_IN_PROGRESS)?;
-        handle.wait_ready(watch, "ncclCommSplit", op)?;
-        Ok(handle)
+        Handle::made(parent.nccl, self.slot, "ncclCommSplit", 0)
     }
 }
 
@@ -121,16 +133,16 @@ impl Handle {
         Handle::made(nccl, slot, "ncclCommInitRankConfig", status)
     }
 
-    /// Starts a second communicator over the same ranks, in the same rank order
-    /// (`ncclCommSplit` with one color), a collective of every rank; [`Split::wait`] waits for
-    /// it.
-    pub(super) fn start_duplicate(&self, rank: c_int) -> Result<Split> {
+    /// Starts a communicator of the ranks that give the same `color`, ordered by `key`
+    /// (`ncclCommSplit`), a collective of every rank; [`Split::wait`] waits for it.
+    pub(super) fn start_split(&self, color: c_int, key: c_int) -> Result<Split> {
         let parent = self.raw("ncclCommSplit")?;
         let mut config = NcclConfig::nonblocking();
         let slot = slot();
         // SAFETY: the parent is live; NCCL writes one handle into the slot when the split ends
         // (a slot that outlives the split: `Split::wait`) and copies the config.
-        let status = unsafe { (self.nccl.comm_split)(parent, 0, rank, slot.as_ptr(), &mut config) };
+        let status =
+            unsafe { (self.nccl.comm_split)(parent, color, key, slot.as_ptr(), &mut config) };
         Ok(Split { slot, status })
     }
 
@@ -142,6 +154,26 @@ impl Handle {
         op: impl Fn() -> String,
     ) -> Result<()> {
         self.settle(call, NCCL_IN_PROGRESS, watch, op)
+    }
+
+    /// The communicator's rank and number of ranks, as NCCL counts them.
+    pub(super) fn place(&self) -> Result<(usize, usize)> {
+        let raw = self.raw("ncclCommUserRank")?;
+        let (mut rank, mut count): (c_int, c_int) = (0, 0);
+        // SAFETY: the handle is live and ready; each call writes one int.
+        let status = unsafe { (self.nccl.comm_user_rank)(raw, &mut rank) };
+        self.check("ncclCommUserRank", status)?;
+        // SAFETY: as above.
+        let status = unsafe { (self.nccl.comm_count)(raw, &mut count) };
+        self.check("ncclCommCount", status)?;
+        match (usize::try_from(rank), usize::try_from(count)) {
+            (Ok(rank), Ok(count)) if rank < count => Ok((rank, count)),
+            _ => Err(Error::Nccl {
+                call: "ncclCommUserRank",
+                code: NCCL_INTERNAL_ERROR,
+                message: format!("NCCL counts rank {rank} of {count}"),
+            }),
+        }
     }
 
     pub(super) fn nccl(&self) -> &'static Nccl {

@@ -107,6 +107,8 @@ pub(super) struct Nccl {
     pub(super) comm_get_async_error:
         unsafe extern "C" fn(ncclComm_t, *mut NcclStatus) -> NcclStatus,
     pub(super) comm_finalize: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
+    pub(super) comm_count: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> NcclStatus,
+    pub(super) comm_user_rank: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> NcclStatus,
     pub(super) comm_abort: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
     pub(super) comm_destroy: unsafe extern "C" fn(ncclComm_t) -> NcclStatus,
     pub(super) all_gather: unsafe extern "C" fn(
@@ -118,6 +120,15 @@ pub(super) struct Nccl {
         cudaStream_t,
     ) -> NcclStatus,
     pub(super) reduce_scatter: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        ncclDataType_t,
+        NcclRedOp,
+        ncclComm_t,
+        cudaStream_t,
+    ) -> NcclStatus,
+    pub(super) all_reduce: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
         usize,
@@ -188,10 +199,13 @@ fn resolve(library: Library, name: &OsStr) -> Result<Nccl, String> {
             comm_split: get(&library, name, "ncclCommSplit")?,
             comm_get_async_error: get(&library, name, "ncclCommGetAsyncError")?,
             comm_finalize: get(&library, name, "ncclCommFinalize")?,
+            comm_count: get(&library, name, "ncclCommCount")?,
+            comm_user_rank: get(&library, name, "ncclCommUserRank")?,
             comm_abort: get(&library, name, "ncclCommAbort")?,
             comm_destroy: get(&library, name, "ncclCommDestroy")?,
             all_gather: get(&library, name, "ncclAllGather")?,
             reduce_scatter: get(&library, name, "ncclReduceScatter")?,
+            all_reduce: get(&library, name, "ncclAllReduce")?,
             red_op_create_pre_mul_sum: get(&library, name, "ncclRedOpCreatePreMulSum")?,
             red_op_destroy: get(&library, name, "ncclRedOpDestroy")?,
             group_start: get(&library, name, "ncclGroupStart")?,
