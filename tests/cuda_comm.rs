@@ -204,6 +204,42 @@ fn loopback_reduce_scatter_equals_local_comm_in_rank_order() {
     }
 }
 
+/// An in-place all-reduce of a region of `dtype` inside its buffer, twice: the second of a
+/// region larger than the first (the loopback scratch grows while the first's readers may run).
+struct AllReduce {
+    dtype: DType,
+    len: usize,
+}
+
+impl Scenario for AllReduce {
+    type Out = Vec<u8>;
+
+    fn run<B: Backend, C: Communicator<B>>(&self, b: &B, c: &mut C) -> Vec<u8> {
+        let (len, dtype) = (self.len, self.dtype);
+        let values = Rng::new(c.rank() as u64 + 11).wide_values(3 + 2 * len + 5);
+        let bytes = values.len() * dtype.size();
+        let mut buf = buffer(b, bytes, 0, dtype, &narrow(dtype, &values));
+        let first = Region::new(3, len, dtype);
+        let second = Region::new(3, 2 * len, dtype);
+        unsafe { c.all_reduce(b, Stream::Reduce, tag(0), &mut buf, first, 0.5) }.unwrap();
+        unsafe { c.all_reduce(b, Stream::Reduce, tag(1), &mut buf, second, 1.0) }.unwrap();
+        read(b, &buf, bytes)
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_all_reduce_equals_local_comm_in_rank_order() {
+    for world in WORLD_SIZES {
+        for dtype in [DType::F32, DType::Bf16] {
+            for len in [1, 1001, 1 << 16] {
+                let what = format!("all-reduce of {len} {dtype}");
+                loopback_equals_local(world, &AllReduce { dtype, len }, &what);
+            }
+        }
+    }
+}
+
 /// Rounds of all-gather then reduce-scatter, each rank changing its inputs right before and right
 /// after every collective on the collective's own stream. A collective that read a rank's buffer
 /// before that rank's stream reached it, or after it moved on, gives different bytes than the
@@ -635,6 +671,19 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
         );
     }
     for dtype in [DType::F32, DType::Bf16] {
+        for len in [1, 1001, 1 << 16] {
+            let s = AllReduce { dtype, len };
+            let cpu = s.run(
+                &CpuBackend::new(),
+                &mut LocalComm::group(1).unwrap().remove(0),
+            );
+            assert!(
+                s.run(&b, &mut comm) == cpu,
+                "NCCL all-reduce of {len} {dtype}"
+            );
+        }
+    }
+    for dtype in [DType::F32, DType::Bf16] {
         for part in [1, 1001, 1 << 16] {
             let s = ReduceScatter { dtype, part };
             let cpu = s.run(
@@ -891,4 +940,36 @@ fn an_aborted_nccl_engine_drops_at_once() {
     let started = Instant::now();
     drop(e);
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_splits_into_a_hybrid_grid_of_one_that_trains_like_the_cpu() {
+    let b = gpu();
+    let world = nccl_of_one(&b);
+    let part = world.split(0, 0, DEFAULT_TIMEOUT).unwrap();
+    assert_eq!((part.rank(), part.world_size()), (0, 1));
+    let s = AllGather {
+        dtype: DType::F32,
+        len: 333,
+    };
+    let cpu = s.run(
+        &CpuBackend::new(),
+        &mut LocalComm::group(1).unwrap().remove(0),
+    );
+    let mut part = part;
+    assert!(s.run(&b, &mut part) == cpu, "through a split communicator");
+    assert!(matches!(
+        world.hybrid(2, DEFAULT_TIMEOUT),
+        Err(Error::InvalidConfig {
+            field: "replicas",
+            ..
+        })
+    ));
+    let hybrid = world.hybrid(1, DEFAULT_TIMEOUT).unwrap();
+    drop(world);
+    let t = training(1, EngineConfig::default());
+    let cpu = cpu_training(&t, 1);
+    let gpu = vec![t.train(b, hybrid)];
+    assert_same_training(&cpu, &gpu, "NCCL hybrid 1 x 1");
 }

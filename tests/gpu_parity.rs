@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use fsdp_fusion::backend::cuda::{CudaBackend, DeviceAllocator};
+use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
@@ -49,7 +50,10 @@ fn parity_under<B: Backend, C: Communicator<B>>(
     ranks: Vec<(B, C)>,
 ) -> f32 {
     let model = model(dtype);
-    let plan = Arc::new(Plan::new(&model.spec().unwrap(), ranks.len()).unwrap());
+    // Under hybrid sharding the plan is each replica's.
+    let replicas = ranks.first().map_or(1, |(_, c)| c.replica().count);
+    let shard_size = ranks.len() / replicas;
+    let plan = Arc::new(Plan::hybrid(&model.spec().unwrap(), replicas, shard_size).unwrap());
     let init = model.init(9);
     let training = Training {
         model: &model,
@@ -112,6 +116,30 @@ fn loopback_engines_equal_the_reference() {
                     "world {world} {dtype} overlap {overlap}: {diff}"
                 );
             }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_hybrid_grids_equal_the_reference() {
+    for (replicas, shard_size) in [(2, 2), (2, 4), (4, 2), (1, 8), (8, 1)] {
+        for dtype in [DType::F32, DType::Bf16] {
+            let config = EngineConfig {
+                reduce_dtype: dtype,
+                ..EngineConfig::default()
+            };
+            let ranks = Hybrid::grid(replicas, shard_size, LoopbackComm::group)
+                .unwrap()
+                .into_iter()
+                .map(|c| (CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}")), c))
+                .collect();
+            let diff = parity(dtype, config, ranks);
+            eprintln!("loopback grid {replicas} x {shard_size} {dtype}: {diff:e}");
+            assert!(
+                diff <= 1e-6,
+                "grid {replicas} x {shard_size} {dtype}: {diff}"
+            );
         }
     }
 }

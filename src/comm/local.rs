@@ -614,6 +614,37 @@ mod tests {
     }
 
     #[test]
+    fn all_reduce_leaves_the_rank_ordered_sum_on_every_rank() {
+        let vals = [1e8f32, 1.0, -1e8, 1.0];
+        let ordered = ((vals[0] * 0.5 + vals[1] * 0.5) + vals[2] * 0.5) + vals[3] * 0.5;
+        let runs = run(4, |mut c, b| {
+            let mut buf = filled(&b, &[7.0, vals[c.rank()], vals[c.rank()], 7.0]);
+            // SAFETY: the buffer is used on the reduce stream only, then downloaded.
+            unsafe {
+                c.all_reduce(
+                    &b,
+                    Stream::Reduce,
+                    tag(0, 0),
+                    &mut buf,
+                    Region::new(1, 2, DType::F32),
+                    0.5,
+                )
+            }
+            .unwrap();
+            read(&b, &buf, 4)
+        });
+        for out in runs {
+            assert_eq!(out, vec![vec![7.0, ordered, ordered, 7.0]; 4]);
+        }
+        let f16 = run_in(&[None], 1, |mut c, b| {
+            let mut buf = b.alloc(8).unwrap();
+            let region = Region::new(0, 4, DType::F16);
+            unsafe { c.all_reduce(&b, Stream::Reduce, tag(0, 0), &mut buf, region, 1.0) }
+        });
+        assert!(matches!(f16[0][0], Err(Error::Unsupported { .. })));
+    }
+
+    #[test]
     fn a_scaled_sum_keeps_a_finite_mean_where_the_plain_sum_overflows() {
         let big = 3e38f32;
         let runs = run(2, |mut c, b| {
