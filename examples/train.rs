@@ -5,6 +5,7 @@
 //! cargo run --release --example train [-- --ranks 4 --layers 4 --width 64 --steps 20 ...]
 //! cargo run --release --example train -- --backend cuda --comm loopback   # ranks on one GPU
 //! cargo run --release --example train -- --backend cuda --comm nccl       # one GPU per rank
+//! cargo run --release --example train -- --ranks 8 --replicas 2   # hybrid: 2 replicas of 4
 //! cargo run --release --example train -- --steps 10 --save run        # then:
 //! cargo run --release --example train -- --steps 20 --resume run --export model.safetensors
 
@@ -13,7 +14,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
+use fsdp_fusion::Communicator;
 use fsdp_fusion::backend::cuda::CudaBackend;
+use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::optim::LrSchedule;
@@ -79,6 +82,10 @@ struct Args {
     /// Data-parallel ranks (threads).
     #[arg(long, default_value_t = 4)]
     ranks: usize,
+    /// Hybrid sharding: the ranks form this many replicas, each sharding the model over
+    /// `ranks / replicas` ranks; gradients are all-reduced across the replicas.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     #[arg(long, default_value_t = 4)]
     layers: usize,
     #[arg(long, default_value_t = 64)]
@@ -217,7 +224,17 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         ..EngineConfig::default()
     };
     config.validate()?;
-    let plan = Arc::new(Plan::new(&model.spec()?, args.ranks)?);
+    if args.replicas == 0 || args.ranks % args.replicas != 0 {
+        return Err(fsdp_fusion::Error::InvalidConfig {
+            field: "replicas",
+            reason: format!(
+                "is {}, which does not divide --ranks {}",
+                args.replicas, args.ranks
+            ),
+        });
+    }
+    let shard_size = args.ranks / args.replicas;
+    let plan = Arc::new(Plan::hybrid(&model.spec()?, args.replicas, shard_size)?);
     let init = model.init(1);
     let training = Training {
         model: &model,
@@ -240,12 +257,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     };
 
     println!(
-        "fsdp-fusion: {} {} ranks, {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step ({:?}), gradients travel in {}",
+        "fsdp-fusion: {} {} ranks ({} replica(s) of {}), {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step ({:?}), gradients travel in {}",
         args.ranks,
         match args.backend {
             BackendKind::Cpu => "CPU",
             BackendKind::Cuda => "CUDA",
         },
+        args.replicas,
+        shard_size,
         args.layers,
         args.width,
         dtype,
@@ -323,14 +342,14 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     };
     let summaries = match setup {
         Setup::CpuLocal => {
-            let ranks = fsdp_fusion::LocalComm::group(args.ranks)?
+            let ranks = Hybrid::grid(args.replicas, shard_size, fsdp_fusion::LocalComm::group)?
                 .into_iter()
                 .map(|c| (fsdp_fusion::CpuBackend::new(), c))
                 .collect();
             training.compare_with(ranks, checkpoints, on_step)?
         }
         Setup::CudaLoopback => {
-            let ranks = LoopbackComm::group(args.ranks)?
+            let ranks = Hybrid::grid(args.replicas, shard_size, LoopbackComm::group)?
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(0)?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
@@ -338,10 +357,27 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         }
         Setup::CudaNccl => {
             let devices: Vec<usize> = (0..args.ranks).collect();
-            let ranks = NcclComm::group(&devices, fsdp_fusion::watch::DEFAULT_TIMEOUT)?
-                .into_iter()
-                .map(|c| Ok((CudaBackend::new(c.device())?, c)))
-                .collect::<fsdp_fusion::Result<Vec<_>>>()?;
+            let timeout = fsdp_fusion::watch::DEFAULT_TIMEOUT;
+            let comms = NcclComm::group(&devices, timeout)?;
+            // Each rank splits its communicators at once with the others: one thread each.
+            let ranks = std::thread::scope(|s| {
+                let splits: Vec<_> = comms
+                    .iter()
+                    .map(|c| s.spawn(move || c.hybrid(args.replicas, timeout)))
+                    .collect();
+                splits
+                    .into_iter()
+                    .zip(&comms)
+                    .map(|(split, c)| {
+                        let rank = c.rank();
+                        let hybrid = split
+                            .join()
+                            .map_err(|_| fsdp_fusion::Error::RankPanicked { rank })??;
+                        Ok((CudaBackend::new(c.device())?, hybrid))
+                    })
+                    .collect::<fsdp_fusion::Result<Vec<_>>>()
+            })?;
+            drop(comms);
             training.compare_with(ranks, checkpoints, on_step)?
         }
     };

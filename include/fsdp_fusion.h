@@ -70,8 +70,8 @@ typedef enum fsdp_status {
   FSDP_NULL_POINTER = 1,
   // A handle that is not live, or of the wrong kind.
   FSDP_INVALID_HANDLE = 2,
-  // A bad value: size, dtype, name, shape, configuration, model file contents; or ranks whose
-  // plans differ.
+  // A bad value: size, dtype, name, shape, configuration, model file contents, a launch
+  // environment variable; or ranks whose plans differ.
   FSDP_INVALID_ARGUMENT = 3,
   // A call out of order: hooks, gradients, steps. Nothing changed.
   FSDP_MISUSE = 4,
@@ -80,7 +80,7 @@ typedef enum fsdp_status {
   // The device failed (the engine is poisoned).
   FSDP_DEVICE_ERROR = 6,
   // A collective failed: ranks that issued different collectives, a peer that left (the engine
-  // is poisoned).
+  // is poisoned); or the unique id exchange of a launch from the environment failed.
   FSDP_COMM_ERROR = 7,
   // A file could not be read or written.
   FSDP_IO_ERROR = 8,
@@ -357,13 +357,22 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
 // keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 // makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
-// own gather and reduce streams. `allocator` is NULL (buffers from `cuMemAlloc`) or the
-// caller's device allocator, which every buffer of the engine then comes from; it is copied.
+// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
+// reductions, so that neither waits behind the other). `allocator` is NULL (buffers from
+// `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
+// from; it is copied.
 //
-// Blocks until every rank joined the NCCL group. Allocates every buffer the plan predicts on the
-// device (per-step gradient shards, which need an allocator, each step); parameters start at zero until `fsdp_engine_load_param`. Release with
-// `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the CUDA driver, the kernels or NCCL are missing,
-// `FSDP_DEVICE_ERROR` for a device that does not exist or a stream of another context.
+// Blocks until every rank joined the NCCL group, at most `config->timeout_seconds`
+// (`FSDP_TIMEOUT` past it). Allocates every buffer the plan predicts on the device (per-step
+// gradient shards, which need an allocator, each step); parameters start at zero until
+// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. `FSDP_UNAVAILABLE` when the
+// CUDA driver, the kernels or NCCL (2.18 or later) are missing, `FSDP_DEVICE_ERROR` for a device
+// that does not exist or a stream of another context.
+//
+// Once made, NCCL's asynchronous errors are looked for at every call and, by a watchdog thread,
+// while the host waits; such an error, a timeout or any failure that poisons the engine aborts
+// its communicators (`ncclCommAbort`), so that its streams drain and destroying it does not wait
+// for peers.
 //
 // # Safety
 // `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
@@ -379,6 +388,25 @@ enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               uint64_t stream,
                                               const struct fsdp_device_allocator *allocator,
                                               struct fsdp_engine **out);
+
+// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its place read from
+// the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the
+// CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
+// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
+// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
+// other rank fetches it, retrying until rank 0 listens. Each exchange waits at most
+// `config->timeout_seconds` (`FSDP_TIMEOUT`). A variable missing or malformed, or a world size
+// other than the plan's, is `FSDP_INVALID_ARGUMENT` naming it; ranks whose `WORLD_SIZE`
+// differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming both values. `stream` and
+// `allocator` as for `fsdp_engine_create_cuda_nccl`.
+//
+// # Safety
+// As `fsdp_engine_create_cuda_nccl`, for `config`, `allocator` and `out`.
+enum fsdp_status fsdp_engine_create_cuda_nccl_env(const struct fsdp_plan *plan,
+                                                  const struct fsdp_config *config,
+                                                  uint64_t stream,
+                                                  const struct fsdp_device_allocator *allocator,
+                                                  struct fsdp_engine **out);
 
 // Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 // `group` (once per rank, and only once the device is found usable: a failed call leaves it in
