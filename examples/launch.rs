@@ -71,16 +71,7 @@ fn full_model<C: Communicator<CudaBackend>>(
 fn run(args: &Args) -> fsdp_fusion::Result<bool> {
     let env = LaunchEnv::from_env()?;
     let timeout = Duration::from_secs(args.timeout);
-    if args.replicas == 0 || env.world_size % args.replicas != 0 {
-        return Err(fsdp_fusion::Error::InvalidConfig {
-            field: "replicas",
-            reason: format!(
-                "is {}, which does not divide WORLD_SIZE {}",
-                args.replicas, env.world_size
-            ),
-        });
-    }
-    let shard_size = env.world_size / args.replicas;
+    let shard_size = fsdp_fusion::comm::hybrid::shard_size(env.world_size, args.replicas)?;
     let model = Mlp::new(MlpConfig {
         layers: 4,
         width: 64,

@@ -14,7 +14,6 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::{Parser, ValueEnum};
-use fsdp_fusion::Communicator;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
@@ -224,16 +223,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         ..EngineConfig::default()
     };
     config.validate()?;
-    if args.replicas == 0 || args.ranks % args.replicas != 0 {
-        return Err(fsdp_fusion::Error::InvalidConfig {
-            field: "replicas",
-            reason: format!(
-                "is {}, which does not divide --ranks {}",
-                args.replicas, args.ranks
-            ),
-        });
-    }
-    let shard_size = args.ranks / args.replicas;
+    let shard_size = fsdp_fusion::comm::hybrid::shard_size(args.ranks, args.replicas)?;
     let plan = Arc::new(Plan::hybrid(&model.spec()?, args.replicas, shard_size)?);
     let init = model.init(1);
     let training = Training {
@@ -362,22 +352,24 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             // Each rank splits its communicators at once with the others: one thread each.
             let ranks = std::thread::scope(|s| {
                 let splits: Vec<_> = comms
-                    .iter()
-                    .map(|c| s.spawn(move || c.hybrid(args.replicas, timeout)))
+                    .into_iter()
+                    .map(|c| {
+                        s.spawn(move || -> fsdp_fusion::Result<_> {
+                            let hybrid = c.hybrid(args.replicas, timeout)?;
+                            Ok((CudaBackend::new(c.device())?, hybrid))
+                        })
+                    })
                     .collect();
                 splits
                     .into_iter()
-                    .zip(&comms)
-                    .map(|(split, c)| {
-                        let rank = c.rank();
-                        let hybrid = split
+                    .enumerate()
+                    .map(|(rank, split)| {
+                        split
                             .join()
-                            .map_err(|_| fsdp_fusion::Error::RankPanicked { rank })??;
-                        Ok((CudaBackend::new(c.device())?, hybrid))
+                            .map_err(|_| fsdp_fusion::Error::RankPanicked { rank })?
                     })
                     .collect::<fsdp_fusion::Result<Vec<_>>>()
             })?;
-            drop(comms);
             training.compare_with(ranks, checkpoints, on_step)?
         }
     };

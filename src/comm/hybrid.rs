@@ -15,6 +15,17 @@ use crate::error::{Error, Result};
 use crate::types::Stream;
 use crate::watch::Watch;
 
+/// Ranks per replica when `ranks` form `replicas` replicas: refused unless it divides evenly.
+pub fn shard_size(ranks: usize, replicas: usize) -> Result<usize> {
+    if replicas == 0 || ranks % replicas != 0 {
+        return Err(Error::InvalidConfig {
+            field: "replicas",
+            reason: format!("is {replicas}, which does not divide the {ranks} ranks"),
+        });
+    }
+    Ok(ranks / replicas)
+}
+
 /// One rank's communicators under hybrid sharding.
 #[derive(Debug)]
 pub struct Hybrid<C> {
@@ -183,5 +194,65 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Hybrid<C> {
             self.across
                 .all_reduce(backend, stream, tag, buf, region, 1.0)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LocalComm;
+    use crate::backend::cpu::CpuBackend;
+
+    #[test]
+    fn ranks_divide_into_replicas_evenly_or_not_at_all() {
+        assert_eq!(shard_size(8, 2).unwrap(), 4);
+        assert_eq!(shard_size(8, 8).unwrap(), 1);
+        for replicas in [0, 3, 16] {
+            assert!(
+                matches!(
+                    shard_size(8, replicas),
+                    Err(Error::InvalidConfig {
+                        field: "replicas",
+                        ..
+                    })
+                ),
+                "{replicas}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_grid_places_rank_r_in_replica_r_over_shard_size() {
+        let grid = Hybrid::grid(2, 3, LocalComm::group).unwrap();
+        let places: Vec<(usize, usize, Replica)> = grid
+            .iter()
+            .map(|h| {
+                let c: &dyn Communicator<CpuBackend> = h;
+                (c.rank(), c.world_size(), c.replica())
+            })
+            .collect();
+        for (rank, &(place, size, replica)) in places.iter().enumerate() {
+            assert_eq!((place, size), (rank % 3, 3), "rank {rank}");
+            assert_eq!(
+                replica,
+                Replica {
+                    index: rank / 3,
+                    count: 2
+                },
+                "rank {rank}"
+            );
+        }
+        assert!(matches!(
+            Hybrid::grid(0, 3, LocalComm::group),
+            Err(Error::ZeroWorldSize)
+        ));
+        // A group maker that makes too few handles is an error, not a short grid.
+        let short = Hybrid::grid(2, 2, |n| {
+            LocalComm::group(n).map(|mut g| {
+                g.pop();
+                g
+            })
+        });
+        assert!(matches!(short, Err(Error::InvalidConfig { .. })));
     }
 }

@@ -25,6 +25,10 @@ const HELLO_BYTES: usize = 16;
 /// The longest refusal read back.
 const MAX_REASON: usize = 4096;
 
+/// How long rank 0 waits for a hello once a peer connected: one that connects and says
+/// nothing holds up the others only this long.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// How long a rank waits between attempts to reach rank 0.
 const RETRY: Duration = Duration::from_millis(50);
 
@@ -128,11 +132,20 @@ impl LaunchEnv {
         make: impl FnOnce() -> Result<[u8; ID_BYTES]>,
         timeout: Duration,
     ) -> Result<[u8; ID_BYTES]> {
-        let deadline = Instant::now() + timeout;
+        if self.world_size == 1 {
+            return make();
+        }
+        let deadline = deadline_after(timeout);
         let addr = resolve(&self.master_addr, self.id_port())?;
         if self.rank == 0 {
-            let listener = TcpListener::bind(addr).map_err(|e| Error::Rendezvous {
-                peer: format!("rank 0 listening on {addr}"),
+            // Every interface: `MASTER_ADDR` may name this host by an address only other hosts
+            // reach it at, or resolve here to a loopback one.
+            let any = match addr {
+                SocketAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], addr.port())),
+                SocketAddr::V6(_) => SocketAddr::from(([0u16; 8], addr.port())),
+            };
+            let listener = TcpListener::bind(any).map_err(|e| Error::Rendezvous {
+                peer: format!("rank 0 listening on {any}"),
                 reason: e.to_string(),
             })?;
             let id = make()?;
@@ -142,6 +155,14 @@ impl LaunchEnv {
             fetch_id(addr, self.rank, self.world_size, deadline)
         }
     }
+}
+
+/// `timeout` from now, or as far as the clock counts.
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+        .unwrap_or(now)
 }
 
 /// The first address `host:port` names.
@@ -224,7 +245,7 @@ fn answer(
     stream.set_nonblocking(false).map_err(io)?;
     let left = deadline
         .saturating_duration_since(Instant::now())
-        .max(RETRY);
+        .clamp(RETRY, HELLO_TIMEOUT);
     stream.set_read_timeout(Some(left)).map_err(io)?;
     stream.set_write_timeout(Some(left)).map_err(io)?;
     let mut hello = [0u8; HELLO_BYTES];
@@ -482,6 +503,32 @@ mod tests {
             Err(Error::Timeout { op, .. }) => assert!(op.contains("ranks 2 never came"), "{op}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_peer_that_connects_and_says_nothing_holds_rank_0_up_only_briefly() {
+        let (listener, addr) = local_listener();
+        let id = [3u8; ID_BYTES];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let started = Instant::now();
+        let fetched = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, 2, &id, deadline));
+            let _silent = TcpStream::connect(addr).unwrap();
+            let fetched = fetch_id(addr, 1, 2, deadline);
+            server.join().unwrap().unwrap();
+            fetched
+        });
+        assert_eq!(fetched.unwrap(), id);
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_deadline_past_what_the_clock_counts_is_far_away_not_a_panic() {
+        assert!(deadline_after(Duration::MAX) > Instant::now() + Duration::from_secs(3600));
     }
 
     #[test]

@@ -109,6 +109,9 @@ pub struct LoopbackComm {
     /// Scratch memory outgrown, which other ranks' streams may still read: freed with the
     /// communicator.
     retired: Vec<DeviceMemory>,
+    /// Where the last all-reduce's stream went past every rank's reads of the scratch: the
+    /// next copy into it, on whichever stream, waits for it.
+    scratch_free: Option<CudaEvent>,
 }
 
 impl LoopbackComm {
@@ -128,6 +131,7 @@ impl LoopbackComm {
             table: None,
             scratch: None,
             retired: Vec::new(),
+            scratch_free: None,
         }));
         Ok(comms)
     }
@@ -418,15 +422,17 @@ impl Communicator<CudaBackend> for LoopbackComm {
         // Allocated before meeting the others: a failure here is an ordinary early error.
         self.table(backend)?;
         let scratch = self.scratch(backend, bytes)?;
+        let on = backend.stream(stream);
         if bytes > 0 {
             bind(backend.context())?;
-            // SAFETY: the region was checked to hold `bytes`, the scratch holds at least as many;
-            // the scratch's last readers (the previous all-reduce's ranks) finished before this
-            // stream went past it (its second meeting).
-            unsafe {
-                result::memcpy_dtod_async(scratch, base, bytes, backend.stream(stream).cu_stream())
+            if let Some(free) = &self.scratch_free {
+                on.wait(free).map_err(cuda("cuStreamWaitEvent"))?;
             }
-            .map_err(cuda("cuMemcpyDtoDAsync"))?;
+            // SAFETY: the region was checked to hold `bytes`, the scratch holds at least as many;
+            // the scratch's last readers (the previous all-reduce's ranks) finished before
+            // `scratch_free`, waited for above.
+            unsafe { result::memcpy_dtod_async(scratch, base, bytes, on.cu_stream()) }
+                .map_err(cuda("cuMemcpyDtoDAsync"))?;
         }
         self.run(backend, stream, op, scratch, |comm, on, sources| {
             if bytes == 0 {
@@ -453,7 +459,10 @@ impl Communicator<CudaBackend> for LoopbackComm {
             };
             table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
             summed
-        })
+        })?;
+        // The stream waited for every rank's part: every read of the scratch is behind it.
+        self.scratch_free = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
+        Ok(())
     }
 }
 

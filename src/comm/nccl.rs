@@ -12,6 +12,7 @@ mod handle;
 mod library;
 mod watchdog;
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +22,7 @@ use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
-use crate::comm::hybrid::Hybrid;
+use crate::comm::hybrid::{self, Hybrid};
 use crate::comm::launch::LaunchEnv;
 use crate::comm::{
     Communicator, Tag, check_all_gather, check_all_reduce, check_reduce_scatter, own_part,
@@ -247,6 +248,9 @@ pub struct NcclComm {
     watchdog: Option<Watchdog>,
     /// Inside [`Communicator::begin_batch`]: the collectives wait for the group's end.
     batching: bool,
+    /// Whether a collective of the batch under way failed: both communicators are aborted
+    /// once the group ended.
+    batch_failed: Cell<bool>,
     /// Keeps the device's primary context, which NCCL's resources live in, until the comm is gone.
     ctx: Arc<CudaContext>,
 }
@@ -352,16 +356,7 @@ impl NcclComm {
     /// replicas ([`crate::comm::hybrid`]): rank `r` in replica `r / shard_size` at place
     /// `r % shard_size`. A collective of every rank, each wait at most `timeout`.
     pub fn hybrid(&self, replicas: usize, timeout: Duration) -> Result<Hybrid<NcclComm>> {
-        if replicas == 0 || self.world_size % replicas != 0 {
-            return Err(Error::InvalidConfig {
-                field: "replicas",
-                reason: format!(
-                    "is {replicas}, which does not divide the {} ranks",
-                    self.world_size
-                ),
-            });
-        }
-        let shard_size = self.world_size / replicas;
+        let shard_size = hybrid::shard_size(self.world_size, replicas)?;
         let (replica, place) = (self.rank / shard_size, self.rank % shard_size);
         let shard = self.split(replica, place, timeout)?;
         let across = self.split(place, replica, timeout)?;
@@ -412,7 +407,8 @@ impl NcclComm {
             .zip(contexts)
             .enumerate()
             .map(|(rank, (pair, ctx))| {
-                NcclComm::assemble(pair, (rank, world), devices[rank], ctx, watch.clone())
+                // Each rank its own watch: one rank's failure is not another's.
+                NcclComm::assemble(pair, (rank, world), devices[rank], ctx, Watch::new(timeout))
             })
             .collect()
     }
@@ -433,6 +429,7 @@ impl NcclComm {
             watch: watch.clone(),
             watchdog: None,
             batching: false,
+            batch_failed: Cell::new(false),
             ctx,
         };
         comm.watchdog = Some(comm.start_watchdog(watch)?);
@@ -546,25 +543,32 @@ impl NcclComm {
         // call: `count` elements at `send`, and `count` (reduce-scatter, in place) or
         // `world_size * count` (all-gather, in another buffer) at `recv`; NCCL orders its work
         // on `stream` only.
-        let status = unsafe {
+        let queued = unsafe {
             match call.kind {
-                Kind::AllGather => (nccl.all_gather)(send, recv, call.count, dtype, comm, s),
-                Kind::ReduceScatter { scale } => {
-                    let op = ScaledSum::new(handle, scale, call.dtype)?;
-                    (nccl.reduce_scatter)(send, recv, call.count, dtype, op.op, comm, s)
-                }
-                Kind::AllReduce { scale } => {
-                    let op = ScaledSum::new(handle, scale, call.dtype)?;
-                    (nccl.all_reduce)(send, recv, call.count, dtype, op.op, comm, s)
-                }
+                Kind::AllGather => Ok((nccl.all_gather)(send, recv, call.count, dtype, comm, s)),
+                Kind::ReduceScatter { scale } => ScaledSum::new(handle, scale, call.dtype)
+                    .map(|op| (nccl.reduce_scatter)(send, recv, call.count, dtype, op.op, comm, s)),
+                Kind::AllReduce { scale } => ScaledSum::new(handle, scale, call.dtype)
+                    .map(|op| (nccl.all_reduce)(send, recv, call.count, dtype, op.op, comm, s)),
             }
         };
-        // Inside a group the call only records the work; the group's end is waited for.
-        match self.batching {
-            true => handle.check(name, status),
-            false => handle.settle(name, status, &self.watch, || {
+        if self.batching {
+            // Inside a group the call only records the work, and the communicators stay as
+            // they are until the group ended (`end_batch` aborts them after a failure).
+            let recorded = queued.and_then(|status| handle.status(name, status));
+            if recorded.is_err() {
+                self.batch_failed.set(true);
+            }
+            return recorded;
+        }
+        match queued {
+            Ok(status) => handle.settle(name, status, &self.watch, || {
                 format!("NCCL's queueing of {name}")
             }),
+            Err(e) => {
+                handle.abort();
+                Err(e)
+            }
         }
     }
 }
@@ -642,7 +646,7 @@ impl<'a> ScaledSum<'a> {
                 comm,
             )
         };
-        handle.check("ncclRedOpCreatePreMulSum", status)?;
+        handle.status("ncclRedOpCreatePreMulSum", status)?;
         Ok(ScaledSum {
             op,
             made_for: Some(handle),
@@ -725,17 +729,24 @@ impl Communicator<CudaBackend> for NcclComm {
         if !std::mem::replace(&mut self.batching, false) {
             return Ok(());
         }
-        // NCCL takes the group's end on the thread's current device.
-        bind(backend.context())?;
+        // NCCL takes the group's end on the thread's current device; the group ends whatever
+        // happened, or later collectives of the thread would wait in it.
+        let bound = bind(backend.context());
         let nccl = self.gathers.nccl();
         // SAFETY: ends the group `begin_batch` started.
         let status = unsafe { (nccl.group_end)() };
+        let mut result = bound;
         for handle in [&self.gathers, &self.reductions] {
-            handle.settle("ncclGroupEnd", status, &self.watch, || {
+            let settled = handle.settle("ncclGroupEnd", status, &self.watch, || {
                 "NCCL's queueing of a group of collectives".into()
-            })?;
+            });
+            result = result.and(settled);
         }
-        Ok(())
+        if self.batch_failed.replace(false) || result.is_err() {
+            self.gathers.abort();
+            self.reductions.abort();
+        }
+        result
     }
 
     unsafe fn all_gather(

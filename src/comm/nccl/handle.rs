@@ -53,15 +53,26 @@ impl Shared {
 
 /// A split under way: the place NCCL writes the new handle into, and the call's status.
 pub(super) struct Split {
-    slot: Slot,
+    /// Taken by [`Split::wait`] once NCCL is done with it; a split dropped before leaves it to
+    /// NCCL (leaked), which may still write there.
+    slot: Option<Slot>,
     status: NcclStatus,
 }
 
+impl Drop for Split {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            std::mem::forget(slot);
+        }
+    }
+}
+
 impl Split {
-    /// Waits under `watch` for the split `parent` started: NCCL writes the new handle only once
-    /// the split is complete, and a failure shows as the parent's asynchronous error.
+    /// Waits under `watch` for the split `parent` started, until the parent is idle again: NCCL
+    /// writes the new handle before it marks the parent's split done, even when the split
+    /// failed, so only then is the handle (or the parent's error) the outcome.
     pub(super) fn wait(
-        self,
+        mut self,
         parent: &Handle,
         watch: &Watch,
         op: impl Fn() -> String,
@@ -72,20 +83,22 @@ impl Split {
         };
         let done = started.and_then(|()| {
             watch.poll(POLL, &op, || {
-                if !self.slot.load(Ordering::SeqCst).is_null() {
-                    return Ok(true);
-                }
-                parent.in_progress("ncclCommSplit").map(|_| false)
+                parent.in_progress("ncclCommSplit").map(|busy| !busy)
             })
         });
         if let Err(e) = done {
-            // Aborting the parent ends its split; the slot is left to NCCL, should it still
-            // write there.
+            // Aborting the parent ends its split; `Drop` leaves the slot to NCCL.
             parent.abort();
-            std::mem::forget(self.slot);
             return Err(e);
         }
-        Handle::made(parent.nccl, self.slot, "ncclCommSplit", 0)
+        match self.slot.take() {
+            Some(slot) => Handle::made(parent.nccl, slot, "ncclCommSplit", 0),
+            None => Err(Error::Nccl {
+                call: "ncclCommSplit",
+                code: NCCL_INTERNAL_ERROR,
+                message: "the split was waited for twice".into(),
+            }),
+        }
     }
 }
 
@@ -143,7 +156,10 @@ impl Handle {
         // (a slot that outlives the split: `Split::wait`) and copies the config.
         let status =
             unsafe { (self.nccl.comm_split)(parent, color, key, slot.as_ptr(), &mut config) };
-        Ok(Split { slot, status })
+        Ok(Split {
+            slot: Some(slot),
+            status,
+        })
     }
 
     /// Waits under `watch` until NCCL made the communicator `call` started.
@@ -266,12 +282,18 @@ impl Handle {
     /// `status` as a result, NCCL's last error for the handle in the message; a failure
     /// aborts the handle.
     pub(super) fn check(&self, call: &'static str, status: NcclStatus) -> Result<()> {
-        let comm = self.raw(call).unwrap_or(std::ptr::null_mut());
-        let result = self.nccl.check(call, status, comm);
+        let result = self.status(call, status);
         if result.is_err() {
             self.abort();
         }
         result
+    }
+
+    /// As [`Handle::check`], leaving the handle as it is: for a call inside an NCCL group, whose
+    /// communicators are aborted only once the group ended.
+    pub(super) fn status(&self, call: &'static str, status: NcclStatus) -> Result<()> {
+        let comm = self.raw(call).unwrap_or(std::ptr::null_mut());
+        self.nccl.check(call, status, comm)
     }
 
     /// Ends the communicator at once (`ncclCommAbort`): its kernels stop, its peers are left
