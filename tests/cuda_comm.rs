@@ -22,6 +22,7 @@ use fsdp_fusion::{
     Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Unit,
 };
+use fsdp_fusion_support::faults::{Faulty, is_injected};
 use fsdp_fusion_support::ranks::on_threads;
 use fsdp_fusion_support::rng::Rng;
 use fsdp_fusion_support::values::narrow;
@@ -972,4 +973,40 @@ fn nccl_splits_into_a_hybrid_grid_of_one_that_trains_like_the_cpu() {
     let cpu = cpu_training(&t, 1);
     let gpu = vec![t.train(b, hybrid)];
     assert_same_training(&cpu, &gpu, "NCCL hybrid 1 x 1");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_injected_nccl_error_poisons_the_engine_aborts_its_communicators_and_the_process_goes_on() {
+    let b = gpu();
+    let comm = Faulty::new(nccl_of_one(&b), false);
+    let (fault, aborts) = (Arc::clone(&comm.fault), Arc::clone(&comm.aborts));
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    let mut e = Engine::new(plan, EngineConfig::default(), b, comm).unwrap();
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    fault.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = e.post_forward(Unit::Layer(0)).unwrap_err();
+    assert!(is_injected(&err), "{err:?}");
+    assert!(
+        matches!(e.pre_forward(Unit::Layer(1)), Err(Error::Poisoned { .. })),
+        "later calls are refused"
+    );
+    assert_eq!(aborts.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let started = Instant::now();
+    drop(e);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The process goes on: a new communicator works.
+    let b = gpu();
+    let s = AllGather {
+        dtype: DType::F32,
+        len: 99,
+    };
+    let cpu = s.run(
+        &CpuBackend::new(),
+        &mut LocalComm::group(1).unwrap().remove(0),
+    );
+    assert!(
+        s.run(&b, &mut nccl_of_one(&b)) == cpu,
+        "after the poisoned engine"
+    );
 }

@@ -3,18 +3,14 @@
 //! runs eagerly and on asynchronous CPU backends, under the harness deadline.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use fsdp_fusion::backend::Region;
-use fsdp_fusion::backend::cpu::CpuBuffer;
-use fsdp_fusion::comm::{Purpose, Tag};
-use fsdp_fusion::types::Stream;
-use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
     Communicator, CpuBackend, DType, Engine, EngineConfig, Error, Input, ModelSpec,
     OptimizerConfig, ParamSpec, Plan, Result, Unit,
 };
+use fsdp_fusion_support::faults::{Faulty, is_injected};
 use fsdp_fusion_support::ranks::{for_each_mode, on_engines, on_ranks};
 
 /// The failure under the wrappers an asynchronous stream or a poisoned engine puts around it.
@@ -420,170 +416,34 @@ fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
     });
 }
 
-/// A local communicator seen as another kind: with `one_tag`, every collective goes out with
-/// one tag, as over NCCL, so it compares nothing; `fault` set makes its health check fail, as
-/// NCCL's asynchronous error does; `aborts` counts the engine's aborts.
-struct Wrapped {
-    inner: fsdp_fusion::LocalComm,
-    one_tag: bool,
-    fault: Arc<AtomicBool>,
-    aborts: Arc<AtomicUsize>,
-}
-
-impl Wrapped {
-    fn new(inner: fsdp_fusion::LocalComm, one_tag: bool) -> Wrapped {
-        Wrapped {
-            inner,
-            one_tag,
-            fault: Arc::default(),
-            aborts: Arc::default(),
-        }
-    }
-
-    fn tag(&self, tag: Tag) -> Tag {
-        match self.one_tag {
-            true => Tag {
-                purpose: Purpose::Group(0),
-                step: 0,
-                seq: 0,
-            },
-            false => tag,
-        }
-    }
-}
-
-/// The error a [`Wrapped`] communicator's health check reports once its fault is set.
-fn remote_error() -> Error {
-    Error::Nccl {
-        call: "ncclCommGetAsyncError",
-        code: 6,
-        message: "remote process exited or there was a network error".into(),
-    }
-}
-
-fn is_remote_error(e: &Error) -> bool {
-    matches!(e, Error::Nccl { code: 6, .. })
-}
-
-impl Communicator<CpuBackend> for Wrapped {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.inner.world_size()
-    }
-    fn set_watch(&mut self, watch: &Watch) {
-        self.inner.set_watch(watch);
-    }
-    fn health(&self) -> Result<()> {
-        match self.fault.load(Ordering::SeqCst) {
-            true => Err(remote_error()),
-            false => self.inner.health(),
-        }
-    }
-    fn abort(&self) {
-        self.aborts.fetch_add(1, Ordering::SeqCst);
-        self.inner.abort();
-    }
-    fn begin_batch(&mut self) -> Result<()> {
-        self.inner.begin_batch()
-    }
-    fn end_batch(&mut self, backend: &CpuBackend) -> Result<()> {
-        self.inner.end_batch(backend)
-    }
-    unsafe fn all_gather(
-        &mut self,
-        backend: &CpuBackend,
-        stream: Stream,
-        tag: Tag,
-        shard: &CpuBuffer,
-        shard_region: Region,
-        out: &mut CpuBuffer,
-        out_region: Region,
-    ) -> Result<()> {
-        let tag = self.tag(tag);
-        // SAFETY: the engine's own call, passed on.
-        unsafe {
-            self.inner
-                .all_gather(backend, stream, tag, shard, shard_region, out, out_region)
-        }
-    }
-    unsafe fn all_gather_in_place(
-        &mut self,
-        backend: &CpuBackend,
-        stream: Stream,
-        tag: Tag,
-        buf: &mut CpuBuffer,
-        region: Region,
-    ) -> Result<()> {
-        let tag = self.tag(tag);
-        // SAFETY: the engine's own call, passed on.
-        unsafe {
-            self.inner
-                .all_gather_in_place(backend, stream, tag, buf, region)
-        }
-    }
-    unsafe fn reduce_scatter(
-        &mut self,
-        backend: &CpuBackend,
-        stream: Stream,
-        tag: Tag,
-        buf: &mut CpuBuffer,
-        region: Region,
-        scale: f32,
-    ) -> Result<()> {
-        let tag = self.tag(tag);
-        // SAFETY: the engine's own call, passed on.
-        unsafe {
-            self.inner
-                .reduce_scatter(backend, stream, tag, buf, region, scale)
-        }
-    }
-    unsafe fn all_reduce(
-        &mut self,
-        backend: &CpuBackend,
-        stream: Stream,
-        tag: Tag,
-        buf: &mut CpuBuffer,
-        region: Region,
-        scale: f32,
-    ) -> Result<()> {
-        let tag = self.tag(tag);
-        // SAFETY: the engine's own call, passed on.
-        unsafe {
-            self.inner
-                .all_reduce(backend, stream, tag, buf, region, scale)
-        }
-    }
-}
-
 #[test]
 fn a_communicator_failure_found_between_calls_poisons_the_rank_and_fails_its_peers_at_once() {
     for_each_mode(|mode| {
         let p = plan(&two_units(), 2);
         let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
-            let comm = Wrapped::new(comm, false);
+            let comm = Faulty::new(comm, false);
             let (fault, aborts) = (Arc::clone(&comm.fault), Arc::clone(&comm.aborts));
             let mut e = Engine::new(Arc::clone(&p), sgd(), backend, comm).unwrap();
-            forward(&mut e).unwrap();
             if rank == 1 {
+                // Its peer cannot fail before this rank leaves, which is after this.
+                forward(&mut e).unwrap();
                 fault.store(true, Ordering::SeqCst);
                 let err = e.pre_backward(Unit::Layer(1)).unwrap_err();
-                assert!(is_remote_error(&err), "{err:?}");
+                assert!(is_injected(&err), "{err:?}");
                 assert_poisoned(&mut e);
-                assert!(
-                    e.poisoned().is_some_and(is_remote_error),
-                    "{:?}",
-                    e.poisoned()
-                );
+                assert!(e.poisoned().is_some_and(is_injected), "{:?}", e.poisoned());
                 // Aborted once, when poisoned: the peer is not left waiting while this rank's
                 // thread lives on.
                 assert_eq!(aborts.load(Ordering::SeqCst), 1);
                 std::thread::sleep(Duration::from_millis(1000));
                 return None;
             }
+            // On an asynchronous backend this rank's forward may still be meeting the peer's
+            // collectives when the peer leaves: the error comes in the forward or after it.
             let started = Instant::now();
-            let err = backward_in_order(&mut e, ["b", "a"]).unwrap_err();
+            let err = forward(&mut e)
+                .and_then(|()| backward_in_order(&mut e, ["b", "a"]))
+                .unwrap_err();
             assert_eq!(aborts.load(Ordering::SeqCst), 1, "the peer's own abort");
             Some((root(&err).clone(), started.elapsed()))
         });
@@ -614,7 +474,7 @@ fn verifying_collectives_catches_what_a_communicator_cannot_compare() {
                     Arc::clone(&p),
                     config.clone(),
                     backend,
-                    Wrapped::new(comm, true),
+                    Faulty::new(comm, true),
                 )
                 .unwrap();
                 let order = if e.rank() == 0 {

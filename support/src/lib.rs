@@ -4,6 +4,7 @@
 //! deterministic data ([`rng`], [`values`]) and the harness that runs ranks as threads
 //! ([`ranks`]).
 
+pub mod faults;
 pub mod gpu_stack;
 pub mod mlp;
 pub mod ranks;
