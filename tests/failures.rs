@@ -420,6 +420,8 @@ fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
 fn a_communicator_failure_found_between_calls_poisons_the_rank_and_fails_its_peers_at_once() {
     for_each_mode(|mode| {
         let p = plan(&two_units(), 2);
+        // When rank 1's fault was set: the peer's wait is measured from there.
+        let injected_at = Arc::new(std::sync::OnceLock::<Instant>::new());
         let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
             let comm = Faulty::new(comm, false);
             let (fault, aborts) = (Arc::clone(&comm.fault), Arc::clone(&comm.aborts));
@@ -427,6 +429,7 @@ fn a_communicator_failure_found_between_calls_poisons_the_rank_and_fails_its_pee
             if rank == 1 {
                 // Its peer cannot fail before this rank leaves, which is after this.
                 forward(&mut e).unwrap();
+                let _ = injected_at.set(Instant::now());
                 fault.store(true, Ordering::SeqCst);
                 let err = e.pre_backward(Unit::Layer(1)).unwrap_err();
                 assert!(is_injected(&err), "{err:?}");
@@ -440,18 +443,21 @@ fn a_communicator_failure_found_between_calls_poisons_the_rank_and_fails_its_pee
             }
             // On an asynchronous backend this rank's forward may still be meeting the peer's
             // collectives when the peer leaves: the error comes in the forward or after it.
-            let started = Instant::now();
             let err = forward(&mut e)
                 .and_then(|()| backward_in_order(&mut e, ["b", "a"]))
                 .unwrap_err();
+            let failed_at = Instant::now();
             assert_eq!(aborts.load(Ordering::SeqCst), 1, "the peer's own abort");
-            Some((root(&err).clone(), started.elapsed()))
+            let waited = injected_at
+                .get()
+                .map(|at| failed_at.saturating_duration_since(*at));
+            Some((root(&err).clone(), waited))
         });
         match &outcomes[0] {
-            Some((Error::PeerGone { rank: 1, .. }, waited)) => {
+            Some((Error::PeerGone { rank: 1, .. }, Some(waited))) => {
                 assert!(
                     *waited < Duration::from_millis(700),
-                    "the peer waited {waited:?}"
+                    "the peer waited {waited:?} after the fault"
                 )
             }
             other => panic!("{other:?}"),

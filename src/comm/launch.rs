@@ -2,10 +2,10 @@
 //! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), and rank 0 hands the NCCL unique id to every
 //! other rank over TCP, each side under a deadline.
 //!
-//! The exchange: a rank connects to rank 0 (retrying until rank 0 listens) and sends
-//! [`HELLO_MAGIC`], its world size and its rank; rank 0 answers a hello that agrees with its own
-//! world size, from a rank not served yet, with status 0 and the id, and any other with status 1
-//! and the reason, which both sides report. Rank 0 returns once every other rank was served.
+//! The exchange: a rank connects to rank 0 (retrying until rank 0 listens) and sends the bytes
+//! `FSDPID01`, its world size and its rank; rank 0 answers a hello that agrees with its own world
+//! size, from a rank not served yet, with status 0 and the id, and any other with status 1 and
+//! the reason, which both sides report. Rank 0 returns once every other rank was served.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -136,23 +136,15 @@ impl LaunchEnv {
             return make();
         }
         let deadline = deadline_after(timeout);
-        let addr = resolve(&self.master_addr, self.id_port())?;
+        let port = self.id_port();
         if self.rank == 0 {
-            // Every interface: `MASTER_ADDR` may name this host by an address only other hosts
-            // reach it at, or resolve here to a loopback one.
-            let any = match addr {
-                SocketAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], addr.port())),
-                SocketAddr::V6(_) => SocketAddr::from(([0u16; 8], addr.port())),
-            };
-            let listener = TcpListener::bind(any).map_err(|e| Error::Rendezvous {
-                peer: format!("rank 0 listening on {any}"),
-                reason: e.to_string(),
-            })?;
+            let listener = listen(port)?;
             let id = make()?;
             serve_id(&listener, self.world_size, &id, deadline)?;
             Ok(id)
         } else {
-            fetch_id(addr, self.rank, self.world_size, deadline)
+            let addrs = resolve(&self.master_addr, port)?;
+            fetch_id(&addrs, self.rank, self.world_size, deadline)
         }
     }
 }
@@ -165,17 +157,31 @@ fn deadline_after(timeout: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// The first address `host:port` names.
-fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+/// Rank 0's listener on `port` of every interface, IPv6 and IPv4 (else IPv4 alone): whatever
+/// address `MASTER_ADDR` gives the other ranks reaches it, and rank 0 need not resolve it.
+fn listen(port: u16) -> Result<TcpListener> {
+    TcpListener::bind(SocketAddr::from(([0u16; 8], port)))
+        .or_else(|_| TcpListener::bind(SocketAddr::from(([0u8; 4], port))))
+        .map_err(|e| Error::Rendezvous {
+            peer: format!("rank 0 listening on port {port}"),
+            reason: e.to_string(),
+        })
+}
+
+/// Every address `host:port` names.
+fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>> {
     let unreachable = |reason: String| Error::Rendezvous {
         peer: format!("{host}:{port}"),
         reason,
     };
-    (host, port)
+    let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|e| unreachable(format!("MASTER_ADDR does not resolve: {e}")))?
-        .next()
-        .ok_or_else(|| unreachable("MASTER_ADDR names no address".into()))
+        .collect();
+    if addrs.is_empty() {
+        return Err(unreachable("MASTER_ADDR names no address".into()));
+    }
+    Ok(addrs)
 }
 
 /// Serves `id` on `listener` to ranks 1 to `world - 1`, each once, until all were served or
@@ -286,16 +292,19 @@ fn answer(
     }
 }
 
-/// Fetches the id from rank 0 at `addr` as `rank` of `world`, trying until `deadline`.
+/// Fetches the id from rank 0 at one of `addrs` (each tried in turn) as `rank` of `world`,
+/// trying until `deadline`.
 pub fn fetch_id(
-    addr: SocketAddr,
+    addrs: &[SocketAddr],
     rank: usize,
     world: usize,
     deadline: Instant,
 ) -> Result<[u8; ID_BYTES]> {
     let started = Instant::now();
+    let named: Vec<String> = addrs.iter().map(SocketAddr::to_string).collect();
+    let at = named.join(" or ");
     let failed = |reason: String| Error::Rendezvous {
-        peer: format!("rank 0 at {addr}"),
+        peer: format!("rank 0 at {at}"),
         reason,
     };
     let (world32, rank32) = match (u32::try_from(world), u32::try_from(rank)) {
@@ -315,43 +324,43 @@ pub fn fetch_id(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(Error::Timeout {
-                op: format!(
-                    "rank {rank} fetching the NCCL unique id from rank 0 at {addr} ({last})"
-                ),
+                op: format!("rank {rank} fetching the NCCL unique id from rank 0 at {at} ({last})"),
                 waited: started.elapsed(),
             });
         }
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
-            Ok(mut stream) => {
-                let io = |e: std::io::Error| failed(e.to_string());
-                stream.set_read_timeout(Some(left.max(RETRY))).map_err(io)?;
-                stream
-                    .set_write_timeout(Some(left.max(RETRY)))
-                    .map_err(io)?;
-                stream.write_all(&hello).map_err(io)?;
-                let mut reply = Vec::new();
-                stream
-                    .take((1 + ID_BYTES.max(MAX_REASON)) as u64)
-                    .read_to_end(&mut reply)
-                    .map_err(io)?;
-                return match reply.split_first() {
-                    Some((0, id)) if id.len() == ID_BYTES => {
-                        let mut out = [0u8; ID_BYTES];
-                        out.copy_from_slice(id);
-                        Ok(out)
-                    }
-                    Some((1, reason)) => Err(failed(format!(
-                        "rank 0 refused: {}",
-                        String::from_utf8_lossy(reason)
-                    ))),
-                    _ => Err(failed(format!(
-                        "rank 0 answered {} bytes, not an id",
-                        reply.len()
-                    ))),
-                };
-            }
-            // Rank 0 may not listen yet.
-            Err(e) => last = e.to_string(),
+        let connected = addrs.iter().find_map(|addr| {
+            TcpStream::connect_timeout(addr, left.min(Duration::from_secs(5)))
+                .map_err(|e| last = format!("{addr}: {e}"))
+                .ok()
+        });
+        // Rank 0 may not listen yet: then try again.
+        if let Some(mut stream) = connected {
+            let io = |e: std::io::Error| failed(e.to_string());
+            stream.set_read_timeout(Some(left.max(RETRY))).map_err(io)?;
+            stream
+                .set_write_timeout(Some(left.max(RETRY)))
+                .map_err(io)?;
+            stream.write_all(&hello).map_err(io)?;
+            let mut reply = Vec::new();
+            stream
+                .take((1 + ID_BYTES.max(MAX_REASON)) as u64)
+                .read_to_end(&mut reply)
+                .map_err(io)?;
+            return match reply.split_first() {
+                Some((0, id)) if id.len() == ID_BYTES => {
+                    let mut out = [0u8; ID_BYTES];
+                    out.copy_from_slice(id);
+                    Ok(out)
+                }
+                Some((1, reason)) => Err(failed(format!(
+                    "rank 0 refused: {}",
+                    String::from_utf8_lossy(reason)
+                ))),
+                _ => Err(failed(format!(
+                    "rank 0 answered {} bytes, not an id",
+                    reply.len()
+                ))),
+            };
         }
         std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
     }
@@ -465,7 +474,7 @@ mod tests {
         let fetched = std::thread::scope(|s| {
             let server = s.spawn(|| serve_id(&listener, 4, &id, deadline));
             let clients: Vec<_> = (1..4)
-                .map(|rank| s.spawn(move || fetch_id(addr, rank, 4, deadline)))
+                .map(|rank| s.spawn(move || fetch_id(&[addr], rank, 4, deadline)))
                 .collect();
             let fetched: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
             server.join().unwrap().unwrap();
@@ -483,10 +492,10 @@ mod tests {
         let deadline = Instant::now() + Duration::from_millis(1500);
         let (server, wrong, twice) = std::thread::scope(|s| {
             let server = s.spawn(|| serve_id(&listener, 3, &id, deadline));
-            let wrong = fetch_id(addr, 1, 4, deadline);
-            let first = fetch_id(addr, 1, 3, deadline).unwrap();
+            let wrong = fetch_id(&[addr], 1, 4, deadline);
+            let first = fetch_id(&[addr], 1, 3, deadline).unwrap();
             assert_eq!(first, id);
-            let twice = fetch_id(addr, 1, 3, deadline);
+            let twice = fetch_id(&[addr], 1, 3, deadline);
             (server.join().unwrap(), wrong, twice)
         });
         let reason = |r: Result<[u8; ID_BYTES]>| match r {
@@ -514,7 +523,7 @@ mod tests {
         let fetched = std::thread::scope(|s| {
             let server = s.spawn(|| serve_id(&listener, 2, &id, deadline));
             let _silent = TcpStream::connect(addr).unwrap();
-            let fetched = fetch_id(addr, 1, 2, deadline);
+            let fetched = fetch_id(&[addr], 1, 2, deadline);
             server.join().unwrap().unwrap();
             fetched
         });
@@ -536,7 +545,7 @@ mod tests {
         let (listener, addr) = local_listener();
         drop(listener);
         let started = Instant::now();
-        match fetch_id(addr, 1, 2, Instant::now() + Duration::from_millis(300)) {
+        match fetch_id(&[addr], 1, 2, Instant::now() + Duration::from_millis(300)) {
             Err(Error::Timeout { op, .. }) => assert!(op.contains(&addr.to_string()), "{op}"),
             other => panic!("{other:?}"),
         }

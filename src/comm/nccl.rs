@@ -322,8 +322,18 @@ impl NcclComm {
 
     /// The ranks of this group that give the same `color`, ordered by `key`, as a group of
     /// their own (`ncclCommSplit`, for each of the two communicators): a collective of every
-    /// rank of this group, each with its own color and key, waited for at most `timeout`.
+    /// rank of this group, each with its own color and key, waited for at most `timeout`. A
+    /// split that fails or runs out of time aborts this group's communicators: they are
+    /// unusable after it.
     pub fn split(&self, color: usize, key: usize, timeout: Duration) -> Result<NcclComm> {
+        let split = self.split_both(color, key, timeout);
+        if split.is_err() {
+            Communicator::<CudaBackend>::abort(self);
+        }
+        split
+    }
+
+    fn split_both(&self, color: usize, key: usize, timeout: Duration) -> Result<NcclComm> {
         let number = |what: &'static str, n: usize| {
             c_int::try_from(n).map_err(|_| Error::InvalidConfig {
                 field: what,
@@ -534,7 +544,11 @@ impl NcclComm {
             Kind::ReduceScatter { .. } => "ncclReduceScatter",
             Kind::AllReduce { .. } => "ncclAllReduce",
         };
-        let comm = handle.raw(name)?;
+        let comm = handle.raw(name).inspect_err(|_| {
+            if self.batching {
+                self.batch_failed.set(true);
+            }
+        })?;
         let s = stream.cu_stream() as cudaStream_t;
         let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
         let dtype = nccl_dtype(call.dtype);

@@ -52,7 +52,8 @@ pub fn injected() -> Error {
 
 /// Whether `e` is [`injected`]'s error.
 pub fn is_injected(e: &Error) -> bool {
-    matches!(e, Error::Nccl { code: 6, .. })
+    matches!(e, Error::Nccl { call, code: 6, message }
+        if *call == "ncclCommGetAsyncError" && message.starts_with("remote process exited"))
 }
 
 impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {

@@ -81,13 +81,23 @@ impl Split {
             0 | NCCL_IN_PROGRESS => Ok(()),
             failed => parent.check("ncclCommSplit", failed),
         };
+        let mut parent_failed = false;
         let done = started.and_then(|()| {
             watch.poll(POLL, &op, || {
-                parent.in_progress("ncclCommSplit").map(|busy| !busy)
+                let idle = parent.in_progress("ncclCommSplit").map(|busy| !busy);
+                parent_failed = idle.is_err();
+                idle
             })
         });
         if let Err(e) = done {
-            // Aborting the parent ends its split; `Drop` leaves the slot to NCCL.
+            if parent_failed {
+                // The split ended (in failure): a child NCCL made regardless is aborted with
+                // its handle.
+                if let Some(slot) = self.slot.take() {
+                    let _child = Handle::made(parent.nccl, slot, "ncclCommSplit", 0);
+                }
+            }
+            // Aborting the parent ends a split still under way; `Drop` leaves its slot to NCCL.
             parent.abort();
             return Err(e);
         }
