@@ -635,6 +635,14 @@ fn nccl_is_found_and_is_a_2_x_release() {
     assert_eq!(major, 2);
 }
 
+/// `s` on one CPU rank: what every communicator of one rank must give.
+fn on_one_cpu_rank<S: Scenario>(s: &S) -> S::Out {
+    s.run(
+        &CpuBackend::new(),
+        &mut LocalComm::group(1).unwrap().remove(0),
+    )
+}
+
 fn nccl_of_one(b: &CudaBackend) -> NcclComm {
     let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("unique id: {e}"));
     NcclComm::new(&id, 0, 1, b, DEFAULT_TIMEOUT)
@@ -650,10 +658,7 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
     for dtype in DTYPES {
         for len in [1, 1003, 1 << 16] {
             let s = AllGather { dtype, len };
-            let cpu = s.run(
-                &CpuBackend::new(),
-                &mut LocalComm::group(1).unwrap().remove(0),
-            );
+            let cpu = on_one_cpu_rank(&s);
             assert!(
                 s.run(&b, &mut comm) == cpu,
                 "NCCL all-gather of {len} {dtype}"
@@ -662,10 +667,7 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
     }
     for dtype in DTYPES {
         let s = AllGatherInPlace { dtype, len: 1003 };
-        let cpu = s.run(
-            &CpuBackend::new(),
-            &mut LocalComm::group(1).unwrap().remove(0),
-        );
+        let cpu = on_one_cpu_rank(&s);
         assert!(
             s.run(&b, &mut comm) == cpu,
             "NCCL in-place all-gather of 1003 {dtype}"
@@ -674,10 +676,7 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
     for dtype in [DType::F32, DType::Bf16] {
         for len in [1, 1001, 1 << 16] {
             let s = AllReduce { dtype, len };
-            let cpu = s.run(
-                &CpuBackend::new(),
-                &mut LocalComm::group(1).unwrap().remove(0),
-            );
+            let cpu = on_one_cpu_rank(&s);
             assert!(
                 s.run(&b, &mut comm) == cpu,
                 "NCCL all-reduce of {len} {dtype}"
@@ -687,10 +686,7 @@ fn nccl_at_world_size_1_gathers_and_reduces_like_local_comm() {
     for dtype in [DType::F32, DType::Bf16] {
         for part in [1, 1001, 1 << 16] {
             let s = ReduceScatter { dtype, part };
-            let cpu = s.run(
-                &CpuBackend::new(),
-                &mut LocalComm::group(1).unwrap().remove(0),
-            );
+            let cpu = on_one_cpu_rank(&s);
             assert!(
                 s.run(&b, &mut comm) == cpu,
                 "NCCL reduce-scatter of {part} {dtype}"
@@ -710,10 +706,7 @@ fn nccl_group_of_one_device_works() {
         dtype: DType::Bf16,
         len: 4099,
     };
-    let cpu = s.run(
-        &CpuBackend::new(),
-        &mut LocalComm::group(1).unwrap().remove(0),
-    );
+    let cpu = on_one_cpu_rank(&s);
     assert!(
         s.run(&b, &mut comms[0]) == cpu,
         "all-gather through a group made in one process"
@@ -862,10 +855,7 @@ fn nccl_init_past_its_deadline_is_a_timeout_and_the_process_goes_on() {
         dtype: DType::F32,
         len: 777,
     };
-    let cpu = s.run(
-        &CpuBackend::new(),
-        &mut LocalComm::group(1).unwrap().remove(0),
-    );
+    let cpu = on_one_cpu_rank(&s);
     assert!(
         s.run(&b, &mut nccl_of_one(&b)) == cpu,
         "after a timed-out init"
@@ -919,10 +909,7 @@ fn nccl_from_the_launch_environment_at_world_size_1_gathers() {
         dtype: DType::Bf16,
         len: 1001,
     };
-    let cpu = s.run(
-        &CpuBackend::new(),
-        &mut LocalComm::group(1).unwrap().remove(0),
-    );
+    let cpu = on_one_cpu_rank(&s);
     assert!(
         s.run(&b, &mut comm) == cpu,
         "through the launch environment"
@@ -954,10 +941,7 @@ fn nccl_splits_into_a_hybrid_grid_of_one_that_trains_like_the_cpu() {
         dtype: DType::F32,
         len: 333,
     };
-    let cpu = s.run(
-        &CpuBackend::new(),
-        &mut LocalComm::group(1).unwrap().remove(0),
-    );
+    let cpu = on_one_cpu_rank(&s);
     let mut part = part;
     assert!(s.run(&b, &mut part) == cpu, "through a split communicator");
     assert!(matches!(
@@ -1001,10 +985,7 @@ fn an_injected_nccl_error_poisons_the_engine_aborts_its_communicators_and_the_pr
         dtype: DType::F32,
         len: 99,
     };
-    let cpu = s.run(
-        &CpuBackend::new(),
-        &mut LocalComm::group(1).unwrap().remove(0),
-    );
+    let cpu = on_one_cpu_rank(&s);
     assert!(
         s.run(&b, &mut nccl_of_one(&b)) == cpu,
         "after the poisoned engine"
