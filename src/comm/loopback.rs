@@ -24,7 +24,7 @@ use crate::comm::{
     own_part,
 };
 use crate::error::{Error, Result};
-use crate::types::Stream;
+use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use rendezvous::Rendezvous;
 
@@ -284,6 +284,52 @@ fn place(backend: &CudaBackend) -> Place {
 
 /// Writes `addresses` into the table on `stream` with stream-ordered 32-bit memsets: the values
 /// travel as arguments, so no host memory has to outlive the call and the host never waits.
+/// One rank's part of a reduction: `scale` times every source summed into `dst`.
+struct Sum<'a> {
+    dtype: DType,
+    /// One address per rank, `len` elements of `dtype` each.
+    sources: &'a [u64],
+    dst: u64,
+    len: usize,
+    scale: f32,
+}
+
+impl Sum<'_> {
+    /// Lists the sources in `table` (after its last reader) and sums them on `on`.
+    ///
+    /// # Safety
+    /// Every source and `dst` is valid for `len` elements of `dtype` while `on` runs the sum,
+    /// as `reduce_sum` asks.
+    unsafe fn run(
+        &self,
+        table: &mut SourceTable,
+        backend: &CudaBackend,
+        on: &CudaStream,
+    ) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        if let Some(last) = &table.last_read {
+            on.wait(last).map_err(cuda("cuStreamWaitEvent"))?;
+        }
+        write_table(table, on, self.sources)?;
+        // SAFETY: the table now lists the sources, valid as the caller promises.
+        let summed = unsafe {
+            backend.kernels().reduce_sum(
+                on,
+                self.dtype,
+                table.memory.ptr(),
+                self.sources.len(),
+                self.dst,
+                self.len,
+                self.scale,
+            )
+        };
+        table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
+        summed
+    }
+}
+
 fn write_table(table: &SourceTable, stream: &CudaStream, addresses: &[u64]) -> Result<()> {
     for (i, &address) in addresses.iter().enumerate() {
         let at = table.memory.ptr() + 8 * i as u64;
@@ -371,33 +417,19 @@ impl Communicator<CudaBackend> for LoopbackComm {
         // Allocated before meeting the others: a failure here is an ordinary early error.
         self.table(backend)?;
         self.run(backend, stream, op, base, |comm, on, bases| {
-            if part == 0 {
-                return Ok(());
-            }
-            let table = comm.table(backend)?;
-            if let Some(last) = &table.last_read {
-                on.wait(last).map_err(cuda("cuStreamWaitEvent"))?;
-            }
             // Every rank's copy of this rank's part, in rank order.
             let sources: Vec<u64> = bases.iter().map(|&b| b + own).collect();
-            write_table(table, on, &sources)?;
-            // SAFETY: the table lists `world_size` addresses of `part` elements of the region's
-            // dtype each, checked by their ranks; the destination is one of them (this rank's own
-            // part), which `reduce_sum` allows; the streams' events order the reads after every
-            // rank's writes.
-            let summed = unsafe {
-                backend.kernels().reduce_sum(
-                    on,
-                    region.dtype,
-                    table.memory.ptr(),
-                    sources.len(),
-                    base + own,
-                    part,
-                    scale,
-                )
+            let sum = Sum {
+                dtype: region.dtype,
+                sources: &sources,
+                dst: base + own,
+                len: part,
+                scale,
             };
-            table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
-            summed
+            // SAFETY: every source is `part` elements of the region's dtype, checked by its
+            // rank; the destination is one of them (this rank's own part), which `reduce_sum`
+            // allows; the streams' events order the reads after every rank's writes.
+            unsafe { sum.run(comm.table(backend)?, backend, on) }
         })
     }
 
@@ -435,30 +467,17 @@ impl Communicator<CudaBackend> for LoopbackComm {
                 .map_err(cuda("cuMemcpyDtoDAsync"))?;
         }
         self.run(backend, stream, op, scratch, |comm, on, sources| {
-            if bytes == 0 {
-                return Ok(());
-            }
-            let table = comm.table(backend)?;
-            if let Some(last) = &table.last_read {
-                on.wait(last).map_err(cuda("cuStreamWaitEvent"))?;
-            }
-            write_table(table, on, sources)?;
-            // SAFETY: the table lists every rank's scratch, each holding the region's values,
-            // checked by its rank; the destination is this rank's own region, which no rank
-            // reads; the streams' events order the reads after every rank's copy.
-            let summed = unsafe {
-                backend.kernels().reduce_sum(
-                    on,
-                    region.dtype,
-                    table.memory.ptr(),
-                    sources.len(),
-                    base,
-                    region.len,
-                    scale,
-                )
+            let sum = Sum {
+                dtype: region.dtype,
+                sources,
+                dst: base,
+                len: region.len,
+                scale,
             };
-            table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
-            summed
+            // SAFETY: every source is a rank's scratch holding the region's values, checked by
+            // its rank; the destination is this rank's own region, which no rank reads; the
+            // streams' events order the reads after every rank's copy.
+            unsafe { sum.run(comm.table(backend)?, backend, on) }
         })?;
         // The stream waited for every rank's part: every read of the scratch is behind it.
         self.scratch_free = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);

@@ -33,13 +33,6 @@ impl<E> Default for GatherBatch<E> {
     }
 }
 
-impl<E> GatherBatch<E> {
-    fn clear(&mut self) {
-        self.began = false;
-        self.queued.clear();
-    }
-}
-
 pub(super) struct GatherSlot<E> {
     pub(super) buffer_index: usize,
     /// Compute's last use of the group that held the slot.
@@ -96,8 +89,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Applies `effects` in order; the gathers between two waits go to the communicator as one
     /// batch, and each group's gathered event is recorded after the batch's end.
     pub(super) fn apply_gather_effects(&mut self, effects: &[GatherEffect]) -> Result<()> {
+        // Empty: every apply ends with `end_gathers`, which drains it.
         let mut batch = std::mem::take(&mut self.gather_batch);
-        batch.clear();
         let mut result = Ok(());
         for &effect in effects {
             result = match effect {
