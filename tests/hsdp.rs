@@ -148,68 +148,70 @@ fn a_plan_for_other_replicas_than_the_communicators_is_refused() {
 
 #[test]
 fn only_the_first_replica_saves_and_its_checkpoint_loads_at_another_world_size() {
-    let dir = std::env::temp_dir().join(format!("fsdp-hsdp-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let model = model();
-    let spec = model.spec().unwrap();
-    let plan = Arc::new(Plan::hybrid(&spec, 2, 2).unwrap());
-    let (config, init) = (adamw(), model.init(3));
-    let training = Training {
-        model: &model,
-        plan: &plan,
-        config: &config,
-        init: &init,
-        steps: 2,
-        passes: 1,
-        recipe: Recipe::default(),
-    };
-    let ranks = Hybrid::grid(2, 2, LocalComm::group)
-        .unwrap()
-        .into_iter()
-        .map(|comm| (fsdp_fusion::CpuBackend::new(), comm))
-        .collect();
-    let mut last = Vec::new();
-    let checkpoints = Checkpoints {
-        resume: None,
-        save: Some(&dir),
-    };
-    training
-        .on_ranks_with(ranks, checkpoints, |_, ranks| {
-            last = assemble(&plan, &ranks[..2])?;
-            // Both replicas hold the same parameters.
-            assert_eq!(assemble(&plan, &ranks[2..])?, last);
-            Ok(())
-        })
+    within_deadline("saving under hybrid sharding", || {
+        let dir = std::env::temp_dir().join(format!("fsdp-hsdp-save-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let model = model();
+        let spec = model.spec().unwrap();
+        let plan = Arc::new(Plan::hybrid(&spec, 2, 2).unwrap());
+        let (config, init) = (adamw(), model.init(3));
+        let training = Training {
+            model: &model,
+            plan: &plan,
+            config: &config,
+            init: &init,
+            steps: 2,
+            passes: 1,
+            recipe: Recipe::default(),
+        };
+        let ranks = Hybrid::grid(2, 2, LocalComm::group)
+            .unwrap()
+            .into_iter()
+            .map(|comm| (fsdp_fusion::CpuBackend::new(), comm))
+            .collect();
+        let mut last = Vec::new();
+        let checkpoints = Checkpoints {
+            resume: None,
+            save: Some(&dir),
+        };
+        training
+            .on_ranks_with(ranks, checkpoints, |_, ranks| {
+                last = assemble(&plan, &ranks[..2])?;
+                // Both replicas hold the same parameters.
+                assert_eq!(assemble(&plan, &ranks[2..])?, last);
+                Ok(())
+            })
+            .unwrap();
+        let manifests: Vec<bool> = (0..4)
+            .map(|rank| fsdp_fusion::checkpoint::read_manifest(&dir, rank).is_ok())
+            .collect();
+        assert_eq!(manifests, [true, true, false, false], "ranks 0 and 1 wrote");
+        // The saved state is a plain checkpoint of world size 2: one rank takes all of it.
+        let one_plan = Arc::new(Plan::new(&spec, 1).unwrap());
+        let comm = LocalComm::group(1).unwrap().remove(0);
+        let mut one = Engine::new(
+            Arc::clone(&one_plan),
+            config,
+            fsdp_fusion::CpuBackend::new(),
+            comm,
+        )
         .unwrap();
-    let manifests: Vec<bool> = (0..4)
-        .map(|rank| fsdp_fusion::checkpoint::read_manifest(&dir, rank).is_ok())
-        .collect();
-    assert_eq!(manifests, [true, true, false, false], "ranks 0 and 1 wrote");
-    // The saved state is a plain checkpoint of world size 2: one rank takes all of it.
-    let one_plan = Arc::new(Plan::new(&spec, 1).unwrap());
-    let comm = LocalComm::group(1).unwrap().remove(0);
-    let mut one = Engine::new(
-        Arc::clone(&one_plan),
-        config,
-        fsdp_fusion::CpuBackend::new(),
-        comm,
-    )
-    .unwrap();
-    one.load(&dir).unwrap();
-    let shards = (0..one_plan.groups().len())
-        .map(|g| one.param_shard(g))
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
-    let loaded: Vec<Vec<f32>> = (0..one_plan.params().len())
-        .map(|i| {
-            let id = fsdp_fusion::ParamId(i);
-            let group = one_plan.param(id).unwrap().group;
-            let bytes = one_plan
-                .assemble_param(id, std::slice::from_ref(&shards[group]))
-                .unwrap();
-            widen(one_plan.param(id).unwrap().dtype, &bytes)
-        })
-        .collect();
-    assert_eq!(loaded, last);
-    let _ = std::fs::remove_dir_all(&dir);
+        one.load(&dir).unwrap();
+        let shards = (0..one_plan.groups().len())
+            .map(|g| one.param_shard(g))
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let loaded: Vec<Vec<f32>> = (0..one_plan.params().len())
+            .map(|i| {
+                let id = fsdp_fusion::ParamId(i);
+                let group = one_plan.param(id).unwrap().group;
+                let bytes = one_plan
+                    .assemble_param(id, std::slice::from_ref(&shards[group]))
+                    .unwrap();
+                widen(one_plan.param(id).unwrap().dtype, &bytes)
+            })
+            .collect();
+        assert_eq!(loaded, last);
+        let _ = std::fs::remove_dir_all(&dir);
+    });
 }
