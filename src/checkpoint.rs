@@ -10,6 +10,7 @@
 
 use std::fs::{self, File};
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,7 +18,8 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::{Error, Result};
-use crate::plan::Plan;
+use crate::plan::{Group, Plan};
+use crate::spec::ProcessGroupSpec;
 use crate::types::DType;
 
 /// The version of the layout below; a manifest of another is refused.
@@ -56,6 +58,9 @@ pub struct ParamRecord {
     pub group: usize,
     pub offset: usize,
     pub padded_numel: usize,
+    /// The process group that shards it; absent for the data-parallel world.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_group: Option<String>,
 }
 
 /// One rank's manifest.
@@ -74,6 +79,10 @@ pub struct RankManifest {
     #[serde(default = "f32_name")]
     pub moment_dtype: String,
     pub params: Vec<ParamRecord>,
+    /// The process groups of the save: rank `r` held copy `r / size` of their groups, at place
+    /// `r % size`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub process_groups: Vec<ProcessGroupSpec>,
     pub sections: Vec<Section>,
     pub data_bytes: u64,
     /// The data file's xxh3-64, as 16 hex digits.
@@ -96,8 +105,47 @@ pub fn records(plan: &Plan) -> Vec<ParamRecord> {
             group: p.group,
             offset: p.offset,
             padded_numel: p.padded_numel,
+            process_group: plan.groups()[p.group]
+                .process_group
+                .map(|pg| plan.process_groups()[pg].name.clone()),
         })
         .collect()
+}
+
+/// The saved ranks that hold, at their places in order, the copy of `group` that rank `rank`
+/// of `plan` holds: the whole saved world for a group of the data-parallel world, else the
+/// block of the saved process group's size at the same copy. `Error::CheckpointMismatch` when
+/// the save holds another number of copies.
+pub fn saved_block(
+    saved: &RankManifest,
+    plan: &Plan,
+    group: &Group,
+    rank: usize,
+) -> Result<Range<usize>> {
+    let Some(pg) = group.process_group else {
+        return Ok(0..saved.world_size);
+    };
+    let name = &plan.process_groups()[pg].name;
+    let size = saved
+        .process_groups
+        .iter()
+        .find(|g| &g.name == name)
+        .map_or(0, |g| g.size);
+    let saved_copies = saved.world_size.checked_div(size).unwrap_or(0);
+    if size == 0 || saved_copies != plan.copies(group) {
+        return Err(Error::CheckpointMismatch {
+            differences: vec![format!(
+                "process group {name:?}: saved as {saved_copies} copies ({} ranks, groups of \
+                 {size}), loaded as {} ({} ranks, groups of {})",
+                saved.world_size,
+                plan.copies(group),
+                plan.world_size(),
+                group.shards
+            )],
+        });
+    }
+    let first = plan.copy(group, rank) * size;
+    Ok(first..first + size)
 }
 
 /// What differs between a checkpoint's parameters and a plan's declarations (names, shapes,
@@ -108,6 +156,12 @@ pub fn differences(saved: &[ParamRecord], plan: &[ParamRecord]) -> Vec<String> {
     for p in plan {
         match saved.iter().find(|s| s.name == p.name) {
             None => out.push(format!("{:?} is not in the checkpoint", p.name)),
+            Some(s) if s.process_group != p.process_group => out.push(format!(
+                "{:?}: saved sharded over {}, declared over {}",
+                p.name,
+                sharded_over(&s.process_group),
+                sharded_over(&p.process_group)
+            )),
             Some(s) if (&s.shape, &s.dtype, s.trainable) != (&p.shape, &p.dtype, p.trainable) => {
                 out.push(format!(
                     "{:?}: saved as {} {:?}{}, declared {} {:?}{}",
@@ -138,6 +192,13 @@ pub fn differences(saved: &[ParamRecord], plan: &[ParamRecord]) -> Vec<String> {
         out.push("the parameters are declared in another order (other groups)".into());
     }
     out
+}
+
+fn sharded_over(process_group: &Option<String>) -> String {
+    match process_group {
+        Some(name) => format!("process group {name:?}"),
+        None => "the data-parallel world".into(),
+    }
 }
 
 pub fn data_path(dir: &Path, rank: usize) -> PathBuf {

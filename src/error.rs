@@ -57,6 +57,22 @@ pub enum Error {
     UnknownDtype { name: String, given: String },
     #[error("world size must be at least 1")]
     ZeroWorldSize,
+    #[error("process group {name:?} {reason}")]
+    InvalidProcessGroup { name: String, reason: String },
+    #[error("parameter {name:?} names process group {group:?}, which the model does not declare")]
+    UnknownProcessGroup { name: String, group: String },
+    #[error(
+        "process group {name:?}: the plan has {size} ranks per group, rank {rank} at place {place}; \
+         its communicator has {comm_size} ranks, this one at place {comm_rank}"
+    )]
+    ProcessGroupMismatch {
+        name: String,
+        size: usize,
+        rank: usize,
+        place: usize,
+        comm_size: usize,
+        comm_rank: usize,
+    },
     #[error("rank {rank} is out of range for world size {world_size}")]
     RankOutOfRange { rank: usize, world_size: usize },
     #[error(

@@ -84,11 +84,27 @@ pub(crate) fn write(tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
 /// parameter's elements read from the ranks' parts that hold them (a group saved as its fp32
 /// master only is rounded to its dtype, as a gather casts it). Every rank's manifest and data
 /// file are checked first (`Error::CheckpointUnreadable` naming the file); an existing `path` is
-/// refused. No engine and no communication: after every rank saved, one process exports. Holds
-/// the model's bytes in host memory meanwhile.
+/// refused, and so is a save whose process group held more than one copy of its parameters
+/// (`Error::InvalidProcessGroup`: the file holds one model). No engine and no communication:
+/// after every rank saved, one process exports. Holds the model's bytes in host memory
+/// meanwhile.
 pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
     check_new(path)?;
     let saved = checkpoint::read_manifests(dir)?;
+    if let Some(first) = saved.first()
+        && let Some(g) = first
+            .process_groups
+            .iter()
+            .find(|g| g.size != first.world_size)
+    {
+        return Err(Error::InvalidProcessGroup {
+            name: g.name.clone(),
+            reason: format!(
+                "held a copy per {} of the {} saved ranks, and an export writes one model",
+                g.size, first.world_size
+            ),
+        });
+    }
     let mut files = crate::fallible::with_capacity(saved.len(), "the data files")?;
     for m in &saved {
         files.push(checkpoint::verified_data(dir, m)?);

@@ -100,5 +100,5 @@ pub use engine::{Counters, Engine};
 pub use error::{Error, Result};
 pub use optim::OptimizerConfig;
 pub use plan::{BufferReport, Group, MemoryPerRank, ParamLayout, Plan};
-pub use spec::{ModelSpec, ParamSpec};
+pub use spec::{ModelSpec, ParamSpec, ProcessGroupSpec};
 pub use types::{BufferState, DType, ParamId, Stream, Unit};

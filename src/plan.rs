@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::config::{Accumulation, EngineConfig, GradShardMemory, ParamStorage};
 use crate::error::{Error, Result};
-use crate::spec::ModelSpec;
+use crate::spec::{ModelSpec, ProcessGroupSpec};
 use crate::types::DType;
 use crate::types::{ParamId, Unit};
 
@@ -41,9 +41,14 @@ pub struct Group {
     pub tied: bool,
     pub weight_decay: bool,
     pub lr_scale: f32,
-    /// Buffer length: a multiple of the world size.
+    /// The process group ([`Plan::process_groups`]) whose ranks shard the group; `None` for
+    /// the data-parallel world.
+    pub process_group: Option<usize>,
+    /// The ranks the buffer is sharded over: the world size, or the process group's size.
+    pub shards: usize,
+    /// Buffer length: a multiple of `shards`.
     pub padded_numel: usize,
-    /// Elements each rank holds: `padded_numel / world_size`.
+    /// Elements each rank holds: `padded_numel / shards`.
     pub shard_numel: usize,
     /// Members in model order.
     pub params: Vec<ParamId>,
@@ -92,11 +97,14 @@ pub struct BufferReport {
 
 /// The layout of a model at one world size: the ranks that shard it, each holding
 /// `1 / world_size` of every group; under hybrid sharding ([`Plan::hybrid`]) the ranks of one
-/// replica, of `replicas` that each hold it all.
+/// replica, of `replicas` that each hold it all. A group of a process group
+/// ([`ProcessGroupSpec`]) is sharded over that group's ranks instead, each group of ranks
+/// holding its own copy.
 #[derive(Clone, Debug)]
 pub struct Plan {
     world_size: usize,
     replicas: usize,
+    process_groups: Vec<ProcessGroupSpec>,
     params: Vec<ParamLayout>,
     groups: Vec<Group>,
     units: Vec<Unit>,
@@ -113,6 +121,7 @@ struct GroupKey {
     weight_decay: bool,
     /// The learning-rate scale's bits: equal scales share a group.
     lr_scale: u32,
+    process_group: Option<usize>,
 }
 
 impl Plan {
@@ -128,6 +137,25 @@ impl Plan {
         if world_size == 0 || replicas == 0 {
             return Err(Error::ZeroWorldSize);
         }
+        for g in &model.process_groups {
+            if replicas > 1 {
+                return Err(Error::InvalidProcessGroup {
+                    name: g.name.clone(),
+                    reason: format!(
+                        "is declared, and hybrid sharding ({replicas} replicas) has none"
+                    ),
+                });
+            }
+            if g.size == 0 || world_size % g.size != 0 {
+                return Err(Error::InvalidProcessGroup {
+                    name: g.name.clone(),
+                    reason: format!(
+                        "has {} ranks, which do not divide the {world_size} ranks",
+                        g.size
+                    ),
+                });
+            }
+        }
         // Groups in order of first appearance, members in model order.
         let mut keys: Vec<GroupKey> = Vec::new();
         let mut members: Vec<Vec<usize>> = Vec::new();
@@ -139,6 +167,7 @@ impl Plan {
                 tied: p.tied,
                 weight_decay: p.weight_decay,
                 lr_scale: p.lr_scale.to_bits(),
+                process_group: model.process_group_of(p),
             };
             match keys.iter().position(|k| *k == key) {
                 Some(g) => members[g].push(i),
@@ -166,6 +195,9 @@ impl Plan {
         let mut groups = Vec::with_capacity(order.len());
         for (index, &g) in order.iter().enumerate() {
             let key = &keys[g];
+            let shards = key
+                .process_group
+                .map_or(world_size, |pg| model.process_groups[pg].size);
             let overflow = |i: usize| {
                 move || Error::LayoutOverflow {
                     name: model.params[i].name.clone(),
@@ -174,7 +206,7 @@ impl Plan {
             };
             let first = members[g][0];
             let align = (ALIGNMENT_BYTES / key.dtype.size())
-                .checked_mul(world_size)
+                .checked_mul(shards)
                 .ok_or_else(overflow(first))?;
             let mut offset = 0usize;
             for &i in &members[g] {
@@ -213,8 +245,10 @@ impl Plan {
                 tied: key.tied,
                 weight_decay: key.weight_decay,
                 lr_scale: f32::from_bits(key.lr_scale),
+                process_group: key.process_group,
+                shards,
                 padded_numel: offset,
-                shard_numel: offset / world_size,
+                shard_numel: offset / shards,
                 params: members[g].iter().map(|&i| ParamId(i)).collect(),
             });
         }
@@ -239,6 +273,7 @@ impl Plan {
         Ok(Plan {
             world_size,
             replicas,
+            process_groups: model.process_groups.clone(),
             params,
             groups,
             units,
@@ -254,6 +289,27 @@ impl Plan {
     /// Replicas of the sharded model: 1 but under hybrid sharding.
     pub fn replicas(&self) -> usize {
         self.replicas
+    }
+
+    /// The process groups the model declares, in its order.
+    pub fn process_groups(&self) -> &[ProcessGroupSpec] {
+        &self.process_groups
+    }
+
+    /// Rank `rank`'s place among the ranks that shard `group`: the shard it holds.
+    pub fn place(&self, group: &Group, rank: usize) -> usize {
+        rank % group.shards
+    }
+
+    /// Which copy of `group` rank `rank` holds: its process group's index among the world's
+    /// (0 for a group of the data-parallel world, which has one copy).
+    pub fn copy(&self, group: &Group, rank: usize) -> usize {
+        rank / group.shards
+    }
+
+    /// Copies of `group` in the world: one per group of ranks of its process group.
+    pub fn copies(&self, group: &Group) -> usize {
+        self.world_size / group.shards
     }
 
     /// Whether a gradient goes to other ranks: a sharded group, or replicas to agree with.
@@ -314,19 +370,21 @@ impl Plan {
 
     /// The elements of group `group`'s buffer that rank `rank` holds.
     pub fn shard_range(&self, group: &Group, rank: usize) -> Range<usize> {
-        group.shard_numel * rank..group.shard_numel * (rank + 1)
+        let place = self.place(group, rank);
+        group.shard_numel * place..group.shard_numel * (place + 1)
     }
 
-    /// Reassembles parameter `param` (bytes in its dtype) from every rank's shard of its group,
-    /// `shards[r]` being rank `r`'s.
+    /// Reassembles parameter `param` (bytes in its dtype) from the shards of one copy of its
+    /// group, `shards[p]` being the one at place `p` (rank `p` of the world, but in a process
+    /// group).
     pub fn assemble_param(&self, param: ParamId, shards: &[Vec<u8>]) -> Result<Vec<u8>> {
         let layout = self.param(param)?;
         let group = &self.groups[layout.group];
         let size = layout.dtype.size();
         let shard_bytes = group.shard_numel * size;
-        if shards.len() != self.world_size {
+        if shards.len() != group.shards {
             return Err(Error::WorldSizeMismatch {
-                plan: self.world_size,
+                plan: group.shards,
                 comm: shards.len(),
             });
         }
@@ -659,6 +717,8 @@ impl Plan {
                     "trainable": g.trainable,
                     "unit": g.unit.layer(),
                     "tied": g.tied,
+                    "process_group": g.process_group.map(|pg| &self.process_groups[pg].name),
+                    "shards": g.shards,
                     "padded_numel": g.padded_numel,
                     "shard_numel": g.shard_numel,
                     "params": params,
@@ -667,6 +727,10 @@ impl Plan {
             .collect();
         serde_json::json!({
             "world_size": self.world_size,
+            "process_groups": self.process_groups.iter().map(|g| serde_json::json!({
+                "name": g.name,
+                "size": g.size,
+            })).collect::<Vec<_>>(),
             "alignment_bytes": ALIGNMENT_BYTES,
             "double_buffer_limit": config.double_buffer_limit,
             "max_reduces_in_flight": config.max_reduces_in_flight,

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::types::DType;
@@ -26,6 +26,9 @@ pub struct ParamSpec {
     pub weight_decay: bool,
     /// The parameter's learning rate is the engine's times this (finite, >= 0).
     pub lr_scale: f32,
+    /// The process group ([`ModelSpec::process_groups`]) whose ranks shard the parameter;
+    /// `None` for the data-parallel world.
+    pub process_group: Option<String>,
 }
 
 impl ParamSpec {
@@ -40,6 +43,7 @@ impl ParamSpec {
             tied: false,
             weight_decay: true,
             lr_scale: 1.0,
+            process_group: None,
         }
     }
 
@@ -73,6 +77,13 @@ impl ParamSpec {
         self
     }
 
+    /// Shards the parameter over the ranks of process group `name` (an expert group, say)
+    /// instead of the whole data-parallel world.
+    pub fn in_process_group(mut self, name: impl Into<String>) -> ParamSpec {
+        self.process_group = Some(name.into());
+        self
+    }
+
     /// The element count, or `None` when it overflows.
     pub fn numel(&self) -> Option<usize> {
         self.shape.iter().try_fold(1usize, |acc, &d| {
@@ -81,16 +92,33 @@ impl ParamSpec {
     }
 }
 
-/// A model: its parameters in model order.
+/// A process group of `size` ranks other than the data-parallel world, such as the ranks that
+/// hold the same experts of a mixture-of-experts model.
+///
+/// The data-parallel world of `W` ranks splits into `W / size` groups of consecutive ranks:
+/// rank `r` is in group `r / size` at place `r % size`. A parameter of the process group has
+/// one value per group (its copy: different experts, say), sharded over the group's ranks, and
+/// its gradients are summed over them only.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessGroupSpec {
+    pub name: String,
+    pub size: usize,
+}
+
+/// A model: its parameters in model order, and the process groups they name.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {
     pub params: Vec<ParamSpec>,
+    pub process_groups: Vec<ProcessGroupSpec>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ModelFile {
     params: Vec<ParamEntry>,
+    #[serde(default)]
+    process_groups: Vec<ProcessGroupSpec>,
 }
 
 #[derive(Deserialize)]
@@ -109,6 +137,8 @@ struct ParamEntry {
     weight_decay: bool,
     #[serde(default = "default_lr_scale")]
     lr_scale: f32,
+    #[serde(default)]
+    group: Option<String>,
 }
 
 fn default_true() -> bool {
@@ -122,6 +152,29 @@ fn default_lr_scale() -> f32 {
 impl ModelSpec {
     /// Checks the declared parameters: names non-empty and unique, element counts that fit.
     pub fn new(params: Vec<ParamSpec>) -> Result<ModelSpec> {
+        ModelSpec::with_process_groups(params, Vec::new())
+    }
+
+    /// As [`ModelSpec::new`], with the process groups the parameters may name: each named
+    /// once, of at least one rank; a parameter's group must be one of them.
+    pub fn with_process_groups(
+        params: Vec<ParamSpec>,
+        process_groups: Vec<ProcessGroupSpec>,
+    ) -> Result<ModelSpec> {
+        for (index, g) in process_groups.iter().enumerate() {
+            if g.name.is_empty() || g.size == 0 {
+                return Err(Error::InvalidProcessGroup {
+                    name: g.name.clone(),
+                    reason: "needs a name and at least one rank".into(),
+                });
+            }
+            if process_groups[..index].iter().any(|h| h.name == g.name) {
+                return Err(Error::InvalidProcessGroup {
+                    name: g.name.clone(),
+                    reason: "is declared twice".into(),
+                });
+            }
+        }
         if params.is_empty() {
             return Err(Error::EmptyModel);
         }
@@ -150,13 +203,32 @@ impl ModelSpec {
                     scale: p.lr_scale,
                 });
             }
+            if let Some(group) = &p.process_group
+                && !process_groups.iter().any(|g| &g.name == group)
+            {
+                return Err(Error::UnknownProcessGroup {
+                    name: p.name.clone(),
+                    group: group.clone(),
+                });
+            }
         }
-        Ok(ModelSpec { params })
+        Ok(ModelSpec {
+            params,
+            process_groups,
+        })
+    }
+
+    /// The process group of `param`: its index in [`ModelSpec::process_groups`], `None` for
+    /// the data-parallel world.
+    pub fn process_group_of(&self, param: &ParamSpec) -> Option<usize> {
+        let name = param.process_group.as_ref()?;
+        self.process_groups.iter().position(|g| &g.name == name)
     }
 
     /// Parses a model file's JSON text: `{"params": [{"name", "shape", "dtype", "unit"?,
-    /// "trainable"?, "tied"?, "weight_decay"?, "lr_scale"?}, ...]}`. A leading UTF-8 byte-order
-    /// mark is skipped.
+    /// "trainable"?, "tied"?, "weight_decay"?, "lr_scale"?, "group"?}, ...],
+    /// "process_groups"?: [{"name", "size"}, ...]}`, a parameter's `"group"` naming one of the
+    /// process groups. A leading UTF-8 byte-order mark is skipped.
     pub fn from_json(text: &str) -> Result<ModelSpec> {
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let file: ModelFile = serde_json::from_str(text).map_err(|e| {
@@ -189,10 +261,11 @@ impl ModelSpec {
                     tied: p.tied,
                     weight_decay: p.weight_decay,
                     lr_scale: p.lr_scale,
+                    process_group: p.group,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        ModelSpec::new(params)
+        ModelSpec::with_process_groups(params, file.process_groups)
     }
 
     /// Reads and parses a model file.

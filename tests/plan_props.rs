@@ -37,6 +37,7 @@ fn param(i: usize) -> impl Strategy<Value = ParamSpec> {
                 tied,
                 weight_decay,
                 lr_scale,
+                process_group: None,
             },
         )
 }

@@ -309,6 +309,35 @@ pub trait Communicator<B: Backend>: Send {
     ) -> Result<()>;
 }
 
+/// Every rank's communicator of its group of a process group of `size` ranks
+/// ([`crate::ProcessGroupSpec`]) among `world` ranks, in rank order: rank `r` joins the ranks
+/// `r / size * size ..` at place `r % size`. `group(n)` makes the handles of one group of `n`
+/// ranks (such as [`crate::LocalComm::group`]).
+pub fn process_group_comms<C>(
+    world: usize,
+    size: usize,
+    mut group: impl FnMut(usize) -> Result<Vec<C>>,
+) -> Result<Vec<C>> {
+    if size == 0 || world % size != 0 {
+        return Err(Error::InvalidConfig {
+            field: "process group size",
+            reason: format!("is {size}, which does not divide the {world} ranks"),
+        });
+    }
+    let mut comms = crate::fallible::with_capacity(world, "the process group communicators")?;
+    for _ in 0..world / size {
+        let handles = group(size)?;
+        if handles.len() != size {
+            return Err(Error::InvalidConfig {
+                field: "group",
+                reason: format!("made {} handles for a group of {size}", handles.len()),
+            });
+        }
+        comms.extend(handles);
+    }
+    Ok(comms)
+}
+
 /// A rank's replica under hybrid sharding, and how many there are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Replica {

@@ -226,6 +226,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             optimizer: optimizer_name(&self.config.optimizer).into(),
             moment_dtype: self.config.moment_dtype.to_string(),
             params: checkpoint::records(&self.plan),
+            process_groups: self.plan.process_groups().to_vec(),
             sections,
             data_bytes: 0,
             data_xxh3: String::new(),
@@ -312,8 +313,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Where each element of this rank's `parts` lies in the saved ranks' data: for every
     /// parameter, the elements of this rank's shard range, found in the saved layout (each
-    /// saved rank holding `section bytes / element size` of the group), run by run. Padding
-    /// stays zero.
+    /// saved rank of the block that held this rank's copy holding `section bytes / element
+    /// size` of the group), run by run. Padding stays zero.
     fn copies(&self, dir: &Path, saved: &[RankManifest], parts: &[Part]) -> Result<Vec<SavedRun>> {
         let unreadable = |rank: usize, reason: String| {
             checkpoint::unreadable(&checkpoint::manifest_path(dir, rank), reason)
@@ -333,8 +334,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                         )
                     })
             };
-            let saved_shard = (section(0)?.bytes / size as u64) as usize;
             let group = &self.plan.groups()[p.group];
+            let block = checkpoint::saved_block(&saved[0], &self.plan, group, self.rank)?;
+            let saved_shard = (section(block.start)?.bytes / size as u64) as usize;
             let mine = self.plan.shard_range(group, self.rank);
             for &id in &group.params {
                 let layout = &self.plan.params()[id.0];
@@ -347,7 +349,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let end = hi.saturating_sub(layout.offset);
                 while i < end {
                     let position = old.offset + i;
-                    let (rank, within) = (position / saved_shard, position % saved_shard);
+                    let (place, within) = (position / saved_shard, position % saved_shard);
+                    let rank = block.start + place;
+                    if rank >= block.end {
+                        return Err(unreadable(
+                            block.start,
+                            format!("group {} is longer than its saved shards", p.group),
+                        ));
+                    }
                     let run = (end - i).min(saved_shard - within);
                     let s = section(rank)?;
                     if s.bytes != (saved_shard * size) as u64 {

@@ -67,7 +67,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.plan.world_size() == 1 {
             return self.param_shard(group);
         }
-        let own = Region::new(self.rank * g.shard_numel, g.shard_numel, g.dtype);
+        let own = Region::new(
+            self.plan.place(&g, self.rank) * g.shard_numel,
+            g.shard_numel,
+            g.dtype,
+        );
         let whole = Region::new(0, g.padded_numel, g.dtype);
         let master_only = self.plan.master_only(&self.config, &g);
         self.effects(|e| {
@@ -85,10 +89,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let tag = e.next_tag(Purpose::Group(group), |tag| {
                 Fingerprint::all_gather(tag, Region::new(0, g.shard_numel, g.dtype))
             });
+            let comm = super::group_comm(&mut e.comm, &mut e.process_groups, g.process_group)?;
             // SAFETY: as above; the download below orders itself after the gather.
             unsafe {
-                e.comm
-                    .all_gather_in_place(&e.backend, Stream::Compute, tag, &mut buffer, whole)
+                comm.all_gather_in_place(&e.backend, Stream::Compute, tag, &mut buffer, whole)
             }?;
             let mut out =
                 crate::fallible::filled(g.padded_numel * g.dtype.size(), 0u8, "a gathered group")?;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::{Engine, alloc};
+use super::{Engine, alloc, group_comm};
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
@@ -17,9 +17,11 @@ pub(super) enum Placement<E> {
     Shard,
 }
 
-/// The gathers queued since the last wait, and whether the communicator's batch began.
+/// The gathers queued since the last wait, and the communicator whose batch began: the
+/// process group's index, `Some(None)` for the data-parallel world's. A batch holds one
+/// communicator's collectives.
 pub(super) struct GatherBatch<E> {
-    began: bool,
+    began: Option<Option<usize>>,
     /// Each group gathered, with its span's start when tracing.
     queued: Vec<(usize, Option<E>)>,
 }
@@ -27,7 +29,7 @@ pub(super) struct GatherBatch<E> {
 impl<E> Default for GatherBatch<E> {
     fn default() -> Self {
         GatherBatch {
-            began: false,
+            began: None,
             queued: Vec::new(),
         }
     }
@@ -124,9 +126,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Ends the gathers queued since the last end: the communicator's batch, if one began, then
     /// each group's span and gathered event, which follow its collective on the gather stream.
     fn end_gathers(&mut self, batch: &mut GatherBatch<B::Event>) -> Result<()> {
-        let mut result = match std::mem::replace(&mut batch.began, false) {
-            true => self.comm.end_batch(&self.backend),
-            false => Ok(()),
+        let mut result = match batch.began.take() {
+            Some(process_group) => {
+                group_comm(&mut self.comm, &mut self.process_groups, process_group)
+                    .and_then(|comm| comm.end_batch(&self.backend))
+            }
+            None => Ok(()),
         };
         for (g, start) in batch.queued.drain(..) {
             if result.is_ok() {
@@ -180,11 +185,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 Fingerprint::all_gather(tag, shard_region)
             })
         });
+        if tag.is_some()
+            && batch
+                .began
+                .is_some_and(|began| began != group.process_group)
+        {
+            self.end_gathers(batch)?;
+        }
         // Queued before the batch can end, so that a failure below still completes it.
         batch.queued.push((g, start));
-        if tag.is_some() && !batch.began {
-            self.comm.begin_batch()?;
-            batch.began = true;
+        let comm = group_comm(
+            &mut self.comm,
+            &mut self.process_groups,
+            group.process_group,
+        )?;
+        if tag.is_some() && batch.began.is_none() {
+            comm.begin_batch()?;
+            batch.began = Some(group.process_group);
         }
         let out = &mut self.slot_buffers[slot.buffer_index];
         // SAFETY (the cast and the all-gathers): the gather stream writes the slot after
@@ -195,7 +212,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = match (master_only, self.masters[g].as_ref()) {
             (true, Some(master)) => {
                 let own = Region::new(
-                    self.rank * group.shard_numel,
+                    plan.place(group, self.rank) * group.shard_numel,
                     group.shard_numel,
                     group.dtype,
                 );
@@ -206,7 +223,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 };
                 match (cast, tag) {
                     (Ok(()), Some(tag)) => unsafe {
-                        self.comm.all_gather_in_place(
+                        comm.all_gather_in_place(
                             &self.backend,
                             Stream::Gather,
                             tag,
@@ -219,7 +236,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             _ => match tag {
                 Some(tag) => unsafe {
-                    self.comm.all_gather(
+                    comm.all_gather(
                         &self.backend,
                         Stream::Gather,
                         tag,

@@ -82,6 +82,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     // while the group still counts this rank in.
     backend: B,
     comm: C,
+    /// One communicator per process group of the plan, in its order.
+    process_groups: Vec<C>,
     watch: Watch,
     /// The first failure once a call's work began; set through `&self` too, since a read of the
     /// device is where an asynchronous failure shows.
@@ -131,12 +133,13 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     save_staging: Option<(B::HostBuffer, usize)>,
 }
 
-/// An engine that could not be made, with the backend and communicator it was given: the rank can
-/// try again with them (its peers have not heard from it, unless the ranks' plans differed).
+/// An engine that could not be made, with the backend and communicators it was given: the rank
+/// can try again with them (its peers have not heard from it, unless the ranks' plans differed).
 pub struct Refused<B, C> {
     pub error: Error,
     pub backend: B,
     pub comm: C,
+    pub process_groups: Vec<C>,
 }
 
 impl<B, C> std::fmt::Debug for Refused<B, C> {
@@ -272,13 +275,44 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn try_new(
         plan: Arc<Plan>,
         config: EngineConfig,
+        backend: B,
+        comm: C,
+    ) -> std::result::Result<Self, Refused<B, C>> {
+        Engine::try_with_process_groups(plan, config, backend, comm, Vec::new())
+    }
+
+    /// As [`Engine::new`] for a plan whose parameters name process groups
+    /// ([`crate::ProcessGroupSpec`]): `process_groups[i]` joins this rank to the ranks of its
+    /// group of the plan's `i`th process group (rank `r` of `comm` at place `r % size` of the
+    /// group of ranks `r / size * size ..`), and carries that group's collectives.
+    pub fn with_process_groups(
+        plan: Arc<Plan>,
+        config: EngineConfig,
+        backend: B,
+        comm: C,
+        process_groups: Vec<C>,
+    ) -> Result<Self> {
+        Engine::try_with_process_groups(plan, config, backend, comm, process_groups)
+            .map_err(|refused| refused.error)
+    }
+
+    /// As [`Engine::with_process_groups`], giving everything back on failure as
+    /// [`Engine::try_new`] does.
+    pub fn try_with_process_groups(
+        plan: Arc<Plan>,
+        config: EngineConfig,
         mut backend: B,
         mut comm: C,
+        mut process_groups: Vec<C>,
     ) -> std::result::Result<Self, Refused<B, C>> {
         let watch = Watch::new(config.timeout);
         backend.set_watch(&watch);
         comm.set_watch(&watch);
+        for c in &mut process_groups {
+            c.set_watch(&watch);
+        }
         let parts = Engine::<B, C>::check_arguments(&plan, &config, &backend, &comm)
+            .and_then(|()| check_process_groups(&plan, comm.rank(), &process_groups))
             .and_then(|()| Buffers::allocate(&plan, &config, &backend))
             .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)));
         let (buffers, state) = match parts {
@@ -288,16 +322,24 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     error,
                     backend,
                     comm,
+                    process_groups,
                 });
             }
         };
-        let mut engine = Engine::assemble(plan, config, backend, comm, watch, buffers, state);
+        let comms = (comm, process_groups);
+        let mut engine = Engine::assemble(plan, config, backend, comms, watch, buffers, state);
         if let Err(error) = engine.check_plans() {
-            let Engine { backend, comm, .. } = engine;
+            let Engine {
+                backend,
+                comm,
+                process_groups,
+                ..
+            } = engine;
             return Err(Refused {
                 error,
                 backend,
                 comm,
+                process_groups,
             });
         }
         Ok(engine)
@@ -343,7 +385,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         plan: Arc<Plan>,
         config: EngineConfig,
         backend: B,
-        comm: C,
+        (comm, process_groups): (C, Vec<C>),
         watch: Watch,
         buffers: Buffers<B>,
         state: State,
@@ -399,6 +441,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             config,
             backend,
             comm,
+            process_groups,
         }
     }
 
@@ -474,6 +517,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // Only the first failure is kept.
         if self.poisoned.set(cause).is_ok() {
             self.comm.abort();
+            for c in &self.process_groups {
+                c.abort();
+            }
         }
     }
 
@@ -485,7 +531,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 cause: Box::new(cause.clone()),
             });
         }
-        match self.watch.check().and_then(|()| self.comm.health()) {
+        let health = self
+            .watch
+            .check()
+            .and_then(|()| self.comm.health())
+            .and_then(|()| {
+                self.process_groups
+                    .iter()
+                    .try_for_each(Communicator::<B>::health)
+            });
+        match health {
             Err(Error::Aborted) => Err(Error::Aborted),
             found => self.observe(found),
         }
@@ -640,6 +695,58 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = self.apply_grad_effects(&fx, None);
         self.grad_effects = fx;
         result
+    }
+}
+
+/// Checks that `process_groups` join rank `rank` to its group of each of the plan's process
+/// groups: one communicator each, of the group's size, this rank at its place.
+fn check_process_groups<B: Backend, C: Communicator<B>>(
+    plan: &Plan,
+    rank: usize,
+    process_groups: &[C],
+) -> Result<()> {
+    let declared = plan.process_groups();
+    if process_groups.len() != declared.len() {
+        return Err(Error::InvalidConfig {
+            field: "process_groups",
+            reason: format!(
+                "{} communicators for the plan's {} process groups",
+                process_groups.len(),
+                declared.len()
+            ),
+        });
+    }
+    for (g, c) in declared.iter().zip(process_groups) {
+        let place = rank % g.size;
+        if (c.world_size(), c.rank()) != (g.size, place) || c.replica().count != 1 {
+            return Err(Error::ProcessGroupMismatch {
+                name: g.name.clone(),
+                size: g.size,
+                rank,
+                place,
+                comm_size: c.world_size(),
+                comm_rank: c.rank(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The communicator of the ranks that shard a group of process group `process_group` (`None`:
+/// the data-parallel world).
+fn group_comm<'a, C>(
+    comm: &'a mut C,
+    process_groups: &'a mut [C],
+    process_group: Option<usize>,
+) -> Result<&'a mut C> {
+    match process_group {
+        None => Ok(comm),
+        Some(pg) => {
+            let count = process_groups.len();
+            process_groups
+                .get_mut(pg)
+                .ok_or(Error::GroupOutOfRange { group: pg, count })
+        }
     }
 }
 

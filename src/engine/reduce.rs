@@ -315,10 +315,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let world = self.plan.world_size();
         let g = &self.plan.groups()[group];
         let (padded, shard_numel) = (g.padded_numel, g.shard_numel);
+        let (own_place, process_group) = (self.plan.place(g, self.rank), g.process_group);
         let dtype = self.place_dtype(place);
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;
         let start = self.mark(Stream::Reduce)?;
+        // A mean divides by every data-parallel rank, in a process group too: an expert's tokens
+        // come from all of them.
         let ranks = world.saturating_mul(self.plan.replicas());
         let scale = self.config.grad_reduction.scale(ranks);
         let region = Region::new(0, padded, dtype);
@@ -335,19 +338,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // Where nothing travels the sum over ranks is the place itself, scaled on its way to the
         // shard.
         let shard_scale = if let Some(tag) = tag {
+            let comm = super::group_comm(&mut self.comm, &mut self.process_groups, process_group)?;
             // SAFETY: the reduce stream waited (above) for compute's writes of the place; compute
             // writes a slot again only after waiting for this reduction (`Retire`), an
             // accumulator only in the next step, after `finish_grad_sync` waited for it.
             unsafe {
-                self.comm
-                    .reduce_scatter(&self.backend, Stream::Reduce, tag, source, region, scale)
+                comm.reduce_scatter(&self.backend, Stream::Reduce, tag, source, region, scale)
             }?;
             1.0
         } else {
             scale
         };
         self.counters.reduce_scatters += 1;
-        let own = Region::new(self.rank * shard_numel, shard_numel, dtype);
+        let own = Region::new(own_place * shard_numel, shard_numel, dtype);
         let count = self.grad_shards.len();
         // Made by `ensure_grad_shard` before any effect that writes it.
         let shard = self.grad_shards[group]

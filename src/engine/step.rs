@@ -118,7 +118,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     storage: match self.config.moment_dtype {
                         DType::Bf16 => MomentStorage::Bf16Stochastic {
                             seed: moment_seed(self.optimizer_steps, i),
-                            first_index: (self.rank * g.shard_numel) as u64,
+                            first_index: (self.plan.place(g, self.rank) * g.shard_numel) as u64,
                         },
                         _ => MomentStorage::F32,
                     },

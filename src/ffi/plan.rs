@@ -120,6 +120,7 @@ pub unsafe extern "C" fn fsdp_plan_from_specs(
                     tied: flag(s.tied, &format!("specs[{i}].tied"))?,
                     weight_decay: !flag(s.no_weight_decay, &format!("specs[{i}].no_weight_decay"))?,
                     lr_scale: if s.lr_scale == 0.0 { 1.0 } else { s.lr_scale },
+                    process_group: None,
                 })
             })
             .collect::<Outcome<Vec<_>>>()?;

@@ -74,6 +74,9 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::NumelOverflow { .. }
         | Error::UnknownDtype { .. }
         | Error::ZeroWorldSize
+        | Error::InvalidProcessGroup { .. }
+        | Error::UnknownProcessGroup { .. }
+        | Error::ProcessGroupMismatch { .. }
         | Error::RankOutOfRange { .. }
         | Error::LayoutOverflow { .. }
         | Error::SizeOverflow { .. }

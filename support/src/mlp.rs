@@ -6,6 +6,10 @@
 //! `0.5 * mean((out - y)^2)` against the teacher's output `y`, a model of the same shape with other
 //! weights. Both trainers run the same functions in the same order, so a correct sharded engine
 //! reproduces the reference exactly.
+//!
+//! With experts ([`Mlp::with_experts`]) the weight and bias of every odd layer are sharded over
+//! the process group [`EXPERT_GROUP`]: each group of its ranks holds its own copy of them (other
+//! values from the start, [`Mlp::copy_init`]), trained on its ranks' micro-batches only.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,9 +22,12 @@ use fsdp_fusion::optim::{
 };
 use fsdp_fusion::{
     Accumulation, Backend, Communicator, Counters, CpuBackend, DType, Engine, EngineConfig, Error,
-    Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Result,
-    Unit,
+    Input, LocalComm, MemoryUsage, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan,
+    ProcessGroupSpec, Result, Unit,
 };
+
+/// The process group of the example model's expert parameters.
+pub const EXPERT_GROUP: &str = "experts";
 
 use crate::rng::Rng;
 use crate::values::{max_relative_difference, narrow, round_to, widen};
@@ -140,6 +147,8 @@ pub enum Hook {
 pub struct Mlp {
     pub config: MlpConfig,
     pub ids: MlpParams,
+    /// The size of the expert process group, if the model has experts.
+    pub experts: Option<usize>,
 }
 
 impl Mlp {
@@ -147,7 +156,49 @@ impl Mlp {
         let ids = MlpParams {
             layers: config.layers,
         };
-        Mlp { config, ids }
+        Mlp {
+            config,
+            ids,
+            experts: None,
+        }
+    }
+
+    /// The model with the weight and bias of every odd layer sharded over groups of `size`
+    /// ranks of [`EXPERT_GROUP`], a copy per group.
+    pub fn with_experts(config: MlpConfig, size: usize) -> Mlp {
+        Mlp {
+            experts: Some(size),
+            ..Mlp::new(config)
+        }
+    }
+
+    /// Whether `param` is an expert parameter: one copy per group of expert ranks.
+    pub fn is_expert(&self, param: ParamId) -> bool {
+        self.experts.is_some()
+            && (0..self.config.layers)
+                .filter(|l| l % 2 == 1)
+                .any(|l| param == self.ids.weight(l) || param == self.ids.bias(l))
+    }
+
+    /// The copy of the expert parameters that rank `rank` holds (0 without experts).
+    pub fn copy_of(&self, rank: usize) -> usize {
+        self.experts.map_or(0, |size| rank / size)
+    }
+
+    /// The initial values of copy `copy` from `init`: the expert parameters' elements rotated
+    /// by `7 * copy` places, the others as they are.
+    pub fn copy_init(&self, init: &[Vec<f32>], copy: usize) -> Vec<Vec<f32>> {
+        init.iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let mut v = v.clone();
+                if self.is_expert(ParamId(i)) && !v.is_empty() {
+                    let by = 7 * copy % v.len();
+                    v.rotate_left(by);
+                }
+                v
+            })
+            .collect()
     }
 
     /// The declared parameters, in id order.
@@ -174,7 +225,24 @@ impl Mlp {
             );
         }
         params.push(ParamSpec::new("head.bias", &[c.inputs as u64], d).no_weight_decay());
-        ModelSpec::new(params)
+        let Some(size) = self.experts else {
+            return ModelSpec::new(params);
+        };
+        let params = params
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| match self.is_expert(ParamId(i)) {
+                true => p.in_process_group(EXPERT_GROUP),
+                false => p,
+            })
+            .collect();
+        ModelSpec::with_process_groups(
+            params,
+            vec![ProcessGroupSpec {
+                name: EXPERT_GROUP.into(),
+                size,
+            }],
+        )
     }
 
     /// Initial values from `seed`, in id order, before rounding to the dtype.
@@ -501,7 +569,9 @@ impl GradPath {
 }
 
 /// The unsharded trainer: every parameter whole, gradients of each rank's micro-batch combined
-/// as the engine's [`GradPath`] does, the same optimizer arithmetic.
+/// as the engine's [`GradPath`] does, the same optimizer arithmetic. With experts, one copy of
+/// the model per group of expert ranks: the dense parameters' gradients combined over every
+/// rank (the copies stay equal), the expert parameters' over the copy's ranks only.
 pub struct Reference {
     model: Mlp,
     world_size: usize,
@@ -511,16 +581,21 @@ pub struct Reference {
     trainable: Vec<bool>,
     /// Each parameter's learning-rate scale and whether weight decay applies.
     settings: Vec<(f32, bool)>,
-    /// Current values, as rounded to the dtype.
-    values: Vec<Vec<f32>>,
-    masters: Vec<Vec<f32>>,
-    moments: Vec<(Vec<f32>, Vec<f32>)>,
+    copies: Vec<CopyState>,
     /// bf16 moments round as the engine's do, by each element's group and place in its layout
     /// at this world size.
     moment_dtype: DType,
     layout: Vec<(usize, usize)>,
-    grads: Vec<Vec<f32>>,
     steps: u64,
+}
+
+/// One copy of the reference's parameters and optimizer state, in id order.
+struct CopyState {
+    /// Current values, as rounded to the dtype.
+    values: Vec<Vec<f32>>,
+    masters: Vec<Vec<f32>>,
+    moments: Vec<(Vec<f32>, Vec<f32>)>,
+    grads: Vec<Vec<f32>>,
 }
 
 struct PassGrads<'a> {
@@ -568,9 +643,23 @@ impl Reference {
         let path = GradPath::hybrid(config, replicas, shard_size);
         let spec = model.spec()?;
         let dtype = model.config.dtype;
-        let values: Vec<Vec<f32>> = init.iter().map(|v| round_to(dtype, v)).collect();
         let zeros = |v: &Vec<f32>| vec![0f32; v.len()];
         let plan = Plan::hybrid(&spec, replicas, shard_size)?;
+        let copies = (0..model.experts.map_or(1, |size| world_size / size))
+            .map(|copy| {
+                let values: Vec<Vec<f32>> = model
+                    .copy_init(init, copy)
+                    .iter()
+                    .map(|v| round_to(dtype, v))
+                    .collect();
+                CopyState {
+                    masters: values.clone(),
+                    moments: values.iter().map(|v| (zeros(v), zeros(v))).collect(),
+                    grads: values.iter().map(zeros).collect(),
+                    values,
+                }
+            })
+            .collect();
         Ok(Reference {
             layout: plan.params().iter().map(|p| (p.group, p.offset)).collect(),
             moment_dtype: config.moment_dtype,
@@ -580,10 +669,7 @@ impl Reference {
                 .iter()
                 .map(|p| (p.lr_scale, p.weight_decay))
                 .collect(),
-            masters: values.clone(),
-            moments: values.iter().map(|v| (zeros(v), zeros(v))).collect(),
-            grads: values.iter().map(zeros).collect(),
-            values,
+            copies,
             model,
             world_size,
             optimizer,
@@ -593,21 +679,41 @@ impl Reference {
         })
     }
 
-    /// Current values of every parameter, in id order.
+    /// Current values of every parameter, in id order (of the first copy, with experts).
     pub fn values(&self) -> &[Vec<f32>] {
-        &self.values
+        &self.copies[0].values
+    }
+
+    /// Current values of copy `copy` (its index among the groups of expert ranks), in id order.
+    pub fn copy_values(&self, copy: usize) -> Option<&[Vec<f32>]> {
+        self.copies.get(copy).map(|c| &c.values[..])
+    }
+
+    /// Copies of the parameters: one per group of expert ranks, 1 without experts.
+    pub fn copies(&self) -> usize {
+        self.copies.len()
     }
 
     /// The 2-norm and largest magnitude of the step's whole gradient: squares summed in f64 in
-    /// parameter order.
+    /// parameter order, an expert parameter's of every copy.
     fn grad_norm(&self) -> GradNorm {
-        let trainable = || self.grads.iter().zip(&self.trainable).filter(|(_, t)| **t);
+        let trainable = || {
+            self.copies.iter().enumerate().flat_map(move |(copy, c)| {
+                c.grads
+                    .iter()
+                    .enumerate()
+                    .filter(move |&(i, _)| {
+                        self.trainable[i] && (copy == 0 || self.model.is_expert(ParamId(i)))
+                    })
+                    .map(|(_, g)| g)
+            })
+        };
         let sum: f64 = trainable()
-            .flat_map(|(g, _)| g.iter())
+            .flat_map(|g| g.iter())
             .map(|&g| f64::from(g) * f64::from(g))
             .sum();
         let top = trainable()
-            .flat_map(|(g, _)| g.iter())
+            .flat_map(|g| g.iter())
             .map(|g| g.to_bits() & 0x7FFF_FFFF)
             .max()
             .unwrap_or(0);
@@ -621,31 +727,48 @@ impl Reference {
     /// and the gradient norm before clipping.
     pub fn step(&mut self, step: u64, passes: u64) -> Result<(f32, GradNorm)> {
         let mut loss = 0.0;
+        let params = self.trainable.len();
         // grads[param][pass][rank]; a parameter without a gradient in a pass gets zeros, as the
         // engine's slot does.
-        let mut grads: Vec<Vec<Vec<Vec<f32>>>> = vec![Vec::new(); self.values.len()];
+        let mut grads: Vec<Vec<Vec<Vec<f32>>>> = vec![Vec::new(); params];
         for pass in 0..passes {
             for g in &mut grads {
                 g.push(Vec::new());
             }
             for rank in 0..self.world_size {
                 let (x, y) = self.model.batch(step, pass, rank)?;
+                let values = &self.copies[self.model.copy_of(rank)].values;
                 let mut pg = PassGrads {
-                    values: &self.values,
-                    grads: vec![None; self.values.len()],
+                    values,
+                    grads: vec![None; params],
                 };
                 loss += self.model.pass(&mut pg, &x, &y)?;
                 for (i, g) in pg.grads.into_iter().enumerate() {
-                    let g = g.unwrap_or_else(|| vec![0.0; self.values[i].len()]);
+                    let g = g.unwrap_or_else(|| vec![0.0; values[i].len()]);
                     if let Some(current) = grads[i].last_mut() {
                         current.push(g);
                     }
                 }
             }
         }
+        let copies = self.copies.len();
+        let ranks_per_copy = self.world_size / copies;
         for (i, g) in grads.iter().enumerate() {
-            if self.trainable[i] {
-                self.grads[i] = self.path.combine(g);
+            if !self.trainable[i] {
+                continue;
+            }
+            if self.model.is_expert(ParamId(i)) {
+                for (copy, state) in self.copies.iter_mut().enumerate() {
+                    let block = copy * ranks_per_copy..(copy + 1) * ranks_per_copy;
+                    let own: Vec<Vec<Vec<f32>>> =
+                        g.iter().map(|pass| pass[block.clone()].to_vec()).collect();
+                    state.grads[i] = self.path.combine(&own);
+                }
+            } else {
+                let combined = self.path.combine(g);
+                for state in &mut self.copies {
+                    state.grads[i] = combined.clone();
+                }
             }
         }
         self.steps += 1;
@@ -659,7 +782,7 @@ impl Reference {
             .optimizer
             .with_lr_and_decay(lr, self.optimizer.weight_decay())?;
         let dtype = self.model.config.dtype;
-        for i in 0..self.values.len() {
+        for i in 0..params {
             if !self.trainable[i] {
                 continue;
             }
@@ -672,7 +795,6 @@ impl Reference {
                     grad_scale,
                 },
             );
-            let (m, v) = &mut self.moments[i];
             let (group, offset) = self.layout[i];
             let seed = moment_seed(self.steps, group);
             let moment_dtype = self.moment_dtype;
@@ -683,25 +805,28 @@ impl Reference {
                 }
                 _ => x,
             };
-            for j in 0..self.values[i].len() {
-                let g = self.grads[i][j];
-                let p = self.masters[i][j];
-                let p = match update {
-                    Update::Sgd {
-                        lr,
-                        weight_decay,
-                        grad_scale,
-                    } => sgd_element(p, g, lr, weight_decay, grad_scale),
-                    Update::AdamW(c) => {
-                        let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
-                        m[j] = stored(mj, j, 0);
-                        v[j] = stored(vj, j, 1);
-                        p
-                    }
-                };
-                self.masters[i][j] = p;
+            for state in &mut self.copies {
+                let (m, v) = &mut state.moments[i];
+                for j in 0..state.values[i].len() {
+                    let g = state.grads[i][j];
+                    let p = state.masters[i][j];
+                    let p = match update {
+                        Update::Sgd {
+                            lr,
+                            weight_decay,
+                            grad_scale,
+                        } => sgd_element(p, g, lr, weight_decay, grad_scale),
+                        Update::AdamW(c) => {
+                            let (p, mj, vj) = adamw_element(p, m[j], v[j], g, &c);
+                            m[j] = stored(mj, j, 0);
+                            v[j] = stored(vj, j, 1);
+                            p
+                        }
+                    };
+                    state.masters[i][j] = p;
+                }
+                state.values[i] = round_to(dtype, &state.masters[i]);
             }
-            self.values[i] = round_to(dtype, &self.masters[i]);
         }
         Ok((loss / (passes as usize * self.world_size) as f32, norm))
     }
@@ -724,14 +849,25 @@ pub struct RankSummary {
     pub counters: Counters,
 }
 
-/// Every parameter's values, assembled from each rank's shards after a step.
+/// Every parameter's values, assembled from each rank's shards after a step (the first copy,
+/// with experts).
 pub fn assemble(plan: &Plan, ranks: &[RankStep]) -> Result<Vec<Vec<f32>>> {
+    assemble_copy(plan, ranks, 0)
+}
+
+/// As [`assemble`], with copy `copy` of each group of a process group (the shards of the ranks
+/// of its `copy`th group of ranks); a group with fewer copies gives its last.
+pub fn assemble_copy(plan: &Plan, ranks: &[RankStep], copy: usize) -> Result<Vec<Vec<f32>>> {
     (0..plan.params().len())
         .map(|i| {
             let id = ParamId(i);
             let layout = plan.param(id)?;
+            let group = plan.group(layout.group)?;
+            let first = copy.min(plan.copies(group) - 1) * group.shards;
             let shards: Vec<Vec<u8>> = ranks
                 .iter()
+                .skip(first)
+                .take(group.shards)
                 .map(|r| r.shards[layout.group].clone())
                 .collect();
             Ok(widen(layout.dtype, &plan.assemble_param(id, &shards)?))
@@ -814,6 +950,18 @@ impl Training<'_> {
         &self,
         ranks: Vec<(B, C)>,
         checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.compare_in_process_groups(without_process_groups(ranks), checkpoints, on_step)
+    }
+
+    /// As [`Training::compare_with`], each rank with its communicators of the plan's process
+    /// groups ([`Engine::with_process_groups`]); every copy of the expert parameters is
+    /// compared with the reference's.
+    pub fn compare_in_process_groups<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let (replicas, world) = (self.plan.replicas(), self.plan.world_size());
@@ -827,21 +975,23 @@ impl Training<'_> {
         for step in 0..checkpoints.start()? {
             reference.step(step, self.passes)?;
         }
-        self.on_ranks_with(ranks, checkpoints, |step, ranks| {
+        self.on_ranks_in_process_groups(ranks, checkpoints, |step, ranks| {
             let (reference_loss, reference_norm) = reference.step(step, self.passes)?;
             let comparison = Comparison {
                 loss: ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32,
                 reference_loss,
                 grad_norm: ranks.first().map_or(f32::NAN, |r| r.grad_norm.l2),
                 reference_grad_norm: reference_norm.l2,
-                // Every replica's parameters, each against the reference.
+                // Every replica's parameters, each copy against the reference's.
                 difference: ranks
                     .chunks(world)
-                    .map(|replica| {
-                        assemble(self.plan, replica)
-                            .map(|values| max_relative_difference(&values, reference.values()))
+                    .flat_map(|replica| (0..reference.copies()).map(move |copy| (replica, copy)))
+                    .map(|(replica, copy)| {
+                        let values = assemble_copy(self.plan, replica, copy)?;
+                        let expected = reference.copy_values(copy).unwrap_or_default();
+                        Ok(max_relative_difference(&values, expected))
                     })
-                    .try_fold(0f32, |worst, d| d.map(|d| worst.max(d)))?,
+                    .try_fold(0f32, |worst, d: Result<f32>| d.map(|d| worst.max(d)))?,
             };
             on_step(step, &comparison)
         })
@@ -873,6 +1023,17 @@ impl Training<'_> {
         &self,
         ranks: Vec<(B, C)>,
         checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.on_ranks_in_process_groups(without_process_groups(ranks), checkpoints, on_step)
+    }
+
+    /// As [`Training::on_ranks_with`], each rank with its communicators of the plan's process
+    /// groups; a rank starts from its copy's initial values ([`Mlp::copy_init`]).
+    pub fn on_ranks_in_process_groups<B: Backend, C: Communicator<B>>(
+        &self,
+        ranks: Vec<(B, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
         mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let start = checkpoints.start()?;
@@ -898,15 +1059,20 @@ impl Training<'_> {
         std::thread::scope(|scope| {
             let handles: Vec<_> = ranks
                 .into_iter()
-                .map(|(backend, comm)| {
+                .map(|(backend, comm, process_groups)| {
                     let tx = tx.clone();
                     scope.spawn(move || -> Result<RankSummary> {
                         let rank = comm.replica().index * shard_size + comm.rank();
-                        let mut engine =
-                            Engine::new(Arc::clone(plan), config.clone(), backend, comm)?;
+                        let mut engine = Engine::with_process_groups(
+                            Arc::clone(plan),
+                            config.clone(),
+                            backend,
+                            comm,
+                            process_groups,
+                        )?;
                         match checkpoints.resume {
                             Some(dir) => engine.load(dir)?,
-                            None => load(&mut engine, init)?,
+                            None => load(&mut engine, &model.copy_init(init, model.copy_of(rank)))?,
                         }
                         let base_lr = config.optimizer.lr();
                         for step in start..steps {
@@ -967,4 +1133,12 @@ impl Training<'_> {
             failure.map_or(Ok(summaries), Err)
         })
     }
+}
+
+/// Ranks with no process-group communicators.
+fn without_process_groups<B, C>(ranks: Vec<(B, C)>) -> Vec<(B, C, Vec<C>)> {
+    ranks
+        .into_iter()
+        .map(|(backend, comm)| (backend, comm, Vec::new()))
+        .collect()
 }

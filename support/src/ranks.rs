@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use fsdp_fusion::{CpuBackend, Engine, EngineConfig, LocalComm, Plan};
+use fsdp_fusion::comm::process_group_comms;
+use fsdp_fusion::{CpuBackend, Engine, EngineConfig, LocalComm, Plan, Result};
 
 /// How long a multi-rank run may take before the test fails instead of hanging.
 pub const DEADLINE: Duration = Duration::from_secs(300);
@@ -129,7 +130,30 @@ pub fn on_ranks<R: Send + 'static>(
 
 pub type CpuEngine = Engine<CpuBackend, LocalComm>;
 
-/// Runs `f` on an engine of every rank of `plan`'s world size, as [`on_ranks`].
+/// Every rank of `plan`'s world size in `mode`, in rank order: its backend, its local
+/// communicator, and its communicators of the plan's process groups.
+pub fn local_ranks(
+    plan: &Plan,
+    mode: Mode,
+) -> Result<Vec<(CpuBackend, LocalComm, Vec<LocalComm>)>> {
+    let world = plan.world_size();
+    let mut groups: Vec<std::vec::IntoIter<LocalComm>> = plan
+        .process_groups()
+        .iter()
+        .map(|g| process_group_comms(world, g.size, LocalComm::group).map(Vec::into_iter))
+        .collect::<Result<_>>()?;
+    LocalComm::group(world)?
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let own = groups.iter_mut().filter_map(Iterator::next).collect();
+            Ok((mode.backend(rank), comm, own))
+        })
+        .collect()
+}
+
+/// Runs `f` on an engine of every rank of `plan`'s world size (in its process groups), one
+/// thread each, under [`DEADLINE`]; returns the results in rank order.
 pub fn on_engines<R: Send + 'static>(
     plan: &Arc<Plan>,
     config: &EngineConfig,
@@ -137,10 +161,20 @@ pub fn on_engines<R: Send + 'static>(
     f: impl Fn(CpuEngine) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let (plan, config) = (Arc::clone(plan), config.clone());
-    on_ranks(plan.world_size(), mode, move |_, backend, comm| {
-        let engine = Engine::new(Arc::clone(&plan), config.clone(), backend, comm)
+    let what = format!("{} ranks ({mode:?})", plan.world_size());
+    within_deadline(&what, move || {
+        let ranks = local_ranks(&plan, mode).unwrap_or_else(|e| panic!("local ranks: {e}"));
+        on_threads(ranks, |_, (backend, comm, groups)| {
+            let engine = Engine::with_process_groups(
+                Arc::clone(&plan),
+                config.clone(),
+                backend,
+                comm,
+                groups,
+            )
             .unwrap_or_else(|e| panic!("an engine: {e}"));
-        f(engine)
+            f(engine)
+        })
     })
 }
 
