@@ -6,6 +6,7 @@
 //! cargo run --release --example train -- --backend cuda --comm loopback   # ranks on one GPU
 //! cargo run --release --example train -- --backend cuda --comm nccl       # one GPU per rank
 //! cargo run --release --example train -- --ranks 8 --replicas 2   # hybrid: 2 replicas of 4
+//! cargo run --release --example train -- --ranks 8 --experts 2    # expert groups of 2 ranks
 //! cargo run --release --example train -- --steps 10 --save run        # then:
 //! cargo run --release --example train -- --steps 20 --resume run --export model.safetensors
 
@@ -18,6 +19,7 @@ use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::comm::process_group_comms;
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{Accumulation, DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
 use fsdp_fusion_support::mlp::{Checkpoints, Comparison, Mlp, MlpConfig, Recipe, Training};
@@ -85,6 +87,10 @@ struct Args {
     /// `ranks / replicas` ranks; gradients are all-reduced across the replicas.
     #[arg(long, default_value_t = 1)]
     replicas: usize,
+    /// Expert parameters: every odd layer's weight and bias sharded over groups of this many
+    /// ranks, each group with its own copy trained on its ranks' data.
+    #[arg(long)]
+    experts: Option<usize>,
     #[arg(long, default_value_t = 4)]
     layers: usize,
     #[arg(long, default_value_t = 64)]
@@ -182,7 +188,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         Dtype::Bf16 => DType::Bf16,
         Dtype::F16 => DType::F16,
     };
-    let model = Mlp::new(MlpConfig {
+    let shape = MlpConfig {
         layers: args.layers,
         width: args.width,
         inputs: args.inputs,
@@ -190,7 +196,11 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         dtype,
         seed: 7,
         embed_lr_scale: 1.0,
-    });
+    };
+    let model = match args.experts {
+        Some(size) => Mlp::with_experts(shape, size),
+        None => Mlp::new(shape),
+    };
     let optimizer = match args.optimizer {
         Optimizer::Adamw => OptimizerConfig::AdamW {
             lr: args.lr,
@@ -247,7 +257,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     };
 
     println!(
-        "fsdp-fusion: {} {} ranks ({} replica(s) of {}), {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step ({:?}), gradients travel in {}",
+        "fsdp-fusion: {} {} ranks ({} replica(s) of {}{}), {} layers of width {}, {}, {} groups, limit {}, overlap {}, {} pass(es) per step ({:?}), gradients travel in {}",
         args.ranks,
         match args.backend {
             BackendKind::Cpu => "CPU",
@@ -255,6 +265,9 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         },
         args.replicas,
         shard_size,
+        args.experts.map_or(String::new(), |size| format!(
+            ", experts in groups of {size}"
+        )),
         args.layers,
         args.width,
         dtype,
@@ -330,45 +343,46 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             .as_deref()
             .or(export_dir.as_ref().map(|(dir, _)| dir.as_path())),
     };
-    let summaries = match setup {
-        Setup::CpuLocal => {
+    let summaries = match (setup, args.experts) {
+        (Setup::CpuLocal, Some(size)) => {
+            let ranks = expert_ranks(args.ranks, size, fsdp_fusion::LocalComm::group, |_| {
+                Ok(fsdp_fusion::CpuBackend::new())
+            })?;
+            training.compare_in_process_groups(ranks, checkpoints, on_step)?
+        }
+        (Setup::CudaLoopback, Some(size)) => {
+            let ranks = expert_ranks(args.ranks, size, LoopbackComm::group, |_| {
+                CudaBackend::new(0)
+            })?;
+            training.compare_in_process_groups(ranks, checkpoints, on_step)?
+        }
+        (Setup::CudaNccl, Some(_)) => {
+            let timeout = fsdp_fusion::watch::DEFAULT_TIMEOUT;
+            let ranks = on_each_gpu(args.ranks, |c| {
+                let groups = c.process_groups(plan.process_groups(), timeout)?;
+                Ok((CudaBackend::new(c.device())?, c, groups))
+            })?;
+            training.compare_in_process_groups(ranks, checkpoints, on_step)?
+        }
+        (Setup::CpuLocal, None) => {
             let ranks = Hybrid::grid(args.replicas, shard_size, fsdp_fusion::LocalComm::group)?
                 .into_iter()
                 .map(|c| (fsdp_fusion::CpuBackend::new(), c))
                 .collect();
             training.compare_with(ranks, checkpoints, on_step)?
         }
-        Setup::CudaLoopback => {
+        (Setup::CudaLoopback, None) => {
             let ranks = Hybrid::grid(args.replicas, shard_size, LoopbackComm::group)?
                 .into_iter()
                 .map(|c| Ok((CudaBackend::new(0)?, c)))
                 .collect::<fsdp_fusion::Result<Vec<_>>>()?;
             training.compare_with(ranks, checkpoints, on_step)?
         }
-        Setup::CudaNccl => {
-            let devices: Vec<usize> = (0..args.ranks).collect();
+        (Setup::CudaNccl, None) => {
             let timeout = fsdp_fusion::watch::DEFAULT_TIMEOUT;
-            let comms = NcclComm::group(&devices, timeout)?;
-            // Each rank splits its communicators at once with the others: one thread each.
-            let ranks = std::thread::scope(|s| {
-                let splits: Vec<_> = comms
-                    .into_iter()
-                    .map(|c| {
-                        s.spawn(move || -> fsdp_fusion::Result<_> {
-                            let hybrid = c.hybrid(args.replicas, timeout)?;
-                            Ok((CudaBackend::new(c.device())?, hybrid))
-                        })
-                    })
-                    .collect();
-                splits
-                    .into_iter()
-                    .enumerate()
-                    .map(|(rank, split)| {
-                        split
-                            .join()
-                            .map_err(|_| fsdp_fusion::Error::RankPanicked { rank })?
-                    })
-                    .collect::<fsdp_fusion::Result<Vec<_>>>()
+            let ranks = on_each_gpu(args.ranks, |c| {
+                let hybrid = c.hybrid(args.replicas, timeout)?;
+                Ok((CudaBackend::new(c.device())?, hybrid))
             })?;
             training.compare_with(ranks, checkpoints, on_step)?
         }
@@ -413,6 +427,43 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Every rank's backend (`backend(rank)`), communicator and expert group's communicator, the
+/// groups of `size` ranks, from `group(n)`, which makes the handles of one group of `n` ranks.
+fn expert_ranks<B, C>(
+    ranks: usize,
+    size: usize,
+    mut group: impl FnMut(usize) -> fsdp_fusion::Result<Vec<C>>,
+    backend: impl Fn(usize) -> fsdp_fusion::Result<B>,
+) -> fsdp_fusion::Result<Vec<(B, C, Vec<C>)>> {
+    let experts = process_group_comms(ranks, size, &mut group)?;
+    group(ranks)?
+        .into_iter()
+        .zip(experts)
+        .enumerate()
+        .map(|(rank, (comm, expert))| Ok((backend(rank)?, comm, vec![expert])))
+        .collect()
+}
+
+/// An NCCL group of `ranks` GPUs (rank r on GPU r), each rank's communicator then given to
+/// `make` on a thread of its own: the splits in it are collectives of every rank at once.
+fn on_each_gpu<T: Send>(
+    ranks: usize,
+    make: impl Fn(NcclComm) -> fsdp_fusion::Result<T> + Sync,
+) -> fsdp_fusion::Result<Vec<T>> {
+    let devices: Vec<usize> = (0..ranks).collect();
+    let comms = NcclComm::group(&devices, fsdp_fusion::watch::DEFAULT_TIMEOUT)?;
+    std::thread::scope(|s| {
+        let made: Vec<_> = comms.into_iter().map(|c| s.spawn(|| make(c))).collect();
+        made.into_iter()
+            .enumerate()
+            .map(|(rank, made)| {
+                made.join()
+                    .map_err(|_| fsdp_fusion::Error::RankPanicked { rank })?
+            })
+            .collect()
+    })
 }
 
 fn main() -> ExitCode {

@@ -141,9 +141,7 @@ impl Plan {
             if replicas > 1 {
                 return Err(Error::InvalidProcessGroup {
                     name: g.name.clone(),
-                    reason: format!(
-                        "is declared, and hybrid sharding ({replicas} replicas) has none"
-                    ),
+                    reason: format!("is not supported under hybrid sharding ({replicas} replicas)"),
                 });
             }
             if g.size == 0 || world_size % g.size != 0 {

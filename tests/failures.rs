@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_fusion::{
     Communicator, CpuBackend, DType, Engine, EngineConfig, Error, Input, ModelSpec,
-    OptimizerConfig, ParamSpec, Plan, Result, Unit,
+    OptimizerConfig, ParamSpec, Plan, ProcessGroupSpec, Result, Unit,
 };
 use fsdp_fusion_support::faults::{Faulty, is_injected};
 use fsdp_fusion_support::ranks::{for_each_mode, on_engines, on_ranks};
@@ -196,6 +196,42 @@ fn a_rank_whose_thread_ends_mid_step_fails_its_peers_at_once() {
             "{outcomes:?}"
         );
         assert!(start.elapsed() < Duration::from_secs(60), "the peer waited");
+    });
+}
+
+#[test]
+fn a_rank_that_leaves_mid_step_fails_its_expert_group_and_the_world_at_once() {
+    // "a" sharded over the world of 4, "b" over groups of 2 ranks: rank 3 leaves both.
+    let model = ModelSpec::with_process_groups(
+        vec![
+            ParamSpec::new("a", &[64], DType::F32).in_unit(0),
+            ParamSpec::new("b", &[64], DType::F32)
+                .in_unit(1)
+                .in_process_group("experts"),
+        ],
+        vec![ProcessGroupSpec {
+            name: "experts".into(),
+            size: 2,
+        }],
+    )
+    .unwrap();
+    for_each_mode(|mode| {
+        let start = Instant::now();
+        let outcomes = on_engines(&plan(&model, 4), &sgd(), mode, |mut e| {
+            forward(&mut e).unwrap();
+            if e.rank() == 3 {
+                return None;
+            }
+            let error = backward_in_order(&mut e, ["b", "a"]).unwrap_err();
+            Some(root(&error).clone())
+        });
+        for (rank, outcome) in outcomes.iter().take(3).enumerate() {
+            assert!(
+                matches!(outcome, Some(Error::PeerGone { .. })),
+                "rank {rank}: {outcome:?}"
+            );
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "a peer waited");
     });
 }
 

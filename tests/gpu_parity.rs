@@ -1,6 +1,7 @@
 //! The engine on the CUDA backend trains the example model exactly like the unsharded reference
 //! (and so like the CPU backend), parameter by parameter after every step: loopback at world sizes
-//! 1, 2, 4 and 8 on one GPU, and NCCL at world size 1.
+//! 1, 2, 4 and 8 on one GPU (hybrid grids and expert groups among them), and NCCL at world size
+//! 1.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,13 +10,14 @@ use fsdp_fusion::backend::cuda::{CudaBackend, DeviceAllocator};
 use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::comm::process_group_comms;
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
     Accumulation, Backend, Communicator, DType, EngineConfig, GradShardMemory, ParamStorage, Plan,
     Stream,
 };
-use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Training};
+use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
@@ -142,6 +144,89 @@ fn loopback_hybrid_grids_equal_the_reference() {
             );
         }
     }
+}
+
+/// Trains the model with expert groups of `size` on `ranks` (each with its process groups)
+/// beside the reference; returns the largest relative difference of any copy over all steps.
+fn expert_parity<C: Communicator<CudaBackend>>(
+    dtype: DType,
+    size: usize,
+    ranks: Vec<(CudaBackend, C, Vec<C>)>,
+) -> f32 {
+    let model = Mlp::with_experts(model(dtype).config, size);
+    let plan = Arc::new(Plan::new(&model.spec().unwrap(), ranks.len()).unwrap());
+    let init = model.init(9);
+    let config = EngineConfig {
+        reduce_dtype: dtype,
+        verify_collectives: true,
+        ..EngineConfig::default()
+    };
+    let training = Training {
+        model: &model,
+        plan: &plan,
+        config: &config,
+        init: &init,
+        steps: STEPS,
+        passes: PASSES,
+        recipe: Recipe {
+            clip: Some(0.05),
+            ..Recipe::default()
+        },
+    };
+    let mut worst = 0f32;
+    let summaries = training
+        .compare_in_process_groups(ranks, Checkpoints::default(), |step, c| {
+            let norms = (c.grad_norm - c.reference_grad_norm).abs() / c.reference_grad_norm;
+            assert!(norms <= 1e-6, "step {step}: {c:?}");
+            worst = worst.max(c.difference);
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let predicted = plan.memory_per_rank(&config).unwrap();
+    for (rank, s) in summaries.iter().enumerate() {
+        let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
+        assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");
+    }
+    worst
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn loopback_expert_groups_equal_the_reference() {
+    for (world, size) in [(4, 2), (8, 2), (8, 4), (4, 1)] {
+        for dtype in [DType::F32, DType::Bf16] {
+            let groups = process_group_comms(world, size, LoopbackComm::group).unwrap();
+            let ranks = loopback(world)
+                .into_iter()
+                .zip(groups)
+                .map(|((backend, comm), group)| (backend, comm, vec![group]))
+                .collect();
+            let diff = expert_parity(dtype, size, ranks);
+            eprintln!("loopback experts {world} ranks, groups of {size}, {dtype}: {diff:e}");
+            assert!(
+                diff <= 1e-6,
+                "{world} ranks, groups of {size}, {dtype}: {diff}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nccl_engine_with_an_expert_group_at_world_size_1_equals_the_reference() {
+    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+    let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
+    let comm =
+        NcclComm::new(&id, 0, 1, &backend, DEFAULT_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
+    let model = Mlp::with_experts(model(DType::Bf16).config, 1);
+    let spec = model.spec().unwrap();
+    let groups = comm
+        .process_groups(&spec.process_groups, DEFAULT_TIMEOUT)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(groups.len(), 1);
+    let diff = expert_parity(DType::Bf16, 1, vec![(backend, comm, groups)]);
+    eprintln!("nccl world 1 with an expert group: {diff:e}");
+    assert!(diff <= 1e-6, "{diff}");
 }
 
 #[test]

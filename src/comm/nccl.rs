@@ -29,6 +29,7 @@ use crate::comm::{
 };
 use crate::dtype::store_f32;
 use crate::error::{Error, Result};
+use crate::spec::ProcessGroupSpec;
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use handle::{Handle, Probe};
@@ -371,6 +372,32 @@ impl NcclComm {
         let shard = self.split(replica, place, timeout)?;
         let across = self.split(place, replica, timeout)?;
         Ok(Hybrid::new(shard, across))
+    }
+
+    /// This rank's communicator of its group of ranks of each of `process_groups`
+    /// ([`crate::ProcessGroupSpec`], in that order): rank `r` at place `r % size` of the ranks
+    /// `r / size * size ..`. A collective of every rank, each split waited for at most
+    /// `timeout`; a size that does not divide the world is refused before any split.
+    pub fn process_groups(
+        &self,
+        process_groups: &[ProcessGroupSpec],
+        timeout: Duration,
+    ) -> Result<Vec<NcclComm>> {
+        for g in process_groups {
+            if g.size == 0 || self.world_size % g.size != 0 {
+                return Err(Error::InvalidProcessGroup {
+                    name: g.name.clone(),
+                    reason: format!(
+                        "has {} ranks, which do not divide the {} ranks",
+                        g.size, self.world_size
+                    ),
+                });
+            }
+        }
+        process_groups
+            .iter()
+            .map(|g| self.split(self.rank / g.size, self.rank % g.size, timeout))
+            .collect()
     }
 
     /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for

@@ -5,7 +5,7 @@ use std::ffi::{c_int, c_void};
 use std::time::Duration;
 
 use super::allocator::{allocator_of, fsdp_device_allocator};
-use super::group::{device_ordinal, give_back, take_comm, unique_id_of};
+use super::group::{device_ordinal, give_back, take_comms, unique_id_of};
 use super::handles::{
     AnyEngine, Comms, abort_engine, destroy, engine_report, object, on_engine, plan_of,
     store_engine, with_engine, wrong_kind,
@@ -20,6 +20,8 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Input};
 use crate::comm::launch::LaunchEnv;
+use crate::comm::local::LocalComm;
+use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::{NcclComm, UNIQUE_ID_BYTES};
 use crate::config::GradShardMemory;
 use crate::engine::Engine;
@@ -59,11 +61,17 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
             None => CpuBackend::new(),
             Some(seed) => CpuBackend::asynchronous(seed.wrapping_add(rank as u64))?,
         };
-        let comm = take_comm(comms, rank)?;
-        match Engine::try_new(plan, config, backend, comm) {
+        let declared = plan.process_groups().to_vec();
+        let (comm, groups) = take_comms(comms, rank, &declared, LocalComm::group)?;
+        match Engine::try_with_process_groups(plan, config, backend, comm, groups) {
             Ok(engine) => store_engine(AnyEngine::Cpu(engine), out),
             Err(refused) => {
-                give_back(comms, rank, refused.comm)?;
+                give_back(
+                    comms,
+                    rank,
+                    &declared,
+                    (refused.comm, refused.process_groups),
+                )?;
                 Err(refused.error.into())
             }
         }
@@ -215,7 +223,8 @@ unsafe fn nccl_engine(
     }
     let id = unique_id(config.timeout)?;
     let comm = NcclComm::new(&id, rank, world_size, &backend, config.timeout)?;
-    let engine = Engine::new(plan, config, backend, comm)?;
+    let groups = comm.process_groups(plan.process_groups(), config.timeout)?;
+    let engine = Engine::with_process_groups(plan, config, backend, comm, groups)?;
     store_engine(AnyEngine::CudaNccl(engine), out)
 }
 
@@ -253,11 +262,17 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
         };
         // SAFETY: the function's contract.
         let backend = unsafe { cuda_backend(device, stream, allocator) }?;
-        let comm = take_comm(comms, rank)?;
-        match Engine::try_new(plan, config, backend, comm) {
+        let declared = plan.process_groups().to_vec();
+        let (comm, groups) = take_comms(comms, rank, &declared, LoopbackComm::group)?;
+        match Engine::try_with_process_groups(plan, config, backend, comm, groups) {
             Ok(engine) => store_engine(AnyEngine::CudaLoopback(engine), out),
             Err(refused) => {
-                give_back(comms, rank, refused.comm)?;
+                give_back(
+                    comms,
+                    rank,
+                    &declared,
+                    (refused.comm, refused.process_groups),
+                )?;
                 Err(refused.error.into())
             }
         }

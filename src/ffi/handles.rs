@@ -7,6 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::thread::ThreadId;
 
+use super::group::Takeable;
 use super::registry::{Object, Registry, lock};
 use super::status::{Failure, Outcome, fsdp_status, null, panic_message, put};
 use super::types::{fsdp_counters, fsdp_engine, fsdp_plan};
@@ -44,11 +45,11 @@ pub(crate) use with_engine;
 /// when its engine could not be made).
 pub(crate) enum Comms {
     Local {
-        comms: Mutex<Vec<Option<LocalComm>>>,
+        comms: Mutex<Takeable<LocalComm>>,
         /// The seed of the group's asynchronous backends; none for eager ones.
         seed: Option<u64>,
     },
-    Loopback(Mutex<Vec<Option<LoopbackComm>>>),
+    Loopback(Mutex<Takeable<LoopbackComm>>),
 }
 
 /// An engine and what other threads reach without its lock.
