@@ -5,10 +5,12 @@
 #      against the unsharded reference after every step;
 #   2. hybrid sharding on NCCL (one process): 2 replicas of n/2 ranks and n/2 replicas of 2, and
 #      plain data parallelism (n replicas of 1), against the reference of n ranks;
-#   3. a launch like torchrun: one process per GPU, each rank's place from RANK, WORLD_SIZE,
+#   3. expert groups on NCCL (one process): the odd layers sharded over groups of 2 and of n/2
+#      ranks, a copy per group, against the reference;
+#   4. a launch like torchrun: one process per GPU, each rank's place from RANK, WORLD_SIZE,
 #      LOCAL_RANK, MASTER_ADDR and MASTER_PORT, the NCCL unique id served by rank 0 over TCP,
 #      plain and with 2 replicas (rank 0 checks the gathered model against the reference);
-#   4. the pipeline benchmark on 2, 4 and 8 GPUs (NCCL), with a trace of one step.
+#   5. the pipeline benchmark on 2, 4 and 8 GPUs (NCCL), with a trace of one step.
 # Keep NVLink multicast off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -28,6 +30,12 @@ for n in 2 4 8; do
     .gpu/bin/train --backend cuda --comm nccl --ranks "$n" --replicas "$replicas" --steps 20 \
       >"$log" 2>&1
     echo "nccl $n, $replicas replicas: rc=$? $(grep 'largest relative' "$log")"
+  done
+  for size in 2 $((n / 2)); do
+    log="$out/experts-nccl$n-g$size.log"
+    .gpu/bin/train --backend cuda --comm nccl --ranks "$n" --experts "$size" --steps 20 \
+      >"$log" 2>&1
+    echo "nccl $n, expert groups of $size: rc=$? $(grep 'largest relative' "$log")"
   done
   for replicas in 1 2; do
     log="$out/launch-$n-r$replicas"

@@ -89,12 +89,13 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
     writeln!(out)?;
     writeln!(
         out,
-        "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>8}",
+        "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:<14}  {:>6}  {:>12}  {:>12}  {:>12}  {:>8}",
         "group",
         "dtype",
         "trainable",
         "unit",
         "tied",
+        "sharded over",
         "params",
         "numel",
         "padded",
@@ -108,12 +109,18 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         padded_all += g.padded_numel;
         writeln!(
             out,
-            "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:>6}  {:>12}  {:>12}  {:>12}  {:>7.1}%",
+            "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:<14}  {:>6}  {:>12}  {:>12}  {:>12}  {:>7.1}%",
             g.index,
             g.dtype.name(),
             if g.trainable { "yes" } else { "frozen" },
             g.unit.layer().map_or("-".to_string(), |u| u.to_string()),
             if g.tied { "yes" } else { "" },
+            match g.process_group {
+                Some(pg) => format!("{} {}", g.shards, plan.process_groups()[pg].name),
+                None => format!("{} (world)", g.shards),
+            }
+            .escape_debug()
+            .to_string(),
             g.params.len(),
             numel,
             g.padded_numel,

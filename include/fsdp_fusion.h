@@ -339,7 +339,9 @@ enum fsdp_status fsdp_checkpoint_export_safetensors(const char *dir, const char 
 // naming the first differing parameter, where they differ. Parameters start at zero until
 // `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. A failed call gives the
 // communicator back to the group: the rank can try again (with a smaller configuration after
-// `FSDP_OUT_OF_MEMORY`, say).
+// `FSDP_OUT_OF_MEMORY`, say). For a plan with process groups the group makes every rank's
+// communicators of each when the first rank asks, and each rank takes its own with the
+// world's.
 //
 // # Safety
 // `config` is NULL or valid for a read; `out` is NULL or valid for a write.
@@ -358,7 +360,8 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 // makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 // own gather and reduce streams, and two NCCL communicators (one for gathers, one for
-// reductions, so that neither waits behind the other). `allocator` is NULL (buffers from
+// reductions, so that neither waits behind the other), and for each process group of the plan
+// two more, split from those (`ncclCommSplit`, a collective of every rank). `allocator` is NULL (buffers from
 // `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
 // from; it is copied.
 //
@@ -411,8 +414,8 @@ enum fsdp_status fsdp_engine_create_cuda_nccl_env(const struct fsdp_plan *plan,
 // Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 // `group` (once per rank, and only once the device is found usable: a failed call leaves it in
 // the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
-// each rank its own; `allocator` as there. Does not block on the other ranks. Release with
-// `fsdp_engine_destroy`.
+// each rank its own; `allocator` as there. Process groups as for `fsdp_engine_create_cpu`.
+// Release with `fsdp_engine_destroy`.
 //
 // # Safety
 // `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an
@@ -658,6 +661,14 @@ enum fsdp_status fsdp_loopback_group_destroy(struct fsdp_loopback_group *group);
 // `FSDP_INVALID_ARGUMENT` and a message giving its line and column. The plan is the caller's:
 // release it with `fsdp_plan_destroy` (engines keep what they need).
 //
+// The file may declare process groups (`"process_groups": [{"name": "experts", "size": 2}]`)
+// that parameters name (`"group": "experts"`), for mixture-of-experts parameters: the world's
+// ranks split into groups of `size` consecutive ranks (rank `r` in group `r / size` at place
+// `r % size`), each holding its own copy of such a parameter, sharded over the group's ranks,
+// its gradients summed over them only (a mean still divides by the world size). A size that
+// does not divide `world_size` is `FSDP_INVALID_ARGUMENT`. The engine functions make each
+// rank's communicators of its groups themselves.
+//
 // # Safety
 // `json` is NULL or NUL-terminated; `out` is NULL or valid for a write.
 enum fsdp_status fsdp_plan_from_json(const char *json, size_t world_size, struct fsdp_plan **out);
@@ -668,7 +679,8 @@ enum fsdp_status fsdp_plan_from_json(const char *json, size_t world_size, struct
 // `path` is NULL or NUL-terminated; `out` is NULL or valid for a write.
 enum fsdp_status fsdp_plan_from_file(const char *path, size_t world_size, struct fsdp_plan **out);
 
-// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`.
+// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`, with no
+// process groups (a model file declares those).
 //
 // # Safety
 // `specs` is NULL or valid for `count` entries, each with a NUL-terminated name and `ndim`

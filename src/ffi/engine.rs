@@ -34,7 +34,9 @@ use crate::types::{DType, ParamId};
 /// naming the first differing parameter, where they differ. Parameters start at zero until
 /// `fsdp_engine_load_param`. Release with `fsdp_engine_destroy`. A failed call gives the
 /// communicator back to the group: the rank can try again (with a smaller configuration after
-/// `FSDP_OUT_OF_MEMORY`, say).
+/// `FSDP_OUT_OF_MEMORY`, say). For a plan with process groups the group makes every rank's
+/// communicators of each when the first rank asks, and each rank takes its own with the
+/// world's.
 ///
 /// # Safety
 /// `config` is NULL or valid for a read; `out` is NULL or valid for a write.
@@ -87,7 +89,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
 /// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 /// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
-/// reductions, so that neither waits behind the other). `allocator` is NULL (buffers from
+/// reductions, so that neither waits behind the other), and for each process group of the plan
+/// two more, split from those (`ncclCommSplit`, a collective of every rank). `allocator` is NULL (buffers from
 /// `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
 /// from; it is copied.
 ///
@@ -231,8 +234,8 @@ unsafe fn nccl_engine(
 /// Creates rank `rank`'s engine on CUDA device `device`, taking the rank's communicator from
 /// `group` (once per rank, and only once the device is found usable: a failed call leaves it in
 /// the group). `stream` is the rank's compute stream, as for `fsdp_engine_create_cuda_nccl`; give
-/// each rank its own; `allocator` as there. Does not block on the other ranks. Release with
-/// `fsdp_engine_destroy`.
+/// each rank its own; `allocator` as there. Process groups as for `fsdp_engine_create_cpu`.
+/// Release with `fsdp_engine_destroy`.
 ///
 /// # Safety
 /// `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an

@@ -27,6 +27,14 @@ fn new_plan(model: &ModelSpec, world_size: usize, out: *mut *mut fsdp_plan) -> O
 /// `FSDP_INVALID_ARGUMENT` and a message giving its line and column. The plan is the caller's:
 /// release it with `fsdp_plan_destroy` (engines keep what they need).
 ///
+/// The file may declare process groups (`"process_groups": [{"name": "experts", "size": 2}]`)
+/// that parameters name (`"group": "experts"`), for mixture-of-experts parameters: the world's
+/// ranks split into groups of `size` consecutive ranks (rank `r` in group `r / size` at place
+/// `r % size`), each holding its own copy of such a parameter, sharded over the group's ranks,
+/// its gradients summed over them only (a mean still divides by the world size). A size that
+/// does not divide `world_size` is `FSDP_INVALID_ARGUMENT`. The engine functions make each
+/// rank's communicators of its groups themselves.
+///
 /// # Safety
 /// `json` is NULL or NUL-terminated; `out` is NULL or valid for a write.
 #[unsafe(no_mangle)]
@@ -65,7 +73,8 @@ pub unsafe extern "C" fn fsdp_plan_from_file(
     })
 }
 
-/// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`.
+/// Creates a plan from `count` declarations in model order; as `fsdp_plan_from_json`, with no
+/// process groups (a model file declares those).
 ///
 /// # Safety
 /// `specs` is NULL or valid for `count` entries, each with a NUL-terminated name and `ndim`
