@@ -676,7 +676,7 @@ impl Plan {
         match self.params.get(index) {
             None => "no parameter".to_string(),
             Some(p) => format!(
-                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements)",
+                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements{})",
                 p.name,
                 p.dtype,
                 p.shape,
@@ -684,7 +684,14 @@ impl Plan {
                 if p.trainable { "trainable" } else { "frozen" },
                 p.group,
                 p.offset,
-                p.padded_numel
+                p.padded_numel,
+                match self.groups[p.group].process_group {
+                    Some(pg) => format!(
+                        ", sharded over {} ranks of process group {:?}",
+                        self.groups[p.group].shards, self.process_groups[pg].name
+                    ),
+                    None => String::new(),
+                }
             ),
         }
     }

@@ -215,3 +215,47 @@ fn only_the_first_replica_saves_and_its_checkpoint_loads_at_another_world_size()
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+#[test]
+fn replicas_whose_plans_differ_refuse_to_start_at_every_grid() {
+    // The second replica declares the last parameter in f32: its plan differs, its replica's
+    // ranks agree among themselves.
+    let model = model();
+    let spec = model.spec().unwrap();
+    let mut other = spec.clone();
+    if let Some(last) = other.params.last_mut() {
+        last.dtype = DType::F32;
+    }
+    for (replicas, shard_size) in [(2, 1), (2, 2)] {
+        for_each_mode(|mode| {
+            let (spec, other) = (spec.clone(), other.clone());
+            let errors = within_deadline("replicas with other plans", move || {
+                let ranks = Hybrid::grid(replicas, shard_size, LocalComm::group).unwrap();
+                std::thread::scope(|s| {
+                    let handles: Vec<_> = ranks
+                        .into_iter()
+                        .enumerate()
+                        .map(|(rank, comm)| {
+                            let declared = if rank < shard_size { &spec } else { &other };
+                            let plan =
+                                Arc::new(Plan::hybrid(declared, replicas, shard_size).unwrap());
+                            s.spawn(move || {
+                                Engine::new(plan, adamw(), mode.backend(rank), comm).err()
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().unwrap())
+                        .collect::<Vec<_>>()
+                })
+            });
+            for (rank, err) in errors.iter().enumerate() {
+                assert!(
+                    matches!(err, Some(Error::PlanMismatch { rank: r, .. }) if *r == shard_size),
+                    "({replicas}, {shard_size}), rank {rank}: {err:?}"
+                );
+            }
+        });
+    }
+}

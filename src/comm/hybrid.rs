@@ -10,7 +10,7 @@
 //! counts every rank of the grid.
 
 use crate::backend::{Backend, Region};
-use crate::comm::{Communicator, Replica, Tag, own_part};
+use crate::comm::{Communicator, Replica, Tag, check_all_gather, own_part};
 use crate::error::{Error, Result};
 use crate::types::Stream;
 use crate::watch::Watch;
@@ -94,6 +94,36 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Hybrid<C> {
         Replica {
             index: self.across.rank(),
             count: self.across.world_size(),
+        }
+    }
+
+    fn grid_size(&self) -> usize {
+        self.shard
+            .world_size()
+            .saturating_mul(self.across.world_size())
+    }
+
+    /// Gathers within the replica into the replica's block of `out_region`, then the blocks
+    /// across the replicas.
+    unsafe fn all_gather_grid(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        shard: &B::Buffer,
+        shard_region: Region,
+        out: &mut B::Buffer,
+        out_region: Region,
+    ) -> Result<()> {
+        let grid = Communicator::<B>::grid_size(self);
+        check_all_gather(grid, shard_region, out_region)?;
+        let replica = own_part(self.across.world_size(), self.across.rank(), out_region)?;
+        // SAFETY: the caller's contract, passed on; both gathers on the same stream.
+        unsafe {
+            self.shard
+                .all_gather(backend, stream, tag, shard, shard_region, out, replica)?;
+            self.across
+                .all_gather_in_place(backend, stream, tag, out, out_region)
         }
     }
 

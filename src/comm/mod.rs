@@ -217,6 +217,33 @@ pub trait Communicator<B: Backend>: Send {
         Replica { index: 0, count: 1 }
     }
 
+    /// The ranks the engine's comparisons of plans and collectives span: every rank of the grid
+    /// under hybrid sharding, else [`Communicator::world_size`].
+    fn grid_size(&self) -> usize {
+        self.world_size()
+    }
+
+    /// As [`Communicator::all_gather`] over every rank of the grid
+    /// ([`Communicator::grid_size`]), replica by replica: `out_region.len` is `grid_size`
+    /// times `shard_region.len`.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_gather`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn all_gather_grid(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        shard: &B::Buffer,
+        shard_region: Region,
+        out: &mut B::Buffer,
+        out_region: Region,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.all_gather(backend, stream, tag, shard, shard_region, out, out_region) }
+    }
+
     /// `Err` once the communicator failed on its own, between calls (NCCL's asynchronous
     /// error: a peer's connection lost, say); checked by the engine at every call.
     fn health(&self) -> Result<()> {

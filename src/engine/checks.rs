@@ -50,9 +50,19 @@ fn first_difference(lists: &[Vec<u8>], width: usize) -> Option<(usize, usize)> {
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// All-gathers `bytes` (the same length on every rank) and returns every rank's, in rank
-    /// order. Blocks the host. Its buffers are scratch, outside the engine's counted memory.
-    pub(super) fn exchange(&mut self, purpose: Purpose, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let world = self.plan.world_size();
+    /// order: over every rank of the grid (every replica's, under hybrid sharding) where `grid`,
+    /// else over the ranks of this rank's replica. Blocks the host. Its buffers are scratch,
+    /// outside the engine's counted memory.
+    pub(super) fn exchange(
+        &mut self,
+        purpose: Purpose,
+        bytes: &[u8],
+        grid: bool,
+    ) -> Result<Vec<Vec<u8>>> {
+        let world = match grid {
+            true => self.comm.grid_size(),
+            false => self.plan.world_size(),
+        };
         let words = bytes.len().div_ceil(4);
         let part = words * 4;
         let total = part.checked_mul(world).ok_or_else(|| Error::OutOfMemory {
@@ -70,15 +80,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // SAFETY: both buffers belong to this call; the upload completed before the gather is
         // queued, and the download below orders itself after the gather stream.
         unsafe {
-            self.comm.all_gather(
-                &self.backend,
-                Stream::Gather,
-                tag,
-                &shard,
-                shard_region,
-                &mut out,
-                out_region,
-            )
+            match grid {
+                true => self.comm.all_gather_grid(
+                    &self.backend,
+                    Stream::Gather,
+                    tag,
+                    &shard,
+                    shard_region,
+                    &mut out,
+                    out_region,
+                ),
+                false => self.comm.all_gather(
+                    &self.backend,
+                    Stream::Gather,
+                    tag,
+                    &shard,
+                    shard_region,
+                    &mut out,
+                    out_region,
+                ),
+            }
         }?;
         let mut all = filled(total, 0u8, "a comparison of the ranks")?;
         self.backend.download(&out, out_region, &mut all)?;
@@ -92,7 +113,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Refuses to start when the ranks' plans differ, naming the first differing parameter and
     /// both ranks' versions of it.
     pub(super) fn check_plans(&mut self) -> Result<()> {
-        if self.plan.world_size() == 1 {
+        if self.comm.grid_size() == 1 {
             return Ok(());
         }
         let descriptions: Vec<String> = (0..self.plan.params().len())
@@ -102,8 +123,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .iter()
             .flat_map(|d| digest(d.as_bytes()).to_le_bytes())
             .collect();
-        let summaries =
-            self.exchange(Purpose::PlanCheck, &summary(&digests, descriptions.len()))?;
+        let summaries = self.exchange(
+            Purpose::PlanCheck,
+            &summary(&digests, descriptions.len()),
+            true,
+        )?;
         if summaries.iter().all(|s| *s == summaries[0]) {
             return Ok(());
         }
@@ -111,7 +135,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let longest = summaries.iter().map(|s| count_of(s)).max().unwrap_or(0);
         let mut mine = filled(longest * 8, 0xff, "a comparison of the ranks' plans")?;
         mine[..digests.len()].copy_from_slice(&digests);
-        let lists = self.exchange(Purpose::PlanCheck, &mine)?;
+        let lists = self.exchange(Purpose::PlanCheck, &mine, true)?;
         let (index, rank) = first_difference(&lists, 8).unwrap_or((longest, 1));
         let description = descriptions
             .get(index)
@@ -119,7 +143,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut text = [0u8; DESCRIPTION_BYTES];
         let cut = floor_char_boundary(description, DESCRIPTION_BYTES);
         text[..cut].copy_from_slice(&description.as_bytes()[..cut]);
-        let texts = self.exchange(Purpose::PlanCheck, &text)?;
+        let texts = self.exchange(Purpose::PlanCheck, &text, true)?;
         let read = |bytes: &[u8]| {
             let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
             String::from_utf8_lossy(&bytes[..end]).into_owned()
@@ -135,12 +159,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Fails every rank when their collectives of this step differ, naming the first difference
     /// with both ranks' versions.
     pub(super) fn verify_collectives(&mut self) -> Result<()> {
-        if self.plan.world_size() == 1 {
+        if self.comm.grid_size() == 1 {
             return Ok(());
         }
         let issued: Vec<u8> = self.issued.iter().flat_map(Fingerprint::to_bytes).collect();
         let count = self.issued.len();
-        let summaries = self.exchange(Purpose::CollectiveCheck, &summary(&issued, count))?;
+        let summaries = self.exchange(Purpose::CollectiveCheck, &summary(&issued, count), true)?;
         if summaries.iter().all(|s| *s == summaries[0]) {
             return Ok(());
         }
@@ -149,7 +173,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let bytes = longest * FINGERPRINT_BYTES;
         let mut mine = filled(bytes, 0xff, "a comparison of the ranks' collectives")?;
         mine[..issued.len()].copy_from_slice(&issued);
-        let lists = self.exchange(Purpose::CollectiveCheck, &mine)?;
+        let lists = self.exchange(Purpose::CollectiveCheck, &mine, true)?;
         let (index, rank) = first_difference(&lists, FINGERPRINT_BYTES).unwrap_or((longest, 1));
         let record = |list: &Vec<u8>| {
             list.get(index * FINGERPRINT_BYTES..(index + 1) * FINGERPRINT_BYTES)

@@ -85,7 +85,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let parts = if e.plan.world_size() == 1 {
                 vec![bytes.to_vec()]
             } else {
-                e.exchange(Purpose::GradNorm, &bytes)?
+                // Every replica holds the same shards: the replica's ranks hold the gradient once.
+                e.exchange(Purpose::GradNorm, &bytes, false)?
             };
             Ok(combine(&parts))
         })

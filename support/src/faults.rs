@@ -69,6 +69,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
     fn replica(&self) -> fsdp_fusion::comm::Replica {
         self.inner.replica()
     }
+    fn grid_size(&self) -> usize {
+        self.inner.grid_size()
+    }
     fn health(&self) -> Result<()> {
         match self.fault.load(Ordering::SeqCst) {
             true => Err(injected()),
@@ -100,6 +103,23 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         unsafe {
             self.inner
                 .all_gather(backend, stream, tag, shard, shard_region, out, out_region)
+        }
+    }
+    unsafe fn all_gather_grid(
+        &mut self,
+        backend: &B,
+        stream: Stream,
+        tag: Tag,
+        shard: &B::Buffer,
+        shard_region: Region,
+        out: &mut B::Buffer,
+        out_region: Region,
+    ) -> Result<()> {
+        let tag = self.tag(tag);
+        // SAFETY: the engine's own call, passed on.
+        unsafe {
+            self.inner
+                .all_gather_grid(backend, stream, tag, shard, shard_region, out, out_region)
         }
     }
     unsafe fn all_gather_in_place(
