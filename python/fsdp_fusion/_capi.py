@@ -133,6 +133,7 @@ _SIGNATURES = {
     "fsdp_abi_version": ([], c_uint32),
     "fsdp_config_default": ([POINTER(Config)], c_int),
     "fsdp_plan_from_specs": ([POINTER(ParamSpec), c_size_t, c_size_t, _OUT], c_int),
+    "fsdp_plan_from_json": ([c_char_p, c_size_t, _OUT], c_int),
     "fsdp_plan_destroy": ([_HANDLE], c_int),
     "fsdp_plan_param_info": ([_HANDLE, c_size_t, POINTER(ParamInfo)], c_int),
     "fsdp_local_group_create": ([c_size_t, _OUT], c_int),

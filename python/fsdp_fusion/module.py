@@ -11,6 +11,7 @@ its views and one for its gradients per hook, whatever its number of parameters.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +40,9 @@ from .group import LocalGroup
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 """The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+"""The engine's dtypes as a model file names them."""
 
 
 @dataclass
@@ -170,6 +174,32 @@ def _scales(params: list[_Param], module: torch.nn.Module, scales) -> list[float
             raise InvalidArgumentError(f"lr_scales: {p.name}'s scale {scale} is not finite and "
                                        "> 0 (freeze a parameter that must not move)")
         out.append(scale)
+    return out
+
+
+def _param_groups(params: list[_Param], module: torch.nn.Module, declared: dict,
+                  given) -> list[str | None]:
+    """Each parameter's process group, in `params` order, from `given` (names, a tied
+    parameter's under any of them, to groups): refuses a name that is no parameter, a group
+    that `declared` lacks, and two groups for one parameter."""
+    given = dict(given or {})
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    unknown = sorted(set(given) - {n for names in aliases.values() for n in names})
+    if unknown:
+        raise InvalidArgumentError(f"param_groups names no parameter: {unknown}")
+    for name, group in given.items():
+        if group not in declared:
+            raise InvalidArgumentError(
+                f"param_groups puts {name!r} in {group!r}, which process_groups does not declare")
+    out = []
+    for p in params:
+        groups = {given[n] for n in aliases[id(p.tensor)] if n in given}
+        if len(groups) > 1:
+            raise InvalidArgumentError(f"param_groups gives {p.name} several groups: "
+                                       f"{sorted(groups)}")
+        out.append(groups.pop() if groups else None)
     return out
 
 
@@ -309,6 +339,13 @@ class FusedFSDP(Releasing, torch.nn.Module):
     moment computed in fp32 and rounded stochastically so that it stays unbiased; the update
     itself is the fp32 one.
 
+    `process_groups` maps names to sizes of process groups other than the data-parallel world
+    (mixture-of-experts parameters), and `param_groups` parameter names to one of them: the
+    world's ranks split into groups of `size` consecutive ranks, each group holding its own copy
+    of those parameters (the values its ranks' modules hold when wrapped), sharded over its
+    ranks, their gradients summed over its ranks only ("mean" still divides by the world size).
+    `full_state_dict` gives a rank its group's copy.
+
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
@@ -338,12 +375,17 @@ class FusedFSDP(Releasing, torch.nn.Module):
         verify_collectives: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
         lr_scales: Mapping[str, float] | None = None,
+        process_groups: Mapping[str, int] | None = None,
+        param_groups: Mapping[str, str] | None = None,
         local_group: LocalGroup | None = None,
         rank: int = 0,
     ):
         super().__init__()
         self.module = module
         self._params = _owners(module, list(units))
+        self._process_groups = dict(process_groups or {})
+        self._param_groups = _param_groups(self._params, module, self._process_groups,
+                                          param_groups)
         self._device = _check_placement(self._params)
         self._exempt = _exempt(self._params, module, no_weight_decay)
         self._lr_scales = _scales(self._params, module, lr_scales)
@@ -404,6 +446,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
     # -- construction ----------------------------------------------------------------------
 
     def _make_plan(self) -> c_void_p:
+        if self._process_groups:
+            return self._plan_from_json()
         # ctypes keeps the names and shapes assigned to `specs` alive as long as `specs`.
         specs = (ParamSpec * len(self._params))()
         for spec, p, exempt, scale in zip(specs, self._params, self._exempt, self._lr_scales):
@@ -414,6 +458,26 @@ class FusedFSDP(Releasing, torch.nn.Module):
             spec.no_weight_decay, spec.lr_scale = int(exempt), scale
         plan = c_void_p()
         self._lib.call("fsdp_plan_from_specs", specs, len(specs), self._world, byref(plan))
+        return plan
+
+    def _plan_from_json(self) -> c_void_p:
+        """The plan of a model file, which declares process groups as the specs cannot."""
+        params = []
+        for p, exempt, scale, group in zip(self._params, self._exempt, self._lr_scales,
+                                           self._param_groups):
+            entry = {"name": p.name, "shape": list(p.tensor.shape),
+                     "dtype": DTYPE_NAMES[p.tensor.dtype],
+                     "unit": None if p.unit == ROOT else p.unit,
+                     "trainable": p.tensor.requires_grad, "tied": p.tied,
+                     "weight_decay": not exempt, "lr_scale": scale}
+            if group is not None:
+                entry["group"] = group
+            params.append(entry)
+        model = {"params": params, "process_groups": [
+            {"name": name, "size": size} for name, size in self._process_groups.items()]}
+        plan = c_void_p()
+        self._lib.call("fsdp_plan_from_json", json.dumps(model).encode(), self._world,
+                       byref(plan))
         return plan
 
     def _config(self, optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
