@@ -584,7 +584,7 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
                                          size_t *written);
 
 // Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
-// shard, into `out`, host memory of `capacity` bytes; `*written` gets its size. A collective:
+// shard (of a process group's group, from the shards of this rank's copy), into `out`, host memory of `capacity` bytes; `*written` gets its size. A collective:
 // every rank calls it for the same groups in the same order, between steps (`FSDP_MISUSE`
 // inside one). Blocks until the bytes are there.
 //

@@ -57,8 +57,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Group `group`'s whole padded buffer, as bytes in its dtype, gathered from every rank's
-    /// shard (of a master-only group, its masters rounded to the dtype): a collective, every rank
-    /// calls it for the same groups in the same order. Between steps. Borrows a device buffer of
+    /// shard (of a group of a process group, from the shards of this rank's copy; of a
+    /// master-only group, its masters rounded to the dtype): a collective, every rank calls it for the same groups in the same order. Between steps. Borrows a device buffer of
     /// the group's size for the call (outside the plan's count). Blocks until the bytes are here.
     pub fn gather_group(&mut self, group: usize) -> Result<Vec<u8>> {
         self.healthy()?;
@@ -105,8 +105,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::export_safetensors`] writes, or a pretrained model's), at any world size: the
     /// file is memory-mapped and this rank reads only its shard's elements. The file must hold
     /// exactly the model's parameters, by name, shape and dtype; otherwise
-    /// `Error::CheckpointMismatch` lists every difference and nothing is loaded. Between steps
-    /// only. The optimizer's state is left as it is (a fresh engine's: zero moments, step 0).
+    /// `Error::CheckpointMismatch` lists every difference and nothing is loaded. A parameter of
+    /// a process group takes the file's values in every copy. Between steps only. The
+    /// optimizer's state is left as it is (a fresh engine's: zero moments, step 0).
     pub fn import_safetensors(&mut self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("importing a model")?;
