@@ -17,7 +17,7 @@ use fsdp_fusion::{
     Accumulation, Backend, Communicator, DType, EngineConfig, GradShardMemory, ParamStorage, Plan,
     Stream,
 };
-use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training};
+use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, RankSummary, Recipe, Training};
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
@@ -75,8 +75,13 @@ fn parity_under<B: Backend, C: Communicator<B>>(
             Ok(())
         })
         .unwrap_or_else(|e| panic!("{e}"));
-    // The device memory each rank held is the plan's, but for slots a tight limit added.
-    let predicted = plan.memory_per_rank(&config).unwrap();
+    check_memory(&plan, &config, &summaries);
+    worst
+}
+
+/// The device memory each rank held is the plan's, but for slots a tight limit added.
+fn check_memory(plan: &Plan, config: &EngineConfig, summaries: &[RankSummary]) {
+    let predicted = plan.memory_per_rank(config).unwrap();
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
         assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");
@@ -86,7 +91,6 @@ fn parity_under<B: Backend, C: Communicator<B>>(
             "rank {rank}"
         );
     }
-    worst
 }
 
 fn loopback(world: usize) -> Vec<(CudaBackend, LoopbackComm)> {
@@ -182,11 +186,7 @@ fn expert_parity<C: Communicator<CudaBackend>>(
             Ok(())
         })
         .unwrap_or_else(|e| panic!("{e}"));
-    let predicted = plan.memory_per_rank(&config).unwrap();
-    for (rank, s) in summaries.iter().enumerate() {
-        let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
-        assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");
-    }
+    check_memory(&plan, &config, &summaries);
     worst
 }
 

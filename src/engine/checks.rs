@@ -77,29 +77,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut out = self.backend.alloc_scratch(total)?;
         self.backend.upload(&mut shard, shard_region, &padded)?;
         let tag = self.next_tag(purpose, |tag| Fingerprint::all_gather(tag, shard_region));
+        let gather = match grid {
+            true => C::all_gather_grid,
+            false => C::all_gather,
+        };
         // SAFETY: both buffers belong to this call; the upload completed before the gather is
         // queued, and the download below orders itself after the gather stream.
         unsafe {
-            match grid {
-                true => self.comm.all_gather_grid(
-                    &self.backend,
-                    Stream::Gather,
-                    tag,
-                    &shard,
-                    shard_region,
-                    &mut out,
-                    out_region,
-                ),
-                false => self.comm.all_gather(
-                    &self.backend,
-                    Stream::Gather,
-                    tag,
-                    &shard,
-                    shard_region,
-                    &mut out,
-                    out_region,
-                ),
-            }
+            gather(
+                &mut self.comm,
+                &self.backend,
+                Stream::Gather,
+                tag,
+                &shard,
+                shard_region,
+                &mut out,
+                out_region,
+            )
         }?;
         let mut all = filled(total, 0u8, "a comparison of the ranks")?;
         self.backend.download(&out, out_region, &mut all)?;

@@ -2,10 +2,11 @@
 //! destroyed.
 
 use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::allocator::{allocator_of, fsdp_device_allocator};
-use super::group::{device_ordinal, give_back, take_comms, unique_id_of};
+use super::group::{Takeable, device_ordinal, give_back, take_comms, unique_id_of};
 use super::handles::{
     AnyEngine, Comms, abort_engine, destroy, engine_report, object, on_engine, plan_of,
     store_engine, with_engine, wrong_kind,
@@ -19,13 +20,16 @@ use super::types::{
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, Input};
+use crate::comm::Communicator;
 use crate::comm::launch::LaunchEnv;
 use crate::comm::local::LocalComm;
 use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::{NcclComm, UNIQUE_ID_BYTES};
+use crate::config::EngineConfig;
 use crate::config::GradShardMemory;
 use crate::engine::Engine;
 use crate::error::Error;
+use crate::plan::Plan;
 use crate::types::{DType, ParamId};
 
 /// Creates rank `rank`'s engine on the CPU backend, taking the rank's communicator from `group`
@@ -63,20 +67,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
             None => CpuBackend::new(),
             Some(seed) => CpuBackend::asynchronous(seed.wrapping_add(rank as u64))?,
         };
-        let declared = plan.process_groups().to_vec();
-        let (comm, groups) = take_comms(comms, rank, &declared, LocalComm::group)?;
-        match Engine::try_with_process_groups(plan, config, backend, comm, groups) {
-            Ok(engine) => store_engine(AnyEngine::Cpu(engine), out),
-            Err(refused) => {
-                give_back(
-                    comms,
-                    rank,
-                    &declared,
-                    (refused.comm, refused.process_groups),
-                )?;
-                Err(refused.error.into())
-            }
-        }
+        let made = from_group(comms, rank, (plan, config), backend, LocalComm::group)?;
+        store_engine(AnyEngine::Cpu(made), out)
     })
 }
 
@@ -265,20 +257,27 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
         };
         // SAFETY: the function's contract.
         let backend = unsafe { cuda_backend(device, stream, allocator) }?;
-        let declared = plan.process_groups().to_vec();
-        let (comm, groups) = take_comms(comms, rank, &declared, LoopbackComm::group)?;
-        match Engine::try_with_process_groups(plan, config, backend, comm, groups) {
-            Ok(engine) => store_engine(AnyEngine::CudaLoopback(engine), out),
-            Err(refused) => {
-                give_back(
-                    comms,
-                    rank,
-                    &declared,
-                    (refused.comm, refused.process_groups),
-                )?;
-                Err(refused.error.into())
-            }
-        }
+        let made = from_group(comms, rank, (plan, config), backend, LoopbackComm::group)?;
+        store_engine(AnyEngine::CudaLoopback(made), out)
+    })
+}
+
+/// Rank `rank`'s engine on `backend` with its communicators taken from a group (those of the
+/// plan's process groups made by `make` where no rank made them yet); given back when the
+/// engine is refused, so that the rank can try again.
+fn from_group<B: Backend, C: Communicator<B>>(
+    comms: &Mutex<Takeable<C>>,
+    rank: usize,
+    (plan, config): (Arc<Plan>, EngineConfig),
+    backend: B,
+    make: fn(usize) -> crate::error::Result<Vec<C>>,
+) -> Outcome<Engine<B, C>> {
+    let declared = plan.process_groups().to_vec();
+    let (comm, groups) = take_comms(comms, rank, &declared, make)?;
+    Engine::try_with_process_groups(plan, config, backend, comm, groups).or_else(|refused| {
+        let comms_back = (refused.comm, refused.process_groups);
+        give_back(comms, rank, &declared, comms_back)?;
+        Err(refused.error.into())
     })
 }
 
