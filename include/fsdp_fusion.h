@@ -361,7 +361,8 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 // own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 // reductions, so that neither waits behind the other), and for each process group of the plan
-// two more, split from those (`ncclCommSplit`, a collective of every rank). `allocator` is NULL (buffers from
+// two more, split from those (`ncclCommSplit`, a collective of every rank: ranks whose plans
+// declare other process groups time out there, before the plans are compared). `allocator` is NULL (buffers from
 // `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
 // from; it is copied.
 //

@@ -321,7 +321,8 @@ pub fn read_manifests(dir: &Path) -> Result<Vec<RankManifest>> {
         let m = read_manifest(dir, rank)?;
         let agrees = m.world_size == first.world_size
             && m.optimizer_steps == first.optimizer_steps
-            && m.params == first.params;
+            && m.params == first.params
+            && m.process_groups == first.process_groups;
         if !agrees {
             return Err(unreadable(
                 &manifest_path(dir, rank),

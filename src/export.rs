@@ -92,10 +92,10 @@ pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
     check_new(path)?;
     let saved = checkpoint::read_manifests(dir)?;
     if let Some(first) = saved.first()
-        && let Some(g) = first
-            .process_groups
-            .iter()
-            .find(|g| g.size != first.world_size)
+        && let Some(g) = first.process_groups.iter().find(|g| {
+            let used = (first.params.iter()).any(|p| p.process_group.as_ref() == Some(&g.name));
+            used && g.size != first.world_size
+        })
     {
         return Err(Error::InvalidProcessGroup {
             name: g.name.clone(),

@@ -165,7 +165,15 @@ impl Plan {
                 tied: p.tied,
                 weight_decay: p.weight_decay,
                 lr_scale: p.lr_scale.to_bits(),
-                process_group: model.process_group_of(p),
+                process_group: match (&p.process_group, model.process_group_of(p)) {
+                    (Some(group), None) => {
+                        return Err(Error::UnknownProcessGroup {
+                            name: p.name.clone(),
+                            group: group.clone(),
+                        });
+                    }
+                    (_, index) => index,
+                },
             };
             match keys.iter().position(|k| *k == key) {
                 Some(g) => members[g].push(i),

@@ -2074,13 +2074,26 @@ fn an_expert_group_that_does_not_divide_the_world_or_a_rank_taken_twice_is_refus
             "3 ranks, which do not divide the 4",
         );
     }
+    // A plan of 4 ranks in a group of 2 is refused as such, before any group of experts is made.
+    let four = expert_plan(4);
+    let pair = local_group(Mode::Eager, 2);
+    let mut engine = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        expect(
+            fsdp_engine_create_cpu(four, &sgd_config(), pair, 0, &mut engine),
+            fsdp_status::FSDP_INVALID_ARGUMENT,
+            "world size 4, the communicator 2",
+        );
+    }
+    ok(fsdp_local_group_destroy(pair));
+    ok(fsdp_plan_destroy(four));
     // A refused engine gives its communicators back; a rank's second engine finds them taken.
     let json = CString::new(EXPERT_MODEL.replace("\"size\": 2", "\"size\": 1")).unwrap();
     let mut plan = null_mut();
     // SAFETY: valid pointers.
     ok(unsafe { fsdp_plan_from_json(json.as_ptr(), 1, &mut plan) });
     let group = local_group(Mode::Eager, 1);
-    let mut engine = null_mut();
     let bad = fsdp_config {
         lr: -1.0,
         ..sgd_config()

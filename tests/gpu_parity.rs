@@ -211,6 +211,8 @@ fn loopback_expert_groups_equal_the_reference() {
     }
 }
 
+/// At world size 1 nothing travels: this checks the split into the expert group and the engine
+/// around it; the split communicator carries collectives in `benches/multi_gpu.sh` only.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn nccl_engine_with_an_expert_group_at_world_size_1_equals_the_reference() {

@@ -377,7 +377,9 @@ impl NcclComm {
     /// This rank's communicator of its group of ranks of each of `process_groups`
     /// ([`crate::ProcessGroupSpec`], in that order): rank `r` at place `r % size` of the ranks
     /// `r / size * size ..`. A collective of every rank, each split waited for at most
-    /// `timeout`; a size that does not divide the world is refused before any split.
+    /// `timeout`; a size that does not divide the world is refused before any split. Every rank
+    /// must pass the same groups: a rank that splits less leaves the others to time out (the
+    /// engine's comparison of the ranks' plans comes after).
     pub fn process_groups(
         &self,
         process_groups: &[ProcessGroupSpec],

@@ -337,6 +337,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let group = &self.plan.groups()[p.group];
             let block = checkpoint::saved_block(&saved[0], &self.plan, group, self.rank)?;
             let saved_shard = (section(block.start)?.bytes / size as u64) as usize;
+            if saved_shard == 0 && group.padded_numel > 0 {
+                return Err(unreadable(
+                    block.start,
+                    format!("an empty section of group {}", p.group),
+                ));
+            }
             let mine = self.plan.shard_range(group, self.rank);
             for &id in &group.params {
                 let layout = &self.plan.params()[id.0];

@@ -152,6 +152,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.placed[g] = Some(Placement::Shard);
             return Ok(());
         }
+        // A batch holds one communicator's collectives: the previous one's go out before this
+        // group's waits are queued behind them.
+        let process_group = self.plan.groups()[g].process_group;
+        if batch.began.is_some_and(|began| began != process_group) {
+            self.end_gathers(batch)?;
+        }
         let slot = match self.free_slots.pop() {
             Some(slot) => slot,
             None => {
@@ -185,13 +191,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 Fingerprint::all_gather(tag, shard_region)
             })
         });
-        if tag.is_some()
-            && batch
-                .began
-                .is_some_and(|began| began != group.process_group)
-        {
-            self.end_gathers(batch)?;
-        }
         // Queued before the batch can end, so that a failure below still completes it.
         batch.queued.push((g, start));
         let comm = group_comm(

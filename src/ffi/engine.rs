@@ -82,7 +82,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 /// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 /// reductions, so that neither waits behind the other), and for each process group of the plan
-/// two more, split from those (`ncclCommSplit`, a collective of every rank). `allocator` is NULL (buffers from
+/// two more, split from those (`ncclCommSplit`, a collective of every rank: ranks whose plans
+/// declare other process groups time out there, before the plans are compared). `allocator` is NULL (buffers from
 /// `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
 /// from; it is copied.
 ///
@@ -273,7 +274,7 @@ fn from_group<B: Backend, C: Communicator<B>>(
     make: fn(usize) -> crate::error::Result<Vec<C>>,
 ) -> Outcome<Engine<B, C>> {
     let declared = plan.process_groups().to_vec();
-    let (comm, groups) = take_comms(comms, rank, &declared, make)?;
+    let (comm, groups) = take_comms(comms, (rank, plan.world_size()), &declared, make)?;
     Engine::try_with_process_groups(plan, config, backend, comm, groups).or_else(|refused| {
         let comms_back = (refused.comm, refused.process_groups);
         give_back(comms, rank, &declared, comms_back)?;

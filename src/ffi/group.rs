@@ -37,18 +37,25 @@ fn new_group<H>(comms: Comms, out: *mut *mut H) -> Outcome {
     unsafe { put(out, "out", handle as *mut H) }
 }
 
-/// Takes rank `rank`'s communicators out of a group, once: the world's, and those of its
-/// groups of ranks of the `declared` process groups (made by `make(n)`, which makes the handles
-/// of one group of `n` ranks, where no rank asked for them before). Nothing is taken on an
-/// error.
+/// Takes rank `rank`'s communicators out of a group of `plan_world` ranks, once: the world's,
+/// and those of its groups of ranks of the `declared` process groups (made by `make(n)`, which
+/// makes the handles of one group of `n` ranks, where no rank asked for them before). Nothing is
+/// taken on an error.
 pub(crate) fn take_comms<C>(
     comms: &Mutex<Takeable<C>>,
-    rank: usize,
+    (rank, plan_world): (usize, usize),
     declared: &[ProcessGroupSpec],
     mut make: impl FnMut(usize) -> Result<Vec<C>>,
 ) -> Outcome<(C, Vec<C>)> {
     let mut comms = lock(comms)?;
     let world_size = comms.world.len();
+    if world_size != plan_world {
+        return Err(Error::WorldSizeMismatch {
+            plan: plan_world,
+            comm: world_size,
+        }
+        .into());
+    }
     let taken = || invalid(format!("rank {rank}'s communicator was already taken"));
     match comms.world.get(rank) {
         None => return Err(Error::RankOutOfRange { rank, world_size }.into()),
