@@ -144,15 +144,7 @@ impl Plan {
                     reason: format!("is not supported under hybrid sharding ({replicas} replicas)"),
                 });
             }
-            if g.size == 0 || world_size % g.size != 0 {
-                return Err(Error::InvalidProcessGroup {
-                    name: g.name.clone(),
-                    reason: format!(
-                        "has {} ranks, which do not divide the {world_size} ranks",
-                        g.size
-                    ),
-                });
-            }
+            g.check_divides(world_size)?;
         }
         // Groups in order of first appearance, members in model order.
         let mut keys: Vec<GroupKey> = Vec::new();

@@ -106,6 +106,22 @@ pub struct ProcessGroupSpec {
     pub size: usize,
 }
 
+impl ProcessGroupSpec {
+    /// Refuses a size that does not split `world_size` ranks into whole groups.
+    pub fn check_divides(&self, world_size: usize) -> Result<()> {
+        if self.size == 0 || world_size % self.size != 0 {
+            return Err(Error::InvalidProcessGroup {
+                name: self.name.clone(),
+                reason: format!(
+                    "has {} ranks, which do not divide the {world_size} ranks",
+                    self.size
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// A model: its parameters in model order, and the process groups they name.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {

@@ -155,15 +155,22 @@ def _exempt(params: list[_Param], module: torch.nn.Module, rule) -> list[bool]:
     return [bool(aliases[id(p.tensor)] & names) for p in params]
 
 
-def _scales(params: list[_Param], module: torch.nn.Module, scales) -> list[float]:
-    """Per parameter, its learning-rate scale from `scales` (names to factors), else 1."""
-    scales = dict(scales or {})
+def _by_alias(module: torch.nn.Module, given: dict, what: str) -> dict[int, list[str]]:
+    """Every parameter's names (a tied one has several), by the tensor's id; refuses a name in
+    `given` (the `what` argument) that is no parameter."""
     aliases = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    unknown = sorted(set(scales) - {n for names in aliases.values() for n in names})
+    unknown = sorted(set(given) - {n for names in aliases.values() for n in names})
     if unknown:
-        raise InvalidArgumentError(f"lr_scales names no parameter: {unknown}")
+        raise InvalidArgumentError(f"{what} names no parameter: {unknown}")
+    return aliases
+
+
+def _scales(params: list[_Param], module: torch.nn.Module, scales) -> list[float]:
+    """Per parameter, its learning-rate scale from `scales` (names to factors), else 1."""
+    scales = dict(scales or {})
+    aliases = _by_alias(module, scales, "lr_scales")
     out = []
     for p in params:
         given = {scales[n] for n in aliases[id(p.tensor)] if n in scales}
@@ -183,12 +190,7 @@ def _param_groups(params: list[_Param], module: torch.nn.Module, declared: dict,
     parameter's under any of them, to groups): refuses a name that is no parameter, a group
     that `declared` lacks, and two groups for one parameter."""
     given = dict(given or {})
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    unknown = sorted(set(given) - {n for names in aliases.values() for n in names})
-    if unknown:
-        raise InvalidArgumentError(f"param_groups names no parameter: {unknown}")
+    aliases = _by_alias(module, given, "param_groups")
     for name, group in given.items():
         if group not in declared:
             raise InvalidArgumentError(

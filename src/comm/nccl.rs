@@ -386,15 +386,7 @@ impl NcclComm {
         timeout: Duration,
     ) -> Result<Vec<NcclComm>> {
         for g in process_groups {
-            if g.size == 0 || self.world_size % g.size != 0 {
-                return Err(Error::InvalidProcessGroup {
-                    name: g.name.clone(),
-                    reason: format!(
-                        "has {} ranks, which do not divide the {} ranks",
-                        g.size, self.world_size
-                    ),
-                });
-            }
+            g.check_divides(self.world_size)?;
         }
         process_groups
             .iter()

@@ -58,8 +58,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Group `group`'s whole padded buffer, as bytes in its dtype, gathered from every rank's
     /// shard (of a group of a process group, from the shards of this rank's copy; of a
-    /// master-only group, its masters rounded to the dtype): a collective, every rank calls it for the same groups in the same order. Between steps. Borrows a device buffer of
-    /// the group's size for the call (outside the plan's count). Blocks until the bytes are here.
+    /// master-only group, its masters rounded to the dtype): a collective, every rank calls it
+    /// for the same groups in the same order. Between steps. Borrows a device buffer of the
+    /// group's size for the call (outside the plan's count). Blocks until the bytes are here.
     pub fn gather_group(&mut self, group: usize) -> Result<Vec<u8>> {
         self.healthy()?;
         self.check_step_boundary("gathering a group")?;
