@@ -15,7 +15,6 @@ mod rendezvous;
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaStream, result};
 
 use crate::backend::Region;
@@ -103,10 +102,6 @@ pub struct LoopbackComm {
     rank: usize,
     world_size: usize,
     watch: Watch,
-    /// Where this rank's stream reached a collective and ended its part, recorded anew at every
-    /// collective: a peer waits on an event before the meeting after the one it was deposited
-    /// at, so no peer still needs the previous recording when the rank records again.
-    marks: Option<Marks>,
     table: Option<SourceTable>,
     /// The copy of this rank's values an all-reduce's ranks read, while each writes its own
     /// region; grown to the largest all-reduce so far.
@@ -133,7 +128,6 @@ impl LoopbackComm {
             rank,
             world_size,
             watch: Watch::default(),
-            marks: None,
             table: None,
             scratch: None,
             retired: Vec::new(),
@@ -189,15 +183,15 @@ impl LoopbackComm {
     ) -> Result<()> {
         let what = op.describe();
         let on = backend.stream(stream);
-        let marks = bind(backend.context()).and_then(|()| self.marks(backend));
-        let (deposit, failure) = match marks.and_then(|m| record(&m.reached, on).map(|()| m)) {
-            Ok(marks) => {
-                let reached = Arc::clone(&marks.reached);
-                (Deposit::Arrive { op, reached, data }, None)
-            }
-            // Still meet the others, so they fail too instead of pairing with a later collective.
-            Err(e) => (Deposit::Failed, Some(e)),
-        };
+        let (deposit, failure) =
+            match bind(backend.context()).and_then(|()| backend.record_raw(stream)) {
+                Ok(event) => {
+                    let reached = Arc::new(event);
+                    (Deposit::Arrive { op, reached, data }, None)
+                }
+                // Still meet the others, so they fail too instead of pairing with a later collective.
+                Err(e) => (Deposit::Failed, Some(e)),
+            };
         let arrivals = self
             .rendezvous
             .exchange(self.rank, &self.watch, &what, deposit.clone())?;
@@ -229,11 +223,7 @@ impl LoopbackComm {
             }
         }
         let launched = waited.and_then(|()| work(self, on, &addresses));
-        let done = self
-            .marks
-            .as_ref()
-            .filter(|m| record(&m.done, on).is_ok())
-            .map(|m| Arc::clone(&m.done));
+        let done = backend.record_raw(stream).ok().map(Arc::new);
         let finished =
             self.rendezvous
                 .exchange(self.rank, &self.watch, &what, Deposit::Done(done))?;
@@ -243,18 +233,6 @@ impl LoopbackComm {
             }
         }
         launched
-    }
-
-    /// The rank's two events, made on first use in `backend`'s context.
-    fn marks(&mut self, backend: &CudaBackend) -> Result<&Marks> {
-        let marks = match self.marks.take() {
-            Some(marks) => marks,
-            None => Marks {
-                reached: Arc::new(untimed_event(backend)?),
-                done: Arc::new(untimed_event(backend)?),
-            },
-        };
-        Ok(self.marks.insert(marks))
     }
 
     /// The scratch memory for an all-reduce of `bytes`, made or grown in `backend`'s context
@@ -295,35 +273,6 @@ impl Drop for LoopbackComm {
     fn drop(&mut self) {
         self.rendezvous.leave(self.rank);
     }
-}
-
-/// A rank's events for its collectives' two meetings.
-#[derive(Debug)]
-struct Marks {
-    reached: Arc<CudaEvent>,
-    done: Arc<CudaEvent>,
-}
-
-/// An event without timing, cheaper to record and wait on than a timed one.
-fn untimed_event(backend: &CudaBackend) -> Result<CudaEvent> {
-    backend
-        .context()
-        .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-        .map_err(cuda("cuEventCreate"))
-}
-
-fn record(event: &CudaEvent, on: &CudaStream) -> Result<()> {
-    event.record(on).map_err(cuda("cuEventRecord"))
-}
-
-/// Records `slot`'s event on `on`, made on first use. Only the rank's own streams wait on such an
-/// event, each before the rank records it again.
-fn record_in(slot: &mut Option<CudaEvent>, backend: &CudaBackend, on: &CudaStream) -> Result<()> {
-    let event = match slot.take() {
-        Some(event) => event,
-        None => untimed_event(backend)?,
-    };
-    record(slot.insert(event), on)
 }
 
 fn place(backend: &CudaBackend) -> Place {
@@ -376,7 +325,7 @@ impl Sum<'_> {
                 self.scale,
             )
         };
-        record_in(&mut table.last_read, backend, on)?;
+        table.last_read = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
         summed
     }
 }
@@ -531,7 +480,7 @@ impl Communicator<CudaBackend> for LoopbackComm {
             unsafe { sum.run(comm.table(backend)?, backend, on) }
         })?;
         // The stream waited for every rank's part: every read of the scratch is behind it.
-        record_in(&mut self.scratch_free, backend, on)?;
+        self.scratch_free = Some(on.record_event(None).map_err(cuda("cuEventRecord"))?);
         Ok(())
     }
 }

@@ -1,8 +1,6 @@
 //! A host rendezvous of the threads of a group: each deposits a value, all get every value.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::fallible::filled;
@@ -29,19 +27,12 @@ impl<T> State<T> {
     }
 }
 
-/// How long a rank spins for the last arrival before it sleeps on the condition variable:
-/// ranks issuing the same work arrive within microseconds of each other, and a sleeping thread
-/// takes tens of microseconds to wake, twice per collective.
-const SPIN: Duration = Duration::from_micros(50);
-
 /// The meeting point of `world_size` ranks, one thread each.
 #[derive(Debug)]
 pub(super) struct Rendezvous<T> {
     world_size: usize,
     state: Mutex<State<T>>,
     changed: Condvar,
-    /// `State::generation`, readable without the lock by spinning ranks.
-    completed: AtomicU64,
 }
 
 impl<T: Clone> Rendezvous<T> {
@@ -60,7 +51,6 @@ impl<T: Clone> Rendezvous<T> {
                 watches: filled(world_size, Watch::default(), what)?,
             }),
             changed: Condvar::new(),
-            completed: AtomicU64::new(0),
         })
     }
 
@@ -94,15 +84,7 @@ impl<T: Clone> Rendezvous<T> {
         if state.arrived == self.world_size {
             state.arrived = 0;
             state.generation += 1;
-            self.completed.store(state.generation, Ordering::Release);
             self.changed.notify_all();
-        } else {
-            drop(state);
-            let start = Instant::now();
-            while self.completed.load(Ordering::Acquire) == generation && start.elapsed() < SPIN {
-                std::hint::spin_loop();
-            }
-            state = self.lock();
         }
         let state = watch.wait_while(
             state,
