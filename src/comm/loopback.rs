@@ -10,6 +10,11 @@
 //! 2. every rank deposits an event at the end of its part; each rank's stream waits for all of
 //!    them, so no rank's later work (reusing a buffer another rank reads) starts before the
 //!    collective is done everywhere.
+//!
+//! The ranks meet on the host, not through flags in device memory (`cuStreamWaitValue32`): a
+//! stream's wait blocks the hardware queue it shares with other streams, and once the ranks'
+//! streams outnumber the queues (`CUDA_DEVICE_MAX_CONNECTIONS`, process-wide) such waits deadlock
+//! for good (`benches/stream_waits.rs` shows it at 4 ranks under the default 8 queues).
 
 mod rendezvous;
 
