@@ -83,9 +83,9 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 /// reductions, so that neither waits behind the other), and for each process group of the plan
 /// two more, split from those (`ncclCommSplit`, a collective of every rank: ranks whose plans
-/// declare other process groups time out there, before the plans are compared). `allocator` is NULL (buffers from
-/// `cuMemAlloc`) or the caller's device allocator, which every buffer of the engine then comes
-/// from; it is copied.
+/// declare other process groups time out there, before the plans are compared). `allocator` is
+/// NULL (buffers from `cuMemAlloc`) or the caller's device allocator, which every buffer of the
+/// engine then comes from; it is copied.
 ///
 /// Blocks until every rank joined the NCCL group, at most `config->timeout_seconds`
 /// (`FSDP_TIMEOUT` past it). Allocates every buffer the plan predicts on the device (per-step
@@ -719,9 +719,10 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
 }
 
 /// Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
-/// shard (of a process group's group, from the shards of this rank's copy), into `out`, host memory of `capacity` bytes; `*written` gets its size. A collective:
-/// every rank calls it for the same groups in the same order, between steps (`FSDP_MISUSE`
-/// inside one). Blocks until the bytes are there.
+/// shard (of a process group's group, from the shards of this rank's copy), into `out`, host
+/// memory of `capacity` bytes; `*written` gets its size. A collective: every rank calls it for
+/// the same groups in the same order, between steps (`FSDP_MISUSE` inside one). Blocks until the
+/// bytes are there.
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
