@@ -31,6 +31,16 @@ pub enum Error {
         "a step is under way (hooks open, gradients taken, or synced): {action} is allowed between end_step and the next step's first hook"
     )]
     MidStep { action: &'static str },
+    #[error("parameter name {name:?} is reserved: safetensors keeps its metadata under it")]
+    ReservedName { name: String },
+    #[error("an empty path was given for {what}: name a file or directory")]
+    EmptyPath { what: String },
+    #[error("rank {rank} refused, so no rank went on: {cause}")]
+    PeerRefused {
+        rank: usize,
+        #[source]
+        cause: Box<Error>,
+    },
     #[error("the save into {dir} is still being written: wait for it (wait_save) before another")]
     SavePending { dir: String },
     #[error("model file {path} is not UTF-8: the bytes from offset {offset} on are not text")]

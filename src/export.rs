@@ -1,40 +1,37 @@
 //! The full model as one safetensors file: how it is written (atomically, under the callers'
-//! names, shapes and dtypes), and how a sharded checkpoint of any world size becomes one with no
-//! engine and no communication.
+//! names, shapes and dtypes, one tensor at a time), and how a sharded checkpoint of any world
+//! size becomes one with no engine and no communication.
 
-use std::borrow::Cow;
-use std::fs::File;
+use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 
-use safetensors::{Dtype, View};
+use safetensors::Dtype;
+use safetensors::tensor::{Metadata, TensorInfo};
 
-use crate::checkpoint::{self, RankManifest, SectionKind};
+use crate::checkpoint::{self, DataReader, SectionKind};
 use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::types::DType;
 
-/// One parameter's bytes, as the file holds them.
-pub(crate) struct Tensor {
+/// The key safetensors reserves for the file's own metadata: no tensor may take it.
+pub const RESERVED_NAME: &str = "__metadata__";
+
+/// A tensor of the file: its name, dtype and shape.
+pub(crate) struct TensorHeader {
+    pub(crate) name: String,
     pub(crate) dtype: DType,
     pub(crate) shape: Vec<usize>,
-    pub(crate) bytes: Vec<u8>,
 }
 
-impl View for &Tensor {
-    fn dtype(&self) -> Dtype {
-        safetensors_dtype(self.dtype)
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-
-    fn data_len(&self) -> usize {
-        self.bytes.len()
+impl TensorHeader {
+    fn bytes(&self) -> Result<usize> {
+        self.shape
+            .iter()
+            .try_fold(self.dtype.size(), |n, &d| n.checked_mul(d))
+            .ok_or(Error::SizeOverflow {
+                what: "a tensor's bytes",
+            })
     }
 }
 
@@ -50,9 +47,10 @@ pub(crate) fn file_error(path: &Path, reason: impl std::fmt::Display) -> Error {
     checkpoint::unreadable(path, reason.to_string())
 }
 
-/// Refuses an existing `path`: an export never overwrites.
+/// Refuses an empty or existing `path`: an export never overwrites.
 pub(crate) fn check_new(path: &Path) -> Result<()> {
-    if path.exists() {
+    checkpoint::check_path(path, "the exported file")?;
+    if std::fs::symlink_metadata(path).is_ok() {
         return Err(Error::CheckpointExists {
             path: path.display().to_string(),
         });
@@ -60,43 +58,75 @@ pub(crate) fn check_new(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `tensors` into the safetensors file `path` under a temporary name, flushed and renamed.
-pub(crate) fn write(tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
+/// Writes the safetensors file `path` holding `tensors`, in their order, each tensor's bytes
+/// made by `fill` (given its index and a buffer of its size) just before they are written, so
+/// that only one tensor is in host memory at a time. Written as [`checkpoint::write_new`]
+/// writes: never over an existing file, whole or not at all, flushed to disk.
+pub(crate) fn write(
+    tensors: &[TensorHeader],
+    path: &Path,
+    mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
+) -> Result<()> {
     check_new(path)?;
-    let temporary = path.with_extension("partial");
-    let views = tensors.iter().map(|(name, t)| (name.as_str(), t));
-    let written = safetensors::serialize_to_file(views, None, &temporary)
-        .map_err(|e| file_error(&temporary, e))
-        .and_then(|()| {
-            File::open(&temporary)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| file_error(&temporary, e))
-        })
-        .and_then(|()| std::fs::rename(&temporary, path).map_err(|e| file_error(path, e)));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
+    let mut infos = Vec::with_capacity(tensors.len());
+    let mut offset = 0usize;
+    for t in tensors {
+        if t.name == RESERVED_NAME {
+            return Err(Error::ReservedName {
+                name: t.name.clone(),
+            });
+        }
+        let end = offset.checked_add(t.bytes()?).ok_or(Error::SizeOverflow {
+            what: "the exported file's bytes",
+        })?;
+        let info = TensorInfo {
+            dtype: safetensors_dtype(t.dtype),
+            shape: t.shape.clone(),
+            data_offsets: (offset, end),
+        };
+        infos.push((t.name.clone(), info));
+        offset = end;
     }
-    written
+    let metadata = Metadata::new(None, infos).map_err(|e| file_error(path, e))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| file_error(path, e))?;
+    // The data starts 8-byte aligned, as the format's own writer leaves it.
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let io = |e: std::io::Error| Error::Write {
+        path: path.display().to_string(),
+        source: Arc::new(e),
+    };
+    checkpoint::write_new(path, |file| {
+        let mut out = std::io::BufWriter::with_capacity(1 << 22, file);
+        out.write_all(&(header.len() as u64).to_le_bytes())
+            .and_then(|()| out.write_all(&header))
+            .map_err(io)?;
+        let mut buffer = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            crate::fallible::refill(&mut buffer, t.bytes()?, "a tensor of the export")?;
+            fill(i, &mut buffer)?;
+            out.write_all(&buffer).map_err(io)?;
+        }
+        out.flush().map_err(io)
+    })
 }
 
 /// Writes the full model of the sharded checkpoint in `dir` (saved at any world size) into the
 /// safetensors file `path`, as [`crate::Engine::export_safetensors`] does at world size 1: each
 /// parameter's elements read from the ranks' parts that hold them (a group saved as its fp32
-/// master only is rounded to its dtype, as a gather casts it). Every rank's manifest and data
-/// file are checked first (`Error::CheckpointUnreadable` naming the file); an existing `path` is
-/// refused, and so is a save whose process group held more than one copy of its parameters
-/// (`Error::InvalidProcessGroup`: the file holds one model). No engine and no communication:
-/// after every rank saved, one process exports. Holds the model's bytes in host memory
-/// meanwhile.
+/// master only is rounded to its dtype, as a gather casts it), every chunk read checked. Every
+/// rank's manifest is checked first (`Error::CheckpointUnreadable` naming the file and field);
+/// an empty or existing `path` is refused, and so is a save whose process group held more than
+/// one copy of its parameters (`Error::InvalidProcessGroup`: the file holds one model). No
+/// engine and no communication: after every rank saved, one process exports. Holds one
+/// parameter in host memory at a time.
 pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
     check_new(path)?;
-    let saved = checkpoint::read_manifests(dir)?;
-    if let Some(first) = saved.first()
-        && let Some(g) = first.process_groups.iter().find(|g| {
-            let used = (first.params.iter()).any(|p| p.process_group.as_ref() == Some(&g.name));
-            used && g.size != first.world_size
-        })
-    {
+    let saved = checkpoint::read_saved(dir)?;
+    let first = &saved.manifests[0];
+    if let Some(g) = first.process_groups.iter().find(|g| {
+        let used = (first.params.iter()).any(|p| p.process_group.as_ref() == Some(&g.name));
+        used && g.size != first.world_size
+    }) {
         return Err(Error::InvalidProcessGroup {
             name: g.name.clone(),
             reason: format!(
@@ -105,85 +135,46 @@ pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
             ),
         });
     }
-    let mut files = crate::fallible::with_capacity(saved.len(), "the data files")?;
-    for m in &saved {
-        files.push(checkpoint::verified_data(dir, m)?);
+    // Group by group, as the engine's own export writes them.
+    let mut order: Vec<usize> = (0..first.params.len()).collect();
+    order.sort_by_key(|&i| first.params[i].group);
+    let mut tensors = crate::fallible::with_capacity(first.params.len(), "the export")?;
+    for p in order.iter().map(|&i| &first.params[i]) {
+        tensors.push(TensorHeader {
+            name: p.name.clone(),
+            dtype: saved.groups[p.group].dtype,
+            shape: p.shape.iter().map(|&d| d as usize).collect(),
+        });
     }
-    let params = saved.first().map_or(&[][..], |m| &m.params[..]);
-    let mut tensors = crate::fallible::with_capacity(params.len(), "the export")?;
-    for p in params {
-        let dtype = DType::parse(&p.dtype).ok_or_else(|| {
-            checkpoint::unreadable(
-                &checkpoint::manifest_path(dir, 0),
-                format!("{:?} has dtype {:?}", p.name, p.dtype),
-            )
-        })?;
-        let numel = p
-            .shape
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?))
-            .ok_or(Error::SizeOverflow {
-                what: "a parameter's elements",
-            })?;
-        let mut bytes = crate::fallible::filled(numel * dtype.size(), 0u8, "a parameter's bytes")?;
-        for (rank, (m, file)) in saved.iter().zip(&mut files).enumerate() {
-            read_param_part(dir, (rank, m, file), p, (dtype, numel), &mut bytes)?;
+    let mut readers: Vec<Option<DataReader<'_>>> = (0..saved.world_size()).map(|_| None).collect();
+    let mut wide = Vec::new();
+    write(&tensors, path, |k, out| {
+        let i = order[k];
+        let group = &saved.groups[first.params[i].group];
+        let kind = match saved.section(first.params[i].group, SectionKind::Values) {
+            Some(_) => SectionKind::Values,
+            None => SectionKind::Master,
+        };
+        let saved_dtype = saved.dtype_of(group, kind);
+        let numel = saved.numels[i];
+        let target: &mut [u8] = if saved_dtype == group.dtype {
+            &mut *out
+        } else {
+            crate::fallible::refill(&mut wide, numel * saved_dtype.size(), "a master's part")?;
+            &mut wide
+        };
+        for run in saved.runs(i, kind, 0, 0..numel)? {
+            let reader = match &mut readers[run.rank] {
+                Some(reader) => reader,
+                empty => empty.insert(DataReader::open(&saved, run.rank)?),
+            };
+            let size = saved_dtype.size();
+            let bytes = &mut target[run.elements.start * size..run.elements.end * size];
+            reader.read(run.offset, bytes)?;
         }
-        let shape = p.shape.iter().map(|&d| d as usize).collect();
-        tensors.push((
-            p.name.clone(),
-            Tensor {
-                dtype,
-                shape,
-                bytes,
-            },
-        ));
-    }
-    write(&tensors, path)
-}
-
-/// Copies into `out` (the whole parameter in `dtype`) the elements of parameter `p` that rank
-/// `rank` saved: from its values, or from its fp32 master rounded to `dtype`.
-fn read_param_part(
-    dir: &Path,
-    (rank, m, file): (usize, &RankManifest, &mut File),
-    p: &checkpoint::ParamRecord,
-    (dtype, numel): (DType, usize),
-    out: &mut [u8],
-) -> Result<()> {
-    let of = |kind| {
-        m.sections
-            .iter()
-            .find(|s| (s.group, s.kind) == (p.group, kind))
-    };
-    let (section, saved_dtype) = match (of(SectionKind::Values), of(SectionKind::Master)) {
-        (Some(values), _) => (values, dtype),
-        (None, Some(master)) => (master, DType::F32),
-        (None, None) => {
-            return Err(checkpoint::unreadable(
-                &checkpoint::manifest_path(dir, rank),
-                format!("no values or master of group {}", p.group),
-            ));
+        if saved_dtype != group.dtype {
+            convert((out, group.dtype), (&wide, saved_dtype));
         }
-    };
-    let size = saved_dtype.size();
-    let shard = (section.bytes / size as u64) as usize;
-    let (first, last) = (rank * shard, (rank + 1) * shard);
-    let start = p.offset.max(first);
-    let end = (p.offset + numel).min(last);
-    if start >= end {
-        return Ok(());
-    }
-    let wanted = checkpoint::Wanted {
-        offset: section.offset + ((start - first) * size) as u64,
-        len: ((end - start) * size) as u64,
-    };
-    let target = &mut out[(start - p.offset) * dtype.size()..(end - p.offset) * dtype.size()];
-    if saved_dtype == dtype {
-        return checkpoint::read_range(dir, rank, file, wanted, target);
-    }
-    let mut wide = crate::fallible::filled(wanted.len as usize, 0u8, "a master's part")?;
-    checkpoint::read_range(dir, rank, file, wanted, &mut wide)?;
-    convert((target, dtype), (&wide, DType::F32));
-    Ok(())
+        Ok(())
+    })
 }

@@ -31,6 +31,15 @@ pub(crate) fn copy_of(bytes: &[u8], what: &str) -> Result<Vec<u8>> {
     Ok(v)
 }
 
+/// Makes `v` `n` zeros, reusing its memory.
+pub(crate) fn refill(v: &mut Vec<u8>, n: usize, what: &str) -> Result<()> {
+    v.clear();
+    v.try_reserve_exact(n)
+        .map_err(|_| out_of_memory::<u8>(n, what))?;
+    v.resize(n, 0);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -199,6 +199,11 @@ impl ModelSpec {
             if p.name.is_empty() {
                 return Err(Error::EmptyName { index });
             }
+            if p.name == crate::export::RESERVED_NAME {
+                return Err(Error::ReservedName {
+                    name: p.name.clone(),
+                });
+            }
             if let Some(&first) = seen.get(p.name.as_str()) {
                 return Err(Error::DuplicateName {
                     name: p.name.clone(),
@@ -393,6 +398,10 @@ mod tests {
         assert!(matches!(
             ModelSpec::new(vec![p("a"), p("")]),
             Err(Error::EmptyName { index: 1 })
+        ));
+        assert!(matches!(
+            ModelSpec::new(vec![p("a"), p("__metadata__")]),
+            Err(Error::ReservedName { name }) if name == "__metadata__"
         ));
         assert!(matches!(
             ModelSpec::new(vec![p("a"), p("b"), p("a")]),

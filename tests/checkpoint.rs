@@ -57,7 +57,7 @@ impl Drop for Scratch {
 }
 
 /// Every group's shard, as bytes.
-fn shards(e: &CpuEngine) -> Vec<Vec<u8>> {
+fn shards(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     (0..e.plan().groups().len())
         .map(|g| e.param_shard(g).unwrap())
         .collect()
@@ -70,7 +70,7 @@ fn train<R: Send + 'static>(
     mode: Mode,
     steps: std::ops::Range<u64>,
     make: impl Fn(&mut CpuEngine) + Send + Sync + 'static,
-    after: impl Fn(&CpuEngine) -> R + Send + Sync + 'static,
+    after: impl Fn(&mut CpuEngine) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let mlp = mlp.clone();
     let base_lr = config.optimizer.lr();
@@ -79,7 +79,7 @@ fn train<R: Send + 'static>(
         for step in steps.clone() {
             sharded_step(&mlp, &mut e, (step, PASSES), base_lr, recipe()).unwrap();
         }
-        after(&e)
+        after(&mut e)
     })
 }
 
@@ -552,7 +552,7 @@ fn a_save_killed_at_any_point_never_loads_wrong_data() {
             &plan,
             &EngineConfig::default(),
             Mode::Eager,
-            move |mut e| e.load(&dir).map(|()| shards(&e)),
+            move |mut e| e.load(&dir).map(|()| shards(&mut e)),
         );
         loaded.into_iter().next().unwrap()
     };
@@ -666,7 +666,7 @@ fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
         let path = file.clone();
         let what = what.to_string();
         on_engines(&plan, &config, Mode::Eager, move |mut e| {
-            let before = shards(&e);
+            let before = shards(&mut e);
             match e.import_safetensors(&path) {
                 Err(Error::CheckpointMismatch { differences }) => {
                     assert!(!differences.is_empty());
@@ -677,7 +677,7 @@ fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
                 }
                 other => panic!("{other:?}"),
             }
-            assert_eq!(shards(&e), before, "a refused import changed nothing");
+            assert_eq!(shards(&mut e), before, "a refused import changed nothing");
             let elsewhere = path.with_extension("sharded");
             match e.export_safetensors(&elsewhere) {
                 Err(Error::Unsupported { what, .. }) => assert!(what.contains("world size 1")),
@@ -876,16 +876,16 @@ fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
                 e.wait_save().unwrap();
             });
             for rank in 0..world {
-                for path in [
-                    fsdp_fusion::checkpoint::data_path,
-                    fsdp_fusion::checkpoint::manifest_path,
-                ] {
-                    assert_eq!(
-                        std::fs::read(path(&background, rank)).unwrap(),
-                        std::fs::read(path(&blocking, rank)).unwrap(),
-                        "{mode:?} world {world} rank {rank}"
-                    );
-                }
+                let what = format!("{mode:?} world {world} rank {rank}");
+                let data = fsdp_fusion::checkpoint::data_path;
+                let same = std::fs::read(data(&background, rank)).unwrap()
+                    == std::fs::read(data(&blocking, rank)).unwrap();
+                assert!(same, "{what}: the data files differ");
+                let manifest = |dir| fsdp_fusion::checkpoint::read_manifest(dir, rank).unwrap();
+                let (mut a, b) = (manifest(&background), manifest(&blocking));
+                assert_ne!(a.save_id, b.save_id, "{what}: two saves of one id");
+                a.save_id = b.save_id.clone();
+                assert_eq!(a, b, "{what}");
             }
         }
     });
@@ -914,7 +914,7 @@ fn every_rank_gathers_the_whole_groups_it_holds_a_part_of() {
                     for step in 0..2 {
                         sharded_step(&trained, &mut e, (step, PASSES), lr, recipe()).unwrap();
                     }
-                    let held = shards(&e);
+                    let held = shards(&mut e);
                     let groups: Vec<Vec<u8>> = (0..e.plan().groups().len())
                         .map(|g| e.gather_group(g).unwrap())
                         .collect();

@@ -25,6 +25,8 @@ pub enum Purpose {
     CollectiveCheck,
     /// The exchange of the ranks' parts of the gradient norm.
     GradNorm,
+    /// The ranks' agreement to take a step together or not at all: a save, a load, an import.
+    Agreement,
 }
 
 /// A collective's place in its engine's sequence: every rank issues the same purposes in the
@@ -67,6 +69,7 @@ impl fmt::Display for Fingerprint {
             Purpose::PlanCheck => "the plan check".into(),
             Purpose::CollectiveCheck => "the collective check".into(),
             Purpose::GradNorm => "the gradient norm".into(),
+            Purpose::Agreement => "an agreement of the ranks".into(),
         };
         write!(
             f,
@@ -111,6 +114,7 @@ impl Fingerprint {
             Purpose::PlanCheck => (1, 0),
             Purpose::CollectiveCheck => (2, 0),
             Purpose::GradNorm => (3, 0),
+            Purpose::Agreement => (4, 0),
         };
         let op = match self.op {
             CollectiveOp::AllGather => 0u64,
@@ -149,6 +153,7 @@ impl Fingerprint {
             (1, _) => Purpose::PlanCheck,
             (2, _) => Purpose::CollectiveCheck,
             (3, _) => Purpose::GradNorm,
+            (4, _) => Purpose::Agreement,
             _ => return None,
         };
         let kind = word(4)?;

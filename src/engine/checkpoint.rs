@@ -1,22 +1,18 @@
-//! Saving and loading this rank's part of a sharded checkpoint at a step boundary.
+//! Saving and loading this rank's part of a sharded checkpoint at a step boundary. Both are
+//! collectives ([`super::agree`]): before anything is written, the ranks agree on the save's
+//! id and that every writer's directory is free; before anything changes, every rank has read
+//! and checked all it needs, so all ranks load or none does.
 
 use std::path::Path;
 
 use super::Engine;
+use super::agree::Proposal;
 use crate::backend::{Backend, Region};
-use crate::checkpoint::{self, RankManifest, Section, SectionKind};
+use crate::checkpoint::{self, DataReader, RankManifest, SaveId, Saved, Section, SectionKind};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
 use crate::types::{BufferState, DType, Stream};
-
-/// A run of a saved rank's data that belongs at byte `to` of this rank's part `part`.
-struct SavedRun {
-    rank: usize,
-    from: checkpoint::Wanted,
-    part: usize,
-    to: usize,
-}
 
 /// How often [`Engine::wait_save`] looks at the writer.
 const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
@@ -40,13 +36,18 @@ impl<H> Drop for PendingSave<H> {
     }
 }
 
-/// The bytes of the largest of `parts`.
-fn largest(parts: &[Part]) -> usize {
-    parts
-        .iter()
-        .map(|p| p.region.len * p.region.dtype.size())
-        .max()
-        .unwrap_or(0)
+/// Which pending asynchronous save refuses a new one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pending {
+    /// Any: one asynchronous save is written at a time.
+    Refused,
+    /// One into the same directory, whose temporary files the new one's would meet.
+    SameDirRefused,
+}
+
+/// The bytes of `part`.
+fn bytes_of(part: &Part) -> usize {
+    part.region.len * part.region.dtype.size()
 }
 
 /// A section of this rank's state: which buffer, and its region.
@@ -56,30 +57,48 @@ struct Part {
     region: Region,
 }
 
+/// This rank's state as read from a checkpoint and checked, not yet loaded.
+struct Loaded {
+    parts: Vec<Part>,
+    /// The parts one after another.
+    bytes: Vec<u8>,
+    optimizer: OptimizerConfig,
+    optimizer_steps: u64,
+}
+
+/// Bytes of a saved rank's data file that belong at byte `to` of [`Loaded::bytes`].
+struct Copy {
+    rank: usize,
+    from: u64,
+    to: usize,
+    bytes: usize,
+}
+
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
-    /// Writes this rank's state into `dir` (made if missing): each group's values in its dtype,
-    /// the fp32 masters and AdamW's moments, with the optimizer's step count and settings and
-    /// the plan's layout. No communication: every rank saves its own part, data first, its
-    /// manifest last, each under a temporary name, flushed and renamed, so a part that a crash
-    /// interrupts is never taken for a whole one. Refused (`Error::CheckpointExists`) where
-    /// `dir` holds this rank's part already, and between a step's first hook and its
-    /// `end_step`. Blocks until every byte is on disk. Under hybrid sharding only the first
-    /// replica's ranks write: every replica holds the same state.
-    pub fn save(&self, dir: &Path) -> Result<()> {
-        self.healthy()?;
-        self.check_step_boundary("saving a checkpoint")?;
-        if self.comm.replica().index > 0 {
+    /// Writes this rank's state into `dir` (made if missing): each group's values in its dtype
+    /// (a trainable bf16/f16 group's fp32 master instead, which the values are rounded from),
+    /// AdamW's moments, the optimizer's step count and settings and the plan's layout. A
+    /// collective: every rank calls it with the same `dir`, and the ranks agree first on the
+    /// save's id, which every manifest records, and that `dir` holds no rank file of any
+    /// checkpoint (`Error::CheckpointExists` on every rank, nothing written, otherwise). Each
+    /// rank then writes its data and its manifest, each under a unique temporary name, flushed
+    /// and linked into place, and the directory flushed: a part that a crash interrupts is never
+    /// taken for a whole one, and no existing file is replaced. Refused between a step's first
+    /// hook and its `end_step` (`Error::MidStep`). Blocks until every byte is on disk. Under
+    /// hybrid sharding only the first replica's ranks write: every replica holds the same state.
+    pub fn save(&mut self, dir: &Path) -> Result<()> {
+        let largest = self.parts().iter().map(bytes_of).max().unwrap_or(0);
+        let started = self.begin_save(dir, Pending::SameDirRefused, |_| {
+            crate::fallible::filled(largest, 0u8, "a checkpoint section")
+        })?;
+        let Some((manifest, mut buffer)) = started else {
             return Ok(());
-        }
-        self.check_no_save_into(dir)?;
-        checkpoint::prepare(dir, self.rank)?;
+        };
         let parts = self.parts();
-        let manifest = self.manifest(&parts);
-        let mut buffer = crate::fallible::filled(largest(&parts), 0u8, "a checkpoint section")?;
         checkpoint::write_rank(dir, manifest, |write| {
             // One part at a time through one host buffer.
             for p in &parts {
-                let part = &mut buffer[..p.region.len * p.region.dtype.size()];
+                let part = &mut buffer[..bytes_of(p)];
                 self.read_part(p, part)?;
                 write(part)?;
             }
@@ -91,28 +110,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// goes on: this rank's state is first copied on the compute stream into host memory
     /// (page-locked on a GPU; made at the first such save, the size of the rank's state, and
     /// kept for the next ones), the call returning once the copy is done. [`Engine::wait_save`]
-    /// gives the save's outcome; one save is written at a time (`Error::SavePending` while one
-    /// is). Dropping the engine waits for the files.
+    /// gives the save's outcome; one save is written at a time (`Error::SavePending` on every
+    /// rank while one rank's is). Dropping the engine waits for the files.
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
-        self.healthy()?;
-        self.check_step_boundary("saving a checkpoint")?;
-        if let Some(pending) = &self.pending_save {
-            return Err(Error::SavePending {
-                dir: pending.dir.display().to_string(),
-            });
-        }
-        if self.comm.replica().index > 0 {
-            return Ok(());
-        }
-        checkpoint::prepare(dir, self.rank)?;
         let parts = self.parts();
-        let manifest = self.manifest(&parts);
-        let total: usize = manifest.sections.iter().map(|s| s.bytes as usize).sum();
-        let mut staging = match self.save_staging.take() {
-            Some((staging, bytes)) if bytes >= total => (staging, bytes),
-            _ => (self.backend.alloc_host(total)?, total),
+        let total: usize = parts.iter().map(bytes_of).sum();
+        let started = self.begin_save(dir, Pending::Refused, |e| match e.save_staging.take() {
+            Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
+            _ => Ok((e.backend.alloc_host(total)?, total)),
+        })?;
+        let Some((manifest, mut staging)) = started else {
+            return Ok(());
         };
-        self.effects(|e| {
+        let queued = self.effects(|e| {
             // After every stream's work so far, in the compute stream's order (before the next
             // optimizer step writes the state).
             for other in [Stream::Gather, Stream::Reduce] {
@@ -121,17 +131,37 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             for (p, section) in parts.iter().zip(&manifest.sections) {
                 let buffer = e.state_buffer(p)?;
-                let at = section.offset as usize;
                 // SAFETY: ordered after every stream's work above; the staging area is read
                 // only once the copies completed (synchronized below).
                 unsafe {
-                    e.backend
-                        .copy_to_host(Stream::Compute, buffer, p.region, &mut staging.0, at)
+                    e.backend.copy_to_host(
+                        Stream::Compute,
+                        buffer,
+                        p.region,
+                        &mut staging.0,
+                        section.offset as usize,
+                    )
                 }?;
             }
-            let copied = e.backend.record(Stream::Compute)?;
-            e.backend.synchronize(&copied)
-        })?;
+            Ok(())
+        });
+        let copied = self
+            .backend
+            .record(Stream::Compute)
+            .and_then(|copied| self.backend.synchronize(&copied));
+        if let Err(e) = queued.and(self.observe(copied)) {
+            // Copies queued before the failure may still be writing the staging area: it is
+            // only freed once they are known to be done, else it is never freed.
+            let drained = self
+                .backend
+                .record(Stream::Compute)
+                .and_then(|done| self.backend.synchronize(&done));
+            match drained {
+                Ok(()) => drop(staging),
+                Err(_) => std::mem::forget(staging),
+            }
+            return Err(e);
+        }
         let target = dir.to_path_buf();
         let sections = manifest.sections.clone();
         let thread = std::thread::Builder::new()
@@ -155,6 +185,36 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             thread: Some(thread),
         });
         Ok(())
+    }
+
+    /// The start of a save on every rank: the checks (this rank writes into a free directory,
+    /// no pending save of its own is in the way) and `prepare` (what the writing needs), then
+    /// the ranks' agreement on both and on the save's id. `None` on a rank that writes nothing
+    /// (a later replica's, under hybrid sharding); else this rank's manifest, to be completed as
+    /// its data is written, and what `prepare` made.
+    fn begin_save<T>(
+        &mut self,
+        dir: &Path,
+        pending: Pending,
+        prepare: impl FnOnce(&mut Self) -> Result<T>,
+    ) -> Result<Option<(RankManifest, T)>> {
+        self.healthy()?;
+        self.check_step_boundary("saving a checkpoint")?;
+        let writes = self.comm.replica().index == 0;
+        let checked = checkpoint::check_path(dir, "the checkpoint directory")
+            .and_then(|()| self.check_pending(dir, pending))
+            .and_then(|()| match writes {
+                true => checkpoint::check_free(dir),
+                false => Ok(()),
+            })
+            .and_then(|()| prepare(self))
+            .map(|prepared| (prepared, SaveId::fresh().0));
+        let (prepared, proposals) = self.agree(dir, checked)?;
+        if !writes {
+            return Ok(None);
+        }
+        let id = SaveId(proposals.first().copied().unwrap_or_default());
+        Ok(Some((self.manifest(&self.parts(), id), prepared)))
     }
 
     /// Waits for the files of [`Engine::save_async`] (within the engine's timeout:
@@ -191,23 +251,22 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .is_some_and(|p| p.thread.as_ref().is_some_and(|t| !t.is_finished()))
     }
 
-    /// Refuses a save into the directory a pending one writes (their temporary files would
-    /// meet).
-    fn check_no_save_into(&self, dir: &Path) -> Result<()> {
+    /// Refuses a save that this rank's asynchronous save, not yet waited for, is in the way of.
+    fn check_pending(&self, dir: &Path, refused: Pending) -> Result<()> {
         match &self.pending_save {
-            Some(pending) if pending.dir == dir => Err(Error::SavePending {
-                dir: dir.display().to_string(),
+            Some(p) if refused == Pending::Refused || p.dir == dir => Err(Error::SavePending {
+                dir: p.dir.display().to_string(),
             }),
             _ => Ok(()),
         }
     }
 
-    /// This rank's manifest of `parts`, before its data's length and checksum.
-    fn manifest(&self, parts: &[Part]) -> RankManifest {
+    /// This rank's manifest of `parts` for save `id`, before its data's length and digests.
+    fn manifest(&self, parts: &[Part], id: SaveId) -> RankManifest {
         let mut sections = Vec::with_capacity(parts.len());
         let mut offset = 0u64;
         for p in parts {
-            let bytes = (p.region.len * p.region.dtype.size()) as u64;
+            let bytes = bytes_of(p) as u64;
             sections.push(Section {
                 group: p.group,
                 kind: p.kind,
@@ -217,7 +276,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             offset += bytes;
         }
         RankManifest {
-            format: checkpoint::FORMAT,
+            save_id: id.to_hex(),
             rank: self.rank,
             world_size: self.plan.world_size(),
             optimizer_steps: self.optimizer_steps,
@@ -229,23 +288,49 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             process_groups: self.plan.process_groups().to_vec(),
             sections,
             data_bytes: 0,
-            data_xxh3: String::new(),
+            chunk_bytes: 0,
+            chunk_xxh3: Vec::new(),
         }
     }
 
     /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same
     /// model (the same parameters, declared in the same order) and optimizer, at this world size
     /// or another: each rank takes its shard of every group from the saved ranks' parts that
-    /// hold it, reading each file it needs once. Everything is checked before anything
-    /// changes: every saved rank's manifest present and agreeing (a save that did not finish is
-    /// refused), each file read of its manifest's length and checksum, the parameters equal to
-    /// the plan's (`Error::CheckpointMismatch` lists what differs). The optimizer continues from
-    /// the saved step with the saved learning rate and weight decay. Allowed at a step boundary
-    /// only; blocks until the state is on the device.
+    /// hold it, reading only those bytes, each once. A collective: every rank calls it, and
+    /// nothing changes on any rank unless every rank's part checked out: every saved rank's
+    /// manifest present, unchanged (its own checksum) and of one save (one save id), its
+    /// fields consistent with the layout they describe; each chunk of data read of its
+    /// manifest's checksum; the parameters equal to the plan's (`Error::CheckpointMismatch`
+    /// lists what differs). A rank whose part failed returns its error, the others
+    /// `Error::PeerRefused` naming it. The optimizer continues from the saved step with the
+    /// saved learning rate and weight decay. Allowed at a step boundary only; holds this rank's
+    /// state in host memory while it reads; blocks until the state is on the device.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("loading a checkpoint")?;
-        let first = checkpoint::read_manifest(dir, 0)?;
+        let read = self
+            .read_checkpoint(dir)
+            .map(|loaded| (loaded, Proposal::default()));
+        let (loaded, _) = self.agree(dir, read)?;
+        self.effects(|e| {
+            let mut at = 0;
+            for p in &loaded.parts {
+                let bytes = bytes_of(p);
+                e.write_part(p, &loaded.bytes[at..at + bytes])?;
+                at += bytes;
+            }
+            e.values_from_masters()
+        })?;
+        self.config.optimizer = loaded.optimizer;
+        self.optimizer_steps = loaded.optimizer_steps;
+        Ok(())
+    }
+
+    /// This rank's state in the checkpoint in `dir`, read and checked (see [`Engine::load`]);
+    /// nothing changes.
+    fn read_checkpoint(&self, dir: &Path) -> Result<Loaded> {
+        let saved = checkpoint::read_saved(dir)?;
+        let first = &saved.manifests[0];
         let mut differences = Vec::new();
         if first.optimizer != optimizer_name(&self.config.optimizer) {
             differences.push(format!(
@@ -269,117 +354,55 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !differences.is_empty() {
             return Err(Error::CheckpointMismatch { differences });
         }
-        let saved = checkpoint::read_manifests(dir)?;
-        let parts = self.parts();
-        let copies = self.copies(dir, &saved, &parts)?;
-        // Every file this rank reads is checked whole before anything is loaded.
-        let mut files = Vec::with_capacity(saved.len());
-        for (rank, m) in saved.iter().enumerate() {
-            let needed = copies.iter().any(|c| c.rank == rank);
-            files.push(
-                needed
-                    .then(|| checkpoint::verified_data(dir, m))
-                    .transpose()?,
-            );
-        }
-        let mut buffer = crate::fallible::filled(largest(&parts), 0u8, "a checkpoint section")?;
         let optimizer = self
             .config
             .optimizer
             .with_lr_and_decay(first.lr, first.weight_decay)?;
-        self.effects(|e| {
-            // One part at a time through one host buffer: read its runs, upload it.
-            for (index, p) in parts.iter().enumerate() {
-                let part = &mut buffer[..p.region.len * p.region.dtype.size()];
-                part.fill(0);
-                for c in copies.iter().filter(|c| c.part == index) {
-                    let to = &mut part[c.to..c.to + c.from.len as usize];
-                    let file = files[c.rank].as_mut().ok_or(Error::GroupOutOfRange {
-                        group: p.group,
-                        count: e.plan.groups().len(),
-                    })?;
-                    checkpoint::read_range(dir, c.rank, file, c.from, to)?;
-                }
-                e.write_part(p, part)?;
-            }
-            e.values_from_masters()
-        })?;
-        self.config.optimizer = optimizer;
-        self.optimizer_steps = first.optimizer_steps;
-        // The masters were loaded: nothing is widened from the shards at the next step.
-        self.master_stale.fill(false);
-        Ok(())
+        let parts = self.parts();
+        let total = parts.iter().map(bytes_of).sum();
+        let mut bytes = crate::fallible::filled(total, 0u8, "this rank's state from a checkpoint")?;
+        let mut readers: Vec<Option<DataReader<'_>>> =
+            (0..saved.world_size()).map(|_| None).collect();
+        for c in self.copies(&saved, &parts)? {
+            let reader = match &mut readers[c.rank] {
+                Some(reader) => reader,
+                empty => empty.insert(DataReader::open(&saved, c.rank)?),
+            };
+            reader.read(c.from, &mut bytes[c.to..c.to + c.bytes])?;
+        }
+        Ok(Loaded {
+            parts,
+            bytes,
+            optimizer,
+            optimizer_steps: first.optimizer_steps,
+        })
     }
 
-    /// Where each element of this rank's `parts` lies in the saved ranks' data: for every
-    /// parameter, the elements of this rank's shard range, found in the saved layout (each
-    /// saved rank of the block that held this rank's copy holding `section bytes / element
-    /// size` of the group), run by run. Padding stays zero.
-    fn copies(&self, dir: &Path, saved: &[RankManifest], parts: &[Part]) -> Result<Vec<SavedRun>> {
-        let unreadable = |rank: usize, reason: String| {
-            checkpoint::unreadable(&checkpoint::manifest_path(dir, rank), reason)
-        };
+    /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'
+    /// data: for every parameter, the elements of this rank's shard range, found in the saved
+    /// layout of the copy of its group that this rank holds. Padding stays zero.
+    fn copies(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<Copy>> {
         let mut copies = Vec::new();
-        for (index, p) in parts.iter().enumerate() {
+        let mut part_start = 0;
+        for p in parts {
             let size = p.region.dtype.size();
-            let section = |rank: usize| -> Result<&Section> {
-                saved[rank]
-                    .sections
-                    .iter()
-                    .find(|s| (s.group, s.kind) == (p.group, p.kind))
-                    .ok_or_else(|| {
-                        unreadable(
-                            rank,
-                            format!("no {:?} section of group {}", p.kind, p.group),
-                        )
-                    })
-            };
             let group = &self.plan.groups()[p.group];
-            let block = checkpoint::saved_block(&saved[0], &self.plan, group, self.rank)?;
-            let saved_shard = (section(block.start)?.bytes / size as u64) as usize;
-            if saved_shard == 0 && group.padded_numel > 0 {
-                return Err(unreadable(
-                    block.start,
-                    format!("an empty section of group {}", p.group),
-                ));
-            }
+            let block = checkpoint::saved_block(&saved.manifests[0], &self.plan, group, self.rank)?;
             let mine = self.plan.shard_range(group, self.rank);
             for &id in &group.params {
                 let layout = &self.plan.params()[id.0];
-                let Some(old) = saved[0].params.iter().find(|r| r.name == layout.name) else {
-                    continue;
-                };
-                let lo = layout.offset.max(mine.start);
-                let hi = (layout.offset + layout.numel).min(mine.end);
-                let mut i = lo.saturating_sub(layout.offset);
-                let end = hi.saturating_sub(layout.offset);
-                while i < end {
-                    let position = old.offset + i;
-                    let (place, within) = (position / saved_shard, position % saved_shard);
-                    let rank = block.start + place;
-                    if rank >= block.end {
-                        return Err(unreadable(
-                            block.start,
-                            format!("group {} is longer than its saved shards", p.group),
-                        ));
-                    }
-                    let run = (end - i).min(saved_shard - within);
-                    let s = section(rank)?;
-                    if s.bytes != (saved_shard * size) as u64 {
-                        return Err(unreadable(rank, format!("section {s:?} of another size")));
-                    }
-                    copies.push(SavedRun {
-                        rank,
-                        from: checkpoint::Wanted {
-                            offset: s.offset + (within * size) as u64,
-                            len: (run * size) as u64,
-                        },
-                        part: index,
-                        to: (layout.offset + i - mine.start) * size,
+                let held = self.held_elements(id)?;
+                // The manifests' parameters are the plan's, in its order (`differences`).
+                for run in saved.runs(id.0, p.kind, block.start, held)? {
+                    copies.push(Copy {
+                        rank: run.rank,
+                        from: run.offset,
+                        to: part_start + (layout.offset + run.elements.start - mine.start) * size,
+                        bytes: run.elements.len() * size,
                     });
-                    i += run;
                 }
             }
+            part_start += bytes_of(p);
         }
         Ok(copies)
     }

@@ -2,27 +2,31 @@
 //! the ranks of any world size (each reading only its shard's elements).
 
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use safetensors::SafeTensors;
+use safetensors::tensor::Metadata;
 
 use super::Engine;
-use crate::backend::{Backend, Input, Region};
+use super::agree::Proposal;
+use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
-use crate::export::{Tensor, check_new, file_error, safetensors_dtype, write};
+use crate::export::{TensorHeader, check_new, file_error, safetensors_dtype, write};
 use crate::types::{DType, ParamId, Stream};
+
+/// The largest safetensors header read (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Writes every parameter, frozen ones included, under the model's names, shapes and dtypes
     /// (a master-only group's values are its masters rounded to the dtype, as a gather casts
-    /// them), into the safetensors file `path`: under a temporary name, flushed and renamed, so
-    /// that a file at `path` is always whole; an existing file is refused
-    /// (`Error::CheckpointExists`). At world size 1, between steps (`Error::MidStep`); at a
-    /// larger world size every rank saves ([`Engine::save`]) and one engine of world size 1
-    /// loads the checkpoint and exports, or [`crate::export::export_checkpoint`] converts the
-    /// checkpoint (`Error::Unsupported` here). Holds the model's bytes in host memory while it
-    /// writes.
+    /// them), into the safetensors file `path`: under a unique temporary name, flushed and
+    /// linked into place, so that a file at `path` is always whole; an empty path
+    /// (`Error::EmptyPath`) and an existing file (`Error::CheckpointExists`) are refused. At
+    /// world size 1, between steps (`Error::MidStep`); at a larger world size every rank saves
+    /// ([`Engine::save`]) and [`crate::export::export_checkpoint`] converts the checkpoint
+    /// (`Error::Unsupported` here). Holds one group's values in host memory at a time.
     pub fn export_safetensors(&self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("exporting the model")?;
@@ -33,27 +37,32 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         check_new(path)?;
-        let mut tensors = crate::fallible::with_capacity(self.plan.params().len(), "the export")?;
-        for group in self.plan.groups() {
-            let values = self.param_shard(group.index)?;
-            let size = group.dtype.size();
-            for &id in &group.params {
+        // Group by group, so that each group's values are read once.
+        let order: Vec<ParamId> = (self.plan.groups().iter())
+            .flat_map(|g| g.params.iter().copied())
+            .collect();
+        let tensors: Vec<TensorHeader> = order
+            .iter()
+            .map(|id| {
                 let p = &self.plan.params()[id.0];
-                let bytes = &values[p.offset * size..(p.offset + p.numel) * size];
-                let mut copy = crate::fallible::with_capacity(bytes.len(), "a parameter's bytes")?;
-                copy.extend_from_slice(bytes);
-                let shape = p.shape.iter().map(|&d| d as usize).collect();
-                tensors.push((
-                    p.name.clone(),
-                    Tensor {
-                        dtype: p.dtype,
-                        shape,
-                        bytes: copy,
-                    },
-                ));
+                TensorHeader {
+                    name: p.name.clone(),
+                    dtype: p.dtype,
+                    shape: p.shape.iter().map(|&d| d as usize).collect(),
+                }
+            })
+            .collect();
+        let mut values: Option<(usize, Vec<u8>)> = None;
+        write(&tensors, path, |i, out| {
+            let p = &self.plan.params()[order[i].0];
+            if values.as_ref().is_none_or(|(g, _)| *g != p.group) {
+                values = Some((p.group, self.param_shard(p.group)?));
             }
-        }
-        write(&tensors, path)
+            let bytes = values.as_ref().map_or(&[][..], |(_, v)| v);
+            let size = p.dtype.size();
+            out.copy_from_slice(&bytes[p.offset * size..(p.offset + p.numel) * size]);
+            Ok(())
+        })
     }
 
     /// Group `group`'s whole padded buffer, as bytes in its dtype, gathered from every rank's
@@ -103,48 +112,86 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Loads every parameter's values from the safetensors file `path` (as
-    /// [`Engine::export_safetensors`] writes, or a pretrained model's), at any world size: the
-    /// file is memory-mapped and this rank reads only its shard's elements. The file must hold
-    /// exactly the model's parameters, by name, shape and dtype; otherwise
-    /// `Error::CheckpointMismatch` lists every difference and nothing is loaded. A parameter of
-    /// a process group takes the file's values in every copy. Between steps only. The
-    /// optimizer's state is left as it is (a fresh engine's: zero moments, step 0).
+    /// [`Engine::export_safetensors`] writes, or a pretrained model's), at any world size: each
+    /// rank reads only its shard's elements, with plain reads (no memory map: a file changed
+    /// under the call gives an error or the bytes it held when read, never a fault). The file
+    /// must hold exactly the model's parameters, by name, shape and dtype; otherwise
+    /// `Error::CheckpointMismatch` lists every difference. A collective: every rank calls it,
+    /// and nothing changes on any rank unless every rank read its part (a rank that failed
+    /// returns its error, the others `Error::PeerRefused` naming it). A parameter of a process
+    /// group takes the file's values in every copy. Between steps only. The optimizer's state
+    /// is left as it is (a fresh engine's: zero moments, step 0). Holds this rank's shard of
+    /// the values in host memory while it reads.
     pub fn import_safetensors(&mut self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("importing a model")?;
+        let read = self
+            .read_import(path)
+            .map(|held| (held, Proposal::default()));
+        let (held, _) = self.agree(path, read)?;
+        for (i, values) in held.into_iter().enumerate() {
+            self.store_held(ParamId(i), &values)?;
+        }
+        Ok(())
+    }
+
+    /// The elements of every parameter that this rank holds, read from the safetensors file
+    /// `path` once its header is checked against the plan.
+    fn read_import(&self, path: &Path) -> Result<Vec<Vec<u8>>> {
+        crate::checkpoint::check_path(path, "the imported file")?;
         let file = File::open(path).map_err(|e| file_error(path, e))?;
-        // SAFETY: the map is read only while this call runs; a file changed under it by another
-        // process gives wrong values, never memory outside the map.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
-        let file = SafeTensors::deserialize(&map).map_err(|e| file_error(path, e))?;
+        let length = file.metadata().map_err(|e| file_error(path, e))?.len();
+        let mut prefix = [0u8; 8];
+        file.read_exact_at(&mut prefix, 0)
+            .map_err(|e| file_error(path, format!("not safetensors: {e}")))?;
+        let header_bytes = u64::from_le_bytes(prefix);
+        if header_bytes > MAX_HEADER_BYTES || 8 + header_bytes > length {
+            return Err(file_error(
+                path,
+                format!("not safetensors: a header of {header_bytes} bytes in {length}"),
+            ));
+        }
+        let mut header = crate::fallible::filled(header_bytes as usize, 0u8, "a header")?;
+        file.read_exact_at(&mut header, 8)
+            .map_err(|e| file_error(path, e))?;
+        let metadata: Metadata = serde_json::from_slice(&header)
+            .map_err(|e| file_error(path, format!("not safetensors: {e}")))?;
+        let data_start = 8 + header_bytes;
+        if data_start + metadata.data_len() as u64 != length {
+            return Err(file_error(
+                path,
+                format!(
+                    "truncated or grown: {length} bytes, the header says {}",
+                    data_start + metadata.data_len() as u64
+                ),
+            ));
+        }
         let mut differences = Vec::new();
-        let mut found = Vec::with_capacity(self.plan.params().len());
+        let mut offsets = Vec::with_capacity(self.plan.params().len());
         for p in self.plan.params() {
-            match file.tensor(&p.name) {
-                Err(_) => differences.push(format!("{:?} is not in the file", p.name)),
-                Ok(t) => {
-                    let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
+            match metadata.info(&p.name) {
+                None => differences.push(format!("{:?} is not in the file", p.name)),
+                Some(t) => {
+                    let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
                     if shape != p.shape {
                         differences.push(format!(
                             "{:?} has shape {shape:?} in the file, {:?} in the model",
                             p.name, p.shape
                         ));
-                    } else if t.dtype() != safetensors_dtype(p.dtype) {
+                    } else if t.dtype != safetensors_dtype(p.dtype) {
                         differences.push(format!(
                             "{:?} is {:?} in the file, {} in the model",
-                            p.name,
-                            t.dtype(),
-                            p.dtype
+                            p.name, t.dtype, p.dtype
                         ));
                     } else {
-                        found.push(t);
+                        offsets.push(data_start + t.data_offsets.0 as u64);
                     }
                 }
             }
         }
-        let mut extra: Vec<&str> = file
-            .names()
-            .into_iter()
+        let mut extra: Vec<String> = metadata
+            .tensors()
+            .into_keys()
             .filter(|name| self.plan.param_id(name).is_err())
             .collect();
         extra.sort_unstable();
@@ -156,10 +203,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !differences.is_empty() {
             return Err(Error::CheckpointMismatch { differences });
         }
-        for (i, t) in found.into_iter().enumerate() {
-            let dtype = self.plan.params()[i].dtype;
-            self.load_param(ParamId(i), Input::host_bytes(t.data(), dtype))?;
+        let mut held = crate::fallible::with_capacity(offsets.len(), "the imported values")?;
+        for (i, start) in offsets.into_iter().enumerate() {
+            let elements = self.held_elements(ParamId(i))?;
+            let size = self.plan.params()[i].dtype.size();
+            let mut values =
+                crate::fallible::filled(elements.len() * size, 0u8, "a parameter's values")?;
+            // Within the file: the header's tensors tile its data, whose length was checked.
+            file.read_exact_at(&mut values, start + (elements.start * size) as u64)
+                .map_err(|e| file_error(path, e))?;
+            held.push(values);
         }
-        Ok(())
+        Ok(held)
     }
 }

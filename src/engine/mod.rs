@@ -8,6 +8,7 @@
 //!   `views`: the gathered parameters and gradient places as the caller reads and writes them;
 //!   `checks`: the ranks' comparisons of their plans and their collectives; `spans`: tracing.
 
+mod agree;
 mod checkpoint;
 mod checks;
 mod full_model;
@@ -92,7 +93,6 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     grad_shards: Vec<Option<B::Buffer>>,
     masters: Vec<Option<B::Buffer>>,
     moments: Vec<Option<(B::Buffer, B::Buffer)>>,
-    master_stale: Vec<bool>,
     slot_buffers: Vec<B::Buffer>,
     free_slots: Vec<GatherSlot<B::Event>>,
     placed: Vec<Option<Placement<B::Event>>>,
@@ -408,7 +408,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             placed: (0..groups).map(|_| None).collect(),
             gathered: (0..groups).map(|_| None).collect(),
             released: vec![None; groups],
-            master_stale: vec![true; groups],
             shards: buffers.shards,
             grad_shards: buffers.grad_shards,
             masters: buffers.masters,

@@ -89,18 +89,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 .as_ref()
                 .ok_or(Error::GroupOutOfRange { group: i, count })?;
             let master_only = self.plan.master_only(&self.config, g);
-            if self.master_stale[i] && !master_only {
-                if let Some(master) = self.masters[i].as_mut() {
-                    let whole = Region::new(0, g.shard_numel, g.dtype);
-                    let f32s = Region::new(0, g.shard_numel, DType::F32);
-                    // SAFETY: as the optimizer's accesses below.
-                    unsafe {
-                        self.backend
-                            .cast(Stream::Compute, &self.shards[i], whole, master, f32s)
-                    }?;
-                }
-                self.master_stale[i] = false;
-            }
             // A master-only group steps its master as an f32 parameter that is its own master.
             let (param, dtype, master) = match (master_only, self.masters[i].as_mut()) {
                 (true, Some(master)) => (master, DType::F32, None),
@@ -201,8 +189,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard: only
-    /// the part the rank holds is kept. Every rank loads every parameter. Allowed between steps.
+    /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard and
+    /// its fp32 master (the value widened, as the optimizer's next step reads it): only the part
+    /// the rank holds is kept, and no other parameter's state changes. Every rank loads every
+    /// parameter. Allowed between steps.
     pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
         self.healthy()?;
         self.check_not_stepped("loading a parameter")?;
@@ -227,37 +217,55 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 got: data.numel(),
             });
         }
+        let held = self.held_elements(param)?;
+        let size = dtype.size();
+        self.store_held(param, &bytes[held.start * size..held.end * size])
+    }
+
+    /// The elements of parameter `param` that this rank's shard holds (empty when none).
+    pub(super) fn held_elements(&self, param: ParamId) -> Result<std::ops::Range<usize>> {
+        let layout = self.plan.param(param)?;
+        let shard = self
+            .plan
+            .shard_range(&self.plan.groups()[layout.group], self.rank);
+        let start = layout.offset.max(shard.start);
+        let end = (layout.offset + layout.numel).min(shard.end);
+        match start < end {
+            true => Ok(start - layout.offset..end - layout.offset),
+            false => Ok(0..0),
+        }
+    }
+
+    /// Writes `values` (the elements [`Engine::held_elements`] names, in the parameter's dtype)
+    /// into this rank's shard and master. Refused while the parameter's group is gathered.
+    pub(super) fn store_held(&mut self, param: ParamId, values: &[u8]) -> Result<()> {
+        let layout = self.plan.param(param)?;
         if self.gathers.state(layout.group) != BufferState::Freed {
             return Err(Error::Gathered {
                 name: layout.name.clone(),
             });
         }
-        let group = &self.plan.groups()[layout.group];
-        let shard = self.plan.shard_range(group, self.rank);
-        let (offset, index) = (layout.offset, layout.group);
-        let start = offset.max(shard.start);
-        let end = (offset + layout.numel).min(shard.end);
+        let held = self.held_elements(param)?;
+        if held.is_empty() {
+            return Ok(());
+        }
+        let (index, dtype) = (layout.group, layout.dtype);
+        let group = &self.plan.groups()[index];
+        let at = layout.offset + held.start - self.plan.shard_range(group, self.rank).start;
         let master_only = self.plan.master_only(&self.config, group);
         self.effects(|e| {
-            if start < end {
-                let src = &bytes[(start - offset) * dtype.size()..(end - offset) * dtype.size()];
-                if master_only {
-                    // The master holds the value widened: exactly what a shard would hold.
-                    let mut wide = crate::fallible::filled((end - start) * 4, 0u8, "a master")?;
-                    convert((&mut wide, DType::F32), (src, dtype));
-                    let region = Region::new(start - shard.start, end - start, DType::F32);
-                    let count = e.masters.len();
-                    let master = e.masters[index].as_mut().ok_or(Error::GroupOutOfRange {
-                        group: index,
-                        count,
-                    })?;
-                    e.backend.upload(master, region, &wide)?;
-                } else {
-                    let region = Region::new(start - shard.start, end - start, dtype);
-                    e.backend.upload(&mut e.shards[index], region, src)?;
-                }
+            if !master_only {
+                let region = Region::new(at, held.len(), dtype);
+                e.backend.upload(&mut e.shards[index], region, values)?;
             }
-            e.master_stale[index] = true;
+            if let Some(master) = e.masters[index].as_mut() {
+                // Exactly what the shard holds, widened: only this parameter's range, so the fp32
+                // progress of the group's other parameters stays.
+                let mut wide = crate::fallible::filled(held.len() * 4, 0u8, "a master")?;
+                convert((&mut wide, DType::F32), (values, dtype));
+                e.backend
+                    .upload(master, Region::new(at, held.len(), DType::F32), &wide)?;
+            }
             Ok(())
         })
     }

@@ -94,6 +94,8 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::PlanMismatch { .. }
         | Error::CheckpointMismatch { .. }
         | Error::CheckpointExists { .. }
+        | Error::EmptyPath { .. }
+        | Error::ReservedName { .. }
         | Error::LaunchEnv { .. }
         | Error::OutOfRange { .. } => FSDP_INVALID_ARGUMENT,
         Error::UnknownUnit { .. }
@@ -135,6 +137,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         Error::Aborted => FSDP_ABORTED,
         Error::Poisoned { .. } => FSDP_POISONED,
         Error::StreamFailed { cause, .. } => status_of(cause),
+        Error::PeerRefused { cause, .. } => status_of(cause),
     }
 }
 

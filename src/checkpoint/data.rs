@@ -1,0 +1,196 @@
+//! Data files in checksummed chunks: the digests made while a save writes, and reads that check
+//! each chunk they touch once, so a load reads every byte it needs once and no byte it does not.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use super::{Saved, data_path, unreadable};
+use crate::error::Result;
+
+/// The chunk a save checksums: large enough that a digest per chunk is nothing beside the bytes,
+/// small enough that a load of part of a file reads little more than that part.
+pub const CHUNK_BYTES: u64 = 4 << 20;
+
+/// The largest chunk a manifest may declare: a reader holds one chunk at a time.
+pub(crate) const MAX_CHUNK_BYTES: u64 = 1 << 30;
+
+/// The xxh3-64 of each chunk of a stream of bytes, as they go by.
+pub(crate) struct ChunkDigests {
+    hasher: Xxh3,
+    filled: u64,
+    digests: Vec<String>,
+    bytes: u64,
+}
+
+impl ChunkDigests {
+    pub(crate) fn new() -> ChunkDigests {
+        ChunkDigests {
+            hasher: Xxh3::new(),
+            filled: 0,
+            digests: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    pub(crate) fn update(&mut self, mut bytes: &[u8]) {
+        self.bytes += bytes.len() as u64;
+        while !bytes.is_empty() {
+            let room = (CHUNK_BYTES - self.filled).min(bytes.len() as u64) as usize;
+            self.hasher.update(&bytes[..room]);
+            self.filled += room as u64;
+            bytes = &bytes[room..];
+            if self.filled == CHUNK_BYTES {
+                self.end_chunk();
+            }
+        }
+    }
+
+    fn end_chunk(&mut self) {
+        self.digests.push(format!("{:016x}", self.hasher.digest()));
+        self.hasher.reset();
+        self.filled = 0;
+    }
+
+    /// The bytes seen, and the digests of their chunks (the last one shorter).
+    pub(crate) fn finish(mut self) -> (u64, Vec<String>) {
+        if self.filled > 0 {
+            self.end_chunk();
+        }
+        (self.bytes, self.digests)
+    }
+}
+
+/// One saved rank's data file, read by byte range: every chunk a read touches is checked against
+/// its manifest's digest before its bytes are handed out.
+pub struct DataReader<'a> {
+    path: PathBuf,
+    file: File,
+    digests: &'a [u64],
+    chunk_bytes: u64,
+    data_bytes: u64,
+    /// The last chunk read in part, checked: consecutive reads within one chunk read it once.
+    cached: Option<(u64, Vec<u8>)>,
+    bytes_read: u64,
+}
+
+impl<'a> DataReader<'a> {
+    /// Opens rank `rank`'s data file of `saved`, refused when its length is not its manifest's.
+    pub fn open(saved: &'a Saved, rank: usize) -> Result<DataReader<'a>> {
+        let path = data_path(&saved.dir, rank);
+        let (Some(m), Some(digests)) = (saved.manifests.get(rank), saved.chunks.get(rank)) else {
+            return Err(unreadable(&path, format!("rank {rank} is not in the save")));
+        };
+        let file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
+        let length = file
+            .metadata()
+            .map_err(|e| unreadable(&path, e.to_string()))?
+            .len();
+        if length != m.data_bytes {
+            return Err(unreadable(
+                &path,
+                format!(
+                    "truncated or grown: {length} bytes, the manifest says {}",
+                    m.data_bytes
+                ),
+            ));
+        }
+        Ok(DataReader {
+            path,
+            file,
+            digests,
+            chunk_bytes: m.chunk_bytes,
+            data_bytes: m.data_bytes,
+            cached: None,
+            bytes_read: 0,
+        })
+    }
+
+    /// Bytes read from the file so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read
+    }
+
+    /// Fills `out` with the file's bytes from `offset`, each chunk they lie in checked.
+    pub fn read(&mut self, offset: u64, out: &mut [u8]) -> Result<()> {
+        let end = offset
+            .checked_add(out.len() as u64)
+            .filter(|&end| end <= self.data_bytes)
+            .ok_or_else(|| {
+                unreadable(
+                    &self.path,
+                    format!(
+                        "{} bytes at {offset} are past its {} bytes",
+                        out.len(),
+                        self.data_bytes
+                    ),
+                )
+            })?;
+        let mut at = offset;
+        while at < end {
+            let index = at / self.chunk_bytes;
+            let chunk = self.chunk_range(index);
+            let upto = end.min(chunk.end);
+            let dst = &mut out[(at - offset) as usize..(upto - offset) as usize];
+            if at == chunk.start && upto == chunk.end {
+                // A whole chunk goes straight to its place.
+                self.read_at(chunk.start, dst)?;
+                self.check(index, dst)?;
+            } else {
+                let cached = self.cached_chunk(index)?;
+                dst.copy_from_slice(
+                    &cached[(at - chunk.start) as usize..(upto - chunk.start) as usize],
+                );
+            }
+            at = upto;
+        }
+        Ok(())
+    }
+
+    fn chunk_range(&self, index: u64) -> std::ops::Range<u64> {
+        let start = index * self.chunk_bytes;
+        start..(start + self.chunk_bytes).min(self.data_bytes)
+    }
+
+    fn cached_chunk(&mut self, index: u64) -> Result<&[u8]> {
+        if self.cached.as_ref().is_none_or(|(i, _)| *i != index) {
+            let range = self.chunk_range(index);
+            let mut bytes = self.cached.take().map(|(_, b)| b).unwrap_or_default();
+            let len = (range.end - range.start) as usize;
+            crate::fallible::refill(&mut bytes, len, "a checkpoint chunk")?;
+            self.read_at(range.start, &mut bytes)?;
+            self.check(index, &bytes)?;
+            self.cached = Some((index, bytes));
+        }
+        Ok(self.cached.as_ref().map_or(&[][..], |(_, b)| b))
+    }
+
+    fn read_at(&mut self, offset: u64, out: &mut [u8]) -> Result<()> {
+        self.file
+            .read_exact_at(out, offset)
+            .map_err(|e| unreadable(&self.path, format!("{} bytes at {offset}: {e}", out.len())))?;
+        self.bytes_read += out.len() as u64;
+        Ok(())
+    }
+
+    fn check(&self, index: u64, bytes: &[u8]) -> Result<()> {
+        let digest = xxh3_64(bytes);
+        let expected = self.digests.get(index as usize).copied();
+        if expected == Some(digest) {
+            return Ok(());
+        }
+        let range = self.chunk_range(index);
+        Err(unreadable(
+            &self.path,
+            format!(
+                "corrupted: chunk {index} (bytes {}..{}) has checksum {digest:016x}, the manifest \
+                 says {}",
+                range.start,
+                range.end,
+                expected.map_or("none".into(), |e| format!("{e:016x}"))
+            ),
+        ))
+    }
+}

@@ -1,0 +1,206 @@
+//! The ranks' agreement on a step that every rank takes or none does (a save, a load, an
+//! import): each rank first does everything that can fail without changing its state, then
+//! the ranks exchange their outcomes; all go on, or every rank returns an error: a failing rank
+//! its own, the others the lowest failing rank's ([`Error::PeerRefused`]). One small exchange
+//! when every rank succeeded; a second carries the failure's message.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::Engine;
+use crate::backend::Backend;
+use crate::comm::{Communicator, Purpose};
+use crate::error::{Error, Result};
+
+/// What each rank proposes with its outcome (a save's id, say).
+pub(super) type Proposal = [u8; 16];
+
+/// Bytes of a failure's message in the second exchange.
+const MESSAGE_BYTES: usize = 2048;
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Exchanges `outcome` with every rank of the grid (every replica's too): `Ok` with the
+    /// value and every rank's proposal, in rank order, when every rank succeeded. `dir` names
+    /// what the ranks act on, for a peer's failure of a kind no message carries whole. A
+    /// failure of the exchange itself poisons the engine.
+    pub(super) fn agree<T>(
+        &mut self,
+        dir: &Path,
+        outcome: Result<(T, Proposal)>,
+    ) -> Result<(T, Vec<Proposal>)> {
+        if self.comm.grid_size() == 1 {
+            return outcome.map(|(value, proposal)| (value, vec![proposal]));
+        }
+        let mut record = [0u8; 1 + 16];
+        match &outcome {
+            Ok((_, proposal)) => record[1..].copy_from_slice(proposal),
+            Err(_) => record[0] = 1,
+        }
+        let exchanged = self.exchange(Purpose::Agreement, &record, true);
+        let records = self.observe(exchanged)?;
+        let failed = records.iter().position(|r| r.first() != Some(&0));
+        let Some(rank) = failed else {
+            let (value, _) = outcome?;
+            let proposals = records
+                .iter()
+                .map(|r| {
+                    let mut p = [0u8; 16];
+                    p.copy_from_slice(&r[1..]);
+                    p
+                })
+                .collect();
+            return Ok((value, proposals));
+        };
+        let message = match &outcome {
+            Err(e) => encode(e),
+            Ok(_) => vec![0; MESSAGE_BYTES],
+        };
+        let exchanged = self.exchange(Purpose::Agreement, &message, true);
+        let messages = self.observe(exchanged)?;
+        match outcome {
+            Err(own) => Err(own),
+            Ok(_) => Err(Error::PeerRefused {
+                rank,
+                cause: Box::new(decode(&messages[rank], dir)),
+            }),
+        }
+    }
+}
+
+/// What kind of error a message carries, as its first byte.
+const UNREADABLE: u8 = 1;
+const MISMATCH: u8 = 2;
+const EXISTS: u8 = 3;
+const OUT_OF_MEMORY: u8 = 4;
+const WRITE: u8 = 5;
+const EMPTY_PATH: u8 = 6;
+const SAVE_PENDING: u8 = 7;
+const OTHER: u8 = 255;
+
+/// `e` as [`MESSAGE_BYTES`] bytes: its kind, then its fields, each ended by a NUL (cut at the
+/// end where too long).
+fn encode(e: &Error) -> Vec<u8> {
+    let (kind, fields): (u8, Vec<String>) = match e {
+        Error::CheckpointUnreadable { path, reason } => {
+            (UNREADABLE, vec![path.clone(), reason.clone()])
+        }
+        Error::CheckpointMismatch { differences } => (MISMATCH, differences.clone()),
+        Error::CheckpointExists { path } => (EXISTS, vec![path.clone()]),
+        Error::OutOfMemory { bytes, what } => {
+            (OUT_OF_MEMORY, vec![bytes.to_string(), what.clone()])
+        }
+        Error::Write { path, source } => (WRITE, vec![path.clone(), source.to_string()]),
+        Error::EmptyPath { what } => (EMPTY_PATH, vec![what.clone()]),
+        Error::SavePending { dir } => (SAVE_PENDING, vec![dir.clone()]),
+        other => (OTHER, vec![other.to_string()]),
+    };
+    let mut out = vec![0u8; MESSAGE_BYTES];
+    out[0] = kind;
+    let mut at = 1;
+    for field in fields {
+        let room = MESSAGE_BYTES.saturating_sub(at + 1);
+        let cut = (0..=room.min(field.len()))
+            .rev()
+            .find(|&i| field.is_char_boundary(i))
+            .unwrap_or(0);
+        out[at..at + cut].copy_from_slice(&field.as_bytes()[..cut]);
+        at += cut + 1;
+        if at >= MESSAGE_BYTES {
+            break;
+        }
+    }
+    out
+}
+
+/// The error [`encode`] wrote into `bytes`; one of a kind that no message carries whole reads
+/// as a checkpoint at `dir` that could not be used.
+fn decode(bytes: &[u8], dir: &Path) -> Error {
+    let kind = bytes.first().copied().unwrap_or(OTHER);
+    let body = bytes.get(1..).unwrap_or_default();
+    let end = body.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
+    let fields: Vec<String> = body[..end]
+        .split(|&b| b == 0)
+        .map(|f| String::from_utf8_lossy(f).into_owned())
+        .collect();
+    let field = |i: usize| fields.get(i).cloned().unwrap_or_default();
+    match kind {
+        UNREADABLE => Error::CheckpointUnreadable {
+            path: field(0),
+            reason: field(1),
+        },
+        MISMATCH => Error::CheckpointMismatch {
+            differences: fields,
+        },
+        EXISTS => Error::CheckpointExists { path: field(0) },
+        OUT_OF_MEMORY => Error::OutOfMemory {
+            bytes: field(0).parse().unwrap_or(0),
+            what: field(1),
+        },
+        WRITE => Error::Write {
+            path: field(0),
+            source: Arc::new(std::io::Error::other(field(1))),
+        },
+        EMPTY_PATH => Error::EmptyPath { what: field(0) },
+        SAVE_PENDING => Error::SavePending { dir: field(0) },
+        _ => Error::CheckpointUnreadable {
+            path: dir.display().to_string(),
+            reason: field(0),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_crosses_to_the_other_ranks_as_the_same_error() {
+        let dir = Path::new("ckpt");
+        let cases = [
+            Error::CheckpointUnreadable {
+                path: "ckpt/rank-00002.bin".into(),
+                reason: "corrupted: chunk 3".into(),
+            },
+            Error::CheckpointMismatch {
+                differences: vec!["\"a\" is not in the checkpoint".into(), "b: é".into()],
+            },
+            Error::CheckpointExists {
+                path: "ckpt/rank-00000.json".into(),
+            },
+            Error::OutOfMemory {
+                bytes: 12345,
+                what: "the checkpoint's state".into(),
+            },
+            Error::EmptyPath { what: "dir".into() },
+            Error::SavePending { dir: "ckpt".into() },
+        ];
+        for e in cases {
+            assert_eq!(decode(&encode(&e), dir).to_string(), e.to_string());
+        }
+        let write = Error::Write {
+            path: "ckpt".into(),
+            source: Arc::new(std::io::Error::other("disk full")),
+        };
+        assert_eq!(decode(&encode(&write), dir).to_string(), write.to_string());
+        let other = decode(&encode(&Error::Aborted), dir);
+        assert!(
+            matches!(&other, Error::CheckpointUnreadable { path, reason }
+                if path == "ckpt" && reason == "the engine was aborted"),
+            "{other:?}"
+        );
+    }
+
+    #[test]
+    fn a_long_message_is_cut_at_a_character() {
+        let e = Error::CheckpointMismatch {
+            differences: vec!["é".repeat(MESSAGE_BYTES)],
+        };
+        let bytes = encode(&e);
+        assert_eq!(bytes.len(), MESSAGE_BYTES);
+        let Error::CheckpointMismatch { differences } = decode(&bytes, Path::new("d")) else {
+            panic!("not a mismatch");
+        };
+        assert!(differences[0].chars().all(|c| c == 'é'));
+        assert!(differences[0].len() > MESSAGE_BYTES - 8);
+    }
+}
