@@ -329,12 +329,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     }
     // Refused before training, rather than after it.
     if let Some(dir) = &args.save {
-        let first = fsdp_fusion::checkpoint::manifest_path(dir, 0);
-        if first.exists() {
-            return Err(fsdp_fusion::Error::CheckpointExists {
-                path: first.display().to_string(),
-            });
-        }
+        fsdp_fusion::checkpoint::check_free(dir)?;
     }
     let checkpoints = Checkpoints {
         resume: args.resume.as_deref(),

@@ -11,7 +11,7 @@
 // parameters of every function. It changes with each of them; a caller compares it with its
 // own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
 // versions never exchange structs.
-#define FSDP_ABI_VERSION 3
+#define FSDP_ABI_VERSION 4
 
 // Element types, for the `dtype` arguments and fields.
 #define FSDP_BF16 0
@@ -148,6 +148,10 @@ typedef struct fsdp_config {
   // AdamW's moments: `FSDP_F32`, or `FSDP_BF16` (half the memory; each new moment rounded
   // stochastically, unbiased, the update itself computed in f32).
   uint32_t moment_dtype;
+  // 1: make the host memory `fsdp_engine_save_async` copies the state into (page-locked on
+  // a GPU, the size of the rank's state) with the engine, so that even the first
+  // asynchronous save's call only copies; 0: the first asynchronous save makes it.
+  uint8_t save_staging;
 } fsdp_config;
 
 // Device memory from the caller for a CUDA engine's buffers: a framework's caching allocator,
@@ -259,24 +263,29 @@ typedef struct fsdp_grad_norm {
 extern "C" {
 #endif // __cplusplus
 
-// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards,
-// fp32 masters, AdamW moments, the optimizer's step and settings and the plan's layout, data
-// first and its manifest last, each flushed and renamed into place, so an interrupted save never
-// looks complete. No communication: every rank calls it with the same `dir`. Between
-// `fsdp_engine_end_step` and the next step's first hook only (`FSDP_MISUSE` otherwise);
-// `FSDP_INVALID_ARGUMENT` where `dir` holds this rank's part already (a save never overwrites);
-// `FSDP_IO_ERROR` when a file cannot be written. Blocks until every byte is on disk.
+// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
+// (a trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
+// settings and the plan's layout. A collective: every rank calls it with the same `dir`. The
+// ranks first agree on the save's id, which every manifest records, and that `dir` holds no
+// rank file of any checkpoint: `FSDP_INVALID_ARGUMENT` on every rank otherwise (the failing
+// rank's message naming the file, the others naming that rank), and nothing written. Each
+// rank then writes its data and then its manifest, each under a unique temporary name (created
+// new: no existing file or symlink is written through), flushed to disk, linked into place
+// (never over an existing file) and the directory flushed: an interrupted save never looks
+// complete, and a failed one leaves no temporary file. `FSDP_INVALID_ARGUMENT` for an empty
+// `dir`; `FSDP_MISUSE` between a step's first hook and `fsdp_engine_end_step`; `FSDP_IO_ERROR`
+// when a file cannot be written. Blocks until every byte is on disk.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 
-// As `fsdp_engine_save`, with the files written on a thread of the library's while training goes
-// on: the call copies this rank's state on the compute stream into host memory that the engine
-// keeps for its next asynchronous save (page-locked on a GPU; the size of the rank's state) and
-// returns once the copy is done; `fsdp_engine_wait_save` gives the save's
-// outcome. One save is written at a time: `FSDP_MISUSE` while one is. Destroying the engine
-// waits for the files.
+// As `fsdp_engine_save` (a collective, with the same agreement first), with the files written
+// on a thread of the library's while training goes on: the call copies this rank's state on
+// the compute stream into host memory that the engine keeps for its next asynchronous save
+// (page-locked on a GPU; the size of the rank's state) and returns once the copy is done;
+// `fsdp_engine_wait_save` gives the save's outcome. One save is written at a time:
+// `FSDP_MISUSE` on every rank while one rank's is. Destroying the engine waits for the files.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
@@ -289,11 +298,16 @@ enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 
 // Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model
 // (parameters declared in the same order) and optimizer at this world size or another: each
-// rank reads what its shards need from the saved ranks' files. The optimizer continues from
-// the saved step, learning rate and weight decay. Everything is checked before anything
-// changes: `FSDP_IO_ERROR` naming the file for a checkpoint that is missing, incomplete (a
-// rank's manifest absent), truncated or corrupted (its checksum); `FSDP_INVALID_ARGUMENT`
-// listing the differences for one of another model or optimizer; `FSDP_MISUSE` inside a step.
+// rank reads only the bytes its shards need from the saved ranks' files, each once. The
+// optimizer continues from the saved step, learning rate and weight decay. A collective:
+// nothing changes on any rank unless every rank's part checked out, and every rank returns
+// the same status (a rank whose own part was fine names the failing rank in its message).
+// `FSDP_IO_ERROR` naming the file and field for a checkpoint that is missing, incomplete (a
+// rank's manifest absent), truncated, corrupted (a chunk's checksum), changed (a manifest's
+// own checksum, or fields that disagree with the layout they describe) or made of two saves'
+// files (their save ids); `FSDP_INVALID_ARGUMENT` listing the differences for one of another
+// model or optimizer, or for an empty `dir`; `FSDP_OUT_OF_MEMORY` when the host cannot hold
+// this rank's state (it is read whole before anything changes); `FSDP_MISUSE` inside a step.
 // Blocks until the state is loaded.
 //
 // # Safety
@@ -302,21 +316,25 @@ enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine, const char *dir);
 
 // Writes the full model into the safetensors file `path`: every parameter under its name,
 // shape and dtype, readable by the Python `safetensors` package and loadable into a PyTorch
-// model's `state_dict`. Written under a temporary name, flushed and renamed. World size 1 only
-// (`FSDP_UNAVAILABLE` otherwise: save, load into an engine of world size 1, export from it);
-// between steps only (`FSDP_MISUSE`); `FSDP_INVALID_ARGUMENT` where `path` exists;
-// `FSDP_IO_ERROR` when it cannot be written. Holds the model's bytes in host memory meanwhile.
+// model's `state_dict`. Written under a unique temporary name, flushed and linked into place
+// (never over an existing file or symlink), the directory flushed. World size 1 only
+// (`FSDP_UNAVAILABLE` otherwise: save, then `fsdp_checkpoint_export_safetensors`); between
+// steps only (`FSDP_MISUSE`); `FSDP_INVALID_ARGUMENT` where `path` is empty or exists;
+// `FSDP_IO_ERROR` when it cannot be written. Holds one group's values in host memory at a
+// time.
 //
 // # Safety
 // `path` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_export_safetensors(struct fsdp_engine *engine, const char *path);
 
 // Loads every parameter's values from the safetensors file `path` (an export, or a pretrained
-// model's) at any world size: the file is memory-mapped and each rank reads only its shard's
-// elements; every rank calls it. The file must hold exactly the model's parameters by name,
-// shape and dtype: `FSDP_INVALID_ARGUMENT` lists every difference, and nothing is loaded;
-// `FSDP_IO_ERROR` for a file that is missing or not safetensors; `FSDP_MISUSE` inside a step.
-// The optimizer's state is left as it is.
+// model's) at any world size: each rank reads only its shard's elements, with plain reads (no
+// memory map: a file changed meanwhile gives an error or the bytes read, never a crash). A
+// collective: every rank calls it, and nothing is loaded on any rank unless every rank read
+// its part. The file must hold exactly the model's parameters by name, shape and dtype:
+// `FSDP_INVALID_ARGUMENT` lists every difference; `FSDP_IO_ERROR` for a file that is missing,
+// truncated or not safetensors; `FSDP_MISUSE` inside a step. The optimizer's state is left as
+// it is.
 //
 // # Safety
 // `path` is NULL or NUL-terminated.
@@ -325,9 +343,10 @@ enum fsdp_status fsdp_engine_import_safetensors(struct fsdp_engine *engine, cons
 // Writes the full model of the sharded checkpoint in directory `dir` (saved by engines of any
 // world size) into the safetensors file `path`, as `fsdp_engine_export_safetensors` does at
 // world size 1: no engine and no communication, so one process exports after every rank saved.
-// `FSDP_IO_ERROR` naming the file for a checkpoint that is missing, incomplete, truncated or
-// corrupted; `FSDP_INVALID_ARGUMENT` where `path` exists. Holds the model's bytes in host memory
-// meanwhile.
+// Every manifest is checked and every chunk read is checked: `FSDP_IO_ERROR` naming the file
+// for a checkpoint that is missing, incomplete, truncated, corrupted or changed;
+// `FSDP_INVALID_ARGUMENT` where `path` is empty or exists, or a parameter is named
+// `__metadata__` (safetensors' own key). Holds one parameter in host memory at a time.
 //
 // # Safety
 // `dir` and `path` are NULL or NUL-terminated.
@@ -762,7 +781,8 @@ const char *fsdp_last_error(void);
 // Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 // 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-// a shard beside each master, persistent gradient shards, f32 moments.
+// a shard beside each master, persistent gradient shards, f32 moments, no save staging made
+// ahead.
 //
 // # Safety
 // `out` is NULL or valid for a write.

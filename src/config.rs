@@ -109,6 +109,11 @@ pub struct EngineConfig {
     /// CPU and loopback communicators compare every collective anyway; this is for NCCL, as
     /// PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` is.
     pub verify_collectives: bool,
+    /// Make the host memory that [`crate::Engine::save_async`] copies the rank's state into
+    /// (page-locked on a GPU, the state's size) with the engine, so that even the first
+    /// asynchronous save's call only copies: page-locking gigabytes takes seconds. Off, the first
+    /// asynchronous save makes it. Either way it is kept for the next saves.
+    pub save_staging: bool,
 }
 
 impl Default for EngineConfig {
@@ -126,6 +131,7 @@ impl Default for EngineConfig {
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,
+            save_staging: false,
         }
     }
 }

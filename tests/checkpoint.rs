@@ -1,28 +1,21 @@
 //! Sharded checkpoints on CPU ranks: a run saved and loaded into fresh engines continues bit for
 //! bit; every refusal (missing, incomplete, truncated, corrupted, another model, an existing
 //! checkpoint, a save mid-step) is its own error and changes nothing. Eager and asynchronous.
+//! (`checkpoint_integrity.rs` holds what a checkpoint must never do.)
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, Error, OptimizerConfig, ParamStorage, Plan, Unit};
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, load, sharded_step};
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines, within_deadline};
+use fsdp_fusion_support::scratch::Scratch;
 
 const PASSES: u64 = 2;
 
 fn model(dtype: DType, width: usize) -> Mlp {
-    Mlp::new(MlpConfig {
-        layers: 3,
-        width,
-        inputs: 12,
-        batch: 5,
-        dtype,
-        seed: 11,
-        embed_lr_scale: 0.5,
-    })
+    Mlp::new(MlpConfig::small(dtype, width))
 }
 
 fn recipe() -> Recipe {
@@ -33,26 +26,6 @@ fn recipe() -> Recipe {
             min_factor: 0.1,
         },
         clip: Some(0.05),
-    }
-}
-
-/// A fresh directory under the system's temporary one, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Scratch {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("fsdp-fusion-checkpoint-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -114,14 +87,14 @@ fn a_saved_run_continues_bit_for_bit_in_fresh_engines() {
                 start(init.clone()),
                 shards,
             );
-            let scratch = Scratch::new();
-            let dir = scratch.0.clone();
+            let scratch = Scratch::new("checkpoint");
+            let dir = scratch.path().to_path_buf();
             let halfway = train((&mlp, &plan, &config), mode, 0..3, start(init), move |e| {
                 e.save(&dir).unwrap();
                 shards(e)
             });
             assert_ne!(halfway, straight, "{what}: training moved nothing");
-            let dir = scratch.0.clone();
+            let dir = scratch.path().to_path_buf();
             let resumed = train(
                 (&mlp, &plan, &config),
                 mode,
@@ -157,8 +130,8 @@ fn either_storage_loads_the_other_s_checkpoint() {
                 shards,
             )
         };
-        let scratch = Scratch::new();
-        let dir = scratch.0.clone();
+        let scratch = Scratch::new("checkpoint");
+        let dir = scratch.path().to_path_buf();
         let init = init.clone();
         train(
             (&mlp, &plan, &config(saved)),
@@ -167,7 +140,7 @@ fn either_storage_loads_the_other_s_checkpoint() {
             move |e| load(e, &init).unwrap(),
             move |e| e.save(&dir).unwrap(),
         );
-        let dir = scratch.0.clone();
+        let dir = scratch.path().to_path_buf();
         let resumed = train(
             (&mlp, &plan, &config(loaded)),
             Mode::Eager,
@@ -238,8 +211,8 @@ fn reason(e: &Error) -> String {
 #[test]
 fn a_missing_incomplete_truncated_or_corrupted_checkpoint_is_refused_by_name() {
     let mlp = model(DType::Bf16, 24);
-    let scratch = Scratch::new();
-    let dir = &scratch.0;
+    let scratch = Scratch::new("checkpoint");
+    let dir = scratch.path();
     let (plan, config) = saved_pair(&mlp, dir);
     let nowhere = dir.join("nowhere");
     for e in refused(&mlp, (&plan, &config), &nowhere) {
@@ -293,8 +266,8 @@ fn a_missing_incomplete_truncated_or_corrupted_checkpoint_is_refused_by_name() {
 
 #[test]
 fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
-    let scratch = Scratch::new();
-    saved_pair(&model(DType::Bf16, 24), &scratch.0);
+    let scratch = Scratch::new("checkpoint");
+    saved_pair(&model(DType::Bf16, 24), scratch.path());
     // Another width (every parameter but the output bias changes shape) and another dtype
     // (every parameter changes): one line per parameter that differs.
     let saved = model(DType::Bf16, 24).spec().unwrap().params;
@@ -308,7 +281,7 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
             .count();
         assert!(differing >= spec.params.len() - 1);
         let plan = Arc::new(Plan::new(&spec, 2).unwrap());
-        for e in refused(&other, (&plan, &EngineConfig::default()), &scratch.0) {
+        for e in refused(&other, (&plan, &EngineConfig::default()), scratch.path()) {
             let Error::CheckpointMismatch { differences } = &e else {
                 panic!("{e:?}");
             };
@@ -323,7 +296,7 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
         optimizer: OptimizerConfig::sgd(0.1),
         ..EngineConfig::default()
     };
-    for e in refused(&mlp, (&plan, &sgd), &scratch.0) {
+    for e in refused(&mlp, (&plan, &sgd), scratch.path()) {
         assert!(
             e.to_string().contains("saved with adamw, loaded with sgd"),
             "{e}"
@@ -335,8 +308,8 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
 fn a_save_never_overwrites_and_never_runs_mid_step() {
     for_each_mode(|mode| {
         let mlp = model(DType::F32, 24);
-        let scratch = Scratch::new();
-        let dir = scratch.0.clone();
+        let scratch = Scratch::new("checkpoint");
+        let dir = scratch.path().to_path_buf();
         let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
         let init = mlp.init(3);
         // Every rank's part is on disk before any rank loads (a rank's collectives may still
@@ -361,7 +334,13 @@ fn a_save_never_overwrites_and_never_runs_mid_step() {
             // At the boundary again: the first save loads.
             e.load(&dir).unwrap();
         });
-        assert!(!scratch.0.join("later").join("rank-00000.json").exists());
+        assert!(
+            !scratch
+                .path()
+                .join("later")
+                .join("rank-00000.json")
+                .exists()
+        );
     });
 }
 
@@ -397,13 +376,13 @@ fn reshard_with(mode: Mode, dtype: DType, (saved, loaded): (usize, usize), confi
         start(init.clone()),
         shards,
     );
-    let (first, second) = (Scratch::new(), Scratch::new());
-    let dir = first.0.clone();
+    let (first, second) = (Scratch::new("checkpoint"), Scratch::new("checkpoint"));
+    let dir = first.path().to_path_buf();
     let at_save = train((&mlp, &from, &config), mode, 0..3, start(init), move |e| {
         e.save(&dir).unwrap();
         shards(e)
     });
-    let (dir, again) = (first.0.clone(), second.0.clone());
+    let (dir, again) = (first.path().to_path_buf(), second.path().to_path_buf());
     let at_load = train(
         (&mlp, &to, &config),
         mode,
@@ -420,7 +399,7 @@ fn reshard_with(mode: Mode, dtype: DType, (saved, loaded): (usize, usize), confi
         values(&from, &at_save),
         "{what}: values"
     );
-    let dir = second.0.clone();
+    let dir = second.path().to_path_buf();
     let back = train(
         (&mlp, &from, &config),
         mode,
@@ -456,8 +435,8 @@ fn bf16_moments_save_load_and_reshard_exactly_and_refuse_f32_ones() {
     }
     let mlp = model(DType::F32, 24);
     let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
-    let scratch = Scratch::new();
-    let dir = scratch.0.clone();
+    let scratch = Scratch::new("checkpoint");
+    let dir = scratch.path().to_path_buf();
     let init = mlp.init(3);
     let f32_moments = EngineConfig::default();
     train(
@@ -485,98 +464,6 @@ fn resharding_holds_on_asynchronous_streams() {
     for_each_mode(|mode| reshard(mode, DType::Bf16, (4, 3)));
 }
 
-/// Set in a child process: the directory its save writes into.
-const CHILD_DIR: &str = "FSDP_CHECKPOINT_CHILD_DIR";
-
-/// A model large enough that its save takes a while (about 5 MB per checkpoint).
-fn large() -> Mlp {
-    model(DType::F32, 320)
-}
-
-/// The child's engine: the large model's initial values, one AdamW step, at world size 1.
-fn child_engine() -> (Arc<Plan>, Vec<Vec<u8>>) {
-    let mlp = large();
-    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 1).unwrap());
-    let init = mlp.init(3);
-    let got = train(
-        (&mlp, &plan, &EngineConfig::default()),
-        Mode::Eager,
-        0..1,
-        move |e| load(e, &init).unwrap(),
-        shards,
-    );
-    (plan, got.into_iter().next().unwrap())
-}
-
-#[test]
-fn a_save_killed_at_any_point_never_loads_wrong_data() {
-    if let Ok(dir) = std::env::var(CHILD_DIR) {
-        // The child: train, save, and be killed somewhere on the way.
-        let mlp = large();
-        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 1).unwrap());
-        let init = mlp.init(3);
-        train(
-            (&mlp, &plan, &EngineConfig::default()),
-            Mode::Eager,
-            0..1,
-            move |e| load(e, &init).unwrap(),
-            move |e| e.save(Path::new(&dir)).unwrap(),
-        );
-        return;
-    }
-    let (plan, expected) = child_engine();
-    let exe = std::env::current_exe().unwrap();
-    // Runs the child, killed after `delay` (or left to finish), and loads what it left.
-    let run = |delay: Option<std::time::Duration>| {
-        let scratch = Scratch::new();
-        let mut child = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "a_save_killed_at_any_point_never_loads_wrong_data",
-            ])
-            .env(CHILD_DIR, &scratch.0)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        if let Some(delay) = delay {
-            std::thread::sleep(delay);
-            let _ = child.kill();
-        }
-        assert!(
-            child.wait().unwrap().success() || delay.is_some(),
-            "the child failed"
-        );
-        let dir = scratch.0.clone();
-        let loaded = on_engines(
-            &plan,
-            &EngineConfig::default(),
-            Mode::Eager,
-            move |mut e| e.load(&dir).map(|()| shards(&mut e)),
-        );
-        loaded.into_iter().next().unwrap()
-    };
-    let started = std::time::Instant::now();
-    assert_eq!(run(None).unwrap(), expected, "an uninterrupted save");
-    let whole = started.elapsed();
-    let mut outcomes = (0, 0);
-    // Kill points spread over the child's whole run: its start, training and save.
-    for k in 1..=24u32 {
-        match run(Some(whole * k / 24)) {
-            Ok(got) => {
-                assert_eq!(
-                    got, expected,
-                    "killed at {k}/24: a checkpoint loaded wrong data"
-                );
-                outcomes.0 += 1;
-            }
-            Err(Error::CheckpointUnreadable { .. }) => outcomes.1 += 1,
-            Err(other) => panic!("killed at {k}/24: {other:?}"),
-        }
-    }
-    eprintln!("{} loads complete, {} refused", outcomes.0, outcomes.1);
-}
-
 /// Trains 3 steps at world size 1, exports; the file holds every parameter's values under its
 /// name and shape (read back with the `safetensors` crate alone), and engines of every world
 /// size importing it hold exactly those values.
@@ -589,9 +476,9 @@ fn export_and_import(mode: Mode, dtype: DType, storage: ParamStorage) {
         ..EngineConfig::default()
     };
     let init = mlp.init(3);
-    let scratch = Scratch::new();
-    std::fs::create_dir_all(&scratch.0).unwrap();
-    let file = scratch.0.join("model.safetensors");
+    let scratch = Scratch::new("checkpoint");
+    std::fs::create_dir_all(scratch.path()).unwrap();
+    let file = scratch.path().join("model.safetensors");
     let path = file.clone();
     let trained = train(
         (&mlp, &one, &config),
@@ -644,9 +531,9 @@ fn a_model_exported_as_safetensors_imports_exactly_at_every_world_size() {
 
 #[test]
 fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
-    let scratch = Scratch::new();
-    std::fs::create_dir_all(&scratch.0).unwrap();
-    let file = scratch.0.join("narrow.safetensors");
+    let scratch = Scratch::new("checkpoint");
+    std::fs::create_dir_all(scratch.path()).unwrap();
+    let file = scratch.path().join("narrow.safetensors");
     let narrow = model(DType::F32, 12);
     let plan = Arc::new(Plan::new(&narrow.spec().unwrap(), 1).unwrap());
     let path = file.clone();
@@ -687,7 +574,7 @@ fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
         });
     }
     // A file that is not safetensors, and a missing one, are refused by name.
-    let garbage = scratch.0.join("garbage.safetensors");
+    let garbage = scratch.path().join("garbage.safetensors");
     std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
     on_engines(&plan, &config, Mode::Eager, move |mut e| {
         for path in [garbage.clone(), garbage.with_extension("missing")] {
@@ -713,11 +600,11 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
             param_storage: storage,
             ..EngineConfig::default()
         };
-        let scratch = Scratch::new();
+        let scratch = Scratch::new("checkpoint");
         for world in [1, 2, 3, 4, 8] {
             let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
-            let dir = scratch.0.join(format!("saved-{world}"));
-            let direct = scratch.0.join(format!("direct-{world}.safetensors"));
+            let dir = scratch.path().join(format!("saved-{world}"));
+            let direct = scratch.path().join(format!("direct-{world}.safetensors"));
             let (to_save, to_export) = (dir.clone(), direct.clone());
             let init = mlp.init(3);
             let trained = train(
@@ -733,7 +620,9 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
                     shards(e)
                 },
             );
-            let file = scratch.0.join(format!("converted-{world}.safetensors"));
+            let file = scratch
+                .path()
+                .join(format!("converted-{world}.safetensors"));
             fsdp_fusion::export::export_checkpoint(&dir, &file).unwrap();
             let what = format!("{dtype} {storage:?} saved at world size {world}");
             let bytes = std::fs::read(&file).unwrap();
@@ -757,8 +646,8 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
     // An incomplete checkpoint (a rank's manifest gone) is refused by name, and nothing written.
     let mlp = model(DType::F32, 24);
     let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 2).unwrap());
-    let scratch = Scratch::new();
-    let dir = scratch.0.clone();
+    let scratch = Scratch::new("checkpoint");
+    let dir = scratch.path().to_path_buf();
     let init = mlp.init(3);
     let config = EngineConfig::default();
     train(
@@ -771,9 +660,9 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
             move |e| e.save(&dir).unwrap()
         },
     );
-    std::fs::remove_file(scratch.0.join("rank-00001.json")).unwrap();
-    let file = scratch.0.join("model.safetensors");
-    match fsdp_fusion::export::export_checkpoint(&scratch.0, &file) {
+    std::fs::remove_file(scratch.path().join("rank-00001.json")).unwrap();
+    let file = scratch.path().join("model.safetensors");
+    match fsdp_fusion::export::export_checkpoint(scratch.path(), &file) {
         Err(Error::CheckpointUnreadable { path, .. }) => assert!(path.ends_with("rank-00001.json")),
         other => panic!("{other:?}"),
     }
@@ -805,10 +694,10 @@ fn the_training_harness_saves_and_resumes_where_the_reference_is() {
                 Ok(())
             })
             .unwrap();
-        let scratch = Scratch::new();
+        let scratch = Scratch::new("checkpoint");
         let saving = Checkpoints {
             resume: None,
-            save: Some(&scratch.0),
+            save: Some(scratch.path()),
         };
         let ranks = || {
             fsdp_fusion::LocalComm::group(3)
@@ -821,7 +710,7 @@ fn the_training_harness_saves_and_resumes_where_the_reference_is() {
             .compare_with(ranks(), saving, |_, _| Ok(()))
             .unwrap();
         let resuming = Checkpoints {
-            resume: Some(&scratch.0),
+            resume: Some(scratch.path()),
             save: None,
         };
         let mut resumed = Vec::new();
@@ -843,12 +732,18 @@ fn the_training_harness_saves_and_resumes_where_the_reference_is() {
 #[test]
 fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
     for_each_mode(|mode| {
-        for world in [1, 3] {
+        for (world, save_staging) in [(1, false), (3, false), (2, true)] {
             let mlp = model(DType::Bf16, 24);
             let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
-            let config = EngineConfig::default();
-            let scratch = Scratch::new();
-            let (blocking, background) = (scratch.0.join("blocking"), scratch.0.join("async"));
+            let config = EngineConfig {
+                save_staging,
+                ..EngineConfig::default()
+            };
+            let scratch = Scratch::new("checkpoint");
+            let (blocking, background) = (
+                scratch.path().join("blocking"),
+                scratch.path().join("async"),
+            );
             let (b, a) = (blocking.clone(), background.clone());
             let init = mlp.init(3);
             let trained = mlp.clone();

@@ -2,28 +2,11 @@
 //! reader that goes away early (`| head`) ends it quietly.
 
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-/// Builds `examples/plan.rs` into this test's target directory and returns its path.
 fn build_plan_example() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>");
-    let target = profile_dir.parent().expect("target");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut cargo = Command::new(env!("CARGO"));
-    cargo
-        .current_dir(root)
-        .args(["build", "--example", "plan", "--target-dir"])
-        .arg(target);
-    if profile_dir.file_name().is_some_and(|p| p == "release") {
-        cargo.arg("--release");
-    }
-    assert!(cargo.status().expect("run cargo").success());
-    profile_dir.join("examples").join("plan")
+    fsdp_fusion_support::examples::build("plan")
 }
 
 fn model_file(name: &str, json: &str) -> PathBuf {

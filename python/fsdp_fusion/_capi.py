@@ -24,7 +24,7 @@ ROOT = -1
 
 UNIQUE_ID_BYTES = 128
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The C ABI (`FSDP_ABI_VERSION`) this package's structs and signatures follow."""
 
 
@@ -62,6 +62,7 @@ class Config(ctypes.Structure):
         ("param_storage", c_uint32),
         ("grad_shard_memory", c_uint32),
         ("moment_dtype", c_uint32),
+        ("save_staging", c_uint8),
     ]
 
 

@@ -350,6 +350,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
 
     `timeout` (seconds) bounds every wait of the engine, a collective whose peers never come
     included; `verify_collectives` compares the ranks' collectives every step (NCCL does not).
+    `save_staging=True` makes the host memory `save(wait=False)` copies the state into
+    (page-locked on a GPU, the size of the rank's state) with the wrapper, so that even the first
+    asynchronous save returns after the copy alone.
     `library` is libfsdp_fusion.so's path (else found as `fsdp_fusion.library_candidates()` lists).
     """
 
@@ -375,6 +378,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         moment_dtype: torch.dtype = torch.float32,
         timeout: float = 600.0,
         verify_collectives: bool = False,
+        save_staging: bool = False,
         no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
         lr_scales: Mapping[str, float] | None = None,
         process_groups: Mapping[str, int] | None = None,
@@ -417,6 +421,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         config.moment_dtype = _choice("moment_dtype", moment_dtype,
                                       {torch.float32: DTYPE_CODES[torch.float32],
                                        torch.bfloat16: DTYPE_CODES[torch.bfloat16]})
+        config.save_staging = int(bool(save_staging))
         self._config_struct = config
         self._plan = self._make_plan()
         self._group = c_void_p()
@@ -828,12 +833,15 @@ class FusedFSDP(Releasing, torch.nn.Module):
         return counters
 
     def save(self, directory: str | os.PathLike, *, wait: bool = True):
-        """Writes this rank's part of a sharded checkpoint into `directory` (every rank the
-        same one; no communication): shards, fp32 masters, AdamW moments, the optimizer's step
-        and settings, atomically, a save never overwriting one. Between steps only (forward
-        passes with no gradient since the last step, an evaluation, end their step first).
-        `wait=False` copies the state into host memory and returns while a thread writes the
-        files; `wait_save()` gives the outcome (one save at a time)."""
+        """Writes this rank's part of a sharded checkpoint into `directory`: shards, fp32
+        masters, AdamW moments, the optimizer's step and settings. A collective: every rank
+        calls it with the same directory; the ranks first agree on the save's id and that the
+        directory holds no checkpoint (else every rank raises `InvalidArgumentError` and nothing
+        is written). Each file is written under a unique temporary name, flushed to disk and
+        linked into place, never over an existing file. Between steps only (forward passes with
+        no gradient since the last step, an evaluation, end their step first). `wait=False`
+        copies the state into host memory and returns while a thread writes the files;
+        `wait_save()` gives the outcome (one save at a time)."""
         self._end_evaluation()
         name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
         self._call(name, self._engine, os.fsencode(directory))
@@ -846,8 +854,11 @@ class FusedFSDP(Releasing, torch.nn.Module):
     def load(self, directory: str | os.PathLike):
         """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
         same model and optimizer at any world size; the optimizer continues from the saved step.
-        A missing, incomplete, truncated or corrupted checkpoint raises `IoError`, one of
-        another model `InvalidArgumentError` listing the differences; either changes nothing."""
+        A collective: nothing changes on any rank unless every rank's part checked out. A
+        missing, incomplete, truncated, corrupted or changed checkpoint, or rank files of two
+        saves, raise `IoError` naming the file and field; one of another model
+        `InvalidArgumentError` listing the differences; a rank whose own part was fine raises
+        the failing rank's error, naming it."""
         self._end_evaluation()
         self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 
@@ -863,7 +874,8 @@ class FusedFSDP(Releasing, torch.nn.Module):
         """Loads every parameter's values from the safetensors file `path` (an export, or a
         pretrained model's with the same names, shapes and dtypes), each rank reading only its
         shard's part; a file of another model raises `InvalidArgumentError` listing every
-        difference and loads nothing. The optimizer's state is unchanged. Between steps."""
+        difference. A collective: nothing is loaded on any rank unless every rank read its
+        part. The optimizer's state is unchanged. Between steps."""
         self._end_evaluation()
         self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
 

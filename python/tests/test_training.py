@@ -293,6 +293,29 @@ def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):
         second.load(tmp_path / "ckpt")
 
 
+def test_a_bf16_model_saved_before_any_step_loads_as_wrapped(tmp_path):
+    """The weights a wrapper loads are what a save right after holds: a fresh wrapper of a
+    zeroed model loaded from it has every parameter of the first; an empty path is refused
+    before anything is written."""
+    _, module = models()
+    first = FusedFSDP(module.to(torch.bfloat16), list(module.blocks))
+    first.save(tmp_path / "step0")
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="empty path"):
+        first.save("")
+    _, other = models()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    second = FusedFSDP(other.to(torch.bfloat16), list(other.blocks))
+    second.load(tmp_path / "step0")
+    names = [name for name, _ in models()[1].named_parameters()]
+    assert sum(float(first.full_parameter(n).float().abs().sum()) for n in names) > 0
+    for name in names:
+        want = first.full_parameter(name)
+        assert want.dtype == torch.bfloat16, name
+        assert torch.equal(second.full_parameter(name), want), name
+
+
 def test_an_exported_model_loads_into_plain_pytorch_and_a_fresh_wrapper(tmp_path):
     """After a step the export holds every parameter as `full_parameter` gives it; a plain
     PyTorch copy loaded from it computes the wrapper's loss; a fresh wrapper imports it

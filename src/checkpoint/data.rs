@@ -194,3 +194,102 @@ impl<'a> DataReader<'a> {
         ))
     }
 }
+
+/// Bytes of a saved rank's data file to be read into `to .. to + bytes` of a destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileRange {
+    pub rank: usize,
+    pub from: u64,
+    pub to: usize,
+    pub bytes: usize,
+}
+
+/// Below this many bytes a load reads on one thread.
+const PARALLEL_BYTES: usize = 64 << 20;
+
+/// Reads every copy of `saved`'s data into `out`, each chunk checked as it is read: on several
+/// threads for a large load (page-cache reads go at memory speed, not a disk's, and one core
+/// does not reach it), each a run of the copies, cut at chunk boundaries so that no chunk is
+/// read twice but where a copy begins or ends inside one. The copies' destinations increase
+/// and do not overlap.
+pub fn read_copies(saved: &Saved, copies: &[FileRange], out: &mut [u8]) -> Result<()> {
+    let mut pieces = Vec::new();
+    for c in copies {
+        let chunk = saved
+            .manifests
+            .get(c.rank)
+            .map_or(CHUNK_BYTES, |m| m.chunk_bytes);
+        let (mut from, mut to, end) = (c.from, c.to, c.to + c.bytes);
+        while to < end {
+            let to_boundary = (chunk - from % chunk) as usize;
+            let bytes = to_boundary.min(end - to);
+            pieces.push(FileRange {
+                rank: c.rank,
+                from,
+                to,
+                bytes,
+            });
+            (from, to) = (from + bytes as u64, to + bytes);
+        }
+    }
+    // Each piece's own part of `out`.
+    let mut places = Vec::with_capacity(pieces.len());
+    let (mut rest, mut cursor) = (out, 0usize);
+    for p in &pieces {
+        let skip =
+            p.to.checked_sub(cursor)
+                .filter(|&s| s + p.bytes <= rest.len());
+        let Some(skip) = skip else {
+            return Err(unreadable(
+                &saved.dir,
+                format!("copies out of order at byte {}", p.to),
+            ));
+        };
+        let (place, after) = std::mem::take(&mut rest)[skip..].split_at_mut(p.bytes);
+        places.push(place);
+        (rest, cursor) = (after, p.to + p.bytes);
+    }
+    let total: usize = pieces.iter().map(|p| p.bytes).sum();
+    let threads = match total < PARALLEL_BYTES {
+        true => 1,
+        false => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
+    };
+    // Runs of pieces of about equal bytes, one per thread.
+    let mut runs: Vec<Vec<(FileRange, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut done = 0usize;
+    for (p, place) in pieces.into_iter().zip(places) {
+        let run = (done * threads / total.max(1)).min(threads - 1);
+        done += p.bytes;
+        runs[run].push((p, place));
+    }
+    let read_run = |run: Vec<(FileRange, &mut [u8])>| -> Result<()> {
+        let mut readers: Vec<Option<DataReader<'_>>> =
+            (0..saved.world_size()).map(|_| None).collect();
+        for (p, place) in run {
+            let reader = match readers.get_mut(p.rank) {
+                Some(Some(reader)) => reader,
+                Some(empty) => empty.insert(DataReader::open(saved, p.rank)?),
+                None => return Err(unreadable(&saved.dir, format!("no rank {}", p.rank))),
+            };
+            reader.read(p.from, place)?;
+        }
+        Ok(())
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = runs
+            .into_iter()
+            .map(|run| s.spawn(move || read_run(run)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::error::Error::Panicked {
+                        message: "a checkpoint reader panicked".into(),
+                    })
+                })
+            })
+            .collect::<Result<Vec<()>>>()
+            .map(|_| ())
+    })
+}

@@ -168,7 +168,7 @@ pub fn write_new(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> Re
 pub(crate) fn write_rank(
     dir: &Path,
     mut manifest: RankManifest,
-    write_sections: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
+    write_sections: impl FnOnce(&mut (dyn FnMut(&[u8]) -> Result<()> + Send)) -> Result<()>,
 ) -> Result<()> {
     make_dir(dir)?;
     let data = data_path(dir, manifest.rank);

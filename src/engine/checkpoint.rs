@@ -8,10 +8,12 @@ use std::path::Path;
 use super::Engine;
 use super::agree::Proposal;
 use crate::backend::{Backend, Region};
-use crate::checkpoint::{self, DataReader, RankManifest, SaveId, Saved, Section, SectionKind};
+use crate::checkpoint::{self, FileRange, RankManifest, SaveId, Saved, Section, SectionKind};
 use crate::comm::Communicator;
+use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
+use crate::plan::Plan;
 use crate::types::{BufferState, DType, Stream};
 
 /// How often [`Engine::wait_save`] looks at the writer.
@@ -57,6 +59,45 @@ struct Part {
     region: Region,
 }
 
+/// Every section of a rank's state under `plan` and `config`, in group order: each group's
+/// values (a trainable bf16/f16 group's fp32 master instead, which they are rounded from), then
+/// AdamW's moments of a trainable group.
+fn parts_of(plan: &Plan, config: &EngineConfig) -> Vec<Part> {
+    let mut parts = Vec::new();
+    for g in plan.groups() {
+        let (group, n) = (g.index, g.shard_numel);
+        let has_master = g.trainable && g.dtype != DType::F32;
+        parts.push(match has_master {
+            true => Part {
+                group,
+                kind: SectionKind::Master,
+                region: Region::new(0, n, DType::F32),
+            },
+            false => Part {
+                group,
+                kind: SectionKind::Values,
+                region: Region::new(0, n, g.dtype),
+            },
+        });
+        if g.trainable && config.optimizer.has_moments() {
+            for kind in [SectionKind::FirstMoment, SectionKind::SecondMoment] {
+                parts.push(Part {
+                    group,
+                    kind,
+                    region: Region::new(0, n, config.moment_dtype),
+                });
+            }
+        }
+    }
+    parts
+}
+
+/// The bytes of a rank's state under `plan` and `config`: what a save writes, and what
+/// [`EngineConfig::save_staging`] makes ahead.
+pub(super) fn state_bytes(plan: &Plan, config: &EngineConfig) -> usize {
+    parts_of(plan, config).iter().map(bytes_of).sum()
+}
+
 /// This rank's state as read from a checkpoint and checked, not yet loaded.
 struct Loaded {
     parts: Vec<Part>,
@@ -64,14 +105,6 @@ struct Loaded {
     bytes: Vec<u8>,
     optimizer: OptimizerConfig,
     optimizer_steps: u64,
-}
-
-/// Bytes of a saved rank's data file that belong at byte `to` of [`Loaded::bytes`].
-struct Copy {
-    rank: usize,
-    from: u64,
-    to: usize,
-    bytes: usize,
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -87,23 +120,110 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// hook and its `end_step` (`Error::MidStep`). Blocks until every byte is on disk. Under
     /// hybrid sharding only the first replica's ranks write: every replica holds the same state.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
-        let largest = self.parts().iter().map(bytes_of).max().unwrap_or(0);
-        let started = self.begin_save(dir, Pending::SameDirRefused, |_| {
-            crate::fallible::filled(largest, 0u8, "a checkpoint section")
+        let total: usize = self.parts().iter().map(bytes_of).sum();
+        let piece = total.clamp(1, checkpoint::CHUNK_BYTES as usize);
+        let started = self.begin_save(dir, Pending::SameDirRefused, |e| {
+            Ok([e.backend.alloc_host(piece)?, e.backend.alloc_host(piece)?])
         })?;
-        let Some((manifest, mut buffer)) = started else {
+        let Some((manifest, pieces)) = started else {
             return Ok(());
         };
         let parts = self.parts();
         checkpoint::write_rank(dir, manifest, |write| {
-            // One part at a time through one host buffer.
-            for p in &parts {
-                let part = &mut buffer[..bytes_of(p)];
-                self.read_part(p, part)?;
-                write(part)?;
-            }
-            Ok(())
+            self.stream_parts(&parts, (pieces, piece), write)
         })
+    }
+
+    /// Hands `parts` to `write` in order, piece by piece through the two host buffers `pieces`
+    /// of `piece` bytes each: one is written (on a thread of its own) while the device copies
+    /// the next piece into the other.
+    fn stream_parts(
+        &self,
+        parts: &[Part],
+        (pieces, piece): ([B::HostBuffer; 2], usize),
+        write: &mut (dyn FnMut(&[u8]) -> Result<()> + Send),
+    ) -> Result<()> {
+        let (full, to_write) = std::sync::mpsc::sync_channel::<(B::HostBuffer, usize)>(2);
+        let (empty, to_fill) = std::sync::mpsc::channel();
+        for buffer in pieces {
+            let _ = empty.send(buffer);
+        }
+        std::thread::scope(|s| {
+            let writer = s.spawn(move || -> Result<()> {
+                for (buffer, bytes) in to_write {
+                    // SAFETY: the copy into the buffer completed before it was sent.
+                    write(&unsafe { B::host_bytes(&buffer) }[..bytes])?;
+                    let _ = empty.send(buffer);
+                }
+                Ok(())
+            });
+            let copied = self.join_streams_on_compute().and_then(|()| {
+                for p in parts {
+                    let source = self.state_buffer(p)?;
+                    let (dtype, per_piece) = (p.region.dtype, piece / p.region.dtype.size());
+                    let mut at = 0;
+                    while at < p.region.len {
+                        let n = per_piece.min(p.region.len - at);
+                        // A writer gone has failed: its error is the save's.
+                        let Ok(mut buffer) = to_fill.recv() else {
+                            return Ok(());
+                        };
+                        // SAFETY: ordered after every stream's work (joined above); the buffer
+                        // is read only once the copy completed (synchronized before it goes).
+                        let queued = unsafe {
+                            self.backend.copy_to_host(
+                                Stream::Compute,
+                                source,
+                                Region::new(at, n, dtype),
+                                &mut buffer,
+                                0,
+                            )
+                        };
+                        let done = queued.and_then(|()| self.compute_drained());
+                        if let Err(e) = done {
+                            self.settle(buffer);
+                            return Err(e);
+                        }
+                        if full.send((buffer, n * dtype.size())).is_err() {
+                            return Ok(());
+                        }
+                        at += n;
+                    }
+                }
+                Ok(())
+            });
+            drop(full);
+            let written = writer.join().unwrap_or_else(|_| {
+                Err(Error::Panicked {
+                    message: "the checkpoint writer panicked".into(),
+                })
+            });
+            self.observe(copied).and(written)
+        })
+    }
+
+    /// Orders the compute stream's next work after every stream's work so far.
+    fn join_streams_on_compute(&self) -> Result<()> {
+        for other in [Stream::Gather, Stream::Reduce] {
+            let reached = self.backend.record(other)?;
+            self.backend.wait(Stream::Compute, &reached)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until the compute stream's work so far completed.
+    fn compute_drained(&self) -> Result<()> {
+        let done = self.backend.record(Stream::Compute)?;
+        self.backend.synchronize(&done)
+    }
+
+    /// Frees host memory that copies queued on the compute stream may still be writing once
+    /// they are known to be done; never, when that cannot be known.
+    fn settle(&self, buffer: B::HostBuffer) {
+        match self.compute_drained() {
+            Ok(()) => drop(buffer),
+            Err(_) => std::mem::forget(buffer),
+        }
     }
 
     /// As [`Engine::save`], with the files written on a thread of their own while training
@@ -125,10 +245,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let queued = self.effects(|e| {
             // After every stream's work so far, in the compute stream's order (before the next
             // optimizer step writes the state).
-            for other in [Stream::Gather, Stream::Reduce] {
-                let reached = e.backend.record(other)?;
-                e.backend.wait(Stream::Compute, &reached)?;
-            }
+            e.join_streams_on_compute()?;
             for (p, section) in parts.iter().zip(&manifest.sections) {
                 let buffer = e.state_buffer(p)?;
                 // SAFETY: ordered after every stream's work above; the staging area is read
@@ -145,21 +262,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             Ok(())
         });
-        let copied = self
-            .backend
-            .record(Stream::Compute)
-            .and_then(|copied| self.backend.synchronize(&copied));
+        let copied = self.compute_drained();
         if let Err(e) = queued.and(self.observe(copied)) {
-            // Copies queued before the failure may still be writing the staging area: it is
-            // only freed once they are known to be done, else it is never freed.
-            let drained = self
-                .backend
-                .record(Stream::Compute)
-                .and_then(|done| self.backend.synchronize(&done));
-            match drained {
-                Ok(()) => drop(staging),
-                Err(_) => std::mem::forget(staging),
-            }
+            // Copies queued before the failure may still be writing the staging area.
+            self.settle(staging.0);
             return Err(e);
         }
         let target = dir.to_path_buf();
@@ -361,15 +467,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let parts = self.parts();
         let total = parts.iter().map(bytes_of).sum();
         let mut bytes = crate::fallible::filled(total, 0u8, "this rank's state from a checkpoint")?;
-        let mut readers: Vec<Option<DataReader<'_>>> =
-            (0..saved.world_size()).map(|_| None).collect();
-        for c in self.copies(&saved, &parts)? {
-            let reader = match &mut readers[c.rank] {
-                Some(reader) => reader,
-                empty => empty.insert(DataReader::open(&saved, c.rank)?),
-            };
-            reader.read(c.from, &mut bytes[c.to..c.to + c.bytes])?;
-        }
+        checkpoint::read_copies(&saved, &self.copies(&saved, &parts)?, &mut bytes)?;
         Ok(Loaded {
             parts,
             bytes,
@@ -381,7 +479,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'
     /// data: for every parameter, the elements of this rank's shard range, found in the saved
     /// layout of the copy of its group that this rank holds. Padding stays zero.
-    fn copies(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<Copy>> {
+    fn copies(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<FileRange>> {
         let mut copies = Vec::new();
         let mut part_start = 0;
         for p in parts {
@@ -394,7 +492,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let held = self.held_elements(id)?;
                 // The manifests' parameters are the plan's, in its order (`differences`).
                 for run in saved.runs(id.0, p.kind, block.start, held)? {
-                    copies.push(Copy {
+                    copies.push(FileRange {
                         rank: run.rank,
                         from: run.offset,
                         to: part_start + (layout.offset + run.elements.start - mine.start) * size,
@@ -409,48 +507,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Every section of this rank's state, in group order.
     fn parts(&self) -> Vec<Part> {
-        let mut parts = Vec::new();
-        for g in self.plan.groups() {
-            let (group, n) = (g.index, g.shard_numel);
-            // A bf16/f16 group's values are its master rounded: the master alone is saved.
-            if self.masters[group].is_none() {
-                parts.push(Part {
-                    group,
-                    kind: SectionKind::Values,
-                    region: Region::new(0, n, g.dtype),
-                });
-            }
-            if !g.trainable {
-                continue;
-            }
-            if self.masters[group].is_some() {
-                parts.push(Part {
-                    group,
-                    kind: SectionKind::Master,
-                    region: Region::new(0, n, DType::F32),
-                });
-            }
-            if self.moments[group].is_some() {
-                for kind in [SectionKind::FirstMoment, SectionKind::SecondMoment] {
-                    parts.push(Part {
-                        group,
-                        kind,
-                        region: Region::new(0, n, self.config.moment_dtype),
-                    });
-                }
-            }
-        }
-        parts
-    }
-
-    /// Copies part `p` of this rank's state into `out` (its size).
-    fn read_part(&self, p: &Part, out: &mut [u8]) -> Result<()> {
-        if p.kind == SectionKind::Values {
-            out.copy_from_slice(&self.param_shard(p.group)?);
-            return Ok(());
-        }
-        let buffer = self.state_buffer(p)?;
-        self.observe(self.backend.download(buffer, p.region, out))
+        parts_of(&self.plan, &self.config)
     }
 
     fn write_part(&mut self, p: &Part, bytes: &[u8]) -> Result<()> {

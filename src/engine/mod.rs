@@ -314,8 +314,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let parts = Engine::<B, C>::check_arguments(&plan, &config, &backend, &comm)
             .and_then(|()| check_process_groups(&plan, comm.rank(), &process_groups))
             .and_then(|()| Buffers::allocate(&plan, &config, &backend))
-            .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)));
-        let (buffers, state) = match parts {
+            .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)))
+            .and_then(|(buffers, state)| {
+                let bytes = checkpoint::state_bytes(&plan, &config);
+                let staging = (config.save_staging)
+                    .then(|| Ok::<_, Error>((backend.alloc_host(bytes)?, bytes)))
+                    .transpose()?;
+                Ok((buffers, state, staging))
+            });
+        let (buffers, state, save_staging) = match parts {
             Ok(parts) => parts,
             Err(error) => {
                 return Err(Refused {
@@ -328,6 +335,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         let comms = (comm, process_groups);
         let mut engine = Engine::assemble(plan, config, backend, comms, watch, buffers, state);
+        engine.save_staging = save_staging;
         if let Err(error) = engine.check_plans() {
             let Engine {
                 backend,

@@ -226,7 +226,7 @@ pub(crate) unsafe fn text<'a>(s: *const c_char, what: &str) -> Outcome<&'a str> 
 /// parameters of every function. It changes with each of them; a caller compares it with its
 /// own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
 /// versions never exchange structs.
-pub const FSDP_ABI_VERSION: u32 = 3;
+pub const FSDP_ABI_VERSION: u32 = 4;
 
 /// The library's `FSDP_ABI_VERSION`.
 #[unsafe(no_mangle)]

@@ -135,6 +135,10 @@ pub struct fsdp_config {
     /// AdamW's moments: `FSDP_F32`, or `FSDP_BF16` (half the memory; each new moment rounded
     /// stochastically, unbiased, the update itself computed in f32).
     pub moment_dtype: u32,
+    /// 1: make the host memory `fsdp_engine_save_async` copies the state into (page-locked on
+    /// a GPU, the size of the rank's state) with the engine, so that even the first
+    /// asynchronous save's call only copies; 0: the first asynchronous save makes it.
+    pub save_staging: u8,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -353,6 +357,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
+        save_staging: flag(c.save_staging, "save_staging")?,
     };
     config.validate()?;
     Ok(config)
@@ -361,7 +366,8 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 /// Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 /// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 /// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
-/// a shard beside each master, persistent gradient shards, f32 moments.
+/// a shard beside each master, persistent gradient shards, f32 moments, no save staging made
+/// ahead.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -398,6 +404,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             param_storage: FSDP_SHARD_AND_MASTER,
             grad_shard_memory: FSDP_GRAD_SHARDS_PERSISTENT,
             moment_dtype: FSDP_F32,
+            save_staging: u8::from(d.save_staging),
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

@@ -47,6 +47,22 @@ pub struct MlpConfig {
     pub embed_lr_scale: f32,
 }
 
+impl MlpConfig {
+    /// A model small enough for a test to save and load many times: 3 layers of `width`, 12
+    /// inputs, micro-batches of 5 rows, seed 11, the embedding at half the learning rate.
+    pub fn small(dtype: DType, width: usize) -> MlpConfig {
+        MlpConfig {
+            layers: 3,
+            width,
+            inputs: 12,
+            batch: 5,
+            dtype,
+            seed: 11,
+            embed_lr_scale: 0.5,
+        }
+    }
+}
+
 impl Default for MlpConfig {
     fn default() -> MlpConfig {
         MlpConfig {

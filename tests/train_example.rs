@@ -1,0 +1,61 @@
+//! The main job's checkpoints as a user runs them: a 4-rank run saved after 3 steps, resumed at 3
+//! ranks (no step left) and exported, writes the 4-rank run's own export bit for bit; a save
+//! into a folder that holds a checkpoint is refused before training.
+
+use std::process::Command;
+
+use fsdp_fusion_support::scratch::Scratch;
+
+#[test]
+fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
+    let train = fsdp_fusion_support::examples::build("train");
+    let scratch = Scratch::new("train-example");
+    let (dir, four, three) = (
+        scratch.join("ckpt"),
+        scratch.join("four.safetensors"),
+        scratch.join("three.safetensors"),
+    );
+    let run = |args: &[&str]| {
+        let out = Command::new(&train)
+            .args(args)
+            .output()
+            .expect("run the example");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), text)
+    };
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (ok, err) = run(&[
+        "--ranks",
+        "4",
+        "--steps",
+        "3",
+        "--save",
+        &path(&dir),
+        "--export",
+        &path(&four),
+    ]);
+    assert!(ok, "{err}");
+    let (ok, err) = run(&[
+        "--ranks",
+        "3",
+        "--steps",
+        "3",
+        "--resume",
+        &path(&dir),
+        "--export",
+        &path(&three),
+    ]);
+    assert!(ok, "{err}");
+    let (a, b) = (
+        std::fs::read(&four).unwrap(),
+        std::fs::read(&three).unwrap(),
+    );
+    assert!(
+        a == b,
+        "the exports differ ({} and {} bytes)",
+        a.len(),
+        b.len()
+    );
+    let (ok, err) = run(&["--ranks", "2", "--steps", "1", "--save", &path(&dir)]);
+    assert!(!ok && err.contains("exists"), "{err}");
+}
