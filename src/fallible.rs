@@ -24,6 +24,23 @@ pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &str) -> Result<Vec<T>>
     Ok(v)
 }
 
+/// `n` zero bytes, from memory the system zeroes as it is first touched: no pass writes them, so
+/// a large buffer costs nothing until used.
+pub(crate) fn zeroed(n: usize, what: &str) -> Result<Vec<u8>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).map_err(|_| out_of_memory::<u8>(n, what))?;
+    // SAFETY: `layout` has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return Err(out_of_memory::<u8>(n, what));
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with `layout` (n bytes, align 1) and
+    // holds n initialized (zero) bytes.
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
+}
+
 /// A copy of `bytes`.
 pub(crate) fn copy_of(bytes: &[u8], what: &str) -> Result<Vec<u8>> {
     let mut v = with_capacity(bytes.len(), what)?;
@@ -52,5 +69,14 @@ mod tests {
         ));
         assert_eq!(filled(3, 7u8, "x").unwrap(), vec![7, 7, 7]);
         assert_eq!(copy_of(&[1, 2], "x").unwrap(), vec![1, 2]);
+        assert!(matches!(
+            zeroed(usize::MAX / 2, "a test"),
+            Err(Error::OutOfMemory { what, .. }) if what == "a test"
+        ));
+        assert_eq!(zeroed(5, "x").unwrap(), vec![0; 5]);
+        assert!(zeroed(0, "x").unwrap().is_empty());
+        let mut v = vec![1u8; 3];
+        refill(&mut v, 4, "x").unwrap();
+        assert_eq!(v, vec![0; 4]);
     }
 }

@@ -5,14 +5,17 @@
     NCCL_NVLS_ENABLE=0 python examples/torch/checkpoint_bench.py \\
         --library .gpu/lib/libfsdp_fusion.so --dir /tmp/ckpt-bench
 
-Then fsdp-fusion's asynchronous save (`save(wait=False)`): the time its call blocks the training
-loop, the time until its files are written, and the training steps while they are, beside steps
-without a save.
+Then fsdp-fusion's asynchronous save (`save(wait=False)`, the wrapper made with
+`save_staging=True`): the time its call blocks the training loop, the time until its files are
+written, and the training steps while they are, beside steps without a save.
 
 Each save is timed from the call to the files on disk (fsdp-fusion flushes every file; DCP's
 save returns once written, then `os.sync()` is included), each load to the state on the GPU.
 The load follows its save, so both read from the page cache: what is compared is the
-checkpoint code, not the disk. GB/s are of the bytes the checkpoint holds on disk.
+checkpoint code, not the disk. GB/s are of the bytes the checkpoint holds on disk. The limits,
+measured in the same run on the same bytes: `dd` writing them with `conv=fsync` (the disk's
+flushed write), `dd` reading the saved files from the page cache, and device-to-host and
+host-to-device copies of them between the GPU and page-locked memory.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,15 +70,45 @@ def timed(f) -> float:
     return time.perf_counter() - start
 
 
+def dd_seconds(*args: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(["dd", *args, "status=none"], check=True)
+    return time.perf_counter() - start
+
+
+def limits(root: Path, path: Path, bytes_: int) -> dict:
+    """The limits on the same bytes: the disk's flushed write, a page-cache read of the saved
+    files, and copies between the GPU and page-locked host memory."""
+    block = 64 << 20
+    target = root / "dd"
+    write = dd_seconds("if=/dev/zero", f"of={target}", f"bs={block}",
+                       f"count={-(-bytes_ // block)}", "conv=fsync")
+    target.unlink()
+    start = time.perf_counter()
+    for f in sorted(path.glob("rank-*.bin")):
+        dd_seconds(f"if={f}", "of=/dev/null", f"bs={block}")
+    read = time.perf_counter() - start
+    piece = 1 << 30
+    device = torch.empty(piece, dtype=torch.uint8, device="cuda")
+    host = torch.empty(piece, dtype=torch.uint8, pin_memory=True)
+    rounds = max(1, bytes_ // piece)
+    d2h = timed(lambda: [host.copy_(device) for _ in range(rounds)]) * bytes_ / (rounds * piece)
+    h2d = timed(lambda: [device.copy_(host) for _ in range(rounds)]) * bytes_ / (rounds * piece)
+    return dict(write=write, read=read, d2h=d2h, h2d=h2d)
+
+
 def fusion(args, root: Path) -> dict:
     model = llama(args.layers).to(device="cuda", dtype=torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    fused = FusedFSDP(model, list(model.model.layers), args.library, lr=3e-4)
+    start = time.perf_counter()
+    fused = FusedFSDP(model, list(model.model.layers), args.library, lr=3e-4, save_staging=True)
+    made = time.perf_counter() - start
     one_step(fused, fused.step)
     path = root / "fusion"
     save = timed(lambda: fused.save(path))
-    load = timed(lambda: fused.load(path))
     bytes_ = size_of(path)
+    limit = limits(root, path, bytes_)
+    load = timed(lambda: fused.load(path))
     shutil.rmtree(path)
     # The asynchronous save: what its call costs the training loop, and the steps while the
     # files are written, beside steps without.
@@ -86,14 +120,14 @@ def fusion(args, root: Path) -> dict:
     wait = timed(fused.wait_save)
     written = time.perf_counter() - start + call
     shutil.rmtree(background)
-    # Again: the first made its page-locked host memory, the next ones reuse it.
+    # Again: the wrapper made the page-locked host memory (save_staging); every save reuses it.
     again = timed(lambda: fused.save(background, wait=False))
     fused.wait_save()
     fused.close()
     shutil.rmtree(background)
     return dict(who="fsdp-fusion", params=params, bytes=bytes_, save=save, load=load,
                 async_call=call, async_written=written, async_wait=wait, async_again=again,
-                quiet=quiet, during=during)
+                quiet=quiet, during=during, made=made, limits=limit)
 
 
 def fsdp2(args, root: Path) -> dict:
@@ -157,9 +191,18 @@ def main() -> int:
         print(f"{r['who']:<14} {gb:7.2f} {r['save']:8.2f} {gb / r['save']:7.2f} "
               f"{r['load']:8.2f} {gb / r['load']:7.2f}")
     f = rows[0]
-    print(f"fsdp-fusion save(wait=False): the call {f['async_call']:.2f} s (the state copied to "
-          f"host memory it makes; {f['async_again']:.2f} s the next time), files written {f['async_written']:.2f} s after it began "
-          f"({f['async_wait']:.2f} s of wait_save after {args.steps} steps); median step "
+    lim = f["limits"]
+    gb = f["bytes"] / 1e9
+    print(f"limits on {gb:.2f} GB: dd write + fsync {gb / lim['write']:.2f} GB/s, dd read from the "
+          f"page cache {gb / lim['read']:.2f} GB/s, GPU to page-locked host {gb / lim['d2h']:.2f} "
+          f"GB/s, back {gb / lim['h2d']:.2f} GB/s")
+    print(f"fsdp-fusion save: {lim['write'] / f['save']:.2f} of dd's flushed write; load: "
+          f"{lim['read'] / f['load']:.2f} of dd's page-cache read, {rows[1]['load'] / f['load']:.2f}x "
+          f"DCP's load; save {rows[1]['save'] / f['save']:.2f}x DCP's")
+    print(f"fsdp-fusion save(wait=False): the call {f['async_call']:.2f} s (the wrapper made its "
+          f"page-locked host memory in its {f['made']:.2f} s of construction; "
+          f"{f['async_again']:.2f} s the next time), files written {f['async_written']:.2f} s after "
+          f"it began ({f['async_wait']:.2f} s of wait_save after {args.steps} steps); median step "
           f"{statistics.median(f['quiet']) * 1e3:.1f} ms without a save, "
           f"{statistics.median(f['during']) * 1e3:.1f} ms while the files are written "
           f"(steps: {', '.join(f'{t * 1e3:.0f}' for t in f['during'])} ms)")

@@ -466,7 +466,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .with_lr_and_decay(first.lr, first.weight_decay)?;
         let parts = self.parts();
         let total = parts.iter().map(bytes_of).sum();
-        let mut bytes = crate::fallible::filled(total, 0u8, "this rank's state from a checkpoint")?;
+        let mut bytes = crate::fallible::zeroed(total, "this rank's state from a checkpoint")?;
         checkpoint::read_copies(&saved, &self.copies(&saved, &parts)?, &mut bytes)?;
         Ok(Loaded {
             parts,
