@@ -781,18 +781,22 @@ fn a_state_of_many_pieces_and_chunks_saves_and_loads_exactly_on_several_threads(
         optimizer: OptimizerConfig::sgd(0.1),
         ..EngineConfig::default()
     };
-    let engine = || {
+    let engine = |save_staging| {
         let comm = LocalComm::group(1).unwrap().remove(0);
+        let config = EngineConfig {
+            save_staging,
+            ..config.clone()
+        };
         Engine::new(
             Arc::clone(&plan),
-            config.clone(),
+            config,
             fsdp_fusion::CpuBackend::new(),
             comm,
         )
         .unwrap()
     };
     let values: Vec<f32> = (0..numel).map(|i| (i % 65521) as f32 * 0.5 - 7.0).collect();
-    let mut saved = engine();
+    let mut saved = engine(false);
     saved
         .load_param(fsdp_fusion::ParamId(0), Input::host(&values))
         .unwrap();
@@ -801,7 +805,8 @@ fn a_state_of_many_pieces_and_chunks_saves_and_loads_exactly_on_several_threads(
         .unwrap();
     let scratch = Scratch::new("pieces");
     saved.save(scratch.path()).unwrap();
-    let mut loaded = engine();
+    // Loaded into the asynchronous saves' staging area, which the next save then uses.
+    let mut loaded = engine(true);
     loaded.load(scratch.path()).unwrap();
     for g in 0..plan.groups().len() {
         assert!(
@@ -809,6 +814,14 @@ fn a_state_of_many_pieces_and_chunks_saves_and_loads_exactly_on_several_threads(
             "group {g}"
         );
     }
+    let again = scratch.join("again");
+    loaded.save_async(&again).unwrap();
+    loaded.wait_save().unwrap();
+    let data = |dir: &Path| std::fs::read(checkpoint::data_path(dir, 0)).unwrap();
+    assert!(
+        data(&again) == data(scratch.path()),
+        "the state saved again differs"
+    );
     let m = checkpoint::read_manifest(scratch.path(), 0).unwrap();
     assert!(m.chunk_xxh3.len() > 16, "{} chunks", m.chunk_xxh3.len());
 }

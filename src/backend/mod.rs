@@ -192,6 +192,13 @@ pub trait Backend: Send {
     /// Every copy queued into `buf` completed (its stream's event was synchronized).
     unsafe fn host_bytes(buf: &Self::HostBuffer) -> &[u8];
 
+    /// The bytes of `buf`, for the host to write (a copy from it to a device buffer, say
+    /// [`Backend::upload`], then runs at the link's speed).
+    ///
+    /// # Safety
+    /// Every copy queued into `buf` completed (its stream's event was synchronized).
+    unsafe fn host_bytes_mut(buf: &mut Self::HostBuffer) -> &mut [u8];
+
     /// Queues on `stream` a copy of `region` of `src` into `dst` from byte `at`.
     ///
     /// # Safety

@@ -207,7 +207,8 @@ pub struct FileRange {
 /// Below this many bytes a load reads on one thread.
 const PARALLEL_BYTES: usize = 64 << 20;
 
-/// Reads every copy of `saved`'s data into `out`, each chunk checked as it is read: on several
+/// Reads every copy of `saved`'s data into `out`, each chunk checked as it is read, and zeroes
+/// every other byte of `out`: on several
 /// threads for a large load (page-cache reads go at memory speed, not a disk's, and one core
 /// does not reach it), each a run of the copies, cut at chunk boundaries so that no chunk is
 /// read twice but where a copy begins or ends inside one. The copies' destinations increase
@@ -232,7 +233,7 @@ pub fn read_copies(saved: &Saved, copies: &[FileRange], out: &mut [u8]) -> Resul
             (from, to) = (from + bytes as u64, to + bytes);
         }
     }
-    // Each piece's own part of `out`.
+    // Each piece's own part of `out`; what no piece covers (padding) is zeroed.
     let mut places = Vec::with_capacity(pieces.len());
     let (mut rest, mut cursor) = (out, 0usize);
     for p in &pieces {
@@ -245,10 +246,14 @@ pub fn read_copies(saved: &Saved, copies: &[FileRange], out: &mut [u8]) -> Resul
                 format!("copies out of order at byte {}", p.to),
             ));
         };
-        let (place, after) = std::mem::take(&mut rest)[skip..].split_at_mut(p.bytes);
+        let (gap, after) = std::mem::take(&mut rest).split_at_mut(skip);
+        gap.fill(0);
+        let (place, after) = after.split_at_mut(p.bytes);
         places.push(place);
         (rest, cursor) = (after, p.to + p.bytes);
     }
+    rest.fill(0);
+
     let total: usize = pieces.iter().map(|p| p.bytes).sum();
     let threads = match total < PARALLEL_BYTES {
         true => 1,

@@ -98,13 +98,32 @@ pub(super) fn state_bytes(plan: &Plan, config: &EngineConfig) -> usize {
     parts_of(plan, config).iter().map(bytes_of).sum()
 }
 
-/// This rank's state as read from a checkpoint and checked, not yet loaded.
-struct Loaded {
-    parts: Vec<Part>,
-    /// The parts one after another.
-    bytes: Vec<u8>,
-    optimizer: OptimizerConfig,
-    optimizer_steps: u64,
+/// The host memory a load reads this rank's state into.
+enum LoadMemory<B: Backend> {
+    /// The asynchronous saves' staging area, and its bytes.
+    Staging(B::HostBuffer, usize),
+    Owned(Vec<u8>),
+}
+
+impl<B: Backend> LoadMemory<B> {
+    fn bytes_mut(&mut self, total: usize) -> &mut [u8] {
+        let all = match self {
+            // SAFETY: no copy is queued into the staging area: an asynchronous save's copies
+            // completed before it went to the writer, which gave it back.
+            LoadMemory::Staging(staging, _) => unsafe { B::host_bytes_mut(staging) },
+            LoadMemory::Owned(owned) => owned,
+        };
+        &mut all[..total]
+    }
+
+    fn bytes(&self, total: usize) -> &[u8] {
+        let all = match self {
+            // SAFETY: as above.
+            LoadMemory::Staging(staging, _) => unsafe { B::host_bytes(staging) },
+            LoadMemory::Owned(owned) => owned,
+        };
+        &all[..total]
+    }
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -414,27 +433,56 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("loading a checkpoint")?;
-        let read = self
-            .read_checkpoint(dir)
-            .map(|loaded| (loaded, Proposal::default()));
-        let (loaded, _) = self.agree(dir, read)?;
-        self.effects(|e| {
-            let mut at = 0;
-            for p in &loaded.parts {
-                let bytes = bytes_of(p);
-                e.write_part(p, &loaded.bytes[at..at + bytes])?;
-                at += bytes;
-            }
-            e.values_from_masters()
-        })?;
-        self.config.optimizer = loaded.optimizer;
-        self.optimizer_steps = loaded.optimizer_steps;
-        Ok(())
+        let parts = self.parts();
+        let total = parts.iter().map(bytes_of).sum();
+        let mut host = self.load_memory(total);
+        let read = match &mut host {
+            Ok(host) => self.read_checkpoint(dir, &parts, host.bytes_mut(total)),
+            Err(e) => Err(e.clone()),
+        };
+        let agreed = self.agree(dir, read.map(|settings| (settings, Proposal::default())));
+        let loaded = agreed.and_then(|((optimizer, steps), _)| {
+            let bytes = host.as_ref().map_or(&[][..], |h| h.bytes(total));
+            self.effects(|e| {
+                let mut at = 0;
+                for p in &parts {
+                    e.write_part(p, &bytes[at..at + bytes_of(p)])?;
+                    at += bytes_of(p);
+                }
+                e.values_from_masters()
+            })?;
+            self.config.optimizer = optimizer;
+            self.optimizer_steps = steps;
+            Ok(())
+        });
+        if let Ok(LoadMemory::Staging(staging, bytes)) = host {
+            self.save_staging = Some((staging, bytes));
+        }
+        loaded
     }
 
-    /// This rank's state in the checkpoint in `dir`, read and checked (see [`Engine::load`]);
-    /// nothing changes.
-    fn read_checkpoint(&self, dir: &Path) -> Result<Loaded> {
+    /// Host memory for `total` bytes of this rank's state read from a checkpoint: the
+    /// asynchronous saves' page-locked staging area where it is free and large enough (the
+    /// uploads from it then run at the link's speed), else memory of its own.
+    fn load_memory(&mut self, total: usize) -> Result<LoadMemory<B>> {
+        match self.save_staging.take() {
+            Some((staging, bytes)) if bytes >= total => Ok(LoadMemory::Staging(staging, bytes)),
+            other => {
+                self.save_staging = other;
+                let owned = crate::fallible::zeroed(total, "this rank's state from a checkpoint")?;
+                Ok(LoadMemory::Owned(owned))
+            }
+        }
+    }
+
+    /// Reads and checks this rank's `parts` of the checkpoint in `dir` into `bytes` (see
+    /// [`Engine::load`]), with the optimizer settings and step count to take; nothing changes.
+    fn read_checkpoint(
+        &self,
+        dir: &Path,
+        parts: &[Part],
+        bytes: &mut [u8],
+    ) -> Result<(OptimizerConfig, u64)> {
         let saved = checkpoint::read_saved(dir)?;
         let first = &saved.manifests[0];
         let mut differences = Vec::new();
@@ -464,16 +512,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .config
             .optimizer
             .with_lr_and_decay(first.lr, first.weight_decay)?;
-        let parts = self.parts();
-        let total = parts.iter().map(bytes_of).sum();
-        let mut bytes = crate::fallible::zeroed(total, "this rank's state from a checkpoint")?;
-        checkpoint::read_copies(&saved, &self.copies(&saved, &parts)?, &mut bytes)?;
-        Ok(Loaded {
-            parts,
-            bytes,
-            optimizer,
-            optimizer_steps: first.optimizer_steps,
-        })
+        checkpoint::read_copies(&saved, &self.copies(&saved, parts)?, bytes)?;
+        Ok((optimizer, first.optimizer_steps))
     }
 
     /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'

@@ -200,6 +200,13 @@ impl Backend for CpuBackend {
         unsafe { buf.memory().bytes(0..buf.len()) }
     }
 
+    unsafe fn host_bytes_mut(buf: &mut CpuBuffer) -> &mut [u8] {
+        let bytes = buf.len();
+        // SAFETY: the caller's contract: no copy into it is still queued; `&mut` keeps this
+        // thread from making another slice of it.
+        unsafe { buf.memory().bytes_mut(0..bytes) }
+    }
+
     unsafe fn copy_to_host(
         &self,
         stream: Stream,

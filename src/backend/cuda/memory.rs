@@ -104,6 +104,10 @@ impl PinnedHost {
         })
     }
 
+    pub(crate) fn len(&self) -> usize {
+        self.bytes
+    }
+
     /// # Safety
     /// No copy into the memory is still running.
     pub(crate) unsafe fn bytes(&self) -> &[u8] {

@@ -318,6 +318,11 @@ impl Backend for CudaBackend {
         unsafe { buf.bytes() }
     }
 
+    unsafe fn host_bytes_mut(buf: &mut PinnedHost) -> &mut [u8] {
+        let bytes = buf.len();
+        buf.range_mut(0, bytes).unwrap_or_default()
+    }
+
     unsafe fn copy_to_host(
         &self,
         stream: Stream,
