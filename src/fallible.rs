@@ -36,10 +36,29 @@ pub(crate) fn zeroed(n: usize, what: &str) -> Result<Vec<u8>> {
     if ptr.is_null() {
         return Err(out_of_memory::<u8>(n, what));
     }
+    ask_for_huge_pages(ptr, n);
     // SAFETY: `ptr` was allocated by the global allocator with `layout` (n bytes, align 1) and
     // holds n initialized (zero) bytes.
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
+
+/// Asks the system to back the `n` bytes at `ptr` with huge pages where it can: a buffer of
+/// gigabytes first touched by several threads then takes a fault per 2 MiB, not per 4 KiB. A hint;
+/// refused, nothing changes.
+#[cfg(target_os = "linux")]
+fn ask_for_huge_pages(ptr: *mut u8, n: usize) {
+    const PAGE: usize = 4096;
+    let start = (ptr as usize).next_multiple_of(PAGE);
+    let end = (ptr as usize).saturating_add(n) / PAGE * PAGE;
+    if end > start {
+        // SAFETY: advice on whole pages inside an allocation this function's caller owns; it
+        // changes no byte of it.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn ask_for_huge_pages(_ptr: *mut u8, _n: usize) {}
 
 /// A copy of `bytes`.
 pub(crate) fn copy_of(bytes: &[u8], what: &str) -> Result<Vec<u8>> {

@@ -212,6 +212,20 @@ pub trait Backend: Send {
         at: usize,
     ) -> Result<()>;
 
+    /// Queues on `stream` a copy of `region.len` elements of host memory `src` from byte `at`
+    /// into `region` of `dst` (from page-locked memory on a GPU, at the link's speed).
+    ///
+    /// # Safety
+    /// As [`Backend::zero`] for `dst`; nothing writes `src`'s range until the copy completed.
+    unsafe fn copy_from_host(
+        &self,
+        stream: Stream,
+        src: &Self::HostBuffer,
+        at: usize,
+        dst: &mut Self::Buffer,
+        region: Region,
+    ) -> Result<()>;
+
     /// Whether dropping a buffer neither blocks the host nor lets its memory be used again before
     /// the work queued on any stream so far is done with it, so that buffers can come and go
     /// every step ([`crate::GradShardMemory::PerStep`]).

@@ -6,15 +6,19 @@
 //! - `gather`: gather slots, placement and the all-gathers; `reduce`: gradient slots and the
 //!   reductions; `step`: the sync, the optimizer, the end of a step, loads and shard reads;
 //!   `views`: the gathered parameters and gradient places as the caller reads and writes them;
-//!   `checks`: the ranks' comparisons of their plans and their collectives; `spans`: tracing.
+//!   `checks`: the ranks' comparisons of their plans and their collectives; `agree`: the ranks'
+//!   agreement on a step all take or none; `parts`: the rank's state as a checkpoint holds it;
+//!   `save`, `load`: checkpoints; `full_model`: safetensors exports and imports; `spans`: tracing.
 
 mod agree;
-mod checkpoint;
 mod checks;
 mod full_model;
 mod gather;
+mod load;
 mod norm;
+mod parts;
 mod reduce;
+mod save;
 mod spans;
 mod step;
 mod views;
@@ -128,7 +132,7 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     grad_effects: Vec<GradEffect>,
     trace: Option<Trace<B::Event>>,
     /// The files of [`Engine::save_async`] being written.
-    pending_save: Option<checkpoint::PendingSave<B::HostBuffer>>,
+    pending_save: Option<save::PendingSave<B::HostBuffer>>,
     /// The host memory the last asynchronous save copied into, and its bytes.
     save_staging: Option<(B::HostBuffer, usize)>,
 }
@@ -316,7 +320,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .and_then(|()| Buffers::allocate(&plan, &config, &backend))
             .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)))
             .and_then(|(buffers, state)| {
-                let bytes = checkpoint::state_bytes(&plan, &config);
+                let bytes = parts::state_bytes(&plan, &config);
                 let staging = (config.save_staging)
                     .then(|| Ok::<_, Error>((backend.alloc_host(bytes)?, bytes)))
                     .transpose()?;

@@ -233,6 +233,32 @@ impl Backend for CpuBackend {
         })
     }
 
+    unsafe fn copy_from_host(
+        &self,
+        stream: Stream,
+        src: &CpuBuffer,
+        at: usize,
+        dst: &mut CpuBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let (dst_memory, dst_range) = part(dst, region)?;
+        let bytes = dst_range.len();
+        let end = at.checked_add(bytes).filter(|&end| end <= src.len());
+        let src_range = end.map(|end| at..end).ok_or(Error::OutOfRange {
+            offset: at,
+            len: bytes,
+            capacity: src.len(),
+        })?;
+        let src_memory = Arc::clone(src.memory());
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
+            let (src, dst) =
+                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            dst.copy_from_slice(src);
+            Ok(())
+        })
+    }
+
     /// A buffer's bytes live on while queued work refers to them.
     fn frees_in_stream_order(&self) -> bool {
         true

@@ -339,10 +339,39 @@ impl Backend for CudaBackend {
         bind(&self.ctx)?;
         let from = src.ptr() + range.start as u64;
         // SAFETY: `from` holds `out.len()` bytes of a live buffer; `out` is page-locked memory
-        // that outlives the copy (dropping it waits), read only once the copy completed (the
-        // caller's contract).
+        // that the caller keeps until the copy completed and reads only then (its contract).
         unsafe { result::memcpy_dtoh_async(out, from, self.stream(stream).cu_stream()) }
             .map_err(cuda("cuMemcpyDtoHAsync"))
+    }
+
+    unsafe fn copy_from_host(
+        &self,
+        stream: Stream,
+        src: &PinnedHost,
+        at: usize,
+        dst: &mut CudaBuffer,
+        region: Region,
+    ) -> Result<()> {
+        let to = dst.addr(region)?;
+        let bytes = region.len * region.dtype.size();
+        // SAFETY: no copy writes `src` (the caller's contract); the range is checked below.
+        let all = unsafe { src.bytes() };
+        let from = at
+            .checked_add(bytes)
+            .and_then(|end| all.get(at..end))
+            .ok_or(Error::OutOfRange {
+                offset: at,
+                len: bytes,
+                capacity: all.len(),
+            })?;
+        if from.is_empty() {
+            return Ok(());
+        }
+        bind(&self.ctx)?;
+        // SAFETY: `to` holds `bytes` bytes of `dst`, which `&mut` keeps alive; `from` is
+        // page-locked memory the caller keeps unwritten until the copy completed.
+        unsafe { result::memcpy_htod_async(to, from, self.stream(stream).cu_stream()) }
+            .map_err(cuda("cuMemcpyHtoDAsync"))
     }
 
     fn host_waits(&self) -> u64 {

@@ -1,20 +1,17 @@
-//! Saving and loading this rank's part of a sharded checkpoint at a step boundary. Both are
-//! collectives ([`super::agree`]): before anything is written, the ranks agree on the save's
-//! id and that every writer's directory is free; before anything changes, every rank has read
-//! and checked all it needs, so all ranks load or none does.
+//! Saving this rank's part of a sharded checkpoint at a step boundary, a collective
+//! ([`super::agree`]): before anything is written, the ranks agree on the save's id and that
+//! every writer's directory is free. A blocking save streams the state through two host pieces;
+//! an asynchronous one copies it into page-locked memory and writes it on a thread.
 
 use std::path::Path;
 
 use super::Engine;
-use super::agree::Proposal;
+use super::parts::{Part, bytes_of, optimizer_name};
 use crate::backend::{Backend, Region};
-use crate::checkpoint::{self, FileRange, RankManifest, SaveId, Saved, Section, SectionKind};
+use crate::checkpoint::{self, RankManifest, SaveId, Section};
 use crate::comm::Communicator;
-use crate::config::EngineConfig;
 use crate::error::{Error, Result};
-use crate::optim::OptimizerConfig;
-use crate::plan::Plan;
-use crate::types::{BufferState, DType, Stream};
+use crate::types::Stream;
 
 /// How often [`Engine::wait_save`] looks at the writer.
 const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
@@ -45,85 +42,6 @@ enum Pending {
     Refused,
     /// One into the same directory, whose temporary files the new one's would meet.
     SameDirRefused,
-}
-
-/// The bytes of `part`.
-fn bytes_of(part: &Part) -> usize {
-    part.region.len * part.region.dtype.size()
-}
-
-/// A section of this rank's state: which buffer, and its region.
-struct Part {
-    group: usize,
-    kind: SectionKind,
-    region: Region,
-}
-
-/// Every section of a rank's state under `plan` and `config`, in group order: each group's
-/// values (a trainable bf16/f16 group's fp32 master instead, which they are rounded from), then
-/// AdamW's moments of a trainable group.
-fn parts_of(plan: &Plan, config: &EngineConfig) -> Vec<Part> {
-    let mut parts = Vec::new();
-    for g in plan.groups() {
-        let (group, n) = (g.index, g.shard_numel);
-        let has_master = g.trainable && g.dtype != DType::F32;
-        parts.push(match has_master {
-            true => Part {
-                group,
-                kind: SectionKind::Master,
-                region: Region::new(0, n, DType::F32),
-            },
-            false => Part {
-                group,
-                kind: SectionKind::Values,
-                region: Region::new(0, n, g.dtype),
-            },
-        });
-        if g.trainable && config.optimizer.has_moments() {
-            for kind in [SectionKind::FirstMoment, SectionKind::SecondMoment] {
-                parts.push(Part {
-                    group,
-                    kind,
-                    region: Region::new(0, n, config.moment_dtype),
-                });
-            }
-        }
-    }
-    parts
-}
-
-/// The bytes of a rank's state under `plan` and `config`: what a save writes, and what
-/// [`EngineConfig::save_staging`] makes ahead.
-pub(super) fn state_bytes(plan: &Plan, config: &EngineConfig) -> usize {
-    parts_of(plan, config).iter().map(bytes_of).sum()
-}
-
-/// The host memory a load reads this rank's state into.
-enum LoadMemory<B: Backend> {
-    /// The asynchronous saves' staging area, and its bytes.
-    Staging(B::HostBuffer, usize),
-    Owned(Vec<u8>),
-}
-
-impl<B: Backend> LoadMemory<B> {
-    fn bytes_mut(&mut self, total: usize) -> &mut [u8] {
-        let all = match self {
-            // SAFETY: no copy is queued into the staging area: an asynchronous save's copies
-            // completed before it went to the writer, which gave it back.
-            LoadMemory::Staging(staging, _) => unsafe { B::host_bytes_mut(staging) },
-            LoadMemory::Owned(owned) => owned,
-        };
-        &mut all[..total]
-    }
-
-    fn bytes(&self, total: usize) -> &[u8] {
-        let all = match self {
-            // SAFETY: as above.
-            LoadMemory::Staging(staging, _) => unsafe { B::host_bytes(staging) },
-            LoadMemory::Owned(owned) => owned,
-        };
-        &all[..total]
-    }
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -222,7 +140,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Orders the compute stream's next work after every stream's work so far.
-    fn join_streams_on_compute(&self) -> Result<()> {
+    pub(super) fn join_streams_on_compute(&self) -> Result<()> {
         for other in [Stream::Gather, Stream::Reduce] {
             let reached = self.backend.record(other)?;
             self.backend.wait(Stream::Compute, &reached)?;
@@ -416,227 +334,5 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             chunk_bytes: 0,
             chunk_xxh3: Vec::new(),
         }
-    }
-
-    /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same
-    /// model (the same parameters, declared in the same order) and optimizer, at this world size
-    /// or another: each rank takes its shard of every group from the saved ranks' parts that
-    /// hold it, reading only those bytes, each once. A collective: every rank calls it, and
-    /// nothing changes on any rank unless every rank's part checked out: every saved rank's
-    /// manifest present, unchanged (its own checksum) and of one save (one save id), its
-    /// fields consistent with the layout they describe; each chunk of data read of its
-    /// manifest's checksum; the parameters equal to the plan's (`Error::CheckpointMismatch`
-    /// lists what differs). A rank whose part failed returns its error, the others
-    /// `Error::PeerRefused` naming it. The optimizer continues from the saved step with the
-    /// saved learning rate and weight decay. Allowed at a step boundary only; holds this rank's
-    /// state in host memory while it reads; blocks until the state is on the device.
-    pub fn load(&mut self, dir: &Path) -> Result<()> {
-        self.healthy()?;
-        self.check_step_boundary("loading a checkpoint")?;
-        let parts = self.parts();
-        let total = parts.iter().map(bytes_of).sum();
-        let mut host = self.load_memory(total);
-        let read = match &mut host {
-            Ok(host) => self.read_checkpoint(dir, &parts, host.bytes_mut(total)),
-            Err(e) => Err(e.clone()),
-        };
-        let agreed = self.agree(dir, read.map(|settings| (settings, Proposal::default())));
-        let loaded = agreed.and_then(|((optimizer, steps), _)| {
-            let bytes = host.as_ref().map_or(&[][..], |h| h.bytes(total));
-            self.effects(|e| {
-                let mut at = 0;
-                for p in &parts {
-                    e.write_part(p, &bytes[at..at + bytes_of(p)])?;
-                    at += bytes_of(p);
-                }
-                e.values_from_masters()
-            })?;
-            self.config.optimizer = optimizer;
-            self.optimizer_steps = steps;
-            Ok(())
-        });
-        if let Ok(LoadMemory::Staging(staging, bytes)) = host {
-            self.save_staging = Some((staging, bytes));
-        }
-        loaded
-    }
-
-    /// Host memory for `total` bytes of this rank's state read from a checkpoint: the
-    /// asynchronous saves' page-locked staging area where it is free and large enough (the
-    /// uploads from it then run at the link's speed), else memory of its own.
-    fn load_memory(&mut self, total: usize) -> Result<LoadMemory<B>> {
-        match self.save_staging.take() {
-            Some((staging, bytes)) if bytes >= total => Ok(LoadMemory::Staging(staging, bytes)),
-            other => {
-                self.save_staging = other;
-                let owned = crate::fallible::zeroed(total, "this rank's state from a checkpoint")?;
-                Ok(LoadMemory::Owned(owned))
-            }
-        }
-    }
-
-    /// Reads and checks this rank's `parts` of the checkpoint in `dir` into `bytes` (see
-    /// [`Engine::load`]), with the optimizer settings and step count to take; nothing changes.
-    fn read_checkpoint(
-        &self,
-        dir: &Path,
-        parts: &[Part],
-        bytes: &mut [u8],
-    ) -> Result<(OptimizerConfig, u64)> {
-        let saved = checkpoint::read_saved(dir)?;
-        let first = &saved.manifests[0];
-        let mut differences = Vec::new();
-        if first.optimizer != optimizer_name(&self.config.optimizer) {
-            differences.push(format!(
-                "saved with {}, loaded with {}",
-                first.optimizer,
-                optimizer_name(&self.config.optimizer)
-            ));
-        }
-        if self.config.optimizer.has_moments()
-            && first.moment_dtype != self.config.moment_dtype.to_string()
-        {
-            differences.push(format!(
-                "moments saved in {}, loaded into {}",
-                first.moment_dtype, self.config.moment_dtype
-            ));
-        }
-        differences.extend(checkpoint::differences(
-            &first.params,
-            &checkpoint::records(&self.plan),
-        ));
-        if !differences.is_empty() {
-            return Err(Error::CheckpointMismatch { differences });
-        }
-        let optimizer = self
-            .config
-            .optimizer
-            .with_lr_and_decay(first.lr, first.weight_decay)?;
-        checkpoint::read_copies(&saved, &self.copies(&saved, parts)?, bytes)?;
-        Ok((optimizer, first.optimizer_steps))
-    }
-
-    /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'
-    /// data: for every parameter, the elements of this rank's shard range, found in the saved
-    /// layout of the copy of its group that this rank holds. Padding stays zero.
-    fn copies(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<FileRange>> {
-        let mut copies = Vec::new();
-        let mut part_start = 0;
-        for p in parts {
-            let size = p.region.dtype.size();
-            let group = &self.plan.groups()[p.group];
-            let block = checkpoint::saved_block(&saved.manifests[0], &self.plan, group, self.rank)?;
-            let mine = self.plan.shard_range(group, self.rank);
-            for &id in &group.params {
-                let layout = &self.plan.params()[id.0];
-                let held = self.held_elements(id)?;
-                // The manifests' parameters are the plan's, in its order (`differences`).
-                for run in saved.runs(id.0, p.kind, block.start, held)? {
-                    copies.push(FileRange {
-                        rank: run.rank,
-                        from: run.offset,
-                        to: part_start + (layout.offset + run.elements.start - mine.start) * size,
-                        bytes: run.elements.len() * size,
-                    });
-                }
-            }
-            part_start += bytes_of(p);
-        }
-        Ok(copies)
-    }
-
-    /// Every section of this rank's state, in group order.
-    fn parts(&self) -> Vec<Part> {
-        parts_of(&self.plan, &self.config)
-    }
-
-    fn write_part(&mut self, p: &Part, bytes: &[u8]) -> Result<()> {
-        let g = p.group;
-        let master_only = self.plan.master_only(&self.config, &self.plan.groups()[g]);
-        let missing = Error::GroupOutOfRange {
-            group: g,
-            count: self.plan.groups().len(),
-        };
-        let buffer = match p.kind {
-            // A master-only group's values are its master rounded: the master section has them.
-            SectionKind::Values if master_only => return Ok(()),
-            SectionKind::Values => &mut self.shards[g],
-            SectionKind::Master => self.masters[g].as_mut().ok_or(missing)?,
-            SectionKind::FirstMoment => {
-                self.moments[g].as_mut().map(|m| &mut m.0).ok_or(missing)?
-            }
-            SectionKind::SecondMoment => {
-                self.moments[g].as_mut().map(|m| &mut m.1).ok_or(missing)?
-            }
-        };
-        self.backend.upload(buffer, p.region, bytes)
-    }
-
-    /// A bf16/f16 shard beside its loaded master becomes the master rounded, as the optimizer
-    /// leaves it; the next gather waits for the casts.
-    fn values_from_masters(&mut self) -> Result<()> {
-        for g in self.plan.groups() {
-            let (Some(master), false) = (
-                self.masters[g.index].as_ref(),
-                self.plan.master_only(&self.config, g),
-            ) else {
-                continue;
-            };
-            let (f32s, values) = (
-                Region::new(0, g.shard_numel, DType::F32),
-                Region::new(0, g.shard_numel, g.dtype),
-            );
-            // SAFETY: on the compute stream; every stream's earlier work finished in the uploads
-            // above (they block), and the next gather waits for this cast (`shards_updated`).
-            unsafe {
-                self.backend.cast(
-                    Stream::Compute,
-                    master,
-                    f32s,
-                    &mut self.shards[g.index],
-                    values,
-                )
-            }?;
-        }
-        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
-        Ok(())
-    }
-
-    fn state_buffer(&self, p: &Part) -> Result<&B::Buffer> {
-        let missing = Error::GroupOutOfRange {
-            group: p.group,
-            count: self.plan.groups().len(),
-        };
-        match p.kind {
-            SectionKind::Values => Ok(&self.shards[p.group]),
-            SectionKind::Master => self.masters[p.group].as_ref().ok_or(missing),
-            SectionKind::FirstMoment => self.moments[p.group].as_ref().map(|m| &m.0).ok_or(missing),
-            SectionKind::SecondMoment => {
-                self.moments[p.group].as_ref().map(|m| &m.1).ok_or(missing)
-            }
-        }
-    }
-
-    /// Refuses `action` between a step's first hook or gradient and its `end_step`.
-    pub(super) fn check_step_boundary(&self, action: &'static str) -> Result<()> {
-        self.check_not_stepped(action)?;
-        let open = self
-            .forward_open
-            .iter()
-            .chain(&self.backward_open)
-            .any(|&o| o);
-        let gathered =
-            (0..self.plan.groups().len()).any(|g| self.gathers.state(g) != BufferState::Freed);
-        if open || gathered || self.grads.pending() || self.grads.synced() {
-            return Err(Error::MidStep { action });
-        }
-        Ok(())
-    }
-}
-
-fn optimizer_name(optimizer: &OptimizerConfig) -> &'static str {
-    match optimizer {
-        OptimizerConfig::AdamW { .. } => "adamw",
-        OptimizerConfig::Sgd { .. } => "sgd",
     }
 }
