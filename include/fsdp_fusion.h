@@ -130,6 +130,9 @@ typedef struct fsdp_config {
   float eps;
   float weight_decay;
   // Seconds any blocking wait of the engine lasts before it fails with `FSDP_TIMEOUT`; positive.
+  // A collective still in flight on the device this long after it was queued fails the engine
+  // too (`FSDP_TIMEOUT` at the next call, naming it), its communicators aborted so that the
+  // streams drain and the caller's own device waits return.
   double timeout_seconds;
   // 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
   // NCCL, which does not compare them itself; costs a small all-gather and a host wait).
@@ -628,7 +631,9 @@ enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_
 
 // Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
 // collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
-// `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.
+// `FSDP_POISONED`, and its peers see the rank gone. Its communicators are aborted at once
+// (`ncclCommAbort`), so collectives stuck on the device end, its streams drain, and the
+// caller's own waits on them return. The engine must still be destroyed.
 enum fsdp_status fsdp_engine_abort(struct fsdp_engine *engine);
 
 // Creates the communicators of `world_size` CPU ranks running as threads of this process. Each

@@ -194,6 +194,15 @@ pub enum Error {
     PeerGone { rank: usize, op: String },
     #[error("{op} timed out after {waited:?}")]
     Timeout { op: String, waited: Duration },
+    #[error(
+        "{collective} (this rank at place {place} of {peers}) was still in flight after {waited:?}: a peer is stuck or gone; the rank's communicators were aborted"
+    )]
+    CollectiveTimedOut {
+        collective: String,
+        place: usize,
+        peers: usize,
+        waited: Duration,
+    },
     #[error("the engine was aborted")]
     Aborted,
     #[error("the engine failed earlier and can only be dropped: {cause}")]

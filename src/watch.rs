@@ -2,7 +2,7 @@
 //! another thread, and whether it left its group.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -13,13 +13,29 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// How often a blocked wait looks at the abort flag and its peers.
 const POLL: Duration = Duration::from_millis(10);
 
-#[derive(Debug)]
+/// What ends a rank's work that no host wait sees: a communicator's collectives under way on
+/// the device, say. Run once, from whichever thread ends the rank.
+pub type EndHook = Box<dyn FnOnce() + Send>;
+
 struct State {
     timeout: Duration,
     aborted: AtomicBool,
     left: AtomicBool,
     /// A failure seen off the rank's thread (a communicator's watchdog), ending its waits.
     fault: OnceLock<Error>,
+    /// Whether the rank ended (aborted, or failed off its thread), and the hooks to run then.
+    on_end: Mutex<(bool, Vec<EndHook>)>,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("timeout", &self.timeout)
+            .field("aborted", &self.aborted)
+            .field("left", &self.left)
+            .field("fault", &self.fault)
+            .finish_non_exhaustive()
+    }
 }
 
 /// One rank's deadline and abort flag, shared by its engine, backend and communicator.
@@ -39,6 +55,7 @@ impl Watch {
             aborted: AtomicBool::new(false),
             left: AtomicBool::new(false),
             fault: OnceLock::new(),
+            on_end: Mutex::new((false, Vec::new())),
         }))
     }
 
@@ -46,11 +63,42 @@ impl Watch {
         self.0.timeout
     }
 
-    /// Makes every blocked and later wait of the rank fail with [`Error::Aborted`], and its peers
-    /// see it gone.
+    /// Makes every blocked and later wait of the rank fail with [`Error::Aborted`], its peers
+    /// see it gone, and its work under way on a device end ([`Watch::on_end`]).
     pub fn abort(&self) {
         self.0.aborted.store(true, Ordering::SeqCst);
         self.leave();
+        self.end();
+    }
+
+    /// Registers `hook` to run when the rank is aborted or fails off its thread (at once where it
+    /// already was): a communicator ends its collectives under way on the device with it.
+    pub fn on_end(&self, hook: EndHook) {
+        let mut hooks = self.hooks();
+        if hooks.0 {
+            drop(hooks);
+            hook();
+        } else {
+            hooks.1.push(hook);
+        }
+    }
+
+    /// Runs every hook [`Watch::on_end`] registered, once.
+    fn end(&self) {
+        let hooks = {
+            let mut hooks = self.hooks();
+            hooks.0 = true;
+            std::mem::take(&mut hooks.1)
+        };
+        hooks.into_iter().for_each(|hook| hook());
+    }
+
+    fn hooks(&self) -> MutexGuard<'_, (bool, Vec<EndHook>)> {
+        // A hook runs outside the lock: a panic in one leaves the list whole.
+        self.0
+            .on_end
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Marks the rank as gone for its peers (its thread ended, or it was aborted).
@@ -64,6 +112,7 @@ impl Watch {
     pub(crate) fn fail(&self, cause: Error) {
         let _ = self.0.fault.set(cause);
         self.leave();
+        self.end();
     }
 
     pub fn is_aborted(&self) -> bool {
@@ -160,7 +209,6 @@ impl AbortHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
 
     #[test]
     fn a_wait_ends_when_done_fails_past_its_deadline_and_on_abort() {

@@ -141,3 +141,61 @@ fn non_finite_gradients_are_counted_on_the_gpu() {
     // `a`'s and `b`'s padded groups hold 128 elements, 64 per rank: rank 0 holds all three.
     assert_eq!(counts, vec![6, 0]);
 }
+
+/// A gather that never completes on the device (its stream waits on a word only the rank's end
+/// sets, as a collective stuck on a peer waits): past the engine's timeout the watchdog fails
+/// the rank, the streams drain, the caller's own stream syncs return, and the next call names
+/// the collective.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_gather_hung_on_the_device_fails_past_the_deadline_and_the_streams_drain() {
+    use fsdp_fusion::Backend;
+    use fsdp_fusion_support::faults::Faulty;
+    let timeout = Duration::from_secs(2);
+    let model = ModelSpec::new(vec![
+        ParamSpec::new("a", &[64], DType::F32).in_unit(0),
+        ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+    ])
+    .unwrap();
+    let plan = Arc::new(Plan::new(&model, 2).unwrap());
+    let config = EngineConfig { timeout, ..sgd() };
+    let outcomes = on_threads(LoopbackComm::group(2).unwrap(), |_, comm| {
+        let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+        // Collective 0 is the plan check; 1 is the first gather.
+        let comm = Faulty::hanging(comm, 1);
+        let mut e = Engine::new(Arc::clone(&plan), config.clone(), backend, comm).unwrap();
+        let start = Instant::now();
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        let synced: Vec<_> = [
+            fsdp_fusion::Stream::Compute,
+            fsdp_fusion::Stream::Gather,
+            fsdp_fusion::Stream::Reduce,
+        ]
+        .into_iter()
+        .map(|s| {
+            e.backend()
+                .record(s)
+                .and_then(|d| e.backend().synchronize(&d))
+        })
+        .collect();
+        let waited = start.elapsed();
+        let next = e.post_forward(Unit::Layer(0));
+        (synced, waited, next, e.end_step())
+    });
+    for (rank, (_synced, waited, next, later)) in outcomes.into_iter().enumerate() {
+        eprintln!("rank {rank}: the stream syncs returned {waited:?} after the hung gather");
+        assert!(
+            waited < timeout + Duration::from_secs(5),
+            "rank {rank}: {waited:?}"
+        );
+        let e = next.expect_err("the call after the deadline");
+        assert!(
+            matches!(root(&e), Error::CollectiveTimedOut { peers: 2, .. }),
+            "rank {rank}: {e}"
+        );
+        assert!(
+            matches!(later, Err(Error::Poisoned { .. })),
+            "rank {rank}: {later:?}"
+        );
+    }
+}

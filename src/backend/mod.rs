@@ -165,7 +165,9 @@ pub struct Moments<'a, B: Backend + ?Sized> {
 pub trait Backend: Send {
     /// A device allocation, untyped; regions give it a dtype.
     type Buffer: Send;
-    type Event: Send;
+    /// Shared with the engine's watchdog, which asks whether collectives are done
+    /// ([`Backend::reached`]) from a thread of its own.
+    type Event: Send + Sync + 'static;
     /// Host memory that device buffers are copied into in stream order (page-locked on a GPU,
     /// so that the copies run at the link's speed while the host goes on).
     type HostBuffer: Send + 'static;
@@ -242,6 +244,9 @@ pub trait Backend: Send {
 
     /// Makes `stream`'s later work wait for `event`, without blocking the host.
     fn wait(&self, stream: Stream, event: &Self::Event) -> Result<()>;
+
+    /// Whether `event`'s stream got there, without blocking: from any thread.
+    fn reached(event: &Self::Event) -> Result<bool>;
 
     /// Blocks the host until `event` completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;

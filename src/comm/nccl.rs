@@ -729,6 +729,10 @@ impl Communicator<CudaBackend> for NcclComm {
     /// asynchronous error, so the backend's waits under it end.
     fn set_watch(&mut self, watch: &Watch) {
         self.watch = watch.clone();
+        // When the rank is aborted or fails off its thread (a collective past its deadline),
+        // both communicators end, so that their kernels stop and the streams drain.
+        let probes = [self.gathers.probe(), self.reductions.probe()];
+        watch.on_end(Box::new(move || probes.iter().for_each(Probe::abort)));
         // Without a watchdog the hooks' health checks still find the errors.
         self.watchdog = None;
         self.watchdog = self.start_watchdog(watch.clone()).ok();

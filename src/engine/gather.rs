@@ -22,8 +22,9 @@ pub(super) enum Placement<E> {
 /// communicator's collectives.
 pub(super) struct GatherBatch<E> {
     began: Option<Option<usize>>,
-    /// Each group gathered, with its span's start when tracing.
-    queued: Vec<(usize, Option<E>)>,
+    /// Each group gathered, with its span's start when tracing and its collective (none where
+    /// nothing travels).
+    queued: Vec<(usize, Option<E>, Option<Fingerprint>)>,
 }
 
 impl<E> Default for GatherBatch<E> {
@@ -133,12 +134,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             None => Ok(()),
         };
-        for (g, start) in batch.queued.drain(..) {
+        for (g, start, collective) in batch.queued.drain(..) {
             if result.is_ok() {
                 result = self
                     .push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)
                     .and_then(|()| self.backend.record(Stream::Gather))
-                    .map(|done| self.gathered[g] = Some(done));
+                    .map(|done| {
+                        let done = Arc::new(done);
+                        if let Some(collective) = collective {
+                            let peers = self.peers(self.plan.groups()[g].process_group);
+                            self.track(collective, peers, &done);
+                        }
+                        self.gathered[g] = Some(done);
+                    });
             }
         }
         result
@@ -192,7 +200,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             })
         });
         // Queued before the batch can end, so that a failure below still completes it.
-        batch.queued.push((g, start));
+        let collective = tag.map(|tag| Fingerprint::all_gather(tag, shard_region));
+        batch.queued.push((g, start, collective));
         let comm = group_comm(
             &mut self.comm,
             &mut self.process_groups,

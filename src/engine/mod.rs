@@ -12,6 +12,7 @@
 
 mod agree;
 mod checks;
+mod deadlines;
 mod full_model;
 mod gather;
 mod load;
@@ -90,6 +91,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     /// One communicator per process group of the plan, in its order.
     process_groups: Vec<C>,
     watch: Watch,
+    /// The collectives in flight, held to the engine's timeout by a thread of its own.
+    deadlines: deadlines::Deadlines<B::Event>,
     /// The first failure once a call's work began; set through `&self` too, since a read of the
     /// device is where an asynchronous failure shows.
     poisoned: OnceLock<Error>,
@@ -104,7 +107,7 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     padding: Vec<Vec<Region>>,
     /// Per trainable group in no-sync accumulation, its unsharded fp32 gradient.
     grad_accumulators: Vec<Option<B::Buffer>>,
-    gathered: Vec<Option<B::Event>>,
+    gathered: Vec<Option<Arc<B::Event>>>,
     released: Vec<Option<Arc<B::Event>>>,
     shards_updated: Option<B::Event>,
     grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
@@ -324,9 +327,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let staging = (config.save_staging)
                     .then(|| Ok::<_, Error>((backend.alloc_host(bytes)?, bytes)))
                     .transpose()?;
-                Ok((buffers, state, staging))
+                let deadlines = deadlines::Deadlines::start(watch.clone(), B::reached)?;
+                Ok((buffers, state, (staging, deadlines)))
             });
-        let (buffers, state, save_staging) = match parts {
+        let (buffers, state, (save_staging, deadlines)) = match parts {
             Ok(parts) => parts,
             Err(error) => {
                 return Err(Refused {
@@ -338,7 +342,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
         };
         let comms = (comm, process_groups);
-        let mut engine = Engine::assemble(plan, config, backend, comms, watch, buffers, state);
+        let watching = (watch, deadlines);
+        let mut engine = Engine::assemble(plan, config, backend, comms, watching, buffers, state);
         engine.save_staging = save_staging;
         if let Err(error) = engine.check_plans() {
             let Engine {
@@ -398,7 +403,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         config: EngineConfig,
         backend: B,
         (comm, process_groups): (C, Vec<C>),
-        watch: Watch,
+        (watch, deadlines): (Watch, deadlines::Deadlines<B::Event>),
         buffers: Buffers<B>,
         state: State,
     ) -> Self {
@@ -448,6 +453,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             save_staging: None,
             poisoned: OnceLock::new(),
             watch,
+            deadlines,
             plan,
             config,
             backend,
@@ -502,7 +508,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// A handle that aborts this engine from another thread: a blocked call returns
-    /// [`Error::Aborted`], the engine is poisoned, and its peers see it gone.
+    /// [`Error::Aborted`], the engine is poisoned, its peers see it gone, and its communicators
+    /// end their collectives under way on the device, so that its streams drain.
     pub fn abort_handle(&self) -> AbortHandle {
         AbortHandle(self.watch.clone())
     }
@@ -586,6 +593,21 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.plan
             .unit_index(unit)
             .ok_or(Error::UnknownUnit { unit })
+    }
+
+    /// This rank's place among the ranks of process group `process_group` (`None`: its
+    /// replica's data-parallel ranks), and their number.
+    fn peers(&self, process_group: Option<usize>) -> (usize, usize) {
+        match process_group.and_then(|pg| self.plan.process_groups().get(pg)) {
+            Some(g) => (self.rank % g.size, g.size),
+            None => (self.rank, self.plan.world_size()),
+        }
+    }
+
+    /// Holds `collective` (this rank at place `peers.0` of `peers.1`), whose stream is done with
+    /// it once it reaches `done`, to the engine's timeout ([`deadlines`]).
+    fn track(&self, collective: Fingerprint, peers: (usize, usize), done: &Arc<B::Event>) {
+        self.deadlines.track(collective, peers, Arc::clone(done));
     }
 
     /// The tag of the next collective, for `purpose`; its fingerprint is kept for the step's

@@ -12,7 +12,7 @@ use crate::types::{DType, ParamId, Stream};
 pub(super) struct GradSlot<Buf, E> {
     pub(super) buffer: Buf,
     /// The reduction that last read the slot.
-    pub(super) reduced: Option<E>,
+    pub(super) reduced: Option<std::sync::Arc<E>>,
 }
 
 /// The buffer behind a place for gradients: a slot, a group's accumulator, or (world size 1) a
@@ -372,7 +372,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             )
         }?;
         self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
-        let reduced = self.backend.record(Stream::Reduce)?;
+        let reduced = std::sync::Arc::new(self.backend.record(Stream::Reduce)?);
+        if let Some(tag) = tag {
+            let peers = self.peers(process_group);
+            self.track(Fingerprint::reduce_scatter(tag, region), peers, &reduced);
+        }
         if let Place::Slot(slot) = place {
             self.grad_slots[slot].reduced = Some(reduced);
         }

@@ -812,7 +812,9 @@ pub unsafe extern "C" fn fsdp_engine_nonfinite_grads(
 
 /// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
 /// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
-/// `FSDP_POISONED`, and its peers see the rank gone. The engine must still be destroyed.
+/// `FSDP_POISONED`, and its peers see the rank gone. Its communicators are aborted at once
+/// (`ncclCommAbort`), so collectives stuck on the device end, its streams drain, and the
+/// caller's own waits on them return. The engine must still be destroyed.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_abort(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| abort_engine(engine))

@@ -133,7 +133,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::RankPanicked { .. } => FSDP_COMM_ERROR,
         Error::Panicked { .. } => FSDP_PANIC,
         Error::OutOfMemory { .. } => FSDP_OUT_OF_MEMORY,
-        Error::Timeout { .. } => FSDP_TIMEOUT,
+        Error::Timeout { .. } | Error::CollectiveTimedOut { .. } => FSDP_TIMEOUT,
         Error::Aborted => FSDP_ABORTED,
         Error::Poisoned { .. } => FSDP_POISONED,
         Error::StreamFailed { cause, .. } => status_of(cause),

@@ -117,6 +117,9 @@ pub struct fsdp_config {
     pub eps: f32,
     pub weight_decay: f32,
     /// Seconds any blocking wait of the engine lasts before it fails with `FSDP_TIMEOUT`; positive.
+    /// A collective still in flight on the device this long after it was queued fails the engine
+    /// too (`FSDP_TIMEOUT` at the next call, naming it), its communicators aborted so that the
+    /// streams drain and the caller's own device waits return.
     pub timeout_seconds: f64,
     /// 1: compare the ranks' collectives of every step in `fsdp_engine_finish_grad_sync` (for
     /// NCCL, which does not compare them itself; costs a small all-gather and a host wait).

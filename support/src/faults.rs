@@ -1,8 +1,10 @@
 //! Communicators that misbehave on purpose, for the failure tests.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
+use fsdp_fusion::CpuBackend;
+use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, Region};
 use fsdp_fusion::comm::{Communicator, Purpose, Tag};
 use fsdp_fusion::types::Stream;
@@ -11,12 +13,20 @@ use fsdp_fusion::{Error, Result};
 
 /// A communicator seen as another kind: with `one_tag`, every collective goes out with one tag,
 /// as over NCCL, so a local one compares nothing; `fault` set makes its health check fail, as
-/// NCCL's asynchronous error does; `aborts` counts the engine's aborts.
+/// NCCL's asynchronous error does; `aborts` counts the engine's aborts; with `hang_at`, the
+/// collective of that number (counted from 0 over every kind) is never issued: in its place its
+/// stream waits until the rank ends ([`Watch::on_end`]: aborted, or failed by a collective past
+/// its deadline), as a collective whose peer is stuck waits on the device.
 pub struct Faulty<C> {
     pub inner: C,
     pub one_tag: bool,
     pub fault: Arc<AtomicBool>,
     pub aborts: Arc<AtomicUsize>,
+    pub hang_at: Option<usize>,
+    /// Collectives issued so far (the hung one counted).
+    pub issued: Arc<AtomicUsize>,
+    /// Set once the rank ended, which ends the hung collective's wait.
+    pub released: Release,
 }
 
 impl<C> Faulty<C> {
@@ -26,7 +36,24 @@ impl<C> Faulty<C> {
             one_tag,
             fault: Arc::default(),
             aborts: Arc::default(),
+            hang_at: None,
+            issued: Arc::default(),
+            released: Release::default(),
         }
+    }
+
+    /// A communicator whose collective number `at` hangs on its stream until the rank ends.
+    pub fn hanging(inner: C, at: usize) -> Faulty<C> {
+        Faulty {
+            hang_at: Some(at),
+            ..Faulty::new(inner, false)
+        }
+    }
+
+    /// Counts a collective; whether it is the one that hangs.
+    fn hangs(&mut self) -> bool {
+        let n = self.issued.fetch_add(1, Ordering::SeqCst);
+        self.hang_at == Some(n)
     }
 
     fn tag(&self, tag: Tag) -> Tag {
@@ -56,7 +83,105 @@ pub fn is_injected(e: &Error) -> bool {
         if *call == "ncclCommGetAsyncError" && message.starts_with("remote process exited"))
 }
 
-impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
+/// The release of a hung collective's wait: a flag, and on a GPU the page-locked words mapped
+/// into the device that the streams wait on.
+#[derive(Clone, Default)]
+pub struct Release {
+    set: Arc<AtomicBool>,
+    /// Host addresses of words a device stream waits to become 1.
+    words: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Release {
+    pub fn is_set(&self) -> bool {
+        self.set.load(Ordering::SeqCst)
+    }
+
+    fn set(&self) {
+        self.set.store(true, Ordering::SeqCst);
+        let words = self.words.lock().unwrap_or_else(|p| p.into_inner());
+        for &word in words.iter() {
+            // SAFETY: a page-locked word this release's `hold` allocated and never frees.
+            unsafe { (word as *mut u32).write_volatile(1) };
+        }
+    }
+}
+
+/// A backend that can queue on a stream work that completes only once released.
+pub trait Holds: Backend {
+    fn hold(&self, stream: Stream, release: &Release) -> Result<()>;
+}
+
+impl Holds for CpuBackend {
+    fn hold(&self, stream: Stream, release: &Release) -> Result<()> {
+        let release = release.clone();
+        self.run(stream, move || {
+            while !release.is_set() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Holds for CudaBackend {
+    /// A `cuStreamWaitValue32` on a page-locked word mapped into the device, which the release
+    /// sets from the host.
+    fn hold(&self, stream: Stream, release: &Release) -> Result<()> {
+        use cudarc::driver::sys;
+        let check = |call: &'static str, r: sys::CUresult| match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(()),
+            code => Err(Error::Cuda {
+                call,
+                code: code as i32,
+                message: format!("{code:?}"),
+            }),
+        };
+        let on = self.stream(stream);
+        on.context().bind_to_thread().map_err(|e| Error::Cuda {
+            call: "cuCtxSetCurrent",
+            code: e.0 as i32,
+            message: e.to_string(),
+        })?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: a fresh page-locked word mapped into the device, set to 0 before the stream
+        // waits on it and never freed (the release writes it, whenever that comes).
+        unsafe {
+            check(
+                "cuMemHostAlloc",
+                sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP),
+            )?;
+            host.cast::<u32>().write_volatile(0);
+            check(
+                "cuMemHostGetDevicePointer",
+                sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
+            )?;
+        }
+        release
+            .words
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(host as usize);
+        if release.is_set() {
+            release.set();
+        }
+        // SAFETY: the stream is live; the word outlives the wait.
+        unsafe {
+            check(
+                "cuStreamWaitValue32",
+                sys::cuStreamWaitValue32_v2(
+                    on.cu_stream(),
+                    device,
+                    1,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                ),
+            )
+        }
+    }
+}
+
+impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }
@@ -65,6 +190,8 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
     }
     fn set_watch(&mut self, watch: &Watch) {
         self.inner.set_watch(watch);
+        let released = self.released.clone();
+        watch.on_end(Box::new(move || released.set()));
     }
     fn replica(&self) -> fsdp_fusion::comm::Replica {
         self.inner.replica()
@@ -98,6 +225,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         out: &mut B::Buffer,
         out_region: Region,
     ) -> Result<()> {
+        if self.hangs() {
+            return backend.hold(stream, &self.released);
+        }
         let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
@@ -115,6 +245,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         out: &mut B::Buffer,
         out_region: Region,
     ) -> Result<()> {
+        if self.hangs() {
+            return backend.hold(stream, &self.released);
+        }
         let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
@@ -130,6 +263,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         buf: &mut B::Buffer,
         region: Region,
     ) -> Result<()> {
+        if self.hangs() {
+            return backend.hold(stream, &self.released);
+        }
         let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
@@ -146,6 +282,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         region: Region,
         scale: f32,
     ) -> Result<()> {
+        if self.hangs() {
+            return backend.hold(stream, &self.released);
+        }
         let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {
@@ -162,6 +301,9 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
         region: Region,
         scale: f32,
     ) -> Result<()> {
+        if self.hangs() {
+            return backend.hold(stream, &self.released);
+        }
         let tag = self.tag(tag);
         // SAFETY: the engine's own call, passed on.
         unsafe {

@@ -82,8 +82,10 @@ impl CpuBackend {
         self.streams.is_some()
     }
 
-    /// Runs `job` on `stream`: now when eager, else after the stream's work so far.
-    pub(crate) fn run(
+    /// Runs `job` on `stream`: now when eager, else after the stream's work so far, as a host
+    /// function on a GPU stream would (`cudaLaunchHostFunc`); its error fails the stream, and
+    /// every later call of the backend reports it.
+    pub fn run(
         &self,
         stream: Stream,
         job: impl FnOnce() -> Result<()> + Send + 'static,
@@ -286,6 +288,13 @@ impl Backend for CpuBackend {
             (Some(streams), Point::Queued(marker)) => streams.wait(stream, marker),
             _ => Ok(()),
         }
+    }
+
+    fn reached(event: &CpuEvent) -> Result<bool> {
+        Ok(match &event.0 {
+            Point::Reached(_) => true,
+            Point::Queued(marker) => marker.is_reached(),
+        })
     }
 
     fn synchronize(&self, event: &CpuEvent) -> Result<()> {

@@ -48,6 +48,11 @@ impl Marker {
         self.changed.notify_all();
     }
 
+    /// Whether the stream reached the point.
+    pub(crate) fn is_reached(&self) -> bool {
+        lock(&self.reached).is_some()
+    }
+
     /// When the stream reached the point; blocks until then, within `watch`'s deadline.
     pub(crate) fn wait(&self, watch: &Watch, what: &'static str) -> Result<Instant> {
         let reached = watch.wait_while(

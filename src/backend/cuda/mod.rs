@@ -392,6 +392,10 @@ impl Backend for CudaBackend {
             .map_err(cuda("cuStreamWaitEvent"))
     }
 
+    fn reached(event: &CudaBackendEvent) -> Result<bool> {
+        event.0.try_is_complete().map_err(cuda("cuEventQuery"))
+    }
+
     fn synchronize(&self, event: &CudaBackendEvent) -> Result<()> {
         self.wait_for(&event.0)
     }

@@ -119,6 +119,16 @@ pub(super) struct Probe {
 }
 
 impl Probe {
+    /// Ends the communicator at once (`ncclCommAbort`), as [`Handle::abort`] does, from any
+    /// thread.
+    pub(super) fn abort(&self) {
+        let mut live = self.shared.live();
+        if std::mem::replace(&mut *live, false) {
+            // SAFETY: the handle is live and is aborted once; an error here leaves nothing to do.
+            let _ = unsafe { (self.nccl.comm_abort)(self.shared.raw) };
+        }
+    }
+
     /// The communicator's asynchronous error, if it has one; `None` once it is gone.
     pub(super) fn failure(&self) -> Option<Error> {
         let live = self.shared.live();
@@ -309,11 +319,7 @@ impl Handle {
     /// Ends the communicator at once (`ncclCommAbort`): its kernels stop, its peers are left
     /// to their own deadlines.
     pub(super) fn abort(&self) {
-        let mut live = self.shared.live();
-        if std::mem::replace(&mut *live, false) {
-            // SAFETY: the handle is live and is aborted once; an error here leaves nothing to do.
-            let _ = unsafe { (self.nccl.comm_abort)(self.shared.raw) };
-        }
+        self.probe().abort();
     }
 
     /// Ends the communicator in order (`ncclCommFinalize`, then `ncclCommDestroy`), waiting for

@@ -1,0 +1,137 @@
+//! Deadlines for the collectives in flight on a rank's streams, which no host wait may see: the
+//! engine hands each collective it queues, with the event its stream reaches once it is done, to
+//! a thread of its own; past the engine's timeout a collective still in flight fails the rank's
+//! watch, which aborts its communicators ([`crate::watch::Watch::on_end`]), so its kernels end,
+//! its streams drain, the caller's own waits on them return, and the next engine call reports
+//! the collective. The engine's thread only appends (a lock and a push per collective); the
+//! watchdog looks every [`period`] and never at a collective younger than the timeout.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::comm::Fingerprint;
+use crate::error::{Error, Result};
+use crate::watch::Watch;
+
+/// A collective queued on a stream: what it is, among which ranks, and when its stream is done
+/// with it.
+struct InFlight<E> {
+    collective: Fingerprint,
+    /// This rank's place among the ranks of the collective, and their number.
+    place: usize,
+    peers: usize,
+    done: Arc<E>,
+    issued: Instant,
+}
+
+type Queue<E> = Arc<Mutex<VecDeque<InFlight<E>>>>;
+
+fn lock<T>(queue: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the queue whole.
+    queue
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How often the watchdog looks, for `timeout`: often enough to fail a collective soon after its
+/// deadline, rarely enough to cost nothing.
+pub(super) fn period(timeout: Duration) -> Duration {
+    (timeout / 8).clamp(Duration::from_millis(5), Duration::from_secs(1))
+}
+
+/// The collectives in flight of one engine, and the thread that holds them to their deadline.
+pub(super) struct Deadlines<E> {
+    queue: Queue<E>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<E: Send + Sync + 'static> Deadlines<E> {
+    /// Starts the watchdog of the rank whose watch is `watch`; `reached` says whether its
+    /// stream reached an event.
+    pub(super) fn start(watch: Watch, reached: fn(&E) -> Result<bool>) -> Result<Deadlines<E>> {
+        let queue: Queue<E> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (watched, stopped) = (Arc::clone(&queue), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name("fsdp-deadlines".into())
+            .spawn(move || {
+                let every = period(watch.timeout());
+                while !stopped.load(Ordering::SeqCst) {
+                    if let Some(cause) = overdue(&watched, watch.timeout(), reached) {
+                        watch.fail(cause);
+                        return;
+                    }
+                    std::thread::park_timeout(every);
+                }
+            })
+            .map_err(|e| Error::Spawn {
+                what: "the engine's watchdog of collectives in flight",
+                source: Arc::new(e),
+            })?;
+        Ok(Deadlines {
+            queue,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Holds `collective` (this rank at `place` of `peers` ranks), which its stream is done with
+    /// once it reaches `done`, to the deadline.
+    pub(super) fn track(
+        &self,
+        collective: Fingerprint,
+        (place, peers): (usize, usize),
+        done: Arc<E>,
+    ) {
+        lock(&self.queue).push_back(InFlight {
+            collective,
+            place,
+            peers,
+            done,
+            issued: Instant::now(),
+        });
+    }
+}
+
+/// Drops the collectives at the front of `queue` that are done; the error for the first one
+/// still in flight past `timeout`, if any. A failure to look at an event is that error too: the
+/// device is then in no state to go on.
+fn overdue<E>(
+    queue: &Mutex<VecDeque<InFlight<E>>>,
+    timeout: Duration,
+    reached: fn(&E) -> Result<bool>,
+) -> Option<Error> {
+    let mut queue = lock(queue);
+    while let Some(front) = queue.front() {
+        match reached(&front.done) {
+            Ok(true) => {
+                queue.pop_front();
+            }
+            Ok(false) => {
+                let waited = front.issued.elapsed();
+                return (waited >= timeout).then(|| Error::CollectiveTimedOut {
+                    collective: front.collective.to_string(),
+                    place: front.place,
+                    peers: front.peers,
+                    waited,
+                });
+            }
+            Err(e) => return Some(e),
+        }
+    }
+    None
+}
+
+impl<E> Drop for Deadlines<E> {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            thread.thread().unpark();
+            let _ = thread.join();
+        }
+    }
+}
