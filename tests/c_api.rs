@@ -382,26 +382,29 @@ fn wrong_sizes_and_values() {
                 bad,
                 "grad_reduction 3",
             );
-            c = config;
-            c.reduce_dtype = FSDP_F16;
-            expect(
-                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
-                bad,
-                "expected f32 or bf16",
-            );
+            // A dtype field names itself and lists only what it takes.
+            for code in [FSDP_F16, 9] {
+                c = config;
+                c.reduce_dtype = code;
+                expect(
+                    fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                    bad,
+                    &format!("reduce_dtype is {code}, not FSDP_F32 or FSDP_BF16"),
+                );
+                c = config;
+                c.moment_dtype = code;
+                expect(
+                    fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
+                    bad,
+                    &format!("moment_dtype is {code}, not FSDP_F32 or FSDP_BF16"),
+                );
+            }
             c = config;
             c.accumulation = 7;
             expect(
                 fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
                 bad,
                 "accumulation 7",
-            );
-            c = config;
-            c.moment_dtype = FSDP_F16;
-            expect(
-                fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
-                bad,
-                "moment_dtype",
             );
             c = config;
             c.grad_shard_memory = 2;

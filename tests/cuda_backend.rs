@@ -830,8 +830,10 @@ fn the_callers_stream_becomes_the_compute_stream() {
     let ctx = CudaContext::new(0).unwrap();
     let stream = ctx.new_stream().unwrap();
     let b = CudaBackend::with_stream(Arc::clone(&stream)).unwrap();
-    assert_eq!(b.stream(Stream::Compute).cu_stream(), stream.cu_stream());
-    assert_ne!(b.stream(Stream::Gather).cu_stream(), stream.cu_stream());
+    // SAFETY: the handles are only compared.
+    let (compute, gather) = unsafe { (b.stream(Stream::Compute), b.stream(Stream::Gather)) };
+    assert_eq!(compute.cu_stream(), stream.cu_stream());
+    assert_ne!(gather.cu_stream(), stream.cu_stream());
     smoke(&b);
     // The caller's context handle keeps cudarc's event tracking, which its own slices rely on.
     assert!(ctx.is_event_tracking());
@@ -848,7 +850,8 @@ fn a_raw_stream_of_the_primary_context_is_adopted() {
     let raw = stream.cu_stream() as u64;
     // SAFETY: `raw` is a live stream of device 0 that outlives the backend.
     let b = unsafe { CudaBackend::with_raw_stream(0, raw) }.unwrap();
-    assert_eq!(b.stream(Stream::Compute).cu_stream() as u64, raw);
+    // SAFETY: the handle is only compared.
+    assert_eq!(unsafe { b.stream(Stream::Compute) }.cu_stream() as u64, raw);
     smoke(&b);
     drop(b);
     // The backend never owned the stream: it still works.

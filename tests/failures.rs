@@ -567,3 +567,27 @@ fn verifying_collectives_catches_what_a_communicator_cannot_compare() {
         });
     }
 }
+
+#[test]
+fn an_engine_aborted_while_idle_refuses_every_later_call_as_poisoned() {
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
+            e.abort_handle().abort();
+            let poisoned = |r: Result<(), Error>| {
+                matches!(r, Err(Error::Poisoned { cause }) if matches!(*cause, Error::Aborted))
+            };
+            [
+                poisoned(e.pre_forward(Unit::Layer(0))),
+                poisoned(e.set_lr(0.5)),
+                poisoned(e.set_weight_decay(0.0)),
+                poisoned(e.wait_save()),
+                poisoned(e.end_step()),
+                // Reads still work.
+                e.counters().steps == 0,
+            ]
+        });
+        for (rank, checks) in outcomes.into_iter().enumerate() {
+            assert_eq!(checks, [true; 6], "{mode:?} rank {rank}");
+        }
+    });
+}

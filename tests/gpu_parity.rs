@@ -333,7 +333,8 @@ struct ReusingAllocator {
 impl ReusingAllocator {
     fn new(backend: &CudaBackend) -> ReusingAllocator {
         ReusingAllocator {
-            compute: backend.stream(Stream::Compute).cu_stream() as u64,
+            // SAFETY: only the stream's address is kept, to compare with the allocator's.
+            compute: unsafe { backend.stream(Stream::Compute) }.cu_stream() as u64,
             free: Mutex::default(),
             outstanding: AtomicUsize::new(0),
             allocations: AtomicUsize::new(0),

@@ -112,8 +112,9 @@ def test_an_aborted_engine_refuses_every_later_step():
     _, module = models()
     fused = FusedFSDP(module, list(module.blocks))
     fused.abort()
-    with pytest.raises(fsdp_fusion.AbortedError, match="FSDP_ABORTED"):
-        fused(torch.zeros(2, 8, dtype=torch.long))
+    for _ in range(2):
+        with pytest.raises(fsdp_fusion.PoisonedError, match="FSDP_POISONED.*aborted"):
+            fused(torch.zeros(2, 8, dtype=torch.long))
 
 
 def test_a_rank_whose_peer_never_comes_times_out():

@@ -187,9 +187,9 @@ impl LoopbackComm {
         work: impl FnOnce(&mut Self, &CudaStream, &[u64]) -> Result<()>,
     ) -> Result<()> {
         let what = op.describe();
-        let on = backend.stream(stream);
+        let on = backend.stream_handle(stream);
         let (deposit, failure) =
-            match bind(backend.context()).and_then(|()| backend.record_raw(stream)) {
+            match bind(backend.context_handle()).and_then(|()| backend.record_raw(stream)) {
                 Ok(event) => {
                     let reached = Arc::new(event);
                     (Deposit::Arrive { op, reached, data }, None)
@@ -249,7 +249,10 @@ impl LoopbackComm {
             }
         }
         let outgrown = self.scratch.as_ref().map_or(0, DeviceMemory::bytes);
-        let grown = DeviceMemory::alloc(backend.context(), bytes.max(outgrown.saturating_mul(2)))?;
+        let grown = DeviceMemory::alloc(
+            backend.context_handle(),
+            bytes.max(outgrown.saturating_mul(2)),
+        )?;
         self.retired
             .try_reserve(1)
             .map_err(|_| Error::OutOfMemory {
@@ -266,7 +269,7 @@ impl LoopbackComm {
         let table = match self.table.take() {
             Some(table) => table,
             None => SourceTable {
-                memory: DeviceMemory::alloc(backend.context(), self.world_size * 8)?,
+                memory: DeviceMemory::alloc(backend.context_handle(), self.world_size * 8)?,
                 last_read: None,
             },
         };
@@ -283,7 +286,7 @@ impl Drop for LoopbackComm {
 fn place(backend: &CudaBackend) -> Place {
     Place {
         device: backend.ordinal(),
-        context: backend.context().cu_ctx() as usize,
+        context: backend.context_handle().cu_ctx() as usize,
     }
 }
 
@@ -459,9 +462,9 @@ impl Communicator<CudaBackend> for LoopbackComm {
         // Allocated before meeting the others: a failure here is an ordinary early error.
         self.table(backend)?;
         let scratch = self.scratch(backend, bytes)?;
-        let on = backend.stream(stream);
+        let on = backend.stream_handle(stream);
         if bytes > 0 {
-            bind(backend.context())?;
+            bind(backend.context_handle())?;
             if let Some(free) = &self.scratch_free {
                 on.wait(free).map_err(cuda("cuStreamWaitEvent"))?;
             }

@@ -288,7 +288,7 @@ impl NcclComm {
         let nccl = library::nccl()?;
         let watch = Watch::new(timeout);
         // NCCL creates its resources on the calling thread's current device.
-        bind(backend.context())?;
+        bind(backend.context_handle())?;
         let id = ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
@@ -303,7 +303,7 @@ impl NcclComm {
             (gathers, reductions),
             (rank, world_size),
             backend.ordinal(),
-            Arc::clone(backend.context()),
+            Arc::clone(backend.context_handle()),
             watch,
         )
     }
@@ -543,8 +543,8 @@ impl NcclComm {
                 ),
             });
         }
-        bind(backend.context())?;
-        Ok(backend.stream(stream))
+        bind(backend.context_handle())?;
+        Ok(backend.stream_handle(stream))
     }
 
     /// The communicator a call goes to: gathers and reductions each have their own.
@@ -770,7 +770,7 @@ impl Communicator<CudaBackend> for NcclComm {
         }
         // NCCL takes the group's end on the thread's current device; the group ends whatever
         // happened, or later collectives of the thread would wait in it.
-        let bound = bind(backend.context());
+        let bound = bind(backend.context_handle());
         let nccl = self.gathers.nccl();
         // SAFETY: ends the group `begin_batch` started.
         let status = unsafe { (nccl.group_end)() };

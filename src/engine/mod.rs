@@ -541,8 +541,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
-    /// `Err(Error::Poisoned)` once a failure poisoned the engine, `Err(Error::Aborted)` once it
-    /// was aborted; a failure its communicator or watch found since poisons it.
+    /// `Err(Error::Poisoned)` once a failure poisoned the engine or it was aborted (naming that
+    /// as its cause); a failure its communicator or watch found since poisons it.
     fn healthy(&self) -> Result<()> {
         if let Some(cause) = self.poisoned.get() {
             return Err(Error::Poisoned {
@@ -559,7 +559,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     .try_for_each(Communicator::<B>::health)
             });
         match health {
-            Err(Error::Aborted) => Err(Error::Aborted),
+            // Aborted while idle: the call is the first to see it, and is refused as every
+            // later one is.
+            Err(Error::Aborted) => {
+                self.poison(Error::Aborted);
+                Err(Error::Poisoned {
+                    cause: Box::new(Error::Aborted),
+                })
+            }
             found => self.observe(found),
         }
     }

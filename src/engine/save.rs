@@ -264,6 +264,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::Timeout` leaves the save pending) and returns its outcome; `Ok` when no save is
     /// pending.
     pub fn wait_save(&mut self) -> Result<()> {
+        self.healthy()?;
         let Some(mut pending) = self.pending_save.take() else {
             return Ok(());
         };

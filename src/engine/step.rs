@@ -177,6 +177,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Sets the learning rate of the next optimizer steps (a schedule calls it before each one);
     /// every parameter's is this times its `lr_scale`. Every rank must set the same.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
+        self.healthy()?;
         let decay = self.config.optimizer.weight_decay();
         self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, decay)?;
         Ok(())
@@ -184,6 +185,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Sets the weight decay of the next optimizer steps, for the parameters that take it.
     pub fn set_weight_decay(&mut self, weight_decay: f32) -> Result<()> {
+        self.healthy()?;
         let lr = self.config.optimizer.lr();
         self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, weight_decay)?;
         Ok(())

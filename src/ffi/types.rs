@@ -253,6 +253,17 @@ pub(crate) fn dtype_of(code: u32) -> Outcome<DType> {
     }
 }
 
+/// The dtype of configuration field `field`, which takes `FSDP_F32` or `FSDP_BF16`.
+fn field_dtype(code: u32, field: &str) -> Outcome<DType> {
+    match code {
+        FSDP_F32 => Ok(DType::F32),
+        FSDP_BF16 => Ok(DType::Bf16),
+        other => Err(invalid(format!(
+            "{field} is {other}, not FSDP_F32 or FSDP_BF16"
+        ))),
+    }
+}
+
 pub(crate) fn dtype_code(dtype: DType) -> u32 {
     match dtype {
         DType::Bf16 => FSDP_BF16,
@@ -352,11 +363,11 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         max_reduces_in_flight: c.max_reduces_in_flight,
         overlap: flag(c.overlap, "overlap")?,
         grad_reduction,
-        reduce_dtype: dtype_of(c.reduce_dtype)?,
+        reduce_dtype: field_dtype(c.reduce_dtype, "reduce_dtype")?,
         accumulation,
         param_storage,
         grad_shard_memory,
-        moment_dtype: dtype_of(c.moment_dtype)?,
+        moment_dtype: field_dtype(c.moment_dtype, "moment_dtype")?,
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,

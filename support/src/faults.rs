@@ -137,7 +137,8 @@ impl Holds for CudaBackend {
                 message: format!("{code:?}"),
             }),
         };
-        let on = self.stream(stream);
+        // SAFETY: only a wait on a word of its own is queued on the stream.
+        let on = unsafe { self.stream(stream) };
         on.context().bind_to_thread().map_err(|e| Error::Cuda {
             call: "cuCtxSetCurrent",
             code: e.0 as i32,

@@ -328,7 +328,9 @@ pub struct Stack {
 impl Stack {
     /// GEMMs on `backend`'s compute stream, with random input and output gradient from `seed`.
     pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<Stack> {
-        let stream = backend.stream(Stream::Compute);
+        // SAFETY: the stack's GEMMs run on the compute stream only, on memory of its own that it
+        // frees after synchronizing that stream; the engine orders its buffers' uses there.
+        let stream = unsafe { backend.stream(Stream::Compute) };
         Ok(Stack {
             shape,
             gemm: Gemm::new(stream)?,
@@ -508,7 +510,8 @@ pub struct UnshardedStack {
 
 impl UnshardedStack {
     pub fn new(backend: &CudaBackend, shape: StackShape, seed: u64) -> Result<UnshardedStack> {
-        let stream = Arc::clone(backend.stream(Stream::Compute));
+        // SAFETY: as in `Stack::new`.
+        let stream = Arc::clone(unsafe { backend.stream(Stream::Compute) });
         let weights = shape
             .init(seed)
             .iter()

@@ -178,8 +178,26 @@ impl CudaBackend {
         self
     }
 
-    /// The device's context.
-    pub fn context(&self) -> &Arc<CudaContext> {
+    /// The device's context, as the backend drives it: cudarc's event tracking is off on it, so
+    /// the memory cudarc allocates through it is not ordered across streams for the caller.
+    ///
+    /// # Safety
+    /// Every buffer made through the handle, or used on a stream made from it, is ordered
+    /// against its other streams' uses with events by the caller, and freed only once no stream
+    /// still uses it.
+    ///
+    /// ```compile_fail
+    /// // A safe call hands out no handle that would let safe code race the device.
+    /// fn handle(b: &fsdp_fusion::backend::cuda::CudaBackend) {
+    ///     let _ = b.context();
+    /// }
+    /// ```
+    pub unsafe fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The context, for the crate's own calls (which order their work with events).
+    pub(crate) fn context_handle(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
 
@@ -189,7 +207,23 @@ impl CudaBackend {
     }
 
     /// One of the rank's streams; the compute stream is the one to launch the model's work on.
-    pub fn stream(&self, stream: Stream) -> &Arc<CudaStream> {
+    /// Its context has cudarc's event tracking off: cudarc does not order the memory used on it.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::context`]: the caller orders every use of memory on the stream against
+    /// the other streams' with events, and frees memory only once no stream still uses it.
+    ///
+    /// ```compile_fail
+    /// fn handle(b: &fsdp_fusion::backend::cuda::CudaBackend) {
+    ///     let _ = b.stream(fsdp_fusion::Stream::Compute);
+    /// }
+    /// ```
+    pub unsafe fn stream(&self, stream: Stream) -> &Arc<CudaStream> {
+        self.stream_handle(stream)
+    }
+
+    /// The stream, for the crate's own calls (which order their work with events).
+    pub(crate) fn stream_handle(&self, stream: Stream) -> &Arc<CudaStream> {
         match stream {
             Stream::Compute => &self.compute,
             Stream::Gather => &self.gather,
@@ -229,7 +263,7 @@ impl CudaBackend {
     }
 
     pub(crate) fn record_raw(&self, stream: Stream) -> Result<CudaEvent> {
-        self.stream(stream)
+        self.stream_handle(stream)
             .record_event(None)
             .map_err(cuda("cuEventRecord"))
     }
@@ -340,7 +374,7 @@ impl Backend for CudaBackend {
         let from = src.ptr() + range.start as u64;
         // SAFETY: `from` holds `out.len()` bytes of a live buffer; `out` is page-locked memory
         // that the caller keeps until the copy completed and reads only then (its contract).
-        unsafe { result::memcpy_dtoh_async(out, from, self.stream(stream).cu_stream()) }
+        unsafe { result::memcpy_dtoh_async(out, from, self.stream_handle(stream).cu_stream()) }
             .map_err(cuda("cuMemcpyDtoHAsync"))
     }
 
@@ -370,7 +404,7 @@ impl Backend for CudaBackend {
         bind(&self.ctx)?;
         // SAFETY: `to` holds `bytes` bytes of `dst`, which `&mut` keeps alive; `from` is
         // page-locked memory the caller keeps unwritten until the copy completed.
-        unsafe { result::memcpy_htod_async(to, from, self.stream(stream).cu_stream()) }
+        unsafe { result::memcpy_htod_async(to, from, self.stream_handle(stream).cu_stream()) }
             .map_err(cuda("cuMemcpyHtoDAsync"))
     }
 
@@ -387,7 +421,7 @@ impl Backend for CudaBackend {
     }
 
     fn wait(&self, stream: Stream, event: &CudaBackendEvent) -> Result<()> {
-        self.stream(stream)
+        self.stream_handle(stream)
             .wait(&event.0)
             .map_err(cuda("cuStreamWaitEvent"))
     }
@@ -401,7 +435,7 @@ impl Backend for CudaBackend {
     }
 
     fn record_timed(&self, stream: Stream) -> Result<CudaBackendEvent> {
-        self.stream(stream)
+        self.stream_handle(stream)
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
             .map(CudaBackendEvent)
             .map_err(cuda("cuEventRecord"))
@@ -425,7 +459,10 @@ impl Backend for CudaBackend {
         }
         bind(&self.ctx)?;
         // SAFETY: `dst` is checked to hold `bytes` bytes of `buf`, which `&mut` keeps alive.
-        unsafe { self.kernels.fill_zero(self.stream(stream), dst, bytes) }
+        unsafe {
+            self.kernels
+                .fill_zero(self.stream_handle(stream), dst, bytes)
+        }
     }
 
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
@@ -492,7 +529,7 @@ impl Backend for CudaBackend {
         if numel == 0 {
             return Ok(());
         }
-        let on = self.stream(stream);
+        let on = self.stream_handle(stream);
         bind(&self.ctx)?;
         match src.0 {
             Source::Device { ptr, .. } => {
@@ -549,7 +586,7 @@ impl Backend for CudaBackend {
         // in distinct live buffers.
         unsafe {
             self.kernels.accumulate(
-                self.stream(stream),
+                self.stream_handle(stream),
                 (src_region.dtype, dst_region.dtype),
                 src_ptr,
                 dst_ptr,
@@ -591,7 +628,7 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let on = self.stream(stream);
+        let on = self.stream_handle(stream);
         bind(&self.ctx)?;
         // SAFETY (both arms): every address is checked to hold `n` elements of a live buffer
         // borrowed for this call.
@@ -639,7 +676,7 @@ impl Backend for CudaBackend {
         // buffers borrowed for this call; the caller orders other uses.
         unsafe {
             self.kernels
-                .norm_partials(self.stream(stream), src_ptr, region.len, out_ptr)
+                .norm_partials(self.stream_handle(stream), src_ptr, region.len, out_ptr)
         }
     }
 
@@ -656,8 +693,12 @@ impl Backend for CudaBackend {
         // SAFETY: `src_ptr` is checked to hold `region.len` f32 and `counter_ptr` a u64, of
         // distinct buffers; the caller ordered their other uses.
         unsafe {
-            self.kernels
-                .count_nonfinite(self.stream(stream), src_ptr, region.len, counter_ptr)
+            self.kernels.count_nonfinite(
+                self.stream_handle(stream),
+                src_ptr,
+                region.len,
+                counter_ptr,
+            )
         }
     }
 
@@ -682,7 +723,7 @@ impl Backend for CudaBackend {
         // SAFETY: both addresses are checked to hold `n` elements of distinct live buffers.
         unsafe {
             self.kernels.cast(
-                self.stream(stream),
+                self.stream_handle(stream),
                 src_region.dtype,
                 src_ptr,
                 dst_region.dtype,
