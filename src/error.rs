@@ -176,11 +176,28 @@ pub enum Error {
         got: String,
     },
     #[error(
+        "the ranks' collectives crossed streams: rank {rank} waits in {mine} while rank {peer} waits in {theirs}, which the engine numbers the same: the ranks issue different collectives (a different number of micro-batches, or settings)"
+    )]
+    CollectivesCrossed {
+        rank: usize,
+        mine: String,
+        peer: usize,
+        theirs: String,
+    },
+    #[error(
         "the ranks' plans differ at parameter #{index}: rank 0 has {expected}, rank {rank} has {got}"
     )]
     PlanMismatch {
         rank: usize,
         index: usize,
+        expected: String,
+        got: String,
+    },
+    #[error(
+        "the ranks' settings that shape their collectives differ: rank 0 has {expected}, rank {rank} has {got}"
+    )]
+    SettingsMismatch {
+        rank: usize,
         expected: String,
         got: String,
     },

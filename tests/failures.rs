@@ -11,7 +11,7 @@ use fsdp_fusion::{
     OptimizerConfig, ParamSpec, Plan, ProcessGroupSpec, Result, Unit,
 };
 use fsdp_fusion_support::faults::{Faulty, is_injected};
-use fsdp_fusion_support::ranks::{for_each_mode, on_engines, on_ranks};
+use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines, on_ranks};
 
 /// The failure under the wrappers an asynchronous stream or a poisoned engine puts around it.
 fn root(e: &Error) -> &Error {
@@ -573,9 +573,7 @@ fn an_engine_aborted_while_idle_refuses_every_later_call_as_poisoned() {
     for_each_mode(|mode| {
         let outcomes = on_engines(&plan(&two_units(), 2), &sgd(), mode, |mut e| {
             e.abort_handle().abort();
-            let poisoned = |r: Result<(), Error>| {
-                matches!(r, Err(Error::Poisoned { cause }) if matches!(*cause, Error::Aborted))
-            };
+            let poisoned = |r: Result<(), Error>| matches!(r, Err(Error::Poisoned { cause }) if matches!(*cause, Error::Aborted));
             [
                 poisoned(e.pre_forward(Unit::Layer(0))),
                 poisoned(e.set_lr(0.5)),
@@ -590,4 +588,95 @@ fn an_engine_aborted_while_idle_refuses_every_later_call_as_poisoned() {
             assert_eq!(checks, [true; 6], "{mode:?} rank {rank}");
         }
     });
+}
+
+#[test]
+fn a_rank_running_two_micro_batches_against_one_fails_at_once_across_streams() {
+    // One gathered unit at a time: rank 1's second forward gathers again, as collective 2 of the
+    // step, on the gather stream, while rank 0's backward reduces as collective 2, on the reduce
+    // stream. Neither can meet the other; both fail at once instead of at the deadline.
+    let config = EngineConfig {
+        double_buffer_limit: 1,
+        timeout: Duration::from_secs(60),
+        ..sgd()
+    };
+    for_each_mode(|mode| {
+        let outcomes = on_engines(&plan(&two_units(), 2), &config, mode, |mut e| {
+            forward(&mut e).unwrap();
+            let started = Instant::now();
+            let diverged = if e.rank() == 0 {
+                backward_in_order(&mut e, ["b", "a"])
+            } else {
+                // A shard read is a host wait: where the second forward's gather failed on its
+                // stream, it shows there.
+                forward(&mut e)
+                    .and_then(|()| e.end_step())
+                    .and_then(|()| e.param_shard(0).map(drop))
+            };
+            (diverged.map_err(|e| root(&e).clone()), started.elapsed())
+        });
+        let crossed = outcomes
+            .iter()
+            .filter(|(o, _)| matches!(o, Err(Error::CollectivesCrossed { .. })))
+            .count();
+        assert!(crossed >= 1, "{mode:?}: {outcomes:?}");
+        for (rank, (outcome, waited)) in outcomes.into_iter().enumerate() {
+            assert!(
+                waited < Duration::from_secs(10),
+                "{mode:?} rank {rank}: {waited:?}"
+            );
+            match outcome {
+                Err(Error::CollectivesCrossed { mine, theirs, .. }) => {
+                    let ops = [mine.as_str(), theirs.as_str()];
+                    assert!(ops.iter().any(|o| o.starts_with("all-gather")), "{ops:?}");
+                    assert!(
+                        ops.iter().any(|o| o.starts_with("reduce-scatter")),
+                        "{ops:?}"
+                    );
+                }
+                // A rank whose peer failed first sees it gone.
+                Err(Error::PeerGone { .. }) => {}
+                other => panic!("{mode:?} rank {rank}: {other:?}"),
+            }
+        }
+    });
+}
+
+#[test]
+fn ranks_whose_settings_shape_other_collectives_refuse_to_start() {
+    for (field, differs) in [
+        (
+            "double_buffer_limit",
+            EngineConfig {
+                double_buffer_limit: 1,
+                ..sgd()
+            },
+        ),
+        (
+            "overlap",
+            EngineConfig {
+                overlap: false,
+                ..sgd()
+            },
+        ),
+        (
+            "reduce_dtype",
+            EngineConfig {
+                reduce_dtype: DType::Bf16,
+                ..sgd()
+            },
+        ),
+    ] {
+        let p = plan(&two_units(), 2);
+        let outcomes = on_ranks(2, Mode::Eager, move |rank, backend, comm| {
+            let config = if rank == 1 { differs.clone() } else { sgd() };
+            Engine::new(Arc::clone(&p), config, backend, comm).err()
+        });
+        for (rank, e) in outcomes.into_iter().enumerate() {
+            assert!(
+                matches!(&e, Some(Error::SettingsMismatch { rank: 1, .. })),
+                "{field}: rank {rank}: {e:?}"
+            );
+        }
+    }
 }

@@ -41,6 +41,22 @@ struct Round {
 }
 
 impl Round {
+    /// A rank waiting in a channel other than `channel` for the collective that `mine` is in
+    /// the engine's numbering (the same step and place in it), and its fingerprint: each rank
+    /// issues that collective once, so the ranks diverged, and no meeting can come.
+    fn crossed(&self, channel: usize, mine: &Fingerprint) -> Option<(usize, Fingerprint)> {
+        let same_place = |f: &Fingerprint| (f.tag.step, f.tag.seq) == (mine.tag.step, mine.tag.seq);
+        self.channels
+            .iter()
+            .enumerate()
+            .filter(|&(c, _)| c != channel)
+            .flat_map(|(_, ch)| ch.deposits.iter().enumerate())
+            .find_map(|(r, d)| match d {
+                Some((f, _)) if same_place(f) && f != mine => Some((r, *f)),
+                _ => None,
+            })
+    }
+
     /// The first rank other than `rank` that is gone.
     fn gone(&self, rank: usize) -> Option<usize> {
         (0..self.dropped.len())
@@ -97,6 +113,7 @@ impl Meeting<'_> {
             return Ok(round);
         }
         let (c, rank) = (self.channel, self.rank);
+        self.shared.changed.notify_all();
         self.watch.wait_while(
             round,
             &self.shared.changed,
@@ -105,8 +122,16 @@ impl Meeting<'_> {
                 if round.channels[c].generation != generation {
                     return Ok(false);
                 }
-                match round.gone(rank) {
-                    Some(r) => Err(self.gone(r)),
+                if let Some(r) = round.gone(rank) {
+                    return Err(self.gone(r));
+                }
+                match round.crossed(c, &self.fingerprint) {
+                    Some((peer, theirs)) => Err(Error::CollectivesCrossed {
+                        rank,
+                        mine: self.fingerprint.to_string(),
+                        peer,
+                        theirs: theirs.to_string(),
+                    }),
                     None => Ok(true),
                 }
             },

@@ -114,14 +114,34 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .collect())
     }
 
+    /// The settings that shape the collectives a rank issues, as the ranks compare them.
+    fn describe_settings(&self) -> String {
+        let c = &self.config;
+        let limits = self.plan.limits(c);
+        format!(
+            "settings: {} gathered and {} reductions in flight at most, overlap {}, {:?}, \
+             gradients travelling in {}, {:?}, collectives verified {}",
+            limits.gathered,
+            limits.reduces_in_flight,
+            c.overlap,
+            c.accumulation,
+            c.reduce_dtype,
+            c.param_storage,
+            c.verify_collectives
+        )
+    }
+
     /// Refuses to start when the ranks' plans differ, naming the first differing parameter and
-    /// both ranks' versions of it.
+    /// both ranks' versions of it, or when the settings that shape their collectives differ
+    /// (`Error::SettingsMismatch`).
     pub(super) fn check_plans(&mut self) -> Result<()> {
         if self.comm.grid_size() == 1 {
             return Ok(());
         }
-        let descriptions: Vec<String> = (0..self.plan.params().len())
+        let params = self.plan.params().len();
+        let descriptions: Vec<String> = (0..params)
             .map(|i| self.plan.describe_param(i))
+            .chain([self.describe_settings()])
             .collect();
         let digests: Vec<u8> = descriptions
             .iter()
@@ -152,6 +172,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
             String::from_utf8_lossy(&bytes[..end]).into_owned()
         };
+        if index == params {
+            return Err(Error::SettingsMismatch {
+                rank,
+                expected: read(&texts[0]),
+                got: read(&texts[rank]),
+            });
+        }
         Err(Error::PlanMismatch {
             rank,
             index,

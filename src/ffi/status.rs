@@ -92,6 +92,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::DataLength { .. }
         | Error::DtypeMismatch { .. }
         | Error::PlanMismatch { .. }
+        | Error::SettingsMismatch { .. }
         | Error::CheckpointMismatch { .. }
         | Error::CheckpointExists { .. }
         | Error::EmptyPath { .. }
@@ -128,6 +129,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::WorkerPanicked { .. } => FSDP_DEVICE_ERROR,
         Error::Nccl { .. }
         | Error::CollectiveMismatch { .. }
+        | Error::CollectivesCrossed { .. }
         | Error::PeerGone { .. }
         | Error::Rendezvous { .. }
         | Error::RankPanicked { .. } => FSDP_COMM_ERROR,

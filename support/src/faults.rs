@@ -56,12 +56,14 @@ impl<C> Faulty<C> {
         self.hang_at == Some(n)
     }
 
-    fn tag(&self, tag: Tag) -> Tag {
+    /// With `one_tag`, one tag per stream: the ranks' collectives on a stream compare equal, and
+    /// those on two streams never look like one collective.
+    fn tag(&self, tag: Tag, stream: Stream) -> Tag {
         match self.one_tag {
             true => Tag {
                 purpose: Purpose::Group(0),
                 step: 0,
-                seq: 0,
+                seq: stream as u64,
             },
             false => tag,
         }
@@ -229,7 +231,7 @@ impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
         if self.hangs() {
             return backend.hold(stream, &self.released);
         }
-        let tag = self.tag(tag);
+        let tag = self.tag(tag, stream);
         // SAFETY: the engine's own call, passed on.
         unsafe {
             self.inner
@@ -249,7 +251,7 @@ impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
         if self.hangs() {
             return backend.hold(stream, &self.released);
         }
-        let tag = self.tag(tag);
+        let tag = self.tag(tag, stream);
         // SAFETY: the engine's own call, passed on.
         unsafe {
             self.inner
@@ -267,7 +269,7 @@ impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
         if self.hangs() {
             return backend.hold(stream, &self.released);
         }
-        let tag = self.tag(tag);
+        let tag = self.tag(tag, stream);
         // SAFETY: the engine's own call, passed on.
         unsafe {
             self.inner
@@ -286,7 +288,7 @@ impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
         if self.hangs() {
             return backend.hold(stream, &self.released);
         }
-        let tag = self.tag(tag);
+        let tag = self.tag(tag, stream);
         // SAFETY: the engine's own call, passed on.
         unsafe {
             self.inner
@@ -305,7 +307,7 @@ impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
         if self.hangs() {
             return backend.hold(stream, &self.released);
         }
-        let tag = self.tag(tag);
+        let tag = self.tag(tag, stream);
         // SAFETY: the engine's own call, passed on.
         unsafe {
             self.inner
