@@ -100,7 +100,10 @@ typedef enum fsdp_status {
   FSDP_POISONED = 13,
 } fsdp_status;
 
-// One rank's engine.
+// One rank's engine. Any thread may call it, one call at a time (calls on one engine are
+// serialized): a step may be driven by a pool of threads in turn. Its rank is gone for its peers
+// when the engine is destroyed or aborted, a call of it panics, or its process ends; a thread
+// that ends between calls leaves the engine as it was, for the next thread to go on with.
 typedef struct fsdp_engine fsdp_engine;
 
 // The communicators of CPU ranks that run as threads of one process.

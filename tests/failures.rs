@@ -680,3 +680,49 @@ fn ranks_whose_settings_shape_other_collectives_refuse_to_start() {
         }
     }
 }
+
+#[test]
+fn a_creation_that_timed_out_waiting_for_its_peer_can_be_retried() {
+    for_each_mode(|mode| {
+        let p = plan(&two_units(), 2);
+        let outcomes = on_ranks(2, mode, move |rank, backend, comm| {
+            let (backend, comm) = match rank {
+                0 => {
+                    let short = EngineConfig {
+                        timeout: Duration::from_millis(150),
+                        ..sgd()
+                    };
+                    let refused = Engine::try_new(Arc::clone(&p), short, backend, comm)
+                        .err()
+                        .expect("made without its peer");
+                    let error = root(&refused.error);
+                    assert!(matches!(error, Error::Timeout { .. }), "{error:?}");
+                    // An asynchronous backend's stream that ran the meeting failed with it: the
+                    // retry takes a fresh backend there, and the communicator given back.
+                    let backend = match mode {
+                        Mode::Eager => refused.backend,
+                        Mode::Async(_) => mode.backend(rank),
+                    };
+                    (backend, refused.comm)
+                }
+                _ => {
+                    std::thread::sleep(Duration::from_millis(500));
+                    (backend, comm)
+                }
+            };
+            // Both ranks meet now: the failed meeting left nothing behind.
+            let mut e = Engine::new(Arc::clone(&p), sgd(), backend, comm)?;
+            forward(&mut e)?;
+            backward_in_order(&mut e, ["a", "b"])?;
+            (0..2).map(|g| e.param_shard(g)).collect::<Result<Vec<_>>>()
+        });
+        let shards: Vec<_> = outcomes
+            .into_iter()
+            .map(|o| o.unwrap_or_else(|e| panic!("{mode:?}: {e}")))
+            .collect();
+        assert_ne!(
+            shards[0], shards[1],
+            "{mode:?}: each rank holds its own shards"
+        );
+    });
+}

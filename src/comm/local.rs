@@ -114,7 +114,7 @@ impl Meeting<'_> {
         }
         let (c, rank) = (self.channel, self.rank);
         self.shared.changed.notify_all();
-        self.watch.wait_while(
+        let waited = self.watch.wait_while(
             round,
             &self.shared.changed,
             || self.fingerprint.to_string(),
@@ -135,7 +135,17 @@ impl Meeting<'_> {
                     None => Ok(true),
                 }
             },
-        )
+        );
+        if waited.is_err() {
+            // This rank leaves the meeting it never completed, so that a later one (a retried
+            // engine creation) starts from an empty channel.
+            let mut round = self.lock();
+            let channel = &mut round.channels[c];
+            if channel.generation == generation {
+                channel.arrived = channel.arrived.saturating_sub(1);
+            }
+        }
+        waited
     }
 
     fn gone(&self, rank: usize) -> Error {
@@ -151,7 +161,14 @@ impl Meeting<'_> {
         let c = self.channel;
         let mut round = self.lock();
         round.channels[c].deposits[self.rank] = Some((self.fingerprint, data));
-        round = self.barrier(round)?;
+        round = match self.barrier(round) {
+            Ok(round) => round,
+            Err(e) => {
+                // No rank read it: the deposit goes with this rank's arrival.
+                self.lock().channels[c].deposits[self.rank] = None;
+                return Err(e);
+            }
+        };
         let deposits = &round.channels[c].deposits;
         let expected = deposits[0].as_ref().map(|(f, _)| f);
         let differing = deposits

@@ -12,7 +12,7 @@ mod handle;
 mod library;
 mod watchdog;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
@@ -252,6 +252,8 @@ pub struct NcclComm {
     /// Whether a collective of the batch under way failed: both communicators are aborted
     /// once the group ended.
     batch_failed: Cell<bool>,
+    /// The premultiplied sums made on the reductions' communicator, by factor and dtype.
+    sums: RefCell<Vec<(u32, DType, NcclRedOp)>>,
     /// Keeps the device's primary context, which NCCL's resources live in, until the comm is gone.
     ctx: Arc<CudaContext>,
 }
@@ -461,6 +463,7 @@ impl NcclComm {
             watchdog: None,
             batching: false,
             batch_failed: Cell::new(false),
+            sums: RefCell::default(),
             ctx,
         };
         comm.watchdog = Some(comm.start_watchdog(watch)?);
@@ -581,10 +584,10 @@ impl NcclComm {
         let queued = unsafe {
             match call.kind {
                 Kind::AllGather => Ok((nccl.all_gather)(send, recv, call.count, dtype, comm, s)),
-                Kind::ReduceScatter { scale } => ScaledSum::new(handle, scale, call.dtype)
-                    .map(|op| (nccl.reduce_scatter)(send, recv, call.count, dtype, op.op, comm, s)),
-                Kind::AllReduce { scale } => ScaledSum::new(handle, scale, call.dtype)
-                    .map(|op| (nccl.all_reduce)(send, recv, call.count, dtype, op.op, comm, s)),
+                Kind::ReduceScatter { scale } => scaled_sum(handle, &self.sums, scale, call.dtype)
+                    .map(|op| (nccl.reduce_scatter)(send, recv, call.count, dtype, op, comm, s)),
+                Kind::AllReduce { scale } => scaled_sum(handle, &self.sums, scale, call.dtype)
+                    .map(|op| (nccl.all_reduce)(send, recv, call.count, dtype, op, comm, s)),
             }
         };
         if self.batching {
@@ -650,56 +653,42 @@ fn wait_all(
     result
 }
 
-/// `ncclSum`, or for another `scale` a premultiplied sum made for one call and destroyed after
-/// it (NCCL allows that as soon as the call that used it returned).
-struct ScaledSum<'a> {
-    op: NcclRedOp,
-    made_for: Option<&'a Handle>,
-}
-
-impl<'a> ScaledSum<'a> {
-    /// The scalar is passed in the data's `dtype`, as NCCL requires (rounded for bf16).
-    fn new(handle: &'a Handle, scale: f32, dtype: DType) -> Result<ScaledSum<'a>> {
-        if scale == 1.0 {
-            return Ok(ScaledSum {
-                op: NCCL_SUM,
-                made_for: None,
-            });
-        }
-        let comm = handle.raw("ncclRedOpCreatePreMulSum")?;
-        let mut scalar = [0u8; 4];
-        store_f32(&mut scalar, dtype, 0, scale);
-        let mut op: NcclRedOp = NCCL_SUM;
-        // SAFETY: NCCL writes one operator and reads the scalar, one element of `dtype`, during
-        // the call (`ncclScalarHostImmediate`).
-        let status = unsafe {
-            (handle.nccl().red_op_create_pre_mul_sum)(
-                &mut op,
-                scalar.as_mut_ptr().cast(),
-                nccl_dtype(dtype),
-                NCCL_SCALAR_HOST_IMMEDIATE,
-                comm,
-            )
-        };
-        handle.status("ncclRedOpCreatePreMulSum", status)?;
-        Ok(ScaledSum {
-            op,
-            made_for: Some(handle),
-        })
+/// The reduction operator of `scale` in `dtype` on the reductions' communicator: `ncclSum`, or a
+/// premultiplied sum made at its first use and kept until the communicator closes. NCCL may read
+/// an operator until its call settled (a nonblocking `ncclInProgress`) or its group ended, so
+/// none is destroyed between calls; a mean's factor is one operator for the communicator's life.
+fn scaled_sum(
+    handle: &Handle,
+    made: &RefCell<Vec<(u32, DType, NcclRedOp)>>,
+    scale: f32,
+    dtype: DType,
+) -> Result<NcclRedOp> {
+    if scale == 1.0 {
+        return Ok(NCCL_SUM);
     }
-}
-
-impl Drop for ScaledSum<'_> {
-    fn drop(&mut self) {
-        let Some(handle) = self.made_for else {
-            return;
-        };
-        if let Ok(comm) = handle.raw("ncclRedOpDestroy") {
-            // SAFETY: the operator was made for this communicator and is destroyed once; an
-            // error here only leaks it.
-            let _ = unsafe { (handle.nccl().red_op_destroy)(self.op, comm) };
-        }
+    let key = (scale.to_bits(), dtype);
+    if let Some(&(_, _, op)) = made.borrow().iter().find(|(s, d, _)| (*s, *d) == key) {
+        return Ok(op);
     }
+    let comm = handle.raw("ncclRedOpCreatePreMulSum")?;
+    // The scalar is passed in the data's dtype, as NCCL requires (rounded for bf16).
+    let mut scalar = [0u8; 4];
+    store_f32(&mut scalar, dtype, 0, scale);
+    let mut op: NcclRedOp = NCCL_SUM;
+    // SAFETY: NCCL writes one operator and reads the scalar, one element of `dtype`, during the
+    // call (`ncclScalarHostImmediate`).
+    let status = unsafe {
+        (handle.nccl().red_op_create_pre_mul_sum)(
+            &mut op,
+            scalar.as_mut_ptr().cast(),
+            nccl_dtype(dtype),
+            NCCL_SCALAR_HOST_IMMEDIATE,
+            comm,
+        )
+    };
+    handle.status("ncclRedOpCreatePreMulSum", status)?;
+    made.borrow_mut().push((key.0, key.1, op));
+    Ok(op)
 }
 
 /// `ncclInvalidArgument`.
@@ -711,6 +700,13 @@ impl Drop for NcclComm {
         self.watchdog = None;
         // Errors cannot be reported here; the process keeps running without the communicator.
         let _ = bind(&self.ctx);
+        // The operators end before their communicator (none of its calls is still queueing).
+        if let Ok(comm) = self.reductions.raw("ncclRedOpDestroy") {
+            for &(_, _, op) in self.sums.borrow().iter() {
+                // SAFETY: made for this communicator, destroyed once; an error only leaks it.
+                let _ = unsafe { (self.reductions.nccl().red_op_destroy)(op, comm) };
+            }
+        }
         self.reductions.close(&self.watch);
         self.gathers.close(&self.watch);
     }

@@ -278,7 +278,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// As [`Engine::new`], giving the backend and the communicator back on failure, so that the
-    /// rank can try again (say with a smaller configuration after `Error::OutOfMemory`).
+    /// rank can try again (say with a smaller configuration after `Error::OutOfMemory`, or
+    /// once a peer that was late came). A meeting that failed leaves nothing in the
+    /// communicator; a backend whose stream ran a failed collective (an asynchronous CPU
+    /// backend's after the ranks' plan check timed out) reports that failure again, and the
+    /// retry takes a fresh one.
     pub fn try_new(
         plan: Arc<Plan>,
         config: EngineConfig,

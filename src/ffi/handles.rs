@@ -2,10 +2,8 @@
 //! ways to reach them. An engine's entry keeps, outside the engine's own lock, what other threads
 //! need while one of its calls blocks: its abort handle and its last counters.
 
-use std::cell::RefCell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
-use std::thread::ThreadId;
+use std::sync::{Arc, LazyLock, Mutex};
 
 use super::group::Takeable;
 use super::registry::{Object, Registry, lock};
@@ -58,8 +56,6 @@ pub(crate) struct EngineEntry {
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
     report: Mutex<(fsdp_counters, MemoryUsage)>,
-    /// The thread that last drove the engine.
-    driver: Mutex<Option<ThreadId>>,
 }
 
 /// What a live handle names.
@@ -100,7 +96,6 @@ pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Out
         report: Mutex::new(report(&engine)),
         engine: Mutex::new(engine),
         abort,
-        driver: Mutex::new(None),
     };
     let handle = handles()?.insert(Object::Engine(entry))?;
     // SAFETY: the caller checked `out` and guarantees it is valid for a write.
@@ -126,7 +121,6 @@ pub(crate) fn on_engine<T>(
 ) -> Outcome<T> {
     let object = object(engine as u64, "engine")?;
     let entry = entry_of(&object)?;
-    drive(&object, entry);
     let mut any = lock(&entry.engine)?;
     let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut any)));
     let outcome = outcome.unwrap_or_else(|payload| {
@@ -186,58 +180,4 @@ pub(crate) fn destroy(
     // collectives need the other ranks, whose calls need the registry.
     drop(removed);
     Ok(())
-}
-
-/// The engines a thread drove, so that its end is seen.
-#[derive(Default)]
-struct Driven {
-    thread: Option<ThreadId>,
-    engines: Vec<Weak<Entry>>,
-}
-
-impl Drop for Driven {
-    /// A thread that ends in the middle of a step of an engine it drove leaves that engine's
-    /// group: its peers fail at once instead of waiting for it until their deadline.
-    fn drop(&mut self) {
-        for object in self.engines.drain(..).filter_map(|w| w.upgrade()) {
-            let Object::Engine(entry) = &*object else {
-                continue;
-            };
-            let driver = entry.driver.lock().map(|d| *d).unwrap_or(None);
-            if driver.is_none() || driver != self.thread {
-                continue;
-            }
-            // Locked: another thread drives the engine now.
-            if let Ok(any) = entry.engine.try_lock() {
-                if with_engine!(&*any, e => e.in_step()) {
-                    entry.abort.leave();
-                }
-            }
-        }
-    }
-}
-
-thread_local! {
-    static DRIVEN: RefCell<Driven> = RefCell::new(Driven::default());
-}
-
-/// Records the calling thread as `entry`'s driver.
-fn drive(object: &Arc<Entry>, entry: &EngineEntry) {
-    let me = std::thread::current().id();
-    if let Ok(mut driver) = entry.driver.lock() {
-        *driver = Some(me);
-    }
-    // A thread being torn down has no list any more: nothing to record then.
-    let _ = DRIVEN.try_with(|driven| {
-        let mut driven = driven.borrow_mut();
-        driven.thread = Some(me);
-        driven.engines.retain(|w| w.strong_count() > 0);
-        if !driven
-            .engines
-            .iter()
-            .any(|w| w.as_ptr() == Arc::as_ptr(object))
-        {
-            driven.engines.push(Arc::downgrade(object));
-        }
-    });
 }

@@ -5,8 +5,8 @@
 //! `fsdp_engine`) are opaque numbers made by a `*_create` function and released by the matching
 //! `*_destroy` (which accepts NULL); a destroyed handle is reported as `FSDP_INVALID_HANDLE`, never
 //! dereferenced. Every function catches panics (`FSDP_PANIC`). Sizes are `size_t`. Handles may be
-//! used from any thread; calls on one engine are serialized, and an engine is meant to be driven by
-//! one thread at a time (one rank). Pointers passed in are borrowed for the call only unless a
+//! used from any thread; calls on one engine are serialized, and any thread may drive it, a pool of
+//! them in turn (see `fsdp_engine`). Pointers passed in are borrowed for the call only unless a
 //! function says otherwise.
 //!
 //! Engines run on the CPU backend (`fsdp_engine_create_cpu`: every address is host memory) or on

@@ -68,7 +68,10 @@ pub struct fsdp_loopback_group {
     _opaque: [u8; 0],
 }
 
-/// One rank's engine.
+/// One rank's engine. Any thread may call it, one call at a time (calls on one engine are
+/// serialized): a step may be driven by a pool of threads in turn. Its rank is gone for its peers
+/// when the engine is destroyed or aborted, a call of it panics, or its process ends; a thread
+/// that ends between calls leaves the engine as it was, for the next thread to go on with.
 pub struct fsdp_engine {
     _opaque: [u8; 0],
 }

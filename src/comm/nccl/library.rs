@@ -71,7 +71,13 @@ pub(super) struct NcclConfig {
 
 impl NcclConfig {
     /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: calls return at once (`ncclInProgress`)
-    /// and their end is polled, so every wait keeps a deadline.
+    /// and their end is polled, so every wait keeps a deadline. Each communicator takes at most
+    /// half the current device's multiprocessors (`maxCTAs`): a rank's two communicators run
+    /// on two streams, and NCCL does not promise that two communicators' kernels make progress
+    /// together; with each bounded to half the device, both always fit on it at once, so
+    /// neither's kernels can wait for a peer behind the other's. (NCCL's own default of at
+    /// most 32 or 64 is already below half of a datacenter GPU's; the bound is for smaller
+    /// ones.)
     pub(super) fn nonblocking() -> NcclConfig {
         NcclConfig {
             size: std::mem::size_of::<NcclConfig>(),
@@ -80,10 +86,25 @@ impl NcclConfig {
             blocking: 0,
             cga_cluster_size: UNDEF_INT,
             min_ctas: UNDEF_INT,
-            max_ctas: UNDEF_INT,
+            max_ctas: half_the_multiprocessors().unwrap_or(UNDEF_INT),
             net_name: std::ptr::null(),
         }
     }
+}
+
+/// Half the multiprocessors of the calling thread's current device, at least 1.
+fn half_the_multiprocessors() -> Option<c_int> {
+    use cudarc::driver::{result, sys};
+    let mut device = 0;
+    // SAFETY: writes one device ordinal; fails without a current context.
+    let found = unsafe { sys::cuCtxGetDevice(&mut device) };
+    if found != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    let attribute = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+    // SAFETY: `device` came from the driver above.
+    let count = unsafe { result::device::get_attribute(device, attribute) }.ok()?;
+    Some((count / 2).max(1))
 }
 
 /// The functions the crate calls, with the C signatures of `nccl.h` (2.18 or later).
