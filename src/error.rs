@@ -206,7 +206,7 @@ pub enum Error {
     #[error("{message}")]
     Panicked { message: String },
     #[error(
-        "{op}: rank {rank} left the group (its engine was dropped, aborted or its thread ended)"
+        "{op}: rank {rank} left the group (its engine was dropped or aborted, or its group destroyed before it made one)"
     )]
     PeerGone { rank: usize, op: String },
     #[error("{op} timed out after {waited:?}")]

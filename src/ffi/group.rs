@@ -23,6 +23,29 @@ pub(crate) struct Takeable<C> {
     process_groups: Vec<(ProcessGroupSpec, Vec<Option<C>>)>,
 }
 
+impl<C> Takeable<C> {
+    /// Drops every communicator no engine took: the ranks waiting for them (inside their own
+    /// creation) see them gone at once.
+    fn release(&mut self) {
+        self.world.iter_mut().for_each(|c| drop(c.take()));
+        for (_, comms) in &mut self.process_groups {
+            comms.iter_mut().for_each(|c| drop(c.take()));
+        }
+    }
+}
+
+impl Comms {
+    /// As [`Takeable::release`], for a group being destroyed.
+    pub(crate) fn release(&self) {
+        let released = match self {
+            Comms::Local { comms, .. } => lock(comms).map(|mut c| c.release()),
+            Comms::Loopback(comms) => lock(comms).map(|mut c| c.release()),
+        };
+        // A lock that failed holds nothing to release: a panic poisoned it mid-take.
+        drop(released);
+    }
+}
+
 fn takeable<C>(comms: Vec<C>) -> Mutex<Takeable<C>> {
     Mutex::new(Takeable {
         world: comms.into_iter().map(Some).collect(),

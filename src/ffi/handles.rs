@@ -171,10 +171,12 @@ pub(crate) fn destroy(
     };
     // A call still running on the engine (blocked in a collective, say) is aborted, so that it
     // returns and the engine can go; an idle engine finishes its queued work as it drops.
-    if let Object::Engine(entry) = &*removed {
-        if entry.engine.try_lock().is_err() {
-            entry.abort.abort();
-        }
+    match &*removed {
+        Object::Engine(entry) if entry.engine.try_lock().is_err() => entry.abort.abort(),
+        // A rank inside its creation holds the group until it returns: its peers that no
+        // engine took go now, so that it fails at once instead of at its deadline.
+        Object::Group(comms) => comms.release(),
+        _ => {}
     }
     // Dropped after the registry is unlocked: an engine's drop waits for its queued work, whose
     // collectives need the other ranks, whose calls need the registry.
