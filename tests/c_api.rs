@@ -383,20 +383,18 @@ fn wrong_sizes_and_values() {
                 "grad_reduction 3",
             );
             // A dtype field names itself and lists only what it takes.
-            for code in [FSDP_F16, 9] {
+            type Set = fn(&mut fsdp_config, u32);
+            let fields: [(&str, Set); 2] = [
+                ("reduce_dtype", |c, code| c.reduce_dtype = code),
+                ("moment_dtype", |c, code| c.moment_dtype = code),
+            ];
+            for ((field, set), code) in fields.into_iter().flat_map(|f| [(f, FSDP_F16), (f, 9)]) {
                 c = config;
-                c.reduce_dtype = code;
+                set(&mut c, code);
                 expect(
                     fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
                     bad,
-                    &format!("reduce_dtype is {code}, not FSDP_F32 or FSDP_BF16"),
-                );
-                c = config;
-                c.moment_dtype = code;
-                expect(
-                    fsdp_plan_memory(plan, &c, &mut fsdp_memory::default()),
-                    bad,
-                    &format!("moment_dtype is {code}, not FSDP_F32 or FSDP_BF16"),
+                    &format!("{field} is {code}, not FSDP_F32 or FSDP_BF16"),
                 );
             }
             c = config;
@@ -1341,27 +1339,17 @@ fn destroying_an_engine_blocked_in_another_thread_unblocks_it() {
 fn a_step_driven_by_threads_in_turn_that_end_mid_step_goes_on() {
     for_each_mode(|mode| {
         // Each rank's step: its forward on one thread, which ends, its gradient on another.
-        let (first, second) = two_ranks(
-            mode,
-            |engine| {
-                std::thread::spawn(move || forward_only(engine))
+        let in_turn = |engine: usize| {
+            std::thread::spawn(move || forward_only(engine))
+                .join()
+                .unwrap();
+            let (status, message) =
+                std::thread::spawn(move || (gradient_after_forward(engine), last_error()))
                     .join()
                     .unwrap();
-                let status = std::thread::spawn(move || gradient_after_forward(engine))
-                    .join()
-                    .unwrap();
-                (status, last_error(), engine)
-            },
-            |engine| {
-                std::thread::spawn(move || forward_only(engine))
-                    .join()
-                    .unwrap();
-                let status = std::thread::spawn(move || gradient_after_forward(engine))
-                    .join()
-                    .unwrap();
-                (status, last_error(), engine)
-            },
-        );
+            (status, message, engine)
+        };
+        let (first, second) = two_ranks(mode, in_turn, in_turn);
         for (status, message, engine) in [first, second] {
             assert_eq!(status, fsdp_status::FSDP_OK, "{mode:?}: {message}");
             ok(fsdp_engine_destroy(handle(engine)));

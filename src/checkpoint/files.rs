@@ -209,33 +209,32 @@ impl<'f> Writeback<'f> {
         self.file.flush()
     }
 
+    /// Starts writing the pages of `bytes` at `offset` to disk.
     #[cfg(target_os = "linux")]
     fn start_writeback(&self, offset: u64, bytes: u64) {
+        self.sync_range(offset, bytes, libc::SYNC_FILE_RANGE_WRITE);
+    }
+
+    /// Waits until the pages of `bytes` at `offset` are on disk.
+    #[cfg(target_os = "linux")]
+    fn wait_writeback(&self, offset: u64, bytes: u64) {
+        let wait = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+            | libc::SYNC_FILE_RANGE_WRITE
+            | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        self.sync_range(offset, bytes, wait);
+    }
+
+    /// `sync_file_range` on the file: a hint; where it fails, the final flush writes the pages.
+    #[cfg(target_os = "linux")]
+    fn sync_range(&self, offset: u64, bytes: u64, flags: libc::c_uint) {
         use std::os::fd::AsRawFd;
-        // A hint: where it fails, the final flush writes the pages instead.
         // SAFETY: a plain call on an open file descriptor.
         unsafe {
             libc::sync_file_range(
                 self.file.as_raw_fd(),
                 offset as libc::off64_t,
                 bytes as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            )
-        };
-    }
-
-    #[cfg(target_os = "linux")]
-    fn wait_writeback(&self, offset: u64, bytes: u64) {
-        use std::os::fd::AsRawFd;
-        // SAFETY: as above.
-        unsafe {
-            libc::sync_file_range(
-                self.file.as_raw_fd(),
-                offset as libc::off64_t,
-                bytes as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WAIT_BEFORE
-                    | libc::SYNC_FILE_RANGE_WRITE
-                    | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+                flags,
             )
         };
     }

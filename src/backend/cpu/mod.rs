@@ -147,6 +147,37 @@ impl CpuBackend {
     }
 }
 
+/// The `bytes` bytes of host buffer `buf` from `at`, checked to lie inside it.
+fn host_part(buf: &CpuBuffer, at: usize, bytes: usize) -> Result<(Arc<Memory>, Range<usize>)> {
+    let end = at.checked_add(bytes).filter(|&end| end <= buf.len());
+    let range = end.map(|end| at..end).ok_or(Error::OutOfRange {
+        offset: at,
+        len: bytes,
+        capacity: buf.len(),
+    })?;
+    Ok((Arc::clone(buf.memory()), range))
+}
+
+impl CpuBackend {
+    /// Queues on `stream` a copy of the bytes `from` into `to` (of another buffer, as long).
+    ///
+    /// # Safety
+    /// The caller ordered every other use of both ranges.
+    unsafe fn copy_bytes(
+        &self,
+        stream: Stream,
+        (from_memory, from): (Arc<Memory>, Range<usize>),
+        (to_memory, to): (Arc<Memory>, Range<usize>),
+    ) -> Result<()> {
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
+            let (from, to) = unsafe { (from_memory.bytes(from), to_memory.bytes_mut(to)) };
+            to.copy_from_slice(from);
+            Ok(())
+        })
+    }
+}
+
 /// Accumulations compute in f32 and round into f32 or bf16: an f16 sum would overflow at 65504.
 fn check_accumulator(dtype: DType) -> Result<()> {
     if dtype == DType::F16 {
@@ -217,22 +248,10 @@ impl Backend for CpuBackend {
         dst: &mut CpuBuffer,
         at: usize,
     ) -> Result<()> {
-        let (src_memory, src_range) = part(src, region)?;
-        let bytes = src_range.len();
-        let end = at.checked_add(bytes).filter(|&end| end <= dst.len());
-        let dst_range = end.map(|end| at..end).ok_or(Error::OutOfRange {
-            offset: at,
-            len: bytes,
-            capacity: dst.len(),
-        })?;
-        let dst_memory = Arc::clone(dst.memory());
-        self.run(stream, move || {
-            // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
-            let (src, dst) =
-                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
-            dst.copy_from_slice(src);
-            Ok(())
-        })
+        let device = part(src, region)?;
+        let host = host_part(dst, at, device.1.len())?;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.copy_bytes(stream, device, host) }
     }
 
     unsafe fn copy_from_host(
@@ -243,22 +262,10 @@ impl Backend for CpuBackend {
         dst: &mut CpuBuffer,
         region: Region,
     ) -> Result<()> {
-        let (dst_memory, dst_range) = part(dst, region)?;
-        let bytes = dst_range.len();
-        let end = at.checked_add(bytes).filter(|&end| end <= src.len());
-        let src_range = end.map(|end| at..end).ok_or(Error::OutOfRange {
-            offset: at,
-            len: bytes,
-            capacity: src.len(),
-        })?;
-        let src_memory = Arc::clone(src.memory());
-        self.run(stream, move || {
-            // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
-            let (src, dst) =
-                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
-            dst.copy_from_slice(src);
-            Ok(())
-        })
+        let device = part(dst, region)?;
+        let host = host_part(src, at, device.1.len())?;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.copy_bytes(stream, host, device) }
     }
 
     /// A buffer's bytes live on while queued work refers to them.
