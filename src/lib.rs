@@ -89,6 +89,7 @@ mod state;
 pub mod trace;
 pub mod types;
 pub mod watch;
+mod watchdog;
 
 pub use backend::cpu::CpuBackend;
 pub use backend::{Backend, Input, MemoryUsage};

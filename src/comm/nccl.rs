@@ -10,7 +10,6 @@
 
 mod handle;
 mod library;
-mod watchdog;
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
@@ -32,9 +31,12 @@ use crate::error::{Error, Result};
 use crate::spec::ProcessGroupSpec;
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
+use crate::watchdog::Watchdog;
 use handle::{Handle, Probe};
 use library::{NCCL_IN_PROGRESS, NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
-use watchdog::Watchdog;
+
+/// How often the watchdog looks for NCCL's asynchronous error.
+const WATCHDOG_PERIOD: std::time::Duration = std::time::Duration::from_millis(100);
 
 pub use library::NCCL_LIBRARY_ENV;
 
@@ -472,7 +474,8 @@ impl NcclComm {
 
     fn start_watchdog(&self, watch: Watch) -> Result<Watchdog> {
         let probes = [self.gathers.probe(), self.reductions.probe()];
-        Watchdog::start(watch, watchdog::PERIOD, move || {
+        let what = "the NCCL communicator's watchdog thread";
+        Watchdog::start(what, watch, WATCHDOG_PERIOD, move || {
             probes.iter().find_map(Probe::failure)
         })
     }

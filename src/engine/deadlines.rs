@@ -7,14 +7,13 @@
 //! watchdog looks every [`period`] and never at a collective younger than the timeout.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::comm::Fingerprint;
 use crate::error::{Error, Result};
 use crate::watch::Watch;
+use crate::watchdog::Watchdog;
 
 /// A collective queued on a stream: what it is, among which ranks, and when its stream is done
 /// with it.
@@ -45,8 +44,7 @@ pub(super) fn period(timeout: Duration) -> Duration {
 /// The collectives in flight of one engine, and the thread that holds them to their deadline.
 pub(super) struct Deadlines<E> {
     queue: Queue<E>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _watchdog: Watchdog,
 }
 
 impl<E: Send + Sync + 'static> Deadlines<E> {
@@ -54,28 +52,15 @@ impl<E: Send + Sync + 'static> Deadlines<E> {
     /// stream reached an event.
     pub(super) fn start(watch: Watch, reached: fn(&E) -> Result<bool>) -> Result<Deadlines<E>> {
         let queue: Queue<E> = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (watched, stopped) = (Arc::clone(&queue), Arc::clone(&stop));
-        let thread = std::thread::Builder::new()
-            .name("fsdp-deadlines".into())
-            .spawn(move || {
-                let every = period(watch.timeout());
-                while !stopped.load(Ordering::SeqCst) {
-                    if let Some(cause) = overdue(&watched, watch.timeout(), reached) {
-                        watch.fail(cause);
-                        return;
-                    }
-                    std::thread::park_timeout(every);
-                }
-            })
-            .map_err(|e| Error::Spawn {
-                what: "the engine's watchdog of collectives in flight",
-                source: Arc::new(e),
-            })?;
+        let watched = Arc::clone(&queue);
+        let timeout = watch.timeout();
+        let what = "the engine's watchdog of collectives in flight";
+        let watchdog = Watchdog::start(what, watch, period(timeout), move || {
+            overdue(&watched, timeout, reached)
+        })?;
         Ok(Deadlines {
             queue,
-            stop,
-            thread: Some(thread),
+            _watchdog: watchdog,
         })
     }
 
@@ -124,14 +109,4 @@ fn overdue<E>(
         }
     }
     None
-}
-
-impl<E> Drop for Deadlines<E> {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(thread) = self.thread.take() {
-            thread.thread().unpark();
-            let _ = thread.join();
-        }
-    }
 }

@@ -12,7 +12,7 @@ use super::agree::Proposal;
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
-use crate::export::{TensorHeader, check_new, file_error, safetensors_dtype, write};
+use crate::export::{TensorHeader, file_error, safetensors_dtype, write};
 use crate::types::{DType, ParamId, Stream};
 
 /// The largest safetensors header read (the format's own limit).
@@ -36,7 +36,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 what: "an export above world size 1 (save, then export_checkpoint)",
             });
         }
-        check_new(path)?;
         // Group by group, so that each group's values are read once.
         let order: Vec<ParamId> = (self.plan.groups().iter())
             .flat_map(|g| g.params.iter().copied())

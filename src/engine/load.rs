@@ -8,7 +8,7 @@ use super::Engine;
 use super::agree::Proposal;
 use super::parts::{Part, bytes_of, optimizer_name, state_buffer_mut};
 use crate::backend::{Backend, Region};
-use crate::checkpoint::{self, FileRange, Saved, SectionKind};
+use crate::checkpoint::{self, FileRange, Saved};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
@@ -181,15 +181,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(copies)
     }
 
-    /// Whether part `p` is loaded: a master-only group's values are not, being its master
-    /// rounded (the master section has them).
-    fn is_loaded(&self, p: &Part) -> bool {
-        p.kind != SectionKind::Values
-            || !self
-                .plan
-                .master_only(&self.config, &self.plan.groups()[p.group])
-    }
-
     /// Uploads `bytes` (this rank's `parts`, one after another, read from a checkpoint) into
     /// its state: straight from `memory` where it is page-locked, else piece by piece through
     /// its two page-locked buffers, each piece copied in by several threads while the device
@@ -202,20 +193,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     ) -> Result<()> {
         let (bytes, bounce) = match memory {
             LoadMemory::Staging(staging, _) => {
-                // SAFETY: as in `LoadMemory::bytes`.
+                // SAFETY: as in `LoadMemory::bytes_mut`.
                 let bytes = unsafe { B::host_bytes(staging) };
                 let mut at = 0;
                 for p in parts {
                     let n = bytes_of(p);
-                    if self.is_loaded(p) {
-                        let state = (
-                            &mut self.shards[..],
-                            &mut self.masters[..],
-                            &mut self.moments[..],
-                        );
-                        let buffer = state_buffer_mut::<B>(state, p)?;
-                        self.backend.upload(buffer, p.region, &bytes[at..at + n])?;
-                    }
+                    let state = (
+                        &mut self.shards[..],
+                        &mut self.masters[..],
+                        &mut self.moments[..],
+                    );
+                    let buffer = state_buffer_mut::<B>(state, p)?;
+                    self.backend.upload(buffer, p.region, &bytes[at..at + n])?;
                     at += n;
                 }
                 return Ok(());
@@ -242,9 +231,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     &mut unsafe { B::host_bytes_mut(buffer) }[..from.len()],
                     from,
                 );
-                if !self.is_loaded(p) {
-                    break;
-                }
                 let state = (
                     &mut self.shards[..],
                     &mut self.masters[..],

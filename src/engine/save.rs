@@ -57,7 +57,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// hook and its `end_step` (`Error::MidStep`). Blocks until every byte is on disk. Under
     /// hybrid sharding only the first replica's ranks write: every replica holds the same state.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
-        let total: usize = self.parts().iter().map(bytes_of).sum();
+        let parts = self.parts();
+        let total: usize = parts.iter().map(bytes_of).sum();
         let piece = total.clamp(1, checkpoint::CHUNK_BYTES as usize);
         let started = self.begin_save(dir, Pending::SameDirRefused, |e| {
             Ok([e.backend.alloc_host(piece)?, e.backend.alloc_host(piece)?])
@@ -65,7 +66,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let Some((manifest, pieces)) = started else {
             return Ok(());
         };
-        let parts = self.parts();
         checkpoint::write_rank(dir, manifest, |write| {
             self.stream_parts(&parts, (pieces, piece), write)
         })

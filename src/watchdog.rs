@@ -1,6 +1,7 @@
-//! A thread that looks for a communicator's asynchronous failure while its rank's host may be
-//! blocked in a wait, and fails the rank's watch with it, so the wait ends with NCCL's error
-//! instead of running out its deadline.
+//! A thread that looks for a rank's failure that no wait of its own sees (a communicator's
+//! asynchronous error, a collective in flight past its deadline) while its host may be blocked
+//! in a wait, and fails the rank's watch with it, so the wait ends with that error instead of
+//! running out its deadline.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,18 +11,16 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::watch::Watch;
 
-/// How often the watchdog looks.
-pub(super) const PERIOD: Duration = Duration::from_millis(100);
-
-pub(super) struct Watchdog {
+pub(crate) struct Watchdog {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Watchdog {
-    /// Starts a thread that calls `failure` every `period` until it returns an error, which it
-    /// gives to `watch`, or until the watchdog is dropped.
-    pub(super) fn start(
+    /// Starts a thread (`what`, in a spawn error) that calls `failure` every `period` until it
+    /// returns an error, which it gives to `watch`, or until the watchdog is dropped.
+    pub(crate) fn start(
+        what: &'static str,
         watch: Watch,
         period: Duration,
         mut failure: impl FnMut() -> Option<Error> + Send + 'static,
@@ -29,7 +28,7 @@ impl Watchdog {
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
-            .name("fsdp-nccl-watchdog".into())
+            .name("fsdp-watchdog".into())
             .spawn(move || {
                 while !stopped.load(Ordering::SeqCst) {
                     if let Some(cause) = failure() {
@@ -40,7 +39,7 @@ impl Watchdog {
                 }
             })
             .map_err(|e| Error::Spawn {
-                what: "the NCCL communicator's watchdog thread",
+                what,
                 source: Arc::new(e),
             })?;
         Ok(Watchdog {
@@ -72,13 +71,18 @@ mod tests {
         let watch = Watch::new(Duration::from_secs(60));
         let looks = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&looks);
-        let _dog = Watchdog::start(watch.clone(), Duration::from_millis(1), move || {
-            (counted.fetch_add(1, Ordering::SeqCst) == 3).then(|| Error::Nccl {
-                call: "ncclCommGetAsyncError",
-                code: 6,
-                message: "remote process exited".into(),
-            })
-        })
+        let _dog = Watchdog::start(
+            "a test's watchdog",
+            watch.clone(),
+            Duration::from_millis(1),
+            move || {
+                (counted.fetch_add(1, Ordering::SeqCst) == 3).then(|| Error::Nccl {
+                    call: "ncclCommGetAsyncError",
+                    code: 6,
+                    message: "remote process exited".into(),
+                })
+            },
+        )
         .unwrap();
         let start = Instant::now();
         let err = watch
@@ -107,10 +111,15 @@ mod tests {
         let watch = Watch::new(Duration::from_secs(60));
         let looks = Arc::new(AtomicUsize::new(0));
         let counted = Arc::clone(&looks);
-        let dog = Watchdog::start(watch.clone(), Duration::from_secs(3600), move || {
-            counted.fetch_add(1, Ordering::SeqCst);
-            None
-        })
+        let dog = Watchdog::start(
+            "a test's watchdog",
+            watch.clone(),
+            Duration::from_secs(3600),
+            move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                None
+            },
+        )
         .unwrap();
         let start = Instant::now();
         while looks.load(Ordering::SeqCst) == 0 {
