@@ -2271,34 +2271,39 @@ fn cuda_nccl_engine_splits_its_communicators_for_an_expert_group_through_the_c_a
 
 #[test]
 fn destroying_a_group_while_a_rank_is_inside_its_creation_fails_it_at_once() {
-    for_each_mode(|mode| {
-        let plan = plan(2);
-        let group = local_group(mode, 2);
-        let (plan_handle, group_handle) = (plan as usize, group as usize);
-        let creating = std::thread::spawn(move || {
-            let mut engine = null_mut();
-            let started = std::time::Instant::now();
-            // SAFETY: valid pointers; the group is destroyed while this call waits in it.
-            let status = unsafe {
-                fsdp_engine_create_cpu(
-                    plan_handle as *mut fsdp_plan,
-                    &config(),
-                    group_handle as *mut fsdp_local_group,
-                    0,
-                    &mut engine,
-                )
-            };
-            (status, last_error(), started.elapsed())
-        });
-        std::thread::sleep(std::time::Duration::from_millis(200));
-        ok(fsdp_local_group_destroy(group));
-        let (status, message, waited) = creating.join().unwrap();
-        assert_eq!(status, fsdp_status::FSDP_COMM_ERROR, "{mode:?}: {message}");
-        assert!(message.contains("group destroyed"), "{mode:?}: {message}");
-        assert!(
-            waited < std::time::Duration::from_secs(10),
-            "{mode:?}: waited {waited:?} (the default deadline is 600 s)"
-        );
-        ok(fsdp_plan_destroy(plan));
+    within_deadline("a group destroyed under a creation", || {
+        for_each_mode(destroy_the_group_under_a_creation)
     });
+}
+
+/// A creation of rank 0 in `mode` that waits for rank 1 while the group is destroyed.
+fn destroy_the_group_under_a_creation(mode: Mode) {
+    let plan = plan(2);
+    let group = local_group(mode, 2);
+    let (plan_handle, group_handle) = (plan as usize, group as usize);
+    let creating = std::thread::spawn(move || {
+        let mut engine = null_mut();
+        let started = std::time::Instant::now();
+        // SAFETY: valid pointers; the group is destroyed while this call waits in it.
+        let status = unsafe {
+            fsdp_engine_create_cpu(
+                plan_handle as *mut fsdp_plan,
+                &config(),
+                group_handle as *mut fsdp_local_group,
+                0,
+                &mut engine,
+            )
+        };
+        (status, last_error(), started.elapsed())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    ok(fsdp_local_group_destroy(group));
+    let (status, message, waited) = creating.join().unwrap();
+    assert_eq!(status, fsdp_status::FSDP_COMM_ERROR, "{mode:?}: {message}");
+    assert!(message.contains("group destroyed"), "{mode:?}: {message}");
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "{mode:?}: waited {waited:?} (the default deadline is 600 s)"
+    );
+    ok(fsdp_plan_destroy(plan));
 }
