@@ -299,7 +299,8 @@ enum fsdp_status fsdp_engine_save_async(struct fsdp_engine *engine, const char *
 
 // Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
 // `fsdp_engine_save_async` and returns the save's status (`FSDP_IO_ERROR` naming a file it could
-// not write); `FSDP_OK` when no save is pending.
+// not write); `FSDP_OK` when no save is pending. `FSDP_POISONED` on a poisoned or aborted
+// engine (destroying it still waits for the files).
 enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 
 // Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model
@@ -753,10 +754,12 @@ enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
 
 // Sets the learning rate of the next optimizer steps (call it before each step for a
 // schedule); every parameter's is this times its `lr_scale`. Every rank must set the same.
-// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing.
+// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing;
+// `FSDP_POISONED` on a poisoned or aborted engine.
 enum fsdp_status fsdp_engine_set_lr(struct fsdp_engine *engine, float lr);
 
 // Sets the weight decay of the next optimizer steps, for the parameters that take it.
+// `FSDP_POISONED` on a poisoned or aborted engine.
 enum fsdp_status fsdp_engine_set_weight_decay(struct fsdp_engine *engine, float weight_decay);
 
 // The whole model's gradient norms over every rank, after `fsdp_engine_finish_grad_sync` and

@@ -51,7 +51,8 @@ pub unsafe extern "C" fn fsdp_engine_save_async(
 
 /// Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
 /// `fsdp_engine_save_async` and returns the save's status (`FSDP_IO_ERROR` naming a file it could
-/// not write); `FSDP_OK` when no save is pending.
+/// not write); `FSDP_OK` when no save is pending. `FSDP_POISONED` on a poisoned or aborted
+/// engine (destroying it still waits for the files).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.wait_save())?)))
