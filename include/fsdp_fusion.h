@@ -640,6 +640,19 @@ enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_
 // caller's own waits on them return. The engine must still be destroyed.
 enum fsdp_status fsdp_engine_abort(struct fsdp_engine *engine);
 
+#if defined(FSDP_FUSION_FAULT_INJECTION)
+// Makes collective number `at` the engine issues from now (0: the next, counted over every
+// kind) hang on its stream once queued, as one whose peer is stuck does on the device, until the
+// rank ends: the watchdog fails it past the engine's timeout (`FSDP_TIMEOUT` at the next call,
+// naming the collective), `fsdp_engine_abort`, or `fsdp_engine_destroy`. The host goes on
+// meanwhile, and the caller's own stream waits end when the rank does. On the eager CPU backend
+// the call that queues the collective fails with `FSDP_UNAVAILABLE` instead (its streams run on
+// the caller's thread).
+// `FSDP_POISONED` on a poisoned or aborted engine. Only in builds with the `fault-injection`
+// feature; not for training.
+enum fsdp_status fsdp_engine_hang_collective(struct fsdp_engine *engine, uint64_t at);
+#endif
+
 // Creates the communicators of `world_size` CPU ranks running as threads of this process. Each
 // rank's engine takes its communicator with `fsdp_engine_create_cpu`; every rank must then issue
 // the same hooks in the same order. Release with `fsdp_local_group_destroy` (engines keep theirs).

@@ -1200,6 +1200,16 @@ fn two_ranks<R: Send + 'static>(
     rank_0: impl FnOnce(usize) -> R + Send + 'static,
     rank_1: impl FnOnce(usize) -> R + Send + 'static,
 ) -> (R, R) {
+    two_ranks_with(mode, sgd_config(), rank_0, rank_1)
+}
+
+/// As [`two_ranks`], with engines of `config`.
+fn two_ranks_with<R: Send + 'static>(
+    mode: Mode,
+    config: fsdp_config,
+    rank_0: impl FnOnce(usize) -> R + Send + 'static,
+    rank_1: impl FnOnce(usize) -> R + Send + 'static,
+) -> (R, R) {
     let plan = plan(2) as usize;
     let group = local_group(mode, 2) as usize;
     let outcome = within_deadline("two ranks through the C API", move || {
@@ -1210,7 +1220,7 @@ fn two_ranks<R: Send + 'static>(
                 ok(unsafe {
                     fsdp_engine_create_cpu(
                         plan as *mut fsdp_plan,
-                        &sgd_config(),
+                        &config,
                         group as *mut fsdp_local_group,
                         rank,
                         &mut engine,
@@ -1308,6 +1318,79 @@ fn a_blocked_call_is_aborted_and_counters_never_wait_for_it() {
         assert_eq!(later, fsdp_status::FSDP_POISONED);
         assert!(message.contains("aborted"), "{message}");
         assert_eq!(other.0, fsdp_status::FSDP_OK);
+    });
+}
+
+/// A collective made to hang (`fsdp_engine_hang_collective`) on rank 0 of two, whose engines
+/// wait `timeout_seconds` = 1: the call that queued it returns at once, the watchdog fails it at
+/// the deadline, the next call names it, the peer fails instead of waiting, and destroy works. On
+/// eager ranks the call that queues it refuses the hold instead of blocking for good.
+#[test]
+fn a_collective_hung_through_the_c_api_fails_at_its_deadline_and_poisons_the_engine() {
+    let config = fsdp_config {
+        timeout_seconds: 1.0,
+        ..sgd_config()
+    };
+    for_each_mode(|mode| {
+        let (hung, peer) = two_ranks_with(
+            mode,
+            config,
+            |engine| {
+                ok(fsdp_engine_hang_collective(handle(engine), 0));
+                let issued = std::time::Instant::now();
+                let queued = fsdp_engine_pre_forward(handle(engine), FSDP_ROOT);
+                let queued_message = last_error();
+                let returned_after = issued.elapsed();
+                std::thread::sleep(std::time::Duration::from_millis(1600));
+                let next = fsdp_engine_post_forward(handle(engine), FSDP_ROOT);
+                let next_message = last_error();
+                let later = fsdp_engine_end_step(handle(engine));
+                ok(fsdp_engine_destroy(handle(engine)));
+                let outcome = (queued, next, later);
+                (
+                    outcome,
+                    returned_after,
+                    format!("{queued_message} / {next_message}"),
+                )
+            },
+            |engine| {
+                let started = std::time::Instant::now();
+                let status = forward_then_gradient(engine);
+                ok(fsdp_engine_destroy(handle(engine)));
+                let outcome = (status, fsdp_status::FSDP_OK, fsdp_status::FSDP_OK);
+                (outcome, started.elapsed(), last_error())
+            },
+        );
+        let ((queued, next, later), returned_after, messages) = hung;
+        match mode {
+            Mode::Eager => {
+                assert_eq!(queued, fsdp_status::FSDP_UNAVAILABLE, "{messages}");
+                assert!(messages.contains("eager"), "{messages}");
+            }
+            Mode::Async(_) => {
+                assert_eq!(queued, fsdp_status::FSDP_OK, "{mode:?}: {messages}");
+                assert!(returned_after.as_secs_f64() < 0.5, "{returned_after:?}");
+                assert_eq!(next, fsdp_status::FSDP_TIMEOUT, "{mode:?}: {messages}");
+                assert!(
+                    messages.contains("all-gather") && messages.contains("still in flight"),
+                    "{messages}"
+                );
+                assert_eq!(later, fsdp_status::FSDP_POISONED);
+            }
+        }
+        let ((status, ..), waited, message) = peer;
+        // The peer fails in its next gather: at rank 0's leaving, or at its own deadline.
+        assert!(
+            matches!(
+                status,
+                fsdp_status::FSDP_COMM_ERROR | fsdp_status::FSDP_TIMEOUT
+            ) && message.contains("all-gather of group 1"),
+            "{mode:?}: {status:?}, {message}"
+        );
+        assert!(
+            waited.as_secs_f64() < 3.0,
+            "the peer waited {waited:?}: {message}"
+        );
     });
 }
 

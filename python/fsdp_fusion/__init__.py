@@ -30,7 +30,7 @@ from .errors import (
     PoisonedError,
     UnavailableError,
 )
-from .group import LocalGroup
+from .group import LocalGroup, LoopbackGroup
 from .module import (
     DTYPE_CODES,
     FusedFSDP,
@@ -54,6 +54,7 @@ __all__ = [
     "InvalidHandleError",
     "IoError",
     "LocalGroup",
+    "LoopbackGroup",
     "MisuseError",
     "NullPointerError",
     "OutOfMemoryError",

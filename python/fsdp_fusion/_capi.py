@@ -146,6 +146,12 @@ _SIGNATURES = {
          c_uint64, c_void_p, _OUT],
         c_int,
     ),
+    "fsdp_loopback_group_create": ([c_size_t, _OUT], c_int),
+    "fsdp_loopback_group_destroy": ([_HANDLE], c_int),
+    "fsdp_engine_create_cuda_loopback": (
+        [_HANDLE, POINTER(Config), c_int, _HANDLE, c_size_t, c_uint64, c_void_p, _OUT],
+        c_int,
+    ),
     "fsdp_engine_destroy": ([_HANDLE], c_int),
     "fsdp_engine_pre_forward": ([_HANDLE, c_int64], c_int),
     "fsdp_engine_post_forward": ([_HANDLE, c_int64], c_int),

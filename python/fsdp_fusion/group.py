@@ -1,4 +1,4 @@
-"""Ranks as threads of one process, on the CPU backend."""
+"""Ranks as threads of one process: CPU ranks, and GPU ranks sharing one device."""
 
 from __future__ import annotations
 
@@ -26,4 +26,27 @@ class LocalGroup(Releasing):
         """Releases the group; the engines made from it keep their communicators."""
         if self.handle is not None and self.handle.value:
             self._lib.call("fsdp_local_group_destroy", self.handle)
+            self.handle = None
+
+
+class LoopbackGroup(Releasing):
+    """The communicators of `world_size` ranks that share one GPU, as threads of this process
+    (NCCL refuses two ranks on one device; this group's collectives are device copies): give it,
+    with its rank, to each rank's `FusedFSDP` of a module on that GPU, and drive each rank from
+    its own thread on a stream of its own, current when its wrapper is made. Forward passes
+    only: PyTorch runs every backward pass of a device on one thread, where the ranks' hooks
+    would wait for each other. For tests of several ranks on one GPU."""
+
+    def __init__(self, world_size: int, library_path: str | os.PathLike | None = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise InvalidArgumentError(f"world_size {world_size!r} is not a positive integer")
+        self.world_size = world_size
+        self._lib = library(library_path)
+        self.handle = c_void_p()
+        self._lib.call("fsdp_loopback_group_create", world_size, byref(self.handle))
+
+    def close(self):
+        """Releases the group; the engines made from it keep their communicators."""
+        if self.handle is not None and self.handle.value:
+            self._lib.call("fsdp_loopback_group_destroy", self.handle)
             self.handle = None

@@ -36,7 +36,7 @@ from ._capi import (
 from ._allocator import TorchAllocator
 from ._dlpack import tensor_at
 from .errors import InvalidArgumentError, MisuseError
-from .group import LocalGroup
+from .group import LocalGroup, LoopbackGroup
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 """The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
@@ -307,7 +307,9 @@ class FusedFSDP(Releasing, torch.nn.Module):
     `torch.distributed` when it is initialized, else 1); forward and backward must run on the
     stream that was current when the wrapper was made, the engine's compute stream. A CPU module
     trains at world size 1, or as rank `rank` of `local_group` (ranks as threads, each made and
-    driven on its own thread: making an engine compares the ranks' plans).
+    driven on its own thread: making an engine compares the ranks' plans). A GPU module trains
+    as rank `rank` of `local_group` when that is a `LoopbackGroup` (ranks as threads sharing one
+    GPU, for tests), each rank on its own current stream.
 
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
     unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of
@@ -383,7 +385,7 @@ class FusedFSDP(Releasing, torch.nn.Module):
         lr_scales: Mapping[str, float] | None = None,
         process_groups: Mapping[str, int] | None = None,
         param_groups: Mapping[str, str] | None = None,
-        local_group: LocalGroup | None = None,
+        local_group: LocalGroup | LoopbackGroup | None = None,
         rank: int = 0,
     ):
         super().__init__()
@@ -398,9 +400,13 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._lib = _capi.library(library)
         self._local_group = local_group
         if local_group is not None:
-            if self._device.type != "cpu":
-                raise InvalidArgumentError("a local group runs CPU ranks; this module is on "
-                                           f"{self._device}")
+            if not isinstance(local_group, (LocalGroup, LoopbackGroup)):
+                raise InvalidArgumentError(f"local_group {local_group!r} is not a LocalGroup or "
+                                           "a LoopbackGroup")
+            wants = "cpu" if isinstance(local_group, LocalGroup) else "cuda"
+            if self._device.type != wants:
+                raise InvalidArgumentError(f"a {type(local_group).__name__} runs {wants} ranks; "
+                                           f"this module is on {self._device}")
             if not 0 <= rank < local_group.world_size:
                 raise InvalidArgumentError(
                     f"rank {rank} is not in a local group of {local_group.world_size}")
@@ -525,8 +531,14 @@ class FusedFSDP(Releasing, torch.nn.Module):
         return engine
 
     def _make_cuda_engine(self, config: Config) -> c_void_p:
-        """This process's rank on its GPU with NCCL; blocks until every rank joined."""
+        """This process's rank on its GPU with NCCL, or the rank of the caller's loopback
+        group; blocks until every rank joined."""
         engine = c_void_p()
+        if self._local_group is not None:
+            self._call("fsdp_engine_create_cuda_loopback", self._plan, byref(config),
+                       self._device.index or 0, self._local_group.handle, self._rank,
+                       self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
+            return engine
         uid = self._unique_id()
         self._call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
                        self._device.index or 0, uid, len(uid), self._rank, self._world,

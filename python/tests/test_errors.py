@@ -11,7 +11,7 @@ from conftest import CHECKOUT
 from training import models
 
 import fsdp_fusion
-from fsdp_fusion import FusedFSDP, LocalGroup, _capi
+from fsdp_fusion import FusedFSDP, LocalGroup, LoopbackGroup, _capi
 from fsdp_fusion.errors import STATUS_ERRORS
 
 
@@ -62,6 +62,12 @@ def test_settings_the_engine_refuses_raise_value_errors():
         FusedFSDP(module, list(module.blocks), timeout=-1.0)
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match="rank 2 is not in a local group"):
         FusedFSDP(module, list(module.blocks), local_group=LocalGroup(2), rank=2)
+    with pytest.raises(fsdp_fusion.InvalidArgumentError,
+                       match="a LoopbackGroup runs cuda ranks; this module is on cpu"):
+        FusedFSDP(module, list(module.blocks), local_group=LoopbackGroup(2), rank=0)
+    with pytest.raises(fsdp_fusion.InvalidArgumentError,
+                       match="local_group 2 is not a LocalGroup or a LoopbackGroup"):
+        FusedFSDP(module, list(module.blocks), local_group=2)
 
 
 def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):

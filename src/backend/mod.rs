@@ -6,6 +6,8 @@
 
 pub mod cpu;
 pub mod cuda;
+#[cfg(feature = "fault-injection")]
+pub mod hold;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -241,6 +243,12 @@ pub trait Backend: Send {
 
     /// Marks the current end of `stream`'s work.
     fn record(&self, stream: Stream) -> Result<Self::Event>;
+
+    /// Queues on `stream` work that completes only once `release` is set, as a collective whose
+    /// peer is stuck never completes on the device; `Error::Unsupported` where the stream runs
+    /// its work on the caller's thread (the eager CPU backend), which would block for good.
+    #[cfg(feature = "fault-injection")]
+    fn hold(&self, stream: Stream, release: &hold::Release) -> Result<()>;
 
     /// Makes `stream`'s later work wait for `event`, without blocking the host.
     fn wait(&self, stream: Stream, event: &Self::Event) -> Result<()>;

@@ -95,16 +95,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 out_region,
             )
         }?;
-        let done = std::sync::Arc::new(self.backend.record(Stream::Gather)?);
         let place = match grid {
             true => self.comm.replica().index * self.plan.world_size() + self.rank,
             false => self.rank,
         };
-        self.track(
-            Fingerprint::all_gather(tag, shard_region),
-            (place, world),
-            &done,
-        );
+        let collective = (Fingerprint::all_gather(tag, shard_region), (place, world));
+        self.record_collective(Stream::Gather, Some(collective))?;
         let mut all = filled(total, 0u8, "a comparison of the ranks")?;
         self.backend.download(&out, out_region, &mut all)?;
         Ok(all

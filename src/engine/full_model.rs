@@ -103,9 +103,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             unsafe {
                 comm.all_gather_in_place(&e.backend, Stream::Compute, tag, &mut buffer, whole)
             }?;
-            let done = std::sync::Arc::new(e.backend.record(Stream::Compute)?);
             let collective = Fingerprint::all_gather(tag, Region::new(0, g.shard_numel, g.dtype));
-            e.track(collective, e.peers(g.process_group), &done);
+            let peers = e.peers(g.process_group);
+            e.record_collective(Stream::Compute, Some((collective, peers)))?;
             let mut out =
                 crate::fallible::filled(g.padded_numel * g.dtype.size(), 0u8, "a gathered group")?;
             e.backend.download(&buffer, whole, &mut out)?;

@@ -136,17 +136,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         for (g, start, collective) in batch.queued.drain(..) {
             if result.is_ok() {
+                let peers = self.peers(self.plan.groups()[g].process_group);
                 result = self
                     .push_span(Stream::Gather, SpanKind::AllGather { group: g }, start)
-                    .and_then(|()| self.backend.record(Stream::Gather))
-                    .map(|done| {
-                        let done = Arc::new(done);
-                        if let Some(collective) = collective {
-                            let peers = self.peers(self.plan.groups()[g].process_group);
-                            self.track(collective, peers, &done);
-                        }
-                        self.gathered[g] = Some(done);
-                    });
+                    .and_then(|()| {
+                        self.record_collective(Stream::Gather, collective.map(|c| (c, peers)))
+                    })
+                    .map(|done| self.gathered[g] = Some(done));
             }
         }
         result

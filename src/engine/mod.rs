@@ -15,6 +15,8 @@ mod checks;
 mod deadlines;
 mod full_model;
 mod gather;
+#[cfg(feature = "fault-injection")]
+mod hang;
 mod load;
 mod norm;
 mod parts;
@@ -34,7 +36,7 @@ use crate::grads::{GradEffect, GradPipeline, Passes};
 use crate::plan::Plan;
 use crate::schedule::{Phase, Schedule};
 use crate::state::{GatherEffect, Gathers};
-use crate::types::{BufferState, DType, ParamId, Unit};
+use crate::types::{BufferState, DType, ParamId, Stream, Unit};
 use crate::watch::{AbortHandle, Watch};
 use gather::{GatherBatch, GatherSlot, Placement};
 pub use norm::GradNorm;
@@ -81,6 +83,9 @@ pub struct Counters {
 /// passed, an abort) poisons the engine: every later call returns [`Error::Poisoned`] naming the
 /// first failure, and no view is handed out.
 pub struct Engine<B: Backend, C: Communicator<B>> {
+    /// First, so that dropping the engine releases a held stream before anything waits on it.
+    #[cfg(feature = "fault-injection")]
+    hang: Option<hang::Hang>,
     plan: Arc<Plan>,
     config: EngineConfig,
     rank: usize,
@@ -421,6 +426,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let groups = plan.groups().len();
         let units = plan.units().len();
         Engine {
+            #[cfg(feature = "fault-injection")]
+            hang: None,
             rank: comm.rank(),
             gathers: state.gathers,
             schedule: Schedule::new(units),
@@ -615,10 +622,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
-    /// Holds `collective` (this rank at place `peers.0` of `peers.1`), whose stream is done with
-    /// it once it reaches `done`, to the engine's timeout ([`deadlines`]).
-    fn track(&self, collective: Fingerprint, peers: (usize, usize), done: &Arc<B::Event>) {
-        self.deadlines.track(collective, peers, Arc::clone(done));
+    /// Marks the current end of `stream`'s work, after `collective` where one was just queued
+    /// on it (this rank at place `peers.0` of `peers.1`), which is then held to the engine's
+    /// timeout ([`deadlines`]) until its stream reaches the mark.
+    fn record_collective(
+        &mut self,
+        stream: Stream,
+        collective: Option<(Fingerprint, (usize, usize))>,
+    ) -> Result<Arc<B::Event>> {
+        #[cfg(feature = "fault-injection")]
+        if collective.is_some() {
+            hang::Hang::after_collective(&mut self.hang, &self.backend, stream)?;
+        }
+        let done = Arc::new(self.backend.record(stream)?);
+        if let Some((collective, peers)) = collective {
+            self.deadlines.track(collective, peers, Arc::clone(&done));
+        }
+        Ok(done)
     }
 
     /// The tag of the next collective, for `purpose`; its fingerprint is kept for the step's

@@ -372,11 +372,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             )
         }?;
         self.push_span(Stream::Reduce, SpanKind::ReduceScatter { group }, start)?;
-        let reduced = std::sync::Arc::new(self.backend.record(Stream::Reduce)?);
-        if let Some(tag) = tag {
-            let peers = self.peers(process_group);
-            self.track(Fingerprint::reduce_scatter(tag, region), peers, &reduced);
-        }
+        let peers = self.peers(process_group);
+        let collective = tag.map(|tag| (Fingerprint::reduce_scatter(tag, region), peers));
+        let reduced = self.record_collective(Stream::Reduce, collective)?;
         if let Place::Slot(slot) = place {
             self.grad_slots[slot].reduced = Some(reduced);
         }

@@ -18,6 +18,8 @@
 mod allocator;
 mod checkpoint;
 mod engine;
+#[cfg(feature = "fault-injection")]
+mod faults;
 mod group;
 pub(crate) mod handles;
 mod plan;
@@ -29,6 +31,8 @@ mod types;
 pub use allocator::fsdp_device_allocator;
 pub use checkpoint::*;
 pub use engine::*;
+#[cfg(feature = "fault-injection")]
+pub use faults::*;
 pub use group::*;
 pub use plan::*;
 pub use recipe::*;

@@ -1,10 +1,9 @@
 //! Communicators that misbehave on purpose, for the failure tests.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 
-use fsdp_fusion::CpuBackend;
-use fsdp_fusion::backend::cuda::CudaBackend;
+pub use fsdp_fusion::backend::hold::Release;
 use fsdp_fusion::backend::{Backend, Region};
 use fsdp_fusion::comm::{Communicator, Purpose, Tag};
 use fsdp_fusion::types::Stream;
@@ -85,106 +84,7 @@ pub fn is_injected(e: &Error) -> bool {
         if *call == "ncclCommGetAsyncError" && message.starts_with("remote process exited"))
 }
 
-/// The release of a hung collective's wait: a flag, and on a GPU the page-locked words mapped
-/// into the device that the streams wait on.
-#[derive(Clone, Default)]
-pub struct Release {
-    set: Arc<AtomicBool>,
-    /// Host addresses of words a device stream waits to become 1.
-    words: Arc<Mutex<Vec<usize>>>,
-}
-
-impl Release {
-    pub fn is_set(&self) -> bool {
-        self.set.load(Ordering::SeqCst)
-    }
-
-    fn set(&self) {
-        self.set.store(true, Ordering::SeqCst);
-        let words = self.words.lock().unwrap_or_else(|p| p.into_inner());
-        for &word in words.iter() {
-            // SAFETY: a page-locked word this release's `hold` allocated and never frees.
-            unsafe { (word as *mut u32).write_volatile(1) };
-        }
-    }
-}
-
-/// A backend that can queue on a stream work that completes only once released.
-pub trait Holds: Backend {
-    fn hold(&self, stream: Stream, release: &Release) -> Result<()>;
-}
-
-impl Holds for CpuBackend {
-    fn hold(&self, stream: Stream, release: &Release) -> Result<()> {
-        let release = release.clone();
-        self.run(stream, move || {
-            while !release.is_set() {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            Ok(())
-        })
-    }
-}
-
-impl Holds for CudaBackend {
-    /// A `cuStreamWaitValue32` on a page-locked word mapped into the device, which the release
-    /// sets from the host.
-    fn hold(&self, stream: Stream, release: &Release) -> Result<()> {
-        use cudarc::driver::sys;
-        let check = |call: &'static str, r: sys::CUresult| match r {
-            sys::CUresult::CUDA_SUCCESS => Ok(()),
-            code => Err(Error::Cuda {
-                call,
-                code: code as i32,
-                message: format!("{code:?}"),
-            }),
-        };
-        // SAFETY: only a wait on a word of its own is queued on the stream.
-        let on = unsafe { self.stream(stream) };
-        on.context().bind_to_thread().map_err(|e| Error::Cuda {
-            call: "cuCtxSetCurrent",
-            code: e.0 as i32,
-            message: e.to_string(),
-        })?;
-        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
-        let mut device: sys::CUdeviceptr = 0;
-        // SAFETY: a fresh page-locked word mapped into the device, set to 0 before the stream
-        // waits on it and never freed (the release writes it, whenever that comes).
-        unsafe {
-            check(
-                "cuMemHostAlloc",
-                sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP),
-            )?;
-            host.cast::<u32>().write_volatile(0);
-            check(
-                "cuMemHostGetDevicePointer",
-                sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
-            )?;
-        }
-        release
-            .words
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(host as usize);
-        if release.is_set() {
-            release.set();
-        }
-        // SAFETY: the stream is live; the word outlives the wait.
-        unsafe {
-            check(
-                "cuStreamWaitValue32",
-                sys::cuStreamWaitValue32_v2(
-                    on.cu_stream(),
-                    device,
-                    1,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                ),
-            )
-        }
-    }
-}
-
-impl<B: Holds, C: Communicator<B>> Communicator<B> for Faulty<C> {
+impl<B: Backend, C: Communicator<B>> Communicator<B> for Faulty<C> {
     fn rank(&self) -> usize {
         self.inner.rank()
     }

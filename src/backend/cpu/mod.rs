@@ -283,6 +283,23 @@ impl Backend for CpuBackend {
         }
     }
 
+    #[cfg(feature = "fault-injection")]
+    fn hold(&self, stream: Stream, release: &crate::backend::hold::Release) -> Result<()> {
+        if self.streams.is_none() {
+            return Err(Error::Unsupported {
+                backend: NAME,
+                what: "a hold on an eager backend's stream, which runs on the caller's thread",
+            });
+        }
+        let release = release.clone();
+        self.run(stream, move || {
+            while !release.is_set() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        })
+    }
+
     fn record(&self, stream: Stream) -> Result<CpuEvent> {
         Ok(CpuEvent(match &self.streams {
             None => Point::Reached(Instant::now()),

@@ -416,6 +416,47 @@ impl Backend for CudaBackend {
         self.watch = watch.clone();
     }
 
+    /// A `cuStreamWaitValue32` on a page-locked word mapped into the device, which the release
+    /// sets from the host.
+    #[cfg(feature = "fault-injection")]
+    fn hold(&self, stream: Stream, release: &crate::backend::hold::Release) -> Result<()> {
+        use cudarc::driver::sys;
+        let check = |call: &'static str, r: CUresult| match r {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            code => Err(driver::cuda_error(call, code, format!("{code:?}"))),
+        };
+        bind(&self.ctx)?;
+        let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: a fresh page-locked word mapped into the device, 0 before the stream waits on
+        // it and never freed: the release writes it whenever it comes, the stream reads it until
+        // then.
+        unsafe {
+            check(
+                "cuMemHostAlloc",
+                sys::cuMemHostAlloc(&mut host, 4, sys::CU_MEMHOSTALLOC_DEVICEMAP),
+            )?;
+            host.cast::<u32>().write_volatile(0);
+            check(
+                "cuMemHostGetDevicePointer",
+                sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
+            )?;
+            release.add_word(host.cast());
+        }
+        // SAFETY: the stream is live; the word outlives the wait.
+        unsafe {
+            check(
+                "cuStreamWaitValue32",
+                sys::cuStreamWaitValue32_v2(
+                    self.stream_handle(stream).cu_stream(),
+                    device,
+                    1,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                ),
+            )
+        }
+    }
+
     fn record(&self, stream: Stream) -> Result<CudaBackendEvent> {
         Ok(CudaBackendEvent(self.record_raw(stream)?))
     }
