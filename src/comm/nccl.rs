@@ -1028,6 +1028,43 @@ mod tests {
         assert_eq!(split_version(-1), (0, 0, 0));
     }
 
+    /// Scaled reductions at world size 1 (NCCL runs them at one rank too): each factor's
+    /// premultiplied sum is made once and kept, and every reduction scales by its own factor.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_premultiplied_sum_is_made_once_per_factor() {
+        use crate::backend::Backend;
+        let backend = CudaBackend::new(0).unwrap();
+        let id = NcclComm::unique_id().unwrap();
+        let mut comm = NcclComm::new(&id, 0, 1, &backend, Duration::from_secs(60)).unwrap();
+        let values: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let region = Region::new(0, values.len(), DType::F32);
+        let bytes: &[u8] = bytemuck::cast_slice(&values);
+        for (seq, scale) in [0.5f32, 0.5, 0.25, 0.5, 1.0].into_iter().enumerate() {
+            let mut buf = backend.alloc(bytes.len()).unwrap();
+            backend.upload(&mut buf, region, bytes).unwrap();
+            let tag = Tag {
+                purpose: crate::comm::Purpose::Group(0),
+                step: 0,
+                seq: seq as u64,
+            };
+            // SAFETY: the buffer is this test's; the download orders itself after the stream.
+            unsafe { comm.reduce_scatter(&backend, Stream::Reduce, tag, &mut buf, region, scale) }
+                .unwrap();
+            let mut out = vec![0u8; bytes.len()];
+            backend.download(&buf, region, &mut out).unwrap();
+            let want: Vec<f32> = values.iter().map(|v| v * scale).collect();
+            assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), want, "scale {scale}");
+        }
+        let made: Vec<(f32, DType)> = comm
+            .sums
+            .borrow()
+            .iter()
+            .map(|&(scale, dtype, _)| (f32::from_bits(scale), dtype))
+            .collect();
+        assert_eq!(made, [(0.5, DType::F32), (0.25, DType::F32)]);
+    }
+
     #[test]
     fn dtypes_map_to_nccls() {
         assert_eq!(nccl_dtype(DType::Bf16), ncclDataType_t::ncclBfloat16);

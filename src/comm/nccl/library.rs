@@ -280,6 +280,24 @@ mod tests {
     use super::*;
 
     #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_communicator_takes_at_most_half_the_multiprocessors() {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let ctx = crate::backend::cuda::primary_context(0).unwrap();
+        crate::backend::cuda::bind(&ctx).unwrap();
+        let count = ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap();
+        let config = NcclConfig::nonblocking();
+        assert_eq!(config.blocking, 0);
+        assert!(
+            config.max_ctas >= 1 && 2 * config.max_ctas <= count,
+            "maxCTAs {} of {count} multiprocessors",
+            config.max_ctas
+        );
+    }
+
+    #[test]
     fn the_runtime_name_is_tried_before_the_development_symlink() {
         assert_eq!(
             candidates(None),
