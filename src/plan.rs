@@ -108,11 +108,13 @@ pub struct Plan {
     params: Vec<ParamLayout>,
     groups: Vec<Group>,
     units: Vec<Unit>,
+    /// Each unit's position in `units`.
+    unit_index: HashMap<Unit, usize>,
     unit_groups: Vec<Vec<usize>>,
     by_name: HashMap<String, ParamId>,
 }
 
-#[derive(PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 struct GroupKey {
     dtype: DType,
     trainable: bool,
@@ -148,6 +150,7 @@ impl Plan {
         }
         // Groups in order of first appearance, members in model order.
         let mut keys: Vec<GroupKey> = Vec::new();
+        let mut key_index: HashMap<GroupKey, usize> = HashMap::new();
         let mut members: Vec<Vec<usize>> = Vec::new();
         for (i, p) in model.params.iter().enumerate() {
             let key = GroupKey {
@@ -167,9 +170,10 @@ impl Plan {
                     (_, index) => index,
                 },
             };
-            match keys.iter().position(|k| *k == key) {
-                Some(g) => members[g].push(i),
+            match key_index.get(&key) {
+                Some(&g) => members[g].push(i),
                 None => {
+                    key_index.insert(key.clone(), keys.len());
                     keys.push(key);
                     members.push(vec![i]);
                 }
@@ -253,11 +257,13 @@ impl Plan {
         let params: Vec<ParamLayout> = params.into_iter().flatten().collect();
 
         let mut units: Vec<Unit> = Vec::new();
+        let mut unit_index: HashMap<Unit, usize> = HashMap::new();
         let mut unit_groups: Vec<Vec<usize>> = Vec::new();
         for g in &groups {
-            match units.iter().position(|&u| u == g.unit) {
-                Some(u) => unit_groups[u].push(g.index),
+            match unit_index.get(&g.unit) {
+                Some(&u) => unit_groups[u].push(g.index),
                 None => {
+                    unit_index.insert(g.unit, units.len());
                     units.push(g.unit);
                     unit_groups.push(vec![g.index]);
                 }
@@ -275,6 +281,7 @@ impl Plan {
             params,
             groups,
             units,
+            unit_index,
             unit_groups,
             by_name,
         })
@@ -332,7 +339,7 @@ impl Plan {
 
     /// The position of `unit` in [`Plan::units`].
     pub fn unit_index(&self, unit: Unit) -> Option<usize> {
-        self.units.iter().position(|&u| u == unit)
+        self.unit_index.get(&unit).copied()
     }
 
     /// The groups of the unit at `unit_index` in [`Plan::units`].

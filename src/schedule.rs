@@ -25,7 +25,8 @@ impl Phase {
 /// (forward) or its reverse (backward) stands in.
 #[derive(Clone, Debug)]
 pub struct Schedule {
-    default_order: Vec<usize>,
+    /// Units in plan order are `0..units`.
+    units: usize,
     last: [Vec<usize>; 2],
     current: [Vec<usize>; 2],
     phase: Option<Phase>,
@@ -35,7 +36,7 @@ impl Schedule {
     /// `units` units, in plan order `0..units`.
     pub fn new(units: usize) -> Schedule {
         Schedule {
-            default_order: (0..units).collect(),
+            units,
             last: [Vec::new(), Vec::new()],
             current: [Vec::new(), Vec::new()],
             phase: None,
@@ -74,7 +75,7 @@ impl Schedule {
             &mut self.current[phase.index()],
         );
         let repeated = !last.is_empty() && current == last && last.first() == Some(&unit);
-        let limit = PASS_LIMIT * self.default_order.len().max(1);
+        let limit = PASS_LIMIT * self.units.max(1);
         if repeated || current.len() >= limit {
             *last = std::mem::take(current);
         }
@@ -90,10 +91,9 @@ impl Schedule {
             return last.get(current.len()).copied();
         }
         let &now = current.last()?;
-        let at = self.default_order.iter().position(|&u| u == now)?;
         match phase {
-            Phase::Forward => self.default_order.get(at + 1).copied(),
-            Phase::Backward => at.checked_sub(1).map(|i| self.default_order[i]),
+            Phase::Forward => Some(now + 1).filter(|&next| next < self.units),
+            Phase::Backward => now.checked_sub(1),
         }
     }
 

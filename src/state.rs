@@ -1,6 +1,8 @@
 //! Pure decisions for the gathered parameter buffers: the FREED/SYNCING/USING/READY machine,
 //! eviction under the limit, and prefetch. No I/O: each call returns the effects to apply.
 
+use std::collections::BTreeSet;
+
 use crate::error::{Error, Result};
 use crate::types::BufferState;
 
@@ -36,7 +38,9 @@ pub enum GatherEffect {
     Wait(usize),
 }
 
-/// The states of every group's gathered buffer, and the limit on how many are gathered.
+/// The states of every group's gathered buffer, and the limit on how many are gathered. Every
+/// decision takes O(log groups): the counts and the READY buffers by last use follow each
+/// transition ([`Gathers::set`]), so no hook scans the groups.
 #[derive(Clone, Debug)]
 pub struct Gathers {
     states: Vec<BufferState>,
@@ -44,6 +48,10 @@ pub struct Gathers {
     last_use: Vec<u64>,
     clock: u64,
     limit: usize,
+    /// Buffers not FREED.
+    gathered: usize,
+    /// The READY buffers as (last use, group): the first is the one to evict.
+    ready: BTreeSet<(u64, usize)>,
 }
 
 impl Gathers {
@@ -56,6 +64,8 @@ impl Gathers {
             last_use: vec![0; groups],
             clock: 0,
             limit,
+            gathered: 0,
+            ready: BTreeSet::new(),
         }
     }
 
@@ -63,28 +73,35 @@ impl Gathers {
         self.states[group]
     }
 
-    /// Buffers SYNCING, USING or READY: derived from the states, never counted separately.
+    /// Buffers SYNCING, USING or READY.
     pub fn gathered(&self) -> usize {
-        self.states
-            .iter()
-            .filter(|&&s| s != BufferState::Freed)
-            .count()
+        self.gathered
     }
 
+    /// The one place a state changes, and with it the count and the READY set.
     fn set(&mut self, group: usize, to: BufferState) -> Result<()> {
         let from = self.states[group];
         if !from.allows(to) {
             return Err(Error::ForbiddenTransition { group, from, to });
         }
+        match (from, to) {
+            (BufferState::Freed, _) => self.gathered += 1,
+            (_, BufferState::Freed) => self.gathered -= 1,
+            _ => {}
+        }
+        if from == BufferState::Ready {
+            self.ready.remove(&(self.last_use[group], group));
+        }
+        if to == BufferState::Ready {
+            self.ready.insert((self.last_use[group], group));
+        }
         self.states[group] = to;
         Ok(())
     }
 
-    /// The least recently used READY buffer.
+    /// The least recently used READY buffer (the lowest group among equals).
     fn eviction_candidate(&self) -> Option<usize> {
-        (0..self.states.len())
-            .filter(|&g| self.states[g] == BufferState::Ready)
-            .min_by_key(|&g| self.last_use[g])
+        self.ready.first().map(|&(_, group)| group)
     }
 
     /// Makes room for one more gathered buffer if at the limit and something READY can go.
@@ -106,8 +123,6 @@ impl Gathers {
     /// Compute needs `group`: afterwards it is USING. A FREED buffer is gathered even when the
     /// limit is reached and nothing can be evicted (the engine takes one more slot).
     pub fn acquire(&mut self, group: usize, effects: &mut Vec<GatherEffect>) -> Result<()> {
-        self.clock += 1;
-        self.last_use[group] = self.clock;
         match self.states[group] {
             BufferState::Using => {}
             BufferState::Ready => self.set(group, BufferState::Using)?,
@@ -123,6 +138,9 @@ impl Gathers {
                 effects.push(GatherEffect::Wait(group));
             }
         }
+        // Stamped once USING, out of the READY set that is ordered by the stamps.
+        self.clock += 1;
+        self.last_use[group] = self.clock;
         self.users[group] += 1;
         Ok(())
     }

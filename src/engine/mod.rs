@@ -26,6 +26,7 @@ mod spans;
 mod step;
 mod views;
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock};
 
 use crate::backend::{Backend, MemoryUsage, Region};
@@ -119,8 +120,9 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     gathers: Gathers,
     grads: GradPipeline,
     schedule: Schedule,
-    forward_open: Vec<bool>,
-    backward_open: Vec<bool>,
+    /// The units whose forward, and whose backward, is open.
+    forward_open: BTreeSet<usize>,
+    backward_open: BTreeSet<usize>,
     optimizer_steps: u64,
     stepped: bool,
     open_slot: Option<ParamId>,
@@ -445,8 +447,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             shards_updated: None,
             grad_slots: buffers.grad_slots,
             grad_accumulators: buffers.grad_accumulators,
-            forward_open: vec![false; units],
-            backward_open: vec![false; units],
+            forward_open: BTreeSet::new(),
+            backward_open: BTreeSet::new(),
             optimizer_steps: 0,
             stepped: false,
             open_slot: None,
@@ -665,7 +667,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
-        if self.forward_open[u] {
+        if self.forward_open.contains(&u) {
             return Err(Error::ForwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
@@ -674,10 +676,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // (activation checkpointing): it belongs to the backward pass, so it neither ends
             // the pass (which would reduce half-filled groups early) nor starts a forward one,
             // and prefetching keeps to the backward order.
-            if !e.backward_open.contains(&true) {
+            if e.backward_open.is_empty() {
                 e.begin(Phase::Forward, u)?;
             }
-            e.forward_open[u] = true;
+            e.forward_open.insert(u);
             e.use_unit_traced(u, Phase::Forward)
         })
     }
@@ -688,11 +690,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
-        if !self.forward_open[u] {
+        if !self.forward_open.contains(&u) {
             return Err(Error::ForwardNotOpen { unit });
         }
         self.effects(|e| {
-            e.forward_open[u] = false;
+            e.forward_open.remove(&u);
             e.end_span(u, Phase::Forward)?;
             e.release_unit(u)
         })
@@ -705,13 +707,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
-        if self.backward_open[u] {
+        if self.backward_open.contains(&u) {
             return Err(Error::BackwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
         self.effects(|e| {
             e.begin(Phase::Backward, u)?;
-            e.backward_open[u] = true;
+            e.backward_open.insert(u);
             e.use_unit_traced(u, Phase::Backward)
         })
     }
@@ -722,11 +724,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
-        if !self.backward_open[u] {
+        if !self.backward_open.contains(&u) {
             return Err(Error::BackwardNotOpen { unit });
         }
         self.effects(|e| {
-            e.backward_open[u] = false;
+            e.backward_open.remove(&u);
             e.end_span(u, Phase::Backward)?;
             e.release_unit(u)
         })

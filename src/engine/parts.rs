@@ -10,7 +10,7 @@ use crate::config::EngineConfig;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
 use crate::plan::Plan;
-use crate::types::{BufferState, DType};
+use crate::types::DType;
 
 /// The bytes of `part`.
 pub(super) fn bytes_of(part: &Part) -> usize {
@@ -111,14 +111,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Refuses `action` between a step's first hook or gradient and its `end_step`.
     pub(super) fn check_step_boundary(&self, action: &'static str) -> Result<()> {
         self.check_not_stepped(action)?;
-        let open = self
-            .forward_open
-            .iter()
-            .chain(&self.backward_open)
-            .any(|&o| o);
-        let gathered =
-            (0..self.plan.groups().len()).any(|g| self.gathers.state(g) != BufferState::Freed);
-        if open || gathered || self.grads.pending() || self.grads.synced() {
+        let open = !self.forward_open.is_empty() || !self.backward_open.is_empty();
+        if open || self.gathers.gathered() > 0 || self.grads.pending() || self.grads.synced() {
             return Err(Error::MidStep { action });
         }
         Ok(())

@@ -20,17 +20,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("finish_grad_sync", "");
         self.healthy()?;
         self.check_no_open_slot()?;
-        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+        if let Some(u) = self.forward_open.first().copied() {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
             });
         }
         self.effects(|e| {
-            for u in 0..e.backward_open.len() {
-                if e.backward_open[u] {
-                    e.backward_open[u] = false;
-                    e.release_unit(u)?;
-                }
+            while let Some(u) = e.backward_open.pop_first() {
+                e.release_unit(u)?;
             }
             let mut fx = std::mem::take(&mut e.grad_effects);
             fx.clear();
@@ -130,12 +127,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn end_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("end_step", "");
         self.healthy()?;
-        if let Some(u) = self.forward_open.iter().position(|&o| o) {
+        if let Some(u) = self.forward_open.first().copied() {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
             });
         }
-        if let Some(u) = self.backward_open.iter().position(|&o| o) {
+        if let Some(u) = self.backward_open.first().copied() {
             return Err(Error::BackwardStillOpen {
                 unit: self.plan.units()[u],
             });
