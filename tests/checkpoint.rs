@@ -9,7 +9,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, Error, OptimizerConfig, ParamStorage, Plan, Unit};
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, load, sharded_step};
-use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines, within_deadline};
+use fsdp_fusion_support::ranks::{
+    CpuEngine, Mode, for_each_mode_of_a_long_suite, on_engines, within_deadline,
+};
 use fsdp_fusion_support::scratch::Scratch;
 
 const PASSES: u64 = 2;
@@ -58,7 +60,7 @@ fn train<R: Send + 'static>(
 
 #[test]
 fn a_saved_run_continues_bit_for_bit_in_fresh_engines() {
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         let adamw = OptimizerConfig::default();
         let shard = ParamStorage::ShardAndMaster;
         for (dtype, optimizer, storage, world) in [
@@ -306,7 +308,7 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
 
 #[test]
 fn a_save_never_overwrites_and_never_runs_mid_step() {
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         let mlp = model(DType::F32, 24);
         let scratch = Scratch::new("checkpoint");
         let dir = scratch.path().to_path_buf();
@@ -461,7 +463,7 @@ fn bf16_moments_save_load_and_reshard_exactly_and_refuse_f32_ones() {
 
 #[test]
 fn resharding_holds_on_asynchronous_streams() {
-    for_each_mode(|mode| reshard(mode, DType::Bf16, (4, 3)));
+    for_each_mode_of_a_long_suite(|mode| reshard(mode, DType::Bf16, (4, 3)));
 }
 
 /// Trains 3 steps at world size 1, exports; the file holds every parameter's values under its
@@ -526,7 +528,9 @@ fn a_model_exported_as_safetensors_imports_exactly_at_every_world_size() {
     export_and_import(Mode::Eager, DType::F32, ParamStorage::ShardAndMaster);
     export_and_import(Mode::Eager, DType::Bf16, ParamStorage::ShardAndMaster);
     export_and_import(Mode::Eager, DType::F16, ParamStorage::MasterOnly);
-    for_each_mode(|mode| export_and_import(mode, DType::Bf16, ParamStorage::MasterOnly));
+    for_each_mode_of_a_long_suite(|mode| {
+        export_and_import(mode, DType::Bf16, ParamStorage::MasterOnly)
+    });
 }
 
 #[test]
@@ -731,7 +735,7 @@ fn the_training_harness_saves_and_resumes_where_the_reference_is() {
 
 #[test]
 fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         for (world, save_staging) in [(1, false), (3, false), (2, true)] {
             let mlp = model(DType::Bf16, 24);
             let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
@@ -792,7 +796,7 @@ fn scratch_other(dir: &Path) -> PathBuf {
 
 #[test]
 fn every_rank_gathers_the_whole_groups_it_holds_a_part_of() {
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         for storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
             for world in [1, 2, 3, 4] {
                 let mlp = model(DType::Bf16, 24);

@@ -15,7 +15,9 @@ use fsdp_fusion::{
 use fsdp_fusion_support::mlp::{
     Checkpoints, EXPERT_GROUP, Mlp, MlpConfig, RankStep, Recipe, Training, assemble_copy,
 };
-use fsdp_fusion_support::ranks::{Mode, for_each_mode, local_ranks, on_engines, within_deadline};
+use fsdp_fusion_support::ranks::{
+    Mode, for_each_mode_of_a_long_suite, local_ranks, on_engines, within_deadline,
+};
 use fsdp_fusion_support::values::max_relative_difference;
 
 fn model(experts: usize) -> Mlp {
@@ -99,7 +101,7 @@ fn expert_parity(mode: Mode, (world, size): (usize, usize), config: EngineConfig
 
 fn every_mode(grid: (usize, usize), config: &EngineConfig) -> f32 {
     let mut worst = 0f32;
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("expert groups {grid:?} ({mode:?})");
         worst = worst.max(within_deadline(&what, move || {

@@ -10,7 +10,7 @@ use fsdp_fusion::{
     Accumulation, DType, Engine, EngineConfig, Error, LocalComm, OptimizerConfig, Plan,
 };
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, assemble};
-use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
+use fsdp_fusion_support::ranks::{Mode, for_each_mode_of_a_long_suite, within_deadline};
 use fsdp_fusion_support::values::widen;
 
 fn model() -> Mlp {
@@ -78,7 +78,7 @@ fn hybrid_parity(mode: Mode, (replicas, shard_size): (usize, usize), config: Eng
 
 fn every_mode(grid: (usize, usize), config: &EngineConfig) -> f32 {
     let mut worst = 0f32;
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("hybrid sharding {grid:?} ({mode:?})");
         worst = worst.max(within_deadline(&what, move || {
@@ -227,7 +227,7 @@ fn replicas_whose_plans_differ_refuse_to_start_at_every_grid() {
         last.dtype = DType::F32;
     }
     for (replicas, shard_size) in [(2, 1), (2, 2)] {
-        for_each_mode(|mode| {
+        for_each_mode_of_a_long_suite(|mode| {
             let (spec, other) = (spec.clone(), other.clone());
             let errors = within_deadline("replicas with other plans", move || {
                 let ranks = Hybrid::grid(replicas, shard_size, LocalComm::group).unwrap();

@@ -9,7 +9,7 @@ use fsdp_fusion::{
     ParamStorage, Plan,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
-use fsdp_fusion_support::ranks::{Mode, for_each_mode, within_deadline};
+use fsdp_fusion_support::ranks::{Mode, for_each_mode_of_a_long_suite, within_deadline};
 use fsdp_fusion_support::values::max_relative_difference;
 
 const STEPS: u64 = 4;
@@ -25,7 +25,7 @@ fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
 /// learning rate and the biases exempt from weight decay.
 fn parity_with(world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
     let mut worst = 0f32;
-    for_each_mode(|mode| {
+    for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("parity at world size {world} ({mode:?}, {recipe:?})");
         worst = worst.max(within_deadline(&what, move || {

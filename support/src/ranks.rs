@@ -14,7 +14,9 @@ use fsdp_fusion::{CpuBackend, Engine, EngineConfig, LocalComm, Plan, Result};
 pub const DEADLINE: Duration = Duration::from_secs(300);
 
 /// Asynchronous seeds run by default; `FSDP_ASYNC_SEEDS=N` runs seeds `0..N` instead, and
-/// `FSDP_ASYNC_SEED=S` only seed `S` (to reproduce a failure).
+/// `FSDP_ASYNC_SEED=S` only seed `S` (to reproduce a failure). The long suites (whole training
+/// loops over every world size and setting, [`for_each_mode_of_a_long_suite`]) run seeds
+/// `0..FSDP_ASYNC_SEEDS_LONG` where that is set and smaller.
 const DEFAULT_SEEDS: u64 = 3;
 
 /// How a test's CPU ranks run their streams.
@@ -62,8 +64,23 @@ pub fn modes() -> Vec<Mode> {
 
 /// Runs `body` in every mode; a failing mode is named (with the variable that reproduces it)
 /// before its panic goes on.
-pub fn for_each_mode(mut body: impl FnMut(Mode)) {
-    for mode in modes() {
+pub fn for_each_mode(body: impl FnMut(Mode)) {
+    run_modes(modes(), body);
+}
+
+/// As [`for_each_mode`], for a long suite: its seeds are cut to `FSDP_ASYNC_SEEDS_LONG` where
+/// that is set (a run that spends its seeds on the short suites, which find ordering bugs at a
+/// fraction of the time per seed).
+pub fn for_each_mode_of_a_long_suite(body: impl FnMut(Mode)) {
+    let mut modes = modes();
+    if let Some(long) = env_u64("FSDP_ASYNC_SEEDS_LONG") {
+        modes.truncate(usize::try_from(long).map_or(usize::MAX, |n| n.saturating_add(1)));
+    }
+    run_modes(modes, body);
+}
+
+fn run_modes(modes: Vec<Mode>, mut body: impl FnMut(Mode)) {
+    for mode in modes {
         if let Err(panic) = catch_unwind(AssertUnwindSafe(|| body(mode))) {
             match mode {
                 Mode::Eager => eprintln!("failed on the eager CPU backend"),
