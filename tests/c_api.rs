@@ -1291,15 +1291,26 @@ fn a_blocked_call_is_aborted_and_counters_never_wait_for_it() {
             |engine| {
                 let aborter = std::thread::spawn(move || {
                     std::thread::sleep(std::time::Duration::from_millis(200));
-                    // Another thread reads the counters of the blocked engine, then aborts it.
+                    // Another thread reads the counters of the blocked engine, hands it a
+                    // gradient that is refused before the engine's lock, then aborts it.
                     let mut counters = fsdp_counters::default();
                     // SAFETY: valid pointers.
                     ok(unsafe { fsdp_engine_counters(handle(engine), &mut counters) });
+                    let started = std::time::Instant::now();
+                    // SAFETY: a NULL gradient, which the call refuses.
+                    let refused =
+                        unsafe { fsdp_engine_grad(handle(engine), 1, null(), 9, FSDP_F32) };
+                    let refused_after = started.elapsed();
                     ok(fsdp_engine_abort(handle(engine)));
-                    counters.all_gathers
+                    (counters.all_gathers, refused, refused_after)
                 });
                 let status = forward_then_gradient(engine);
-                let gathers = aborter.join().unwrap();
+                let (gathers, refused, refused_after) = aborter.join().unwrap();
+                assert_eq!(refused, NULL);
+                assert!(
+                    refused_after.as_millis() < 100,
+                    "refused after {refused_after:?}"
+                );
                 let later = fsdp_engine_end_step(handle(engine));
                 let message = last_error();
                 ok(fsdp_engine_destroy(handle(engine)));

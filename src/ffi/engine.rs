@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::allocator::{allocator_of, fsdp_device_allocator};
-use super::group::{Takeable, device_ordinal, give_back, take_comms, unique_id_of};
+use super::comms::{Comms, Takeable, give_back, take_comms};
+use super::group::{device_ordinal, unique_id_of};
 use super::handles::{
-    AnyEngine, Comms, abort_engine, destroy, engine_report, object, on_engine, plan_of,
-    store_engine, with_engine, wrong_kind,
+    AnyEngine, TensorMemory, abort_engine, destroy, engine_report, object, on_engine, plan_of,
+    store_engine, tensor_memory, with_engine, wrong_kind,
 };
 use super::registry::Object;
 use super::status::{Failure, Outcome, boundary, fsdp_status, invalid, null, put};
@@ -470,9 +471,9 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 ) -> fsdp_status {
     boundary(|| {
         let dtype = dtype_of(dtype)?;
+        // SAFETY: the caller's contract.
+        let input = unsafe { caller_input(tensor_memory(engine)?, data, numel, dtype) }?;
         on_engine(engine, |any| {
-            // SAFETY: the caller's contract.
-            let input = unsafe { caller_input(any, data, numel, dtype) }?;
             Ok(with_engine!(any, e => e.grad(ParamId(param), input))?)
         })
     })
@@ -495,18 +496,17 @@ pub unsafe extern "C" fn fsdp_engine_grads(
     boundary(|| {
         // SAFETY: the caller's contract.
         let entries = unsafe { entries(grads, count, "grads") }?;
-        on_engine(engine, |any| {
-            let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
-            for (i, g) in entries.iter().enumerate() {
-                let dtype =
-                    dtype_of(g.dtype).map_err(|f| invalid(format!("grads[{i}]: {}", f.message)))?;
-                // SAFETY: the caller's contract for each entry.
-                let input = unsafe { caller_input(any, g.data, g.numel, dtype) }
-                    .map_err(|f| Failure::new(f.status, format!("grads[{i}]: {}", f.message)))?;
-                batch.push((ParamId(g.param), input));
-            }
-            Ok(with_engine!(any, e => e.grads(&batch))?)
-        })
+        let memory = tensor_memory(engine)?;
+        let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
+        for (i, g) in entries.iter().enumerate() {
+            let dtype =
+                dtype_of(g.dtype).map_err(|f| invalid(format!("grads[{i}]: {}", f.message)))?;
+            // SAFETY: the caller's contract for each entry.
+            let input = unsafe { caller_input(memory, g.data, g.numel, dtype) }
+                .map_err(|f| Failure::new(f.status, format!("grads[{i}]: {}", f.message)))?;
+            batch.push((ParamId(g.param), input));
+        }
+        on_engine(engine, |any| Ok(with_engine!(any, e => e.grads(&batch))?))
     })
 }
 
@@ -559,25 +559,25 @@ unsafe fn entries<'a, T>(ptr: *const T, count: usize, what: &str) -> Outcome<&'a
     Ok(unsafe { std::slice::from_raw_parts(ptr, count) })
 }
 
-/// A caller's tensor as `any` reads it: host memory for a CPU engine, a device address on the
-/// compute stream for a CUDA engine.
+/// A caller's tensor in `memory`: host memory for a CPU engine, a device address on the compute
+/// stream for a CUDA engine.
 ///
 /// # Safety
-/// CPU engine: `data` is NULL or valid for `numel` elements of `dtype`. CUDA engine: as
+/// Host memory: `data` is NULL or valid for `numel` elements of `dtype`. Device memory: as
 /// `Input::Device` requires.
 unsafe fn caller_input<'a>(
-    any: &AnyEngine,
+    memory: TensorMemory,
     data: *const c_void,
     numel: usize,
     dtype: DType,
 ) -> Outcome<Input<'a>> {
-    match any {
-        AnyEngine::Cpu(_) => {
+    match memory {
+        TensorMemory::Host => {
             // SAFETY: the caller's contract.
             let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
             Ok(Input::host_bytes(bytes, dtype))
         }
-        AnyEngine::CudaNccl(_) | AnyEngine::CudaLoopback(_) => {
+        TensorMemory::Device => {
             if data.is_null() && numel > 0 {
                 return Err(null("data"));
             }

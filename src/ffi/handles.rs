@@ -5,7 +5,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, LazyLock, Mutex};
 
-use super::group::Takeable;
+use super::comms::Comms;
 use super::registry::{Object, Registry, lock};
 use super::status::{Failure, Outcome, fsdp_status, null, panic_message, put};
 use super::types::{fsdp_counters, fsdp_engine, fsdp_plan};
@@ -39,19 +39,27 @@ macro_rules! with_engine {
 }
 pub(crate) use with_engine;
 
-/// The communicators of a group handle; each rank's engine takes its own once (and gives it back
-/// when its engine could not be made).
-pub(crate) enum Comms {
-    Local {
-        comms: Mutex<Takeable<LocalComm>>,
-        /// The seed of the group's asynchronous backends; none for eager ones.
-        seed: Option<u64>,
-    },
-    Loopback(Mutex<Takeable<LoopbackComm>>),
+/// Where the tensors a caller hands an engine live: host memory on the CPU backend, device
+/// memory on CUDA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TensorMemory {
+    Host,
+    Device,
+}
+
+impl AnyEngine {
+    fn tensor_memory(&self) -> TensorMemory {
+        match self {
+            AnyEngine::Cpu(_) => TensorMemory::Host,
+            AnyEngine::CudaNccl(_) | AnyEngine::CudaLoopback(_) => TensorMemory::Device,
+        }
+    }
 }
 
 /// An engine and what other threads reach without its lock.
 pub(crate) struct EngineEntry {
+    /// Known without the engine's lock, so that a call converts its inputs before taking it.
+    tensors: TensorMemory,
     engine: Mutex<AnyEngine>,
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
@@ -93,6 +101,7 @@ pub(crate) fn plan_of(plan: *const fsdp_plan) -> Outcome<Arc<Plan>> {
 pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Outcome {
     let abort = with_engine!(&engine, e => e.abort_handle());
     let entry = EngineEntry {
+        tensors: engine.tensor_memory(),
         report: Mutex::new(report(&engine)),
         engine: Mutex::new(engine),
         abort,
@@ -145,6 +154,12 @@ pub(crate) fn engine_report(engine: *mut fsdp_engine) -> Outcome<(fsdp_counters,
     let object = object(engine as u64, "engine")?;
     let report = *lock(&entry_of(&object)?.report)?;
     Ok(report)
+}
+
+/// Where the tensors a caller hands `engine` live; never waits for a call in progress.
+pub(crate) fn tensor_memory(engine: *mut fsdp_engine) -> Outcome<TensorMemory> {
+    let object = object(engine as u64, "engine")?;
+    Ok(entry_of(&object)?.tensors)
 }
 
 /// Aborts `engine` without waiting for its lock.

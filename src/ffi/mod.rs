@@ -17,6 +17,7 @@
 
 mod allocator;
 mod checkpoint;
+mod comms;
 mod engine;
 #[cfg(feature = "fault-injection")]
 mod faults;
