@@ -465,6 +465,13 @@ enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
 // must all destroy their engines at the same point of the training.
 enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);
 
+// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
+// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
+// `FSDP_POISONED`, and its peers see the rank gone. Its communicators are aborted at once
+// (`ncclCommAbort`), so collectives stuck on the device end, its streams drain, and the
+// caller's own waits on them return. The engine must still be destroyed.
+enum fsdp_status fsdp_engine_abort(struct fsdp_engine *engine);
+
 // Before `unit`'s forward (`FSDP_ROOT` for the root): gathers its groups, prefetches the next
 // unit. Takes part in collectives: every rank must call it. On a GPU it does not block the host.
 // A forward while a unit's backward is open (a recompute, for activation checkpointing) stays
@@ -481,19 +488,6 @@ enum fsdp_status fsdp_engine_pre_backward(struct fsdp_engine *engine, int64_t un
 // After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
 // not block the host.
 enum fsdp_status fsdp_engine_post_backward(struct fsdp_engine *engine, int64_t unit);
-
-// Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
-// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
-// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
-// is done (after the work already queued on the engine's streams).
-//
-// # Safety
-// `data` is NULL or valid for `numel` elements of `dtype`.
-enum fsdp_status fsdp_engine_load_param(struct fsdp_engine *engine,
-                                        size_t param,
-                                        const void *data,
-                                        size_t numel,
-                                        uint32_t dtype);
 
 // The address of `param`'s gathered values and their count and dtype, valid while one of the
 // parameter's unit's hooks is open; read only (it is a copy of the shards). The engine owns the
@@ -584,6 +578,19 @@ enum fsdp_status fsdp_engine_optimizer_step(struct fsdp_engine *engine);
 // next step starts. Does not block the host.
 enum fsdp_status fsdp_engine_end_step(struct fsdp_engine *engine);
 
+// Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
+// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
+// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+// is done (after the work already queued on the engine's streams).
+//
+// # Safety
+// `data` is NULL or valid for `numel` elements of `dtype`.
+enum fsdp_status fsdp_engine_load_param(struct fsdp_engine *engine,
+                                        size_t param,
+                                        const void *data,
+                                        size_t numel,
+                                        uint32_t dtype);
+
 // What the engine did, as of the end of its last call: never waits for a call in progress on
 // another thread, and works on a poisoned engine too.
 //
@@ -632,13 +639,6 @@ enum fsdp_status fsdp_engine_gather_group(struct fsdp_engine *engine,
 // # Safety
 // `out` is NULL or valid for a write.
 enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_t *out);
-
-// Aborts the engine from any thread, without waiting for it: a call blocked on it (in a
-// collective, or waiting for the device) returns `FSDP_ABORTED`, every later call
-// `FSDP_POISONED`, and its peers see the rank gone. Its communicators are aborted at once
-// (`ncclCommAbort`), so collectives stuck on the device end, its streams drain, and the
-// caller's own waits on them return. The engine must still be destroyed.
-enum fsdp_status fsdp_engine_abort(struct fsdp_engine *engine);
 
 #if defined(FSDP_FUSION_FAULT_INJECTION)
 // Makes collective number `at` the engine issues from now (0: the next, counted over every

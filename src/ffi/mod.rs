@@ -19,6 +19,8 @@ mod allocator;
 mod checkpoint;
 mod comms;
 mod engine;
+mod engine_hooks;
+mod engine_values;
 #[cfg(feature = "fault-injection")]
 mod faults;
 mod group;
@@ -32,6 +34,8 @@ mod types;
 pub use allocator::fsdp_device_allocator;
 pub use checkpoint::*;
 pub use engine::*;
+pub use engine_hooks::*;
+pub use engine_values::*;
 #[cfg(feature = "fault-injection")]
 pub use faults::*;
 pub use group::*;
