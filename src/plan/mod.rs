@@ -1,15 +1,20 @@
-//! Pure layout: groups, their order, padded offsets, shard ranges and the memory each rank holds.
+//! Pure layout: groups, their order, padded offsets and shard ranges; under a configuration
+//! (`policy`), the memory each rank holds (`memory`), and the plan as JSON (`json`).
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use serde::Serialize;
-
-use crate::config::{Accumulation, EngineConfig, GradShardMemory, ParamStorage};
 use crate::error::{Error, Result};
 use crate::spec::{ModelSpec, ProcessGroupSpec};
 use crate::types::DType;
 use crate::types::{ParamId, Unit};
+
+mod json;
+mod memory;
+mod policy;
+
+pub use memory::{BufferReport, MemoryPerRank};
+pub use policy::Limits;
 
 /// Every parameter starts this many bytes after the start of its group's buffer, times an integer.
 pub const ALIGNMENT_BYTES: usize = 256;
@@ -59,40 +64,6 @@ impl Group {
     pub fn padded_bytes(&self) -> usize {
         self.padded_numel * self.dtype.size()
     }
-}
-
-/// How a configuration's limits act on one plan (see [`Plan::limits`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    pub gathered: usize,
-    pub reduces_in_flight: usize,
-}
-
-/// Bytes one rank holds: everything is allocated before the first step, except per-step gradient
-/// shards ([`crate::GradShardMemory::PerStep`]), which exist from a step's first gradient to its
-/// end.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct MemoryPerRank {
-    pub param_shards: usize,
-    pub grad_shards: usize,
-    pub optimizer_state: usize,
-    pub gathered_slots: usize,
-    pub grad_slots: usize,
-    /// The unsharded fp32 gradients of `Accumulation::NoSync`.
-    pub grad_accumulators: usize,
-    /// Everything, held once a step's gradients are synced.
-    pub peak: usize,
-    /// What is held between steps: `peak` less per-step gradient shards.
-    pub between_steps: usize,
-}
-
-/// One kind of buffer a rank allocates: how many, their bytes together, and why that many.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct BufferReport {
-    pub what: &'static str,
-    pub count: usize,
-    pub bytes: usize,
-    pub why: String,
 }
 
 /// The layout of a model at one world size: the ranks that shard it, each holding
@@ -415,68 +386,6 @@ impl Plan {
             .unwrap_or(0)
     }
 
-    /// The configuration's limits as they act on this plan: no more gathered buffers than groups
-    /// (every group with `Accumulation::KeepGathered`), no more reductions in flight than
-    /// trainable groups (a larger limit never binds).
-    pub fn limits(&self, config: &EngineConfig) -> Limits {
-        let trainable = self.groups.iter().filter(|g| g.trainable).count();
-        let gathered = match config.accumulation {
-            Accumulation::KeepGathered => self.groups.len(),
-            _ => config.double_buffer_limit.min(self.groups.len()),
-        };
-        Limits {
-            gathered: gathered.max(1),
-            reduces_in_flight: config.max_reduces_in_flight.min(trainable).max(1),
-        }
-    }
-
-    /// Number of gather slots: the limit; at world size 1, where a shard is its whole buffer and
-    /// serves as the gathered view, only as many as groups without a shard (master-only) can be
-    /// gathered at once.
-    pub fn gather_slot_count(&self, config: &EngineConfig) -> usize {
-        let limit = self.limits(config).gathered;
-        if self.world_size == 1 {
-            let casts = self
-                .groups
-                .iter()
-                .filter(|g| self.master_only(config, g))
-                .count();
-            casts.min(limit)
-        } else {
-            limit
-        }
-    }
-
-    /// Whether `group` keeps its values in the fp32 master only (`ParamStorage::MasterOnly`, a
-    /// trainable bf16 or f16 group): no shard in its dtype, each gather casting the master.
-    pub fn master_only(&self, config: &EngineConfig, group: &Group) -> bool {
-        config.param_storage == ParamStorage::MasterOnly
-            && group.trainable
-            && group.dtype != DType::F32
-    }
-
-    /// Whether gradients go straight into the fp32 shards (every pass, adding after the first):
-    /// at world size 1 the shard is the whole gradient, unless the reduction scales it or
-    /// replicas must agree on it.
-    pub fn grads_direct(&self, config: &EngineConfig) -> bool {
-        !self.grads_travel() && config.grad_reduction.scale(1) == 1.0
-    }
-
-    /// Whether `Accumulation::NoSync` keeps unsharded fp32 accumulators: where gradients do
-    /// not go straight into the shards.
-    pub fn grad_accumulators(&self, config: &EngineConfig) -> bool {
-        config.accumulation == Accumulation::NoSync && !self.grads_direct(config)
-    }
-
-    /// The element type of the gradient slots: the transport's, f32 where nothing travels.
-    pub fn grad_slot_dtype(&self, config: &EngineConfig) -> DType {
-        if !self.grads_travel() {
-            DType::F32
-        } else {
-            config.reduce_dtype
-        }
-    }
-
     /// Elements of the largest trainable group: the size of one gradient slot.
     pub fn grad_slot_numel(&self) -> usize {
         self.groups
@@ -486,276 +395,12 @@ impl Plan {
             .max()
             .unwrap_or(0)
     }
-
-    /// Number of temporary gradient slots: one being filled beside each reduction in flight;
-    /// none where gradients go straight into the shards (world size 1) or fp32 accumulators are
-    /// reduced in place.
-    pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
-        let in_place = self.grad_accumulators(config) && self.grad_slot_dtype(config) == DType::F32;
-        let needed = !self.grads_direct(config) && !in_place;
-        if self.groups.iter().any(|g| g.trainable) && needed {
-            self.limits(config).reduces_in_flight + 1
-        } else {
-            0
-        }
-    }
-
-    /// The bytes each rank allocates for this plan under `config`; `Error::SizeOverflow` when a
-    /// total does not fit in a `usize`.
-    pub fn memory_per_rank(&self, config: &EngineConfig) -> Result<MemoryPerRank> {
-        let overflow = |what: &'static str| move || Error::SizeOverflow { what };
-        let add = |total: usize, bytes: Option<usize>, what: &'static str| {
-            bytes
-                .and_then(|b| total.checked_add(b))
-                .ok_or_else(overflow(what))
-        };
-        let mut m = MemoryPerRank::default();
-        for g in &self.groups {
-            let size = if self.master_only(config, g) {
-                0
-            } else {
-                g.dtype.size()
-            };
-            m.param_shards = add(
-                m.param_shards,
-                g.shard_numel.checked_mul(size),
-                "parameter shards",
-            )?;
-            if g.trainable {
-                m.grad_shards = add(
-                    m.grad_shards,
-                    g.shard_numel.checked_mul(4),
-                    "gradient shards",
-                )?;
-                m.optimizer_state = add(
-                    m.optimizer_state,
-                    config
-                        .optimizer
-                        .state_bytes(g.dtype, config.moment_dtype, g.shard_numel),
-                    "optimizer state",
-                )?;
-            }
-        }
-        m.gathered_slots = self
-            .gather_slot_count(config)
-            .checked_mul(self.gather_slot_bytes())
-            .ok_or_else(overflow("gather slots"))?;
-        m.grad_slots = self
-            .grad_slot_numel()
-            .checked_mul(self.grad_slot_dtype(config).size())
-            .and_then(|b| b.checked_mul(self.grad_slot_count(config)))
-            .ok_or_else(overflow("gradient slots"))?;
-        if self.grad_accumulators(config) {
-            for g in self.groups.iter().filter(|g| g.trainable) {
-                m.grad_accumulators = add(
-                    m.grad_accumulators,
-                    g.padded_numel.checked_mul(4),
-                    "gradient accumulators",
-                )?;
-            }
-        }
-        m.peak = [
-            m.grad_shards,
-            m.optimizer_state,
-            m.gathered_slots,
-            m.grad_slots,
-            m.grad_accumulators,
-        ]
-        .into_iter()
-        .try_fold(m.param_shards, |total, b| total.checked_add(b))
-        .ok_or_else(overflow("the total"))?;
-        m.between_steps = match config.grad_shard_memory {
-            GradShardMemory::Persistent => m.peak,
-            GradShardMemory::PerStep => m.peak - m.grad_shards,
-        };
-        Ok(m)
-    }
-
-    /// Every buffer [`Plan::memory_per_rank`] counts, by kind, with the reason for its count;
-    /// the bytes add up to its peak.
-    pub fn buffer_report(&self, config: &EngineConfig) -> Result<Vec<BufferReport>> {
-        let m = self.memory_per_rank(config)?;
-        let limits = self.limits(config);
-        let trainable = self.groups.iter().filter(|g| g.trainable).count();
-        let shards = self
-            .groups
-            .iter()
-            .filter(|g| !self.master_only(config, g))
-            .count();
-        let masters = self
-            .groups
-            .iter()
-            .filter(|g| g.trainable && g.dtype != DType::F32)
-            .count();
-        let moments = if config.optimizer.has_moments() {
-            trainable * 2
-        } else {
-            0
-        };
-        let gather_slots = self.gather_slot_count(config);
-        let gather_why = match (self.world_size, config.accumulation) {
-            (1, _) if gather_slots == 0 => {
-                "none: at world size 1 each shard is its group's view".to_string()
-            }
-            (1, _) => format!(
-                "master-only groups cast into slots, at most {} gathered at once",
-                limits.gathered
-            ),
-            (_, Accumulation::KeepGathered) => "every group stays gathered for the step".into(),
-            _ => format!(
-                "double_buffer_limit: {} of {} groups gathered at once",
-                limits.gathered,
-                self.groups.len()
-            ),
-        };
-        let grad_slots = self.grad_slot_count(config);
-        let grad_why = if trainable == 0 {
-            "none: nothing trains".to_string()
-        } else if self.grads_direct(config) {
-            "none: at world size 1 gradients go straight into the shards".into()
-        } else if grad_slots == 0 {
-            "none: the fp32 accumulators are reduced in place".into()
-        } else {
-            format!(
-                "one filling beside each of {} reductions in flight, in {}",
-                limits.reduces_in_flight,
-                self.grad_slot_dtype(config)
-            )
-        };
-        let accumulators = if self.grad_accumulators(config) {
-            trainable
-        } else {
-            0
-        };
-        Ok(vec![
-            BufferReport {
-                what: "parameter shards",
-                count: shards,
-                bytes: m.param_shards,
-                why: "each group's part in its dtype (master-only groups have none)".into(),
-            },
-            BufferReport {
-                what: "gradient shards",
-                count: trainable,
-                bytes: m.grad_shards,
-                why: match config.grad_shard_memory {
-                    GradShardMemory::Persistent => {
-                        "each trainable group's part of the reduced fp32 gradient".into()
-                    }
-                    GradShardMemory::PerStep => "each trainable group's part of the reduced \
-                        fp32 gradient, from the step's first gradient of the group to the step's end"
-                        .into(),
-                },
-            },
-            BufferReport {
-                what: "optimizer state",
-                count: masters + moments,
-                bytes: m.optimizer_state,
-                why: "fp32 masters of bf16/f16 groups, and AdamW's two moments".into(),
-            },
-            BufferReport {
-                what: "gather slots",
-                count: gather_slots,
-                bytes: m.gathered_slots,
-                why: gather_why,
-            },
-            BufferReport {
-                what: "gradient slots",
-                count: grad_slots,
-                bytes: m.grad_slots,
-                why: grad_why,
-            },
-            BufferReport {
-                what: "gradient accumulators",
-                count: accumulators,
-                bytes: m.grad_accumulators,
-                why: if accumulators > 0 {
-                    "no-sync: each trainable group's unsharded fp32 gradient".into()
-                } else {
-                    "none: no no-sync accumulation".into()
-                },
-            },
-        ])
-    }
-
-    /// Every fact of parameter `index`'s declaration and layout, as the ranks compare their plans.
-    pub fn describe_param(&self, index: usize) -> String {
-        match self.params.get(index) {
-            None => "no parameter".to_string(),
-            Some(p) => format!(
-                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements{})",
-                p.name,
-                p.dtype,
-                p.shape,
-                p.unit,
-                if p.trainable { "trainable" } else { "frozen" },
-                p.group,
-                p.offset,
-                p.padded_numel,
-                match self.groups[p.group].process_group {
-                    Some(pg) => format!(
-                        ", sharded over {} ranks of process group {:?}",
-                        self.groups[p.group].shards, self.process_groups[pg].name
-                    ),
-                    None => String::new(),
-                }
-            ),
-        }
-    }
-
-    /// The plan as JSON: world size, alignment, groups with their params, memory per rank.
-    pub fn to_json(&self, config: &EngineConfig) -> serde_json::Value {
-        let groups: Vec<serde_json::Value> = self
-            .groups
-            .iter()
-            .map(|g| {
-                let params: Vec<serde_json::Value> = g
-                    .params
-                    .iter()
-                    .map(|&id| {
-                        let p = &self.params[id.0];
-                        serde_json::json!({
-                            "name": p.name,
-                            "shape": p.shape,
-                            "numel": p.numel,
-                            "offset": p.offset,
-                            "padded_numel": p.padded_numel,
-                        })
-                    })
-                    .collect();
-                serde_json::json!({
-                    "index": g.index,
-                    "dtype": g.dtype,
-                    "trainable": g.trainable,
-                    "unit": g.unit.layer(),
-                    "tied": g.tied,
-                    "process_group": g.process_group.map(|pg| &self.process_groups[pg].name),
-                    "shards": g.shards,
-                    "padded_numel": g.padded_numel,
-                    "shard_numel": g.shard_numel,
-                    "params": params,
-                })
-            })
-            .collect();
-        serde_json::json!({
-            "world_size": self.world_size,
-            "process_groups": self.process_groups.iter().map(|g| serde_json::json!({
-                "name": g.name,
-                "size": g.size,
-            })).collect::<Vec<_>>(),
-            "alignment_bytes": ALIGNMENT_BYTES,
-            "double_buffer_limit": config.double_buffer_limit,
-            "max_reduces_in_flight": config.max_reduces_in_flight,
-            "groups": groups,
-            "memory_per_rank": self.memory_per_rank(config).ok(),
-            "buffers": self.buffer_report(config).ok(),
-        })
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Accumulation, EngineConfig, ParamStorage};
     use crate::spec::ParamSpec;
 
     fn model(params: Vec<ParamSpec>) -> ModelSpec {

@@ -1,0 +1,81 @@
+//! A plan as the ranks compare it and as JSON.
+
+use crate::config::EngineConfig;
+
+use super::{ALIGNMENT_BYTES, Plan};
+
+impl Plan {
+    /// Every fact of parameter `index`'s declaration and layout, as the ranks compare their plans.
+    pub fn describe_param(&self, index: usize) -> String {
+        match self.params.get(index) {
+            None => "no parameter".to_string(),
+            Some(p) => format!(
+                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements{})",
+                p.name,
+                p.dtype,
+                p.shape,
+                p.unit,
+                if p.trainable { "trainable" } else { "frozen" },
+                p.group,
+                p.offset,
+                p.padded_numel,
+                match self.groups[p.group].process_group {
+                    Some(pg) => format!(
+                        ", sharded over {} ranks of process group {:?}",
+                        self.groups[p.group].shards, self.process_groups[pg].name
+                    ),
+                    None => String::new(),
+                }
+            ),
+        }
+    }
+
+    /// The plan as JSON: world size, alignment, groups with their params, memory per rank.
+    pub fn to_json(&self, config: &EngineConfig) -> serde_json::Value {
+        let groups: Vec<serde_json::Value> = self
+            .groups
+            .iter()
+            .map(|g| {
+                let params: Vec<serde_json::Value> = g
+                    .params
+                    .iter()
+                    .map(|&id| {
+                        let p = &self.params[id.0];
+                        serde_json::json!({
+                            "name": p.name,
+                            "shape": p.shape,
+                            "numel": p.numel,
+                            "offset": p.offset,
+                            "padded_numel": p.padded_numel,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "index": g.index,
+                    "dtype": g.dtype,
+                    "trainable": g.trainable,
+                    "unit": g.unit.layer(),
+                    "tied": g.tied,
+                    "process_group": g.process_group.map(|pg| &self.process_groups[pg].name),
+                    "shards": g.shards,
+                    "padded_numel": g.padded_numel,
+                    "shard_numel": g.shard_numel,
+                    "params": params,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "world_size": self.world_size,
+            "process_groups": self.process_groups.iter().map(|g| serde_json::json!({
+                "name": g.name,
+                "size": g.size,
+            })).collect::<Vec<_>>(),
+            "alignment_bytes": ALIGNMENT_BYTES,
+            "double_buffer_limit": config.double_buffer_limit,
+            "max_reduces_in_flight": config.max_reduces_in_flight,
+            "groups": groups,
+            "memory_per_rank": self.memory_per_rank(config).ok(),
+            "buffers": self.buffer_report(config).ok(),
+        })
+    }
+}

@@ -1,0 +1,216 @@
+//! The bytes a rank allocates for a plan under a configuration, in all and buffer by buffer.
+
+use serde::Serialize;
+
+use crate::config::{Accumulation, EngineConfig, GradShardMemory};
+use crate::error::{Error, Result};
+use crate::types::DType;
+
+use super::Plan;
+
+/// Bytes one rank holds: everything is allocated before the first step, except per-step gradient
+/// shards ([`crate::GradShardMemory::PerStep`]), which exist from a step's first gradient to its
+/// end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryPerRank {
+    pub param_shards: usize,
+    pub grad_shards: usize,
+    pub optimizer_state: usize,
+    pub gathered_slots: usize,
+    pub grad_slots: usize,
+    /// The unsharded fp32 gradients of `Accumulation::NoSync`.
+    pub grad_accumulators: usize,
+    /// Everything, held once a step's gradients are synced.
+    pub peak: usize,
+    /// What is held between steps: `peak` less per-step gradient shards.
+    pub between_steps: usize,
+}
+
+/// One kind of buffer a rank allocates: how many, their bytes together, and why that many.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BufferReport {
+    pub what: &'static str,
+    pub count: usize,
+    pub bytes: usize,
+    pub why: String,
+}
+
+impl Plan {
+    /// The bytes each rank allocates for this plan under `config`; `Error::SizeOverflow` when a
+    /// total does not fit in a `usize`.
+    pub fn memory_per_rank(&self, config: &EngineConfig) -> Result<MemoryPerRank> {
+        let overflow = |what: &'static str| move || Error::SizeOverflow { what };
+        let add = |total: usize, bytes: Option<usize>, what: &'static str| {
+            bytes
+                .and_then(|b| total.checked_add(b))
+                .ok_or_else(overflow(what))
+        };
+        let mut m = MemoryPerRank::default();
+        for g in &self.groups {
+            let size = if self.master_only(config, g) {
+                0
+            } else {
+                g.dtype.size()
+            };
+            m.param_shards = add(
+                m.param_shards,
+                g.shard_numel.checked_mul(size),
+                "parameter shards",
+            )?;
+            if g.trainable {
+                m.grad_shards = add(
+                    m.grad_shards,
+                    g.shard_numel.checked_mul(4),
+                    "gradient shards",
+                )?;
+                m.optimizer_state = add(
+                    m.optimizer_state,
+                    config
+                        .optimizer
+                        .state_bytes(g.dtype, config.moment_dtype, g.shard_numel),
+                    "optimizer state",
+                )?;
+            }
+        }
+        m.gathered_slots = self
+            .gather_slot_count(config)
+            .checked_mul(self.gather_slot_bytes())
+            .ok_or_else(overflow("gather slots"))?;
+        m.grad_slots = self
+            .grad_slot_numel()
+            .checked_mul(self.grad_slot_dtype(config).size())
+            .and_then(|b| b.checked_mul(self.grad_slot_count(config)))
+            .ok_or_else(overflow("gradient slots"))?;
+        if self.grad_accumulators(config) {
+            for g in self.groups.iter().filter(|g| g.trainable) {
+                m.grad_accumulators = add(
+                    m.grad_accumulators,
+                    g.padded_numel.checked_mul(4),
+                    "gradient accumulators",
+                )?;
+            }
+        }
+        m.peak = [
+            m.grad_shards,
+            m.optimizer_state,
+            m.gathered_slots,
+            m.grad_slots,
+            m.grad_accumulators,
+        ]
+        .into_iter()
+        .try_fold(m.param_shards, |total, b| total.checked_add(b))
+        .ok_or_else(overflow("the total"))?;
+        m.between_steps = match config.grad_shard_memory {
+            GradShardMemory::Persistent => m.peak,
+            GradShardMemory::PerStep => m.peak - m.grad_shards,
+        };
+        Ok(m)
+    }
+
+    /// Every buffer [`Plan::memory_per_rank`] counts, by kind, with the reason for its count;
+    /// the bytes add up to its peak.
+    pub fn buffer_report(&self, config: &EngineConfig) -> Result<Vec<BufferReport>> {
+        let m = self.memory_per_rank(config)?;
+        let limits = self.limits(config);
+        let trainable = self.groups.iter().filter(|g| g.trainable).count();
+        let shards = self
+            .groups
+            .iter()
+            .filter(|g| !self.master_only(config, g))
+            .count();
+        let masters = self
+            .groups
+            .iter()
+            .filter(|g| g.trainable && g.dtype != DType::F32)
+            .count();
+        let moments = if config.optimizer.has_moments() {
+            trainable * 2
+        } else {
+            0
+        };
+        let gather_slots = self.gather_slot_count(config);
+        let gather_why = match (self.world_size, config.accumulation) {
+            (1, _) if gather_slots == 0 => {
+                "none: at world size 1 each shard is its group's view".to_string()
+            }
+            (1, _) => format!(
+                "master-only groups cast into slots, at most {} gathered at once",
+                limits.gathered
+            ),
+            (_, Accumulation::KeepGathered) => "every group stays gathered for the step".into(),
+            _ => format!(
+                "double_buffer_limit: {} of {} groups gathered at once",
+                limits.gathered,
+                self.groups.len()
+            ),
+        };
+        let grad_slots = self.grad_slot_count(config);
+        let grad_why = if trainable == 0 {
+            "none: nothing trains".to_string()
+        } else if self.grads_direct(config) {
+            "none: at world size 1 gradients go straight into the shards".into()
+        } else if grad_slots == 0 {
+            "none: the fp32 accumulators are reduced in place".into()
+        } else {
+            format!(
+                "one filling beside each of {} reductions in flight, in {}",
+                limits.reduces_in_flight,
+                self.grad_slot_dtype(config)
+            )
+        };
+        let accumulators = if self.grad_accumulators(config) {
+            trainable
+        } else {
+            0
+        };
+        Ok(vec![
+            BufferReport {
+                what: "parameter shards",
+                count: shards,
+                bytes: m.param_shards,
+                why: "each group's part in its dtype (master-only groups have none)".into(),
+            },
+            BufferReport {
+                what: "gradient shards",
+                count: trainable,
+                bytes: m.grad_shards,
+                why: match config.grad_shard_memory {
+                    GradShardMemory::Persistent => {
+                        "each trainable group's part of the reduced fp32 gradient".into()
+                    }
+                    GradShardMemory::PerStep => "each trainable group's part of the reduced \
+                        fp32 gradient, from the step's first gradient of the group to the step's end"
+                        .into(),
+                },
+            },
+            BufferReport {
+                what: "optimizer state",
+                count: masters + moments,
+                bytes: m.optimizer_state,
+                why: "fp32 masters of bf16/f16 groups, and AdamW's two moments".into(),
+            },
+            BufferReport {
+                what: "gather slots",
+                count: gather_slots,
+                bytes: m.gathered_slots,
+                why: gather_why,
+            },
+            BufferReport {
+                what: "gradient slots",
+                count: grad_slots,
+                bytes: m.grad_slots,
+                why: grad_why,
+            },
+            BufferReport {
+                what: "gradient accumulators",
+                count: accumulators,
+                bytes: m.grad_accumulators,
+                why: if accumulators > 0 {
+                    "no-sync: each trainable group's unsharded fp32 gradient".into()
+                } else {
+                    "none: no no-sync accumulation".into()
+                },
+            },
+        ])
+    }
+}
