@@ -1,0 +1,367 @@
+//! Steps through the C API on every backend: the values they leave, gradient slots, non-finite
+//! gradients, rates, norms, clipping, and the memory report.
+
+use super::*;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
+    let _ctx = device::context();
+    let plan = plan(1);
+    let config = sgd_config();
+    let mut id = [0u8; 128];
+    let mut engine = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
+        ok(fsdp_engine_create_cuda_nccl(
+            plan,
+            &config,
+            0,
+            id.as_ptr(),
+            id.len(),
+            0,
+            1,
+            0,
+            null(),
+            &mut engine,
+        ));
+    }
+    check_world_size_1_step(engine, plan, &Device::on(0));
+    ok(fsdp_plan_destroy(plan));
+}
+
+/// One SGD step at world size 1 gives the expected shards, with no reduction; destroys the engine.
+fn check_world_size_1_step(
+    engine: *mut fsdp_engine,
+    plan: *mut fsdp_plan,
+    memory: &impl CallerMemory,
+) {
+    let [embed, w] = sgd_step(engine, plan, 0, memory);
+    let values = initial_values();
+    assert_close(&w, &after_sgd(&values[1], |i| 0.1 * i as f32, 1));
+    assert_close(&embed, &after_sgd(&values[0], |i| 0.01 * i as f32, 1));
+    let mut counters = fsdp_counters::default();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_engine_counters(engine, &mut counters));
+        // At world size 1 the step's gradients went straight into the shards: no reduction.
+        assert_eq!((counters.steps, counters.reduce_scatters), (1, 0));
+        ok(fsdp_engine_destroy(engine));
+    }
+}
+
+#[test]
+fn a_cpu_engine_at_world_size_1_trains_a_step_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut engine = null_mut();
+        // SAFETY: valid pointers.
+        unsafe {
+            ok(fsdp_engine_create_cpu(
+                plan,
+                &sgd_config(),
+                group,
+                0,
+                &mut engine,
+            ))
+        };
+        check_world_size_1_step(engine, plan, &Host::default());
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
+}
+
+#[test]
+fn cpu_engines_of_2_ranks_average_their_gradients_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(2);
+        let group = local_group(mode, 2);
+        let (plan_handle, group_handle) = (plan as usize, group as usize);
+        let shards = within_deadline("two CPU ranks through the C API", move || {
+            let ranks: Vec<_> = (0..2)
+                .map(|rank| {
+                    std::thread::spawn(move || {
+                        let (plan, group) = (plan_handle as *mut fsdp_plan, group_handle as *mut _);
+                        let mut engine = null_mut();
+                        // SAFETY: valid pointers.
+                        unsafe {
+                            ok(fsdp_engine_create_cpu(
+                                plan,
+                                &sgd_config(),
+                                group,
+                                rank,
+                                &mut engine,
+                            ))
+                        };
+                        let [_, w] = sgd_step(engine, plan, rank, &Host::default());
+                        ok(fsdp_engine_destroy(engine));
+                        w
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|r| r.join().expect("rank thread"))
+                .collect::<Vec<_>>()
+        });
+        check_rank_shards_of_w(plan, &shards);
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
+}
+
+/// Each rank's part of `w` after one SGD step on two ranks.
+fn check_rank_shards_of_w(plan: *mut fsdp_plan, shards: &[Vec<f32>]) {
+    let values = initial_values();
+    let w = after_sgd(&values[1], |i| 0.1 * i as f32, 2);
+    // Rank r holds its part of w's padded group: here the part of the 9 values it owns.
+    let mut info = fsdp_param_info::default();
+    // SAFETY: valid pointers.
+    unsafe { ok(fsdp_plan_param_info(plan, 1, &mut info)) };
+    let part = info.padded_numel / 2;
+    for (rank, shard) in shards.iter().enumerate() {
+        let own = (rank * part).min(9)..((rank + 1) * part).min(9);
+        assert_close(&shard[..own.len()], &w[own]);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_loopback_engines_of_2_ranks_average_their_gradients_through_the_c_api() {
+    let plan = plan(2);
+    let config = sgd_config();
+    let mut group = null_mut();
+    // SAFETY: valid pointer.
+    unsafe { ok(fsdp_loopback_group_create(2, &mut group)) };
+    let (plan_handle, group_handle) = (plan as usize, group as usize);
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            std::thread::spawn(move || {
+                let _ctx = device::context();
+                let (plan, group) = (plan_handle as *mut fsdp_plan, group_handle as *mut _);
+                let stream = device::stream();
+                let mut engine = null_mut();
+                // SAFETY: valid pointers; the stream outlives the engine.
+                unsafe {
+                    ok(fsdp_engine_create_cuda_loopback(
+                        plan,
+                        &config,
+                        0,
+                        group,
+                        rank,
+                        stream,
+                        null(),
+                        &mut engine,
+                    ));
+                }
+                let [_, w] = sgd_step(engine, plan, rank, &Device::on(stream));
+                ok(fsdp_engine_destroy(engine));
+                device::destroy_stream(stream);
+                w
+            })
+        })
+        .collect();
+    let shards: Vec<_> = ranks
+        .into_iter()
+        .map(|r| r.join().expect("rank thread"))
+        .collect();
+    check_rank_shards_of_w(plan, &shards);
+    ok(fsdp_loopback_group_destroy(group));
+    ok(fsdp_plan_destroy(plan));
+}
+
+#[test]
+fn a_gradient_slot_holds_what_an_earlier_gradient_left_as_the_header_says() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let g: Vec<f32> = (0..9).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let mut slot: *mut f32 = null_mut();
+        // SAFETY: valid pointers; the slot is read between its opening and its commit.
+        unsafe {
+            ok(fsdp_engine_pre_backward(engine, 0));
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            // At world size 1 the step's gradient of `w` went into its gradient shard, which is
+            // the next step's slot for `w`: it is not zero-filled.
+            ok(fsdp_engine_pre_backward(engine, 0));
+            ok(fsdp_engine_grad_slot(engine, 1, &mut slot));
+            assert_eq!(std::slice::from_raw_parts(slot, 9), &g[..]);
+            ok(fsdp_engine_commit_grad(engine, 1));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
+
+#[test]
+fn non_finite_gradients_are_counted_through_the_c_api() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine(mode);
+        let mut g = [1.0f32; 9];
+        g[4] = f32::NEG_INFINITY;
+        let mut count = 0u64;
+        // SAFETY: valid pointers.
+        unsafe {
+            expect(
+                fsdp_engine_nonfinite_grads(engine, &mut count),
+                fsdp_status::FSDP_MISUSE,
+                "finish_grad_sync",
+            );
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_nonfinite_grads(engine, &mut count));
+            assert_eq!(count, 1);
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
+
+#[test]
+fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut engine = null_mut();
+        let values = initial_values();
+        let g = [2.0f32; 9];
+        let mut norm = fsdp_grad_norm::default();
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_create_cpu(
+                plan,
+                &sgd_config(),
+                group,
+                0,
+                &mut engine,
+            ));
+            load_values(engine, &values);
+            expect(fsdp_engine_set_lr(engine, -1.0), BAD, "lr");
+            expect(
+                fsdp_engine_set_weight_decay(engine, f32::NAN),
+                BAD,
+                "weight_decay",
+            );
+            ok(fsdp_engine_set_lr(engine, 0.25));
+            expect(
+                fsdp_engine_grad_norm(engine, &mut norm),
+                fsdp_status::FSDP_MISUSE,
+                "finish_grad_sync",
+            );
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            expect(
+                fsdp_engine_clip_grad_norm(engine, 1.0, null_mut()),
+                NULL,
+                "out",
+            );
+            expect(
+                fsdp_engine_clip_grad_norm(engine, 0.0, &mut norm),
+                BAD,
+                "max_norm",
+            );
+            ok(fsdp_engine_clip_grad_norm(engine, 1.0, &mut norm));
+            // Only w has a gradient: nine 2s.
+            assert_eq!((norm.l2, norm.max), (6.0, 2.0));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            let coefficient = 1.0f32 / (6.0 + 1e-6);
+            let want: Vec<f32> = values[1]
+                .iter()
+                .map(|w| w - 0.25 * (2.0 * coefficient))
+                .collect();
+            assert_close(&shard_values(engine, plan, 1), &want);
+            // A step whose gradients are synced but never applied is skipped and counted.
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_end_step(engine));
+            assert_close(&shard_values(engine, plan, 1), &want);
+            let mut counters = fsdp_counters::default();
+            ok(fsdp_engine_counters(engine, &mut counters));
+            assert_eq!((counters.steps, counters.skipped_steps), (2, 1));
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
+
+#[test]
+fn the_memory_report_follows_the_transport_and_the_accumulation_mode() {
+    let plan = plan(2);
+    let memory = |edit: &dyn Fn(&mut fsdp_config)| {
+        let mut c = config();
+        edit(&mut c);
+        let mut m = fsdp_memory::default();
+        // SAFETY: valid pointers.
+        ok(unsafe { fsdp_plan_memory(plan, &c, &mut m) });
+        m
+    };
+    let f32s = memory(&|_| {});
+    let bf16 = memory(&|c| c.reduce_dtype = FSDP_BF16);
+    let no_sync = memory(&|c| c.accumulation = FSDP_NO_SYNC);
+    let staged = memory(&|c| {
+        c.accumulation = FSDP_NO_SYNC;
+        c.reduce_dtype = FSDP_BF16;
+    });
+    let keep = memory(&|c| c.accumulation = FSDP_KEEP_GATHERED);
+    assert!(f32s.grad_slots > 0 && f32s.grad_accumulators == 0);
+    assert_eq!(bf16.grad_slots * 2, f32s.grad_slots, "bf16 slots are half");
+    assert_eq!(f32s.peak - bf16.peak, bf16.grad_slots);
+    // fp32 accumulators reduced in place need no slot; bf16 transport stages them into one.
+    assert_eq!(no_sync.grad_slots, 0);
+    assert!(no_sync.grad_accumulators > 0);
+    assert_eq!(staged.grad_slots, bf16.grad_slots);
+    assert_eq!(staged.grad_accumulators, no_sync.grad_accumulators);
+    assert!(keep.gathered_slots > f32s.gathered_slots);
+    let sum = |m: &fsdp_memory| {
+        m.param_shards
+            + m.grad_shards
+            + m.optimizer_state
+            + m.gathered_slots
+            + m.grad_slots
+            + m.grad_accumulators
+    };
+    for m in [f32s, bf16, no_sync, staged, keep] {
+        assert_eq!(sum(&m), m.peak, "{m:?}");
+        assert_eq!(m.between_steps, m.peak, "persistent gradient shards");
+    }
+    let per_step = memory(&|c| c.grad_shard_memory = FSDP_GRAD_SHARDS_PER_STEP);
+    assert_eq!(per_step.peak, f32s.peak);
+    assert_eq!(per_step.between_steps, f32s.peak - f32s.grad_shards);
+    ok(fsdp_plan_destroy(plan));
+}
+
+#[test]
+fn a_cpu_engine_with_per_step_gradient_shards_holds_them_only_within_a_step() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut c = config();
+        c.grad_shard_memory = FSDP_GRAD_SHARDS_PER_STEP;
+        let mut engine = null_mut();
+        let mut m = fsdp_memory::default();
+        let (mut current, mut peak) = (0usize, 0usize);
+        // SAFETY: valid pointers.
+        unsafe {
+            ok(fsdp_engine_create_cpu(plan, &c, group, 0, &mut engine));
+            ok(fsdp_plan_memory(plan, &c, &mut m));
+            ok(fsdp_engine_memory(engine, &mut current, &mut peak));
+        }
+        assert!(m.grad_shards > 0);
+        assert_eq!((current, peak), (m.between_steps, m.between_steps));
+        sgd_step(engine, plan, 0, &Host::default());
+        // SAFETY: valid pointers.
+        unsafe { ok(fsdp_engine_memory(engine, &mut current, &mut peak)) };
+        assert_eq!((current, peak), (m.between_steps, m.peak));
+        ok(fsdp_engine_destroy(engine));
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
+}
