@@ -8,8 +8,10 @@
 //! checked before every call. The library is loaded as `libnccl.so.2`, then `libnccl.so`, or from
 //! the path in [`NCCL_LIBRARY_ENV`].
 
+mod calls;
 mod handle;
 mod library;
+mod setup;
 
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_int, c_void};
@@ -17,21 +19,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::sys::{cudaStream_t, ncclDataType_t, ncclUniqueId};
+use cudarc::nccl::sys::{cudaStream_t, ncclUniqueId};
 
 use crate::backend::Region;
 use crate::backend::cuda::{CudaBackend, CudaBuffer, bind, primary_context};
 use crate::comm::hybrid::{self, Hybrid};
 use crate::comm::launch::LaunchEnv;
-use crate::comm::{
-    Communicator, Tag, check_all_gather, check_all_reduce, check_reduce_scatter, own_part,
-};
+use crate::comm::{Communicator, Tag};
 use crate::dtype::store_f32;
 use crate::error::{Error, Result};
 use crate::spec::ProcessGroupSpec;
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use crate::watchdog::Watchdog;
+use calls::{
+    Call, Extent, Kind, all_gather_call, all_gather_in_place_call, all_reduce_call, nccl_dtype,
+    reduce_scatter_call,
+};
 use handle::{Handle, Probe};
 use library::{NCCL_IN_PROGRESS, NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
 
@@ -60,163 +64,6 @@ pub fn nccl_version() -> Result<(u32, u32, u32)> {
 fn split_version(code: c_int) -> (u32, u32, u32) {
     let code = u32::try_from(code).unwrap_or(0);
     (code / 10_000, code / 100 % 100, code % 100)
-}
-
-/// `rank` and `world_size` as NCCL takes them, checked.
-fn membership(rank: usize, world_size: usize) -> Result<(c_int, c_int)> {
-    if world_size == 0 {
-        return Err(Error::ZeroWorldSize);
-    }
-    if rank >= world_size {
-        return Err(Error::RankOutOfRange { rank, world_size });
-    }
-    let world = c_int::try_from(world_size).map_err(|_| Error::InvalidConfig {
-        field: "world_size",
-        reason: format!("is {world_size}, NCCL takes at most {} ranks", c_int::MAX),
-    })?;
-    // rank < world_size <= c_int::MAX.
-    Ok((rank as c_int, world))
-}
-
-/// `devices` as NCCL takes them: at least one, each once.
-fn device_list(devices: &[usize]) -> Result<Vec<c_int>> {
-    if devices.is_empty() {
-        return Err(Error::ZeroWorldSize);
-    }
-    let mut list = Vec::with_capacity(devices.len());
-    for (i, &device) in devices.iter().enumerate() {
-        if devices[..i].contains(&device) {
-            return Err(Error::InvalidConfig {
-                field: "devices",
-                reason: format!("device {device} is listed twice; NCCL takes one rank per GPU"),
-            });
-        }
-        list.push(c_int::try_from(device).map_err(|_| Error::InvalidConfig {
-            field: "devices",
-            reason: format!("device {device} is not a CUDA device ordinal"),
-        })?);
-    }
-    membership(0, list.len())?;
-    Ok(list)
-}
-
-fn nccl_dtype(dtype: DType) -> ncclDataType_t {
-    match dtype {
-        DType::Bf16 => ncclDataType_t::ncclBfloat16,
-        DType::F16 => ncclDataType_t::ncclFloat16,
-        DType::F32 => ncclDataType_t::ncclFloat32,
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kind {
-    AllGather,
-    /// Each rank's values times `scale`, summed.
-    ReduceScatter {
-        scale: f32,
-    },
-    /// As a reduce-scatter, the whole sum kept on every rank.
-    AllReduce {
-        scale: f32,
-    },
-}
-
-/// One NCCL call, its arguments checked: device addresses, and `count` elements per rank.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Call {
-    kind: Kind,
-    send: u64,
-    recv: u64,
-    count: usize,
-    dtype: DType,
-}
-
-/// A buffer's base address and size in bytes.
-#[derive(Clone, Copy, Debug)]
-struct Extent {
-    base: u64,
-    bytes: usize,
-}
-
-impl Extent {
-    fn of(buf: &CudaBuffer) -> Extent {
-        Extent {
-            base: buf.ptr(),
-            bytes: buf.bytes(),
-        }
-    }
-
-    /// The address of `region`, checked to lie inside.
-    fn addr(self, region: Region) -> Result<u64> {
-        Ok(self.base + region.byte_range(self.bytes)?.start as u64)
-    }
-}
-
-fn all_gather_call(
-    world_size: usize,
-    shard: Extent,
-    shard_region: Region,
-    out: Extent,
-    out_region: Region,
-) -> Result<Call> {
-    check_all_gather(world_size, shard_region, out_region)?;
-    Ok(Call {
-        kind: Kind::AllGather,
-        send: shard.addr(shard_region)?,
-        recv: out.addr(out_region)?,
-        count: shard_region.len,
-        dtype: shard_region.dtype,
-    })
-}
-
-/// NCCL's in-place all-gather: the rank sends its own part of the output.
-fn all_gather_in_place_call(
-    world_size: usize,
-    rank: usize,
-    buf: Extent,
-    region: Region,
-) -> Result<Call> {
-    let own = own_part(world_size, rank, region)?;
-    Ok(Call {
-        kind: Kind::AllGather,
-        send: buf.addr(own)?,
-        recv: buf.addr(region)?,
-        count: own.len,
-        dtype: own.dtype,
-    })
-}
-
-/// NCCL's in-place form: the rank's result lands at its own part of the input.
-fn reduce_scatter_call(
-    world_size: usize,
-    rank: usize,
-    buf: Extent,
-    region: Region,
-    scale: f32,
-) -> Result<Call> {
-    check_reduce_scatter(world_size, region)?;
-    let send = buf.addr(region)?;
-    let count = region.len / world_size;
-    Ok(Call {
-        kind: Kind::ReduceScatter { scale },
-        send,
-        recv: send + (rank * count * region.dtype.size()) as u64,
-        count,
-        dtype: region.dtype,
-    })
-}
-
-/// NCCL's in-place all-reduce of the region.
-fn all_reduce_call(buf: Extent, region: Region, scale: f32) -> Result<Call> {
-    check_all_reduce(region)?;
-    let at = buf.addr(region)?;
-    Ok(Call {
-        kind: Kind::AllReduce { scale },
-        send: at,
-        recv: at,
-        count: region.len,
-        dtype: region.dtype,
-    })
 }
 
 /// One collective of a [`NcclComm::batch`], with the buffers it reads and writes.
@@ -266,220 +113,6 @@ pub struct NcclComm {
 unsafe impl Send for NcclComm {}
 
 impl NcclComm {
-    /// A fresh unique id: made by one rank and passed, as bytes, to every rank's [`NcclComm::new`].
-    pub fn unique_id() -> Result<[u8; UNIQUE_ID_BYTES]> {
-        let nccl = library::nccl()?;
-        let mut id = ncclUniqueId {
-            internal: [0; UNIQUE_ID_BYTES],
-        };
-        // SAFETY: writes one `ncclUniqueId`.
-        let status = unsafe { (nccl.get_unique_id)(&mut id) };
-        nccl.check("ncclGetUniqueId", status, std::ptr::null_mut())?;
-        Ok(id.internal.map(|c| c as u8))
-    }
-
-    /// Joins the group of `world_size` ranks named by `id` as `rank`, on `backend`'s device.
-    /// Blocks until every rank joined, at most `timeout`: past it, the half-made communicator is
-    /// aborted and the error is [`Error::Timeout`].
-    pub fn new(
-        id: &[u8; UNIQUE_ID_BYTES],
-        rank: usize,
-        world_size: usize,
-        backend: &CudaBackend,
-        timeout: Duration,
-    ) -> Result<NcclComm> {
-        let (rank32, world32) = membership(rank, world_size)?;
-        let nccl = library::nccl()?;
-        let watch = Watch::new(timeout);
-        // NCCL creates its resources on the calling thread's current device.
-        bind(backend.context_handle())?;
-        let id = ncclUniqueId {
-            internal: id.map(|b| b as std::ffi::c_char),
-        };
-        let gathers = Handle::start_init(nccl, id, rank32, world32)?;
-        gathers.wait_ready(&watch, "ncclCommInitRankConfig", || {
-            format!("NCCL's init of rank {rank} of {world_size}, waiting for every rank to join")
-        })?;
-        let reductions = gathers
-            .start_split(0, rank32)?
-            .wait(&gathers, &watch, split_wait)?;
-        NcclComm::assemble(
-            (gathers, reductions),
-            (rank, world_size),
-            backend.ordinal(),
-            Arc::clone(backend.context_handle()),
-            watch,
-        )
-    }
-
-    /// This process's rank, its place read from the environment a launcher such as torchrun
-    /// sets ([`LaunchEnv::from_env`]; `backend` on the device `LOCAL_RANK` names): rank 0 makes
-    /// the unique id and serves it over TCP, the others fetch it ([`LaunchEnv::share_id`]), then
-    /// every rank joins as [`NcclComm::new`] does; each wait at most `timeout`.
-    pub fn from_launch(
-        env: &LaunchEnv,
-        backend: &CudaBackend,
-        timeout: Duration,
-    ) -> Result<NcclComm> {
-        let id = env.share_id(NcclComm::unique_id, timeout)?;
-        NcclComm::new(&id, env.rank, env.world_size, backend, timeout)
-    }
-
-    /// The ranks of this group that give the same `color`, ordered by `key`, as a group of
-    /// their own (`ncclCommSplit`, for each of the two communicators): a collective of every
-    /// rank of this group, each with its own color and key, waited for at most `timeout`. A
-    /// split that fails or runs out of time aborts this group's communicators: they are
-    /// unusable after it.
-    pub fn split(&self, color: usize, key: usize, timeout: Duration) -> Result<NcclComm> {
-        let split = self.split_both(color, key, timeout);
-        if split.is_err() {
-            Communicator::<CudaBackend>::abort(self);
-        }
-        split
-    }
-
-    fn split_both(&self, color: usize, key: usize, timeout: Duration) -> Result<NcclComm> {
-        let number = |what: &'static str, n: usize| {
-            c_int::try_from(n).map_err(|_| Error::InvalidConfig {
-                field: what,
-                reason: format!("is {n}, NCCL takes at most {}", c_int::MAX),
-            })
-        };
-        let (color32, key32) = (number("color", color)?, number("key", key)?);
-        let watch = Watch::new(timeout);
-        bind(&self.ctx)?;
-        let gathers =
-            self.gathers
-                .start_split(color32, key32)?
-                .wait(&self.gathers, &watch, split_wait)?;
-        let reductions = self.reductions.start_split(color32, key32)?.wait(
-            &self.reductions,
-            &watch,
-            split_wait,
-        )?;
-        let place = gathers.place()?;
-        NcclComm::assemble(
-            (gathers, reductions),
-            place,
-            self.device,
-            Arc::clone(&self.ctx),
-            watch,
-        )
-    }
-
-    /// This rank's communicators for hybrid sharding of this group's ranks in `replicas`
-    /// replicas ([`crate::comm::hybrid`]): rank `r` in replica `r / shard_size` at place
-    /// `r % shard_size`. A collective of every rank, each wait at most `timeout`.
-    pub fn hybrid(&self, replicas: usize, timeout: Duration) -> Result<Hybrid<NcclComm>> {
-        let shard_size = hybrid::shard_size(self.world_size, replicas)?;
-        let (replica, place) = (self.rank / shard_size, self.rank % shard_size);
-        let shard = self.split(replica, place, timeout)?;
-        let across = self.split(place, replica, timeout)?;
-        Ok(Hybrid::new(shard, across))
-    }
-
-    /// This rank's communicator of its group of ranks of each of `process_groups`
-    /// ([`crate::ProcessGroupSpec`], in that order): rank `r` at place `r % size` of the ranks
-    /// `r / size * size ..`. A collective of every rank, each split waited for at most
-    /// `timeout`; a size that does not divide the world is refused before any split. Every rank
-    /// must pass the same groups: a rank that splits less leaves the others to time out (the
-    /// engine's comparison of the ranks' plans comes after).
-    pub fn process_groups(
-        &self,
-        process_groups: &[ProcessGroupSpec],
-        timeout: Duration,
-    ) -> Result<Vec<NcclComm>> {
-        for g in process_groups {
-            g.check_divides(self.world_size)?;
-        }
-        process_groups
-            .iter()
-            .map(|g| self.split(self.rank / g.size, self.rank % g.size, timeout))
-            .collect()
-    }
-
-    /// One communicator per device of `devices`, in that order (rank `i` on `devices[i]`), for
-    /// one process driving several GPUs: pair each with a backend on its device, one thread each.
-    /// Waits at most `timeout` for NCCL to make them.
-    pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<NcclComm>> {
-        let list = device_list(devices)?;
-        let nccl = library::nccl()?;
-        let contexts = devices
-            .iter()
-            .map(|&d| primary_context(d))
-            .collect::<Result<Vec<_>>>()?;
-        let world = list.len();
-        let (_, world32) = membership(0, world)?;
-        let watch = Watch::new(timeout);
-        let id = ncclUniqueId {
-            internal: NcclComm::unique_id()?.map(|b| b as std::ffi::c_char),
-        };
-        // One process joins every rank: each init (and each split) is one call of a group.
-        let gathers = grouped(nccl, &contexts, |rank, _| {
-            Handle::start_init(nccl, id, rank as c_int, world32)
-        })?;
-        wait_all(&gathers, &watch, "ncclCommInitRankConfig", || {
-            format!("NCCL's init of {world} ranks in one process")
-        })?;
-        let splits = grouped(nccl, &contexts, |rank, _| {
-            gathers[rank].start_split(0, rank as c_int)
-        })?;
-        let reductions = splits
-            .into_iter()
-            .zip(&gathers)
-            .map(|(split, parent)| split.wait(parent, &watch, split_wait))
-            .collect::<Result<Vec<_>>>();
-        let reductions = match reductions {
-            Ok(r) => r,
-            Err(e) => {
-                gathers.iter().for_each(Handle::abort);
-                return Err(e);
-            }
-        };
-        gathers
-            .into_iter()
-            .zip(reductions)
-            .zip(contexts)
-            .enumerate()
-            .map(|(rank, (pair, ctx))| {
-                // Each rank its own watch: one rank's failure is not another's.
-                NcclComm::assemble(pair, (rank, world), devices[rank], ctx, Watch::new(timeout))
-            })
-            .collect()
-    }
-
-    fn assemble(
-        (gathers, reductions): (Handle, Handle),
-        (rank, world_size): (usize, usize),
-        device: usize,
-        ctx: Arc<CudaContext>,
-        watch: Watch,
-    ) -> Result<NcclComm> {
-        let mut comm = NcclComm {
-            gathers,
-            reductions,
-            rank,
-            world_size,
-            device,
-            watch: watch.clone(),
-            watchdog: None,
-            batching: false,
-            batch_failed: Cell::new(false),
-            sums: RefCell::default(),
-            ctx,
-        };
-        comm.watchdog = Some(comm.start_watchdog(watch)?);
-        Ok(comm)
-    }
-
-    fn start_watchdog(&self, watch: Watch) -> Result<Watchdog> {
-        let probes = [self.gathers.probe(), self.reductions.probe()];
-        let what = "the NCCL communicator's watchdog thread";
-        Watchdog::start(what, watch, WATCHDOG_PERIOD, move || {
-            probes.iter().find_map(Probe::failure)
-        })
-    }
-
     /// The device the communicator runs on.
     pub fn device(&self) -> usize {
         self.device
@@ -612,48 +245,6 @@ impl NcclComm {
             }
         }
     }
-}
-
-fn split_wait() -> String {
-    "NCCL's split of the communicator for reductions, waiting for every rank".into()
-}
-
-/// Starts one call per context in one NCCL group, `start(rank, context)` on that context.
-fn grouped<T>(
-    nccl: &'static Nccl,
-    contexts: &[Arc<CudaContext>],
-    mut start: impl FnMut(usize, &Arc<CudaContext>) -> Result<T>,
-) -> Result<Vec<T>> {
-    // SAFETY: starts a group that the call below ends on every path.
-    let status = unsafe { (nccl.group_start)() };
-    nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;
-    let made = contexts
-        .iter()
-        .enumerate()
-        .map(|(rank, ctx)| bind(ctx).and_then(|()| start(rank, ctx)))
-        .collect::<Result<Vec<_>>>();
-    // SAFETY: ends the group started above.
-    let ended = unsafe { (nccl.group_end)() };
-    let made = made?;
-    if ended != NCCL_IN_PROGRESS {
-        nccl.check("ncclGroupEnd", ended, std::ptr::null_mut())?;
-    }
-    Ok(made)
-}
-
-fn wait_all(
-    handles: &[Handle],
-    watch: &Watch,
-    call: &'static str,
-    op: impl Fn() -> String,
-) -> Result<()> {
-    let result = handles
-        .iter()
-        .try_for_each(|h| h.wait_ready(watch, call, &op));
-    if result.is_err() {
-        handles.iter().for_each(Handle::abort);
-    }
-    result
 }
 
 /// The reduction operator of `scale` in `dtype` on the reductions' communicator: `ncclSum`, or a
@@ -854,174 +445,6 @@ impl Communicator<CudaBackend> for NcclComm {
 mod tests {
     use super::*;
 
-    const BASE: u64 = 0x7f00_0000_0000;
-
-    fn extent(bytes: usize) -> Extent {
-        Extent { base: BASE, bytes }
-    }
-
-    #[test]
-    fn ranks_and_world_sizes_are_checked() {
-        assert!(matches!(membership(0, 0), Err(Error::ZeroWorldSize)));
-        assert!(matches!(
-            membership(2, 2),
-            Err(Error::RankOutOfRange {
-                rank: 2,
-                world_size: 2
-            })
-        ));
-        assert!(matches!(
-            membership(0, c_int::MAX as usize + 1),
-            Err(Error::InvalidConfig {
-                field: "world_size",
-                ..
-            })
-        ));
-        assert_eq!(membership(1, 2).unwrap(), (1, 2));
-    }
-
-    #[test]
-    fn device_lists_are_checked() {
-        assert!(matches!(device_list(&[]), Err(Error::ZeroWorldSize)));
-        assert!(matches!(
-            device_list(&[0, 1, 0]),
-            Err(Error::InvalidConfig {
-                field: "devices",
-                ..
-            })
-        ));
-        assert!(matches!(
-            device_list(&[usize::MAX]),
-            Err(Error::InvalidConfig {
-                field: "devices",
-                ..
-            })
-        ));
-        assert_eq!(device_list(&[3, 1]).unwrap(), vec![3, 1]);
-    }
-
-    #[test]
-    fn reduce_scatter_is_in_place_at_the_ranks_part() {
-        let region = Region::new(8, 12, DType::F32);
-        let call = reduce_scatter_call(3, 2, extent(80), region, 0.5).unwrap();
-        assert_eq!(
-            call,
-            Call {
-                kind: Kind::ReduceScatter { scale: 0.5 },
-                send: BASE + 32,
-                recv: BASE + 32 + 2 * 4 * 4,
-                count: 4,
-                dtype: DType::F32,
-            }
-        );
-    }
-
-    #[test]
-    fn reduce_scatter_arguments_are_checked() {
-        let err =
-            reduce_scatter_call(2, 0, extent(64), Region::new(0, 3, DType::F32), 1.0).unwrap_err();
-        assert!(matches!(err, Error::OutOfRange { len: 3, .. }), "{err:?}");
-        let err =
-            reduce_scatter_call(2, 0, extent(64), Region::new(0, 4, DType::F16), 1.0).unwrap_err();
-        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
-        // bf16: this rank's part is counted in 2-byte elements.
-        let call = reduce_scatter_call(2, 1, extent(64), Region::new(2, 8, DType::Bf16), 1.0);
-        assert!(
-            matches!(call, Ok(Call { recv, count: 4, dtype: DType::Bf16, .. }) if recv == BASE + 4 + 8),
-            "{call:?}"
-        );
-        let err =
-            reduce_scatter_call(2, 1, extent(16), Region::new(2, 4, DType::F32), 1.0).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::OutOfRange {
-                    offset: 2,
-                    len: 4,
-                    capacity: 4
-                }
-            ),
-            "{err:?}"
-        );
-    }
-
-    #[test]
-    fn all_gather_is_out_of_place_with_a_count_per_rank() {
-        let call = all_gather_call(
-            4,
-            extent(8),
-            Region::new(1, 3, DType::Bf16),
-            Extent {
-                base: BASE + 4096,
-                bytes: 64,
-            },
-            Region::new(2, 12, DType::Bf16),
-        )
-        .unwrap();
-        assert_eq!(
-            call,
-            Call {
-                kind: Kind::AllGather,
-                send: BASE + 2,
-                recv: BASE + 4096 + 4,
-                count: 3,
-                dtype: DType::Bf16,
-            }
-        );
-    }
-
-    #[test]
-    fn all_gather_arguments_are_checked() {
-        let shard = Region::new(0, 2, DType::F32);
-        let err = all_gather_call(
-            2,
-            extent(8),
-            shard,
-            extent(64),
-            Region::new(0, 5, DType::F32),
-        )
-        .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::OutOfRange {
-                    len: 5,
-                    capacity: 4,
-                    ..
-                }
-            ),
-            "{err:?}"
-        );
-        let err = all_gather_call(
-            2,
-            extent(8),
-            shard,
-            extent(64),
-            Region::new(0, 4, DType::F16),
-        )
-        .unwrap_err();
-        assert!(matches!(err, Error::OutOfRange { .. }), "{err:?}");
-        let err = all_gather_call(
-            2,
-            extent(4),
-            shard,
-            extent(64),
-            Region::new(0, 4, DType::F32),
-        )
-        .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::OutOfRange {
-                    offset: 0,
-                    len: 2,
-                    capacity: 1
-                }
-            ),
-            "{err:?}"
-        );
-    }
-
     #[test]
     fn version_codes_split_into_their_parts() {
         assert_eq!(split_version(22803), (2, 28, 3));
@@ -1063,12 +486,5 @@ mod tests {
             .map(|&(scale, dtype, _)| (f32::from_bits(scale), dtype))
             .collect();
         assert_eq!(made, [(0.5, DType::F32), (0.25, DType::F32)]);
-    }
-
-    #[test]
-    fn dtypes_map_to_nccls() {
-        assert_eq!(nccl_dtype(DType::Bf16), ncclDataType_t::ncclBfloat16);
-        assert_eq!(nccl_dtype(DType::F16), ncclDataType_t::ncclFloat16);
-        assert_eq!(nccl_dtype(DType::F32), ncclDataType_t::ncclFloat32);
     }
 }
