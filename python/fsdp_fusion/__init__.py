@@ -31,13 +31,9 @@ from .errors import (
     UnavailableError,
 )
 from .group import LocalGroup, LoopbackGroup
-from .module import (
-    DTYPE_CODES,
-    FusedFSDP,
-    StepReport,
-    default_no_weight_decay,
-    export_checkpoint,
-)
+from ._params import DTYPE_CODES, default_no_weight_decay
+from ._state import export_checkpoint
+from .module import FusedFSDP, StepReport
 
 __all__ = [
     "DTYPE_CODES",

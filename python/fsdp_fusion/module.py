@@ -29,33 +29,24 @@ from ._capi import (
     Memory,
     Grad,
     GradNorm,
-    ParamInfo,
     ParamSpec,
     Releasing,
 )
 from ._allocator import TorchAllocator
 from ._dlpack import tensor_at
 from .errors import InvalidArgumentError, MisuseError
+from ._params import (
+    DTYPE_CODES,
+    DTYPE_NAMES,
+    _check_placement,
+    _exempt,
+    _owners,
+    _Param,
+    _param_groups,
+    _scales,
+)
+from ._state import _StateCopies
 from .group import LocalGroup, LoopbackGroup
-
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-"""The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
-
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-"""The engine's dtypes as a model file names them."""
-
-
-@dataclass
-class _Param:
-    id: int
-    name: str
-    tensor: torch.nn.Parameter
-    unit: int
-    tied: bool
-    # What `.data` holds while the parameter is not gathered: one NaN broadcast to its shape, so
-    # that the shape stays right and a use outside its unit shows.
-    placeholder: torch.Tensor | None = None
-
 
 class _Views:
     """A unit's gathered views at one set of addresses: the tensors, and the position of the
@@ -98,113 +89,6 @@ class _Saved:
     byte_offset: int
 
 
-def _owners(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[_Param]:
-    """Every parameter of `module` once, in model order, with its unit and whether it is tied."""
-    inside = {id(m) for m in module.modules()}
-    unit_of_module = {}
-    for index, unit in enumerate(units):
-        if not isinstance(unit, torch.nn.Module):
-            raise InvalidArgumentError(f"units[{index}] is a {type(unit).__name__}, not a module")
-        if unit is module or id(unit) not in inside:
-            raise InvalidArgumentError(f"units[{index}] ({type(unit).__name__}) is not a "
-                                       "submodule of the module")
-        for sub in unit.modules():
-            if unit_of_module.setdefault(id(sub), index) != index:
-                raise InvalidArgumentError(
-                    f"units {unit_of_module[id(sub)]} and {index} share a module")
-    found = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, p in sub.named_parameters(prefix, recurse=False, remove_duplicate=False):
-            first = found.setdefault(id(p), [name, p, set(), 0])
-            first[2].add(unit_of_module.get(id(sub), ROOT))
-            first[3] += 1
-    params = []
-    for index, (name, p, owner_units, slots) in enumerate(found.values()):
-        # A parameter that several units (or a unit and the root) use stays gathered with the
-        # root, which is open for the whole forward and backward.
-        unit = owner_units.pop() if len(owner_units) == 1 else ROOT
-        params.append(_Param(index, name, p, unit, slots > 1))
-    if not params:
-        raise InvalidArgumentError("the module has no parameters")
-    return params
-
-
-def default_no_weight_decay(module: torch.nn.Module) -> set[str]:
-    """The names of `module`'s parameters that LLM recipes exempt from weight decay: those with
-    fewer than two dimensions (biases, norm weights) and the weights of embeddings (every name of
-    a parameter held under several)."""
-    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    return {name for name, p in module.named_parameters(remove_duplicate=False)
-            if p.dim() < 2 or id(p) in embeddings}
-
-
-def _exempt(params: list[_Param], module: torch.nn.Module, rule) -> list[bool]:
-    """Per parameter, whether weight decay skips it under `rule` (see `FusedFSDP`)."""
-    if rule is None:
-        rule = default_no_weight_decay(module)
-    if callable(rule):
-        return [bool(rule(p.name, p.tensor)) for p in params]
-    names = set(rule)
-    known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    unknown = sorted(names - known)
-    if unknown:
-        raise InvalidArgumentError(f"no_weight_decay names no parameter: {unknown}")
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), set()).add(name)
-    return [bool(aliases[id(p.tensor)] & names) for p in params]
-
-
-def _by_alias(module: torch.nn.Module, given: dict, what: str) -> dict[int, list[str]]:
-    """Every parameter's names (a tied one has several), by the tensor's id; refuses a name in
-    `given` (the `what` argument) that is no parameter."""
-    aliases = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    unknown = sorted(set(given) - {n for names in aliases.values() for n in names})
-    if unknown:
-        raise InvalidArgumentError(f"{what} names no parameter: {unknown}")
-    return aliases
-
-
-def _scales(params: list[_Param], module: torch.nn.Module, scales) -> list[float]:
-    """Per parameter, its learning-rate scale from `scales` (names to factors), else 1."""
-    scales = dict(scales or {})
-    aliases = _by_alias(module, scales, "lr_scales")
-    out = []
-    for p in params:
-        given = {scales[n] for n in aliases[id(p.tensor)] if n in scales}
-        if len(given) > 1:
-            raise InvalidArgumentError(f"lr_scales gives {p.name} several scales: {sorted(given)}")
-        scale = float(given.pop()) if given else 1.0
-        if not (math.isfinite(scale) and scale > 0.0):
-            raise InvalidArgumentError(f"lr_scales: {p.name}'s scale {scale} is not finite and "
-                                       "> 0 (freeze a parameter that must not move)")
-        out.append(scale)
-    return out
-
-
-def _param_groups(params: list[_Param], module: torch.nn.Module, declared: dict,
-                  given) -> list[str | None]:
-    """Each parameter's process group, in `params` order, from `given` (names, a tied
-    parameter's under any of them, to groups): refuses a name that is no parameter, a group
-    that `declared` lacks, and two groups for one parameter."""
-    given = dict(given or {})
-    aliases = _by_alias(module, given, "param_groups")
-    for name, group in given.items():
-        if group not in declared:
-            raise InvalidArgumentError(
-                f"param_groups puts {name!r} in {group!r}, which process_groups does not declare")
-    out = []
-    for p in params:
-        groups = {given[n] for n in aliases[id(p.tensor)] if n in given}
-        if len(groups) > 1:
-            raise InvalidArgumentError(f"param_groups gives {p.name} several groups: "
-                                       f"{sorted(groups)}")
-        out.append(groups.pop() if groups else None)
-    return out
-
-
 @dataclass(frozen=True)
 class StepReport:
     """What `FusedFSDP.step` found: the gradient norms before clipping (when asked for, or when
@@ -215,23 +99,6 @@ class StepReport:
     grad_max: float | None = None
     nonfinite: int | None = None
     skipped: bool = False
-
-
-def _check_placement(params: list[_Param]) -> torch.device:
-    """The one device every parameter is on, with every dtype one the engine trains."""
-    device = params[0].tensor.device
-    for p in params:
-        if p.tensor.dtype not in DTYPE_CODES:
-            raise InvalidArgumentError(
-                f"{p.name}: dtype {p.tensor.dtype} is not one the engine trains (bfloat16, "
-                "float16, float32)")
-        if p.tensor.device != device:
-            raise InvalidArgumentError(
-                f"the module is on several devices: {p.name} is on {p.tensor.device}, "
-                f"{params[0].name} on {device}")
-    if device.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"the module is on {device}: the engine runs on cpu or cuda")
-    return device
 
 
 def _tensors(obj):
@@ -260,24 +127,6 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _value(p: _Param, info: ParamInfo, group_bytes: torch.Tensor) -> torch.Tensor:
-    """Parameter `p`'s value, a copy, out of its group's bytes."""
-    element = p.tensor.element_size()
-    values = group_bytes[info.offset * element:(info.offset + info.numel) * element]
-    return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
-
-
-def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
-                      library: str | os.PathLike | None = None):
-    """Writes the full model of the sharded checkpoint in `directory` (saved by `FusedFSDP.save`
-    on every rank, at any world size) into the safetensors file `path`, under the module's
-    parameter names, as `FusedFSDP.export` does at world size 1. No engine and no communication:
-    one process calls it once every rank saved. A missing, incomplete or corrupted checkpoint
-    raises `IoError`; an existing `path` raises `InvalidArgumentError`."""
-    _capi.library(library).call("fsdp_checkpoint_export_safetensors", os.fsencode(directory),
-                                os.fsencode(path))
-
-
 def _choice(what: str, value, codes: dict) -> int:
     if value not in codes:
         raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(map(str, codes))}")
@@ -292,7 +141,7 @@ def _membership(device: torch.device) -> tuple[int, int]:
     return 0, 1
 
 
-class FusedFSDP(Releasing, torch.nn.Module):
+class FusedFSDP(_StateCopies, Releasing, torch.nn.Module):
     """Trains `module` through an fsdp-fusion engine; `units` are its FSDP units in forward order
     (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
     passes of a step (several backward passes accumulate).
@@ -844,53 +693,6 @@ class FusedFSDP(Releasing, torch.nn.Module):
         self._call("fsdp_engine_counters", self._engine, byref(counters))
         return counters
 
-    def save(self, directory: str | os.PathLike, *, wait: bool = True):
-        """Writes this rank's part of a sharded checkpoint into `directory`: shards, fp32
-        masters, AdamW moments, the optimizer's step and settings. A collective: every rank
-        calls it with the same directory; the ranks first agree on the save's id and that the
-        directory holds no checkpoint (else every rank raises `InvalidArgumentError` and nothing
-        is written). Each file is written under a unique temporary name, flushed to disk and
-        linked into place, never over an existing file. Between steps only (forward passes with
-        no gradient since the last step, an evaluation, end their step first). `wait=False`
-        copies the state into host memory and returns while a thread writes the files;
-        `wait_save()` gives the outcome (one save at a time)."""
-        self._end_evaluation()
-        name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
-        self._call(name, self._engine, os.fsencode(directory))
-
-    def wait_save(self):
-        """Waits for the files of `save(wait=False)` and raises what failed (`IoError`, ...);
-        returns at once when no save is pending."""
-        self._call("fsdp_engine_wait_save", self._engine)
-
-    def load(self, directory: str | os.PathLike):
-        """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
-        same model and optimizer at any world size; the optimizer continues from the saved step.
-        A collective: nothing changes on any rank unless every rank's part checked out. A
-        missing, incomplete, truncated, corrupted or changed checkpoint, or rank files of two
-        saves, raise `IoError` naming the file and field; one of another model
-        `InvalidArgumentError` listing the differences; a rank whose own part was fine raises
-        the failing rank's error, naming it."""
-        self._end_evaluation()
-        self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
-
-    def export(self, path: str | os.PathLike):
-        """Writes the full model into the safetensors file `path` under the module's parameter
-        names, shapes and dtypes (`safetensors.torch.load_file` and `load_state_dict` take it
-        back into a plain PyTorch model). Atomic; an existing file raises
-        `InvalidArgumentError`. World size 1, between steps."""
-        self._end_evaluation()
-        self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
-
-    def import_(self, path: str | os.PathLike):
-        """Loads every parameter's values from the safetensors file `path` (an export, or a
-        pretrained model's with the same names, shapes and dtypes), each rank reading only its
-        shard's part; a file of another model raises `InvalidArgumentError` listing every
-        difference. A collective: nothing is loaded on any rank unless every rank read its
-        part. The optimizer's state is unchanged. Between steps."""
-        self._end_evaluation()
-        self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
-
     def memory(self) -> tuple[int, int]:
         """The engine's device (or host) bytes now and at their peak: between steps
         `planned_memory().between_steps`, at the peak `planned_memory().peak` (more only where a
@@ -909,51 +711,6 @@ class FusedFSDP(Releasing, torch.nn.Module):
         """Makes every wait of the engine end with `AbortedError`, now and later (from any
         thread): a rank that must give up without hanging its peers' collectives."""
         self._call("fsdp_engine_abort", self._engine)
-
-    def full_parameter(self, name: str) -> torch.Tensor:
-        """A host copy of parameter `name` from this rank's shard, at world size 1 (where the
-        shard is the whole group). Blocks until the copy is done."""
-        if self._world != 1:
-            raise MisuseError("full_parameter reads the whole group from the shard: world size 1")
-        p = next((p for p in self._params if p.name == name), None)
-        if p is None:
-            raise InvalidArgumentError(f"no parameter named {name!r}")
-        info = self._info(p.id)
-        members = [(q, i) for q, i in zip(self._params, map(self._info, range(len(self._params))))
-                   if i.group == info.group]
-        shard = self._group_bytes("fsdp_engine_param_shard", info.group, members)
-        return _value(p, info, shard)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole value as a host tensor under the module's names (what
-        `load_state_dict` of a plain copy takes), gathered from every rank's shards: a
-        collective, every rank calls it. Between steps (an evaluation's step is ended first).
-        The module's own `state_dict()` holds the engine's views or placeholders, not this."""
-        self._end_evaluation()
-        infos = [self._info(p.id) for p in self._params]
-        state = {}
-        for group in sorted({i.group for i in infos}):
-            members = [(p, i) for p, i in zip(self._params, infos) if i.group == group]
-            whole = self._group_bytes("fsdp_engine_gather_group", group, members)
-            for p, i in members:
-                state[p.name] = _value(p, i, whole)
-        return state
-
-    def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
-        """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies
-        of `group`, whose parameters and their infos are `members`."""
-        element = members[0][0].tensor.element_size()
-        # Parameters lie padded one after another: the group ends where its last one does.
-        numel = max(i.offset + i.padded_numel for _, i in members)
-        whole = torch.empty(numel * element, dtype=torch.uint8)
-        written = c_size_t()
-        self._call(function, self._engine, group, whole.data_ptr(), whole.numel(), byref(written))
-        return whole
-
-    def _info(self, param: int) -> ParamInfo:
-        info = ParamInfo()
-        self._lib.call("fsdp_plan_param_info", self._plan, param, byref(info))
-        return info
 
     def close(self):
         """Releases the engine, its group and the plan; the module's parameters become

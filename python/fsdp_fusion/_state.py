@@ -1,0 +1,128 @@
+"""The engine's state as PyTorch sees it: checkpoints saved and loaded, safetensors exported and
+imported, and whole parameters gathered into host tensors."""
+
+from __future__ import annotations
+
+import os
+from ctypes import byref, c_size_t
+
+import torch
+
+from . import _capi
+from ._capi import ParamInfo
+from ._params import _Param
+from .errors import InvalidArgumentError, MisuseError
+
+
+def _value(p: _Param, info: ParamInfo, group_bytes: torch.Tensor) -> torch.Tensor:
+    """Parameter `p`'s value, a copy, out of its group's bytes."""
+    element = p.tensor.element_size()
+    values = group_bytes[info.offset * element:(info.offset + info.numel) * element]
+    return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
+
+
+def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
+                      library: str | os.PathLike | None = None):
+    """Writes the full model of the sharded checkpoint in `directory` (saved by `FusedFSDP.save`
+    on every rank, at any world size) into the safetensors file `path`, under the module's
+    parameter names, as `FusedFSDP.export` does at world size 1. No engine and no communication:
+    one process calls it once every rank saved. A missing, incomplete or corrupted checkpoint
+    raises `IoError`; an existing `path` raises `InvalidArgumentError`."""
+    _capi.library(library).call("fsdp_checkpoint_export_safetensors", os.fsencode(directory),
+                                os.fsencode(path))
+
+
+class _StateCopies:
+    """`FusedFSDP`'s copies of its state in and out: checkpoints, safetensors, whole parameters."""
+
+    def save(self, directory: str | os.PathLike, *, wait: bool = True):
+        """Writes this rank's part of a sharded checkpoint into `directory`: shards, fp32
+        masters, AdamW moments, the optimizer's step and settings. A collective: every rank
+        calls it with the same directory; the ranks first agree on the save's id and that the
+        directory holds no checkpoint (else every rank raises `InvalidArgumentError` and nothing
+        is written). Each file is written under a unique temporary name, flushed to disk and
+        linked into place, never over an existing file. Between steps only (forward passes with
+        no gradient since the last step, an evaluation, end their step first). `wait=False`
+        copies the state into host memory and returns while a thread writes the files;
+        `wait_save()` gives the outcome (one save at a time)."""
+        self._end_evaluation()
+        name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
+        self._call(name, self._engine, os.fsencode(directory))
+
+    def wait_save(self):
+        """Waits for the files of `save(wait=False)` and raises what failed (`IoError`, ...);
+        returns at once when no save is pending."""
+        self._call("fsdp_engine_wait_save", self._engine)
+
+    def load(self, directory: str | os.PathLike):
+        """Restores this rank's part of the checkpoint in `directory`, saved by a wrapper of the
+        same model and optimizer at any world size; the optimizer continues from the saved step.
+        A collective: nothing changes on any rank unless every rank's part checked out. A
+        missing, incomplete, truncated, corrupted or changed checkpoint, or rank files of two
+        saves, raise `IoError` naming the file and field; one of another model
+        `InvalidArgumentError` listing the differences; a rank whose own part was fine raises
+        the failing rank's error, naming it."""
+        self._end_evaluation()
+        self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
+
+    def export(self, path: str | os.PathLike):
+        """Writes the full model into the safetensors file `path` under the module's parameter
+        names, shapes and dtypes (`safetensors.torch.load_file` and `load_state_dict` take it
+        back into a plain PyTorch model). Atomic; an existing file raises
+        `InvalidArgumentError`. World size 1, between steps."""
+        self._end_evaluation()
+        self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
+
+    def import_(self, path: str | os.PathLike):
+        """Loads every parameter's values from the safetensors file `path` (an export, or a
+        pretrained model's with the same names, shapes and dtypes), each rank reading only its
+        shard's part; a file of another model raises `InvalidArgumentError` listing every
+        difference. A collective: nothing is loaded on any rank unless every rank read its
+        part. The optimizer's state is unchanged. Between steps."""
+        self._end_evaluation()
+        self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
+
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """A host copy of parameter `name` from this rank's shard, at world size 1 (where the
+        shard is the whole group). Blocks until the copy is done."""
+        if self._world != 1:
+            raise MisuseError("full_parameter reads the whole group from the shard: world size 1")
+        p = next((p for p in self._params if p.name == name), None)
+        if p is None:
+            raise InvalidArgumentError(f"no parameter named {name!r}")
+        info = self._info(p.id)
+        members = [(q, i) for q, i in zip(self._params, map(self._info, range(len(self._params))))
+                   if i.group == info.group]
+        shard = self._group_bytes("fsdp_engine_param_shard", info.group, members)
+        return _value(p, info, shard)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole value as a host tensor under the module's names (what
+        `load_state_dict` of a plain copy takes), gathered from every rank's shards: a
+        collective, every rank calls it. Between steps (an evaluation's step is ended first).
+        The module's own `state_dict()` holds the engine's views or placeholders, not this."""
+        self._end_evaluation()
+        infos = [self._info(p.id) for p in self._params]
+        state = {}
+        for group in sorted({i.group for i in infos}):
+            members = [(p, i) for p, i in zip(self._params, infos) if i.group == group]
+            whole = self._group_bytes("fsdp_engine_gather_group", group, members)
+            for p, i in members:
+                state[p.name] = _value(p, i, whole)
+        return state
+
+    def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
+        """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies
+        of `group`, whose parameters and their infos are `members`."""
+        element = members[0][0].tensor.element_size()
+        # Parameters lie padded one after another: the group ends where its last one does.
+        numel = max(i.offset + i.padded_numel for _, i in members)
+        whole = torch.empty(numel * element, dtype=torch.uint8)
+        written = c_size_t()
+        self._call(function, self._engine, group, whole.data_ptr(), whole.numel(), byref(written))
+        return whole
+
+    def _info(self, param: int) -> ParamInfo:
+        info = ParamInfo()
+        self._lib.call("fsdp_plan_param_info", self._plan, param, byref(info))
+        return info
