@@ -87,22 +87,6 @@ impl OptimizerConfig {
         }
     }
 
-    /// Bytes of state per trainable group shard: an fp32 master copy for bf16/f16 params, and
-    /// AdamW's two moments in `moment_dtype`; `None` when that overflows.
-    pub fn state_bytes(
-        &self,
-        dtype: DType,
-        moment_dtype: DType,
-        shard_numel: usize,
-    ) -> Option<usize> {
-        let master = if dtype == DType::F32 { 0 } else { 4 };
-        let moments = match self {
-            OptimizerConfig::Sgd { .. } => 0,
-            OptimizerConfig::AdamW { .. } => 2 * moment_dtype.size(),
-        };
-        shard_numel.checked_mul(master + moments)
-    }
-
     /// Whether the optimizer keeps AdamW moments.
     pub fn has_moments(&self) -> bool {
         matches!(self, OptimizerConfig::AdamW { .. })
@@ -467,18 +451,5 @@ mod tests {
             Err(Error::InvalidConfig { field: "lr", .. })
         ));
         assert!(OptimizerConfig::default().validate().is_ok());
-    }
-
-    #[test]
-    fn state_bytes_count_master_and_moments() {
-        let adamw = OptimizerConfig::default();
-        let sgd = OptimizerConfig::sgd(0.1);
-        let f32s = DType::F32;
-        assert_eq!(adamw.state_bytes(DType::F32, f32s, 10), Some(80));
-        assert_eq!(adamw.state_bytes(DType::Bf16, f32s, 10), Some(120));
-        assert_eq!(adamw.state_bytes(DType::Bf16, DType::Bf16, 10), Some(80));
-        assert_eq!(sgd.state_bytes(DType::F32, DType::Bf16, 10), Some(0));
-        assert_eq!(sgd.state_bytes(DType::F16, f32s, 10), Some(40));
-        assert_eq!(adamw.state_bytes(DType::F32, f32s, usize::MAX / 4), None);
     }
 }

@@ -3,6 +3,7 @@
 //! handed back.
 
 use super::*;
+use crate::plan::BufferLayout;
 
 /// An engine that could not be made, with the backend and communicators it was given: the rank
 /// can try again with them (its peers have not heard from it, unless the ranks' plans differed).
@@ -33,81 +34,52 @@ struct Buffers<B: Backend> {
 }
 
 impl<B: Backend> Buffers<B> {
-    fn allocate(plan: &Plan, config: &EngineConfig, backend: &B) -> Result<Buffers<B>> {
-        let groups = plan.groups();
+    /// Allocates every buffer of `layout` but per-step gradient shards, which come with the
+    /// step's first gradient of their group.
+    fn allocate(layout: &BufferLayout, backend: &B) -> Result<Buffers<B>> {
         let what = "the engine's buffer lists";
-        let mut shards = crate::fallible::with_capacity(groups.len(), what)?;
-        let mut grad_shards = crate::fallible::with_capacity(groups.len(), what)?;
-        let mut masters = crate::fallible::with_capacity(groups.len(), what)?;
-        let mut moments = crate::fallible::with_capacity(groups.len(), what)?;
-        for g in groups {
-            let i = g.index;
-            // A master-only group has no shard in its dtype: its gathers cast the master.
-            let shard_bytes = if plan.master_only(config, g) {
-                0
-            } else {
-                g.shard_numel * g.dtype.size()
+        let groups = layout.groups.len();
+        let mut shards = crate::fallible::with_capacity(groups, what)?;
+        let mut grad_shards = crate::fallible::with_capacity(groups, what)?;
+        let mut masters = crate::fallible::with_capacity(groups, what)?;
+        let mut moments = crate::fallible::with_capacity(groups, what)?;
+        let mut grad_accumulators = crate::fallible::with_capacity(groups, what)?;
+        for (i, g) in layout.groups.iter().enumerate() {
+            let buffer = |bytes: usize, what: &str| {
+                alloc(backend, bytes, || format!("the {what} of group {i}"))
             };
-            shards.push(alloc(backend, shard_bytes, || {
-                format!("the parameter shard of group {i}")
-            })?);
-            let f32_shard = |what: &str| {
-                alloc(backend, g.shard_numel * 4, || {
-                    format!("the {what} of group {i}")
-                })
-            };
-            let trains = g.trainable;
-            // Per-step gradient shards come with the step's first gradient of their group.
-            let persistent = config.grad_shard_memory == GradShardMemory::Persistent;
+            shards.push(buffer(g.shard, "parameter shard")?);
+            let grad_shard = g.grad_shard.filter(|_| !layout.per_step_grad_shards);
             grad_shards.push(
-                (trains && persistent)
-                    .then(|| f32_shard("gradient shard"))
+                grad_shard
+                    .map(|b| buffer(b, "gradient shard"))
                     .transpose()?,
             );
             masters.push(
-                (trains && g.dtype != DType::F32)
-                    .then(|| f32_shard("fp32 master shard"))
+                g.master
+                    .map(|b| buffer(b, "fp32 master shard"))
                     .transpose()?,
             );
-            let moment = |what: &str| {
-                alloc(backend, g.shard_numel * config.moment_dtype.size(), || {
-                    format!("the {what} of group {i}")
-                })
-            };
-            moments.push(
-                (trains && config.optimizer.has_moments())
-                    .then(|| Ok((moment("first moment")?, moment("second moment")?)))
-                    .transpose()?,
-            );
+            let moment_pair = |b| Ok((buffer(b, "first moment")?, buffer(b, "second moment")?));
+            moments.push(g.moment.map(moment_pair).transpose()?);
+            let accumulator = g.accumulator.map(|b| buffer(b, "gradient accumulator"));
+            grad_accumulators.push(accumulator.transpose()?);
         }
-        let slot_bytes = plan.gather_slot_bytes();
-        let slot_count = plan.gather_slot_count(config);
-        let mut slot_buffers = crate::fallible::with_capacity(slot_count, what)?;
-        for i in 0..slot_count {
-            slot_buffers.push(alloc(backend, slot_bytes, || format!("gather slot {i}"))?);
+        let mut slot_buffers = crate::fallible::with_capacity(layout.gather_slots, what)?;
+        for i in 0..layout.gather_slots {
+            let slot = alloc(backend, layout.gather_slot_bytes, || {
+                format!("gather slot {i}")
+            });
+            slot_buffers.push(slot?);
         }
-        let grad_slot_bytes = plan.grad_slot_numel() * plan.grad_slot_dtype(config).size();
-        let grad_slot_count = plan.grad_slot_count(config);
-        let mut grad_slots = crate::fallible::with_capacity(grad_slot_count, what)?;
-        for i in 0..grad_slot_count {
+        let mut grad_slots = crate::fallible::with_capacity(layout.grad_slots, what)?;
+        for i in 0..layout.grad_slots {
             grad_slots.push(GradSlot {
-                buffer: alloc(backend, grad_slot_bytes, || format!("gradient slot {i}"))?,
+                buffer: alloc(backend, layout.grad_slot_bytes, || {
+                    format!("gradient slot {i}")
+                })?,
                 reduced: None,
             });
-        }
-        let accumulates = plan.grad_accumulators(config);
-        let mut grad_accumulators = crate::fallible::with_capacity(groups.len(), what)?;
-        for g in groups {
-            let i = g.index;
-            grad_accumulators.push(
-                (accumulates && g.trainable)
-                    .then(|| {
-                        alloc(backend, g.padded_numel * 4, || {
-                            format!("the gradient accumulator of group {i}")
-                        })
-                    })
-                    .transpose()?,
-            );
         }
         Ok(Buffers {
             shards,
@@ -177,7 +149,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         let parts = Engine::<B, C>::check_arguments(&plan, &config, &backend, &comm)
             .and_then(|()| check_process_groups(&plan, comm.rank(), &process_groups))
-            .and_then(|()| Buffers::allocate(&plan, &config, &backend))
+            .and_then(|()| plan.buffer_layout(&config))
+            .and_then(|layout| Buffers::allocate(&layout, &backend))
             .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)))
             .and_then(|(buffers, state)| {
                 let bytes = parts::state_bytes(&plan, &config);

@@ -45,51 +45,28 @@ impl Plan {
                 .and_then(|b| total.checked_add(b))
                 .ok_or_else(overflow(what))
         };
+        let layout = self.buffer_layout(config)?;
         let mut m = MemoryPerRank::default();
-        for g in &self.groups {
-            let size = if self.master_only(config, g) {
-                0
-            } else {
-                g.dtype.size()
-            };
-            m.param_shards = add(
-                m.param_shards,
-                g.shard_numel.checked_mul(size),
-                "parameter shards",
+        for g in &layout.groups {
+            m.param_shards = add(m.param_shards, Some(g.shard), "parameter shards")?;
+            m.grad_shards = add(m.grad_shards, g.grad_shard.or(Some(0)), "gradient shards")?;
+            let moments = g.moment.map_or(Some(0), |b| b.checked_mul(2));
+            let optimizer = moments.and_then(|b| b.checked_add(g.master.unwrap_or(0)));
+            m.optimizer_state = add(m.optimizer_state, optimizer, "optimizer state")?;
+            m.grad_accumulators = add(
+                m.grad_accumulators,
+                g.accumulator.or(Some(0)),
+                "gradient accumulators",
             )?;
-            if g.trainable {
-                m.grad_shards = add(
-                    m.grad_shards,
-                    g.shard_numel.checked_mul(4),
-                    "gradient shards",
-                )?;
-                m.optimizer_state = add(
-                    m.optimizer_state,
-                    config
-                        .optimizer
-                        .state_bytes(g.dtype, config.moment_dtype, g.shard_numel),
-                    "optimizer state",
-                )?;
-            }
         }
-        m.gathered_slots = self
-            .gather_slot_count(config)
-            .checked_mul(self.gather_slot_bytes())
+        m.gathered_slots = layout
+            .gather_slots
+            .checked_mul(layout.gather_slot_bytes)
             .ok_or_else(overflow("gather slots"))?;
-        m.grad_slots = self
-            .grad_slot_numel()
-            .checked_mul(self.grad_slot_dtype(config).size())
-            .and_then(|b| b.checked_mul(self.grad_slot_count(config)))
+        m.grad_slots = layout
+            .grad_slots
+            .checked_mul(layout.grad_slot_bytes)
             .ok_or_else(overflow("gradient slots"))?;
-        if self.grad_accumulators(config) {
-            for g in self.groups.iter().filter(|g| g.trainable) {
-                m.grad_accumulators = add(
-                    m.grad_accumulators,
-                    g.padded_numel.checked_mul(4),
-                    "gradient accumulators",
-                )?;
-            }
-        }
         m.peak = [
             m.grad_shards,
             m.optimizer_state,
@@ -100,9 +77,9 @@ impl Plan {
         .into_iter()
         .try_fold(m.param_shards, |total, b| total.checked_add(b))
         .ok_or_else(overflow("the total"))?;
-        m.between_steps = match config.grad_shard_memory {
-            GradShardMemory::Persistent => m.peak,
-            GradShardMemory::PerStep => m.peak - m.grad_shards,
+        m.between_steps = match layout.per_step_grad_shards {
+            false => m.peak,
+            true => m.peak - m.grad_shards,
         };
         Ok(m)
     }

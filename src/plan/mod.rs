@@ -9,10 +9,12 @@ use crate::spec::{ModelSpec, ProcessGroupSpec};
 use crate::types::DType;
 use crate::types::{ParamId, Unit};
 
+mod buffers;
 mod json;
 mod memory;
 mod policy;
 
+pub use buffers::{BufferLayout, GroupBuffers};
 pub use memory::{BufferReport, MemoryPerRank};
 pub use policy::Limits;
 

@@ -1,0 +1,145 @@
+//! The buffers a rank allocates for a plan under a configuration, worked out once: the engine
+//! allocates exactly these, and the plan's memory report ([`Plan::memory_per_rank`]) sums them,
+//! so the prediction cannot drift from what is allocated.
+
+use crate::config::{EngineConfig, GradShardMemory};
+use crate::error::{Error, Result};
+use crate::types::DType;
+
+use super::Plan;
+
+/// One group's buffers, in bytes; `None` where the group has no such buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupBuffers {
+    /// The parameter shard in the group's dtype: 0 bytes for a master-only group, whose gathers
+    /// cast the master.
+    pub shard: usize,
+    /// The fp32 gradient shard of a trainable group.
+    pub grad_shard: Option<usize>,
+    /// The fp32 master of a trainable bf16 or f16 group.
+    pub master: Option<usize>,
+    /// Each of AdamW's two moments.
+    pub moment: Option<usize>,
+    /// The unsharded fp32 gradient of `Accumulation::NoSync`.
+    pub accumulator: Option<usize>,
+}
+
+/// Every buffer a rank allocates: per group, then the gather and gradient slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferLayout {
+    pub groups: Vec<GroupBuffers>,
+    pub gather_slots: usize,
+    pub gather_slot_bytes: usize,
+    pub grad_slots: usize,
+    pub grad_slot_bytes: usize,
+    /// Whether gradient shards come with a step's first gradient of their group and go when the
+    /// step ends ([`GradShardMemory::PerStep`]) rather than live as long as the engine.
+    pub per_step_grad_shards: bool,
+}
+
+impl Plan {
+    /// The buffers a rank allocates for this plan under `config`; `Error::SizeOverflow` when a
+    /// size does not fit in a `usize`.
+    pub fn buffer_layout(&self, config: &EngineConfig) -> Result<BufferLayout> {
+        let bytes = |numel: usize, dtype: DType, what: &'static str| {
+            numel
+                .checked_mul(dtype.size())
+                .ok_or(Error::SizeOverflow { what })
+        };
+        let accumulates = self.grad_accumulators(config);
+        let mut groups =
+            crate::fallible::with_capacity(self.groups.len(), "the plan's buffer layout")?;
+        for g in &self.groups {
+            let trains = g.trainable;
+            let shard = match self.master_only(config, g) {
+                true => 0,
+                false => bytes(g.shard_numel, g.dtype, "parameter shards")?,
+            };
+            let f32_shard = |what| bytes(g.shard_numel, DType::F32, what);
+            groups.push(GroupBuffers {
+                shard,
+                grad_shard: trains.then(|| f32_shard("gradient shards")).transpose()?,
+                master: (trains && g.dtype != DType::F32)
+                    .then(|| f32_shard("optimizer state"))
+                    .transpose()?,
+                moment: (trains && config.optimizer.has_moments())
+                    .then(|| bytes(g.shard_numel, config.moment_dtype, "optimizer state"))
+                    .transpose()?,
+                accumulator: (trains && accumulates)
+                    .then(|| bytes(g.padded_numel, DType::F32, "gradient accumulators"))
+                    .transpose()?,
+            });
+        }
+        Ok(BufferLayout {
+            groups,
+            gather_slots: self.gather_slot_count(config),
+            gather_slot_bytes: self.gather_slot_bytes(),
+            grad_slots: self.grad_slot_count(config),
+            grad_slot_bytes: bytes(
+                self.grad_slot_numel(),
+                self.grad_slot_dtype(config),
+                "gradient slots",
+            )?,
+            per_step_grad_shards: config.grad_shard_memory == GradShardMemory::PerStep,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Accumulation, ParamStorage};
+    use crate::optim::OptimizerConfig;
+    use crate::spec::{ModelSpec, ParamSpec};
+
+    /// One trainable group of `dtype` and 1024 elements (4 KiB of f32) at world size 2.
+    fn plan(dtype: DType) -> Plan {
+        let params = vec![ParamSpec::new("w", &[1024], dtype).in_unit(0)];
+        Plan::new(&ModelSpec::new(params).unwrap(), 2).unwrap()
+    }
+
+    #[test]
+    fn masters_and_moments_follow_the_dtypes_and_the_optimizer() {
+        let shard = 512;
+        let adamw = EngineConfig::default();
+        let g = plan(DType::Bf16).buffer_layout(&adamw).unwrap().groups[0];
+        assert_eq!(
+            (g.shard, g.grad_shard, g.master, g.moment),
+            (shard * 2, Some(shard * 4), Some(shard * 4), Some(shard * 4))
+        );
+        let bf16_moments = EngineConfig {
+            moment_dtype: DType::Bf16,
+            ..EngineConfig::default()
+        };
+        let g = plan(DType::Bf16)
+            .buffer_layout(&bf16_moments)
+            .unwrap()
+            .groups[0];
+        assert_eq!(g.moment, Some(shard * 2));
+        let sgd = EngineConfig {
+            optimizer: OptimizerConfig::sgd(0.1),
+            ..EngineConfig::default()
+        };
+        let g = plan(DType::F16).buffer_layout(&sgd).unwrap().groups[0];
+        assert_eq!((g.master, g.moment), (Some(shard * 4), None));
+        let g = plan(DType::F32).buffer_layout(&sgd).unwrap().groups[0];
+        assert_eq!((g.master, g.moment, g.accumulator), (None, None, None));
+    }
+
+    #[test]
+    fn master_only_storage_and_no_sync_accumulation_shape_the_buffers() {
+        let config = EngineConfig {
+            param_storage: ParamStorage::MasterOnly,
+            accumulation: Accumulation::NoSync,
+            grad_shard_memory: GradShardMemory::PerStep,
+            ..EngineConfig::default()
+        };
+        let layout = plan(DType::Bf16).buffer_layout(&config).unwrap();
+        let g = layout.groups[0];
+        assert_eq!(
+            (g.shard, g.master, g.accumulator),
+            (0, Some(512 * 4), Some(1024 * 4))
+        );
+        assert!(layout.per_step_grad_shards);
+    }
+}
