@@ -419,9 +419,9 @@ enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               const struct fsdp_device_allocator *allocator,
                                               struct fsdp_engine **out);
 
-// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its place read from
-// the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the
-// CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
+// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size
+// and device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
+// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
 // over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
 // `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
 // other rank fetches it, retrying until rank 0 listens. Each exchange waits at most

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 /// Where a group's gradients of one pass are written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Place {
+pub enum GradTarget {
     /// A temporary fp32 slot, reduce-scattered into the group's shard once the group is complete.
     Slot(usize),
     /// Group `.0`'s persistent fp32 shard itself: at world size 1 the shard is the whole buffer,
@@ -36,13 +36,13 @@ pub enum GradEffect {
     Retire { slot: usize },
     /// Zero the padding of `group`'s layout at `place`: the gradients written later cover
     /// everything else.
-    ZeroPadding { place: Place, group: usize },
+    ZeroPadding { place: GradTarget, group: usize },
     /// Zero a parameter's place: it got no gradient before its group was reduced.
-    ZeroParam { place: Place, param: usize },
+    ZeroParam { place: GradTarget, param: usize },
     /// Write the parameter's gradient into its place, or add it to what the place holds.
     Write {
         param: usize,
-        place: Place,
+        place: GradTarget,
         add: bool,
     },
     /// Copy the group's accumulator into `slot`, rounded to the slot's dtype.
@@ -51,7 +51,7 @@ pub enum GradEffect {
     /// write) this rank's part, scaled, into the group's persistent shard.
     Reduce {
         group: usize,
-        place: Place,
+        place: GradTarget,
         overwrite: bool,
     },
     /// Zero the group's shard: it received no gradient this step.
@@ -65,8 +65,8 @@ impl GradEffect {
             GradEffect::ZeroPadding { place, .. }
             | GradEffect::ZeroParam { place, .. }
             | GradEffect::Write { place, .. } => match place {
-                Place::Shard(group) => Some(group),
-                Place::Slot(_) | Place::Accumulator(_) => None,
+                GradTarget::Shard(group) => Some(group),
+                GradTarget::Slot(_) | GradTarget::Accumulator(_) => None,
             },
             GradEffect::Reduce { group, .. } | GradEffect::ZeroShard { group } => Some(group),
             GradEffect::Retire { .. } | GradEffect::Stage { .. } => None,
@@ -90,7 +90,7 @@ pub struct GradPipeline {
     /// Parameters written into their group's current slot since it was taken.
     in_slot: Vec<bool>,
     received_count: Vec<usize>,
-    filling: Vec<Option<Place>>,
+    filling: Vec<Option<GradTarget>>,
     fill_order: VecDeque<usize>,
     slots: Vec<Slot>,
     in_flight: VecDeque<usize>,
@@ -182,10 +182,10 @@ impl GradPipeline {
         }
         match place {
             // The gradients are in the shard already.
-            Place::Shard(_) => self.written[group] = true,
+            GradTarget::Shard(_) => self.written[group] = true,
             // The step's sync reduces them.
-            Place::Accumulator(_) => self.accumulated[group] = true,
-            Place::Slot(slot) => self.reduce_slot(group, slot, effects),
+            GradTarget::Accumulator(_) => self.accumulated[group] = true,
+            GradTarget::Slot(slot) => self.reduce_slot(group, slot, effects),
         }
     }
 
@@ -195,7 +195,7 @@ impl GradPipeline {
         }
         effects.push(GradEffect::Reduce {
             group,
-            place: Place::Slot(slot),
+            place: GradTarget::Slot(slot),
             overwrite: !self.written[group],
         });
         self.written[group] = true;
@@ -219,7 +219,7 @@ impl GradPipeline {
             } else {
                 effects.push(GradEffect::Reduce {
                     group,
-                    place: Place::Accumulator(group),
+                    place: GradTarget::Accumulator(group),
                     overwrite: true,
                 });
                 self.written[group] = true;
@@ -240,7 +240,7 @@ impl GradPipeline {
         if let Some(&oldest) = self
             .fill_order
             .iter()
-            .find(|&&g| matches!(filling[g], Some(Place::Slot(_))))
+            .find(|&&g| matches!(filling[g], Some(GradTarget::Slot(_))))
         {
             self.launch(oldest, effects);
         }
@@ -261,11 +261,11 @@ impl GradPipeline {
 
     /// Whether a gradient written at `place` adds to what it holds: a shard or an accumulator an
     /// earlier pass of the step filled.
-    pub fn adds(&self, place: Place) -> bool {
+    pub fn adds(&self, place: GradTarget) -> bool {
         match place {
-            Place::Slot(_) => false,
-            Place::Shard(group) => self.written[group],
-            Place::Accumulator(group) => self.accumulated[group],
+            GradTarget::Slot(_) => false,
+            GradTarget::Shard(group) => self.written[group],
+            GradTarget::Accumulator(group) => self.accumulated[group],
         }
     }
 
@@ -284,20 +284,20 @@ impl GradPipeline {
     /// no-sync accumulation, else a slot, taken (its padding zeroed) if the group has none. A slot stays the group's
     /// until a later `open` of another group needs its place, so a caller writing into it
     /// commits before asking for another.
-    pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> Place {
+    pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> GradTarget {
         self.pending = true;
         self.synced = false;
         if let Some(place) = self.filling[group] {
             return place;
         }
         let place = if self.direct {
-            Place::Shard(group)
+            GradTarget::Shard(group)
         } else if self.passes != Passes::ReduceEach {
-            Place::Accumulator(group)
+            GradTarget::Accumulator(group)
         } else {
             let slot = self.claim_slot(effects);
             self.slots[slot] = Slot::Filling;
-            Place::Slot(slot)
+            GradTarget::Slot(slot)
         };
         if !self.adds(place) {
             effects.push(GradEffect::ZeroPadding { place, group });
@@ -372,12 +372,12 @@ mod tests {
             fx,
             vec![
                 ZeroPadding {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     group: 0
                 },
                 Write {
                     param: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     add: false
                 }
             ]
@@ -389,12 +389,12 @@ mod tests {
             vec![
                 Write {
                     param: 1,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     add: false
                 },
                 Reduce {
                     group: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     overwrite: true
                 }
             ]
@@ -468,22 +468,22 @@ mod tests {
             fx,
             vec![
                 ZeroParam {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     param: 1
                 },
                 Reduce {
                     group: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },
                 ZeroPadding {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     group: 2
                 },
                 Write {
                     param: 4,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     add: false
                 },
             ]
@@ -497,31 +497,31 @@ mod tests {
             fx,
             vec![
                 ZeroParam {
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     param: 3
                 },
                 Reduce {
                     group: 1,
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     overwrite: true
                 },
                 Retire { slot: 1 },
                 ZeroPadding {
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     group: 0
                 },
                 Write {
                     param: 1,
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     add: false
                 },
                 ZeroParam {
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     param: 0
                 },
                 Reduce {
                     group: 0,
-                    place: Place::Slot(1),
+                    place: GradTarget::Slot(1),
                     overwrite: false
                 },
             ]
@@ -532,13 +532,13 @@ mod tests {
             fx,
             vec![
                 ZeroParam {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     param: 5
                 },
                 Retire { slot: 1 },
                 Reduce {
                     group: 2,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },
@@ -553,7 +553,7 @@ mod tests {
         let mut fx = Vec::new();
         p.on_grad(0, 0, &mut fx);
         p.on_grad(1, 0, &mut fx);
-        let shard = Place::Shard(0);
+        let shard = GradTarget::Shard(0);
         let write = |param, add| Write {
             param,
             place: shard,
@@ -590,7 +590,7 @@ mod tests {
         for passes in [Passes::AccumulateInPlace, Passes::AccumulateStaged] {
             let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, false, passes);
             let mut fx = Vec::new();
-            let acc = Place::Accumulator(0);
+            let acc = GradTarget::Accumulator(0);
             p.on_grad(1, 0, &mut fx);
             p.end_pass(&mut fx);
             assert_eq!(
@@ -631,7 +631,7 @@ mod tests {
                     Stage { group: 0, slot: 0 },
                     Reduce {
                         group: 0,
-                        place: Place::Slot(0),
+                        place: GradTarget::Slot(0),
                         overwrite: true,
                     },
                     Retire { slot: 0 },
@@ -666,17 +666,17 @@ mod tests {
             fx,
             vec![
                 ZeroPadding {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     group: 0
                 },
                 Write {
                     param: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     add: false
                 },
                 Reduce {
                     group: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     overwrite: true
                 },
             ]
@@ -701,12 +701,12 @@ mod tests {
             fx,
             vec![
                 ZeroParam {
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     param: 1
                 },
                 Reduce {
                     group: 0,
-                    place: Place::Slot(0),
+                    place: GradTarget::Slot(0),
                     overwrite: true
                 },
                 Retire { slot: 0 },

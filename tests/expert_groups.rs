@@ -145,13 +145,13 @@ fn a_plan_places_expert_groups_on_blocks_of_consecutive_ranks() {
     assert_eq!(plan.process_groups()[0].name, EXPERT_GROUP);
     assert_eq!((plan.copies(expert), plan.copies(dense)), (3, 1));
     for rank in 0..6 {
-        assert_eq!(plan.place(expert, rank), rank % 2);
+        assert_eq!(plan.shard_index(expert, rank), rank % 2);
         assert_eq!(plan.copy(expert, rank), rank / 2);
         assert_eq!(
             plan.shard_range(expert, rank),
             expert.shard_numel * (rank % 2)..expert.shard_numel * (rank % 2 + 1)
         );
-        assert_eq!(plan.place(dense, rank), rank);
+        assert_eq!(plan.shard_index(dense, rank), rank);
     }
     // The expert's buffer splits into 2 shards of 256-byte multiples, the dense one into 6.
     assert_eq!(expert.padded_numel % (2 * 128), 0);

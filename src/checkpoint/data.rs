@@ -207,15 +207,15 @@ pub struct FileRange {
 /// Below this many bytes a load reads on one thread.
 const PARALLEL_BYTES: usize = 64 << 20;
 
-/// Reads every copy of `saved`'s data into `out`, each chunk checked as it is read, and zeroes
+/// Reads every range of `saved`'s data into `out`, each chunk checked as it is read, and zeroes
 /// every other byte of `out`: on several
 /// threads for a large load (page-cache reads go at memory speed, not a disk's, and one core
-/// does not reach it), each a run of the copies, cut at chunk boundaries so that no chunk is
-/// read twice but where a copy begins or ends inside one. The copies' destinations increase
+/// does not reach it), each a run of the ranges, cut at chunk boundaries so that no chunk is
+/// read twice but where a range begins or ends inside one. The ranges' destinations increase
 /// and do not overlap.
-pub fn read_copies(saved: &Saved, copies: &[FileRange], out: &mut [u8]) -> Result<()> {
+pub fn read_ranges(saved: &Saved, ranges: &[FileRange], out: &mut [u8]) -> Result<()> {
     let mut pieces = Vec::new();
-    for c in copies {
+    for c in ranges {
         let chunk = saved
             .manifests
             .get(c.rank)
@@ -243,7 +243,7 @@ pub fn read_copies(saved: &Saved, copies: &[FileRange], out: &mut [u8]) -> Resul
         let Some(skip) = skip else {
             return Err(unreadable(
                 &saved.dir,
-                format!("copies out of order at byte {}", p.to),
+                format!("ranges out of order at byte {}", p.to),
             ));
         };
         let (gap, after) = std::mem::take(&mut rest).split_at_mut(skip);

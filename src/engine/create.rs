@@ -257,7 +257,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             placed: (0..groups).map(|_| None).collect(),
             gathered: (0..groups).map(|_| None).collect(),
             released: vec![None; groups],
-            shards: buffers.shards,
+            param_shards: buffers.shards,
             grad_shards: buffers.grad_shards,
             masters: buffers.masters,
             moments: buffers.moments,

@@ -77,7 +77,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return self.param_shard(group);
         }
         let own = Region::new(
-            self.plan.place(&g, self.rank) * g.shard_numel,
+            self.plan.shard_index(&g, self.rank) * g.shard_numel,
             g.shard_numel,
             g.dtype,
         );
@@ -87,7 +87,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let mut buffer = e.backend.alloc_scratch(g.padded_numel * g.dtype.size())?;
             let (source, region) = match (master_only, e.masters[group].as_ref()) {
                 (true, Some(master)) => (master, Region::new(0, g.shard_numel, DType::F32)),
-                _ => (&e.shards[group], Region::new(0, g.shard_numel, g.dtype)),
+                _ => (
+                    &e.param_shards[group],
+                    Region::new(0, g.shard_numel, g.dtype),
+                ),
             };
             // SAFETY: the scratch buffer is this call's; the shard (or master) is read on the
             // compute stream, after the last optimizer step there and before the next one.

@@ -216,7 +216,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = match (master_only, self.masters[g].as_ref()) {
             (true, Some(master)) => {
                 let own = Region::new(
-                    plan.place(group, self.rank) * group.shard_numel,
+                    plan.shard_index(group, self.rank) * group.shard_numel,
                     group.shard_numel,
                     group.dtype,
                 );
@@ -244,7 +244,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                         &self.backend,
                         Stream::Gather,
                         tag,
-                        &self.shards[g],
+                        &self.param_shards[g],
                         shard_region,
                         out,
                         full_region,

@@ -148,15 +148,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .config
             .optimizer
             .with_lr_and_decay(first.lr, first.weight_decay)?;
-        checkpoint::read_copies(&saved, &self.copies(&saved, parts)?, bytes)?;
+        checkpoint::read_ranges(&saved, &self.saved_ranges(&saved, parts)?, bytes)?;
         Ok((optimizer, first.optimizer_steps))
     }
 
     /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'
     /// data: for every parameter, the elements of this rank's shard range, found in the saved
     /// layout of the copy of its group that this rank holds. Padding stays zero.
-    fn copies(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<FileRange>> {
-        let mut copies = Vec::new();
+    fn saved_ranges(&self, saved: &Saved, parts: &[Part]) -> Result<Vec<FileRange>> {
+        let mut ranges = Vec::new();
         let mut part_start = 0;
         for p in parts {
             let size = p.region.dtype.size();
@@ -168,7 +168,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let held = self.held_elements(id)?;
                 // The manifests' parameters are the plan's, in its order (`differences`).
                 for run in saved.runs(id.0, p.kind, block.start, held)? {
-                    copies.push(FileRange {
+                    ranges.push(FileRange {
                         rank: run.rank,
                         from: run.offset,
                         to: part_start + (layout.offset + run.elements.start - mine.start) * size,
@@ -178,7 +178,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             part_start += bytes_of(p);
         }
-        Ok(copies)
+        Ok(ranges)
     }
 
     /// Uploads `bytes` (this rank's `parts`, one after another, read from a checkpoint) into
@@ -199,7 +199,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 for p in parts {
                     let n = bytes_of(p);
                     let state = (
-                        &mut self.shards[..],
+                        &mut self.param_shards[..],
                         &mut self.masters[..],
                         &mut self.moments[..],
                     );
@@ -232,7 +232,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     from,
                 );
                 let state = (
-                    &mut self.shards[..],
+                    &mut self.param_shards[..],
                     &mut self.masters[..],
                     &mut self.moments[..],
                 );
@@ -281,7 +281,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     Stream::Compute,
                     master,
                     f32s,
-                    &mut self.shards[g.index],
+                    &mut self.param_shards[g.index],
                     values,
                 )
             }?;

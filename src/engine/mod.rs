@@ -104,7 +104,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     /// The first failure once a call's work began; set through `&self` too, since a read of the
     /// device is where an asynchronous failure shows.
     poisoned: OnceLock<Error>,
-    shards: Vec<B::Buffer>,
+    /// Each group's shard of its parameters, in their dtype (empty for a master-only group).
+    param_shards: Vec<B::Buffer>,
     grad_shards: Vec<Option<B::Buffer>>,
     masters: Vec<Option<B::Buffer>>,
     moments: Vec<Option<(B::Buffer, B::Buffer)>>,

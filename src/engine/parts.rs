@@ -99,7 +99,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             count: self.plan.groups().len(),
         };
         match p.kind {
-            SectionKind::Values => Ok(&self.shards[p.group]),
+            SectionKind::Values => Ok(&self.param_shards[p.group]),
             SectionKind::Master => self.masters[p.group].as_ref().ok_or(missing),
             SectionKind::FirstMoment => self.moments[p.group].as_ref().map(|m| &m.0).ok_or(missing),
             SectionKind::SecondMoment => {

@@ -4,7 +4,7 @@ use super::Engine;
 use crate::backend::{Backend, Input, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
-use crate::grads::{GradEffect, Place};
+use crate::grads::{GradEffect, GradTarget};
 use crate::schedule::Phase;
 use crate::trace::SpanKind;
 use crate::types::{DType, ParamId, Stream};
@@ -20,7 +20,7 @@ pub(super) struct GradSlot<Buf, E> {
 pub(super) fn place_buffer<'a, Buf, E>(
     slots: &'a mut [GradSlot<Buf, E>],
     (shards, accumulators): (&'a mut [Option<Buf>], &'a mut [Option<Buf>]),
-    place: Place,
+    place: GradTarget,
 ) -> Result<&'a mut Buf> {
     let of_group = |buffers: &'a mut [Option<Buf>], group: usize| {
         let count = buffers.len();
@@ -30,9 +30,9 @@ pub(super) fn place_buffer<'a, Buf, E>(
             .ok_or(Error::GroupOutOfRange { group, count })
     };
     match place {
-        Place::Slot(slot) => Ok(&mut slots[slot].buffer),
-        Place::Shard(group) => of_group(shards, group),
-        Place::Accumulator(group) => of_group(accumulators, group),
+        GradTarget::Slot(slot) => Ok(&mut slots[slot].buffer),
+        GradTarget::Shard(group) => of_group(shards, group),
+        GradTarget::Accumulator(group) => of_group(accumulators, group),
     }
 }
 
@@ -122,7 +122,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// (`Error::GradSlotUnavailable`) where gradients travel in bf16, and for a step's later
     /// passes where they add into an earlier pass's (world size 1, no-sync): there the place is
     /// not one the caller can overwrite with f32.
-    pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(Place, Region)> {
+    pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(GradTarget, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         self.healthy()?;
         if self.plan.grad_slot_dtype(&self.config) != DType::F32 {
@@ -242,7 +242,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 }
                 GradEffect::Stage { group, slot } => {
                     let numel = self.plan.groups()[group].padded_numel;
-                    let dtype = self.place_dtype(Place::Slot(slot));
+                    let dtype = self.place_dtype(GradTarget::Slot(slot));
                     let count = self.grad_accumulators.len();
                     let accumulator = self
                         .grad_accumulators
@@ -298,24 +298,24 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// The element type of gradients at `place`: a slot's is the transport's, the rest f32.
-    fn place_dtype(&self, place: Place) -> DType {
+    fn place_dtype(&self, place: GradTarget) -> DType {
         match place {
-            Place::Slot(_) => self.plan.grad_slot_dtype(&self.config),
-            Place::Shard(_) | Place::Accumulator(_) => DType::F32,
+            GradTarget::Slot(_) => self.plan.grad_slot_dtype(&self.config),
+            GradTarget::Shard(_) | GradTarget::Accumulator(_) => DType::F32,
         }
     }
 
     /// `param`'s region of its group's layout, at `place`.
-    fn param_region(&self, param: usize, place: Place) -> Region {
+    fn param_region(&self, param: usize, place: GradTarget) -> Region {
         let layout = &self.plan.params()[param];
         Region::new(layout.offset, layout.numel, self.place_dtype(place))
     }
 
-    fn reduce(&mut self, group: usize, place: Place, overwrite: bool) -> Result<()> {
+    fn reduce(&mut self, group: usize, place: GradTarget, overwrite: bool) -> Result<()> {
         let world = self.plan.world_size();
         let g = &self.plan.groups()[group];
         let (padded, shard_numel) = (g.padded_numel, g.shard_numel);
-        let (own_place, process_group) = (self.plan.place(g, self.rank), g.process_group);
+        let (own_place, process_group) = (self.plan.shard_index(g, self.rank), g.process_group);
         let dtype = self.place_dtype(place);
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;
@@ -375,7 +375,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let peers = self.peers(process_group);
         let collective = tag.map(|tag| (Fingerprint::reduce_scatter(tag, region), peers));
         let reduced = self.record_collective(Stream::Reduce, collective)?;
-        if let Place::Slot(slot) = place {
+        if let GradTarget::Slot(slot) = place {
             self.grad_slots[slot].reduced = Some(reduced);
         }
         Ok(())

@@ -89,7 +89,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // A master-only group steps its master as an f32 parameter that is its own master.
             let (param, dtype, master) = match (master_only, self.masters[i].as_mut()) {
                 (true, Some(master)) => (master, DType::F32, None),
-                (_, master) => (&mut self.shards[i], g.dtype, master),
+                (_, master) => (&mut self.param_shards[i], g.dtype, master),
             };
             let shard = OptimizerShard {
                 param,
@@ -103,7 +103,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     storage: match self.config.moment_dtype {
                         DType::Bf16 => MomentStorage::Bf16Stochastic {
                             seed: moment_seed(self.optimizer_steps, i),
-                            first_index: (self.plan.place(g, self.rank) * g.shard_numel) as u64,
+                            first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel)
+                                as u64,
                         },
                         _ => MomentStorage::F32,
                     },
@@ -255,7 +256,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.effects(|e| {
             if !master_only {
                 let region = Region::new(at, held.len(), dtype);
-                e.backend.upload(&mut e.shards[index], region, values)?;
+                e.backend
+                    .upload(&mut e.param_shards[index], region, values)?;
             }
             if let Some(master) = e.masters[index].as_mut() {
                 // Exactly what the shard holds, widened: only this parameter's range, so the fp32
@@ -322,7 +324,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 self.observe(self.backend.download(master, f32s, &mut wide))?;
                 convert((&mut out, g.dtype), (&wide, DType::F32));
             }
-            _ => self.observe(self.backend.download(&self.shards[group], region, &mut out))?,
+            _ => self.observe(self.backend.download(
+                &self.param_shards[group],
+                region,
+                &mut out,
+            ))?,
         }
         Ok(out)
     }

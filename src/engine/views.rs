@@ -31,7 +31,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 Ok((layout, &self.slot_buffers[slot.buffer_index]))
             }
             (Some(Placement::Shard), BufferState::Using) => {
-                Ok((layout, &self.shards[layout.group]))
+                Ok((layout, &self.param_shards[layout.group]))
             }
             _ => Err(Error::NotGathered {
                 name: layout.name.clone(),

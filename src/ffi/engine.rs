@@ -116,19 +116,19 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
         // SAFETY: the caller's contract.
         let id = unsafe { unique_id_of(unique_id, id_len) }?;
         let device = device_ordinal(device)?;
-        let place = Place {
+        let membership = Membership {
             device,
             rank,
             world_size,
         };
         // SAFETY: the caller's contract.
-        unsafe { nccl_engine(plan, config, place, stream, allocator, out, |_| Ok(id)) }
+        unsafe { nccl_engine(plan, config, membership, stream, allocator, out, |_| Ok(id)) }
     })
 }
 
-/// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its place read from
-/// the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the
-/// CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
+/// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size
+/// and device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
 /// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
 /// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
 /// other rank fetches it, retrying until rank 0 listens. Each exchange waits at most
@@ -149,19 +149,19 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl_env(
 ) -> fsdp_status {
     boundary(|| {
         let env = LaunchEnv::from_env()?;
-        let place = Place {
+        let membership = Membership {
             device: env.local_rank,
             rank: env.rank,
             world_size: env.world_size,
         };
         let share = |timeout| env.share_id(NcclComm::unique_id, timeout);
         // SAFETY: the caller's contract.
-        unsafe { nccl_engine(plan, config, place, stream, allocator, out, share) }
+        unsafe { nccl_engine(plan, config, membership, stream, allocator, out, share) }
     })
 }
 
-/// Where an NCCL rank runs.
-struct Place {
+/// Which rank of how many an NCCL rank is, and on which device.
+struct Membership {
     device: usize,
     rank: usize,
     world_size: usize,
@@ -175,7 +175,7 @@ struct Place {
 unsafe fn nccl_engine(
     plan: *const fsdp_plan,
     config: *const fsdp_config,
-    place: Place,
+    membership: Membership,
     stream: u64,
     allocator: *const fsdp_device_allocator,
     out: *mut *mut fsdp_engine,
@@ -187,11 +187,11 @@ unsafe fn nccl_engine(
     if out.is_null() {
         return Err(null("out"));
     }
-    let Place {
+    let Membership {
         device,
         rank,
         world_size,
-    } = place;
+    } = membership;
     // Checked before joining: a rank that joins with the wrong world size hangs the others.
     if world_size != plan.world_size() {
         return Err(Error::WorldSizeMismatch {

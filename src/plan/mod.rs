@@ -274,8 +274,8 @@ impl Plan {
         &self.process_groups
     }
 
-    /// Rank `rank`'s place among the ranks that shard `group`: the shard it holds.
-    pub fn place(&self, group: &Group, rank: usize) -> usize {
+    /// Which shard of `group` rank `rank` holds: its index among the ranks that shard the group.
+    pub fn shard_index(&self, group: &Group, rank: usize) -> usize {
         rank % group.shards
     }
 
@@ -348,7 +348,7 @@ impl Plan {
 
     /// The elements of group `group`'s buffer that rank `rank` holds.
     pub fn shard_range(&self, group: &Group, rank: usize) -> Range<usize> {
-        let place = self.place(group, rank);
+        let place = self.shard_index(group, rank);
         group.shard_numel * place..group.shard_numel * (place + 1)
     }
 
