@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 
 use super::engine_values::host_bytes;
-use super::handles::{TensorMemory, on_engine, tensor_memory, with_engine};
+use super::handles::{TensorMemory, on_engine, on_engine_with, with_engine};
 use super::status::{Failure, Outcome, boundary, fsdp_status, invalid, null, put};
 use super::types::{dtype_code, dtype_of, fsdp_engine, fsdp_grad, unit_of};
 use crate::backend::Input;
@@ -118,11 +118,12 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 ) -> fsdp_status {
     boundary(|| {
         let dtype = dtype_of(dtype)?;
-        // SAFETY: the caller's contract.
-        let input = unsafe { caller_input(tensor_memory(engine)?, data, numel, dtype) }?;
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.grad(ParamId(param), input))?)
-        })
+        on_engine_with(
+            engine,
+            // SAFETY: the caller's contract.
+            |memory| unsafe { caller_input(memory, data, numel, dtype) },
+            |any, input| Ok(with_engine!(any, e => e.grad(ParamId(param), input))?),
+        )
     })
 }
 
@@ -143,17 +144,21 @@ pub unsafe extern "C" fn fsdp_engine_grads(
     boundary(|| {
         // SAFETY: the caller's contract.
         let entries = unsafe { entries(grads, count, "grads") }?;
-        let memory = tensor_memory(engine)?;
-        let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
-        for (i, g) in entries.iter().enumerate() {
-            let dtype =
-                dtype_of(g.dtype).map_err(|f| invalid(format!("grads[{i}]: {}", f.message)))?;
-            // SAFETY: the caller's contract for each entry.
-            let input = unsafe { caller_input(memory, g.data, g.numel, dtype) }
-                .map_err(|f| Failure::new(f.status, format!("grads[{i}]: {}", f.message)))?;
-            batch.push((ParamId(g.param), input));
-        }
-        on_engine(engine, |any| Ok(with_engine!(any, e => e.grads(&batch))?))
+        let convert = |memory| {
+            let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
+            for (i, g) in entries.iter().enumerate() {
+                let dtype =
+                    dtype_of(g.dtype).map_err(|f| invalid(format!("grads[{i}]: {}", f.message)))?;
+                // SAFETY: the caller's contract for each entry.
+                let input = unsafe { caller_input(memory, g.data, g.numel, dtype) }
+                    .map_err(|f| Failure::new(f.status, format!("grads[{i}]: {}", f.message)))?;
+                batch.push((ParamId(g.param), input));
+            }
+            Ok(batch)
+        };
+        on_engine_with(engine, convert, |any, batch| {
+            Ok(with_engine!(any, e => e.grads(&batch))?)
+        })
     })
 }
 

@@ -128,10 +128,22 @@ pub(crate) fn on_engine<T>(
     engine: *mut fsdp_engine,
     f: impl FnOnce(&mut AnyEngine) -> Outcome<T>,
 ) -> Outcome<T> {
+    on_engine_with(engine, |_| Ok(()), |any, ()| f(any))
+}
+
+/// As [`on_engine`], with `prepare` run first, before the engine's lock, on where the tensors
+/// a caller hands the engine live: a call converts its inputs there, and refuses bad ones
+/// without waiting for a call in progress on another thread.
+pub(crate) fn on_engine_with<P, T>(
+    engine: *mut fsdp_engine,
+    prepare: impl FnOnce(TensorMemory) -> Outcome<P>,
+    f: impl FnOnce(&mut AnyEngine, P) -> Outcome<T>,
+) -> Outcome<T> {
     let object = object(engine as u64, "engine")?;
     let entry = entry_of(&object)?;
+    let prepared = prepare(entry.tensors)?;
     let mut any = lock(&entry.engine)?;
-    let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut any)));
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut any, prepared)));
     let outcome = outcome.unwrap_or_else(|payload| {
         let message = format!("panic inside fsdp-fusion: {}", panic_message(&*payload));
         let cause = Error::Panicked {
@@ -154,12 +166,6 @@ pub(crate) fn engine_report(engine: *mut fsdp_engine) -> Outcome<(fsdp_counters,
     let object = object(engine as u64, "engine")?;
     let report = *lock(&entry_of(&object)?.report)?;
     Ok(report)
-}
-
-/// Where the tensors a caller hands `engine` live; never waits for a call in progress.
-pub(crate) fn tensor_memory(engine: *mut fsdp_engine) -> Outcome<TensorMemory> {
-    let object = object(engine as u64, "engine")?;
-    Ok(entry_of(&object)?.tensors)
 }
 
 /// Aborts `engine` without waiting for its lock.
