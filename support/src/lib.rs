@@ -2,8 +2,9 @@
 //! consumers carry none of it: the example model with its CPU math and unsharded reference
 //! trainer ([`mlp`]), the cuBLAS layer stack of the pipeline benchmark ([`gpu_stack`]),
 //! deterministic data ([`rng`], [`values`]), the harness that runs ranks as threads
-//! ([`ranks`]), scratch directories ([`scratch`]) and the examples built for a test
-//! ([`examples`]).
+//! ([`ranks`]), scratch directories ([`scratch`]), the examples built for a test
+//! ([`examples`]) and a model of many one-element units for the engine's bookkeeping
+//! ([`unit_stack`]).
 
 pub mod examples;
 pub mod faults;
@@ -12,4 +13,5 @@ pub mod mlp;
 pub mod ranks;
 pub mod rng;
 pub mod scratch;
+pub mod unit_stack;
 pub mod values;
