@@ -4,9 +4,8 @@ use serde::Serialize;
 
 use crate::config::{Accumulation, EngineConfig, GradShardMemory};
 use crate::error::{Error, Result};
-use crate::types::DType;
 
-use super::Plan;
+use super::{BufferLayout, GroupBuffers, Plan};
 
 /// Bytes one rank holds: everything is allocated before the first step, except per-step gradient
 /// shards ([`crate::GradShardMemory::PerStep`]), which exist from a step's first gradient to its
@@ -39,55 +38,14 @@ impl Plan {
     /// The bytes each rank allocates for this plan under `config`; `Error::SizeOverflow` when a
     /// total does not fit in a `usize`.
     pub fn memory_per_rank(&self, config: &EngineConfig) -> Result<MemoryPerRank> {
-        let overflow = |what: &'static str| move || Error::SizeOverflow { what };
-        let add = |total: usize, bytes: Option<usize>, what: &'static str| {
-            bytes
-                .and_then(|b| total.checked_add(b))
-                .ok_or_else(overflow(what))
-        };
-        let layout = self.buffer_layout(config)?;
-        let mut m = MemoryPerRank::default();
-        for g in &layout.groups {
-            m.param_shards = add(m.param_shards, Some(g.shard), "parameter shards")?;
-            m.grad_shards = add(m.grad_shards, g.grad_shard.or(Some(0)), "gradient shards")?;
-            let moments = g.moment.map_or(Some(0), |b| b.checked_mul(2));
-            let optimizer = moments.and_then(|b| b.checked_add(g.master.unwrap_or(0)));
-            m.optimizer_state = add(m.optimizer_state, optimizer, "optimizer state")?;
-            m.grad_accumulators = add(
-                m.grad_accumulators,
-                g.accumulator.or(Some(0)),
-                "gradient accumulators",
-            )?;
-        }
-        m.gathered_slots = layout
-            .gather_slots
-            .checked_mul(layout.gather_slot_bytes)
-            .ok_or_else(overflow("gather slots"))?;
-        m.grad_slots = layout
-            .grad_slots
-            .checked_mul(layout.grad_slot_bytes)
-            .ok_or_else(overflow("gradient slots"))?;
-        m.peak = [
-            m.grad_shards,
-            m.optimizer_state,
-            m.gathered_slots,
-            m.grad_slots,
-            m.grad_accumulators,
-        ]
-        .into_iter()
-        .try_fold(m.param_shards, |total, b| total.checked_add(b))
-        .ok_or_else(overflow("the total"))?;
-        m.between_steps = match layout.per_step_grad_shards {
-            false => m.peak,
-            true => m.peak - m.grad_shards,
-        };
-        Ok(m)
+        memory_of(&self.buffer_layout(config)?)
     }
 
     /// Every buffer [`Plan::memory_per_rank`] counts, by kind, with the reason for its count;
     /// the bytes add up to its peak.
     pub fn buffer_report(&self, config: &EngineConfig) -> Result<Vec<BufferReport>> {
-        let m = self.memory_per_rank(config)?;
+        let layout = self.buffer_layout(config)?;
+        let m = memory_of(&layout)?;
         let limits = self.limits(config);
         let trainable = self.groups.iter().filter(|g| g.trainable).count();
         let shards = self
@@ -95,17 +53,12 @@ impl Plan {
             .iter()
             .filter(|g| !self.master_only(config, g))
             .count();
-        let masters = self
-            .groups
-            .iter()
-            .filter(|g| g.trainable && g.dtype != DType::F32)
-            .count();
-        let moments = if config.optimizer.has_moments() {
-            trainable * 2
-        } else {
-            0
+        let held = |buffer: fn(&GroupBuffers) -> Option<usize>| {
+            layout.groups.iter().filter(|g| buffer(g).is_some()).count()
         };
-        let gather_slots = self.gather_slot_count(config);
+        let masters = held(|g| g.master);
+        let moments = 2 * held(|g| g.moment);
+        let gather_slots = layout.gather_slots;
         let gather_why = match (self.world_size, config.accumulation) {
             (1, _) if gather_slots == 0 => {
                 "none: at world size 1 each shard is its group's view".to_string()
@@ -121,7 +74,7 @@ impl Plan {
                 self.groups.len()
             ),
         };
-        let grad_slots = self.grad_slot_count(config);
+        let grad_slots = layout.grad_slots;
         let grad_why = if trainable == 0 {
             "none: nothing trains".to_string()
         } else if self.grads_direct(config) {
@@ -135,11 +88,7 @@ impl Plan {
                 self.grad_slot_dtype(config)
             )
         };
-        let accumulators = if self.grad_accumulators(config) {
-            trainable
-        } else {
-            0
-        };
+        let accumulators = held(|g| g.accumulator);
         Ok(vec![
             BufferReport {
                 what: "parameter shards",
@@ -190,4 +139,51 @@ impl Plan {
             },
         ])
     }
+}
+
+/// The bytes of `layout`, by kind and in all; `Error::SizeOverflow` when a total does not fit in
+/// a `usize`.
+fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
+    let overflow = |what: &'static str| move || Error::SizeOverflow { what };
+    let add = |total: usize, bytes: Option<usize>, what: &'static str| {
+        bytes
+            .and_then(|b| total.checked_add(b))
+            .ok_or_else(overflow(what))
+    };
+    let mut m = MemoryPerRank::default();
+    for g in &layout.groups {
+        m.param_shards = add(m.param_shards, Some(g.shard), "parameter shards")?;
+        m.grad_shards = add(m.grad_shards, g.grad_shard.or(Some(0)), "gradient shards")?;
+        let moments = g.moment.map_or(Some(0), |b| b.checked_mul(2));
+        let optimizer = moments.and_then(|b| b.checked_add(g.master.unwrap_or(0)));
+        m.optimizer_state = add(m.optimizer_state, optimizer, "optimizer state")?;
+        m.grad_accumulators = add(
+            m.grad_accumulators,
+            g.accumulator.or(Some(0)),
+            "gradient accumulators",
+        )?;
+    }
+    m.gathered_slots = layout
+        .gather_slots
+        .checked_mul(layout.gather_slot_bytes)
+        .ok_or_else(overflow("gather slots"))?;
+    m.grad_slots = layout
+        .grad_slots
+        .checked_mul(layout.grad_slot_bytes)
+        .ok_or_else(overflow("gradient slots"))?;
+    m.peak = [
+        m.grad_shards,
+        m.optimizer_state,
+        m.gathered_slots,
+        m.grad_slots,
+        m.grad_accumulators,
+    ]
+    .into_iter()
+    .try_fold(m.param_shards, |total, b| total.checked_add(b))
+    .ok_or_else(overflow("the total"))?;
+    m.between_steps = match layout.per_step_grad_shards {
+        false => m.peak,
+        true => m.peak - m.grad_shards,
+    };
+    Ok(m)
 }
