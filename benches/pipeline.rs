@@ -23,7 +23,7 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::trace::{self, TimedSpan};
 use fsdp_fusion::types::Stream;
-use fsdp_fusion::{Backend, Communicator, DType, Engine, EngineConfig, Plan, Result};
+use fsdp_fusion::{Backend, Communicator, DType, Engine, EngineConfig, Plan, Policy, Result};
 use fsdp_fusion_support::gpu_stack::{HookTime, Stack, StackShape, UnshardedStack};
 use fsdp_fusion_support::ranks::on_threads;
 
@@ -112,7 +112,7 @@ fn run_rank<C: Communicator<CudaBackend>>(
         reduce_dtype,
         ..EngineConfig::default()
     };
-    let plan_bytes = plan.memory_per_rank(&config)?.peak;
+    let plan_bytes = Policy::new(&plan, &config)?.memory.peak;
     let reduced_bytes = if plan.world_size() > 1 {
         plan.groups()
             .iter()

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use fsdp_fusion::plan::ALIGNMENT_BYTES;
-use fsdp_fusion::{EngineConfig, ModelSpec, OptimizerConfig, Plan};
+use fsdp_fusion::{EngineConfig, ModelSpec, OptimizerConfig, Plan, Policy};
 
 #[derive(Parser)]
 #[command(about = "Print how fsdp-fusion groups, pads and shards a model")]
@@ -75,7 +75,7 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
     };
     config.validate()?;
     if args.json {
-        writeln!(out, "{:#}", plan.to_json(&config))?;
+        writeln!(out, "{:#}", plan.to_json(&Policy::new(&plan, &config)?))?;
         return Ok(());
     }
     writeln!(
@@ -150,7 +150,8 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
             )?;
         }
     }
-    let m = plan.memory_per_rank(&config)?;
+    let policy = Policy::new(&plan, &config)?;
+    let m = policy.memory_per_rank();
     writeln!(out)?;
     writeln!(
         out,
@@ -164,7 +165,7 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         "bytes per rank (limit {}, {} reduce-scatters in flight, {}):",
         args.limit, args.reduces, args.optimizer
     )?;
-    for b in plan.buffer_report(&config)? {
+    for b in policy.buffer_report() {
         writeln!(
             out,
             "  {:<22} {:>4} x, {} ({} bytes): {}",

@@ -21,7 +21,9 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::comm::process_group_comms;
 use fsdp_fusion::optim::LrSchedule;
-use fsdp_fusion::{Accumulation, DType, EngineConfig, GradReduction, OptimizerConfig, Plan};
+use fsdp_fusion::{
+    Accumulation, DType, EngineConfig, GradReduction, OptimizerConfig, Plan, Policy,
+};
 use fsdp_fusion_support::mlp::{Checkpoints, Comparison, Mlp, MlpConfig, Recipe, Training};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -399,7 +401,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     println!(
         "largest relative parameter difference, sharded vs reference, over all steps: {worst:.3e}"
     );
-    let predicted = plan.memory_per_rank(&config)?;
+    let predicted = Policy::new(&plan, &config)?.memory_per_rank();
     println!(
         "bytes per rank: measured peak vs plan (shards {}, grad shards {}, optimizer state {}, gather slots {}, grad slots {}, grad accumulators {})",
         predicted.param_shards,

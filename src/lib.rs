@@ -100,6 +100,6 @@ pub use dtype::Element;
 pub use engine::{Counters, Engine};
 pub use error::{Error, Result};
 pub use optim::OptimizerConfig;
-pub use plan::{BufferReport, Group, MemoryPerRank, ParamLayout, Plan};
+pub use plan::{BufferReport, Group, MemoryPerRank, ParamLayout, Plan, Policy};
 pub use spec::{ModelSpec, ParamSpec, ProcessGroupSpec};
 pub use types::{BufferState, DType, ParamId, Stream, Unit};

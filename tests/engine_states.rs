@@ -131,7 +131,7 @@ fn three_passes_a_step(mode: Mode, accumulation: Accumulation) -> Vec<PassesRun>
             all_gathers: e.counters().all_gathers,
             reduce_scatters: e.counters().reduce_scatters,
             peak: e.memory().peak,
-            predicted: e.plan().memory_per_rank(e.config()).unwrap().peak,
+            predicted: e.policy().memory.peak,
         }
     })
 }
@@ -216,7 +216,7 @@ fn a_required_gather_at_the_limit_proceeds() {
             ..EngineConfig::default()
         };
         on_two_ranks(mode, stack(1, true), config, |mut e| {
-            let predicted = e.plan().memory_per_rank(e.config()).unwrap().peak;
+            let predicted = e.policy().memory.peak;
             assert_eq!(e.memory().current, predicted);
             e.pre_forward(Unit::Layer(0)).unwrap();
             assert_eq!(e.gathered_count(), 2);
@@ -234,14 +234,8 @@ fn a_required_gather_at_the_limit_proceeds() {
 fn at_world_size_1_the_shard_is_the_view_and_no_slot_is_allocated() {
     for_each_mode(|mode| {
         let mut e = engine(mode, stack(2, true), EngineConfig::default());
-        assert_eq!(
-            e.plan().memory_per_rank(e.config()).unwrap().gathered_slots,
-            0
-        );
-        assert_eq!(
-            e.memory().current,
-            e.plan().memory_per_rank(e.config()).unwrap().peak
-        );
+        assert_eq!(e.policy().memory.gathered_slots, 0);
+        assert_eq!(e.memory().current, e.policy().memory.peak);
         let w0 = e.plan().param_id("w0").unwrap();
         e.load_param(w0, Input::host(&[2.5f32; 16])).unwrap();
         e.pre_forward(Unit::Layer(0)).unwrap();
@@ -289,7 +283,7 @@ fn prefetch_follows_the_recorded_order_not_the_group_order() {
 fn memory_is_fixed_up_front_and_matches_the_plan() {
     for_each_mode(|mode| {
         let mut e = engine(mode, stack(4, true), EngineConfig::default());
-        let predicted = e.plan().memory_per_rank(e.config()).unwrap().peak;
+        let predicted = e.policy().memory.peak;
         assert_eq!(e.memory().current, predicted);
         for _ in 0..3 {
             walk_step(&mut e, 4, &mut |_| {});
@@ -542,7 +536,7 @@ fn per_step_gradient_shards_exist_from_the_first_gradient_to_the_step_s_end() {
     };
     let layers = 4;
     let run = move |mut e: CpuEngine| {
-        let m = e.plan().memory_per_rank(e.config()).unwrap();
+        let m = e.policy().memory;
         assert_eq!(m.between_steps, m.peak - m.grad_shards);
         assert!(m.grad_shards > 0);
         assert_eq!(e.memory().current, m.between_steps, "before the first step");

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use fsdp_fusion::comm::process_group_comms;
 use fsdp_fusion::{
     Accumulation, DType, Engine, EngineConfig, Error, LocalComm, ModelSpec, OptimizerConfig,
-    ParamSpec, Plan, ProcessGroupSpec,
+    ParamSpec, Plan, Policy, ProcessGroupSpec,
 };
 use fsdp_fusion_support::mlp::{
     Checkpoints, EXPERT_GROUP, Mlp, MlpConfig, RankStep, Recipe, Training, assemble_copy,
@@ -91,7 +91,7 @@ fn expert_parity(mode: Mode, (world, size): (usize, usize), config: EngineConfig
             Ok(())
         })
         .unwrap();
-    let predicted = plan.memory_per_rank(&config).unwrap();
+    let predicted = Policy::new(&plan, &config).unwrap().memory;
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
         assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}'s peak");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use fsdp_fusion::{
     Communicator, CpuBackend, DType, Engine, EngineConfig, Error, Input, ModelSpec,
-    OptimizerConfig, ParamSpec, Plan, ProcessGroupSpec, Result, Unit,
+    OptimizerConfig, ParamSpec, Plan, Policy, ProcessGroupSpec, Result, Unit,
 };
 use fsdp_fusion_support::faults::{Faulty, is_injected};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines, on_ranks};
@@ -370,8 +370,8 @@ fn limits_past_any_use_act_as_the_plan_allows() {
     let model = two_units();
     for_each_mode(|mode| {
         let p = plan(&model, 2);
-        let predicted = p.memory_per_rank(&config).unwrap();
-        assert_eq!(p.limits(&config).gathered, 2);
+        let predicted = Policy::new(&p, &config).unwrap().memory;
+        assert_eq!(Policy::new(&p, &config).unwrap().limits.gathered, 2);
         let outcomes = on_engines(&p, &config, mode, move |mut e| {
             assert_eq!(e.memory().current, predicted.peak);
             forward(&mut e).unwrap();
@@ -400,7 +400,7 @@ fn an_engine_larger_than_memory_is_an_error_and_the_rank_can_try_again() {
                     .unwrap_or_else(|| {
                         panic!(
                             "a {} byte engine",
-                            huge.memory_per_rank(&sgd()).map_or(0, |m| m.peak)
+                            Policy::new(&huge, &sgd()).map_or(0, |p| p.memory.peak)
                         )
                     });
                 assert!(

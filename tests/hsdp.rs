@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::{
-    Accumulation, DType, Engine, EngineConfig, Error, LocalComm, OptimizerConfig, Plan,
+    Accumulation, DType, Engine, EngineConfig, Error, LocalComm, OptimizerConfig, Plan, Policy,
 };
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, assemble};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode_of_a_long_suite, within_deadline};
@@ -62,7 +62,7 @@ fn hybrid_parity(mode: Mode, (replicas, shard_size): (usize, usize), config: Eng
         })
         .unwrap();
     assert_eq!(summaries.len(), replicas * shard_size);
-    let predicted = plan.memory_per_rank(&config).unwrap();
+    let predicted = Policy::new(&plan, &config).unwrap().memory;
     for (rank, s) in summaries.iter().enumerate() {
         // As in the plain parity runs: the plan's, and each gather slot the limit lacked.
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();

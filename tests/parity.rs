@@ -6,7 +6,7 @@ use std::sync::Arc;
 use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{
     Accumulation, DType, EngineConfig, GradReduction, GradShardMemory, LocalComm, OptimizerConfig,
-    ParamStorage, Plan,
+    ParamStorage, Plan, Policy,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
 use fsdp_fusion_support::ranks::{Mode, for_each_mode_of_a_long_suite, within_deadline};
@@ -72,7 +72,7 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recip
     assert_eq!(steps.len() as u64, STEPS);
     // Every mode's buffers are in the plan, exactly, but for the gather slots a limit too tight
     // for the model added (each counted); between steps only per-step gradient shards are gone.
-    let predicted = plan.memory_per_rank(&config).unwrap();
+    let predicted = Policy::new(&plan, &config).unwrap().memory;
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
         assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}'s peak");
@@ -336,8 +336,8 @@ fn master_only_storage_holds_no_shard_for_its_groups() {
             ..EngineConfig::default()
         };
         let (a, b) = (
-            plan.memory_per_rank(&both).unwrap(),
-            plan.memory_per_rank(&master_only).unwrap(),
+            Policy::new(&plan, &both).unwrap().memory,
+            Policy::new(&plan, &master_only).unwrap().memory,
         );
         let trainable: usize = plan
             .groups()

@@ -113,7 +113,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The settings that shape the collectives a rank issues, as the ranks compare them.
     fn describe_settings(&self) -> String {
         let c = &self.config;
-        let limits = self.plan.limits(c);
+        let limits = self.policy.limits;
         format!(
             "settings: {} gathered and {} reductions in flight at most, overlap {}, {:?}, \
              gradients travelling in {}, {:?}, collectives verified {}",

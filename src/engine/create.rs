@@ -149,10 +149,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         let parts = Engine::<B, C>::check_arguments(&plan, &config, &backend, &comm)
             .and_then(|()| check_process_groups(&plan, comm.rank(), &process_groups))
-            .and_then(|()| plan.buffer_layout(&config))
-            .and_then(|layout| Buffers::allocate(&layout, &backend))
-            .and_then(|buffers| Ok((buffers, State::new(&plan, &config)?)))
-            .and_then(|(buffers, state)| {
+            .and_then(|()| Policy::new(&plan, &config))
+            .and_then(|policy| {
+                let buffers = Buffers::allocate(&policy.layout, &backend)?;
+                let state = State::new(&plan, &config, policy)?;
                 let bytes = parts::state_bytes(&plan, &config);
                 let staging = (config.save_staging)
                     .then(|| Ok::<_, Error>((backend.alloc_host(bytes)?, bytes)))
@@ -251,6 +251,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             hang: None,
             rank: comm.rank(),
             gathers: state.gathers,
+            policy: state.policy,
             schedule: Schedule::new(units),
             grads: state.grads,
             padding: state.padding,
@@ -334,10 +335,11 @@ struct State {
     gathers: Gathers,
     grads: GradPipeline,
     padding: Vec<Vec<Region>>,
+    policy: Policy,
 }
 
 impl State {
-    fn new(plan: &Plan, config: &EngineConfig) -> Result<State> {
+    fn new(plan: &Plan, config: &EngineConfig, policy: Policy) -> Result<State> {
         let groups = plan.groups();
         let members = groups
             .iter()
@@ -360,10 +362,10 @@ impl State {
                     .collect()
             })
             .collect();
-        let limits = plan.limits(config);
-        let passes = if !plan.grad_accumulators(config) {
+        let limits = policy.limits;
+        let passes = if !policy.grad_accumulators {
             Passes::ReduceEach
-        } else if plan.grad_slot_dtype(config) == DType::F32 {
+        } else if policy.grad_slot_dtype == DType::F32 {
             Passes::AccumulateInPlace
         } else {
             Passes::AccumulateStaged
@@ -373,12 +375,13 @@ impl State {
             grads: GradPipeline::new(
                 members,
                 plan.params().len(),
-                (plan.grad_slot_count(config), limits.reduces_in_flight),
+                (policy.layout.grad_slots, limits.reduces_in_flight),
                 config.overlap,
-                plan.grads_direct(config),
+                policy.grads_direct,
                 passes,
             ),
             padding,
+            policy,
         })
     }
 }

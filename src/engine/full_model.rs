@@ -82,7 +82,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             g.dtype,
         );
         let whole = Region::new(0, g.padded_numel, g.dtype);
-        let master_only = self.plan.master_only(&self.config, &g);
+        let master_only = self.policy.master_only(g.index);
         self.effects(|e| {
             let mut buffer = e.backend.alloc_scratch(g.padded_numel * g.dtype.size())?;
             let (source, region) = match (master_only, e.masters[group].as_ref()) {

@@ -151,7 +151,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Queues group `g`'s gather into a slot; [`Engine::end_gathers`] completes it.
     fn gather(&mut self, g: usize, batch: &mut GatherBatch<B::Event>) -> Result<()> {
         self.counters.all_gathers += 1;
-        let master_only = self.plan.master_only(&self.config, &self.plan.groups()[g]);
+        let master_only = self.policy.master_only(g);
         if self.plan.world_size() == 1 && !master_only {
             self.placed[g] = Some(Placement::Shard);
             return Ok(());

@@ -266,7 +266,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         for g in self.plan.groups() {
             let (Some(master), false) = (
                 self.masters[g.index].as_ref(),
-                self.plan.master_only(&self.config, g),
+                self.policy.master_only(g.index),
             ) else {
                 continue;
             };

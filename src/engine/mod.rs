@@ -35,7 +35,7 @@ use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
 use crate::config::{EngineConfig, GradShardMemory};
 use crate::error::{Error, Result};
 use crate::grads::{GradEffect, GradPipeline, Passes};
-use crate::plan::Plan;
+use crate::plan::{Plan, Policy};
 use crate::schedule::{Phase, Schedule};
 use crate::state::{GatherEffect, Gathers};
 use crate::types::{BufferState, DType, ParamId, Stream, Unit};
@@ -91,6 +91,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     hang: Option<hang::Hang>,
     plan: Arc<Plan>,
     config: EngineConfig,
+    /// The configuration resolved on the plan: the buffers allocated, the slots, the limits.
+    policy: Policy,
     rank: usize,
     // The backend is dropped before the communicator: its queued collectives finish (or fail)
     // while the group still counts this rank in.
@@ -168,6 +170,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// The configuration resolved on the plan: what the engine allocated and decides by.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
     }
 
     pub fn rank(&self) -> usize {

@@ -125,7 +125,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(GradTarget, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         self.healthy()?;
-        if self.plan.grad_slot_dtype(&self.config) != DType::F32 {
+        if self.policy.grad_slot_dtype != DType::F32 {
             return Err(Error::GradSlotUnavailable {
                 reason: "gradients travel in bf16 (reduce_dtype)",
             });
@@ -300,7 +300,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The element type of gradients at `place`: a slot's is the transport's, the rest f32.
     fn place_dtype(&self, place: GradTarget) -> DType {
         match place {
-            GradTarget::Slot(_) => self.plan.grad_slot_dtype(&self.config),
+            GradTarget::Slot(_) => self.policy.grad_slot_dtype,
             GradTarget::Shard(_) | GradTarget::Accumulator(_) => DType::F32,
         }
     }

@@ -85,7 +85,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let grad = self.grad_shards[i]
                 .as_ref()
                 .ok_or(Error::GroupOutOfRange { group: i, count })?;
-            let master_only = self.plan.master_only(&self.config, g);
+            let master_only = self.policy.master_only(g.index);
             // A master-only group steps its master as an f32 parameter that is its own master.
             let (param, dtype, master) = match (master_only, self.masters[i].as_mut()) {
                 (true, Some(master)) => (master, DType::F32, None),
@@ -252,7 +252,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let (index, dtype) = (layout.group, layout.dtype);
         let group = &self.plan.groups()[index];
         let at = layout.offset + held.start - self.plan.shard_range(group, self.rank).start;
-        let master_only = self.plan.master_only(&self.config, group);
+        let master_only = self.policy.master_only(group.index);
         self.effects(|e| {
             if !master_only {
                 let region = Region::new(at, held.len(), dtype);
@@ -318,7 +318,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
         match self.masters[group].as_ref() {
-            Some(master) if self.plan.master_only(&self.config, g) => {
+            Some(master) if self.policy.master_only(g.index) => {
                 let f32s = Region::new(0, g.shard_numel, DType::F32);
                 let mut wide = crate::fallible::filled(g.shard_numel * 4, 0u8, "a master's copy")?;
                 self.observe(self.backend.download(master, f32s, &mut wide))?;

@@ -11,7 +11,7 @@ use super::types::{
     FSDP_ROOT, config_of, dtype_code, dtype_of, flag, fsdp_config, fsdp_memory, fsdp_param_info,
     fsdp_param_spec, fsdp_plan, unit_of,
 };
-use crate::plan::Plan;
+use crate::plan::{Plan, Policy};
 use crate::spec::{ModelSpec, ParamSpec};
 use crate::types::{ParamId, Unit};
 
@@ -221,7 +221,7 @@ pub unsafe extern "C" fn fsdp_plan_memory(
         let plan = plan_of(plan)?;
         // SAFETY: the caller's contract.
         let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
-        let memory = fsdp_memory::from(plan.memory_per_rank(&config)?);
+        let memory = fsdp_memory::from(Policy::new(&plan, &config)?.memory_per_rank());
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", memory) }
     })

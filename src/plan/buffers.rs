@@ -1,6 +1,5 @@
-//! The buffers a rank allocates for a plan under a configuration, worked out once: the engine
-//! allocates exactly these, and the plan's memory report ([`Plan::memory_per_rank`]) sums them,
-//! so the prediction cannot drift from what is allocated.
+//! The buffers a rank allocates for a plan under a configuration, as its [`super::Policy`]
+//! decides them: the engine allocates exactly these, and the memory report sums them.
 
 use crate::config::{EngineConfig, GradShardMemory};
 use crate::error::{Error, Result};
@@ -37,52 +36,51 @@ pub struct BufferLayout {
     pub per_step_grad_shards: bool,
 }
 
-impl Plan {
-    /// The buffers a rank allocates for this plan under `config`; `Error::SizeOverflow` when a
-    /// size does not fit in a `usize`.
-    pub fn buffer_layout(&self, config: &EngineConfig) -> Result<BufferLayout> {
-        let bytes = |numel: usize, dtype: DType, what: &'static str| {
-            numel
-                .checked_mul(dtype.size())
-                .ok_or(Error::SizeOverflow { what })
+/// The buffers a rank allocates for `plan` under `config`, given the policy's decisions;
+/// `Error::SizeOverflow` when a size does not fit in a `usize`.
+pub(super) fn layout(
+    plan: &Plan,
+    config: &EngineConfig,
+    master_only: &[bool],
+    accumulates: bool,
+    (gather_slots, grad_slots, grad_slot_dtype): (usize, usize, DType),
+) -> Result<BufferLayout> {
+    let bytes = |numel: usize, dtype: DType, what: &'static str| {
+        numel
+            .checked_mul(dtype.size())
+            .ok_or(Error::SizeOverflow { what })
+    };
+    let mut groups =
+        crate::fallible::with_capacity(plan.groups().len(), "the plan's buffer layout")?;
+    for (g, &master_only) in plan.groups().iter().zip(master_only) {
+        let trains = g.trainable;
+        let shard = match master_only {
+            true => 0,
+            false => bytes(g.shard_numel, g.dtype, "parameter shards")?,
         };
-        let accumulates = self.grad_accumulators(config);
-        let mut groups =
-            crate::fallible::with_capacity(self.groups.len(), "the plan's buffer layout")?;
-        for g in &self.groups {
-            let trains = g.trainable;
-            let shard = match self.master_only(config, g) {
-                true => 0,
-                false => bytes(g.shard_numel, g.dtype, "parameter shards")?,
-            };
-            let f32_shard = |what| bytes(g.shard_numel, DType::F32, what);
-            groups.push(GroupBuffers {
-                shard,
-                grad_shard: trains.then(|| f32_shard("gradient shards")).transpose()?,
-                master: (trains && g.dtype != DType::F32)
-                    .then(|| f32_shard("optimizer state"))
-                    .transpose()?,
-                moment: (trains && config.optimizer.has_moments())
-                    .then(|| bytes(g.shard_numel, config.moment_dtype, "optimizer state"))
-                    .transpose()?,
-                accumulator: (trains && accumulates)
-                    .then(|| bytes(g.padded_numel, DType::F32, "gradient accumulators"))
-                    .transpose()?,
-            });
-        }
-        Ok(BufferLayout {
-            groups,
-            gather_slots: self.gather_slot_count(config),
-            gather_slot_bytes: self.gather_slot_bytes(),
-            grad_slots: self.grad_slot_count(config),
-            grad_slot_bytes: bytes(
-                self.grad_slot_numel(),
-                self.grad_slot_dtype(config),
-                "gradient slots",
-            )?,
-            per_step_grad_shards: config.grad_shard_memory == GradShardMemory::PerStep,
-        })
+        let f32_shard = |what| bytes(g.shard_numel, DType::F32, what);
+        groups.push(GroupBuffers {
+            shard,
+            grad_shard: trains.then(|| f32_shard("gradient shards")).transpose()?,
+            master: (trains && g.dtype != DType::F32)
+                .then(|| f32_shard("optimizer state"))
+                .transpose()?,
+            moment: (trains && config.optimizer.has_moments())
+                .then(|| bytes(g.shard_numel, config.moment_dtype, "optimizer state"))
+                .transpose()?,
+            accumulator: (trains && accumulates)
+                .then(|| bytes(g.padded_numel, DType::F32, "gradient accumulators"))
+                .transpose()?,
+        });
     }
+    Ok(BufferLayout {
+        groups,
+        gather_slots,
+        gather_slot_bytes: plan.gather_slot_bytes(),
+        grad_slots,
+        grad_slot_bytes: bytes(plan.grad_slot_numel(), grad_slot_dtype, "gradient slots")?,
+        per_step_grad_shards: config.grad_shard_memory == GradShardMemory::PerStep,
+    })
 }
 
 #[cfg(test)]
@@ -90,6 +88,7 @@ mod tests {
     use super::*;
     use crate::config::{Accumulation, ParamStorage};
     use crate::optim::OptimizerConfig;
+    use crate::plan::Policy;
     use crate::spec::{ModelSpec, ParamSpec};
 
     /// One trainable group of `dtype` and 1024 elements (4 KiB of f32) at world size 2.
@@ -102,7 +101,10 @@ mod tests {
     fn masters_and_moments_follow_the_dtypes_and_the_optimizer() {
         let shard = 512;
         let adamw = EngineConfig::default();
-        let g = plan(DType::Bf16).buffer_layout(&adamw).unwrap().groups[0];
+        let g = Policy::new(&plan(DType::Bf16), &adamw)
+            .unwrap()
+            .layout
+            .groups[0];
         assert_eq!(
             (g.shard, g.grad_shard, g.master, g.moment),
             (shard * 2, Some(shard * 4), Some(shard * 4), Some(shard * 4))
@@ -111,18 +113,18 @@ mod tests {
             moment_dtype: DType::Bf16,
             ..EngineConfig::default()
         };
-        let g = plan(DType::Bf16)
-            .buffer_layout(&bf16_moments)
+        let g = Policy::new(&plan(DType::Bf16), &bf16_moments)
             .unwrap()
+            .layout
             .groups[0];
         assert_eq!(g.moment, Some(shard * 2));
         let sgd = EngineConfig {
             optimizer: OptimizerConfig::sgd(0.1),
             ..EngineConfig::default()
         };
-        let g = plan(DType::F16).buffer_layout(&sgd).unwrap().groups[0];
+        let g = Policy::new(&plan(DType::F16), &sgd).unwrap().layout.groups[0];
         assert_eq!((g.master, g.moment), (Some(shard * 4), None));
-        let g = plan(DType::F32).buffer_layout(&sgd).unwrap().groups[0];
+        let g = Policy::new(&plan(DType::F32), &sgd).unwrap().layout.groups[0];
         assert_eq!((g.master, g.moment, g.accumulator), (None, None, None));
     }
 
@@ -134,7 +136,7 @@ mod tests {
             grad_shard_memory: GradShardMemory::PerStep,
             ..EngineConfig::default()
         };
-        let layout = plan(DType::Bf16).buffer_layout(&config).unwrap();
+        let layout = Policy::new(&plan(DType::Bf16), &config).unwrap().layout;
         let g = layout.groups[0];
         assert_eq!(
             (g.shard, g.master, g.accumulator),

@@ -1,8 +1,6 @@
 //! A plan as the ranks compare it and as JSON.
 
-use crate::config::EngineConfig;
-
-use super::{ALIGNMENT_BYTES, Plan};
+use super::{ALIGNMENT_BYTES, Plan, Policy};
 
 impl Plan {
     /// Every fact of parameter `index`'s declaration and layout, as the ranks compare their plans.
@@ -30,8 +28,9 @@ impl Plan {
         }
     }
 
-    /// The plan as JSON: world size, alignment, groups with their params, memory per rank.
-    pub fn to_json(&self, config: &EngineConfig) -> serde_json::Value {
+    /// The plan as JSON under `policy`: world size, alignment, the limits as they bind, groups
+    /// with their params, memory per rank and the buffers it counts.
+    pub fn to_json(&self, policy: &Policy) -> serde_json::Value {
         let groups: Vec<serde_json::Value> = self
             .groups
             .iter()
@@ -71,11 +70,10 @@ impl Plan {
                 "size": g.size,
             })).collect::<Vec<_>>(),
             "alignment_bytes": ALIGNMENT_BYTES,
-            "double_buffer_limit": config.double_buffer_limit,
-            "max_reduces_in_flight": config.max_reduces_in_flight,
+            "limits": policy.limits,
             "groups": groups,
-            "memory_per_rank": self.memory_per_rank(config).ok(),
-            "buffers": self.buffer_report(config).ok(),
+            "memory_per_rank": policy.memory,
+            "buffers": policy.buffer_report(),
         })
     }
 }

@@ -2,10 +2,10 @@
 
 use serde::Serialize;
 
-use crate::config::{Accumulation, EngineConfig, GradShardMemory};
+use crate::config::Accumulation;
 use crate::error::{Error, Result};
 
-use super::{BufferLayout, GroupBuffers, Plan};
+use super::{BufferLayout, GroupBuffers, Policy};
 
 /// Bytes one rank holds: everything is allocated before the first step, except per-step gradient
 /// shards ([`crate::GradShardMemory::PerStep`]), which exist from a step's first gradient to its
@@ -34,32 +34,19 @@ pub struct BufferReport {
     pub why: String,
 }
 
-impl Plan {
-    /// The bytes each rank allocates for this plan under `config`; `Error::SizeOverflow` when a
-    /// total does not fit in a `usize`.
-    pub fn memory_per_rank(&self, config: &EngineConfig) -> Result<MemoryPerRank> {
-        memory_of(&self.buffer_layout(config)?)
-    }
-
-    /// Every buffer [`Plan::memory_per_rank`] counts, by kind, with the reason for its count;
+impl Policy {
+    /// Every buffer [`Policy::memory_per_rank`] counts, by kind, with the reason for its count;
     /// the bytes add up to its peak.
-    pub fn buffer_report(&self, config: &EngineConfig) -> Result<Vec<BufferReport>> {
-        let layout = self.buffer_layout(config)?;
-        let m = memory_of(&layout)?;
-        let limits = self.limits(config);
-        let trainable = self.groups.iter().filter(|g| g.trainable).count();
-        let shards = self
-            .groups
-            .iter()
-            .filter(|g| !self.master_only(config, g))
-            .count();
+    pub fn buffer_report(&self) -> Vec<BufferReport> {
+        let (layout, m, limits) = (&self.layout, &self.memory, self.limits);
+        let shards = self.master_only.iter().filter(|&&m| !m).count();
         let held = |buffer: fn(&GroupBuffers) -> Option<usize>| {
             layout.groups.iter().filter(|g| buffer(g).is_some()).count()
         };
         let masters = held(|g| g.master);
         let moments = 2 * held(|g| g.moment);
         let gather_slots = layout.gather_slots;
-        let gather_why = match (self.world_size, config.accumulation) {
+        let gather_why = match (self.world_size, self.accumulation) {
             (1, _) if gather_slots == 0 => {
                 "none: at world size 1 each shard is its group's view".to_string()
             }
@@ -70,26 +57,24 @@ impl Plan {
             (_, Accumulation::KeepGathered) => "every group stays gathered for the step".into(),
             _ => format!(
                 "double_buffer_limit: {} of {} groups gathered at once",
-                limits.gathered,
-                self.groups.len()
+                limits.gathered, self.groups
             ),
         };
         let grad_slots = layout.grad_slots;
-        let grad_why = if trainable == 0 {
+        let grad_why = if self.trainable == 0 {
             "none: nothing trains".to_string()
-        } else if self.grads_direct(config) {
+        } else if self.grads_direct {
             "none: at world size 1 gradients go straight into the shards".into()
         } else if grad_slots == 0 {
             "none: the fp32 accumulators are reduced in place".into()
         } else {
             format!(
                 "one filling beside each of {} reductions in flight, in {}",
-                limits.reduces_in_flight,
-                self.grad_slot_dtype(config)
+                limits.reduces_in_flight, self.grad_slot_dtype
             )
         };
         let accumulators = held(|g| g.accumulator);
-        Ok(vec![
+        vec![
             BufferReport {
                 what: "parameter shards",
                 count: shards,
@@ -98,13 +83,11 @@ impl Plan {
             },
             BufferReport {
                 what: "gradient shards",
-                count: trainable,
+                count: self.trainable,
                 bytes: m.grad_shards,
-                why: match config.grad_shard_memory {
-                    GradShardMemory::Persistent => {
-                        "each trainable group's part of the reduced fp32 gradient".into()
-                    }
-                    GradShardMemory::PerStep => "each trainable group's part of the reduced \
+                why: match layout.per_step_grad_shards {
+                    false => "each trainable group's part of the reduced fp32 gradient".into(),
+                    true => "each trainable group's part of the reduced \
                         fp32 gradient, from the step's first gradient of the group to the step's end"
                         .into(),
                 },
@@ -137,13 +120,13 @@ impl Plan {
                     "none: no no-sync accumulation".into()
                 },
             },
-        ])
+        ]
     }
 }
 
 /// The bytes of `layout`, by kind and in all; `Error::SizeOverflow` when a total does not fit in
 /// a `usize`.
-fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
+pub(super) fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
     let overflow = |what: &'static str| move || Error::SizeOverflow { what };
     let add = |total: usize, bytes: Option<usize>, what: &'static str| {
         bytes
@@ -186,4 +169,91 @@ fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
         true => m.peak - m.grad_shards,
     };
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{EngineConfig, ParamStorage};
+    use crate::plan::Plan;
+    use crate::spec::{ModelSpec, ParamSpec};
+    use crate::types::DType;
+
+    fn model(params: Vec<ParamSpec>) -> ModelSpec {
+        ModelSpec::new(params).unwrap()
+    }
+
+    #[test]
+    fn memory_counts_every_fixed_allocation() {
+        let m = model(vec![
+            ParamSpec::new("w", &[1000], DType::Bf16).in_unit(0),
+            ParamSpec::new("f", &[10], DType::F32).in_unit(0).frozen(),
+        ]);
+        let plan = Plan::new(&m, 4).unwrap();
+        let config = EngineConfig::default();
+        let mem = Policy::new(&plan, &config).unwrap().memory_per_rank();
+        // bf16 aligns to 128 elements per rank, 512 at 4 ranks: 1000 pads to 1024.
+        let w = &plan.groups()[1];
+        assert_eq!(w.padded_numel, 1024);
+        let f = &plan.groups()[0];
+        assert_eq!(f.padded_numel, 256);
+        assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
+        assert_eq!(mem.grad_shards, 256 * 4);
+        // AdamW on bf16: fp32 master plus two moments.
+        assert_eq!(mem.optimizer_state, 256 * 12);
+        assert_eq!(mem.gathered_slots, 2 * 2048);
+        // Two reductions in flight are allowed but one trainable group binds: one in flight, one
+        // being filled.
+        assert_eq!(mem.grad_slots, 2 * 1024 * 4);
+        assert_eq!(
+            mem.peak,
+            mem.param_shards
+                + mem.grad_shards
+                + mem.optimizer_state
+                + mem.gathered_slots
+                + mem.grad_slots
+        );
+    }
+
+    #[test]
+    fn the_buffer_report_adds_up_to_the_peak_and_says_why() {
+        let m = model(vec![
+            ParamSpec::new("w", &[1000], DType::Bf16).in_unit(0),
+            ParamSpec::new("f", &[10], DType::F32).in_unit(0).frozen(),
+        ]);
+        let configs = [
+            EngineConfig::default(),
+            EngineConfig {
+                accumulation: Accumulation::NoSync,
+                ..EngineConfig::default()
+            },
+            EngineConfig {
+                accumulation: Accumulation::KeepGathered,
+                reduce_dtype: DType::Bf16,
+                ..EngineConfig::default()
+            },
+            EngineConfig {
+                param_storage: ParamStorage::MasterOnly,
+                ..EngineConfig::default()
+            },
+        ];
+        for world in [1, 4] {
+            let plan = Plan::new(&m, world).unwrap();
+            for config in &configs {
+                let policy = Policy::new(&plan, config).unwrap();
+                let report = policy.buffer_report();
+                let total: usize = report.iter().map(|b| b.bytes).sum();
+                let peak = policy.memory_per_rank().peak;
+                assert_eq!(total, peak, "world {world} {config:?}");
+                let slots = &report[4];
+                assert_eq!(slots.what, "gradient slots");
+                match (world, config.accumulation) {
+                    (1, _) => assert!(slots.why.contains("straight into the shards")),
+                    (_, Accumulation::NoSync) => assert!(slots.why.contains("in place")),
+                    _ => assert!(slots.why.contains("reductions in flight"), "{}", slots.why),
+                }
+                assert_eq!(slots.count == 0, slots.bytes == 0);
+            }
+        }
+    }
 }

@@ -1,91 +1,125 @@
-//! What a configuration makes of a plan: the limits as they bind, how many gather and gradient
-//! slots, which groups keep only their master, where gradients go.
+//! What a configuration makes of a plan, resolved once: the limits as they bind, how many gather
+//! and gradient slots, which groups keep only their master, where gradients go, and the buffers
+//! that follow from those. The engine allocates from it and the memory report sums it, so the
+//! prediction cannot drift from what is allocated.
 
 use crate::config::{Accumulation, EngineConfig, ParamStorage};
+use crate::error::Result;
 use crate::types::DType;
 
-use super::{Group, Plan};
+use super::{BufferLayout, Group, MemoryPerRank, Plan, buffers, memory};
 
-/// How a configuration's limits act on one plan (see [`Plan::limits`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// How a configuration's limits act on one plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Limits {
     pub gathered: usize,
     pub reduces_in_flight: usize,
 }
 
-impl Plan {
-    /// The configuration's limits as they act on this plan: no more gathered buffers than groups
-    /// (every group with `Accumulation::KeepGathered`), no more reductions in flight than
+/// A plan under a configuration: every decision the engine and the memory report share.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// The configuration's limits as they act on this plan: no more gathered buffers than
+    /// groups (every group with `Accumulation::KeepGathered`), no more reductions in flight than
     /// trainable groups (a larger limit never binds).
-    pub fn limits(&self, config: &EngineConfig) -> Limits {
-        let trainable = self.groups.iter().filter(|g| g.trainable).count();
-        let gathered = match config.accumulation {
-            Accumulation::KeepGathered => self.groups.len(),
-            _ => config.double_buffer_limit.min(self.groups.len()),
-        };
-        Limits {
-            gathered: gathered.max(1),
-            reduces_in_flight: config.max_reduces_in_flight.min(trainable).max(1),
-        }
-    }
-
-    /// Number of gather slots: the limit; at world size 1, where a shard is its whole buffer and
-    /// serves as the gathered view, only as many as groups without a shard (master-only) can be
-    /// gathered at once.
-    pub fn gather_slot_count(&self, config: &EngineConfig) -> usize {
-        let limit = self.limits(config).gathered;
-        if self.world_size == 1 {
-            let casts = self
-                .groups
-                .iter()
-                .filter(|g| self.master_only(config, g))
-                .count();
-            casts.min(limit)
-        } else {
-            limit
-        }
-    }
-
-    /// Whether `group` keeps its values in the fp32 master only (`ParamStorage::MasterOnly`, a
-    /// trainable bf16 or f16 group): no shard in its dtype, each gather casting the master.
-    pub fn master_only(&self, config: &EngineConfig, group: &Group) -> bool {
-        config.param_storage == ParamStorage::MasterOnly
-            && group.trainable
-            && group.dtype != DType::F32
-    }
-
+    pub limits: Limits,
+    /// Per group, whether it keeps its values in the fp32 master only (`ParamStorage::MasterOnly`,
+    /// a trainable bf16 or f16 group): no shard in its dtype, each gather casting the master.
+    pub(super) master_only: Vec<bool>,
     /// Whether gradients go straight into the fp32 shards (every pass, adding after the first):
     /// at world size 1 the shard is the whole gradient, unless the reduction scales it or
     /// replicas must agree on it.
-    pub fn grads_direct(&self, config: &EngineConfig) -> bool {
-        !self.grads_travel() && config.grad_reduction.scale(1) == 1.0
-    }
-
-    /// Whether `Accumulation::NoSync` keeps unsharded fp32 accumulators: where gradients do
-    /// not go straight into the shards.
-    pub fn grad_accumulators(&self, config: &EngineConfig) -> bool {
-        config.accumulation == Accumulation::NoSync && !self.grads_direct(config)
-    }
-
+    pub grads_direct: bool,
+    /// Whether `Accumulation::NoSync` keeps unsharded fp32 accumulators: where gradients do not
+    /// go straight into the shards.
+    pub grad_accumulators: bool,
     /// The element type of the gradient slots: the transport's, f32 where nothing travels.
-    pub fn grad_slot_dtype(&self, config: &EngineConfig) -> DType {
-        if !self.grads_travel() {
-            DType::F32
-        } else {
-            config.reduce_dtype
-        }
+    pub grad_slot_dtype: DType,
+    /// The buffers a rank allocates.
+    pub layout: BufferLayout,
+    /// Their bytes, by kind and in all.
+    pub memory: MemoryPerRank,
+    /// The facts the buffer report gives its reasons from.
+    pub(super) world_size: usize,
+    pub(super) groups: usize,
+    pub(super) trainable: usize,
+    pub(super) accumulation: Accumulation,
+}
+
+impl Policy {
+    /// Resolves `config` on `plan`; `Error::SizeOverflow` when a buffer's or the total's size
+    /// does not fit in a `usize`.
+    pub fn new(plan: &Plan, config: &EngineConfig) -> Result<Policy> {
+        let groups = plan.groups();
+        let trainable = groups.iter().filter(|g| g.trainable).count();
+        let gathered = match config.accumulation {
+            Accumulation::KeepGathered => groups.len(),
+            _ => config.double_buffer_limit.min(groups.len()),
+        };
+        let limits = Limits {
+            gathered: gathered.max(1),
+            reduces_in_flight: config.max_reduces_in_flight.min(trainable).max(1),
+        };
+        let master_only: Vec<bool> = groups
+            .iter()
+            .map(|g| keeps_only_master(config, g))
+            .collect();
+        let grads_direct = !plan.grads_travel() && config.grad_reduction.scale(1) == 1.0;
+        let grad_accumulators = config.accumulation == Accumulation::NoSync && !grads_direct;
+        let grad_slot_dtype = match plan.grads_travel() {
+            true => config.reduce_dtype,
+            false => DType::F32,
+        };
+        // At world size 1 a shard is its whole buffer and serves as the gathered view: only the
+        // groups without a shard (master-only) need slots to be gathered into.
+        let gather_slots = match plan.world_size() {
+            1 => master_only
+                .iter()
+                .filter(|&&m| m)
+                .count()
+                .min(limits.gathered),
+            _ => limits.gathered,
+        };
+        // One slot being filled beside each reduction in flight; none where gradients go
+        // straight into the shards or fp32 accumulators are reduced in place.
+        let in_place = grad_accumulators && grad_slot_dtype == DType::F32;
+        let grad_slots = match trainable > 0 && !grads_direct && !in_place {
+            true => limits.reduces_in_flight + 1,
+            false => 0,
+        };
+        let layout = buffers::layout(
+            plan,
+            config,
+            &master_only,
+            grad_accumulators,
+            (gather_slots, grad_slots, grad_slot_dtype),
+        )?;
+        Ok(Policy {
+            limits,
+            grads_direct,
+            grad_accumulators,
+            grad_slot_dtype,
+            memory: memory::memory_of(&layout)?,
+            layout,
+            master_only,
+            world_size: plan.world_size(),
+            groups: groups.len(),
+            trainable,
+            accumulation: config.accumulation,
+        })
     }
 
-    /// Number of temporary gradient slots: one being filled beside each reduction in flight;
-    /// none where gradients go straight into the shards (world size 1) or fp32 accumulators are
-    /// reduced in place.
-    pub fn grad_slot_count(&self, config: &EngineConfig) -> usize {
-        let in_place = self.grad_accumulators(config) && self.grad_slot_dtype(config) == DType::F32;
-        let needed = !self.grads_direct(config) && !in_place;
-        if self.groups.iter().any(|g| g.trainable) && needed {
-            self.limits(config).reduces_in_flight + 1
-        } else {
-            0
-        }
+    /// Whether group `group` keeps its values in the fp32 master only.
+    pub fn master_only(&self, group: usize) -> bool {
+        self.master_only.get(group) == Some(&true)
     }
+
+    /// The bytes each rank allocates.
+    pub fn memory_per_rank(&self) -> MemoryPerRank {
+        self.memory
+    }
+}
+
+fn keeps_only_master(config: &EngineConfig, group: &Group) -> bool {
+    config.param_storage == ParamStorage::MasterOnly && group.trainable && group.dtype != DType::F32
 }

@@ -359,8 +359,8 @@ impl Stack {
         engine: &mut Engine<CudaBackend, C>,
         hooks: &mut HookTime,
     ) -> Result<()> {
-        let slots = engine.plan().grad_slot_dtype(engine.config()) == DType::F32
-            && !engine.plan().grad_accumulators(engine.config());
+        let slots =
+            engine.policy().grad_slot_dtype == DType::F32 && !engine.policy().grad_accumulators;
         let handed_over = match (&self.handed_over, slots) {
             (_, true) => None,
             (Some(buffer), false) => Some(buffer.ptr()),
