@@ -81,7 +81,7 @@ fn parity_under<B: Backend, C: Communicator<B>>(
 
 /// The device memory each rank held is the plan's, but for slots a tight limit added.
 fn check_memory(plan: &Plan, config: &EngineConfig, summaries: &[RankSummary]) {
-    let predicted = Policy::new(&plan, config).unwrap().memory;
+    let predicted = Policy::new(plan, config).unwrap().memory;
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
         assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");

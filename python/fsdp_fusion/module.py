@@ -11,82 +11,30 @@ its views and one for its gradients per hook, whatever its number of parameters.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from ctypes import byref, c_size_t, c_uint8, c_uint64, c_void_p
+from ctypes import byref, c_size_t, c_uint64, c_void_p
 from dataclasses import dataclass
 
 import torch
 
 from . import _capi
-from ._capi import (
-    ROOT,
-    UNIQUE_ID_BYTES,
-    Config,
-    Counters,
-    Memory,
-    Grad,
-    GradNorm,
-    ParamSpec,
-    Releasing,
-)
+from ._capi import ROOT, Counters, Memory, GradNorm, Releasing
 from ._allocator import TorchAllocator
-from ._dlpack import tensor_at
-from .errors import InvalidArgumentError, MisuseError
+from ._engine import _EngineCreation, _choice, _membership
+from ._hooks import _Hooks, _Unit
+from .errors import InvalidArgumentError
 from ._params import (
     DTYPE_CODES,
-    DTYPE_NAMES,
     _check_placement,
     _exempt,
     _owners,
-    _Param,
     _param_groups,
     _scales,
 )
 from ._state import _StateCopies
 from .group import LocalGroup, LoopbackGroup
-
-class _Views:
-    """A unit's gathered views at one set of addresses: the tensors, and the position of the
-    parameter whose memory starts at an address."""
-
-    def __init__(self, tensors: list[torch.Tensor], addresses: tuple):
-        self.tensors = tensors
-        self.position = {address: i for i, address in enumerate(addresses) if address}
-
-
-class _Unit:
-    """One unit's parameters as the hooks handle them."""
-
-    def __init__(self, index: int, params: list[_Param]):
-        self.index = index
-        self.params = params
-        count = len(params)
-        self.ids = (c_size_t * count)(*[p.id for p in params])
-        self.addresses = (c_void_p * count)()
-        self.cache: dict[tuple, _Views] = {}
-        # Hooks of the unit open now (a recomputing forward may open it inside its backward).
-        self.opens = 0
-        self.views: _Views | None = None
-        self.backward_open = False
-        # Gradients arrived in the open backward: kept alive until handed over in one batch.
-        self.pending: list[tuple[_Param, torch.Tensor]] = []
-        self.batch = (Grad * count)()
-
-
-@dataclass(frozen=True)
-class _Saved:
-    """A tensor autograd saved that lies in a parameter's gathered memory: which parameter of
-    which unit, and where in it, so that backward reads the parameter's memory of that time."""
-
-    unit: _Unit
-    position: int
-    dtype: torch.dtype
-    size: torch.Size
-    stride: tuple
-    byte_offset: int
 
 
 @dataclass(frozen=True)
@@ -101,47 +49,7 @@ class StepReport:
     skipped: bool = False
 
 
-def _tensors(obj):
-    """The tensors in an output: a tensor, or tuples, lists and dicts of them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
-
-    @staticmethod
-    def forward(ctx, wrapper, unit, *inputs):
-        ctx.wrapper, ctx.unit = wrapper, unit
-        return tuple(t.view_as(t) for t in inputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.wrapper._post_backward(ctx.unit)
-        return (None, None, *grads)
-
-
-def _choice(what: str, value, codes: dict) -> int:
-    if value not in codes:
-        raise InvalidArgumentError(f"{what} {value!r} is not one of {sorted(map(str, codes))}")
-    return codes[value]
-
-
-def _membership(device: torch.device) -> tuple[int, int]:
-    """This process's rank and the world size: torch.distributed's when initialized."""
-    dist = torch.distributed
-    if device.type == "cuda" and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class FusedFSDP(_StateCopies, Releasing, torch.nn.Module):
+class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Module):
     """Trains `module` through an fsdp-fusion engine; `units` are its FSDP units in forward order
     (e.g. the transformer blocks). Call it like the module, then `step()` after the backward
     passes of a step (several backward passes accumulate).
@@ -305,243 +213,7 @@ class FusedFSDP(_StateCopies, Releasing, torch.nn.Module):
         self._forwards, self._gradients = False, False
         self._install_hooks(units)
 
-    # -- construction ----------------------------------------------------------------------
-
-    def _make_plan(self) -> c_void_p:
-        if self._process_groups:
-            return self._plan_from_json()
-        # ctypes keeps the names and shapes assigned to `specs` alive as long as `specs`.
-        specs = (ParamSpec * len(self._params))()
-        for spec, p, exempt, scale in zip(specs, self._params, self._exempt, self._lr_scales):
-            shape = (c_uint64 * max(p.tensor.dim(), 1))(*p.tensor.shape)
-            spec.name, spec.shape, spec.ndim = p.name.encode(), shape, p.tensor.dim()
-            spec.dtype, spec.unit = DTYPE_CODES[p.tensor.dtype], p.unit
-            spec.trainable, spec.tied = int(p.tensor.requires_grad), int(p.tied)
-            spec.no_weight_decay, spec.lr_scale = int(exempt), scale
-        plan = c_void_p()
-        self._lib.call("fsdp_plan_from_specs", specs, len(specs), self._world, byref(plan))
-        return plan
-
-    def _plan_from_json(self) -> c_void_p:
-        """The plan of a model file, which declares process groups as the specs cannot."""
-        params = []
-        for p, exempt, scale, group in zip(self._params, self._exempt, self._lr_scales,
-                                           self._param_groups):
-            entry = {"name": p.name, "shape": list(p.tensor.shape),
-                     "dtype": DTYPE_NAMES[p.tensor.dtype],
-                     "unit": None if p.unit == ROOT else p.unit,
-                     "trainable": p.tensor.requires_grad, "tied": p.tied,
-                     "weight_decay": not exempt, "lr_scale": scale}
-            if group is not None:
-                entry["group"] = group
-            params.append(entry)
-        model = {"params": params, "process_groups": [
-            {"name": name, "size": size} for name, size in self._process_groups.items()]}
-        plan = c_void_p()
-        self._lib.call("fsdp_plan_from_json", json.dumps(model).encode(), self._world,
-                       byref(plan))
-        return plan
-
-    def _config(self, optimizer, lr, betas, eps, weight_decay, double_buffer_limit,
-                max_reduces_in_flight, overlap, grad_reduction, timeout,
-                verify_collectives) -> Config:
-        config = Config()
-        self._lib.call("fsdp_config_default", byref(config))
-        config.optimizer = _choice("optimizer", optimizer, {"adamw": 0, "sgd": 1})
-        if isinstance(grad_reduction, str):
-            config.grad_reduction = _choice("grad_reduction", grad_reduction,
-                                            {"mean": 0, "sum": 1})
-        else:
-            config.grad_reduction, config.grad_scale = 2, grad_reduction
-        config.lr, (config.beta1, config.beta2) = lr, betas
-        if weight_decay is None:
-            weight_decay = 0.01 if optimizer == "adamw" else 0.0
-        config.eps, config.weight_decay = eps, weight_decay
-        config.double_buffer_limit = double_buffer_limit
-        config.max_reduces_in_flight = max_reduces_in_flight
-        config.overlap = int(bool(overlap))
-        config.timeout_seconds = timeout
-        config.verify_collectives = int(bool(verify_collectives))
-        return config
-
-    def _make_cpu_engine(self, config: Config) -> c_void_p:
-        """This rank on the CPU backend: of the caller's local group, else of a group of one."""
-        if self._local_group is not None:
-            group = self._local_group.handle
-        elif self._world != 1:
-            raise InvalidArgumentError("CPU ranks of several processes do not exist: pass a "
-                                       "local group")
-        else:
-            self._lib.call("fsdp_local_group_create", 1, byref(self._group))
-            group = self._group
-        engine = c_void_p()
-        self._call("fsdp_engine_create_cpu", self._plan, byref(config), group, self._rank,
-                       byref(engine))
-        return engine
-
-    def _make_cuda_engine(self, config: Config) -> c_void_p:
-        """This process's rank on its GPU with NCCL, or the rank of the caller's loopback
-        group; blocks until every rank joined."""
-        engine = c_void_p()
-        if self._local_group is not None:
-            self._call("fsdp_engine_create_cuda_loopback", self._plan, byref(config),
-                       self._device.index or 0, self._local_group.handle, self._rank,
-                       self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
-            return engine
-        uid = self._unique_id()
-        self._call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
-                       self._device.index or 0, uid, len(uid), self._rank, self._world,
-                       self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
-        return engine
-
-    def _unique_id(self):
-        """Rank 0's fresh NCCL id, sent to the others through torch.distributed (whose current
-        device each rank has set)."""
-        uid = (c_uint8 * UNIQUE_ID_BYTES)()
-        if self._rank == 0:
-            self._lib.call("fsdp_nccl_unique_id", uid, len(uid))
-        if self._world > 1:
-            shared = [bytes(uid)]
-            torch.distributed.broadcast_object_list(shared, src=0)
-            uid = (c_uint8 * UNIQUE_ID_BYTES).from_buffer_copy(shared[0])
-        return uid
-
-    def _load_and_release(self):
-        """Loads each parameter's value (a host copy) and replaces its storage by a placeholder
-        until the parameter is gathered."""
-        for p in self._params:
-            host = p.tensor.detach().to("cpu").contiguous()
-            self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
-                           host.numel(), DTYPE_CODES[host.dtype])
-        for p in self._params:
-            t = p.tensor
-            p.placeholder = torch.full((), math.nan, dtype=t.dtype, device=t.device).expand(t.shape)
-            t.data = p.placeholder
-
-    def _install_hooks(self, units):
-        for index, unit in enumerate(units):
-            unit.register_forward_pre_hook(self._pre_forward_hook(index), with_kwargs=True)
-            unit.register_forward_hook(self._post_forward_hook(index), always_call=True)
-        self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
-        self.module.register_forward_hook(self._root_post_forward, always_call=True)
-        for u in self._unit_of.values():
-            for p in u.params:
-                if p.tensor.requires_grad:
-                    p.tensor.register_post_accumulate_grad_hook(self._grad_hook(p, u))
-
-    # -- hooks -----------------------------------------------------------------------------
-
-    def _pre_forward_hook(self, unit: int):
-        def hook(_module, args, kwargs):
-            self._open(self._units[unit], self._lib.fsdp_engine_pre_forward)
-            return self._wrap_inputs(unit, args, kwargs)
-
-        return hook
-
-    def _post_forward_hook(self, unit: int):
-        def hook(_module, _args, output):
-            self._close(self._units[unit], self._lib.fsdp_engine_post_forward)
-            self._hook_outputs(unit, output)
-
-        return hook
-
-    def _root_pre_forward(self, _module, args, kwargs):
-        if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
-            raise MisuseError("run forward and backward on the stream current when the wrapper "
-                              "was made: the engine's compute stream")
-        # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
-        # when the next forward starts: every gradient of that pass has arrived by then.
-        self._close_backwards()
-        if self._views_move:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
-        self._forwards = True
-        self._open(self._root, self._lib.fsdp_engine_pre_forward)
-        return self._wrap_inputs(ROOT, args, kwargs)
-
-    def _root_post_forward(self, _module, _args, output):
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
-        self._close(self._root, self._lib.fsdp_engine_post_forward)
-        self._hook_outputs(ROOT, output)
-
-    def _wrap_inputs(self, unit, args, kwargs):
-        """Passes the unit's tensor inputs (top-level args and kwargs) through `_PostBackward`."""
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not keys and not slots:
-            return args, kwargs
-        outs = _PostBackward.apply(self, unit, *[args[i] for i in slots],
-                                   *[kwargs[k] for k in keys])
-        args = list(args)
-        for i, out in zip(slots, outs):
-            args[i] = out
-        kwargs = dict(kwargs, **dict(zip(keys, outs[len(slots):])))
-        return tuple(args), kwargs
-
-    def _hook_outputs(self, unit, output):
-        if not torch.is_grad_enabled():
-            return
-
-        def on_grad(_grad):
-            self._pre_backward(unit)
-
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(on_grad)
-
-    def _pre_backward(self, unit: int):
-        u = self._unit_of[unit]
-        if not u.backward_open:
-            self._open(u, self._lib.fsdp_engine_pre_backward)
-            u.backward_open = True
-
-    def _post_backward(self, unit: int):
-        u = self._unit_of[unit]
-        if u.backward_open:
-            u.backward_open = False
-            self._hand_over(u)
-            self._close(u, self._lib.fsdp_engine_post_backward)
-
-    def _close_backwards(self):
-        for u in self._unit_of.values():
-            if u.backward_open:
-                self._post_backward(u.index)
-
-    def _grad_hook(self, p: _Param, u: _Unit):
-        def hook(param):
-            grad = param.grad.detach()
-            param.grad = None
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            u.pending.append((p, grad))
-            if not u.backward_open:
-                # A gradient outside its unit's backward (the unit's outputs needed none).
-                self._hand_over(u)
-
-        return hook
-
-    def _hand_over(self, u: _Unit):
-        """Hands the unit's pending gradients to the engine in one call. On the CPU the engine
-        reads them before returning; on a GPU it reads them on the compute stream, where the
-        caching allocator reuses their memory only afterwards."""
-        if not u.pending:
-            return
-        self._gradients = True
-        batch = u.batch
-        for k, (p, grad) in enumerate(u.pending):
-            entry = batch[k]
-            entry.param, entry.data, entry.numel = p.id, grad.data_ptr(), grad.numel()
-            entry.dtype = DTYPE_CODES.get(grad.dtype, 99)
-        # The tensors live until the call returned: clear only after it.
-        status = self._lib.fsdp_engine_grads(self._engine, batch, len(u.pending))
-        u.pending.clear()
-        self._check(status, "fsdp_engine_grads")
-
-    # -- gathered views --------------------------------------------------------------------
+    # -- engine calls ----------------------------------------------------------------------
 
     def _call(self, name: str, *args):
         self._check(getattr(self._lib, name)(*args), name)
@@ -554,85 +226,6 @@ class FusedFSDP(_StateCopies, Releasing, torch.nn.Module):
             if not isinstance(failure, Exception):
                 raise failure  # KeyboardInterrupt in an allocation: not the engine's error
             raise self._lib.error(name, status) from failure
-
-    def _open(self, u: _Unit, hook):
-        """Runs the engine's pre hook for the unit and points its parameters at their views."""
-        if not u.params:
-            return
-        self._check(hook(self._engine, u.index), hook.__name__)
-        u.opens += 1
-        if u.views is None:
-            self._map_views(u)
-
-    def _map_views(self, u: _Unit):
-        """Points the unit's parameters at their gathered views (made once per slot)."""
-        self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params), u.addresses),
-                    "fsdp_engine_params")
-        key = tuple(u.addresses)
-        views = u.cache.get(key)
-        if views is None:
-            views = _Views([self._view(p, address) for p, address in zip(u.params, key)], key)
-            u.cache[key] = views
-        u.views = views
-        for p, view in zip(u.params, views.tensors):
-            p.tensor.data = view
-        if self._views_move:
-            self._open_units.append(u)
-
-    def _close(self, u: _Unit, hook):
-        """Runs the engine's post hook for the unit; its parameters go back to placeholders once
-        none of its hooks is open. At world size 1 they stay views: the views are the shards,
-        which never move, so they always hold the current values."""
-        if not u.params or u.opens == 0:
-            # Nothing to close: the pre hook failed (torch runs post hooks all the same).
-            return
-        u.opens -= 1
-        if u.opens == 0 and self._views_move:
-            self._unmap_views(u)
-        self._check(hook(self._engine, u.index), hook.__name__)
-
-    def _unmap_views(self, u: _Unit):
-        for p in u.params:
-            p.tensor.data = p.placeholder
-        u.views = None
-        if u in self._open_units:
-            self._open_units.remove(u)
-
-    def _view(self, p: _Param, address: int | None) -> torch.Tensor:
-        numel = p.tensor.numel()
-        return tensor_at(address or 0, numel, p.tensor.dtype, self._device).view(p.tensor.shape)
-
-    # -- saved tensors ---------------------------------------------------------------------
-    # Autograd keeps tensors of the forward for backward, among them parameters and views of
-    # them (a weight's transpose): memory of the slot the unit was gathered into then. By the
-    # backward the engine may have gathered the unit into another slot, and given the old one
-    # to another group. So a saved tensor in a parameter's gathered memory is saved as where it
-    # lies in that parameter, and read back from the parameter's memory at backward time (its
-    # unit's pre_backward ran before any node of the unit executes).
-
-    def _pack(self, t: torch.Tensor):
-        if t.layout != torch.strided:
-            return t
-        address = t.untyped_storage().data_ptr()
-        for u in self._open_units:
-            position = u.views.position.get(address)
-            if position is not None:
-                return _Saved(u, position, t.dtype, t.size(), t.stride(),
-                              t.storage_offset() * t.element_size())
-        return t
-
-    def _unpack(self, saved):
-        if not isinstance(saved, _Saved):
-            return saved
-        u = saved.unit
-        if u.views is None:
-            name = u.params[saved.position].name
-            raise MisuseError(f"backward needs {name}, whose unit's backward is not open")
-        flat = u.views.tensors[saved.position].reshape(-1)
-        if flat.dtype != saved.dtype:
-            flat = flat.view(saved.dtype)
-        offset = saved.byte_offset // flat.element_size()
-        return flat.as_strided(saved.size, saved.stride, offset)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -724,4 +317,3 @@ class FusedFSDP(_StateCopies, Releasing, torch.nn.Module):
             if handle is not None and handle.value:
                 self._lib.call(name, handle)
                 setattr(self, attr, None)
-

@@ -9,7 +9,7 @@ from training import BATCH, FROZEN, PASSES, SEQ, VOCAB, batches, models, on_rank
 
 import fsdp_fusion
 from fsdp_fusion import FusedFSDP
-from fsdp_fusion.module import _Saved
+from fsdp_fusion._hooks import _Saved
 
 
 def train_steps(fused) -> list[float]:

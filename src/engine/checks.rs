@@ -189,8 +189,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.comm.grid_size() == 1 {
             return Ok(());
         }
-        let issued: Vec<u8> = self.issued.iter().flat_map(Fingerprint::to_bytes).collect();
-        let count = self.issued.len();
+        let issued: Vec<u8> = self
+            .collectives
+            .issued
+            .iter()
+            .flat_map(Fingerprint::to_bytes)
+            .collect();
+        let count = self.collectives.issued.len();
         let summaries = self.exchange(Purpose::CollectiveCheck, &summary(&issued, count), true)?;
         if summaries.iter().all(|s| *s == summaries[0]) {
             return Ok(());

@@ -2,8 +2,10 @@
 //! ranks' plans and settings compared, and the parts assembled; or, refused, what it was given
 //! handed back.
 
+use super::reduce::{GradSlot, GroupGrads};
+use super::step::GroupOptimizerState;
 use super::*;
-use crate::plan::BufferLayout;
+use crate::plan::Group;
 
 /// An engine that could not be made, with the backend and communicators it was given: the rank
 /// can try again with them (its peers have not heard from it, unless the ranks' plans differed).
@@ -22,55 +24,50 @@ impl<B, C> std::fmt::Debug for Refused<B, C> {
     }
 }
 
-/// The buffers of an engine, allocated up front (per-step gradient shards come later).
-struct Buffers<B: Backend> {
-    shards: Vec<B::Buffer>,
-    grad_shards: Vec<Option<B::Buffer>>,
-    masters: Vec<Option<B::Buffer>>,
-    moments: Vec<Option<(B::Buffer, B::Buffer)>>,
-    slot_buffers: Vec<B::Buffer>,
-    grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
-    grad_accumulators: Vec<Option<B::Buffer>>,
+/// The engine's parts as a plan makes them: every buffer allocated up front (per-step gradient
+/// shards come later) and the pure machines.
+struct Parts<B: Backend> {
+    param_shards: Vec<B::Buffer>,
+    gathering: Gathering<B::Buffer, B::Event>,
+    reducing: Reducing<B::Buffer, B::Event>,
+    optimizer: OptimizerState<B::Buffer>,
 }
 
-impl<B: Backend> Buffers<B> {
-    /// Allocates every buffer of `layout` but per-step gradient shards, which come with the
-    /// step's first gradient of their group.
-    fn allocate(layout: &BufferLayout, backend: &B) -> Result<Buffers<B>> {
+impl<B: Backend> Parts<B> {
+    /// Allocates every buffer of `policy`'s layout but per-step gradient shards, which come
+    /// with the step's first gradient of their group.
+    fn make(plan: &Plan, config: &EngineConfig, policy: &Policy, backend: &B) -> Result<Self> {
+        let layout = &policy.layout;
         let what = "the engine's buffer lists";
         let groups = layout.groups.len();
-        let mut shards = crate::fallible::with_capacity(groups, what)?;
-        let mut grad_shards = crate::fallible::with_capacity(groups, what)?;
-        let mut masters = crate::fallible::with_capacity(groups, what)?;
-        let mut moments = crate::fallible::with_capacity(groups, what)?;
-        let mut grad_accumulators = crate::fallible::with_capacity(groups, what)?;
-        for (i, g) in layout.groups.iter().enumerate() {
+        let mut param_shards = crate::fallible::with_capacity(groups, what)?;
+        let mut grads = crate::fallible::with_capacity(groups, what)?;
+        let mut optimizer = crate::fallible::with_capacity(groups, what)?;
+        for ((i, g), group) in layout.groups.iter().enumerate().zip(plan.groups()) {
             let buffer = |bytes: usize, what: &str| {
                 alloc(backend, bytes, || format!("the {what} of group {i}"))
             };
-            shards.push(buffer(g.shard, "parameter shard")?);
+            param_shards.push(buffer(g.shard, "parameter shard")?);
             let grad_shard = g.grad_shard.filter(|_| !layout.per_step_grad_shards);
-            grad_shards.push(
-                grad_shard
-                    .map(|b| buffer(b, "gradient shard"))
-                    .transpose()?,
-            );
-            masters.push(
-                g.master
-                    .map(|b| buffer(b, "fp32 master shard"))
-                    .transpose()?,
-            );
+            let shard = (grad_shard.map(|b| buffer(b, "gradient shard"))).transpose()?;
+            let master = (g.master.map(|b| buffer(b, "fp32 master shard"))).transpose()?;
             let moment_pair = |b| Ok((buffer(b, "first moment")?, buffer(b, "second moment")?));
-            moments.push(g.moment.map(moment_pair).transpose()?);
-            let accumulator = g.accumulator.map(|b| buffer(b, "gradient accumulator"));
-            grad_accumulators.push(accumulator.transpose()?);
+            let moments = g.moment.map(moment_pair).transpose()?;
+            let accumulator =
+                (g.accumulator.map(|b| buffer(b, "gradient accumulator"))).transpose()?;
+            grads.push(GroupGrads {
+                shard,
+                accumulator,
+                padding: padding_of(plan, group),
+            });
+            optimizer.push(GroupOptimizerState { master, moments });
         }
-        let mut slot_buffers = crate::fallible::with_capacity(layout.gather_slots, what)?;
+        let mut gather_slots = crate::fallible::with_capacity(layout.gather_slots, what)?;
         for i in 0..layout.gather_slots {
             let slot = alloc(backend, layout.gather_slot_bytes, || {
                 format!("gather slot {i}")
             });
-            slot_buffers.push(slot?);
+            gather_slots.push(slot?);
         }
         let mut grad_slots = crate::fallible::with_capacity(layout.grad_slots, what)?;
         for i in 0..layout.grad_slots {
@@ -81,14 +78,18 @@ impl<B: Backend> Buffers<B> {
                 reduced: None,
             });
         }
-        Ok(Buffers {
-            shards,
-            grad_shards,
-            masters,
-            moments,
-            slot_buffers,
-            grad_slots,
-            grad_accumulators,
+        let limit = policy.limits.gathered;
+        Ok(Parts {
+            param_shards,
+            gathering: Gathering::new(groups, plan.units().len(), limit, gather_slots),
+            reducing: Reducing {
+                pipeline: grad_pipeline(plan, config, policy),
+                groups: grads,
+                slots: grad_slots,
+                open_slot: None,
+                effects: Vec::new(),
+            },
+            optimizer: OptimizerState::new(optimizer),
         })
     }
 }
@@ -151,16 +152,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .and_then(|()| check_process_groups(&plan, comm.rank(), &process_groups))
             .and_then(|()| Policy::new(&plan, &config))
             .and_then(|policy| {
-                let buffers = Buffers::allocate(&policy.layout, &backend)?;
-                let state = State::new(&plan, &config, policy)?;
+                let parts = Parts::make(&plan, &config, &policy, &backend)?;
                 let bytes = parts::state_bytes(&plan, &config);
                 let staging = (config.save_staging)
                     .then(|| Ok::<_, Error>((backend.alloc_host(bytes)?, bytes)))
                     .transpose()?;
                 let deadlines = deadlines::Deadlines::start(watch.clone(), B::reached)?;
-                Ok((buffers, state, (staging, deadlines)))
+                Ok((policy, parts, (staging, deadlines)))
             });
-        let (buffers, state, (save_staging, deadlines)) = match parts {
+        let (policy, parts, (save_staging, deadlines)) = match parts {
             Ok(parts) => parts,
             Err(error) => {
                 return Err(Refused {
@@ -173,8 +173,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         let comms = (comm, process_groups);
         let watching = (watch, deadlines);
-        let mut engine = Engine::assemble(plan, config, backend, comms, watching, buffers, state);
-        engine.save_staging = save_staging;
+        let mut engine = Engine::assemble((plan, config, policy), backend, comms, watching, parts);
+        engine.saving.staging = save_staging;
         if let Err(error) = engine.check_plans() {
             let Engine {
                 backend,
@@ -229,66 +229,34 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn assemble(
-        plan: Arc<Plan>,
-        config: EngineConfig,
+        (plan, config, policy): (Arc<Plan>, EngineConfig, Policy),
         backend: B,
         (comm, process_groups): (C, Vec<C>),
         (watch, deadlines): (Watch, deadlines::Deadlines<B::Event>),
-        buffers: Buffers<B>,
-        state: State,
+        parts: Parts<B>,
     ) -> Self {
-        let free_slots = (0..buffers.slot_buffers.len())
-            .rev()
-            .map(|buffer_index| GatherSlot {
-                buffer_index,
-                free_after: None,
-            })
-            .collect();
-        let groups = plan.groups().len();
-        let units = plan.units().len();
         Engine {
             #[cfg(feature = "fault-injection")]
             hang: None,
             rank: comm.rank(),
-            gathers: state.gathers,
-            policy: state.policy,
-            schedule: Schedule::new(units),
-            grads: state.grads,
-            padding: state.padding,
-            placed: (0..groups).map(|_| None).collect(),
-            gathered: (0..groups).map(|_| None).collect(),
-            released: vec![None; groups],
-            param_shards: buffers.shards,
-            grad_shards: buffers.grad_shards,
-            masters: buffers.masters,
-            moments: buffers.moments,
-            slot_buffers: buffers.slot_buffers,
-            free_slots,
-            shards_updated: None,
-            grad_slots: buffers.grad_slots,
-            grad_accumulators: buffers.grad_accumulators,
-            forward_open: BTreeSet::new(),
-            backward_open: BTreeSet::new(),
-            optimizer_steps: 0,
-            stepped: false,
-            open_slot: None,
+            param_shards: parts.param_shards,
+            gathering: parts.gathering,
+            reducing: parts.reducing,
+            optimizer: parts.optimizer,
+            open: OpenUnits::default(),
+            collectives: CollectiveLog::default(),
             counters: Counters::default(),
-            collectives_in_step: 0,
-            issued: Vec::new(),
-            nonfinite_counter: None,
-            norm_part: None,
-            clip_scale: None,
-            gather_effects: Vec::new(),
-            gather_batch: GatherBatch::default(),
-            grad_effects: Vec::new(),
             trace: None,
-            pending_save: None,
-            save_staging: None,
+            saving: save::Saving {
+                pending: None,
+                staging: None,
+            },
             poisoned: OnceLock::new(),
             watch,
             deadlines,
             plan,
             config,
+            policy,
             backend,
             comm,
             process_groups,
@@ -330,58 +298,40 @@ fn check_process_groups<B: Backend, C: Communicator<B>>(
     Ok(())
 }
 
-/// The engine's pure machines and layout facts, derived from the plan.
-struct State {
-    gathers: Gathers,
-    grads: GradPipeline,
-    padding: Vec<Vec<Region>>,
-    policy: Policy,
+/// The regions of `group`'s layout that no gradient covers (padding), as f32.
+fn padding_of(plan: &Plan, group: &Group) -> Vec<Region> {
+    group
+        .params
+        .iter()
+        .map(|&p| &plan.params()[p.0])
+        .filter(|p| p.padded_numel > p.numel)
+        .map(|p| Region::new(p.offset + p.numel, p.padded_numel - p.numel, DType::F32))
+        .collect()
 }
 
-impl State {
-    fn new(plan: &Plan, config: &EngineConfig, policy: Policy) -> Result<State> {
-        let groups = plan.groups();
-        let members = groups
-            .iter()
-            .map(|g| {
-                if g.trainable {
-                    g.params.iter().map(|p| p.0).collect()
-                } else {
-                    Vec::new()
-                }
-            })
-            .collect();
-        let padding = groups
-            .iter()
-            .map(|g| {
-                g.params
-                    .iter()
-                    .map(|&p| &plan.params()[p.0])
-                    .filter(|p| p.padded_numel > p.numel)
-                    .map(|p| Region::new(p.offset + p.numel, p.padded_numel - p.numel, DType::F32))
-                    .collect()
-            })
-            .collect();
-        let limits = policy.limits;
-        let passes = if !policy.grad_accumulators {
-            Passes::ReduceEach
-        } else if policy.grad_slot_dtype == DType::F32 {
-            Passes::AccumulateInPlace
-        } else {
-            Passes::AccumulateStaged
-        };
-        Ok(State {
-            gathers: Gathers::new(groups.len(), limits.gathered),
-            grads: GradPipeline::new(
-                members,
-                plan.params().len(),
-                (policy.layout.grad_slots, limits.reduces_in_flight),
-                config.overlap,
-                policy.grads_direct,
-                passes,
-            ),
-            padding,
-            policy,
+/// The reduction pipeline of `plan` under `policy`: who reduces what and when.
+fn grad_pipeline(plan: &Plan, config: &EngineConfig, policy: &Policy) -> GradPipeline {
+    let members = plan
+        .groups()
+        .iter()
+        .map(|g| match g.trainable {
+            true => g.params.iter().map(|p| p.0).collect(),
+            false => Vec::new(),
         })
-    }
+        .collect();
+    let passes = if !policy.grad_accumulators {
+        Passes::ReduceEach
+    } else if policy.grad_slot_dtype == DType::F32 {
+        Passes::AccumulateInPlace
+    } else {
+        Passes::AccumulateStaged
+    };
+    GradPipeline::new(
+        members,
+        plan.params().len(),
+        (policy.layout.grad_slots, policy.limits.reduces_in_flight),
+        config.overlap,
+        policy.grads_direct,
+        passes,
+    )
 }

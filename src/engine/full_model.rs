@@ -85,7 +85,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let master_only = self.policy.master_only(g.index);
         self.effects(|e| {
             let mut buffer = e.backend.alloc_scratch(g.padded_numel * g.dtype.size())?;
-            let (source, region) = match (master_only, e.masters[group].as_ref()) {
+            let (source, region) = match (master_only, e.optimizer.groups[group].master.as_ref()) {
                 (true, Some(master)) => (master, Region::new(0, g.shard_numel, DType::F32)),
                 _ => (
                     &e.param_shards[group],

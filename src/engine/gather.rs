@@ -6,9 +6,66 @@ use super::{Engine, alloc, group_comm};
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
-use crate::state::GatherEffect;
+use crate::schedule::Schedule;
+use crate::state::{GatherEffect, Gathers};
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, Stream};
+
+/// What gathering owns: the buffer machine, the unit order it prefetches by, the gather slots and
+/// where each group's gathered values are.
+pub(super) struct Gathering<Buf, E> {
+    /// Each group's gathered buffer through FREED -> SYNCING -> USING -> READY.
+    pub(super) machine: Gathers,
+    pub(super) schedule: Schedule,
+    pub(super) groups: Vec<GroupGather<E>>,
+    pub(super) slots: Vec<Buf>,
+    pub(super) free_slots: Vec<GatherSlot<E>>,
+    /// The last write of the shards (the optimizer's, a load's), which the step's first gather
+    /// waits for.
+    pub(super) shards_updated: Option<E>,
+    /// Reused between calls, so that a hook allocates nothing.
+    pub(super) effects: Vec<GatherEffect>,
+    pub(super) batch: GatherBatch<E>,
+}
+
+impl<Buf, E> Gathering<Buf, E> {
+    /// Gathering for `groups` groups of `units` units, at most `limit` gathered at once, into
+    /// `slots`.
+    pub(super) fn new(groups: usize, units: usize, limit: usize, slots: Vec<Buf>) -> Self {
+        let free_slots = (0..slots.len())
+            .rev()
+            .map(|buffer_index| GatherSlot {
+                buffer_index,
+                free_after: None,
+            })
+            .collect();
+        Gathering {
+            machine: Gathers::new(groups, limit),
+            schedule: Schedule::new(units),
+            groups: (0..groups)
+                .map(|_| GroupGather {
+                    placed: None,
+                    gathered: None,
+                    released: None,
+                })
+                .collect(),
+            slots,
+            free_slots,
+            shards_updated: None,
+            effects: Vec::new(),
+            batch: GatherBatch::default(),
+        }
+    }
+}
+
+/// One group's gathered values: where they are and the events around their use.
+pub(super) struct GroupGather<E> {
+    pub(super) placed: Option<Placement<E>>,
+    /// The end of the group's gather, which compute waits for before the first use.
+    pub(super) gathered: Option<Arc<E>>,
+    /// Compute's last use, which the slot's next gather waits for.
+    pub(super) released: Option<Arc<E>>,
+}
 
 /// Where a gathered group's values live.
 pub(super) enum Placement<E> {
@@ -45,24 +102,24 @@ pub(super) struct GatherSlot<E> {
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Makes unit `u`'s groups USING (gathering those FREED) and prefetches the unit predicted next.
     pub(super) fn use_unit(&mut self, u: usize) -> Result<()> {
-        let mut fx = std::mem::take(&mut self.gather_effects);
+        let mut fx = std::mem::take(&mut self.gathering.effects);
         fx.clear();
         let plan = Arc::clone(&self.plan);
         let mut result = Ok(());
         for &g in plan.unit_groups(u) {
-            if self.gathers.state(g) == BufferState::Ready {
+            if self.gathering.machine.state(g) == BufferState::Ready {
                 self.counters.reuses += 1;
             }
-            result = self.gathers.acquire(g, &mut fx);
+            result = self.gathering.machine.acquire(g, &mut fx);
             if result.is_err() {
                 break;
             }
         }
         if result.is_ok() && self.config.overlap {
-            if let Some(next) = self.schedule.predict_next() {
+            if let Some(next) = self.gathering.schedule.predict_next() {
                 for &g in plan.unit_groups(next) {
                     let before = fx.len();
-                    match self.gathers.prefetch(g, &mut fx) {
+                    match self.gathering.machine.prefetch(g, &mut fx) {
                         Ok(true) => self.counters.prefetches += (fx.len() > before) as u64,
                         Ok(false) => {}
                         Err(e) => {
@@ -74,7 +131,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
         }
         let applied = self.apply_gather_effects(&fx);
-        self.gather_effects = fx;
+        self.gathering.effects = fx;
         result.and(applied)
     }
 
@@ -83,8 +140,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let done = Arc::new(self.backend.record(Stream::Compute)?);
         let plan = Arc::clone(&self.plan);
         for &g in plan.unit_groups(u) {
-            self.gathers.release(g)?;
-            self.released[g] = Some(Arc::clone(&done));
+            self.gathering.machine.release(g)?;
+            self.gathering.groups[g].released = Some(Arc::clone(&done));
         }
         Ok(())
     }
@@ -93,34 +150,34 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// batch, and each group's gathered event is recorded after the batch's end.
     pub(super) fn apply_gather_effects(&mut self, effects: &[GatherEffect]) -> Result<()> {
         // Empty: every apply ends with `end_gathers`, which drains it.
-        let mut batch = std::mem::take(&mut self.gather_batch);
+        let mut batch = std::mem::take(&mut self.gathering.batch);
         let mut result = Ok(());
         for &effect in effects {
             result = match effect {
                 GatherEffect::Evict(g) => {
-                    if let Some(Placement::Slot(mut slot)) = self.placed[g].take() {
-                        slot.free_after = self.released[g].take();
-                        self.free_slots.push(slot);
+                    if let Some(Placement::Slot(mut slot)) = self.gathering.groups[g].placed.take()
+                    {
+                        slot.free_after = self.gathering.groups[g].released.take();
+                        self.gathering.free_slots.push(slot);
                     }
-                    self.gathered[g] = None;
+                    self.gathering.groups[g].gathered = None;
                     self.counters.evictions += 1;
                     Ok(())
                 }
                 GatherEffect::Gather(g) => self.gather(g, &mut batch),
-                GatherEffect::Wait(g) => {
-                    self.end_gathers(&mut batch)
-                        .and_then(|()| match self.gathered[g].take() {
-                            Some(done) => self.backend.wait(Stream::Compute, &done),
-                            None => Ok(()),
-                        })
-                }
+                GatherEffect::Wait(g) => self.end_gathers(&mut batch).and_then(|()| {
+                    match self.gathering.groups[g].gathered.take() {
+                        Some(done) => self.backend.wait(Stream::Compute, &done),
+                        None => Ok(()),
+                    }
+                }),
             };
             if result.is_err() {
                 break;
             }
         }
         let ended = self.end_gathers(&mut batch);
-        self.gather_batch = batch;
+        self.gathering.batch = batch;
         result.and(ended)
     }
 
@@ -142,7 +199,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     .and_then(|()| {
                         self.record_collective(Stream::Gather, collective.map(|c| (c, peers)))
                     })
-                    .map(|done| self.gathered[g] = Some(done));
+                    .map(|done| self.gathering.groups[g].gathered = Some(done));
             }
         }
         result
@@ -153,7 +210,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.counters.all_gathers += 1;
         let master_only = self.policy.master_only(g);
         if self.plan.world_size() == 1 && !master_only {
-            self.placed[g] = Some(Placement::Shard);
+            self.gathering.groups[g].placed = Some(Placement::Shard);
             return Ok(());
         }
         // A batch holds one communicator's collectives: the previous one's go out before this
@@ -162,14 +219,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if batch.began.is_some_and(|began| began != process_group) {
             self.end_gathers(batch)?;
         }
-        let slot = match self.free_slots.pop() {
+        let slot = match self.gathering.free_slots.pop() {
             Some(slot) => slot,
             None => {
-                let index = self.slot_buffers.len();
+                let index = self.gathering.slots.len();
                 let buffer = alloc(&self.backend, self.plan.gather_slot_bytes(), || {
                     format!("gather slot {index}, beyond the limit")
                 })?;
-                self.slot_buffers.push(buffer);
+                self.gathering.slots.push(buffer);
                 self.counters.extra_slots += 1;
                 GatherSlot {
                     buffer_index: index,
@@ -181,7 +238,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.backend.wait(Stream::Gather, done)?;
         }
         // The first gather after an optimizer step waits for it; later ones follow on the stream.
-        if let Some(updated) = self.shards_updated.take() {
+        if let Some(updated) = self.gathering.shards_updated.take() {
             self.backend.wait(Stream::Gather, &updated)?;
         }
         let start = self.mark(Stream::Gather)?;
@@ -207,13 +264,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             comm.begin_batch()?;
             batch.began = Some(group.process_group);
         }
-        let out = &mut self.slot_buffers[slot.buffer_index];
+        let out = &mut self.gathering.slots[slot.buffer_index];
         // SAFETY (the cast and the all-gathers): the gather stream writes the slot after
         // compute's last use of the group that held it (`free_after`, waited above) and reads the
         // shard or master after the optimizer's last write (`shards_updated`, waited above for
         // the step's first gather; later ones follow it on the gather stream). The optimizer
         // waits for the gather stream before it writes.
-        let result = match (master_only, self.masters[g].as_ref()) {
+        let result = match (master_only, self.optimizer.groups[g].master.as_ref()) {
             (true, Some(master)) => {
                 let own = Region::new(
                     plan.shard_index(group, self.rank) * group.shard_numel,
@@ -252,11 +309,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 },
                 None => Err(Error::GroupOutOfRange {
                     group: g,
-                    count: self.masters.len(),
+                    count: self.optimizer.groups.len(),
                 }),
             },
         };
-        self.placed[g] = Some(Placement::Slot(GatherSlot {
+        self.gathering.groups[g].placed = Some(Placement::Slot(GatherSlot {
             free_after: None,
             ..slot
         }));

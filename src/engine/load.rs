@@ -83,11 +83,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.values_from_masters()
             })?;
             self.config.optimizer = optimizer;
-            self.optimizer_steps = steps;
+            self.optimizer.steps = steps;
             Ok(())
         });
         if let Ok(LoadMemory::Staging(staging, bytes)) = host {
-            self.save_staging = Some((staging, bytes));
+            self.saving.staging = Some((staging, bytes));
         }
         loaded
     }
@@ -96,10 +96,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// asynchronous saves' page-locked staging area where it is free and large enough (the
     /// uploads from it then run at the link's speed), else memory of its own.
     fn load_memory(&mut self, total: usize) -> Result<LoadMemory<B>> {
-        match self.save_staging.take() {
+        match self.saving.staging.take() {
             Some((staging, bytes)) if bytes >= total => Ok(LoadMemory::Staging(staging, bytes)),
             other => {
-                self.save_staging = other;
+                self.saving.staging = other;
                 let owned = crate::fallible::zeroed(total, "this rank's state from a checkpoint")?;
                 let piece = total.clamp(1, UPLOAD_PIECE);
                 let bounce = [
@@ -198,11 +198,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let mut at = 0;
                 for p in parts {
                     let n = bytes_of(p);
-                    let state = (
-                        &mut self.param_shards[..],
-                        &mut self.masters[..],
-                        &mut self.moments[..],
-                    );
+                    let state = (&mut self.param_shards[..], &mut self.optimizer.groups[..]);
                     let buffer = state_buffer_mut::<B>(state, p)?;
                     self.backend.upload(buffer, p.region, &bytes[at..at + n])?;
                     at += n;
@@ -231,11 +227,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     &mut unsafe { B::host_bytes_mut(buffer) }[..from.len()],
                     from,
                 );
-                let state = (
-                    &mut self.param_shards[..],
-                    &mut self.masters[..],
-                    &mut self.moments[..],
-                );
+                let state = (&mut self.param_shards[..], &mut self.optimizer.groups[..]);
                 let target = state_buffer_mut::<B>(state, p)?;
                 // SAFETY: on the compute stream, after every stream's work (joined above); the
                 // bounce buffer is written again only once this copy completed (its event).
@@ -265,7 +257,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     fn values_from_masters(&mut self) -> Result<()> {
         for g in self.plan.groups() {
             let (Some(master), false) = (
-                self.masters[g.index].as_ref(),
+                self.optimizer.groups[g.index].master.as_ref(),
                 self.policy.master_only(g.index),
             ) else {
                 continue;
@@ -286,7 +278,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 )
             }?;
         }
-        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
+        self.gathering.shards_updated = Some(self.backend.record(Stream::Compute)?);
         Ok(())
     }
 }

@@ -34,17 +34,17 @@ use crate::backend::{Backend, MemoryUsage, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose, Tag};
 use crate::config::{EngineConfig, GradShardMemory};
 use crate::error::{Error, Result};
-use crate::grads::{GradEffect, GradPipeline, Passes};
+use crate::grads::{GradPipeline, Passes};
 use crate::plan::{Plan, Policy};
-use crate::schedule::{Phase, Schedule};
-use crate::state::{GatherEffect, Gathers};
-use crate::types::{BufferState, DType, ParamId, Stream, Unit};
+use crate::schedule::Phase;
+use crate::types::{BufferState, DType, Stream, Unit};
 use crate::watch::{AbortHandle, Watch};
 pub use create::Refused;
-use gather::{GatherBatch, GatherSlot, Placement};
+use gather::Gathering;
 pub use norm::GradNorm;
-use reduce::GradSlot;
+use reduce::Reducing;
 use spans::Trace;
+use step::OptimizerState;
 pub use views::DeviceTensor;
 
 /// What the engine did, counted since it was created.
@@ -108,48 +108,29 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     poisoned: OnceLock<Error>,
     /// Each group's shard of its parameters, in their dtype (empty for a master-only group).
     param_shards: Vec<B::Buffer>,
-    grad_shards: Vec<Option<B::Buffer>>,
-    masters: Vec<Option<B::Buffer>>,
-    moments: Vec<Option<(B::Buffer, B::Buffer)>>,
-    slot_buffers: Vec<B::Buffer>,
-    free_slots: Vec<GatherSlot<B::Event>>,
-    placed: Vec<Option<Placement<B::Event>>>,
-    /// Per group, the regions of its layout that no gradient covers (padding), as f32.
-    padding: Vec<Vec<Region>>,
-    /// Per trainable group in no-sync accumulation, its unsharded fp32 gradient.
-    grad_accumulators: Vec<Option<B::Buffer>>,
-    gathered: Vec<Option<Arc<B::Event>>>,
-    released: Vec<Option<Arc<B::Event>>>,
-    shards_updated: Option<B::Event>,
-    grad_slots: Vec<GradSlot<B::Buffer, B::Event>>,
-    gathers: Gathers,
-    grads: GradPipeline,
-    schedule: Schedule,
-    /// The units whose forward, and whose backward, is open.
-    forward_open: BTreeSet<usize>,
-    backward_open: BTreeSet<usize>,
-    optimizer_steps: u64,
-    stepped: bool,
-    open_slot: Option<ParamId>,
+    gathering: Gathering<B::Buffer, B::Event>,
+    reducing: Reducing<B::Buffer, B::Event>,
+    optimizer: OptimizerState<B::Buffer>,
+    open: OpenUnits,
+    collectives: CollectiveLog,
     counters: Counters,
-    /// Collectives issued since the step began.
-    collectives_in_step: u64,
+    trace: Option<Trace<B::Event>>,
+    saving: save::Saving<B::HostBuffer>,
+}
+
+/// The units whose forward, and whose backward, is open.
+#[derive(Default)]
+struct OpenUnits {
+    forward: BTreeSet<usize>,
+    backward: BTreeSet<usize>,
+}
+
+/// The collectives issued since the step began.
+#[derive(Default)]
+struct CollectiveLog {
+    in_step: u64,
     /// Their fingerprints, kept when [`EngineConfig::verify_collectives`] is on.
     issued: Vec<Fingerprint>,
-    /// Where [`Engine::nonfinite_grads`] counts, made at its first use.
-    nonfinite_counter: Option<B::Buffer>,
-    /// Where [`Engine::grad_norm`] sums this rank's part, made at its first use.
-    norm_part: Option<B::Buffer>,
-    /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
-    clip_scale: Option<f32>,
-    gather_effects: Vec<GatherEffect>,
-    gather_batch: GatherBatch<B::Event>,
-    grad_effects: Vec<GradEffect>,
-    trace: Option<Trace<B::Event>>,
-    /// The files of [`Engine::save_async`] being written.
-    pending_save: Option<save::PendingSave<B::HostBuffer>>,
-    /// The host memory the last asynchronous save copied into, and its bytes.
-    save_staging: Option<(B::HostBuffer, usize)>,
 }
 
 /// Allocates `bytes` for `what`, naming it when memory runs out.
@@ -201,12 +182,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The state of group `group`'s gathered buffer.
     pub fn buffer_state(&self, group: usize) -> Result<BufferState> {
         self.plan.group(group)?;
-        Ok(self.gathers.state(group))
+        Ok(self.gathering.machine.state(group))
     }
 
     /// Gathered buffers now (SYNCING, USING or READY).
     pub fn gathered_count(&self) -> usize {
-        self.gathers.gathered()
+        self.gathering.machine.gathered()
     }
 
     /// This rank's replica under hybrid sharding, and how many there are (`(0, 1)` without).
@@ -223,11 +204,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Whether a step is under way: a hook, gradient or sync since the last [`Engine::end_step`].
     pub fn in_step(&self) -> bool {
-        self.schedule.phase().is_some()
-            || self.open_slot.is_some()
-            || self.grads.pending()
-            || self.grads.synced()
-            || self.stepped
+        self.gathering.schedule.phase().is_some()
+            || self.reducing.open_slot.is_some()
+            || self.reducing.pipeline.pending()
+            || self.reducing.pipeline.synced()
+            || self.optimizer.stepped
     }
 
     /// The first failure that poisoned the engine, if any.
@@ -297,7 +278,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// weights from before the update, and gathers would race the optimizer's writes: nothing but
     /// the end of the step is allowed.
     fn check_not_stepped(&self, action: &'static str) -> Result<()> {
-        if self.stepped {
+        if self.optimizer.stepped {
             return Err(Error::OptimizerStepped { action });
         }
         Ok(())
@@ -343,11 +324,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let tag = Tag {
             purpose,
             step: self.counters.steps,
-            seq: self.collectives_in_step,
+            seq: self.collectives.in_step,
         };
-        self.collectives_in_step += 1;
+        self.collectives.in_step += 1;
         if self.config.verify_collectives {
-            self.issued.push(fingerprint(tag));
+            self.collectives.issued.push(fingerprint(tag));
         }
         tag
     }
@@ -361,7 +342,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
-        if self.forward_open.contains(&u) {
+        if self.open.forward.contains(&u) {
             return Err(Error::ForwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
@@ -370,10 +351,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // (activation checkpointing): it belongs to the backward pass, so it neither ends
             // the pass (which would reduce half-filled groups early) nor starts a forward one,
             // and prefetching keeps to the backward order.
-            if e.backward_open.is_empty() {
+            if e.open.backward.is_empty() {
                 e.begin(Phase::Forward, u)?;
             }
-            e.forward_open.insert(u);
+            e.open.forward.insert(u);
             e.use_unit_traced(u, Phase::Forward)
         })
     }
@@ -384,11 +365,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a forward")?;
         let u = self.unit_index(unit)?;
-        if !self.forward_open.contains(&u) {
+        if !self.open.forward.contains(&u) {
             return Err(Error::ForwardNotOpen { unit });
         }
         self.effects(|e| {
-            e.forward_open.remove(&u);
+            e.open.forward.remove(&u);
             e.end_span(u, Phase::Forward)?;
             e.release_unit(u)
         })
@@ -401,13 +382,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
-        if self.backward_open.contains(&u) {
+        if self.open.backward.contains(&u) {
             return Err(Error::BackwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
         self.effects(|e| {
             e.begin(Phase::Backward, u)?;
-            e.backward_open.insert(u);
+            e.open.backward.insert(u);
             e.use_unit_traced(u, Phase::Backward)
         })
     }
@@ -418,11 +399,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a backward")?;
         let u = self.unit_index(unit)?;
-        if !self.backward_open.contains(&u) {
+        if !self.open.backward.contains(&u) {
             return Err(Error::BackwardNotOpen { unit });
         }
         self.effects(|e| {
-            e.backward_open.remove(&u);
+            e.open.backward.remove(&u);
             e.end_span(u, Phase::Backward)?;
             e.release_unit(u)
         })
@@ -430,7 +411,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// A gradient slot the caller is writing must be committed before anything else.
     fn check_no_open_slot(&self) -> Result<()> {
-        match self.open_slot {
+        match self.reducing.open_slot {
             Some(open) => Err(Error::GradSlotOpen {
                 name: self.plan.params()[open.0].name.clone(),
             }),
@@ -440,20 +421,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     fn begin(&mut self, phase: Phase, unit: usize) -> Result<()> {
         self.enter(phase)?;
-        self.schedule.record(unit);
+        self.gathering.schedule.record(unit);
         Ok(())
     }
 
     /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients.
     fn enter(&mut self, phase: Phase) -> Result<()> {
-        if self.schedule.enter(phase) != Some(Phase::Backward) {
+        if self.gathering.schedule.enter(phase) != Some(Phase::Backward) {
             return Ok(());
         }
-        let mut fx = std::mem::take(&mut self.grad_effects);
+        let mut fx = std::mem::take(&mut self.reducing.effects);
         fx.clear();
-        self.grads.end_pass(&mut fx);
+        self.reducing.pipeline.end_pass(&mut fx);
         let result = self.apply_grad_effects(&fx, None);
-        self.grad_effects = fx;
+        self.reducing.effects = fx;
         result
     }
 }

@@ -60,7 +60,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_synced("the gradient norm")?;
         self.effects(|e| {
-            let mut part = match e.norm_part.take() {
+            let mut part = match e.optimizer.norm_part.take() {
                 Some(part) => part,
                 None => e.backend.alloc_scratch(PART_BYTES)?,
             };
@@ -70,7 +70,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // before the next step's first ones, queued after compute's event.
             unsafe { e.backend.zero(Stream::Compute, &mut part, record) }?;
             for g in e.plan.groups() {
-                if let Some(shard) = &e.grad_shards[g.index] {
+                if let Some(shard) = &e.reducing.groups[g.index].shard {
                     let region = Region::new(0, g.shard_numel, DType::F32);
                     // SAFETY: as above.
                     unsafe {
@@ -81,7 +81,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             let mut bytes = [0u8; PART_BYTES];
             e.backend.download(&part, record, &mut bytes)?;
-            e.norm_part = Some(part);
+            e.optimizer.norm_part = Some(part);
             let parts = if e.plan.world_size() == 1 {
                 vec![bytes.to_vec()]
             } else {
@@ -104,14 +104,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         let norm = self.grad_norm()?;
-        self.clip_scale = Some(norm.clip_coefficient(max_norm));
+        self.optimizer.clip_scale = Some(norm.clip_coefficient(max_norm));
         Ok(norm)
     }
 
     /// Refuses what needs the step's gradients synced and not yet stepped on.
     fn check_synced(&self, action: &'static str) -> Result<()> {
         self.check_not_stepped(action)?;
-        if !self.grads.synced() {
+        if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced { action });
         }
         Ok(())

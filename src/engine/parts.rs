@@ -3,6 +3,7 @@
 //! the load (`load`); and the step boundary both keep to.
 
 use super::Engine;
+use super::step::GroupOptimizerState;
 use crate::backend::{Backend, Region};
 use crate::checkpoint::SectionKind;
 use crate::comm::Communicator;
@@ -63,27 +64,25 @@ pub(super) fn state_bytes(plan: &Plan, config: &EngineConfig) -> usize {
     parts_of(plan, config).iter().map(bytes_of).sum()
 }
 
-/// Part `p`'s device buffer among a rank's shards, masters and moments.
-#[allow(clippy::type_complexity)]
+/// Part `p`'s device buffer among a rank's shards and optimizer state.
 pub(super) fn state_buffer_mut<'a, B: Backend>(
-    (shards, masters, moments): (
+    (shards, optimizer): (
         &'a mut [B::Buffer],
-        &'a mut [Option<B::Buffer>],
-        &'a mut [Option<(B::Buffer, B::Buffer)>],
+        &'a mut [GroupOptimizerState<B::Buffer>],
     ),
     p: &Part,
 ) -> Result<&'a mut B::Buffer> {
     let (g, count) = (p.group, shards.len());
     let missing = Error::GroupOutOfRange { group: g, count };
-    match p.kind {
-        SectionKind::Values => shards.get_mut(g).ok_or(missing),
-        SectionKind::Master => masters.get_mut(g).and_then(Option::as_mut).ok_or(missing),
-        SectionKind::FirstMoment => (moments.get_mut(g).and_then(Option::as_mut))
-            .map(|m| &mut m.0)
-            .ok_or(missing),
-        SectionKind::SecondMoment => (moments.get_mut(g).and_then(Option::as_mut))
-            .map(|m| &mut m.1)
-            .ok_or(missing),
+    if p.kind == SectionKind::Values {
+        return shards.get_mut(g).ok_or(missing);
+    }
+    let state = optimizer.get_mut(g).ok_or_else(|| missing.clone())?;
+    match (p.kind, &mut state.master, &mut state.moments) {
+        (SectionKind::Master, Some(master), _) => Ok(master),
+        (SectionKind::FirstMoment, _, Some((first, _))) => Ok(first),
+        (SectionKind::SecondMoment, _, Some((_, second))) => Ok(second),
+        _ => Err(missing),
     }
 }
 
@@ -98,21 +97,25 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             group: p.group,
             count: self.plan.groups().len(),
         };
-        match p.kind {
-            SectionKind::Values => Ok(&self.param_shards[p.group]),
-            SectionKind::Master => self.masters[p.group].as_ref().ok_or(missing),
-            SectionKind::FirstMoment => self.moments[p.group].as_ref().map(|m| &m.0).ok_or(missing),
-            SectionKind::SecondMoment => {
-                self.moments[p.group].as_ref().map(|m| &m.1).ok_or(missing)
-            }
+        let state = &self.optimizer.groups[p.group];
+        match (p.kind, &state.master, &state.moments) {
+            (SectionKind::Values, _, _) => Ok(&self.param_shards[p.group]),
+            (SectionKind::Master, Some(master), _) => Ok(master),
+            (SectionKind::FirstMoment, _, Some((first, _))) => Ok(first),
+            (SectionKind::SecondMoment, _, Some((_, second))) => Ok(second),
+            _ => Err(missing),
         }
     }
 
     /// Refuses `action` between a step's first hook or gradient and its `end_step`.
     pub(super) fn check_step_boundary(&self, action: &'static str) -> Result<()> {
         self.check_not_stepped(action)?;
-        let open = !self.forward_open.is_empty() || !self.backward_open.is_empty();
-        if open || self.gathers.gathered() > 0 || self.grads.pending() || self.grads.synced() {
+        let open = !self.open.forward.is_empty() || !self.open.backward.is_empty();
+        if open
+            || self.gathering.machine.gathered() > 0
+            || self.reducing.pipeline.pending()
+            || self.reducing.pipeline.synced()
+        {
             return Err(Error::MidStep { action });
         }
         Ok(())

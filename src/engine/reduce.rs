@@ -4,10 +4,55 @@ use super::Engine;
 use crate::backend::{Backend, Input, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
-use crate::grads::{GradEffect, GradTarget};
+use crate::grads::{GradEffect, GradPipeline, GradTarget};
 use crate::schedule::Phase;
 use crate::trace::SpanKind;
 use crate::types::{DType, ParamId, Stream};
+
+/// What reducing owns: the reduction pipeline, each group's gradient buffers and the gradient
+/// slots.
+pub(super) struct Reducing<Buf, E> {
+    pub(super) pipeline: GradPipeline,
+    pub(super) groups: Vec<GroupGrads<Buf>>,
+    pub(super) slots: Vec<GradSlot<Buf, E>>,
+    /// The parameter whose place in a slot the caller has open ([`Engine::open_grad_slot`]).
+    pub(super) open_slot: Option<ParamId>,
+    /// Reused between calls, so that a gradient allocates nothing.
+    pub(super) effects: Vec<GradEffect>,
+}
+
+impl<Buf, E> Reducing<Buf, E> {
+    /// The buffer a reduction of `group` reads (its slot or accumulator at `place`) and the
+    /// gradient shard it writes.
+    fn source_and_shard(
+        &mut self,
+        group: usize,
+        place: GradTarget,
+    ) -> Result<(&mut Buf, &mut Buf)> {
+        let count = self.groups.len();
+        let missing = || Error::GroupOutOfRange { group, count };
+        let GroupGrads {
+            shard, accumulator, ..
+        } = self.groups.get_mut(group).ok_or_else(missing)?;
+        let source = match place {
+            GradTarget::Slot(slot) => &mut self.slots[slot].buffer,
+            GradTarget::Accumulator(g) if g == group => accumulator.as_mut().ok_or_else(missing)?,
+            GradTarget::Accumulator(_) | GradTarget::Shard(_) => return Err(missing()),
+        };
+        Ok((source, shard.as_mut().ok_or_else(missing)?))
+    }
+}
+
+/// One group's gradient buffers.
+pub(super) struct GroupGrads<Buf> {
+    /// The fp32 gradient shard of a trainable group (per step: from the step's first gradient
+    /// of the group to its end).
+    pub(super) shard: Option<Buf>,
+    /// The unsharded fp32 gradient of no-sync accumulation.
+    pub(super) accumulator: Option<Buf>,
+    /// The regions of the group's layout that no gradient covers (padding), as f32.
+    pub(super) padding: Vec<Region>,
+}
 
 pub(super) struct GradSlot<Buf, E> {
     pub(super) buffer: Buf,
@@ -19,20 +64,19 @@ pub(super) struct GradSlot<Buf, E> {
 /// group's shard, each laid out as the group.
 pub(super) fn place_buffer<'a, Buf, E>(
     slots: &'a mut [GradSlot<Buf, E>],
-    (shards, accumulators): (&'a mut [Option<Buf>], &'a mut [Option<Buf>]),
+    groups: &'a mut [GroupGrads<Buf>],
     place: GradTarget,
 ) -> Result<&'a mut Buf> {
-    let of_group = |buffers: &'a mut [Option<Buf>], group: usize| {
-        let count = buffers.len();
-        buffers
-            .get_mut(group)
-            .and_then(Option::as_mut)
-            .ok_or(Error::GroupOutOfRange { group, count })
-    };
+    let count = groups.len();
+    let missing = |group| Error::GroupOutOfRange { group, count };
     match place {
         GradTarget::Slot(slot) => Ok(&mut slots[slot].buffer),
-        GradTarget::Shard(group) => of_group(shards, group),
-        GradTarget::Accumulator(group) => of_group(accumulators, group),
+        GradTarget::Shard(group) => {
+            (groups.get_mut(group).and_then(|g| g.shard.as_mut())).ok_or(missing(group))
+        }
+        GradTarget::Accumulator(group) => (groups.get_mut(group))
+            .and_then(|g| g.accumulator.as_mut())
+            .ok_or(missing(group)),
     }
 }
 
@@ -76,11 +120,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("grad", param.0);
         self.effects(|e| {
             e.enter(Phase::Backward)?;
-            let mut fx = std::mem::take(&mut e.grad_effects);
+            let mut fx = std::mem::take(&mut e.reducing.effects);
             fx.clear();
-            e.grads.on_grad(param.0, group, &mut fx);
+            e.reducing.pipeline.on_grad(param.0, group, &mut fx);
             let result = e.apply_grad_effects(&fx, Some(gradient));
-            e.grad_effects = fx;
+            e.reducing.effects = fx;
             result
         })
     }
@@ -108,7 +152,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 got: numel,
             });
         }
-        if self.grads.received(param.0) {
+        if self.reducing.pipeline.received(param.0) {
             return Err(Error::DuplicateGradient { name: name() });
         }
         Ok(layout.group)
@@ -131,7 +175,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         let group = self.check_grad(param, DType::F32, self.plan.param(param)?.numel)?;
-        if self.grads.next_adds(group) {
+        if self.reducing.pipeline.next_adds(group) {
             return Err(Error::GradSlotUnavailable {
                 reason: "an earlier pass's gradient of the step is in its place (world size 1, \
                          or no-sync accumulation)",
@@ -139,13 +183,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.effects(|e| {
             e.enter(Phase::Backward)?;
-            let mut fx = std::mem::take(&mut e.grad_effects);
+            let mut fx = std::mem::take(&mut e.reducing.effects);
             fx.clear();
-            let place = e.grads.open(group, &mut fx);
+            let place = e.reducing.pipeline.open(group, &mut fx);
             let result = e.apply_grad_effects(&fx, None);
-            e.grad_effects = fx;
+            e.reducing.effects = fx;
             result?;
-            e.open_slot = Some(param);
+            e.reducing.open_slot = Some(param);
             let layout = &e.plan.params()[param.0];
             Ok((place, Region::new(layout.offset, layout.numel, DType::F32)))
         })
@@ -158,19 +202,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_not_stepped("a gradient")?;
         let layout = self.plan.param(param)?;
-        if self.open_slot != Some(param) {
+        if self.reducing.open_slot != Some(param) {
             return Err(Error::GradSlotNotOpen {
                 name: layout.name.clone(),
             });
         }
         let group = layout.group;
         self.effects(|e| {
-            e.open_slot = None;
-            let mut fx = std::mem::take(&mut e.grad_effects);
+            e.reducing.open_slot = None;
+            let mut fx = std::mem::take(&mut e.reducing.effects);
             fx.clear();
-            e.grads.commit(param.0, group, &mut fx);
+            e.reducing.pipeline.commit(param.0, group, &mut fx);
             let result = e.apply_grad_effects(&fx, None);
-            e.grad_effects = fx;
+            e.reducing.effects = fx;
             result
         })
     }
@@ -186,7 +230,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             match effect {
                 GradEffect::Retire { slot } => {
-                    if let Some(reduced) = self.grad_slots[slot].reduced.take() {
+                    if let Some(reduced) = self.reducing.slots[slot].reduced.take() {
                         self.backend.wait(Stream::Compute, &reduced)?;
                     }
                 }
@@ -197,12 +241,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 // wait for every reduction of the step before.
                 GradEffect::ZeroPadding { place, group } => {
                     let dtype = self.place_dtype(place);
-                    for i in 0..self.padding[group].len() {
-                        let padding = self.padding[group][i];
+                    for i in 0..self.reducing.groups[group].padding.len() {
+                        let padding = self.reducing.groups[group].padding[i];
                         let region = Region::new(padding.offset, padding.len, dtype);
                         let buffer = place_buffer(
-                            &mut self.grad_slots,
-                            (&mut self.grad_shards, &mut self.grad_accumulators),
+                            &mut self.reducing.slots,
+                            &mut self.reducing.groups,
                             place,
                         )?;
                         // SAFETY: see above.
@@ -211,11 +255,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 }
                 GradEffect::ZeroParam { place, param } => {
                     let region = self.param_region(param, place);
-                    let buffer = place_buffer(
-                        &mut self.grad_slots,
-                        (&mut self.grad_shards, &mut self.grad_accumulators),
-                        place,
-                    )?;
+                    let buffer =
+                        place_buffer(&mut self.reducing.slots, &mut self.reducing.groups, place)?;
                     // SAFETY: see above.
                     unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                 }
@@ -223,8 +264,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     let region = self.param_region(param, place);
                     if let Some(input) = input {
                         let buffer = place_buffer(
-                            &mut self.grad_slots,
-                            (&mut self.grad_shards, &mut self.grad_accumulators),
+                            &mut self.reducing.slots,
+                            &mut self.reducing.groups,
                             place,
                         )?;
                         // SAFETY: see above.
@@ -243,11 +284,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 GradEffect::Stage { group, slot } => {
                     let numel = self.plan.groups()[group].padded_numel;
                     let dtype = self.place_dtype(GradTarget::Slot(slot));
-                    let count = self.grad_accumulators.len();
-                    let accumulator = self
-                        .grad_accumulators
-                        .get(group)
-                        .and_then(Option::as_ref)
+                    let count = self.reducing.groups.len();
+                    let accumulator = (self.reducing.groups.get(group))
+                        .and_then(|g| g.accumulator.as_ref())
                         .ok_or(Error::GroupOutOfRange { group, count })?;
                     // SAFETY: the slot as above; the accumulator was last written on the compute
                     // stream, where this copy runs.
@@ -256,7 +295,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                             Stream::Compute,
                             accumulator,
                             Region::new(0, numel, DType::F32),
-                            &mut self.grad_slots[slot].buffer,
+                            &mut self.reducing.slots[slot].buffer,
                             Region::new(0, numel, dtype),
                             1.0,
                             false,
@@ -270,7 +309,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 } => self.reduce(group, place, overwrite)?,
                 GradEffect::ZeroShard { group } => {
                     let numel = self.plan.groups()[group].shard_numel;
-                    if let Some(shard) = self.grad_shards[group].as_mut() {
+                    if let Some(shard) = self.reducing.groups[group].shard.as_mut() {
                         let region = Region::new(0, numel, DType::F32);
                         // SAFETY: on the compute stream, after the previous step's optimizer read
                         // the shard there; no reduction of this step writes it (the group got no
@@ -287,13 +326,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// step first writes it; it goes at the step's end.
     fn ensure_grad_shard(&mut self, group: usize) -> Result<()> {
         let g = &self.plan.groups()[group];
-        if !g.trainable || self.grad_shards[group].is_some() {
+        if !g.trainable || self.reducing.groups[group].shard.is_some() {
             return Ok(());
         }
         let shard = super::alloc(&self.backend, g.shard_numel * 4, || {
             format!("the gradient shard of group {group}")
         })?;
-        self.grad_shards[group] = Some(shard);
+        self.reducing.groups[group].shard = Some(shard);
         Ok(())
     }
 
@@ -330,11 +369,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 Fingerprint::reduce_scatter(tag, region)
             })
         });
-        let source = place_buffer(
-            &mut self.grad_slots,
-            (&mut [], &mut self.grad_accumulators),
-            place,
-        )?;
+        // Made by `ensure_grad_shard` before any effect that writes it.
+        let (source, shard) = self.reducing.source_and_shard(group, place)?;
         // Where nothing travels the sum over ranks is the place itself, scaled on its way to the
         // shard.
         let shard_scale = if let Some(tag) = tag {
@@ -351,11 +387,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         self.counters.reduce_scatters += 1;
         let own = Region::new(own_place * shard_numel, shard_numel, dtype);
-        let count = self.grad_shards.len();
-        // Made by `ensure_grad_shard` before any effect that writes it.
-        let shard = self.grad_shards[group]
-            .as_mut()
-            .ok_or(Error::GroupOutOfRange { group, count })?;
         // SAFETY: the place as above; the gradient shard is written after every compute-stream
         // use of it so far (the wait above: the previous step's optimizer, this step's direct
         // writes at world size 1) and read by compute only after `finish_grad_sync` waited for
@@ -376,7 +407,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let collective = tag.map(|tag| (Fingerprint::reduce_scatter(tag, region), peers));
         let reduced = self.record_collective(Stream::Reduce, collective)?;
         if let GradTarget::Slot(slot) = place {
-            self.grad_slots[slot].reduced = Some(reduced);
+            self.reducing.slots[slot].reduced = Some(reduced);
         }
         Ok(())
     }

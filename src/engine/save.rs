@@ -18,6 +18,15 @@ const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The writer of an asynchronous save, which gives its staging area back; dropping it waits for
 /// the files.
+/// What saving owns: the files of an asynchronous save being written, and the host memory the
+/// last one copied into.
+pub(super) struct Saving<H> {
+    /// The files of [`Engine::save_async`] being written.
+    pub(super) pending: Option<PendingSave<H>>,
+    /// The host memory the last asynchronous save copied into, and its bytes.
+    pub(super) staging: Option<(H, usize)>,
+}
+
 pub(super) struct PendingSave<H> {
     dir: std::path::PathBuf,
     thread: Option<std::thread::JoinHandle<Written<H>>>,
@@ -172,10 +181,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
-        let started = self.begin_save(dir, Pending::Refused, |e| match e.save_staging.take() {
-            Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
-            _ => Ok((e.backend.alloc_host(total)?, total)),
-        })?;
+        let started =
+            self.begin_save(dir, Pending::Refused, |e| match e.saving.staging.take() {
+                Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
+                _ => Ok((e.backend.alloc_host(total)?, total)),
+            })?;
         let Some((manifest, mut staging)) = started else {
             return Ok(());
         };
@@ -223,7 +233,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 what: "the checkpoint writer",
                 source: std::sync::Arc::new(e),
             })?;
-        self.pending_save = Some(PendingSave {
+        self.saving.pending = Some(PendingSave {
             dir: dir.to_path_buf(),
             thread: Some(thread),
         });
@@ -265,7 +275,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// pending.
     pub fn wait_save(&mut self) -> Result<()> {
         self.healthy()?;
-        let Some(mut pending) = self.pending_save.take() else {
+        let Some(mut pending) = self.saving.pending.take() else {
             return Ok(());
         };
         let what = || format!("the save into {}", pending.dir.display());
@@ -273,13 +283,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
         });
         if let Err(e) = waited {
-            self.pending_save = Some(pending);
+            self.saving.pending = Some(pending);
             return Err(e);
         }
         match pending.thread.take().map(std::thread::JoinHandle::join) {
             None => Ok(()),
             Some(Ok((written, staging))) => {
-                self.save_staging = Some(staging);
+                self.saving.staging = Some(staging);
                 written
             }
             Some(Err(_)) => Err(Error::Panicked {
@@ -290,14 +300,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Whether [`Engine::save_async`]'s files are still being written.
     pub fn save_pending(&self) -> bool {
-        self.pending_save
+        self.saving
+            .pending
             .as_ref()
             .is_some_and(|p| p.thread.as_ref().is_some_and(|t| !t.is_finished()))
     }
 
     /// Refuses a save that this rank's asynchronous save, not yet waited for, is in the way of.
     fn check_pending(&self, dir: &Path, refused: Pending) -> Result<()> {
-        match &self.pending_save {
+        match &self.saving.pending {
             Some(p) if refused == Pending::Refused || p.dir == dir => Err(Error::SavePending {
                 dir: p.dir.display().to_string(),
             }),
@@ -323,7 +334,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             save_id: id.to_hex(),
             rank: self.rank,
             world_size: self.plan.world_size(),
-            optimizer_steps: self.optimizer_steps,
+            optimizer_steps: self.optimizer.steps,
             lr: self.config.optimizer.lr(),
             weight_decay: self.config.optimizer.weight_decay(),
             optimizer: optimizer_name(&self.config.optimizer).into(),

@@ -11,6 +11,43 @@ use crate::optim::{GroupSettings, MomentStorage, moment_seed};
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
+/// What the optimizer owns: each group's masters and moments, the steps taken, and this step's
+/// decisions.
+pub(super) struct OptimizerState<Buf> {
+    pub(super) groups: Vec<GroupOptimizerState<Buf>>,
+    /// Optimizer steps taken (AdamW's bias correction counts them).
+    pub(super) steps: u64,
+    /// Whether this step's optimizer step ran.
+    pub(super) stepped: bool,
+    /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
+    pub(super) clip_scale: Option<f32>,
+    /// Where [`Engine::nonfinite_grads`] counts, made at its first use.
+    pub(super) nonfinite_counter: Option<Buf>,
+    /// Where [`Engine::grad_norm`] sums this rank's part, made at its first use.
+    pub(super) norm_part: Option<Buf>,
+}
+
+/// One group's optimizer state.
+pub(super) struct GroupOptimizerState<Buf> {
+    /// The fp32 master of a trainable bf16 or f16 group.
+    pub(super) master: Option<Buf>,
+    /// AdamW's first and second moments.
+    pub(super) moments: Option<(Buf, Buf)>,
+}
+
+impl<Buf> OptimizerState<Buf> {
+    pub(super) fn new(groups: Vec<GroupOptimizerState<Buf>>) -> Self {
+        OptimizerState {
+            groups,
+            steps: 0,
+            stepped: false,
+            clip_scale: None,
+            nonfinite_counter: None,
+            norm_part: None,
+        }
+    }
+}
+
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Ends the backward passes of this step: ends any backward still open, reduces every group
     /// (those whose last gradient never came too), and orders compute after the reductions. On a
@@ -20,20 +57,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("finish_grad_sync", "");
         self.healthy()?;
         self.check_no_open_slot()?;
-        if let Some(u) = self.forward_open.first().copied() {
+        if let Some(u) = self.open.forward.first().copied() {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
             });
         }
         self.effects(|e| {
-            while let Some(u) = e.backward_open.pop_first() {
+            while let Some(u) = e.open.backward.pop_first() {
                 e.release_unit(u)?;
             }
-            let mut fx = std::mem::take(&mut e.grad_effects);
+            let mut fx = std::mem::take(&mut e.reducing.effects);
             fx.clear();
-            e.grads.finish(&mut fx);
+            e.reducing.pipeline.finish(&mut fx);
             let result = e.apply_grad_effects(&fx, None);
-            e.grad_effects = fx;
+            e.reducing.effects = fx;
             result?;
             if e.config.verify_collectives {
                 e.verify_collectives()?;
@@ -48,12 +85,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn optimizer_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("optimizer_step", "");
         self.healthy()?;
-        if !self.grads.synced() {
+        if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced {
                 action: "the optimizer step",
             });
         }
-        if self.stepped {
+        if self.optimizer.stepped {
             return Err(Error::OptimizerAlreadyStepped);
         }
         self.effects(Engine::step_shards)
@@ -62,17 +99,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     fn step_shards(&mut self) -> Result<()> {
         // A gather still in flight (a prefetch no hook used) reads the shards (or masters) the
         // optimizer writes.
-        if !self.slot_buffers.is_empty() {
+        if !self.gathering.slots.is_empty() {
             let gathered = self.backend.record(Stream::Gather)?;
             self.backend.wait(Stream::Compute, &gathered)?;
         }
-        self.optimizer_steps += 1;
+        self.optimizer.steps += 1;
         let start = self.mark(Stream::Compute)?;
-        let grad_scale = self.clip_scale.take().unwrap_or(1.0);
+        let grad_scale = self.optimizer.clip_scale.take().unwrap_or(1.0);
         for g in self.plan.groups().iter().filter(|g| g.trainable) {
             let i = g.index;
             let update = self.config.optimizer.coefficients(
-                self.optimizer_steps,
+                self.optimizer.steps,
                 GroupSettings {
                     lr_scale: g.lr_scale,
                     decay: g.weight_decay,
@@ -81,13 +118,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             );
             // Every trainable group has its shard once synced (a group without gradients got a
             // zeroed one).
-            let count = self.grad_shards.len();
-            let grad = self.grad_shards[i]
+            let count = self.reducing.groups.len();
+            let grad = self.reducing.groups[i]
+                .shard
                 .as_ref()
                 .ok_or(Error::GroupOutOfRange { group: i, count })?;
             let master_only = self.policy.master_only(g.index);
             // A master-only group steps its master as an f32 parameter that is its own master.
-            let (param, dtype, master) = match (master_only, self.masters[i].as_mut()) {
+            let steps = self.optimizer.steps;
+            let GroupOptimizerState { master, moments } = &mut self.optimizer.groups[i];
+            let (param, dtype, master) = match (master_only, master.as_mut()) {
                 (true, Some(master)) => (master, DType::F32, None),
                 (_, master) => (&mut self.param_shards[i], g.dtype, master),
             };
@@ -97,12 +137,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 numel: g.shard_numel,
                 grad,
                 master,
-                moments: self.moments[i].as_mut().map(|(first, second)| Moments {
+                moments: moments.as_mut().map(|(first, second)| Moments {
                     first,
                     second,
                     storage: match self.config.moment_dtype {
                         DType::Bf16 => MomentStorage::Bf16Stochastic {
-                            seed: moment_seed(self.optimizer_steps, i),
+                            seed: moment_seed(steps, i),
                             first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel)
                                 as u64,
                         },
@@ -118,8 +158,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }?;
         }
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
-        self.shards_updated = Some(self.backend.record(Stream::Compute)?);
-        self.stepped = true;
+        self.gathering.shards_updated = Some(self.backend.record(Stream::Compute)?);
+        self.optimizer.stepped = true;
         Ok(())
     }
 
@@ -128,47 +168,47 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn end_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("end_step", "");
         self.healthy()?;
-        if let Some(u) = self.forward_open.first().copied() {
+        if let Some(u) = self.open.forward.first().copied() {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
             });
         }
-        if let Some(u) = self.backward_open.first().copied() {
+        if let Some(u) = self.open.backward.first().copied() {
             return Err(Error::BackwardStillOpen {
                 unit: self.plan.units()[u],
             });
         }
-        if self.grads.pending() {
+        if self.reducing.pipeline.pending() {
             return Err(Error::GradsNotSynced {
                 action: "ending the step",
             });
         }
-        let mut fx = std::mem::take(&mut self.gather_effects);
+        let mut fx = std::mem::take(&mut self.gathering.effects);
         fx.clear();
         // Refused with nothing changed while a buffer is in use.
-        let decided = self.gathers.reset(&mut fx);
+        let decided = self.gathering.machine.reset(&mut fx);
         let result = decided.and_then(|()| {
             self.effects(|e| {
                 e.apply_gather_effects(&fx)?;
-                if e.grads.synced() && !e.stepped {
+                if e.reducing.pipeline.synced() && !e.optimizer.stepped {
                     e.counters.skipped_steps += 1;
                 }
                 if e.config.grad_shard_memory == GradShardMemory::PerStep {
                     // Dropped after the optimizer's work was queued: the backend frees them in
                     // stream order.
-                    e.grad_shards.iter_mut().for_each(|shard| *shard = None);
+                    e.reducing.groups.iter_mut().for_each(|g| g.shard = None);
                 }
-                e.schedule.end_step();
-                e.grads.end_step();
-                e.stepped = false;
-                e.clip_scale = None;
+                e.gathering.schedule.end_step();
+                e.reducing.pipeline.end_step();
+                e.optimizer.stepped = false;
+                e.optimizer.clip_scale = None;
                 e.counters.steps += 1;
-                e.collectives_in_step = 0;
-                e.issued.clear();
+                e.collectives.in_step = 0;
+                e.collectives.issued.clear();
                 Ok(())
             })
         });
-        self.gather_effects = fx;
+        self.gathering.effects = fx;
         result
     }
 
@@ -240,7 +280,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// into this rank's shard and master. Refused while the parameter's group is gathered.
     pub(super) fn store_held(&mut self, param: ParamId, values: &[u8]) -> Result<()> {
         let layout = self.plan.param(param)?;
-        if self.gathers.state(layout.group) != BufferState::Freed {
+        if self.gathering.machine.state(layout.group) != BufferState::Freed {
             return Err(Error::Gathered {
                 name: layout.name.clone(),
             });
@@ -259,7 +299,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.backend
                     .upload(&mut e.param_shards[index], region, values)?;
             }
-            if let Some(master) = e.masters[index].as_mut() {
+            if let Some(master) = e.optimizer.groups[index].master.as_mut() {
                 // Exactly what the shard holds, widened: only this parameter's range, so the fp32
                 // progress of the group's other parameters stays.
                 let mut wide = crate::fallible::filled(held.len() * 4, 0u8, "a master")?;
@@ -277,13 +317,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::finish_grad_sync`] to [`Engine::end_step`]; blocks the host for the count.
     pub fn nonfinite_grads(&mut self) -> Result<u64> {
         self.healthy()?;
-        if !self.grads.synced() {
+        if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced {
                 action: "counting non-finite gradients",
             });
         }
         self.effects(|e| {
-            let mut counter = match e.nonfinite_counter.take() {
+            let mut counter = match e.optimizer.nonfinite_counter.take() {
                 Some(counter) => counter,
                 None => e.backend.alloc_scratch(8)?,
             };
@@ -293,7 +333,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // reductions, and before the next step's first ones, queued after compute's event.
             unsafe { e.backend.zero(Stream::Compute, &mut counter, count) }?;
             for g in e.plan.groups() {
-                if let Some(shard) = &e.grad_shards[g.index] {
+                if let Some(shard) = &e.reducing.groups[g.index].shard {
                     let region = Region::new(0, g.shard_numel, DType::F32);
                     // SAFETY: as above.
                     unsafe {
@@ -304,7 +344,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             let mut bytes = [0u8; 8];
             e.backend.download(&counter, count, &mut bytes)?;
-            e.nonfinite_counter = Some(counter);
+            e.optimizer.nonfinite_counter = Some(counter);
             Ok(u64::from_le_bytes(bytes))
         })
     }
@@ -317,7 +357,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let g = self.plan.group(group)?;
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
-        match self.masters[group].as_ref() {
+        match self.optimizer.groups[group].master.as_ref() {
             Some(master) if self.policy.master_only(g.index) => {
                 let f32s = Region::new(0, g.shard_numel, DType::F32);
                 let mut wide = crate::fallible::filled(g.shard_numel * 4, 0u8, "a master's copy")?;
@@ -339,7 +379,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         let g = self.plan.group(group)?;
         let mut out = crate::fallible::filled(g.shard_numel, 0f32, "a gradient shard's copy")?;
-        if let Some(shard) = &self.grad_shards[group] {
+        if let Some(shard) = &self.reducing.groups[group].shard {
             let region = Region::new(0, g.shard_numel, DType::F32);
             let copied = self
                 .backend

@@ -26,9 +26,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     fn gathered_view(&self, param: ParamId) -> Result<(&ParamLayout, &B::Buffer)> {
         self.healthy()?;
         let layout = self.plan.param(param)?;
-        match (&self.placed[layout.group], self.gathers.state(layout.group)) {
+        match (
+            &self.gathering.groups[layout.group].placed,
+            self.gathering.machine.state(layout.group),
+        ) {
             (Some(Placement::Slot(slot)), BufferState::Using) => {
-                Ok((layout, &self.slot_buffers[slot.buffer_index]))
+                Ok((layout, &self.gathering.slots[slot.buffer_index]))
             }
             (Some(Placement::Shard), BufferState::Using) => {
                 Ok((layout, &self.param_shards[layout.group]))
@@ -90,11 +93,7 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| e.backend.drain(Stream::Compute))?;
-        let buffer = place_buffer(
-            &mut self.grad_slots,
-            (&mut self.grad_shards, &mut self.grad_accumulators),
-            place,
-        )?;
+        let buffer = place_buffer(&mut self.reducing.slots, &mut self.reducing.groups, place)?;
         // SAFETY: the compute stream completed its work, which waited for the reduction that last
         // read the place (see `apply_grad_effects`); no stream touches the place again before
         // `commit_grad` queues its reduction after this write.
@@ -124,11 +123,7 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| {
-            let buffer = place_buffer(
-                &mut e.grad_slots,
-                (&mut e.grad_shards, &mut e.grad_accumulators),
-                place,
-            )?;
+            let buffer = place_buffer(&mut e.reducing.slots, &mut e.reducing.groups, place)?;
             e.backend.address_mut(buffer, region)
         })
     }
