@@ -9,6 +9,7 @@
 //! the path in [`NCCL_LIBRARY_ENV`].
 
 mod calls;
+mod group;
 mod handle;
 mod library;
 mod setup;
@@ -36,6 +37,7 @@ use calls::{
     Call, Extent, Kind, all_gather_call, all_gather_in_place_call, all_reduce_call, nccl_dtype,
     reduce_scatter_call,
 };
+use group::NcclGroup;
 use handle::{Handle, Probe};
 use library::{NCCL_IN_PROGRESS, NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
 
@@ -96,8 +98,8 @@ pub struct NcclComm {
     device: usize,
     watch: Watch,
     watchdog: Option<Watchdog>,
-    /// Inside [`Communicator::begin_batch`]: the collectives wait for the group's end.
-    batching: bool,
+    /// The group [`Communicator::begin_batch`] started: the collectives wait for its end.
+    batch: Option<NcclGroup>,
     /// Whether a collective of the batch under way failed: both communicators are aborted
     /// once the group ended.
     batch_failed: Cell<bool>,
@@ -205,7 +207,7 @@ impl NcclComm {
             Kind::AllReduce { .. } => "ncclAllReduce",
         };
         let comm = handle.raw(name).inspect_err(|_| {
-            if self.batching {
+            if self.batch.is_some() {
                 self.batch_failed.set(true);
             }
         })?;
@@ -226,7 +228,7 @@ impl NcclComm {
                     .map(|op| (nccl.all_reduce)(send, recv, call.count, dtype, op, comm, s)),
             }
         };
-        if self.batching {
+        if self.batch.is_some() {
             // Inside a group the call only records the work, and the communicators stay as
             // they are until the group ended (`end_batch` aborts them after a failure).
             let recorded = queued.and_then(|status| handle.status(name, status));
@@ -290,8 +292,10 @@ pub(crate) const NCCL_INVALID_ARGUMENT: i32 = 4;
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        // The watchdog looks at the handles: it ends first.
+        // The watchdog looks at the handles: it ends first; a batch still open ends before its
+        // communicators go.
         self.watchdog = None;
+        self.batch = None;
         // Errors cannot be reported here; the process keeps running without the communicator.
         let _ = bind(&self.ctx);
         // The operators end before their communicator (none of its calls is still queueing).
@@ -340,30 +344,24 @@ impl Communicator<CudaBackend> for NcclComm {
     }
 
     fn begin_batch(&mut self) -> Result<()> {
-        if self.batching {
+        if self.batch.is_some() {
             return Err(Error::Unsupported {
                 backend: "communicator",
                 what: "a batch of collectives inside another",
             });
         }
-        let nccl = self.gathers.nccl();
-        // SAFETY: starts a group that `end_batch` ends.
-        let status = unsafe { (nccl.group_start)() };
-        nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;
-        self.batching = true;
+        self.batch = Some(NcclGroup::start(self.gathers.nccl())?);
         Ok(())
     }
 
     fn end_batch(&mut self, backend: &CudaBackend) -> Result<()> {
-        if !std::mem::replace(&mut self.batching, false) {
+        let Some(group) = self.batch.take() else {
             return Ok(());
-        }
+        };
         // NCCL takes the group's end on the thread's current device; the group ends whatever
         // happened, or later collectives of the thread would wait in it.
         let bound = bind(backend.context_handle());
-        let nccl = self.gathers.nccl();
-        // SAFETY: ends the group `begin_batch` started.
-        let status = unsafe { (nccl.group_end)() };
+        let status = group.end();
         let mut result = bound;
         for handle in [&self.gathers, &self.reductions] {
             let settled = handle.settle("ncclGroupEnd", status, &self.watch, || {

@@ -201,7 +201,7 @@ impl NcclComm {
             device,
             watch: watch.clone(),
             watchdog: None,
-            batching: false,
+            batch: None,
             batch_failed: Cell::new(false),
             sums: RefCell::default(),
             ctx,
@@ -267,16 +267,13 @@ fn grouped<T>(
     contexts: &[Arc<CudaContext>],
     mut start: impl FnMut(usize, &Arc<CudaContext>) -> Result<T>,
 ) -> Result<Vec<T>> {
-    // SAFETY: starts a group that the call below ends on every path.
-    let status = unsafe { (nccl.group_start)() };
-    nccl.check("ncclGroupStart", status, std::ptr::null_mut())?;
+    let group = NcclGroup::start(nccl)?;
     let made = contexts
         .iter()
         .enumerate()
         .map(|(rank, ctx)| bind(ctx).and_then(|()| start(rank, ctx)))
         .collect::<Result<Vec<_>>>();
-    // SAFETY: ends the group started above.
-    let ended = unsafe { (nccl.group_end)() };
+    let ended = group.end();
     let made = made?;
     if ended != NCCL_IN_PROGRESS {
         nccl.check("ncclGroupEnd", ended, std::ptr::null_mut())?;

@@ -1,0 +1,309 @@
+//! The hand-written kernels of `kernels/*.cu`, embedded as one fatbin and loaded per context;
+//! their launches are in `launches`.
+
+use std::ffi::{CStr, CString, c_void};
+use std::sync::Arc;
+
+use cudarc::driver::result::{self, DriverError};
+use cudarc::driver::sys;
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::error::{Error, Result};
+use crate::optim::{AdamwCoefficients, MomentStorage};
+use crate::types::DType;
+
+mod launches;
+
+/// One parameter of a pack or unpack table, in elements of the group's dtype.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct PackEntry {
+    /// Device address of the parameter's own (unpadded) storage.
+    pub ptr: u64,
+    /// First element of the parameter in the flat buffer.
+    pub offset: u64,
+    pub numel: u64,
+    /// Elements reserved in the flat buffer; `numel..padded` is written as zero by `pack`.
+    pub padded: u64,
+}
+
+// The kernels read the table with this exact layout (`fsdp::PackEntry` in kernels/pack.cu).
+const _: () = assert!(std::mem::size_of::<PackEntry>() == 32);
+
+/// The fatbin that build.rs compiled; empty when nvcc was not found.
+static FATBIN: &Aligned<[u8]> =
+    &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
+
+/// The driver parses the fatbin in place, so give it the alignment of its headers and more.
+#[repr(C, align(64))]
+struct Aligned<T: ?Sized>(T);
+
+/// Threads per block: `kBlock` in kernels/common.cuh.
+const BLOCK: u32 = 256;
+
+/// Elements each thread handles per round, about: sizes the grid of a small launch so that no
+/// block is left without work. Large launches fill the GPU.
+const ELEMENTS_PER_THREAD: usize = 16;
+
+/// Bytes of one pack tile: `kTileVectors` 16-byte vectors in kernels/pack.cu.
+const PACK_TILE_BYTES: usize = 2048 * 16;
+
+/// Kernel names by dtype, in the order of [`dtype_index`].
+const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
+const PACK: [&CStr; 3] = [c"pack_bf16", c"pack_f16", c"pack_f32"];
+const UNPACK: [&CStr; 3] = [c"unpack_bf16", c"unpack_f16", c"unpack_f32"];
+/// By source dtype, into f32 and into bf16.
+const ACCUMULATE_TO_F32: [&CStr; 3] = [
+    c"accumulate_bf16_f32",
+    c"accumulate_f16_f32",
+    c"accumulate_f32_f32",
+];
+const ACCUMULATE_TO_BF16: [&CStr; 3] = [
+    c"accumulate_bf16_bf16",
+    c"accumulate_f16_bf16",
+    c"accumulate_f32_bf16",
+];
+const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
+const ADAMW_BF16_MOMENTS: [&CStr; 3] =
+    [c"adamw_bf16m_bf16", c"adamw_bf16m_f16", c"adamw_bf16m_f32"];
+const SGD: [&CStr; 3] = [c"sgd_bf16", c"sgd_f16", c"sgd_f32"];
+/// `CAST[src][dst]`; a same-dtype cast is a copy.
+const CAST: [[Option<&CStr>; 3]; 3] = [
+    [None, Some(c"cast_bf16_f16"), Some(c"cast_bf16_f32")],
+    [Some(c"cast_f16_bf16"), None, Some(c"cast_f16_f32")],
+    [Some(c"cast_f32_bf16"), Some(c"cast_f32_f16"), None],
+];
+
+fn dtype_index(dtype: DType) -> usize {
+    match dtype {
+        DType::Bf16 => 0,
+        DType::F16 => 1,
+        DType::F32 => 2,
+    }
+}
+
+/// A loaded kernel and the grid that fills the GPU with it.
+#[derive(Clone, Copy)]
+struct Kernel {
+    function: sys::CUfunction,
+    full_grid: u32,
+}
+
+impl Kernel {
+    /// Blocks for `units` units of work at `per_block` units per block: at least one, at most a
+    /// full GPU (the kernels stride over whatever is left).
+    fn grid(&self, units: usize, per_block: usize) -> u32 {
+        let wanted = units.div_ceil(per_block).max(1);
+        u32::try_from(wanted).map_or(self.full_grid, |w| w.min(self.full_grid))
+    }
+
+    fn elementwise_grid(&self, n: usize) -> u32 {
+        self.grid(n, BLOCK as usize * ELEMENTS_PER_THREAD)
+    }
+}
+
+/// The loaded module; unloaded when dropped.
+struct Module {
+    handle: sys::CUmodule,
+    ctx: Arc<CudaContext>,
+}
+
+impl Module {
+    fn kernel(&self, name: &CStr, sm_count: u32) -> Result<Kernel> {
+        // SAFETY: the module is loaded and stays loaded while `self` lives.
+        let function = unsafe { result::module::get_function(self.handle, CString::from(name)) }
+            .map_err(|e| cuda_error_for("cuModuleGetFunction", name, e))?;
+        // SAFETY: `function` was just returned by the driver.
+        let per_sm = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(function, BLOCK as i32, 0)
+        }
+        .map_err(|e| cuda_error_for("cuOccupancyMaxActiveBlocksPerMultiprocessor", name, e))?;
+        let per_sm = u32::try_from(per_sm).unwrap_or(1).max(1);
+        Ok(Kernel {
+            function,
+            full_grid: sm_count.saturating_mul(per_sm),
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // Drop cannot report an error; a module that fails to unload is only leaked.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the handle was loaded by `Kernels::load` and is unloaded only here.
+            let _ = unsafe { result::module::unload(self.handle) };
+        }
+    }
+}
+
+/// The loaded kernels of one CUDA context.
+pub struct Kernels {
+    ctx: Arc<CudaContext>,
+    sm_count: u32,
+    fill_zero: Kernel,
+    copy: [Kernel; 3],
+    pack: [Kernel; 3],
+    unpack: [Kernel; 3],
+    accumulate_to_f32: [Kernel; 3],
+    accumulate_to_bf16: [Kernel; 3],
+    adamw: [Kernel; 3],
+    adamw_bf16_moments: [Kernel; 3],
+    sgd: [Kernel; 3],
+    cast: [[Option<Kernel>; 3]; 3],
+    reduce_sum_f32: Kernel,
+    reduce_sum_bf16: Kernel,
+    count_nonfinite: Kernel,
+    norm_partials: Kernel,
+    /// Owns the functions above; unloaded when the kernels are dropped.
+    _module: Module,
+}
+
+// SAFETY: module and function handles are plain driver handles, valid on any thread once the
+// context is current, and every launch binds the context first; nothing here is mutated after load.
+unsafe impl Send for Kernels {}
+// SAFETY: as for Send: all methods take `&self` and only read the handles.
+unsafe impl Sync for Kernels {}
+
+/// Whether the kernels can be loaded at all: a non-empty fatbin and a CUDA driver library.
+fn available(fatbin: &[u8]) -> Result<()> {
+    if fatbin.is_empty() {
+        return Err(Error::KernelsUnavailable);
+    }
+    // SAFETY: only tries to open the driver library by its usual names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable {
+            reason: "the CUDA driver library (libcuda) was not found".into(),
+        });
+    }
+    Ok(())
+}
+
+fn describe(e: DriverError) -> String {
+    let name = e.error_name().map_or_else(
+        |_| format!("{:?}", e.0),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    let text = e.error_string().map_or_else(
+        |_| "no description".to_owned(),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    format!("{name}: {text}")
+}
+
+fn cuda_error(call: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: describe(e),
+    }
+}
+
+fn cuda_error_for(call: &'static str, kernel: &CStr, e: DriverError) -> Error {
+    Error::Cuda {
+        call,
+        code: e.0 as i32,
+        message: format!("{}: {}", kernel.to_string_lossy(), describe(e)),
+    }
+}
+
+/// A misaligned address would fault on the device and poison the whole context; refuse it here.
+fn check_aligned(addr: u64, align: usize) -> Result<()> {
+    if addr % align as u64 == 0 {
+        Ok(())
+    } else {
+        Err(Error::Unsupported {
+            backend: "cuda",
+            what: "a device address that is not aligned to its element size",
+        })
+    }
+}
+
+/// A kernel argument: the driver copies the value behind the pointer at launch.
+fn arg<T>(value: &T) -> *mut c_void {
+    (value as *const T).cast_mut().cast()
+}
+
+impl Kernels {
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels> {
+        available(&FATBIN.0)?;
+        ctx.bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent"))?;
+        // SAFETY: FATBIN is a fatbin written by nvcc, aligned, and lives for the whole program.
+        let handle = unsafe { result::module::load_data(FATBIN.0.as_ptr().cast()) }
+            .map_err(cuda_error("cuModuleLoadData"))?;
+        let module = Module {
+            handle,
+            ctx: Arc::clone(ctx),
+        };
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_error("cuDeviceGetAttribute"))?;
+        let sm_count = u32::try_from(sm_count).unwrap_or(1).max(1);
+        let each = |names: &[&CStr; 3]| -> Result<[Kernel; 3]> {
+            Ok([
+                module.kernel(names[0], sm_count)?,
+                module.kernel(names[1], sm_count)?,
+                module.kernel(names[2], sm_count)?,
+            ])
+        };
+        let mut cast = [[None; 3]; 3];
+        for (row, names) in cast.iter_mut().zip(CAST) {
+            for (slot, name) in row.iter_mut().zip(names) {
+                *slot = name.map(|name| module.kernel(name, sm_count)).transpose()?;
+            }
+        }
+        Ok(Kernels {
+            ctx: Arc::clone(ctx),
+            sm_count,
+            fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
+            copy: each(&COPY)?,
+            pack: each(&PACK)?,
+            unpack: each(&UNPACK)?,
+            accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
+            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
+            adamw: each(&ADAMW)?,
+            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
+            sgd: each(&SGD)?,
+            cast,
+            reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
+            reduce_sum_bf16: module.kernel(c"reduce_sum_bf16", sm_count)?,
+            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
+            norm_partials: module.kernel(c"norm_partials_f32", sm_count)?,
+            _module: module,
+        })
+    }
+
+    /// Streaming multiprocessors of the context's device; grids are sized from it.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// # Safety
+    /// The arguments match the kernel's parameters, and the addresses are valid for the launch.
+    unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        kernel: Kernel,
+        grid: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_error("cuCtxSetCurrent"))?;
+        // SAFETY: the caller's contract; `kernel` belongs to this context's loaded module.
+        unsafe {
+            result::launch_kernel(
+                kernel.function,
+                (grid, 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                stream.cu_stream(),
+                args,
+            )
+        }
+        .map_err(cuda_error("cuLaunchKernel"))
+    }
+}
+
+#[cfg(test)]
+mod tests;

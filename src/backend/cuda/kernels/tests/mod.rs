@@ -1,0 +1,440 @@
+//! The kernels against the host arithmetic (`crate::optim`, `half`), bit for bit.
+//!
+//! Every run draws fresh random inputs (the seed is printed; `FSDP_TEST_SEED=<n>` replays a run),
+//! places each operand at an element offset inside a larger allocation filled with 0xFF bytes,
+//! and checks every element of every operand (inputs must come back unchanged) and the poisoned
+//! guards around them. Inputs come from a counter-based generator, so buffers of a GiB are
+//! generated, uploaded and checked chunk by chunk, on all host cores, in little host memory.
+//!
+//! All but the first test need a GPU: `cargo test -- --include-ignored` on a machine with one.
+//! `elementwise`: the kernels that map operands side by side; `layout`: the ones that read or
+//! write a buffer as spans (packing, zero fills, counts and norms).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use cudarc::driver::{CudaContext, CudaStream, result};
+use half::{bf16, f16};
+
+use super::*;
+use crate::optim::{
+    GroupSettings, MomentStorage, OptimizerConfig, Update, accumulate_element, adamw_element,
+    bf16_stochastic, moment_seed, rounding_bits, sgd_element,
+};
+
+#[test]
+fn load_fails_cleanly_without_a_gpu_or_kernels() {
+    assert!(matches!(available(&[]), Err(Error::KernelsUnavailable)));
+    match available(&FATBIN.0) {
+        Err(Error::KernelsUnavailable | Error::CudaUnavailable { .. }) => {}
+        Err(other) => panic!("unexpected error: {other}"),
+        // A driver and kernels are here: with a device, loading must succeed.
+        Ok(()) => {
+            if let Ok(ctx) = CudaContext::new(0) {
+                let kernels = Kernels::load(&ctx).expect("the kernels load on a GPU");
+                assert!(kernels.sm_count() > 0);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures: the device, its memory, the generator.
+
+const DTYPES: [DType; 3] = [DType::Bf16, DType::F16, DType::F32];
+/// Element counts every kernel is checked at (besides 1 GiB, in tests of their own).
+const SIZES: [u64; 5] = [0, 1, 7, 4095, (1 << 20) + 3];
+const GIB: u64 = 1 << 30;
+/// The destinations an accumulation rounds into.
+const ACCUMULATORS: [DType; 2] = [DType::F32, DType::Bf16];
+/// Element offsets of the operands, by operand (cycling): shared phases take the vector path
+/// with a scalar head and tail, different phases take the scalar path.
+const OFFSETS: [&[u64]; 7] = [&[0], &[3], &[5], &[1, 0], &[0, 5], &[4, 0], &[2, 7]];
+/// Poisoned elements checked after each operand.
+const GUARD: u64 = 16;
+/// Elements per upload, download and check.
+const CHUNK: u64 = 1 << 24;
+/// Most operands of one kernel: a sum of 8 sources and its destination.
+const MAX_OPERANDS: usize = 9;
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    seed: u64,
+}
+
+fn gpu() -> Gpu {
+    let ctx = CudaContext::new(0).expect("a CUDA device");
+    ctx.bind_to_thread().expect("the context is current");
+    let stream = ctx.new_stream().expect("a stream");
+    let kernels = Kernels::load(&ctx).expect("the kernels");
+    let seed = std::env::var("FSDP_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .expect("a clock");
+            now.as_nanos() as u64
+        });
+    eprintln!("FSDP_TEST_SEED={seed}");
+    Gpu {
+        stream,
+        kernels,
+        seed,
+    }
+}
+
+impl Gpu {
+    fn sync(&self) {
+        self.stream.synchronize().expect("the stream completes");
+    }
+
+    fn upload(&self, ptr: u64, bytes: &[u8]) {
+        // SAFETY: `ptr` is inside a live allocation with room for `bytes`; the sync below keeps
+        // `bytes` alive until the copy is done.
+        unsafe { result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }.expect("upload");
+        self.sync();
+    }
+
+    fn download(&self, ptr: u64, bytes: &mut [u8]) {
+        // SAFETY: as `upload`.
+        unsafe { result::memcpy_dtoh_async(bytes, ptr, self.stream.cu_stream()) }
+            .expect("download");
+        self.sync();
+    }
+}
+
+/// A plain device allocation (cuMemAlloc), filled with 0xFF bytes.
+struct DeviceBuffer {
+    ptr: u64,
+}
+
+impl DeviceBuffer {
+    fn poisoned(gpu: &Gpu, bytes: u64) -> DeviceBuffer {
+        let bytes = bytes.max(1) as usize;
+        // SAFETY: a fresh allocation, freed on drop.
+        let ptr = unsafe { result::malloc_sync(bytes) }.expect("device memory");
+        // SAFETY: `ptr` holds `bytes` bytes.
+        unsafe { result::memset_d8_async(ptr, 0xFF, bytes, gpu.stream.cu_stream()) }
+            .expect("memset");
+        gpu.sync();
+        DeviceBuffer { ptr }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `poisoned`, freed once; the tests synchronize before dropping.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// SplitMix64 of `seed + i`: random access into one random sequence.
+fn hash(seed: u64, i: u64) -> u64 {
+    let mut z = seed.wrapping_add(i.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn mask(width: usize) -> u32 {
+    u32::MAX >> (32 - 8 * width)
+}
+
+/// What an input holds.
+#[derive(Clone, Copy)]
+enum Fill {
+    /// Any bit pattern: NaNs, infinities, subnormals included. For moves and casts.
+    Bits,
+    /// Finite values of both signs over a wide range (f32 subnormals included). For arithmetic,
+    /// where NaN payloads are not specified.
+    Finite,
+    /// As `Finite`, never negative: AdamW's second moment.
+    Positive,
+}
+
+/// Element `i` of the sequence `seed`, as the bits of `dtype`.
+fn generate(fill: Fill, dtype: DType, seed: u64, i: u64) -> u32 {
+    let h = hash(seed, i);
+    if let Fill::Bits = fill {
+        return h as u32 & mask(dtype.size());
+    }
+    // f16 stays within its range so that no input is infinite.
+    let (lo, hi) = if dtype == DType::F16 {
+        (-26, 15)
+    } else {
+        (-140, 20)
+    };
+    let exponent = lo + ((h >> 32) % (hi - lo) as u64) as i32;
+    let mantissa = 1.0 + (h & 0x7F_FFFF) as f64 / f64::from(1u32 << 23);
+    let magnitude = (mantissa * 2f64.powi(exponent)) as f32;
+    let negative = matches!(fill, Fill::Finite) && h >> 63 == 1;
+    from_f32(dtype, if negative { -magnitude } else { magnitude })
+}
+
+fn to_f32(dtype: DType, bits: u32) -> f32 {
+    match dtype {
+        DType::Bf16 => bf16::from_bits(bits as u16).to_f32(),
+        DType::F16 => f16::from_bits(bits as u16).to_f32(),
+        DType::F32 => f32::from_bits(bits),
+    }
+}
+
+fn from_f32(dtype: DType, x: f32) -> u32 {
+    match dtype {
+        DType::Bf16 => u32::from(bf16::from_f32(x).to_bits()),
+        DType::F16 => u32::from(f16::from_f32(x).to_bits()),
+        DType::F32 => x.to_bits(),
+    }
+}
+
+fn encode(bits: u32, width: usize, out: &mut [u8]) {
+    out.copy_from_slice(&bits.to_le_bytes()[..width]);
+}
+
+fn decode(bytes: &[u8]) -> u32 {
+    let mut word = [0u8; 4];
+    word[..bytes.len()].copy_from_slice(bytes);
+    u32::from_le_bytes(word)
+}
+
+/// Runs `check` over `0..len` split among the host's cores; the first failure, if any.
+fn par_check(len: usize, check: impl Fn(Range<usize>) -> Option<String> + Sync) -> Option<String> {
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per = len.div_ceil(threads).max(1 << 14);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = (0..len)
+            .step_by(per)
+            .map(|a| {
+                let check = &check;
+                s.spawn(move || check(a..(a + per).min(len)))
+            })
+            .collect();
+        parts
+            .into_iter()
+            .find_map(|p| p.join().expect("a checker thread"))
+    })
+}
+
+/// Fills `out` (elements of `width` bytes) with `value(first + k)`, on all cores.
+fn par_encode(out: &mut [u8], width: usize, first: u64, value: impl Fn(u64) -> u32 + Sync) {
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let per = (out.len() / width).div_ceil(threads).max(1 << 14) * width;
+    std::thread::scope(|s| {
+        for (k, part) in out.chunks_mut(per).enumerate() {
+            let value = &value;
+            s.spawn(move || {
+                let start = first + (k * per / width) as u64;
+                for (j, element) in part.chunks_exact_mut(width).enumerate() {
+                    encode(value(start + j as u64), width, element);
+                }
+            });
+        }
+    });
+}
+
+/// Uploads `value(i)` for `i` in `0..n` to `ptr`, chunk by chunk.
+fn upload_generated(gpu: &Gpu, ptr: u64, width: usize, n: u64, value: impl Fn(u64) -> u32 + Sync) {
+    let mut bytes = Vec::new();
+    for first in (0..n).step_by(CHUNK as usize) {
+        let len = CHUNK.min(n - first);
+        bytes.resize(len as usize * width, 0);
+        par_encode(&mut bytes, width, first, &value);
+        gpu.upload(ptr + first * width as u64, &bytes);
+    }
+}
+
+/// Elements of `dtype` in 1 GiB.
+fn gib_of(dtype: DType) -> u64 {
+    GIB / dtype.size() as u64
+}
+
+/// Step 7's coefficients with gradients scaled by 0.75, as clipping scales them.
+fn adamw_coefficients() -> AdamwCoefficients {
+    let clipped = GroupSettings {
+        grad_scale: 0.75,
+        ..GroupSettings::default()
+    };
+    let Update::AdamW(c) = OptimizerConfig::default().coefficients(7, clipped) else {
+        unreachable!("the default optimizer is AdamW")
+    };
+    c
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout checks: a buffer as a run of spans of known content.
+
+#[derive(Clone, Copy)]
+enum Content {
+    Poison,
+    Zero,
+    /// `Fill::Bits` of sequence `seed` from element 0.
+    Data {
+        seed: u64,
+    },
+}
+
+/// Elements `start..start + len` of a buffer.
+#[derive(Clone, Copy)]
+struct Span {
+    start: u64,
+    len: u64,
+    content: Content,
+}
+
+impl Span {
+    fn expected(&self, width: usize, k: u64) -> u32 {
+        match self.content {
+            Content::Poison => mask(width),
+            Content::Zero => 0,
+            Content::Data { seed } => hash(seed, k) as u32 & mask(width),
+        }
+    }
+}
+
+fn upload_span(gpu: &Gpu, base: u64, width: usize, span: &Span) {
+    upload_generated(
+        gpu,
+        base + span.start * width as u64,
+        width,
+        span.len,
+        |k| span.expected(width, k),
+    );
+}
+
+/// Checks every element of every span of the buffer at `base`, chunk by chunk.
+fn check_spans(gpu: &Gpu, base: u64, width: usize, spans: &[Span], what: &str) {
+    let mut bytes = Vec::new();
+    for span in spans {
+        for first in (0..span.len).step_by(CHUNK as usize) {
+            let len = CHUNK.min(span.len - first);
+            bytes.resize(len as usize * width, 0);
+            gpu.download(base + (span.start + first) * width as u64, &mut bytes);
+            let failure = par_check(len as usize, |range| {
+                range.into_iter().find_map(|k| {
+                    let got = decode(&bytes[k * width..(k + 1) * width]);
+                    let want = span.expected(width, first + k as u64);
+                    (got != want).then(|| {
+                        format!(
+                            "element {} of the buffer: got {got:#x}, expected {want:#x}",
+                            span.start + first + k as u64
+                        )
+                    })
+                })
+            });
+            if let Some(failure) = failure {
+                panic!("{what} (seed {}): {failure}", gpu.seed);
+            }
+        }
+    }
+}
+
+mod elementwise;
+mod layout;
+
+// ---------------------------------------------------------------------------------------------
+// Errors and no-ops.
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn misaligned_addresses_are_refused_before_launch() {
+    let gpu = gpu();
+    let buf = DeviceBuffer::poisoned(&gpu, 256);
+    let (p, odd) = (buf.ptr, buf.ptr + 2);
+    let k = &gpu.kernels;
+    let s = &gpu.stream;
+    let c = adamw_coefficients();
+    let bf16_moments = MomentStorage::Bf16Stochastic {
+        seed: 1,
+        first_index: 0,
+    };
+    let results = unsafe {
+        [
+            k.copy(s, DType::F32, odd, p, 4),
+            k.copy(s, DType::Bf16, p + 1, p + 64, 4),
+            k.cast(s, DType::Bf16, p, DType::F32, odd, 4),
+            k.accumulate(s, (DType::Bf16, DType::F32), p, odd, 4, 1.0, true),
+            k.accumulate(s, (DType::F32, DType::Bf16), p, p + 1, 4, 1.0, true),
+            k.adamw(
+                s,
+                DType::Bf16,
+                p,
+                (p + 64, odd, MomentStorage::F32),
+                p + 128,
+                p + 192,
+                4,
+                &c,
+            ),
+            k.adamw(
+                s,
+                DType::Bf16,
+                p,
+                (p + 64, p + 1, bf16_moments),
+                p + 128,
+                p + 192,
+                4,
+                &c,
+            ),
+            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
+            k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
+            k.unpack(s, DType::F32, p, 1, odd),
+            k.reduce_sum(s, DType::F32, p + 4, 1, p + 64, 4, 1.0),
+            k.reduce_sum(s, DType::Bf16, p, 1, p + 65, 4, 1.0),
+        ]
+    };
+    for (i, r) in results.into_iter().enumerate() {
+        assert!(
+            matches!(r, Err(Error::Unsupported { backend: "cuda", what }) if what.contains("aligned")),
+            "call {i}: {r:?}"
+        );
+    }
+    gpu.sync();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_sum_of_no_sources_is_refused() {
+    let gpu = gpu();
+    let buf = DeviceBuffer::poisoned(&gpu, 64);
+    let r = unsafe {
+        gpu.kernels
+            .reduce_sum(&gpu.stream, DType::F32, buf.ptr, 0, buf.ptr + 32, 4, 1.0)
+    };
+    assert!(
+        matches!(r, Err(Error::Unsupported { backend: "cuda", what }) if what.contains("zero sources")),
+        "{r:?}"
+    );
+}
+
+/// Null addresses would fault if anything were launched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn zero_length_calls_launch_nothing() {
+    let gpu = gpu();
+    let (k, s) = (&gpu.kernels, &gpu.stream);
+    let c = adamw_coefficients();
+    for dtype in DTYPES {
+        unsafe {
+            k.copy(s, dtype, 0, 0, 0).expect("copy");
+            k.cast(s, dtype, 0, DType::F32, 0, 0).expect("cast");
+            for dst in ACCUMULATORS {
+                k.accumulate(s, (dtype, dst), 0, 0, 0, 1.0, true)
+                    .expect("accumulate");
+            }
+            k.adamw(s, dtype, 0, (0, 0, MomentStorage::F32), 0, 0, 0, &c)
+                .expect("adamw");
+            k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
+            k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
+            k.unpack(s, dtype, 0, 0, 0).expect("unpack");
+        }
+    }
+    unsafe {
+        k.fill_zero(s, 0, 0).expect("fill_zero");
+        for dtype in ACCUMULATORS {
+            k.reduce_sum(s, dtype, 0, 0, 0, 0, 1.0).expect("reduce_sum");
+        }
+    }
+    gpu.sync();
+}

@@ -1,0 +1,362 @@
+use super::GradEffect::*;
+use super::*;
+
+fn reduces(effects: &[GradEffect]) -> usize {
+    effects
+        .iter()
+        .filter(|e| matches!(e, Reduce { .. }))
+        .count()
+}
+
+#[test]
+fn a_group_reduces_once_its_last_gradient_arrives() {
+    // Group 0: params 0 and 1.
+    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, false, Passes::ReduceEach);
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroPadding {
+                place: GradTarget::Slot(0),
+                group: 0
+            },
+            Write {
+                param: 0,
+                place: GradTarget::Slot(0),
+                add: false
+            }
+        ]
+    );
+    fx.clear();
+    p.on_grad(1, 0, &mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            Write {
+                param: 1,
+                place: GradTarget::Slot(0),
+                add: false
+            },
+            Reduce {
+                group: 0,
+                place: GradTarget::Slot(0),
+                overwrite: true
+            }
+        ]
+    );
+    assert_eq!(p.in_flight(), 1);
+}
+
+#[test]
+fn at_most_max_in_flight_reductions() {
+    let groups = 6;
+    let mut p = GradPipeline::new(
+        (0..groups).map(|g| vec![g]).collect(),
+        groups,
+        (3, 2),
+        true,
+        false,
+        Passes::ReduceEach,
+    );
+    let mut fx = Vec::new();
+    for g in 0..groups {
+        p.on_grad(g, g, &mut fx);
+        assert!(p.in_flight() <= 2);
+    }
+    assert_eq!(reduces(&fx), groups);
+    // The third reduction retired the first before launching.
+    let first_retire = fx.iter().position(|e| matches!(e, Retire { .. })).unwrap();
+    let third_reduce = fx
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Reduce { .. }))
+        .nth(2)
+        .unwrap()
+        .0;
+    assert!(first_retire < third_reduce);
+}
+
+#[test]
+fn overlap_off_retires_each_reduction_at_once() {
+    let mut p = GradPipeline::new(
+        vec![vec![0], vec![1]],
+        2,
+        (3, 2),
+        false,
+        false,
+        Passes::ReduceEach,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    assert_eq!(p.in_flight(), 0);
+    assert_eq!(fx.last(), Some(&Retire { slot: 0 }));
+}
+
+#[test]
+fn full_slots_flush_the_oldest_partial_group() {
+    // Three groups of two params each, two slots: the third group forces a partial reduce.
+    let mut p = GradPipeline::new(
+        vec![vec![0, 1], vec![2, 3], vec![4, 5]],
+        6,
+        (2, 1),
+        true,
+        false,
+        Passes::ReduceEach,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.on_grad(2, 1, &mut fx);
+    fx.clear();
+    p.on_grad(4, 2, &mut fx);
+    // Group 0 is reduced with what it has: param 1's place is zeroed first.
+    assert_eq!(
+        fx,
+        vec![
+            ZeroParam {
+                place: GradTarget::Slot(0),
+                param: 1
+            },
+            Reduce {
+                group: 0,
+                place: GradTarget::Slot(0),
+                overwrite: true
+            },
+            Retire { slot: 0 },
+            ZeroPadding {
+                place: GradTarget::Slot(0),
+                group: 2
+            },
+            Write {
+                param: 4,
+                place: GradTarget::Slot(0),
+                add: false
+            },
+        ]
+    );
+    // Group 0's second gradient needs a slot: group 1, the oldest filling, is reduced early;
+    // then group 0 completes in the fresh slot, where param 0's place is zeroed (it was
+    // reduced already), and adds to its shard.
+    fx.clear();
+    p.on_grad(1, 0, &mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroParam {
+                place: GradTarget::Slot(1),
+                param: 3
+            },
+            Reduce {
+                group: 1,
+                place: GradTarget::Slot(1),
+                overwrite: true
+            },
+            Retire { slot: 1 },
+            ZeroPadding {
+                place: GradTarget::Slot(1),
+                group: 0
+            },
+            Write {
+                param: 1,
+                place: GradTarget::Slot(1),
+                add: false
+            },
+            ZeroParam {
+                place: GradTarget::Slot(1),
+                param: 0
+            },
+            Reduce {
+                group: 0,
+                place: GradTarget::Slot(1),
+                overwrite: false
+            },
+        ]
+    );
+    fx.clear();
+    p.finish(&mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroParam {
+                place: GradTarget::Slot(0),
+                param: 5
+            },
+            Retire { slot: 1 },
+            Reduce {
+                group: 2,
+                place: GradTarget::Slot(0),
+                overwrite: true
+            },
+            Retire { slot: 0 },
+        ]
+    );
+    assert_eq!(p.in_flight(), 0);
+}
+
+#[test]
+fn at_world_size_1_gradients_go_straight_to_the_shard_and_later_passes_add() {
+    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, Passes::ReduceEach);
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.on_grad(1, 0, &mut fx);
+    let shard = GradTarget::Shard(0);
+    let write = |param, add| Write {
+        param,
+        place: shard,
+        add,
+    };
+    assert_eq!(
+        fx,
+        vec![
+            ZeroPadding {
+                place: shard,
+                group: 0
+            },
+            write(0, false),
+            write(1, false),
+        ]
+    );
+    // The second pass adds; param 0 gets no gradient in it and keeps the first pass's.
+    p.end_pass(&mut fx);
+    fx.clear();
+    assert!(p.next_adds(0));
+    p.on_grad(1, 0, &mut fx);
+    p.finish(&mut fx);
+    assert_eq!(fx, vec![write(1, true)]);
+    // The next step overwrites again.
+    p.end_step();
+    fx.clear();
+    assert!(!p.next_adds(0));
+    p.on_grad(0, 0, &mut fx);
+    assert_eq!(fx[1], write(0, false));
+}
+
+#[test]
+fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
+    for passes in [Passes::AccumulateInPlace, Passes::AccumulateStaged] {
+        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, false, passes);
+        let mut fx = Vec::new();
+        let acc = GradTarget::Accumulator(0);
+        p.on_grad(1, 0, &mut fx);
+        p.end_pass(&mut fx);
+        assert_eq!(
+            fx,
+            vec![
+                ZeroPadding {
+                    place: acc,
+                    group: 0
+                },
+                Write {
+                    param: 1,
+                    place: acc,
+                    add: false
+                },
+                ZeroParam {
+                    place: acc,
+                    param: 0
+                },
+            ],
+            "{passes:?}: the first pass writes, and zeroes what it did not write"
+        );
+        fx.clear();
+        p.on_grad(0, 0, &mut fx);
+        p.on_grad(1, 0, &mut fx);
+        assert!(
+            fx.iter().all(|e| matches!(e, Write { add: true, .. })),
+            "{passes:?}: {fx:?}"
+        );
+        fx.clear();
+        p.finish(&mut fx);
+        let expected = match passes {
+            Passes::AccumulateInPlace => vec![Reduce {
+                group: 0,
+                place: acc,
+                overwrite: true,
+            }],
+            _ => vec![
+                Stage { group: 0, slot: 0 },
+                Reduce {
+                    group: 0,
+                    place: GradTarget::Slot(0),
+                    overwrite: true,
+                },
+                Retire { slot: 0 },
+            ],
+        };
+        assert_eq!(fx, expected, "{passes:?}");
+    }
+}
+
+#[test]
+fn passes_accumulate_and_steps_overwrite() {
+    let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, false, Passes::ReduceEach);
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.end_pass(&mut fx);
+    assert!(!p.received(0));
+    p.on_grad(0, 0, &mut fx);
+    p.finish(&mut fx);
+    let overwrites: Vec<bool> = fx
+        .iter()
+        .filter_map(|e| match e {
+            Reduce { overwrite, .. } => Some(*overwrite),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(overwrites, vec![true, false]);
+    assert!(p.synced() && !p.pending());
+    p.end_step();
+    fx.clear();
+    p.on_grad(0, 0, &mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroPadding {
+                place: GradTarget::Slot(0),
+                group: 0
+            },
+            Write {
+                param: 0,
+                place: GradTarget::Slot(0),
+                add: false
+            },
+            Reduce {
+                group: 0,
+                place: GradTarget::Slot(0),
+                overwrite: true
+            },
+        ]
+    );
+}
+
+#[test]
+fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
+    let mut p = GradPipeline::new(
+        vec![vec![0, 1], vec![], vec![3]],
+        4,
+        (3, 2),
+        true,
+        false,
+        Passes::ReduceEach,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    fx.clear();
+    p.finish(&mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroParam {
+                place: GradTarget::Slot(0),
+                param: 1
+            },
+            Reduce {
+                group: 0,
+                place: GradTarget::Slot(0),
+                overwrite: true
+            },
+            Retire { slot: 0 },
+            ZeroShard { group: 2 },
+        ]
+    );
+}
