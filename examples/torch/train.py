@@ -45,6 +45,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 # The package from this checkout when it is not installed.
@@ -251,9 +252,11 @@ class Fsdp2Trainer:
     def __init__(self, args, model, device):
         self.model = copy.deepcopy(model).to(device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # Without a mesh FSDP2 takes the GPU whenever one is present, --device cpu or not.
+        mesh = init_device_mesh(device.type, (1,))
         for block in self.model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(self.model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy)
         self.recipe = TorchRecipe(args, adamw(args, self.model), self.model.parameters())
 
     def step(self, tokens):
