@@ -230,7 +230,10 @@ pub enum Error {
 
     #[error("CUDA is not available: {reason}")]
     CudaUnavailable { reason: String },
-    #[error("the CUDA kernels are not in this build: nvcc was not found when it was compiled")]
+    #[error(
+        "the CUDA kernels are not in this build: nvcc was not found when it was compiled (rebuild \
+         with nvcc on PATH, or NVCC or CUDA_HOME set)"
+    )]
     KernelsUnavailable,
     #[error("CUDA call {call} failed: {message} (code {code})")]
     Cuda {

@@ -78,6 +78,8 @@ def arguments():
     parser.add_argument("--clip", type=float, help="clip the whole gradient's 2-norm to this")
     parser.add_argument("--checkpoint", action="store_true",
                         help="recompute each block's forward in backward (activation checkpointing)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each block with torch.compile before wrapping (every trainer)")
     parser.add_argument("--param-storage", default="shard", choices=["shard", "master"],
                         help="fsdp-fusion: a bf16 shard beside each fp32 master, or the master only")
     parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
@@ -111,6 +113,15 @@ def batches(args, device):
             keep = torch.rand(args.batch, generator=g) < 0.9
             tokens[:, t] = torch.where(keep, follow[tokens[:, t - 1]], noise)
         yield tokens.to(device)
+
+
+def compiled_blocks(args, model: GPT) -> GPT:
+    """`model` with each block compiled (`--compile`), as torchtitan compiles each layer before
+    sharding it: the wrappers' hooks stay between the compiled regions."""
+    if args.compile:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
+    return model
 
 
 def initial_model(args) -> GPT:
@@ -206,7 +217,7 @@ class FusionTrainer:
     name = "fsdp-fusion"
 
     def __init__(self, args, model, device):
-        module = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+        module = compiled_blocks(args, copy.deepcopy(model).to(device=device, dtype=torch.bfloat16))
         self.model = FusedFSDP(module, list(module.blocks), args.library, lr=args.lr,
                                betas=tuple(args.betas), eps=args.eps,
                                weight_decay=args.weight_decay,
@@ -230,7 +241,7 @@ class PlainTrainer:
 
     def __init__(self, args, model, device):
         self.master = copy.deepcopy(model).to(device)
-        self.compute = copy.deepcopy(self.master).to(torch.bfloat16)
+        self.compute = compiled_blocks(args, copy.deepcopy(self.master).to(torch.bfloat16))
         self.pairs = list(zip(self.master.parameters(), self.compute.parameters()))
         self.recipe = TorchRecipe(args, adamw(args, self.master), self.master.parameters())
 
@@ -250,7 +261,7 @@ class Fsdp2Trainer:
     name = "FSDP2"
 
     def __init__(self, args, model, device):
-        self.model = copy.deepcopy(model).to(device)
+        self.model = compiled_blocks(args, copy.deepcopy(model).to(device))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # Without a mesh FSDP2 takes the GPU whenever one is present, --device cpu or not.
         mesh = init_device_mesh(device.type, (1,))
@@ -321,6 +332,7 @@ def main() -> int:
     trainers[0].model.close()  # the engine's memory and NCCL group, now rather than at exit
     names = [t.name for t in trainers]
     recipe = f"{args.lr_schedule} schedule" + (f", clip {args.clip}" if args.clip else "")
+    recipe += ", blocks compiled" if args.compile else ""
     print(f"{args.layers} blocks, dim {args.dim}, vocab {args.vocab}, batch {args.batch} x "
           f"{args.seq} tokens, bf16, AdamW lr {args.lr} ({recipe}), {args.device}, world size 1")
     norm = " grad norm" if args.clip else ""

@@ -19,6 +19,9 @@ LIBRARY_ENV = "FSDP_FUSION_LIBRARY"
 
 LIBRARY_NAME = "libfsdp_fusion.so"
 
+PACKAGED_NAME = "libfsdp_fusion.abi3.so"
+"""The library as the package's build (setup.py) installs it beside the package's modules."""
+
 ROOT = -1
 """The unit index of parameters outside every unit (`FSDP_ROOT`)."""
 
@@ -229,15 +232,15 @@ class Library:
 
 
 def candidates(path: str | os.PathLike | None = None) -> list[Path]:
-    """Where the library is looked for, in order: `path`, `$FSDP_FUSION_LIBRARY`, beside the
-    package, then `target/release` of the checkout holding the package and of the current
-    directory."""
+    """Where the library is looked for, in order: `path`, `$FSDP_FUSION_LIBRARY`, the one the
+    package's build installed beside it, then `target/release` of the checkout holding the
+    package and of the current directory."""
     if path is not None:
         return [Path(path)]
     if os.environ.get(LIBRARY_ENV):
         return [Path(os.environ[LIBRARY_ENV])]
     here = Path(__file__).resolve().parent
-    return [here / LIBRARY_NAME,
+    return [here / PACKAGED_NAME,
             here.parents[1] / "target" / "release" / LIBRARY_NAME,
             Path.cwd() / "target" / "release" / LIBRARY_NAME]
 
@@ -252,8 +255,9 @@ def library(path: str | os.PathLike | None = None) -> Library:
     found = next((p for p in tried if p.is_file()), None)
     if found is None:
         places = ", ".join(str(p) for p in tried)
-        raise UnavailableError(f"{LIBRARY_NAME} not found (tried {places}): build it with "
-                               f"`cargo build --release -p fsdp-fusion --lib`, or set {LIBRARY_ENV}")
+        raise UnavailableError(f"{LIBRARY_NAME} not found (tried {places}): install the package "
+                               f"from a checkout with `pip install ./python`, which builds it, or "
+                               f"set {LIBRARY_ENV}")
     found = found.resolve()
     with _LOADING:
         if found not in _LOADED:

@@ -24,7 +24,7 @@ from ._capi import ROOT, Counters, Memory, GradNorm, Releasing
 from ._allocator import TorchAllocator
 from ._engine import _EngineCreation, _choice, _membership
 from ._hooks import _Hooks, _Unit
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, MisuseError
 from ._params import (
     DTYPE_CODES,
     _check_placement,
@@ -35,6 +35,30 @@ from ._params import (
 )
 from ._state import _StateCopies
 from .group import LocalGroup, LoopbackGroup
+
+
+@torch.compiler.disable
+def _refuse_compiling(compiling: bool):
+    """Refuses a trace of the wrapped model. The hooks call the engine between the units and
+    swap the parameters' storage: traced, they break the graph at every unit and the compiled
+    code reads the wrong memory. Raised outside the trace (a disabled function), so that the
+    error reaches the caller rather than sending the compiler on into the units."""
+    if compiling:
+        raise MisuseError("compile the units (`model.blocks[i] = torch.compile(block)` before "
+                          "wrapping), not the wrapped model: the engine's hooks run between the "
+                          "compiled regions")
+
+
+def _refuse_compiled_in_place(module: torch.nn.Module, units: list[torch.nn.Module]):
+    """`Module.compile()` compiles a module's call with its hooks: the wrapper's hooks would be
+    traced, as in a compiled wrapped model. `torch.compile(block)` compiles around them."""
+    for what, m in [("the module", module)] + [(f"unit {i}", u) for i, u in enumerate(units)]:
+        # Where Module.compile() keeps the compiled call (torch >= 2.2).
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            raise InvalidArgumentError(
+                f"{what} was compiled in place (`Module.compile()`), which would trace the "
+                "wrapper's hooks: compile the units as `model.blocks[i] = torch.compile(block)` "
+                "before wrapping")
 
 
 @dataclass(frozen=True)
@@ -146,8 +170,10 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         rank: int = 0,
     ):
         super().__init__()
+        units = list(units)
+        _refuse_compiled_in_place(module, units)
         self.module = module
-        self._params = _owners(module, list(units))
+        self._params = _owners(module, units)
         self._process_groups = dict(process_groups or {})
         self._param_groups = _param_groups(self._params, module, self._process_groups,
                                           param_groups)
@@ -230,6 +256,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     # -- the step --------------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        _refuse_compiling(torch.compiler.is_compiling())
         return self.module(*args, **kwargs)
 
     def step(self, max_grad_norm: float | None = None, *, grad_norm: bool = False,

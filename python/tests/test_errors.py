@@ -76,7 +76,7 @@ def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):
         LocalGroup(1)
     monkeypatch.delenv(fsdp_fusion.LIBRARY_ENV)
     places = fsdp_fusion.library_candidates()
-    assert places[0].name == "libfsdp_fusion.so" and places[0].parent.name == "fsdp_fusion"
+    assert places[0].name == "libfsdp_fusion.abi3.so" and places[0].parent.name == "fsdp_fusion"
     assert any(p.parent.parts[-2:] == ("target", "release") for p in places[1:])
 
 

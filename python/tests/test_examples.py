@@ -13,7 +13,7 @@ from conftest import CHECKOUT
 @pytest.mark.parametrize("extra", [
     [], ["--checkpoint"],
     ["--clip", "0.5", "--lr-schedule", "warmup-cosine", "--warmup-steps", "2", "--lr", "1e-2"],
-    ["--param-storage", "master"],
+    ["--param-storage", "master"], ["--compile"],
 ])
 def test_train_script_runs_on_the_cpu_and_its_trainers_agree(extra):
     """train.py's three trainers (this package, plain PyTorch, FSDP2 on gloo), small, bf16."""
