@@ -1,0 +1,286 @@
+"""Where a training step's time goes: fsdp-fusion and plain PyTorch on the same transformers
+model and batches, their steps interleaved (the order alternating) so that the machine's drift
+falls on both alike.
+
+Per phase (forward, backward, the optimizer step) it reports the device time (CUDA events) and
+the host time (until the phase's calls returned; the host runs ahead of the device when it is
+not the bottleneck), as the median over the measured steps with the 10th and 90th percentiles;
+and for fsdp-fusion the host time in its hooks, split into the C calls (by function) and the
+Python around them, with the cost of a ctypes call that does nothing for scale.
+
+    NCCL_NVLS_ENABLE=0 python examples/torch/step_profile.py --model gpt2 [--micro-batches 2]
+        [--checkpointing]
+
+Plain PyTorch is a bf16 model trained through an fp32 master copy with `torch.optim.AdamW`
+(foreach), the engine's numerics; both at world size 1 on NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
+from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
+
+PHASES = ("forward", "backward", "optimizer")
+# The client's methods that its hooks enter through (the outermost call is timed).
+HOOK_ENTRIES = ("_open", "_close", "_wrap_inputs", "_hook_outputs", "_pre_backward",
+                "_post_backward", "_close_backwards", "_hand_over")
+
+
+def arguments():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--library", help="libfsdp_fusion.so (default: as fsdp_fusion finds it)")
+    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="transformers' gradient checkpointing in both trainers")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    return parser.parse_args()
+
+
+def build(args):
+    """The fp32 model and its layers (the FSDP units)."""
+    torch.manual_seed(0)
+    if args.model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=4096,
+                            n_positions=args.seq)
+        model = GPT2LMHeadModel(config)
+        layers = list(model.transformer.h)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                             num_attention_heads=16, num_key_value_heads=4, vocab_size=4096,
+                             max_position_embeddings=args.seq)
+        model = LlamaForCausalLM(config)
+        layers = list(model.model.layers)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, layers
+
+
+class Phases:
+    """CUDA events and host clocks at the start of a step and the end of each phase."""
+
+    def __init__(self):
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+        self.clocks = [0.0] * (len(PHASES) + 1)
+
+    def mark(self, i: int):
+        self.events[i].record()
+        self.clocks[i] = time.perf_counter()
+
+    def times(self) -> tuple[list[float], list[float]]:
+        """Device and host milliseconds of each phase (after a synchronize)."""
+        device = [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+        host = [(b - a) * 1e3 for a, b in zip(self.clocks, self.clocks[1:])]
+        return device, host
+
+
+class HookClock:
+    """Host time in the client's hooks (outermost entries) and in each C function they call."""
+
+    def __init__(self, fused: FusedFSDP):
+        self.depth, self.hooks = 0, 0.0
+        self.calls = defaultdict(lambda: [0, 0.0])
+        for name in HOOK_ENTRIES:
+            setattr(fused, name, self.entry(getattr(fused, name)))
+        fused._lib = TimedLibrary(fused._lib, self.calls)
+
+    def entry(self, method):
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            self.depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.hooks += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> tuple[float, dict]:
+        """The hooks' seconds and the calls' (count, seconds) by function since the last take."""
+        hooks, calls = self.hooks, {k: tuple(v) for k, v in self.calls.items()}
+        self.hooks = 0.0
+        self.calls.clear()
+        return hooks, calls
+
+
+class TimedLibrary:
+    """The client's library, each C function timed."""
+
+    def __init__(self, lib, calls):
+        self._lib, self._calls = lib, calls
+
+    def __getattr__(self, name):
+        function = getattr(self._lib, name)
+        if not name.startswith("fsdp_engine_"):
+            return function
+        calls = self._calls
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                entry = calls[name]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - start
+
+        timed.__name__ = name
+        return timed
+
+
+def fusion_trainer(args, model, layers, device):
+    module = model.to(device=device, dtype=torch.bfloat16)
+    fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
+                      weight_decay=0.1)
+    clock = HookClock(fused)
+
+    def step(batches, phases):
+        loss = None
+        phases.mark(0)
+        for i, tokens in enumerate(batches):
+            loss = fused(input_ids=tokens, labels=tokens).loss
+            if i == 0:
+                phases.mark(1)
+            loss.backward()
+        phases.mark(2)
+        fused.step()
+        phases.mark(3)
+        return loss
+
+    return step, clock, fused
+
+
+def plain_trainer(args, model, device):
+    master = model.to(device)
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    pairs = list(zip(master.parameters(), compute.parameters()))
+    exempt = default_no_weight_decay(master)
+    named = list(master.named_parameters())
+    groups = [{"params": [p for n, p in named if n not in exempt]},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  foreach=True)
+
+    def step(batches, phases):
+        loss = None
+        phases.mark(0)
+        with torch.no_grad():
+            torch._foreach_copy_([c for _, c in pairs], [m for m, _ in pairs])
+        for i, tokens in enumerate(batches):
+            loss = compute(input_ids=tokens, labels=tokens).loss
+            if i == 0:
+                phases.mark(1)
+            loss.backward()
+        for m, c in pairs:
+            m.grad = c.grad.float()
+            c.grad = None
+        phases.mark(2)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phases.mark(3)
+        return loss
+
+    return step
+
+
+def spread(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=10)
+    return f"{statistics.median(values):7.2f} ({q[0]:.2f}-{q[-1]:.2f})"
+
+
+def main() -> int:
+    args = arguments()
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", device_id=device, init_method=f"tcp://127.0.0.1:{port}",
+                           rank=0, world_size=1)
+    model, layers = build(args)
+    plain_model = copy.deepcopy(model)
+    fusion, clock, fused = fusion_trainer(args, model, layers, device)
+    trainers = {"fsdp-fusion": fusion, "plain PyTorch": plain_trainer(args, plain_model, device)}
+    g = torch.Generator(device=device).manual_seed(1)
+    record = {name: defaultdict(list) for name in trainers}
+    hook_steps, call_steps = [], defaultdict(lambda: [0, 0.0])
+    for i in range(args.steps):
+        batches = [torch.randint(0, 4096, (args.batch, args.seq), device=device, generator=g)
+                   for _ in range(args.micro_batches)]
+        order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            phases = Phases()
+            clock.take()
+            loss = trainers[name](batches, phases)
+            loss_value = loss.item()
+            torch.cuda.synchronize()
+            hooks, calls = clock.take()
+            if i < args.warmup:
+                continue
+            device_ms, host_ms = phases.times()
+            r = record[name]
+            r["step"].append(sum(device_ms))
+            r["loss"].append(loss_value)
+            for phase, d, h in zip(PHASES, device_ms, host_ms):
+                r[f"{phase} device"].append(d)
+                r[f"{phase} host"].append(h)
+            if name == "fsdp-fusion":
+                hook_steps.append(hooks * 1e3)
+                for function, (count, seconds) in calls.items():
+                    call_steps[function][0] += count
+                    call_steps[function][1] += seconds
+    measured = args.steps - args.warmup
+    print(f"{args.model}, batch {args.batch} x {args.seq}, {args.micro_batches} micro-batch(es)"
+          f"{', gradient checkpointing' if args.checkpointing else ''}, bf16, AdamW, world size 1, "
+          f"{measured} steps after {args.warmup}, interleaved; ms, median (p10-p90)")
+    for name, r in record.items():
+        print(f"{name:>14}: step {spread(r['step'])}  "
+              + "  ".join(f"{p} device {spread(r[f'{p} device'])} host {spread(r[f'{p} host'])}"
+                          for p in PHASES))
+    ours, theirs = (statistics.median(record[n]["step"]) for n in trainers)
+    print(f"fsdp-fusion / plain PyTorch, median step: {ours / theirs:.3f}")
+    c_ms = sum(seconds for _, seconds in call_steps.values()) * 1e3 / measured
+    hooks_ms = statistics.mean(hook_steps)
+    print(f"fsdp-fusion hooks, host ms per step: {hooks_ms:.2f} in all, {c_ms:.2f} in C calls, "
+          f"{hooks_ms - c_ms:.2f} in Python around them")
+    for function, (count, seconds) in sorted(call_steps.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {function:<32} {count / measured:6.1f} calls/step {seconds / count * 1e6:8.1f} "
+              f"us/call")
+    lib = fused._lib._lib._lib  # the CDLL under the timing and the typed wrapper
+    start, n = time.perf_counter(), 20000
+    for _ in range(n):
+        lib.fsdp_abi_version()
+    print(f"a ctypes call that does nothing: {(time.perf_counter() - start) / n * 1e6:.2f} us")
+    fused.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
