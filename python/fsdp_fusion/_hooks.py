@@ -180,7 +180,9 @@ class _Hooks:
 
     def _grad_hook(self, p: _Param, u: _Unit):
         def hook(param):
-            grad = param.grad.detach()
+            # The gradient itself, not a detached alias: a leaf's gradient needs no graph, and
+            # the engine reads only its memory.
+            grad = param.grad
             param.grad = None
             if not grad.is_contiguous():
                 grad = grad.contiguous()
