@@ -156,6 +156,12 @@ pub trait Params {
     fn value(&mut self, param: ParamId) -> Result<Vec<f32>>;
     /// A parameter's gradient for this pass.
     fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()>;
+    /// Several parameters' gradients at once, as [`Params::grad`] on each in order.
+    fn grads(&mut self, grads: &[(ParamId, &[f32])]) -> Result<()> {
+        grads
+            .iter()
+            .try_for_each(|&(param, grad)| self.grad(param, grad))
+    }
 }
 
 /// The hook points of a pass.
@@ -391,8 +397,10 @@ impl Mlp {
                     dz_row[j] = dh[r * w + j] * gain[j] * (1.0 - a * a);
                 }
             }
-            params.grad(ids.weight(i), &matmul(&hs[i], true, &dz, false, w, b, w))?;
-            params.grad(ids.bias(i), &sum_rows(&dz, w))?;
+            // A layer's gradients in one call: an engine takes them as a batch.
+            let weight_grad = matmul(&hs[i], true, &dz, false, w, b, w);
+            let bias_grad = sum_rows(&dz, w);
+            params.grads(&[(ids.weight(i), &weight_grad), (ids.bias(i), &bias_grad)])?;
             let back = matmul(&dz, false, &weight, true, b, w, w);
             for (d, v) in dh.iter_mut().zip(back) {
                 *d += v;
@@ -441,6 +449,15 @@ impl<B: Backend, C: Communicator<B>> Params for EngineParams<'_, B, C> {
     }
     fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()> {
         self.0.grad(param, Input::host(grad))
+    }
+    fn grads(&mut self, grads: &[(ParamId, &[f32])]) -> Result<()> {
+        let mut batch = Vec::with_capacity(grads.len());
+        batch.extend(
+            grads
+                .iter()
+                .map(|&(param, grad)| (param, Input::host(grad))),
+        );
+        self.0.grads(&batch)
     }
 }
 
