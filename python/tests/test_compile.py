@@ -7,8 +7,7 @@ import copy
 
 import pytest
 import torch
-from gpt import loss_of
-from training import batches, models, on_ranks, optimizer_settings
+from training import batches, models, on_ranks, optimizer_settings, rank_losses
 
 import fsdp_fusion
 from fsdp_fusion import FusedFSDP, LocalGroup
@@ -30,20 +29,7 @@ def wrapped(world: int, compile_units: bool) -> list[FusedFSDP]:
 
 def losses(ranks: list[FusedFSDP]) -> list[list[float]]:
     """Per rank, the loss of every pass of `batches`."""
-    data = batches(len(ranks))
-
-    def run(rank: int):
-        fused, out = ranks[rank], []
-        for step in data:
-            for per_rank in step:
-                tokens = per_rank[rank]
-                loss = loss_of(fused(tokens[:, :-1]), tokens[:, 1:])
-                loss.backward()
-                out.append(loss.item())
-            fused.step()
-        return out
-
-    return on_ranks(len(ranks), run)
+    return rank_losses(ranks, batches(len(ranks)))
 
 
 @pytest.mark.parametrize("world", [1, 2])

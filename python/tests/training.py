@@ -107,8 +107,16 @@ def train(optimizer: str, world: int = 1, checkpoint: bool = False, spy=None, **
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=True)
 
+    run.rank_losses = rank_losses(run.ranks, data)
+    return run
+
+
+def rank_losses(ranks: list[FusedFSDP], data) -> list[list[float]]:
+    """Per rank, the loss of every pass of `data` (`batches(len(ranks))`) through the rank's
+    wrapper, stepping after each step's passes."""
+
     def rank_run(rank: int):
-        fused, out = run.ranks[rank], []
+        fused, out = ranks[rank], []
         for step in data:
             for per_rank in step:
                 tokens = per_rank[rank]
@@ -118,5 +126,4 @@ def train(optimizer: str, world: int = 1, checkpoint: bool = False, spy=None, **
             fused.step()
         return out
 
-    run.rank_losses = on_ranks(world, rank_run)
-    return run
+    return on_ranks(len(ranks), rank_run)
