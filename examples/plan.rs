@@ -151,7 +151,7 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         }
     }
     let policy = Policy::new(&plan, &config)?;
-    let m = policy.memory_per_rank();
+    let m = policy.memory;
     writeln!(out)?;
     writeln!(
         out,

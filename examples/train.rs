@@ -401,7 +401,7 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
     println!(
         "largest relative parameter difference, sharded vs reference, over all steps: {worst:.3e}"
     );
-    let predicted = Policy::new(&plan, &config)?.memory_per_rank();
+    let predicted = Policy::new(&plan, &config)?.memory;
     println!(
         "bytes per rank: measured peak vs plan (shards {}, grad shards {}, optimizer state {}, gather slots {}, grad slots {}, grad accumulators {})",
         predicted.param_shards,

@@ -221,7 +221,7 @@ pub unsafe extern "C" fn fsdp_plan_memory(
         let plan = plan_of(plan)?;
         // SAFETY: the caller's contract.
         let config = config_of(unsafe { config.as_ref() }.ok_or_else(|| null("config"))?)?;
-        let memory = fsdp_memory::from(Policy::new(&plan, &config)?.memory_per_rank());
+        let memory = fsdp_memory::from(Policy::new(&plan, &config)?.memory);
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", memory) }
     })

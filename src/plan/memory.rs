@@ -35,7 +35,7 @@ pub struct BufferReport {
 }
 
 impl Policy {
-    /// Every buffer [`Policy::memory_per_rank`] counts, by kind, with the reason for its count;
+    /// Every buffer [`Policy::memory`] counts, by kind, with the reason for its count;
     /// the bytes add up to its peak.
     pub fn buffer_report(&self) -> Vec<BufferReport> {
         let (layout, m, limits) = (&self.layout, &self.memory, self.limits);
@@ -191,7 +191,7 @@ mod tests {
         ]);
         let plan = Plan::new(&m, 4).unwrap();
         let config = EngineConfig::default();
-        let mem = Policy::new(&plan, &config).unwrap().memory_per_rank();
+        let mem = Policy::new(&plan, &config).unwrap().memory;
         // bf16 aligns to 128 elements per rank, 512 at 4 ranks: 1000 pads to 1024.
         let w = &plan.groups()[1];
         assert_eq!(w.padded_numel, 1024);
@@ -243,7 +243,7 @@ mod tests {
                 let policy = Policy::new(&plan, config).unwrap();
                 let report = policy.buffer_report();
                 let total: usize = report.iter().map(|b| b.bytes).sum();
-                let peak = policy.memory_per_rank().peak;
+                let peak = policy.memory.peak;
                 assert_eq!(total, peak, "world {world} {config:?}");
                 let slots = &report[4];
                 assert_eq!(slots.what, "gradient slots");

@@ -113,11 +113,6 @@ impl Policy {
     pub fn master_only(&self, group: usize) -> bool {
         self.master_only.get(group) == Some(&true)
     }
-
-    /// The bytes each rank allocates.
-    pub fn memory_per_rank(&self) -> MemoryPerRank {
-        self.memory
-    }
 }
 
 fn keeps_only_master(config: &EngineConfig, group: &Group) -> bool {
