@@ -87,7 +87,8 @@ def trainer(setup: str, args, device):
         module = model.to(device=device, dtype=torch.bfloat16)
         storage, _, variant = setup.removeprefix("fusion-").partition("-")
         fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
-                          weight_decay=0.1, param_storage=storage,
+                          weight_decay=0.1, no_weight_decay=default_no_weight_decay,
+                          param_storage=storage,
                           grad_shards="persistent" if variant == "persistent" else "per-step",
                           moment_dtype=torch.bfloat16 if variant == "bf16moments"
                           else torch.float32)

@@ -157,7 +157,7 @@ class TimedLibrary:
 def fusion_trainer(args, model, layers, device):
     module = model.to(device=device, dtype=torch.bfloat16)
     fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
-                      weight_decay=0.1)
+                      weight_decay=0.1, no_weight_decay=default_no_weight_decay)
     clock = HookClock(fused)
 
     def step(batches, phases):

@@ -221,6 +221,7 @@ class FusionTrainer:
         self.model = FusedFSDP(module, list(module.blocks), args.library, lr=args.lr,
                                betas=tuple(args.betas), eps=args.eps,
                                weight_decay=args.weight_decay,
+                               no_weight_decay=default_no_weight_decay,
                                double_buffer_limit=args.double_buffer_limit,
                                param_storage=args.param_storage,
                                grad_shards=args.grad_shards,

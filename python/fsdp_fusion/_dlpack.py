@@ -50,6 +50,14 @@ _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, c_void_p, c_char_p, c_void_p)
 _EXPORTS = []
 
 
+def device_index(device: torch.device) -> int:
+    """The ordinal of `device`: for a bare `cuda` the current device, as torch places a tensor
+    made on it; 0 for the host."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
 def tensor_at(address: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-copy 1-D tensor over `numel` elements of `dtype` at `address` on `device`."""
     if numel == 0:
@@ -58,7 +66,7 @@ def tensor_at(address: int, numel: int, dtype: torch.dtype, device: torch.device
     base = ctypes.addressof(export)
     t = export.managed.dl_tensor
     t.data, t.ndim, t.byte_offset = address, 1, 0
-    t.device = _DLDevice(_DL_DEVICES[device.type], device.index or 0)
+    t.device = _DLDevice(_DL_DEVICES[device.type], device_index(device))
     t.dtype = _DLDataType(*_DL_DTYPES[dtype], 1)
     t.shape = ctypes.cast(base + _Export.shape.offset, POINTER(c_int64))
     t.strides = ctypes.cast(base + _Export.stride.offset, POINTER(c_int64))

@@ -11,6 +11,7 @@ from ctypes import byref, c_uint8, c_uint64, c_void_p
 import torch
 
 from ._capi import ROOT, UNIQUE_ID_BYTES, Config, ParamSpec
+from ._dlpack import device_index
 from ._params import DTYPE_CODES, DTYPE_NAMES
 from .errors import InvalidArgumentError
 
@@ -111,12 +112,12 @@ class _EngineCreation:
         engine = c_void_p()
         if self._local_group is not None:
             self._call("fsdp_engine_create_cuda_loopback", self._plan, byref(config),
-                       self._device.index or 0, self._local_group.handle, self._rank,
+                       device_index(self._device), self._local_group.handle, self._rank,
                        self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
             return engine
         uid = self._unique_id()
         self._call("fsdp_engine_create_cuda_nccl", self._plan, byref(config),
-                       self._device.index or 0, uid, len(uid), self._rank, self._world,
+                       device_index(self._device), uid, len(uid), self._rank, self._world,
                        self._stream.cuda_stream, byref(self._allocator.struct), byref(engine))
         return engine
 

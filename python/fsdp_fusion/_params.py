@@ -72,12 +72,12 @@ def default_no_weight_decay(module: torch.nn.Module) -> set[str]:
 
 
 def _exempt(params: list[_Param], module: torch.nn.Module, rule) -> list[bool]:
-    """Per parameter, whether weight decay skips it under `rule` (see `FusedFSDP`)."""
+    """Per parameter, whether weight decay skips it under `rule` (see `FusedFSDP`): nothing when
+    `rule` is None, as `torch.optim.AdamW` given the parameters; else the names `rule` holds, or
+    that `rule(module)` returns."""
     if rule is None:
-        rule = default_no_weight_decay(module)
-    if callable(rule):
-        return [bool(rule(p.name, p.tensor)) for p in params]
-    names = set(rule)
+        return [False] * len(params)
+    names = set(rule(module) if callable(rule) else rule)
     known = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     unknown = sorted(names - known)
     if unknown:

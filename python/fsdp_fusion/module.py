@@ -22,6 +22,7 @@ import torch
 from . import _capi
 from ._capi import ROOT, Counters, Memory, GradNorm, Releasing
 from ._allocator import TorchAllocator
+from ._dlpack import device_index
 from ._engine import _EngineCreation, _choice, _membership
 from ._hooks import _Hooks, _Unit
 from .errors import InvalidArgumentError, MisuseError
@@ -98,9 +99,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     parameter only as its fp32 master, cast into a gather slot at every gather: the memory of
     one bf16 copy of the model less, for a cast per gather and moving views.
 
-    Weight decay skips the parameters `no_weight_decay` names (a collection of names, or a
-    function of the name and the parameter); by default `default_no_weight_decay(module)`: those
-    with fewer than two dimensions and embeddings' weights. `lr_scales` maps parameter names to
+    Weight decay applies to every trainable parameter, as `torch.optim.AdamW` given
+    `module.parameters()` applies it, except those `no_weight_decay` names: a collection of
+    names, or a function of the module that returns them. The LLM recipe's exemptions (parameters
+    of fewer than two dimensions and embeddings' weights) are
+    `no_weight_decay=default_no_weight_decay`. `lr_scales` maps parameter names to
     factors of the learning rate (default 1). `set_lr` changes the learning rate between steps
     (a schedule), `step(max_grad_norm=...)` clips the gradient's norm as
     `torch.nn.utils.clip_grad_norm_` does.
@@ -162,7 +165,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         timeout: float = 600.0,
         verify_collectives: bool = False,
         save_staging: bool = False,
-        no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None,
+        no_weight_decay: Iterable[str] | Callable[[torch.nn.Module], Iterable[str]] | None = None,
         lr_scales: Mapping[str, float] | None = None,
         process_groups: Mapping[str, int] | None = None,
         param_groups: Mapping[str, str] | None = None,
@@ -221,7 +224,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         else:
             # The engine's compute stream is the caller's: keep the object so the stream lives on.
             self._stream = torch.cuda.current_stream(self._device)
-            self._allocator = TorchAllocator(self._device.index or 0, self._stream)
+            self._allocator = TorchAllocator(device_index(self._device), self._stream)
             self._engine = self._make_cuda_engine(config)
         self._units = [_Unit(u, [p for p in self._params if p.unit == u])
                        for u in range(len(units))]

@@ -75,6 +75,8 @@ def test_a_schedule_clipping_and_scales_match_torch(world):
     def make(rank):
         return FusedFSDP(modules[rank], list(modules[rank].blocks), optimizer="adamw",
                          local_group=group, rank=rank, lr_scales={n: 2.0 for n in doubled},
+                         # The exemptions as the function that names them, and as the names.
+                         no_weight_decay=default_no_weight_decay if world == 1 else exempt,
                          **settings)
 
     ranks = on_ranks(world, make)

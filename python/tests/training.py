@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from gpt import GPT, loss_of
 
-from fsdp_fusion import FusedFSDP, LocalGroup, default_no_weight_decay
+from fsdp_fusion import FusedFSDP, LocalGroup
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 64, 32, 4, 4, 16, 4
 STEPS, PASSES = 4, 2
@@ -44,16 +44,12 @@ def optimizer_settings(optimizer: str) -> dict:
 
 
 def torch_optimizer(optimizer: str, module: torch.nn.Module):
-    """The torch optimizer of the client's recipe: weight decay off for the parameters
-    `default_no_weight_decay` names, as the client's default."""
-    settings = optimizer_settings(optimizer)
-    exempt = default_no_weight_decay(module)
-    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in trainable if n not in exempt]},
-              {"params": [p for n, p in trainable if n in exempt], "weight_decay": 0.0}]
+    """The torch optimizer a user replaces with the client: given the trainable parameters, so
+    that weight decay applies to all of them, as the client's default."""
+    trainable = [p for p in module.parameters() if p.requires_grad]
     if optimizer == "adamw":
-        return torch.optim.AdamW(groups, **settings)
-    return torch.optim.SGD(groups, **settings)
+        return torch.optim.AdamW(trainable, **optimizer_settings(optimizer))
+    return torch.optim.SGD(trainable, **optimizer_settings(optimizer))
 
 
 @dataclass
