@@ -60,6 +60,21 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
                                                      phase, grid_thread(), grid_threads());
 }
 
+// One accumulation of a batch: `n` elements from `src` into `dst` (`fsdp_fusion`'s
+// `AccumulateEntry`).
+struct AccumulateEntry {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t n;
+};
+
+// The accumulations of one launch, passed by value (768 bytes of the 4 KiB of parameters): row y
+// of the grid runs entry y. `kBatchEntries` is `ACCUMULATE_BATCH` on the host.
+constexpr int kBatchEntries = 32;
+struct AccumulateBatch {
+  AccumulateEntry entries[kBatchEntries];
+};
+
 // `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
 // reads source k, so every chunk of a round has its load of one source in flight together. `dst`
 // may be one of the sources: each element is read from every source before it is written, by the
@@ -113,6 +128,22 @@ using fsdp::kBlock;
       const S::Bits* src, D::Bits* dst, uint64_t n, float scale, uint32_t add) {           \
     fsdp::accumulate<S, D>(src, dst, n, scale, add != 0);                                  \
   }
+
+// Many accumulations of one dtype pair in one launch, each as `accumulate_<name>` computes it.
+#define FSDP_ACCUMULATE_MANY(name, S, D)                                                   \
+  extern "C" __global__ void __launch_bounds__(kBlock) accumulate_many_##name(             \
+      const fsdp::AccumulateBatch batch, float scale, uint32_t add) {                      \
+    const fsdp::AccumulateEntry e = batch.entries[blockIdx.y];                             \
+    fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(e.src),                        \
+                           reinterpret_cast<D::Bits*>(e.dst), e.n, scale, add != 0);       \
+  }
+
+FSDP_ACCUMULATE_MANY(bf16_f32, fsdp::Bf16, fsdp::F32)
+FSDP_ACCUMULATE_MANY(f16_f32, fsdp::F16, fsdp::F32)
+FSDP_ACCUMULATE_MANY(f32_f32, fsdp::F32, fsdp::F32)
+FSDP_ACCUMULATE_MANY(bf16_bf16, fsdp::Bf16, fsdp::Bf16)
+FSDP_ACCUMULATE_MANY(f16_bf16, fsdp::F16, fsdp::Bf16)
+FSDP_ACCUMULATE_MANY(f32_bf16, fsdp::F32, fsdp::Bf16)
 
 FSDP_ACCUMULATE(bf16_f32, fsdp::Bf16, fsdp::F32)
 FSDP_ACCUMULATE(f16_f32, fsdp::F16, fsdp::F32)

@@ -297,6 +297,27 @@ pub trait Backend: Send {
         add: bool,
     ) -> Result<()>;
 
+    /// [`Backend::accumulate_input`] of each `(src, dst_region)` of `writes` into `dst`, in order;
+    /// a backend may run them as one operation (the CUDA backend: one launch for many device
+    /// tensors of one dtype), with the same arithmetic.
+    ///
+    /// # Safety
+    /// As [`Backend::accumulate_input`], for each write; the regions do not overlap.
+    unsafe fn accumulate_inputs(
+        &self,
+        stream: Stream,
+        writes: &[(Input<'_>, Region)],
+        dst: &mut Self::Buffer,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        for &(src, region) in writes {
+            // SAFETY: the caller's contract, for this write.
+            unsafe { self.accumulate_input(stream, src, dst, region, scale, add) }?;
+        }
+        Ok(())
+    }
+
     /// `dst = scale * src` (or `dst += scale * src` when `add`) computed in f32 and rounded to
     /// `dst`'s dtype, f32 or bf16; `src` of any dtype, of `dst`'s length.
     ///

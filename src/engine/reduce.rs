@@ -43,6 +43,12 @@ impl<Buf, E> Reducing<Buf, E> {
     }
 }
 
+/// Gradients of a batch waiting to be written into one place, all adding or all not.
+pub(super) struct Writes<'a> {
+    target: Option<(GradTarget, bool)>,
+    pending: Vec<(Input<'a>, Region)>,
+}
+
 /// One group's gradient buffers.
 pub(super) struct GroupGrads<Buf> {
     /// The fp32 gradient shard of a trainable group (per step: from the step's first gradient
@@ -87,7 +93,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
-        self.take_grad(param, group, gradient)
+        self.take_grads(std::iter::once((param, group, gradient)))
     }
 
     /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each in order.
@@ -109,23 +115,50 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 });
             }
         }
-        for (&(param, gradient), group) in gradients.iter().zip(groups) {
-            self.take_grad(param, group, gradient)?;
-        }
-        Ok(())
+        let batch = gradients.iter().zip(groups);
+        self.take_grads(batch.map(|(&(param, gradient), group)| (param, group, gradient)))
     }
 
-    /// Takes a checked gradient of `param` (in `group`) into its slot.
-    fn take_grad(&mut self, param: ParamId, group: usize, gradient: Input<'_>) -> Result<()> {
-        let _range = crate::nvtx::range("grad", param.0);
+    /// Writes the gradients `writes` holds into their place.
+    fn flush_writes(&mut self, writes: &mut Writes<'_>) -> Result<()> {
+        let Some((place, add)) = writes.target.take() else {
+            return Ok(());
+        };
+        let buffer = place_buffer(&mut self.reducing.slots, &mut self.reducing.groups, place)?;
+        // SAFETY: as for the other compute-stream writes of a place in `apply_grad_effects`; the
+        // parameters' regions of one place do not overlap.
+        let written = unsafe {
+            self.backend
+                .accumulate_inputs(Stream::Compute, &writes.pending, buffer, 1.0, add)
+        };
+        writes.pending.clear();
+        written
+    }
+
+    /// Takes checked gradients, each `(param, its group, gradient)`, into their places in order:
+    /// consecutive writes into one place go to the backend as one call.
+    fn take_grads<'a>(
+        &mut self,
+        gradients: impl ExactSizeIterator<Item = (ParamId, usize, Input<'a>)>,
+    ) -> Result<()> {
         self.effects(|e| {
-            e.enter(Phase::Backward)?;
-            let mut fx = std::mem::take(&mut e.reducing.effects);
-            fx.clear();
-            e.reducing.pipeline.on_grad(param.0, group, &mut fx);
-            let result = e.apply_grad_effects(&fx, Some(gradient));
-            e.reducing.effects = fx;
-            result
+            let mut writes = Writes {
+                target: None,
+                // A gradient makes one write.
+                pending: crate::fallible::with_capacity(gradients.len(), "a batch's writes")?,
+            };
+            for (param, group, gradient) in gradients {
+                let _range = crate::nvtx::range("grad", param.0);
+                // Entering the backward never ends a pass: no effect of it passes the writes.
+                e.enter(Phase::Backward)?;
+                let mut fx = std::mem::take(&mut e.reducing.effects);
+                fx.clear();
+                e.reducing.pipeline.on_grad(param.0, group, &mut fx);
+                let result = e.apply_grad_effects(&fx, Some((gradient, &mut writes)));
+                e.reducing.effects = fx;
+                result?;
+            }
+            e.flush_writes(&mut writes)
         })
     }
 
@@ -219,14 +252,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    pub(super) fn apply_grad_effects(
+    /// Applies `effects` in order. A gradient's writes (with `gradient`: the gradient and the
+    /// writes waiting) join the writes waiting when they go to the same place, so that a batch's
+    /// gradients reach the backend in one call; every other effect first writes those.
+    pub(super) fn apply_grad_effects<'a>(
         &mut self,
         effects: &[GradEffect],
-        input: Option<Input<'_>>,
+        mut gradient: Option<(Input<'a>, &mut Writes<'a>)>,
     ) -> Result<()> {
         for &effect in effects {
             if let Some(group) = effect.shard_written() {
                 self.ensure_grad_shard(group)?;
+            }
+            if let (Some((_, writes)), false) = (
+                gradient.as_mut(),
+                matches!(effect, GradEffect::Write { .. }),
+            ) {
+                self.flush_writes(writes)?;
             }
             match effect {
                 GradEffect::Retire { slot } => {
@@ -261,24 +303,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     unsafe { self.backend.zero(Stream::Compute, buffer, region) }?;
                 }
                 GradEffect::Write { param, place, add } => {
-                    let region = self.param_region(param, place);
-                    if let Some(input) = input {
-                        let buffer = place_buffer(
-                            &mut self.reducing.slots,
-                            &mut self.reducing.groups,
-                            place,
-                        )?;
-                        // SAFETY: see above.
-                        unsafe {
-                            self.backend.accumulate_input(
-                                Stream::Compute,
-                                input,
-                                buffer,
-                                region,
-                                1.0,
-                                add,
-                            )
-                        }?;
+                    if let Some((input, writes)) = gradient.as_mut() {
+                        if writes.target != Some((place, add)) {
+                            self.flush_writes(writes)?;
+                            writes.target = Some((place, add));
+                        }
+                        let region = self.param_region(param, place);
+                        writes.pending.push((*input, region));
                     }
                 }
                 GradEffect::Stage { group, slot } => {

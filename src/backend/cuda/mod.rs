@@ -36,7 +36,7 @@ use crate::watch::Watch;
 
 pub use driver::is_driver_present;
 pub(crate) use driver::{bind, cuda, primary_context};
-use kernels::Kernels;
+use kernels::{AccumulateEntry, Kernels};
 pub(crate) use memory::DeviceMemory;
 use memory::{BufferMemory, LentMemory};
 pub use memory::{CudaBuffer, DeviceAllocator, PinnedHost};
@@ -371,6 +371,60 @@ impl Backend for CudaBackend {
                         }
                     })
             }
+        }
+    }
+
+    unsafe fn accumulate_inputs(
+        &self,
+        stream: Stream,
+        writes: &[(Input<'_>, Region)],
+        dst: &mut CudaBuffer,
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        // One launch needs device tensors of one dtype into regions of one dtype.
+        let dtypes = writes
+            .first()
+            .map(|(src, region)| (src.dtype(), region.dtype));
+        let one_launch = writes.len() > 1
+            && writes.iter().all(|(src, region)| {
+                matches!(src.0, Source::Device { .. })
+                    && Some((src.dtype(), region.dtype)) == dtypes
+            });
+        let Some(dtypes) = dtypes.filter(|_| one_launch) else {
+            for &(src, region) in writes {
+                // SAFETY: the caller's contract, for this write.
+                unsafe { self.accumulate_input(stream, src, dst, region, scale, add) }?;
+            }
+            return Ok(());
+        };
+        let mut entries = crate::fallible::with_capacity(writes.len(), "a batch of accumulations")?;
+        for &(src, region) in writes {
+            let Source::Device { ptr, numel, .. } = src.0 else {
+                continue;
+            };
+            if numel != region.len {
+                return Err(length_mismatch(numel, region.len));
+            }
+            if ptr == 0 {
+                return Err(Error::Unsupported {
+                    backend: NAME,
+                    what: "a null device address as input",
+                });
+            }
+            entries.push(AccumulateEntry {
+                src: ptr,
+                dst: dst.addr(region)?,
+                n: numel as u64,
+            });
+        }
+        let on = self.stream_handle(stream);
+        bind(&self.ctx)?;
+        // SAFETY: each source as `accumulate_input` requires (the caller vouches for device
+        // inputs), each destination checked to hold its region; the regions do not overlap.
+        unsafe {
+            self.kernels
+                .accumulate_many(on, dtypes, &entries, scale, add)
         }
     }
 

@@ -102,6 +102,61 @@ impl Kernels {
         }
     }
 
+    /// As [`Kernels::accumulate`] on each entry of `entries`, all of one dtype pair, in one
+    /// launch per [`ACCUMULATE_BATCH`] entries (a launch costs the host more than most
+    /// parameters' arithmetic costs the device).
+    ///
+    /// # Safety
+    /// Each entry as [`Kernels::accumulate`] requires of its operands; no entry's `dst` overlaps
+    /// another's operands.
+    pub unsafe fn accumulate_many(
+        &self,
+        stream: &CudaStream,
+        (src_dtype, dst_dtype): (DType, DType),
+        entries: &[AccumulateEntry],
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        let kernels = match dst_dtype {
+            DType::F32 => &self.accumulate_many_to_f32,
+            DType::Bf16 => &self.accumulate_many_to_bf16,
+            DType::F16 => {
+                return Err(Error::Unsupported {
+                    backend: "cuda",
+                    what: "accumulating into f16",
+                });
+            }
+        };
+        let kernel = kernels[dtype_index(src_dtype)];
+        let add = u32::from(add);
+        for chunk in entries.chunks(ACCUMULATE_BATCH) {
+            let mut batch = AccumulateBatch([AccumulateEntry::default(); ACCUMULATE_BATCH]);
+            for (slot, e) in batch.0.iter_mut().zip(chunk) {
+                check_aligned(e.src, src_dtype.size())?;
+                check_aligned(e.dst, dst_dtype.size())?;
+                *slot = *e;
+            }
+            let most = chunk.iter().map(|e| e.n).max().unwrap_or(0);
+            if most == 0 {
+                continue;
+            }
+            let grid = kernel.elementwise_grid(usize::try_from(most).unwrap_or(usize::MAX));
+            // At most ACCUMULATE_BATCH rows.
+            let rows = chunk.len() as u32;
+            // SAFETY: accumulate_many_<src>_<dst>(AccumulateBatch batch, float scale, uint32_t
+            // add), row y running entry y of the `rows` filled; the caller's contract.
+            unsafe {
+                self.launch_rows(
+                    stream,
+                    kernel,
+                    (grid, rows),
+                    &mut [arg(&batch), arg(&scale), arg(&add)],
+                )
+            }?;
+        }
+        Ok(())
+    }
+
     /// `dst[i] = convert(src[i])`, rounding to nearest even when narrowing.
     ///
     /// # Safety

@@ -30,6 +30,25 @@ pub struct PackEntry {
 // The kernels read the table with this exact layout (`fsdp::PackEntry` in kernels/pack.cu).
 const _: () = assert!(std::mem::size_of::<PackEntry>() == 32);
 
+/// One accumulation of [`Kernels::accumulate_many`]: `n` elements from `src` into `dst`, device
+/// addresses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct AccumulateEntry {
+    pub src: u64,
+    pub dst: u64,
+    pub n: u64,
+}
+
+/// Accumulations in one launch: `fsdp::kBatchEntries` in kernels/grad.cu.
+pub const ACCUMULATE_BATCH: usize = 32;
+
+/// The launch's table, passed by value as `fsdp::AccumulateBatch`.
+#[repr(C)]
+struct AccumulateBatch([AccumulateEntry; ACCUMULATE_BATCH]);
+
+const _: () = assert!(std::mem::size_of::<AccumulateBatch>() == 24 * ACCUMULATE_BATCH);
+
 /// The fatbin that build.rs compiled; empty when nvcc was not found.
 static FATBIN: &Aligned<[u8]> =
     &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
@@ -62,6 +81,16 @@ const ACCUMULATE_TO_BF16: [&CStr; 3] = [
     c"accumulate_bf16_bf16",
     c"accumulate_f16_bf16",
     c"accumulate_f32_bf16",
+];
+const ACCUMULATE_MANY_TO_F32: [&CStr; 3] = [
+    c"accumulate_many_bf16_f32",
+    c"accumulate_many_f16_f32",
+    c"accumulate_many_f32_f32",
+];
+const ACCUMULATE_MANY_TO_BF16: [&CStr; 3] = [
+    c"accumulate_many_bf16_bf16",
+    c"accumulate_many_f16_bf16",
+    c"accumulate_many_f32_bf16",
 ];
 const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
 const ADAMW_BF16_MOMENTS: [&CStr; 3] =
@@ -146,6 +175,8 @@ pub struct Kernels {
     unpack: [Kernel; 3],
     accumulate_to_f32: [Kernel; 3],
     accumulate_to_bf16: [Kernel; 3],
+    accumulate_many_to_f32: [Kernel; 3],
+    accumulate_many_to_bf16: [Kernel; 3],
     adamw: [Kernel; 3],
     adamw_bf16_moments: [Kernel; 3],
     sgd: [Kernel; 3],
@@ -261,6 +292,8 @@ impl Kernels {
             unpack: each(&UNPACK)?,
             accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
             accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
+            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32)?,
+            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16)?,
             adamw: each(&ADAMW)?,
             adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
             sgd: each(&SGD)?,
@@ -287,6 +320,21 @@ impl Kernels {
         grid: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_rows(stream, kernel, (grid, 1), args) }
+    }
+
+    /// As [`Kernels::launch`], with `rows` rows of `grid` blocks each (`blockIdx.y` the row).
+    ///
+    /// # Safety
+    /// As [`Kernels::launch`].
+    unsafe fn launch_rows(
+        &self,
+        stream: &CudaStream,
+        kernel: Kernel,
+        (grid, rows): (u32, u32),
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error("cuCtxSetCurrent"))?;
@@ -294,7 +342,7 @@ impl Kernels {
         unsafe {
             result::launch_kernel(
                 kernel.function,
-                (grid, 1, 1),
+                (grid, rows, 1),
                 (BLOCK, 1, 1),
                 0,
                 stream.cu_stream(),

@@ -159,7 +159,38 @@ fn cast_case(gpu: &Gpu, from: DType, to: DType, pattern: &[u64], n: u64) {
     });
 }
 
-fn accumulate_case(gpu: &Gpu, (src, dst): (DType, DType), add: bool, pattern: &[u64], n: u64) {
+/// How an accumulation is launched: whole, or cut into pieces of many lengths (each starting
+/// at an element offset of its own) that one `accumulate_many` call runs, in several launches
+/// when the pieces are more than a launch takes.
+#[derive(Clone, Copy, Debug)]
+enum Launch {
+    Whole,
+    Pieces,
+}
+
+/// The pieces of `0..n`, as `(first element, length)`.
+fn pieces(n: u64) -> Vec<(u64, u64)> {
+    let lengths = [1, 255, 2, 4097, 3, 65537, 129];
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &length in lengths.iter().cycle() {
+        if at >= n {
+            break;
+        }
+        let length = length.min(n - at);
+        out.push((at, length));
+        at += length;
+    }
+    out
+}
+
+fn accumulate_case(
+    gpu: &Gpu,
+    (src, dst): (DType, DType),
+    (add, launch): (bool, Launch),
+    pattern: &[u64],
+    n: u64,
+) {
     let scale = if add { 1.0f32 / 3.0 } else { 0.7 };
     let dst_fill = add.then_some(Fill::Finite);
     let expect = move |_: u64, v: &mut [u32]| {
@@ -167,14 +198,32 @@ fn accumulate_case(gpu: &Gpu, (src, dst): (DType, DType), add: bool, pattern: &[
         v[1] = from_f32(dst, out);
     };
     let case = Case {
-        what: format!("accumulate {src} into {dst} (add: {add}) at offsets {pattern:?}"),
+        what: format!(
+            "accumulate {src} into {dst} (add: {add}, {launch:?}) at offsets {pattern:?}"
+        ),
         n,
         operands: Case::operands(gpu, pattern, &[(src, Some(Fill::Finite)), (dst, dst_fill)]),
         expect: &expect,
     };
-    run_case(gpu, &case, |s| unsafe {
-        gpu.kernels
-            .accumulate(&gpu.stream, (src, dst), s[0], s[1], n as usize, scale, add)
+    run_case(gpu, &case, |s| match launch {
+        Launch::Whole => unsafe {
+            gpu.kernels
+                .accumulate(&gpu.stream, (src, dst), s[0], s[1], n as usize, scale, add)
+        },
+        Launch::Pieces => {
+            let entries: Vec<AccumulateEntry> = pieces(n)
+                .into_iter()
+                .map(|(at, len)| AccumulateEntry {
+                    src: s[0] + at * src.size() as u64,
+                    dst: s[1] + at * dst.size() as u64,
+                    n: len,
+                })
+                .collect();
+            unsafe {
+                gpu.kernels
+                    .accumulate_many(&gpu.stream, (src, dst), &entries, scale, add)
+            }
+        }
     });
 }
 
@@ -381,7 +430,27 @@ fn accumulate_matches_the_host() {
     for src in DTYPES {
         for dst in ACCUMULATORS {
             for add in [false, true] {
-                for_small_cases(|pattern, n| accumulate_case(&gpu, (src, dst), add, pattern, n));
+                for_small_cases(|pattern, n| {
+                    accumulate_case(&gpu, (src, dst), (add, Launch::Whole), pattern, n)
+                });
+            }
+        }
+    }
+}
+
+/// One launch of many accumulations computes each as its own launch does: the pieces start at
+/// every alignment phase, and the largest sizes take more pieces than one launch holds.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn accumulate_many_matches_the_host() {
+    let gpu = gpu();
+    assert!(pieces((1 << 20) + 3).len() > 2 * ACCUMULATE_BATCH);
+    for src in DTYPES {
+        for dst in ACCUMULATORS {
+            for add in [false, true] {
+                for_small_cases(|pattern, n| {
+                    accumulate_case(&gpu, (src, dst), (add, Launch::Pieces), pattern, n)
+                });
             }
         }
     }
@@ -394,7 +463,13 @@ fn accumulate_one_gib() {
     for src in DTYPES {
         for dst in ACCUMULATORS {
             for add in [false, true] {
-                accumulate_case(&gpu, (src, dst), add, &[3], gib_of(DType::F32));
+                accumulate_case(
+                    &gpu,
+                    (src, dst),
+                    (add, Launch::Whole),
+                    &[3],
+                    gib_of(DType::F32),
+                );
             }
         }
     }
@@ -406,7 +481,13 @@ fn accumulate_one_gib() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_past_2_pow_31_elements() {
     let gpu = gpu();
-    accumulate_case(&gpu, (DType::F32, DType::F32), true, &[3], (1 << 31) + 5);
+    accumulate_case(
+        &gpu,
+        (DType::F32, DType::F32),
+        (true, Launch::Whole),
+        &[3],
+        (1 << 31) + 5,
+    );
 }
 
 /// A bf16 to f32 cast of more than 2^32 elements (8 GiB in, 16 GiB out).
