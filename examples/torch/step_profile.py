@@ -9,7 +9,10 @@ and for fsdp-fusion the host time in its hooks, split into the C calls (by funct
 Python around them, with the cost of a ctypes call that does nothing for scale.
 
     NCCL_NVLS_ENABLE=0 python examples/torch/step_profile.py --model gpt2 [--micro-batches 2]
-        [--checkpointing]
+        [--checkpointing] [--fsdp2]
+
+`--model` is transformers' GPT-2 (12 layers, 768, tied), Llama (8 layers, 1024, 4 KV heads) or
+Qwen2 (6 layers, 896, tied, biased attention projections).
 
 Plain PyTorch is a bf16 model trained through an fp32 master copy with `torch.optim.AdamW`
 (foreach), the engine's numerics; both at world size 1 on NCCL.
@@ -32,6 +35,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
@@ -45,7 +50,7 @@ HOOK_ENTRIES = ("_open", "_close", "_wrap_inputs", "_hook_outputs", "_pre_backwa
 def arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--library", help="libfsdp_fusion.so (default: as fsdp_fusion finds it)")
-    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--model", default="gpt2", choices=["gpt2", "llama", "qwen2"])
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--checkpointing", action="store_true",
                         help="transformers' gradient checkpointing in both trainers")
@@ -53,6 +58,7 @@ def arguments():
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--fsdp2", action="store_true", help="FSDP2 as a third trainer")
     return parser.parse_args()
 
 
@@ -66,6 +72,15 @@ def build(args):
                             n_positions=args.seq)
         model = GPT2LMHeadModel(config)
         layers = list(model.transformer.h)
+    elif args.model == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        # Tied, with biases on the attention's projections.
+        config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=6,
+                             num_attention_heads=14, num_key_value_heads=2, vocab_size=4096,
+                             max_position_embeddings=args.seq, tie_word_embeddings=True)
+        model = Qwen2ForCausalLM(config)
+        layers = list(model.model.layers)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,16 +191,48 @@ def fusion_trainer(args, model, layers, device):
     return step, clock, fused
 
 
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's AdamW (foreach) with the client's recipe: no decay for the LLM exemptions."""
+    exempt = default_no_weight_decay(model)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if n not in exempt]},
+              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+
+def fsdp2_trainer(model, layers, device):
+    """FSDP2 on every layer and the root: fp32 sharded parameters gathered as bf16, gradients
+    reduced in fp32."""
+    model = model.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cuda", (1,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = adamw(model)
+
+    def step(batches, phases):
+        loss = None
+        phases.mark(0)
+        for i, tokens in enumerate(batches):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            if i == 0:
+                phases.mark(1)
+            loss.backward()
+        phases.mark(2)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phases.mark(3)
+        return loss
+
+    return step
+
+
 def plain_trainer(args, model, device):
     master = model.to(device)
     compute = copy.deepcopy(master).to(torch.bfloat16)
     pairs = list(zip(master.parameters(), compute.parameters()))
-    exempt = default_no_weight_decay(master)
-    named = list(master.named_parameters())
-    groups = [{"params": [p for n, p in named if n not in exempt]},
-              {"params": [p for n, p in named if n in exempt], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                  foreach=True)
+    optimizer = adamw(master)
 
     def step(batches, phases):
         loss = None
@@ -225,8 +272,14 @@ def main() -> int:
                            rank=0, world_size=1)
     model, layers = build(args)
     plain_model = copy.deepcopy(model)
+    trainers = {}
+    if args.fsdp2:
+        # A copy of the model whose layers FSDP2 shards in place.
+        fsdp2_model, fsdp2_layers = build(args)
+        trainers["FSDP2"] = fsdp2_trainer(fsdp2_model, fsdp2_layers, device)
     fusion, clock, fused = fusion_trainer(args, model, layers, device)
-    trainers = {"fsdp-fusion": fusion, "plain PyTorch": plain_trainer(args, plain_model, device)}
+    trainers = {"fsdp-fusion": fusion, "plain PyTorch": plain_trainer(args, plain_model, device),
+                **trainers}
     g = torch.Generator(device=device).manual_seed(1)
     record = {name: defaultdict(list) for name in trainers}
     hook_steps, call_steps = [], defaultdict(lambda: [0, 0.0])
@@ -263,8 +316,11 @@ def main() -> int:
         print(f"{name:>14}: step {spread(r['step'])}  "
               + "  ".join(f"{p} device {spread(r[f'{p} device'])} host {spread(r[f'{p} host'])}"
                           for p in PHASES))
-    ours, theirs = (statistics.median(record[n]["step"]) for n in trainers)
-    print(f"fsdp-fusion / plain PyTorch, median step: {ours / theirs:.3f}")
+    plain = statistics.median(record["plain PyTorch"]["step"])
+    for name in trainers:
+        if name != "plain PyTorch":
+            print(f"{name} / plain PyTorch, median step: "
+                  f"{statistics.median(record[name]['step']) / plain:.3f}")
     c_ms = sum(seconds for _, seconds in call_steps.values()) * 1e3 / measured
     hooks_ms = statistics.mean(hook_steps)
     print(f"fsdp-fusion hooks, host ms per step: {hooks_ms:.2f} in all, {c_ms:.2f} in C calls, "
