@@ -1,26 +1,66 @@
 //! Host cost of the engine's decisions: every hook of every unit in a steady-state step, on one
 //! rank with tiny parameters, so the time is the engine's bookkeeping, not data movement.
-//! The per-unit figure is the step's time divided by the number of units.
+//! The per-unit figure is the step's time divided by the number of units: the median over
+//! samples of many steps, with the 10th and 90th percentiles.
+//!
+//!     cargo bench --bench hooks [-- --samples 50]
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use std::time::{Duration, Instant};
+
 use fsdp_fusion_support::unit_stack::{engine, step};
 
 const UNITS: u32 = 64;
+/// Each sample times this much of stepping, whole steps.
+const SAMPLE: Duration = Duration::from_millis(100);
 
-fn hooks(c: &mut Criterion) {
-    let mut group = c.benchmark_group("hooks");
-    group.throughput(Throughput::Elements(UNITS as u64));
+fn main() {
+    let mut samples = 50usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        // `cargo bench` passes `--bench`; anything else but the sample count is refused.
+        match arg.as_str() {
+            "--bench" => {}
+            "--samples" => match args.next().and_then(|n| n.parse().ok()) {
+                Some(n) if n >= 10 => samples = n,
+                _ => {
+                    eprintln!("--samples takes a number of at least 10");
+                    std::process::exit(2);
+                }
+            },
+            other => {
+                eprintln!("unknown argument {other:?} (--samples N)");
+                std::process::exit(2);
+            }
+        }
+    }
     for overlap in [true, false] {
         let mut e = engine(UNITS, overlap);
-        step(&mut e, UNITS);
-        let name = format!(
-            "step_of_{UNITS}_units_overlap_{}",
-            if overlap { "on" } else { "off" }
+        // Steps per sample, from a first second of warm-up steps.
+        let warm = Instant::now();
+        let mut steps = 0u32;
+        while warm.elapsed() < Duration::from_secs(1) {
+            step(&mut e, UNITS);
+            steps += 1;
+        }
+        let per_sample = (f64::from(steps) * SAMPLE.as_secs_f64()).ceil().max(1.0) as u32;
+        let mut per_step: Vec<f64> = (0..samples)
+            .map(|_| {
+                let start = Instant::now();
+                for _ in 0..per_sample {
+                    step(&mut e, UNITS);
+                }
+                start.elapsed().as_secs_f64() / f64::from(per_sample)
+            })
+            .collect();
+        per_step.sort_by(f64::total_cmp);
+        let at = |q: usize| per_step[(per_step.len() - 1) * q / 100] * 1e6;
+        println!(
+            "step of {UNITS} units, overlap {}: {:.2} us per step ({:.2}-{:.2}), {:.3} us per unit",
+            if overlap { "on" } else { "off" },
+            at(50),
+            at(10),
+            at(90),
+            at(50) / f64::from(UNITS),
         );
-        group.bench_function(name, |b| b.iter(|| step(&mut e, UNITS)));
     }
-    group.finish();
 }
-
-criterion_group!(benches, hooks);
-criterion_main!(benches);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use fsdp_fusion::checkpoint::{self, DataReader, RankManifest, SectionKind};
 use fsdp_fusion::{DType, EngineConfig, Error, Input, Plan};
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, load, sharded_step};
-use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
+use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, modes, on_engines};
 use fsdp_fusion_support::scratch::Scratch;
 use fsdp_fusion_support::values::narrow;
 
@@ -290,8 +290,7 @@ fn a_manifest_changed_in_any_field_is_refused_on_every_rank_by_file_and_field() 
             "corrupted: chunk 0",
         ),
     ];
-    let mut modes = Vec::new();
-    for_each_mode(|mode| modes.push(mode));
+    let modes = modes();
     for (i, (what, rank, change, field)) in cases.into_iter().enumerate() {
         let scratch = Scratch::new("tampered");
         let (mlp, plan) = saved_three(scratch.path());

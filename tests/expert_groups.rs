@@ -100,15 +100,13 @@ fn expert_parity(mode: Mode, (world, size): (usize, usize), config: EngineConfig
 }
 
 fn every_mode(grid: (usize, usize), config: &EngineConfig) -> f32 {
-    let mut worst = 0f32;
     for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("expert groups {grid:?} ({mode:?})");
-        worst = worst.max(within_deadline(&what, move || {
-            expert_parity(mode, grid, config)
-        }));
-    });
-    worst
+        within_deadline(&what, move || expert_parity(mode, grid, config))
+    })
+    .into_iter()
+    .fold(0f32, f32::max)
 }
 
 #[test]

@@ -77,15 +77,13 @@ fn hybrid_parity(mode: Mode, (replicas, shard_size): (usize, usize), config: Eng
 }
 
 fn every_mode(grid: (usize, usize), config: &EngineConfig) -> f32 {
-    let mut worst = 0f32;
     for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("hybrid sharding {grid:?} ({mode:?})");
-        worst = worst.max(within_deadline(&what, move || {
-            hybrid_parity(mode, grid, config)
-        }));
-    });
-    worst
+        within_deadline(&what, move || hybrid_parity(mode, grid, config))
+    })
+    .into_iter()
+    .fold(0f32, f32::max)
 }
 
 fn adamw() -> EngineConfig {

@@ -24,15 +24,13 @@ fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
 /// As [`parity`], under a recipe (schedule and clipping), with the embedding at half the
 /// learning rate and the biases exempt from weight decay.
 fn parity_with(world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
-    let mut worst = 0f32;
     for_each_mode_of_a_long_suite(|mode| {
         let config = config.clone();
         let what = format!("parity at world size {world} ({mode:?}, {recipe:?})");
-        worst = worst.max(within_deadline(&what, move || {
-            parity_in(mode, world, dtype, config, recipe)
-        }));
-    });
-    worst
+        within_deadline(&what, move || parity_in(mode, world, dtype, config, recipe))
+    })
+    .into_iter()
+    .fold(0f32, f32::max)
 }
 
 fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {

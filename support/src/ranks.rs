@@ -2,7 +2,7 @@
 //! per rank, and a deadline on every multi-rank run, so that a hang fails a test instead of
 //! stalling it.
 
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::panic::resume_unwind;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -62,34 +62,59 @@ pub fn modes() -> Vec<Mode> {
         .collect()
 }
 
-/// Runs `body` in every mode; a failing mode is named (with the variable that reproduces it)
-/// before its panic goes on.
-pub fn for_each_mode(body: impl FnMut(Mode)) {
-    run_modes(modes(), body);
+/// Runs `body` in every mode, the modes side by side, one thread each: each mode's run has its
+/// own ranks, backends and files, and the asynchronous backends' streams mostly sleep. Returns
+/// each mode's result in the order of [`modes`]; every failing mode is named (with the variable
+/// that reproduces it) before the first one's panic goes on.
+pub fn for_each_mode<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
+    run_modes(modes(), body)
 }
 
 /// As [`for_each_mode`], for a long suite: its seeds are cut to `FSDP_ASYNC_SEEDS_LONG` where
 /// that is set (a run that spends its seeds on the short suites, which find ordering bugs at a
 /// fraction of the time per seed).
-pub fn for_each_mode_of_a_long_suite(body: impl FnMut(Mode)) {
+pub fn for_each_mode_of_a_long_suite<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
     let mut modes = modes();
     if let Some(long) = env_u64("FSDP_ASYNC_SEEDS_LONG") {
         modes.truncate(usize::try_from(long).map_or(usize::MAX, |n| n.saturating_add(1)));
     }
-    run_modes(modes, body);
+    run_modes(modes, body)
 }
 
-fn run_modes(modes: Vec<Mode>, mut body: impl FnMut(Mode)) {
-    for mode in modes {
-        if let Err(panic) = catch_unwind(AssertUnwindSafe(|| body(mode))) {
-            match mode {
-                Mode::Eager => eprintln!("failed on the eager CPU backend"),
-                Mode::Async(seed) => eprintln!(
-                    "failed on the asynchronous CPU backend, seed {seed} (FSDP_ASYNC_SEED={seed} runs only it)"
-                ),
+fn run_modes<R: Send>(modes: Vec<Mode>, body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
+    let body = &body;
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let runs: Vec<_> = modes
+            .into_iter()
+            .map(|mode| (mode, s.spawn(move || body(mode))))
+            .collect();
+        runs.into_iter()
+            .map(|(mode, run)| (mode, run.join()))
+            .collect()
+    });
+    let mut results = Vec::with_capacity(outcomes.len());
+    let mut first_panic = None;
+    for (mode, outcome) in outcomes {
+        match outcome {
+            Ok(r) => results.push(r),
+            Err(panic) => {
+                name_the_failing(mode);
+                first_panic.get_or_insert(panic);
             }
-            resume_unwind(panic);
         }
+    }
+    if let Some(panic) = first_panic {
+        resume_unwind(panic);
+    }
+    results
+}
+
+fn name_the_failing(mode: Mode) {
+    match mode {
+        Mode::Eager => eprintln!("failed on the eager CPU backend"),
+        Mode::Async(seed) => eprintln!(
+            "failed on the asynchronous CPU backend, seed {seed} (FSDP_ASYNC_SEED={seed} runs only it)"
+        ),
     }
 }
 
@@ -197,7 +222,24 @@ pub fn on_engines<R: Send + 'static>(
 
 #[cfg(test)]
 mod tests {
+    use std::panic::catch_unwind;
+
     use super::*;
+
+    #[test]
+    fn modes_run_side_by_side_return_in_order_and_a_panic_goes_on() {
+        // Every mode waits until all have started: they only finish if they run at once.
+        let started = std::sync::Barrier::new(modes().len());
+        let seen = for_each_mode(|mode| {
+            started.wait();
+            mode
+        });
+        assert_eq!(seen, modes());
+        let panicked = catch_unwind(|| {
+            for_each_mode(|mode| assert_eq!(mode, Mode::Eager, "only eager passes"))
+        });
+        assert!(panicked.is_err());
+    }
 
     #[test]
     fn threads_return_in_order_and_panics_go_on() {
