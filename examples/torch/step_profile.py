@@ -59,6 +59,8 @@ def arguments():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 as a third trainer")
+    parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
+                        help="the engine's fp32 gradient shards: made each step, or kept")
     return parser.parse_args()
 
 
@@ -172,7 +174,8 @@ class TimedLibrary:
 def fusion_trainer(args, model, layers, device):
     module = model.to(device=device, dtype=torch.bfloat16)
     fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
-                      weight_decay=0.1, no_weight_decay=default_no_weight_decay)
+                      weight_decay=0.1, no_weight_decay=default_no_weight_decay,
+                      grad_shards=args.grad_shards)
     clock = HookClock(fused)
 
     def step(batches, phases):
