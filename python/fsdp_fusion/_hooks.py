@@ -38,8 +38,7 @@ class _Unit:
         self.opens = 0
         self.views: _Views | None = None
         self.backward_open = False
-        # Gradients arrived in the open backward: kept alive until handed over in one batch.
-        self.pending: list[tuple[_Param, torch.Tensor]] = []
+        self.trainable = [p for p in params if p.tensor.requires_grad]
         self.batch = (Grad * count)()
 
 
@@ -91,10 +90,6 @@ class _Hooks:
             unit.register_forward_hook(self._post_forward_hook(index), always_call=True)
         self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         self.module.register_forward_hook(self._root_post_forward, always_call=True)
-        for u in self._unit_of.values():
-            for p in u.params:
-                if p.tensor.requires_grad:
-                    p.tensor.register_post_accumulate_grad_hook(self._grad_hook(p, u))
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -174,41 +169,41 @@ class _Hooks:
             self._close(u, self._lib.fsdp_engine_post_backward)
 
     def _close_backwards(self):
+        """Ends every backward left open, then hands over the gradients that arrived after
+        their unit's backward ended (or in a unit whose outputs needed none): before the next
+        forward or the step, so that no gradient of one pass waits into the next."""
         for u in self._unit_of.values():
             if u.backward_open:
                 self._post_backward(u.index)
-
-    def _grad_hook(self, p: _Param, u: _Unit):
-        def hook(param):
-            # The gradient itself, not a detached alias: a leaf's gradient needs no graph, and
-            # the engine reads only its memory.
-            grad = param.grad
-            param.grad = None
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
-            u.pending.append((p, grad))
-            if not u.backward_open:
-                # A gradient outside its unit's backward (the unit's outputs needed none).
-                self._hand_over(u)
-
-        return hook
+        for u in self._unit_of.values():
+            self._hand_over(u)
 
     def _hand_over(self, u: _Unit):
-        """Hands the unit's pending gradients to the engine in one call. On the CPU the engine
-        reads them before returning; on a GPU it reads them on the compute stream, where the
-        caching allocator reuses their memory only afterwards."""
-        if not u.pending:
-            return
-        self._gradients = True
-        batch = u.batch
-        for k, (p, grad) in enumerate(u.pending):
-            entry = batch[k]
+        """Hands the unit's gradients (in its parameters' `.grad`, where autograd accumulated
+        them) to the engine in one call, and clears `.grad`. Autograd runs a leaf's gradient
+        accumulation as soon as the gradient is ready, ahead of any other node, so by the end
+        of a unit's backward every gradient of the unit is there. On the CPU the engine reads
+        them before returning; on a GPU it reads them on the compute stream, where the caching
+        allocator reuses their memory only afterwards."""
+        grads, batch = [], u.batch
+        for p in u.trainable:
+            grad = p.tensor.grad
+            if grad is None:
+                continue
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+            entry = batch[len(grads)]
             entry.param, entry.data, entry.numel = p.id, grad.data_ptr(), grad.numel()
             entry.dtype = DTYPE_CODES.get(grad.dtype, 99)
-        # The tensors live until the call returned: clear only after it.
-        status = self._lib.fsdp_engine_grads(self._engine, batch, len(u.pending))
-        u.pending.clear()
-        self._check(status, "fsdp_engine_grads")
+            grads.append(grad)
+        if not grads:
+            return
+        self._gradients = True
+        for p in u.trainable:
+            p.tensor.grad = None
+        # The tensors live until the call returned: `grads` holds them.
+        self._check(self._lib.fsdp_engine_grads(self._engine, batch, len(grads)),
+                    "fsdp_engine_grads")
 
     # -- gathered views --------------------------------------------------------------------
 

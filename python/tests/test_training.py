@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gpt import loss_of
@@ -400,3 +402,28 @@ def test_a_full_state_dict_is_every_parameter_whole_on_every_rank(world):
     _, plain = models(False)
     missing, unexpected = plain.load_state_dict(states[0], strict=False)
     assert not unexpected and not set(missing) & set(names)
+
+
+def test_each_units_gradients_are_reduced_in_its_own_backward():
+    """Autograd accumulates a leaf's gradient before any other node runs, so when a unit's
+    backward ends its gradients are in its parameters and go to the engine then: every block's
+    reduce-scatter is issued inside `backward`, none is left for `step`."""
+    world = 2
+    _, module = models(False)
+    modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+    group = fsdp_fusion.LocalGroup(world)
+    fused = on_ranks(world, lambda rank: FusedFSDP(modules[rank], list(modules[rank].blocks),
+                                                   local_group=group, rank=rank, lr=1e-2))
+    tokens = batches(world)[0][0]
+
+    def backward_then_step(rank):
+        f = fused[rank]
+        loss_of(f(tokens[rank][:, :-1]), tokens[rank][:, 1:]).backward()
+        in_backward = f.counters().reduce_scatters
+        f.step()
+        return in_backward, f.counters().reduce_scatters
+
+    for in_backward, after_step in on_ranks(world, backward_then_step):
+        # Blocks 0 and 2 hold a frozen group; the root's groups are reduced by the step.
+        assert in_backward >= len(module.blocks), (in_backward, after_step)
+        assert after_step > in_backward
