@@ -177,21 +177,27 @@ def fusion_trainer(args, model, layers, device):
                       weight_decay=0.1, no_weight_decay=default_no_weight_decay,
                       grad_shards=args.grad_shards)
     clock = HookClock(fused)
+    return stepper(fused, fused.step), clock, fused
+
+
+def stepper(model, optimizer_step):
+    """A trainer's step: forward and backward of every micro-batch through `model`, then
+    `optimizer_step()`, the phases marked; returns the last loss."""
 
     def step(batches, phases):
         loss = None
         phases.mark(0)
         for i, tokens in enumerate(batches):
-            loss = fused(input_ids=tokens, labels=tokens).loss
+            loss = model(input_ids=tokens, labels=tokens).loss
             if i == 0:
                 phases.mark(1)
             loss.backward()
         phases.mark(2)
-        fused.step()
+        optimizer_step()
         phases.mark(3)
         return loss
 
-    return step, clock, fused
+    return step
 
 
 def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
@@ -214,21 +220,11 @@ def fsdp2_trainer(model, layers, device):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = adamw(model)
 
-    def step(batches, phases):
-        loss = None
-        phases.mark(0)
-        for i, tokens in enumerate(batches):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            if i == 0:
-                phases.mark(1)
-            loss.backward()
-        phases.mark(2)
+    def optimizer_step():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        phases.mark(3)
-        return loss
 
-    return step
+    return stepper(model, optimizer_step)
 
 
 def plain_trainer(args, model, device):

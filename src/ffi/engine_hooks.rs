@@ -16,45 +16,48 @@ use crate::types::{DType, ParamId};
 /// part of that backward pass.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_pre_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
-    boundary(|| {
-        let unit = unit_of(unit)?;
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.pre_forward(unit))?)
-        })
-    })
+    unit_hook(engine, unit, UnitHook::PreForward)
 }
 
 /// After `unit`'s forward: its parameter views stay valid only while another of its hooks is open.
 /// Does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_forward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
-    boundary(|| {
-        let unit = unit_of(unit)?;
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.post_forward(unit))?)
-        })
-    })
+    unit_hook(engine, unit, UnitHook::PostForward)
 }
 
 /// Before `unit`'s backward: as `fsdp_engine_pre_forward`, prefetching in backward order.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_pre_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
-    boundary(|| {
-        let unit = unit_of(unit)?;
-        on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.pre_backward(unit))?)
-        })
-    })
+    unit_hook(engine, unit, UnitHook::PreBackward)
 }
 
 /// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
 /// not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
+    unit_hook(engine, unit, UnitHook::PostBackward)
+}
+
+/// The four hooks around a unit, each C function one call of [`unit_hook`].
+#[derive(Clone, Copy)]
+enum UnitHook {
+    PreForward,
+    PostForward,
+    PreBackward,
+    PostBackward,
+}
+
+fn unit_hook(engine: *mut fsdp_engine, unit: i64, hook: UnitHook) -> fsdp_status {
     boundary(|| {
         let unit = unit_of(unit)?;
         on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.post_backward(unit))?)
+            Ok(with_engine!(any, e => match hook {
+                UnitHook::PreForward => e.pre_forward(unit),
+                UnitHook::PostForward => e.post_forward(unit),
+                UnitHook::PreBackward => e.pre_backward(unit),
+                UnitHook::PostBackward => e.post_backward(unit),
+            })?)
         })
     })
 }
