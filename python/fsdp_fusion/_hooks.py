@@ -93,9 +93,15 @@ class _Hooks:
 
     # -- hooks -----------------------------------------------------------------------------
 
+    # Where the views never move (world size 1, parameters stored as shards), a unit's views
+    # are mapped in its first forward and the engine has nothing to gather or release for it:
+    # later passes make no engine call for the unit but the one that hands its gradients over.
+
     def _pre_forward_hook(self, unit: int):
         def hook(_module, args, kwargs):
-            self._open(self._units[unit], self._lib.fsdp_engine_pre_forward)
+            u = self._units[unit]
+            if self._views_move or u.views is None:
+                self._open(u, self._lib.fsdp_engine_pre_forward)
             return self._wrap_inputs(unit, args, kwargs)
 
         return hook
@@ -103,7 +109,8 @@ class _Hooks:
     def _post_forward_hook(self, unit: int):
         def hook(_module, _args, output):
             self._close(self._units[unit], self._lib.fsdp_engine_post_forward)
-            self._hook_outputs(unit, output)
+            if self._views_move:
+                self._hook_outputs(unit, output)
 
         return hook
 
@@ -167,6 +174,8 @@ class _Hooks:
             u.backward_open = False
             self._hand_over(u)
             self._close(u, self._lib.fsdp_engine_post_backward)
+        elif not self._views_move and unit != ROOT:
+            self._hand_over(u)
 
     def _close_backwards(self):
         """Ends every backward left open, then hands over the gradients that arrived after

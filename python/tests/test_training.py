@@ -427,3 +427,52 @@ def test_each_units_gradients_are_reduced_in_its_own_backward():
         # Blocks 0 and 2 hold a frozen group; the root's groups are reduced by the step.
         assert in_backward >= len(module.blocks), (in_backward, after_step)
         assert after_step > in_backward
+
+
+class CallCounter:
+    """The wrapper's library with each `fsdp_engine_*` call counted by name."""
+
+    def __init__(self, lib):
+        self._lib, self.calls = lib, {}
+
+    def __getattr__(self, name):
+        function = getattr(self._lib, name)
+        if not name.startswith("fsdp_engine_"):
+            return function
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args)
+
+        counted.__name__ = name
+        return counted
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_at_world_size_1_a_unit_costs_one_engine_call_a_pass(world):
+    """Where the views are the shards, a unit has nothing to gather or release after its first
+    forward: a pass calls the engine for the root's hooks and one hand-over of gradients per
+    unit. Above world size 1 every unit's four hooks call it."""
+    _, module = models(False)
+    modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+    group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+    fused = on_ranks(world, lambda rank: FusedFSDP(modules[rank], list(modules[rank].blocks),
+                                                   local_group=group, rank=rank, lr=1e-2))
+    steps = batches(world)[:2]
+
+    def two_steps(rank):
+        f = fused[rank]
+        for index, step in enumerate(steps):
+            if index == 1:
+                f._lib = CallCounter(f._lib)
+            tokens = step[0][rank]
+            loss_of(f(tokens[:, :-1]), tokens[:, 1:]).backward()
+            f.step()
+        return f._lib.calls
+
+    units = len(module.blocks)
+    for calls in on_ranks(world, two_steps):
+        hooks = 1 if world == 1 else units + 1
+        for name in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
+            assert calls.get(f"fsdp_engine_{name}", 0) == hooks, (name, calls)
+        assert calls["fsdp_engine_grads"] == units + 1, calls
