@@ -1,7 +1,8 @@
 """A small GPT in plain PyTorch: token embedding tied with the LM head, learned positions,
 pre-norm transformer blocks (causal attention through F.scaled_dot_product_attention, then an MLP),
 a final norm. Each block is one FSDP unit; the rest is the root. `checkpoint=True` recomputes each
-block's forward in backward (activation checkpointing) instead of keeping its activations."""
+block's forward in backward (activation checkpointing) instead of keeping its activations,
+`reentrant=True` with PyTorch's reentrant form of it (transformers' default)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int,
-                 checkpoint: bool = False):
+                 checkpoint: bool = False, reentrant: bool = False):
         super().__init__()
-        self.checkpoint = checkpoint
+        self.checkpoint, self.reentrant = checkpoint, reentrant
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
@@ -50,7 +51,7 @@ class GPT(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             if self.checkpoint and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
             else:
                 x = block(x)
         return self.head(self.norm(x))

@@ -144,3 +144,5 @@ class _EngineCreation:
             t = p.tensor
             p.placeholder = torch.full((), math.nan, dtype=t.dtype, device=t.device).expand(t.shape)
             t.data = p.placeholder
+            # A gradient from before the wrapper is no gradient of its steps.
+            t.grad = None

@@ -36,6 +36,8 @@ class _Unit:
         self.cache: dict[tuple, _Views] = {}
         # Hooks of the unit open now (a recomputing forward may open it inside its backward).
         self.opens = 0
+        # Of those, the forwards' (their post hook closes them).
+        self.forward_opens = 0
         self.views: _Views | None = None
         self.backward_open = False
         self.trainable = [p for p in params if p.tensor.requires_grad]
@@ -95,21 +97,25 @@ class _Hooks:
 
     # Where the views never move (world size 1, parameters stored as shards), a unit's views
     # are mapped in its first forward and the engine has nothing to gather or release for it:
-    # later passes make no engine call for the unit but the one that hands its gradients over.
+    # inside the root's forward (whose hooks tell the engine where a pass begins), later passes
+    # make no engine call for the unit but the one that hands its gradients over.
 
     def _pre_forward_hook(self, unit: int):
         def hook(_module, args, kwargs):
             u = self._units[unit]
-            if self._views_move or u.views is None:
+            if self._views_move or u.views is None or self._root.opens == 0:
                 self._open(u, self._lib.fsdp_engine_pre_forward)
+                u.forward_opens += 1
             return self._wrap_inputs(unit, args, kwargs)
 
         return hook
 
     def _post_forward_hook(self, unit: int):
         def hook(_module, _args, output):
-            self._close(self._units[unit], self._lib.fsdp_engine_post_forward)
-            if self._views_move:
+            u = self._units[unit]
+            if u.forward_opens:
+                u.forward_opens -= 1
+                self._close(u, self._lib.fsdp_engine_post_forward)
                 self._hook_outputs(unit, output)
 
         return hook
@@ -175,6 +181,7 @@ class _Hooks:
             self._hand_over(u)
             self._close(u, self._lib.fsdp_engine_post_backward)
         elif not self._views_move and unit != ROOT:
+            # A unit whose forward made no engine call (see `_pre_forward_hook`).
             self._hand_over(u)
 
     def _close_backwards(self):

@@ -93,6 +93,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     as rank `rank` of `local_group` when that is a `LoopbackGroup` (ranks as threads sharing one
     GPU, for tests), each rank on its own current stream.
 
+    Every forward goes through the wrapper (`model(...)`, or the module itself): the root's
+    hooks tell the engine where a pass begins. The parameters' `.grad` belong to the wrapper:
+    it clears them when wrapping, and takes each unit's when the unit's backward ends (autograd
+    accumulates them first); the step holds the gradients, not `.grad`.
+
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
     unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of
     its shard, current after every step. `param_storage="master"` keeps a bf16/f16 trainable

@@ -48,9 +48,10 @@ def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):
     assert counters.steps == 4
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("world", [1, 2])
-def test_gradient_checkpointing_matches_torch_with_the_same_collectives(world):
-    run = train("sgd", world=world, checkpoint=True)
+def test_gradient_checkpointing_matches_torch_with_the_same_collectives(world, reentrant):
+    run = train("sgd", world=world, checkpoint=True, reentrant=reentrant)
     worst = run.worst_loss_difference()
     assert worst <= 1e-5, f"losses differ by {worst} (relative)"
     # The recomputed forwards belong to their backward: no group is reduced early, or twice.

@@ -21,10 +21,10 @@ STEPS, PASSES = 4, 2
 FROZEN = ("pos", "blocks.0.qkv.bias", "blocks.2.up.bias")
 
 
-def models(checkpoint: bool = False):
+def models(checkpoint: bool = False, reentrant: bool = False):
     """The reference GPT and an identical copy for the client."""
     torch.manual_seed(0)
-    reference = GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, checkpoint=checkpoint)
+    reference = GPT(VOCAB, DIM, HEADS, LAYERS, SEQ, checkpoint=checkpoint, reentrant=reentrant)
     for name, p in reference.named_parameters():
         p.requires_grad_(name not in FROZEN)
     return reference, copy.deepcopy(reference)
@@ -79,8 +79,9 @@ def on_ranks(world: int, f):
         return list(pool.map(f, range(world)))
 
 
-def train(optimizer: str, world: int = 1, checkpoint: bool = False, spy=None, **engine) -> Run:
-    reference, module = models(checkpoint)
+def train(optimizer: str, world: int = 1, checkpoint: bool = False, reentrant: bool = False,
+          spy=None, **engine) -> Run:
+    reference, module = models(checkpoint, reentrant)
     reference_optimizer = torch_optimizer(optimizer, reference)
     group = LocalGroup(world) if world > 1 else None
     modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
