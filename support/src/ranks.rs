@@ -2,8 +2,10 @@
 //! per rank, and a deadline on every multi-rank run, so that a hang fails a test instead of
 //! stalling it.
 
-use std::panic::resume_unwind;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -62,45 +64,61 @@ pub fn modes() -> Vec<Mode> {
         .collect()
 }
 
-/// Runs `body` in every mode, the modes side by side, one thread each: each mode's run has its
-/// own ranks, backends and files, and the asynchronous backends' streams mostly sleep. Returns
-/// each mode's result in the order of [`modes`]; every failing mode is named (with the variable
-/// that reproduces it) before the first one's panic goes on.
+/// Runs `body` in every mode, as many modes side by side (one thread each) as the machine has
+/// cores: each mode's run has its own ranks, backends and files, and the asynchronous backends'
+/// streams mostly sleep, while the short suites' deadlines of a few hundred milliseconds stay
+/// met. Returns each mode's result in the order of [`modes`]; every failing mode is named (with
+/// the variable that reproduces it) before the first one's panic goes on.
 pub fn for_each_mode<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
-    run_modes(modes(), body)
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    run_modes(modes(), cores, body)
 }
 
-/// As [`for_each_mode`], for a long suite: its seeds are cut to `FSDP_ASYNC_SEEDS_LONG` where
-/// that is set (a run that spends its seeds on the short suites, which find ordering bugs at a
-/// fraction of the time per seed).
+/// As [`for_each_mode`], for a long suite (whole training loops, no tight deadline): every mode
+/// at once, and its seeds cut to `FSDP_ASYNC_SEEDS_LONG` where that is set (a run that spends its
+/// seeds on the short suites, which find ordering bugs at a fraction of the time per seed).
 pub fn for_each_mode_of_a_long_suite<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
     let mut modes = modes();
     if let Some(long) = env_u64("FSDP_ASYNC_SEEDS_LONG") {
         modes.truncate(usize::try_from(long).map_or(usize::MAX, |n| n.saturating_add(1)));
     }
-    run_modes(modes, body)
+    let all = modes.len();
+    run_modes(modes, all, body)
 }
 
-fn run_modes<R: Send>(modes: Vec<Mode>, body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
-    let body = &body;
-    let outcomes: Vec<_> = std::thread::scope(|s| {
-        let runs: Vec<_> = modes
-            .into_iter()
-            .map(|mode| (mode, s.spawn(move || body(mode))))
-            .collect();
-        runs.into_iter()
-            .map(|(mode, run)| (mode, run.join()))
-            .collect()
+/// Runs `body` on each mode, at most `side_by_side` at a time.
+fn run_modes<R: Send>(
+    modes: Vec<Mode>,
+    side_by_side: usize,
+    body: impl Fn(Mode) -> R + Sync,
+) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let outcomes: Vec<Mutex<Option<std::thread::Result<R>>>> =
+        modes.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|s| {
+        for _ in 0..side_by_side.clamp(1, modes.len().max(1)) {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let (Some(&mode), Some(slot)) = (modes.get(i), outcomes.get(i)) else {
+                        break;
+                    };
+                    let outcome = catch_unwind(AssertUnwindSafe(|| body(mode)));
+                    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+                }
+            });
+        }
     });
-    let mut results = Vec::with_capacity(outcomes.len());
+    let mut results = Vec::with_capacity(modes.len());
     let mut first_panic = None;
-    for (mode, outcome) in outcomes {
-        match outcome {
-            Ok(r) => results.push(r),
-            Err(panic) => {
+    for (mode, outcome) in modes.into_iter().zip(outcomes) {
+        match outcome.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(r)) => results.push(r),
+            Some(Err(panic)) => {
                 name_the_failing(mode);
                 first_panic.get_or_insert(panic);
             }
+            None => unreachable!("every mode is taken by a thread"),
         }
     }
     if let Some(panic) = first_panic {
@@ -222,22 +240,19 @@ pub fn on_engines<R: Send + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use std::panic::catch_unwind;
-
     use super::*;
 
     #[test]
-    fn modes_run_side_by_side_return_in_order_and_a_panic_goes_on() {
+    fn modes_return_in_order_a_long_suite_s_side_by_side_and_a_panic_goes_on() {
         // Every mode waits until all have started: they only finish if they run at once.
         let started = std::sync::Barrier::new(modes().len());
-        let seen = for_each_mode(|mode| {
+        let seen = for_each_mode_of_a_long_suite(|mode| {
             started.wait();
             mode
         });
         assert_eq!(seen, modes());
-        let panicked = catch_unwind(|| {
-            for_each_mode(|mode| assert_eq!(mode, Mode::Eager, "only eager passes"))
-        });
+        assert_eq!(for_each_mode(|mode| mode), modes());
+        let panicked = catch_unwind(|| for_each_mode(|mode| assert_ne!(mode, Mode::Eager)));
         assert!(panicked.is_err());
     }
 
