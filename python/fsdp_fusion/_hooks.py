@@ -186,8 +186,10 @@ class _Hooks:
 
     def _close_backwards(self):
         """Ends every backward left open, then hands over the gradients that arrived after
-        their unit's backward ended (or in a unit whose outputs needed none): before the next
-        forward or the step, so that no gradient of one pass waits into the next."""
+        their unit's backward ended (or in a unit whose outputs needed none), before the next
+        forward or the step. Two backward passes with no forward between them (`retain_graph`)
+        are one pass to the engine: a unit's gradient handed over in both is refused as a
+        duplicate, and a late one is their sum in the parameter's dtype."""
         for u in self._unit_of.values():
             if u.backward_open:
                 self._post_backward(u.index)
