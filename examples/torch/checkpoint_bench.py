@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 from fsdp_fusion import FusedFSDP  # noqa: E402
+from world_of_one import nccl_world_of_one  # noqa: E402
 
 
 def llama(layers: int):
@@ -184,12 +184,7 @@ def main() -> int:
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0),
-                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    nccl_world_of_one()
     rows = [fusion(args, root)]
     torch.cuda.empty_cache()
     rows.append(fsdp2(args, root))

@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
 from gpt import GPT, loss_of  # noqa: E402
+from world_of_one import nccl_world_of_one  # noqa: E402
 
 SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "fusion-master-bf16moments",
           "plain", "fsdp2")
@@ -138,13 +138,7 @@ def trainer(setup: str, args, device):
 
 
 def measure(setup: str, args) -> dict:
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", device_id=device, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    device = nccl_world_of_one()
     step, engine_bytes, fused = trainer(setup, args, device)
     vocab = 512 if args.model == "gpt" else 32000
     g = torch.Generator(device=device).manual_seed(1)

@@ -24,7 +24,6 @@ import argparse
 import copy
 import functools
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "python"))
 from fsdp_fusion import FusedFSDP, default_no_weight_decay  # noqa: E402
+from world_of_one import nccl_world_of_one  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 # The client's methods that its hooks enter through (the outermost call is timed).
@@ -262,13 +262,7 @@ def spread(values: list[float]) -> str:
 
 def main() -> int:
     args = arguments()
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", device_id=device, init_method=f"tcp://127.0.0.1:{port}",
-                           rank=0, world_size=1)
+    device = nccl_world_of_one()
     model, layers = build(args)
     plain_model = copy.deepcopy(model)
     trainers = {}
