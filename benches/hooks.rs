@@ -7,32 +7,25 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use fsdp_fusion_support::unit_stack::{engine, step};
 
 const UNITS: u32 = 64;
 /// Each sample times this much of stepping, whole steps.
 const SAMPLE: Duration = Duration::from_millis(100);
 
+#[derive(Parser)]
+struct Args {
+    /// Samples of each case, for the median and the 10th and 90th percentiles.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u16).range(10..))]
+    samples: u16,
+    /// Accepted and ignored, as cargo bench passes it.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn main() {
-    let mut samples = 50usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        // `cargo bench` passes `--bench`; anything else but the sample count is refused.
-        match arg.as_str() {
-            "--bench" => {}
-            "--samples" => match args.next().and_then(|n| n.parse().ok()) {
-                Some(n) if n >= 10 => samples = n,
-                _ => {
-                    eprintln!("--samples takes a number of at least 10");
-                    std::process::exit(2);
-                }
-            },
-            other => {
-                eprintln!("unknown argument {other:?} (--samples N)");
-                std::process::exit(2);
-            }
-        }
-    }
+    let samples = usize::from(Args::parse().samples);
     for overlap in [true, false] {
         let mut e = engine(UNITS, overlap);
         // Steps per sample, from a first second of warm-up steps.

@@ -67,8 +67,9 @@ pub fn modes() -> Vec<Mode> {
 /// Runs `body` in every mode, modes side by side (one thread each): each mode's run has its own
 /// ranks, backends and files. As many at a time as the machine has cores, and at least four,
 /// since the asynchronous backends' streams mostly sleep; no more, so that the short suites'
-/// deadlines of a few hundred milliseconds stay met with several tests at a time. Returns each mode's result in the order of [`modes`]; every failing mode is named (with
-/// the variable that reproduces it) before the first one's panic goes on.
+/// deadlines of a few hundred milliseconds stay met with several tests at a time. Returns each
+/// mode's result in the order of [`modes`]; every failing mode is named (with the variable that
+/// reproduces it) before the first one's panic goes on.
 pub fn for_each_mode<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     run_modes(modes(), cores.max(4), body)
