@@ -10,7 +10,8 @@ use fsdp_fusion::optim::LrSchedule;
 use fsdp_fusion::{DType, EngineConfig, Error, OptimizerConfig, ParamStorage, Plan, Unit};
 use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Training, load, sharded_step};
 use fsdp_fusion_support::ranks::{
-    CpuEngine, Mode, for_each_mode_of_a_long_suite, on_engines, within_deadline,
+    CpuEngine, Mode, for_each_case_and_mode_of_a_long_suite, for_each_mode_of_a_long_suite,
+    on_engines, on_threads, within_deadline,
 };
 use fsdp_fusion_support::scratch::Scratch;
 
@@ -60,52 +61,51 @@ fn train<R: Send + 'static>(
 
 #[test]
 fn a_saved_run_continues_bit_for_bit_in_fresh_engines() {
-    for_each_mode_of_a_long_suite(|mode| {
-        let adamw = OptimizerConfig::default();
-        let shard = ParamStorage::ShardAndMaster;
-        for (dtype, optimizer, storage, world) in [
-            (DType::F32, adamw, shard, 1),
-            (DType::F32, adamw, shard, 2),
-            (DType::F32, adamw, shard, 3),
-            (DType::F32, adamw, shard, 4),
-            (DType::Bf16, adamw, shard, 2),
-            (DType::Bf16, adamw, ParamStorage::MasterOnly, 3),
-            (DType::F16, OptimizerConfig::sgd(0.05), shard, 4),
-        ] {
-            let mlp = model(dtype, 24);
-            let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
-            let config = EngineConfig {
-                optimizer,
-                param_storage: storage,
-                ..EngineConfig::default()
-            };
-            let init = mlp.init(3);
-            let what = format!("{dtype} {storage:?} world {world}");
-            let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
-            let straight = train(
-                (&mlp, &plan, &config),
-                mode,
-                0..6,
-                start(init.clone()),
-                shards,
-            );
-            let scratch = Scratch::new("checkpoint");
-            let dir = scratch.path().to_path_buf();
-            let halfway = train((&mlp, &plan, &config), mode, 0..3, start(init), move |e| {
-                e.save(&dir).unwrap();
-                shards(e)
-            });
-            assert_ne!(halfway, straight, "{what}: training moved nothing");
-            let dir = scratch.path().to_path_buf();
-            let resumed = train(
-                (&mlp, &plan, &config),
-                mode,
-                3..6,
-                move |e| e.load(&dir).unwrap(),
-                shards,
-            );
-            assert_eq!(resumed, straight, "{what}: resumed != straight");
-        }
+    let adamw = OptimizerConfig::default();
+    let shard = ParamStorage::ShardAndMaster;
+    let cases = [
+        (DType::F32, adamw, shard, 1),
+        (DType::F32, adamw, shard, 2),
+        (DType::F32, adamw, shard, 3),
+        (DType::F32, adamw, shard, 4),
+        (DType::Bf16, adamw, shard, 2),
+        (DType::Bf16, adamw, ParamStorage::MasterOnly, 3),
+        (DType::F16, OptimizerConfig::sgd(0.05), shard, 4),
+    ];
+    for_each_case_and_mode_of_a_long_suite(&cases, |&(dtype, optimizer, storage, world), mode| {
+        let mlp = model(dtype, 24);
+        let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
+        let config = EngineConfig {
+            optimizer,
+            param_storage: storage,
+            ..EngineConfig::default()
+        };
+        let init = mlp.init(3);
+        let what = format!("{dtype} {storage:?} world {world}");
+        let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
+        let straight = train(
+            (&mlp, &plan, &config),
+            mode,
+            0..6,
+            start(init.clone()),
+            shards,
+        );
+        let scratch = Scratch::new("checkpoint");
+        let dir = scratch.path().to_path_buf();
+        let halfway = train((&mlp, &plan, &config), mode, 0..3, start(init), move |e| {
+            e.save(&dir).unwrap();
+            shards(e)
+        });
+        assert_ne!(halfway, straight, "{what}: training moved nothing");
+        let dir = scratch.path().to_path_buf();
+        let resumed = train(
+            (&mlp, &plan, &config),
+            mode,
+            3..6,
+            move |e| e.load(&dir).unwrap(),
+            shards,
+        );
+        assert_eq!(resumed, straight, "{what}: resumed != straight");
     });
 }
 
@@ -417,13 +417,15 @@ fn reshard_with(mode: Mode, dtype: DType, (saved, loaded): (usize, usize), confi
 
 #[test]
 fn a_checkpoint_loads_at_every_other_world_size() {
-    for saved in [1, 2, 3, 4, 8] {
-        for loaded in [1, 2, 3, 4, 8] {
-            reshard(Mode::Eager, DType::F32, (saved, loaded));
-        }
-    }
-    reshard(Mode::Eager, DType::Bf16, (3, 8));
-    reshard(Mode::Eager, DType::F16, (8, 1));
+    let worlds = [1, 2, 3, 4, 8];
+    let mut cases: Vec<_> = worlds
+        .iter()
+        .flat_map(|&saved| worlds.map(|loaded| (DType::F32, (saved, loaded))))
+        .collect();
+    cases.extend([(DType::Bf16, (3, 8)), (DType::F16, (8, 1))]);
+    on_threads(cases, |_, (dtype, sizes)| {
+        reshard(Mode::Eager, dtype, sizes)
+    });
 }
 
 #[test]

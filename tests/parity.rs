@@ -9,28 +9,60 @@ use fsdp_fusion::{
     ParamStorage, Plan, Policy,
 };
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
-use fsdp_fusion_support::ranks::{Mode, for_each_mode_of_a_long_suite, within_deadline};
+use fsdp_fusion_support::ranks::{Mode, for_each_case_and_mode_of_a_long_suite, within_deadline};
 use fsdp_fusion_support::values::max_relative_difference;
 
 const STEPS: u64 = 4;
 const PASSES: u64 = 2;
 
-/// Trains both ways in every mode and returns the largest relative parameter difference over
-/// every step and mode.
-fn parity(world: usize, dtype: DType, config: EngineConfig) -> f32 {
-    parity_with(world, dtype, config, Recipe::default())
+/// One parity run's settings, named for its failure.
+struct Case {
+    name: String,
+    world: usize,
+    dtype: DType,
+    config: EngineConfig,
+    recipe: Recipe,
 }
 
-/// As [`parity`], under a recipe (schedule and clipping), with the embedding at half the
-/// learning rate and the biases exempt from weight decay.
-fn parity_with(world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
-    for_each_mode_of_a_long_suite(|mode| {
-        let config = config.clone();
-        let what = format!("parity at world size {world} ({mode:?}, {recipe:?})");
+impl std::fmt::Debug for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} at world size {}", self.name, self.world)
+    }
+}
+
+/// A case of `config` at each of `worlds`, under `recipe`.
+fn at_worlds(
+    name: &str,
+    worlds: &[usize],
+    dtype: DType,
+    config: &EngineConfig,
+    recipe: Recipe,
+) -> Vec<Case> {
+    worlds
+        .iter()
+        .map(|&world| Case {
+            name: name.to_string(),
+            world,
+            dtype,
+            config: config.clone(),
+            recipe,
+        })
+        .collect()
+}
+
+/// Trains every case both ways in every mode, the runs side by side, and asserts that each
+/// case's largest relative parameter difference over every step and mode is at most 1e-6.
+fn assert_parity(cases: &[Case]) {
+    let differences = for_each_case_and_mode_of_a_long_suite(cases, |case, mode| {
+        let what = format!("{case:?} ({mode:?}, {:?})", case.recipe);
+        let (world, dtype, config, recipe) =
+            (case.world, case.dtype, case.config.clone(), case.recipe);
         within_deadline(&what, move || parity_in(mode, world, dtype, config, recipe))
-    })
-    .into_iter()
-    .fold(0f32, f32::max)
+    });
+    for (case, differences) in cases.iter().zip(differences) {
+        let diff = differences.into_iter().fold(0f32, f32::max);
+        assert!(diff <= 1e-6, "{case:?}: {diff}");
+    }
 }
 
 fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
@@ -118,20 +150,32 @@ fn config(overlap: bool) -> EngineConfig {
 
 #[test]
 fn f32_parity_at_every_world_size_with_overlap_on_and_off() {
-    for world in [1, 2, 3, 4, 8] {
-        for overlap in [true, false] {
-            let diff = parity(world, DType::F32, config(overlap));
-            assert!(diff <= 1e-6, "world {world} overlap {overlap}: {diff}");
-        }
-    }
+    let mut cases = at_worlds(
+        "overlap",
+        &[1, 2, 3, 4, 8],
+        DType::F32,
+        &config(true),
+        Recipe::default(),
+    );
+    cases.extend(at_worlds(
+        "no overlap",
+        &[1, 2, 3, 4, 8],
+        DType::F32,
+        &config(false),
+        Recipe::default(),
+    ));
+    assert_parity(&cases);
 }
 
 #[test]
 fn bf16_parity_with_fp32_master_weights() {
-    for world in [1, 3, 4] {
-        let diff = parity(world, DType::Bf16, config(true));
-        assert!(diff <= 1e-6, "world {world}: {diff}");
-    }
+    assert_parity(&at_worlds(
+        "bf16",
+        &[1, 3, 4],
+        DType::Bf16,
+        &config(true),
+        Recipe::default(),
+    ));
 }
 
 #[test]
@@ -141,10 +185,13 @@ fn f16_parity_with_sgd_and_summed_gradients() {
         grad_reduction: GradReduction::Sum,
         ..EngineConfig::default()
     };
-    for world in [2, 8] {
-        let diff = parity(world, DType::F16, config.clone());
-        assert!(diff <= 1e-6, "world {world}: {diff}");
-    }
+    assert_parity(&at_worlds(
+        "f16 SGD",
+        &[2, 8],
+        DType::F16,
+        &config,
+        Recipe::default(),
+    ));
 }
 
 #[test]
@@ -154,10 +201,13 @@ fn parity_with_gradients_scaled_by_a_factor_of_the_loop_s_own() {
         grad_reduction: GradReduction::Scaled(1.0 / 24.0),
         ..config(true)
     };
-    for world in [1, 3, 4] {
-        let diff = parity(world, DType::F32, config.clone());
-        assert!(diff <= 1e-6, "world {world}: {diff}");
-    }
+    assert_parity(&at_worlds(
+        "scaled by 1/24",
+        &[1, 3, 4],
+        DType::F32,
+        &config,
+        Recipe::default(),
+    ));
 }
 
 #[test]
@@ -167,8 +217,13 @@ fn parity_holds_at_the_tightest_limits() {
         max_reduces_in_flight: 1,
         ..EngineConfig::default()
     };
-    let diff = parity(4, DType::F32, config);
-    assert!(diff <= 1e-6, "{diff}");
+    assert_parity(&at_worlds(
+        "tightest limits",
+        &[4],
+        DType::F32,
+        &config,
+        Recipe::default(),
+    ));
 }
 
 #[test]
@@ -178,24 +233,35 @@ fn parity_under_every_recipe_of_schedule_and_clipping() {
         total_steps: STEPS,
         min_factor: 0.1,
     };
+    let sgd = EngineConfig {
+        optimizer: OptimizerConfig::sgd(0.5),
+        ..config(true)
+    };
     // A clip below the gradients' norm, so that it scales every step (checked in `parity_in`).
+    let mut cases = Vec::new();
     for (schedule, clip) in [
         (warmup_cosine, None),
         (LrSchedule::Constant, Some(0.05)),
         (warmup_cosine, Some(0.05)),
     ] {
         let recipe = Recipe { schedule, clip };
-        for world in [1, 2, 3, 4, 8] {
-            let diff = parity_with(world, DType::F32, config(true), recipe);
-            assert!(diff <= 1e-6, "world {world} {recipe:?}: {diff}");
-        }
-        let sgd = EngineConfig {
-            optimizer: OptimizerConfig::sgd(0.5),
-            ..config(true)
-        };
-        let diff = parity_with(3, DType::Bf16, sgd, recipe);
-        assert!(diff <= 1e-6, "bf16 SGD {recipe:?}: {diff}");
+        let name = format!("{recipe:?}");
+        cases.extend(at_worlds(
+            &name,
+            &[1, 2, 3, 4, 8],
+            DType::F32,
+            &config(true),
+            recipe,
+        ));
+        cases.extend(at_worlds(
+            &format!("bf16 SGD {name}"),
+            &[3],
+            DType::Bf16,
+            &sgd,
+            recipe,
+        ));
     }
+    assert_parity(&cases);
 }
 
 /// A warmup-cosine schedule and a clip below the gradients' norm: the recipe every mode and
@@ -215,6 +281,7 @@ fn full_recipe() -> Recipe {
 fn parity_in_every_accumulation_mode_and_transport_dtype_under_a_schedule_and_a_clip() {
     // The reference rounds as the bf16 transport does (each rank's gradient, then the ranks'
     // f32 sum), so bf16 transport is held to the same 1e-6 as f32.
+    let mut cases = Vec::new();
     for accumulation in [
         Accumulation::ReduceEveryPass,
         Accumulation::NoSync,
@@ -226,19 +293,22 @@ fn parity_in_every_accumulation_mode_and_transport_dtype_under_a_schedule_and_a_
                 reduce_dtype,
                 ..config(true)
             };
-            for world in [1, 2, 3, 4, 8] {
-                let diff = parity_with(world, DType::F32, config.clone(), full_recipe());
-                assert!(
-                    diff <= 1e-6,
-                    "{accumulation:?} {reduce_dtype} world {world}: {diff}"
-                );
-            }
+            let name = format!("{accumulation:?} {reduce_dtype}");
+            cases.extend(at_worlds(
+                &name,
+                &[1, 2, 3, 4, 8],
+                DType::F32,
+                &config,
+                full_recipe(),
+            ));
         }
     }
+    assert_parity(&cases);
 }
 
 #[test]
 fn per_step_gradient_shards_in_every_accumulation_mode_and_parameter_storage() {
+    let mut cases = Vec::new();
     for accumulation in [
         Accumulation::ReduceEveryPass,
         Accumulation::NoSync,
@@ -251,34 +321,48 @@ fn per_step_gradient_shards_in_every_accumulation_mode_and_parameter_storage() {
                 grad_shard_memory: GradShardMemory::PerStep,
                 ..config(true)
             };
-            for world in [1, 3, 4] {
-                let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
-                assert!(
-                    diff <= 1e-6,
-                    "{accumulation:?} {param_storage:?} world {world}: {diff}"
-                );
-            }
+            let name = format!("{accumulation:?} {param_storage:?}");
+            cases.extend(at_worlds(
+                &name,
+                &[1, 3, 4],
+                DType::Bf16,
+                &config,
+                full_recipe(),
+            ));
         }
     }
+    assert_parity(&cases);
 }
 
 #[test]
 fn bf16_moments_round_as_the_reference_does_at_every_world_size() {
     // The reference rounds each new moment with the same bits (the step, the group, the
     // element's place in its layout), so the runs agree to 1e-6 as f32 moments do.
+    let mut cases = Vec::new();
     for param_storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
         let config = EngineConfig {
             moment_dtype: DType::Bf16,
             param_storage,
             ..config(true)
         };
-        for world in [1, 2, 3, 4, 8] {
-            let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
-            assert!(diff <= 1e-6, "{param_storage:?} world {world}: {diff}");
-        }
-        let f32_params = parity_with(3, DType::F32, config.clone(), full_recipe());
-        assert!(f32_params <= 1e-6, "f32 parameters: {f32_params}");
+        let name = format!("{param_storage:?}");
+        cases.extend(at_worlds(
+            &name,
+            &[1, 2, 3, 4, 8],
+            DType::Bf16,
+            &config,
+            full_recipe(),
+        ));
+        let f32_params = format!("{name} f32 parameters");
+        cases.extend(at_worlds(
+            &f32_params,
+            &[3],
+            DType::F32,
+            &config,
+            full_recipe(),
+        ));
     }
+    assert_parity(&cases);
 }
 
 #[test]
@@ -290,15 +374,19 @@ fn bf16_parameters_with_bf16_transport_and_no_sync_sgd_with_a_scaled_sum() {
         grad_reduction: GradReduction::Scaled(1.0 / 3.0),
         ..config(false)
     };
-    for world in [1, 3] {
-        let diff = parity_with(world, DType::Bf16, config.clone(), full_recipe());
-        assert!(diff <= 1e-6, "world {world}: {diff}");
-    }
+    assert_parity(&at_worlds(
+        "bf16 transport",
+        &[1, 3],
+        DType::Bf16,
+        &config,
+        full_recipe(),
+    ));
 }
 
 #[test]
 fn master_only_storage_trains_exactly_as_a_shard_beside_its_master() {
     // A gather casts the fp32 master: exactly the value a bf16/f16 shard would hold.
+    let mut cases = Vec::new();
     for (dtype, optimizer) in [
         (DType::Bf16, OptimizerConfig::default()),
         (DType::F16, OptimizerConfig::sgd(0.05)),
@@ -308,11 +396,16 @@ fn master_only_storage_trains_exactly_as_a_shard_beside_its_master() {
             optimizer,
             ..config(true)
         };
-        for world in [1, 2, 3, 4, 8] {
-            let diff = parity_with(world, dtype, config.clone(), full_recipe());
-            assert!(diff <= 1e-6, "{dtype} world {world}: {diff}");
-        }
+        let name = format!("master only, {dtype}");
+        cases.extend(at_worlds(
+            &name,
+            &[1, 2, 3, 4, 8],
+            dtype,
+            &config,
+            full_recipe(),
+        ));
     }
+    assert_parity(&cases);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! per rank, and a deadline on every multi-rank run, so that a hang fails a test instead of
 //! stalling it.
 
+use std::fmt::Debug;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -16,10 +17,18 @@ use fsdp_fusion::{CpuBackend, Engine, EngineConfig, LocalComm, Plan, Result};
 pub const DEADLINE: Duration = Duration::from_secs(300);
 
 /// Asynchronous seeds run by default; `FSDP_ASYNC_SEEDS=N` runs seeds `0..N` instead, and
-/// `FSDP_ASYNC_SEED=S` only seed `S` (to reproduce a failure). The long suites (whole training
-/// loops over every world size and setting, [`for_each_mode_of_a_long_suite`]) run seeds
-/// `0..FSDP_ASYNC_SEEDS_LONG` where that is set and smaller.
+/// `FSDP_ASYNC_SEED=S` only seed `S` (to reproduce a failure).
 const DEFAULT_SEEDS: u64 = 3;
+
+/// Asynchronous seeds the long suites (whole training loops over every world size and setting,
+/// [`for_each_case_and_mode_of_a_long_suite`]) run by default: they find ordering bugs at many
+/// times the cost per seed of the short suites, which run [`DEFAULT_SEEDS`].
+/// `FSDP_ASYNC_SEEDS_LONG=N` runs seeds `0..N` instead; `FSDP_ASYNC_SEED=S` only seed `S`.
+const DEFAULT_LONG_SEEDS: u64 = 1;
+
+/// How many of a long suite's runs go side by side: enough to keep two cores busy while their
+/// streams sleep, few enough that a run's delays stay near the ones drawn.
+const LONG_SUITE_RUNS_AT_ONCE: usize = 16;
 
 /// How a test's CPU ranks run their streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,19 +58,30 @@ fn env_u64(name: &str) -> Option<u64> {
     )
 }
 
-/// The asynchronous seeds to run.
-pub fn seeds() -> Vec<u64> {
+/// The asynchronous seeds to run: `0..count`, `count` read from `variable` (else `default`), or
+/// only `FSDP_ASYNC_SEED`'s.
+fn seeds(variable: &str, default: u64) -> Vec<u64> {
     if let Some(seed) = env_u64("FSDP_ASYNC_SEED") {
         return vec![seed];
     }
-    (0..env_u64("FSDP_ASYNC_SEEDS").unwrap_or(DEFAULT_SEEDS)).collect()
+    (0..env_u64(variable).unwrap_or(default)).collect()
+}
+
+/// Eager, then asynchronous over each of `seeds`.
+fn modes_over(seeds: Vec<u64>) -> Vec<Mode> {
+    std::iter::once(Mode::Eager)
+        .chain(seeds.into_iter().map(Mode::Async))
+        .collect()
 }
 
 /// Eager, then asynchronous over every seed.
 pub fn modes() -> Vec<Mode> {
-    std::iter::once(Mode::Eager)
-        .chain(seeds().into_iter().map(Mode::Async))
-        .collect()
+    modes_over(seeds("FSDP_ASYNC_SEEDS", DEFAULT_SEEDS))
+}
+
+/// Eager, then asynchronous over every seed of a long suite.
+pub fn long_suite_modes() -> Vec<Mode> {
+    modes_over(seeds("FSDP_ASYNC_SEEDS_LONG", DEFAULT_LONG_SEEDS))
 }
 
 /// Runs `body` in every mode, modes side by side (one thread each): each mode's run has its own
@@ -72,54 +92,72 @@ pub fn modes() -> Vec<Mode> {
 /// reproduces it) before the first one's panic goes on.
 pub fn for_each_mode<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    run_modes(modes(), cores.max(4), body)
+    let runs = modes().into_iter().map(|mode| ((), mode)).collect();
+    run_side_by_side(runs, cores.max(4), |&(), mode| body(mode))
 }
 
-/// As [`for_each_mode`], for a long suite (whole training loops, no tight deadline): every mode
-/// at once, and its seeds cut to `FSDP_ASYNC_SEEDS_LONG` where that is set (a run that spends its
-/// seeds on the short suites, which find ordering bugs at a fraction of the time per seed).
+/// As [`for_each_mode`], for a long suite (whole training loops, no tight deadline) of
+/// independent cases: `body(case, mode)` for every case in every mode of
+/// [`long_suite_modes`], up to [`LONG_SUITE_RUNS_AT_ONCE`] runs side by side. Returns each case's
+/// results in the order of the modes, the cases in their order.
+pub fn for_each_case_and_mode_of_a_long_suite<C: Debug + Sync, R: Send>(
+    cases: &[C],
+    body: impl Fn(&C, Mode) -> R + Sync,
+) -> Vec<Vec<R>> {
+    let modes = long_suite_modes();
+    let runs = cases
+        .iter()
+        .flat_map(|case| modes.iter().map(move |&mode| (case, mode)))
+        .collect();
+    let mut results =
+        run_side_by_side(runs, LONG_SUITE_RUNS_AT_ONCE, |case, mode| body(case, mode)).into_iter();
+    cases
+        .iter()
+        .map(|_| results.by_ref().take(modes.len()).collect())
+        .collect()
+}
+
+/// As [`for_each_case_and_mode_of_a_long_suite`], for a suite of one case.
 pub fn for_each_mode_of_a_long_suite<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
-    let mut modes = modes();
-    if let Some(long) = env_u64("FSDP_ASYNC_SEEDS_LONG") {
-        modes.truncate(usize::try_from(long).map_or(usize::MAX, |n| n.saturating_add(1)));
-    }
-    let all = modes.len();
-    run_modes(modes, all, body)
+    for_each_case_and_mode_of_a_long_suite(&[()], |&(), mode| body(mode))
+        .into_iter()
+        .flatten()
+        .collect()
 }
 
-/// Runs `body` on each mode, at most `side_by_side` at a time.
-fn run_modes<R: Send>(
-    modes: Vec<Mode>,
+/// Runs `body` on each (case, mode) of `runs`, at most `side_by_side` at a time.
+fn run_side_by_side<C: Debug + Sync, R: Send>(
+    runs: Vec<(C, Mode)>,
     side_by_side: usize,
-    body: impl Fn(Mode) -> R + Sync,
+    body: impl Fn(&C, Mode) -> R + Sync,
 ) -> Vec<R> {
     let next = AtomicUsize::new(0);
     let outcomes: Vec<Mutex<Option<std::thread::Result<R>>>> =
-        modes.iter().map(|_| Mutex::new(None)).collect();
+        runs.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|s| {
-        for _ in 0..side_by_side.clamp(1, modes.len().max(1)) {
+        for _ in 0..side_by_side.clamp(1, runs.len().max(1)) {
             s.spawn(|| {
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let (Some(&mode), Some(slot)) = (modes.get(i), outcomes.get(i)) else {
+                    let (Some((case, mode)), Some(slot)) = (runs.get(i), outcomes.get(i)) else {
                         break;
                     };
-                    let outcome = catch_unwind(AssertUnwindSafe(|| body(mode)));
+                    let outcome = catch_unwind(AssertUnwindSafe(|| body(case, *mode)));
                     *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
                 }
             });
         }
     });
-    let mut results = Vec::with_capacity(modes.len());
+    let mut results = Vec::with_capacity(runs.len());
     let mut first_panic = None;
-    for (mode, outcome) in modes.into_iter().zip(outcomes) {
+    for ((case, mode), outcome) in runs.into_iter().zip(outcomes) {
         match outcome.into_inner().unwrap_or_else(|e| e.into_inner()) {
             Some(Ok(r)) => results.push(r),
             Some(Err(panic)) => {
-                name_the_failing(mode);
+                name_the_failing(&case, mode);
                 first_panic.get_or_insert(panic);
             }
-            None => unreachable!("every mode is taken by a thread"),
+            None => unreachable!("every run is taken by a thread"),
         }
     }
     if let Some(panic) = first_panic {
@@ -128,11 +166,17 @@ fn run_modes<R: Send>(
     results
 }
 
-fn name_the_failing(mode: Mode) {
+fn name_the_failing(case: &dyn Debug, mode: Mode) {
+    let case = format!("{case:?}");
+    let case = if case == "()" {
+        String::new()
+    } else {
+        format!("{case}: ")
+    };
     match mode {
-        Mode::Eager => eprintln!("failed on the eager CPU backend"),
+        Mode::Eager => eprintln!("{case}failed on the eager CPU backend"),
         Mode::Async(seed) => eprintln!(
-            "failed on the asynchronous CPU backend, seed {seed} (FSDP_ASYNC_SEED={seed} runs only it)"
+            "{case}failed on the asynchronous CPU backend, seed {seed} (FSDP_ASYNC_SEED={seed} runs only it)"
         ),
     }
 }
@@ -244,18 +288,37 @@ mod tests {
     use super::*;
 
     #[test]
-    fn modes_return_in_order_a_long_suite_s_side_by_side_and_a_panic_goes_on() {
+    fn modes_return_in_order_a_long_suite_s_runs_side_by_side_and_a_panic_goes_on() {
         assert_eq!(for_each_mode(|mode| mode), modes());
-        let long = for_each_mode_of_a_long_suite(|mode| mode);
-        assert_eq!(long, modes()[..long.len()]);
-        // Every mode waits until all have started: they only finish if they run at once.
-        let started = std::sync::Barrier::new(long.len());
-        let seen = for_each_mode_of_a_long_suite(|mode| {
-            started.wait();
-            mode
+        assert_eq!(
+            for_each_mode_of_a_long_suite(|mode| mode),
+            long_suite_modes()
+        );
+        // Every run waits (for a while) until as many as go at once have started.
+        let cases = [10, 20, 30];
+        let at_once = (cases.len() * long_suite_modes().len()).min(LONG_SUITE_RUNS_AT_ONCE);
+        let started = AtomicUsize::new(0);
+        let seen = for_each_case_and_mode_of_a_long_suite(&cases, |&case, mode| {
+            started.fetch_add(1, Ordering::SeqCst);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while started.load(Ordering::SeqCst) < at_once && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            (case, mode, started.load(Ordering::SeqCst) >= at_once)
         });
-        assert_eq!(seen, long);
+        let want: Vec<Vec<_>> = cases
+            .iter()
+            .map(|&case| {
+                let modes = long_suite_modes().into_iter();
+                modes.map(|mode| (case, mode, true)).collect()
+            })
+            .collect();
+        assert_eq!(seen, want);
         let panicked = catch_unwind(|| for_each_mode(|mode| assert_ne!(mode, Mode::Eager)));
+        assert!(panicked.is_err());
+        let panicked = catch_unwind(|| {
+            for_each_case_and_mode_of_a_long_suite(&cases, |&case, _| assert_ne!(case, 20))
+        });
         assert!(panicked.is_err());
     }
 
