@@ -56,8 +56,8 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kChunk<typename Wider<S, D>::Bits>, 4>(AccumulateOp<S, D>{src, dst, scale, add}, n,
-                                                     phase, grid_thread(), grid_threads());
+  elementwise<kChunk<typename Wider<S, D>::Bits>, kRound>(
+      AccumulateOp<S, D>{src, dst, scale, add}, n, phase, grid_thread(), grid_threads());
 }
 
 // One accumulation of a batch: `n` elements from `src` into `dst` (`fsdp_fusion`'s
@@ -115,7 +115,7 @@ __device__ __forceinline__ void reduce_sum(const typename T::Bits* const* srcs, 
   Phase phase;
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
-  elementwise<kChunk<typename T::Bits>, 4>(SumOp<T>{srcs, count, dst, scale}, n, phase,
+  elementwise<kChunk<typename T::Bits>, kRound>(SumOp<T>{srcs, count, dst, scale}, n, phase,
                                            grid_thread(), grid_threads());
 }
 

@@ -208,7 +208,7 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, 2>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
+  elementwise<kChunk<uint32_t>, kRound>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
                                    grid_thread(), grid_threads());
 }
 
@@ -224,7 +224,7 @@ __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m,
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, 2>(
+  elementwise<kChunk<uint32_t>, kRound>(
       AdamwBf16MomentsOp<P>{master, m, v, grad, param, c, seed, first_index, aliased}, n, phase,
       grid_thread(), grid_threads());
 }
@@ -238,9 +238,9 @@ __device__ __forceinline__ void sgd(float* master, const float* grad, typename P
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, 4>(SgdOp<P>{master, grad, param, lr, weight_decay, grad_scale, aliased},
-                                   n,
-                                   phase, grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, kRound>(
+      SgdOp<P>{master, grad, param, lr, weight_decay, grad_scale, aliased}, n, phase,
+      grid_thread(), grid_threads());
 }
 
 }  // namespace fsdp

@@ -3,8 +3,8 @@
 
 namespace fsdp {
 
-// Chunks (16-byte vectors of the wider operand) in flight per thread for a move or a cast.
-constexpr int kMoveUnroll = 4;
+// Chunks (16-byte vectors) in flight per thread when a block moves a pack tile.
+constexpr int kTileUnroll = 4;
 
 // One param of a pack table, in elements; the layout of the host's `PackEntry`.
 struct PackEntry {
@@ -17,7 +17,7 @@ struct PackEntry {
 // Pack and unpack split the flat buffer into tiles of this many 16-byte vectors, one block per
 // tile at a time: a large param is shared by many blocks, a tile may hold many small params, and
 // the work per block stays even whatever the sizes.
-constexpr uint64_t kTileVectors = 2 * kBlock * kMoveUnroll;
+constexpr uint64_t kTileVectors = 2 * kBlock * kTileUnroll;
 
 // The last entry that starts at or before flat element `at` (entries sorted by offset), else 0;
 // searched from entry `from`, which starts at or before `at` (or is 0). A block's tiles go up the
@@ -62,9 +62,9 @@ __device__ __forceinline__ void pack_tiles(const PackEntry* table, uint64_t coun
         Bits* in_flat = flat + from;
         Bits* in_param = param + (from - entry.offset);
         if constexpr (kPack) {
-          copy_range<Bits, kMoveUnroll>(in_param, in_flat, to - from, threadIdx.x, blockDim.x);
+          copy_range<Bits, kTileUnroll>(in_param, in_flat, to - from, threadIdx.x, blockDim.x);
         } else {
-          copy_range<Bits, kMoveUnroll>(in_flat, in_param, to - from, threadIdx.x, blockDim.x);
+          copy_range<Bits, kTileUnroll>(in_flat, in_param, to - from, threadIdx.x, blockDim.x);
         }
       }
       if constexpr (kPack) {
@@ -72,7 +72,8 @@ __device__ __forceinline__ void pack_tiles(const PackEntry* table, uint64_t coun
         const uint64_t pad_from = data_end > lo ? data_end : lo;
         const uint64_t pad_to = pad_end < hi ? pad_end : hi;
         if (pad_from < pad_to) {
-          zero_range<Bits, kMoveUnroll>(flat + pad_from, pad_to - pad_from, threadIdx.x, blockDim.x);
+          zero_range<Bits, kTileUnroll>(flat + pad_from, pad_to - pad_from, threadIdx.x,
+                                        blockDim.x);
         }
       }
     }
@@ -114,7 +115,7 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<(kS < kD ? kS : kD), kMoveUnroll>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
+  elementwise<(kS < kD ? kS : kD), kRound>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
                                                 grid_threads());
 }
 
@@ -123,14 +124,14 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
 using fsdp::kBlock;
 
 extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* dst, uint64_t bytes) {
-  fsdp::zero_range<uint8_t, fsdp::kMoveUnroll>(dst, bytes, fsdp::grid_thread(),
+  fsdp::zero_range<uint8_t, fsdp::kMoveRound>(dst, bytes, fsdp::grid_thread(),
                                                fsdp::grid_threads());
 }
 
 #define FSDP_MOVES(name, T)                                                                       \
   extern "C" __global__ void __launch_bounds__(kBlock)                                            \
       copy_##name(const T::Bits* src, T::Bits* dst, uint64_t n) {                                 \
-    fsdp::copy_range<T::Bits, fsdp::kMoveUnroll>(src, dst, n, fsdp::grid_thread(),                \
+    fsdp::copy_range<T::Bits, fsdp::kMoveRound>(src, dst, n, fsdp::grid_thread(),                \
                                                  fsdp::grid_threads());                           \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(kBlock)                                            \

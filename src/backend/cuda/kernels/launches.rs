@@ -334,7 +334,7 @@ impl Kernels {
         check_aligned(table, std::mem::align_of::<PackEntry>())?;
         check_aligned(flat, dtype.size())?;
         let kernel = self.pack[dtype_index(dtype)];
-        let grid = kernel.grid(flat_numel.saturating_mul(dtype.size()), PACK_TILE_BYTES);
+        let grid = kernel.tile_grid(flat_numel.saturating_mul(dtype.size()));
         let count64 = count as u64;
         let numel = flat_numel as u64;
         // SAFETY: pack_<dtype>(const PackEntry* table, uint64_t count, T* flat, uint64_t numel);
@@ -460,7 +460,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                kernel.reduction_grid(n),
                 &mut [arg(&src), arg(&n64), arg(&counter)],
             )
         }
@@ -491,7 +491,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                kernel.reduction_grid(n),
                 &mut [arg(&src), arg(&n64), arg(&out), arg(&max_bits)],
             )
         }

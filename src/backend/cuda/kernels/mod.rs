@@ -60,12 +60,22 @@ struct Aligned<T: ?Sized>(T);
 /// Threads per block: `kBlock` in kernels/common.cuh.
 const BLOCK: u32 = 256;
 
-/// Elements each thread handles per round, about: sizes the grid of a small launch so that no
-/// block is left without work. Large launches fill the GPU.
-const ELEMENTS_PER_THREAD: usize = 16;
+/// Bytes of the widest operand a thread of an element-wise kernel takes in its round:
+/// `kMoveRound` 16-byte vectors for a copy or a fill, `kRound` for the others
+/// (kernels/common.cuh).
+const MOVE_ROUND_BYTES: usize = 16;
+const ROUND_BYTES: usize = 2 * 16;
+
+/// Elements each thread of a reduction (a non-finite count, the norms) takes, about: sizes the
+/// grid of a small launch so that no block is left without work; large ones fill the GPU once,
+/// and each warp adds to the result once.
+const REDUCTION_ELEMENTS_PER_THREAD: usize = 16;
 
 /// Bytes of one pack tile: `kTileVectors` 16-byte vectors in kernels/pack.cu.
 const PACK_TILE_BYTES: usize = 2048 * 16;
+
+/// The most blocks of a launch's row (`gridDim.x`); the kernels stride over what lies past it.
+const MAX_GRID: u32 = i32::MAX as u32;
 
 /// Kernel names by dtype, in the order of [`dtype_index`].
 const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
@@ -111,23 +121,41 @@ fn dtype_index(dtype: DType) -> usize {
     }
 }
 
-/// A loaded kernel and the grid that fills the GPU with it.
+/// A loaded kernel, the grid that fills the GPU with it, and the elements of one thread's round.
 #[derive(Clone, Copy)]
 struct Kernel {
     function: sys::CUfunction,
     full_grid: u32,
+    round_elements: usize,
 }
 
 impl Kernel {
-    /// Blocks for `units` units of work at `per_block` units per block: at least one, at most a
-    /// full GPU (the kernels stride over whatever is left).
-    fn grid(&self, units: usize, per_block: usize) -> u32 {
+    /// Blocks for `units` units of work at `per_block` units per block: at least one, at most
+    /// `most`.
+    fn blocks(units: usize, per_block: usize, most: u32) -> u32 {
         let wanted = units.div_ceil(per_block).max(1);
-        u32::try_from(wanted).map_or(self.full_grid, |w| w.min(self.full_grid))
+        u32::try_from(wanted).map_or(most, |w| w.min(most))
     }
 
+    /// One round per thread over `n` elements: the grid that ran the element-wise ops nearest
+    /// the memory's bandwidth (see `kRound`).
     fn elementwise_grid(&self, n: usize) -> u32 {
-        self.grid(n, BLOCK as usize * ELEMENTS_PER_THREAD)
+        Self::blocks(n, BLOCK as usize * self.round_elements, MAX_GRID)
+    }
+
+    /// A reduction's grid over `n` elements: at most a full GPU.
+    fn reduction_grid(&self, n: usize) -> u32 {
+        Self::blocks(
+            n,
+            BLOCK as usize * REDUCTION_ELEMENTS_PER_THREAD,
+            self.full_grid,
+        )
+    }
+
+    /// Pack's grid over a flat buffer of `bytes`: a block per tile, at most a full GPU (each
+    /// block's later tiles start their search from its last entry).
+    fn tile_grid(&self, bytes: usize) -> u32 {
+        Self::blocks(bytes, PACK_TILE_BYTES, self.full_grid)
     }
 }
 
@@ -138,7 +166,8 @@ struct Module {
 }
 
 impl Module {
-    fn kernel(&self, name: &CStr, sm_count: u32) -> Result<Kernel> {
+    /// Kernel `name`, a thread of which takes `round_elements` elements a round.
+    fn kernel(&self, name: &CStr, sm_count: u32, round_elements: usize) -> Result<Kernel> {
         // SAFETY: the module is loaded and stays loaded while `self` lives.
         let function = unsafe { result::module::get_function(self.handle, CString::from(name)) }
             .map_err(|e| cuda_error_for("cuModuleGetFunction", name, e))?;
@@ -151,6 +180,7 @@ impl Module {
         Ok(Kernel {
             function,
             full_grid: sm_count.saturating_mul(per_sm),
+            round_elements: round_elements.max(1),
         })
     }
 }
@@ -270,38 +300,61 @@ impl Kernels {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_error("cuDeviceGetAttribute"))?;
         let sm_count = u32::try_from(sm_count).unwrap_or(1).max(1);
-        let each = |names: &[&CStr; 3]| -> Result<[Kernel; 3]> {
+        // A kernel's round: `round_bytes` of its widest operand, whose elements are `widest`.
+        let round = |round_bytes: usize, widest: usize| round_bytes / widest.max(1);
+        // By the dtype of `names`' index, the widest operand at least `least` bytes wide.
+        let each = |names: &[&CStr; 3], round_bytes: usize, least: usize| -> Result<[Kernel; 3]> {
+            let kernel = |i: usize, dtype: DType| {
+                let widest = dtype.size().max(least);
+                module.kernel(names[i], sm_count, round(round_bytes, widest))
+            };
             Ok([
-                module.kernel(names[0], sm_count)?,
-                module.kernel(names[1], sm_count)?,
-                module.kernel(names[2], sm_count)?,
+                kernel(0, DType::Bf16)?,
+                kernel(1, DType::F16)?,
+                kernel(2, DType::F32)?,
             ])
         };
         let mut cast = [[None; 3]; 3];
-        for (row, names) in cast.iter_mut().zip(CAST) {
-            for (slot, name) in row.iter_mut().zip(names) {
-                *slot = name.map(|name| module.kernel(name, sm_count)).transpose()?;
+        let dtypes = [DType::Bf16, DType::F16, DType::F32];
+        for ((row, names), src) in cast.iter_mut().zip(CAST).zip(dtypes) {
+            for ((slot, name), dst) in row.iter_mut().zip(names).zip(dtypes) {
+                let elements = round(ROUND_BYTES, src.size().max(dst.size()));
+                *slot = name
+                    .map(|name| module.kernel(name, sm_count, elements))
+                    .transpose()?;
             }
         }
+        let (f32_size, bf16_size) = (DType::F32.size(), DType::Bf16.size());
+        // Pack, unpack and the reductions size their grids otherwise.
+        let other = 1;
         Ok(Kernels {
             ctx: Arc::clone(ctx),
             sm_count,
-            fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
-            copy: each(&COPY)?,
-            pack: each(&PACK)?,
-            unpack: each(&UNPACK)?,
-            accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
-            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
-            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32)?,
-            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16)?,
-            adamw: each(&ADAMW)?,
-            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
-            sgd: each(&SGD)?,
+            fill_zero: module.kernel(c"fill_zero_bytes", sm_count, MOVE_ROUND_BYTES)?,
+            copy: each(&COPY, MOVE_ROUND_BYTES, 1)?,
+            pack: each(&PACK, other, 1)?,
+            unpack: each(&UNPACK, other, 1)?,
+            accumulate_to_f32: each(&ACCUMULATE_TO_F32, ROUND_BYTES, f32_size)?,
+            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16, ROUND_BYTES, bf16_size)?,
+            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32, ROUND_BYTES, f32_size)?,
+            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16, ROUND_BYTES, bf16_size)?,
+            // The optimizers' chunks are vectors of their f32 operands.
+            adamw: each(&ADAMW, ROUND_BYTES, f32_size)?,
+            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS, ROUND_BYTES, f32_size)?,
+            sgd: each(&SGD, ROUND_BYTES, f32_size)?,
             cast,
-            reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
-            reduce_sum_bf16: module.kernel(c"reduce_sum_bf16", sm_count)?,
-            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
-            norm_partials: module.kernel(c"norm_partials_f32", sm_count)?,
+            reduce_sum_f32: module.kernel(
+                c"reduce_sum_f32",
+                sm_count,
+                round(ROUND_BYTES, f32_size),
+            )?,
+            reduce_sum_bf16: module.kernel(
+                c"reduce_sum_bf16",
+                sm_count,
+                round(ROUND_BYTES, bf16_size),
+            )?,
+            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count, other)?,
+            norm_partials: module.kernel(c"norm_partials_f32", sm_count, other)?,
             _module: module,
         })
     }
