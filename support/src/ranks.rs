@@ -98,7 +98,7 @@ pub fn for_each_mode<R: Send>(body: impl Fn(Mode) -> R + Sync) -> Vec<R> {
 
 /// As [`for_each_mode`], for a long suite (whole training loops, no tight deadline) of
 /// independent cases: `body(case, mode)` for every case in every mode of
-/// [`long_suite_modes`], up to [`LONG_SUITE_RUNS_AT_ONCE`] runs side by side. Returns each case's
+/// [`long_suite_modes`], up to 16 runs side by side. Returns each case's
 /// results in the order of the modes, the cases in their order.
 pub fn for_each_case_and_mode_of_a_long_suite<C: Debug + Sync, R: Send>(
     cases: &[C],
