@@ -3,7 +3,7 @@
 //! handed back.
 
 use super::reduce::{GradSlot, GroupGrads};
-use super::step::GroupOptimizerState;
+use super::step::{GroupOptimizerState, StepChecks};
 use super::*;
 use crate::plan::Group;
 
@@ -78,6 +78,13 @@ impl<B: Backend> Parts<B> {
                 reduced: None,
             });
         }
+        let scratch = |bytes: usize, what: &str| alloc(backend, bytes, || what.to_string());
+        let step_scratch = layout.step_scratch.map(|s| {
+            Ok::<_, Error>(StepChecks {
+                norm_part: scratch(s.norm_part, "the gradient norms' part")?,
+                nonfinite_count: scratch(s.nonfinite_count, "the non-finite count")?,
+            })
+        });
         let limit = policy.limits.gathered;
         Ok(Parts {
             param_shards,
@@ -89,7 +96,7 @@ impl<B: Backend> Parts<B> {
                 open_slot: None,
                 effects: Vec::new(),
             },
-            optimizer: OptimizerState::new(optimizer),
+            optimizer: OptimizerState::new(optimizer, step_scratch.transpose()?),
         })
     }
 }

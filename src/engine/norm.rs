@@ -2,9 +2,11 @@
 //! optimizer step.
 
 use super::Engine;
+use super::reduce::GroupGrads;
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Purpose};
 use crate::error::{Error, Result};
+use crate::plan::{NORM_PART_BYTES, Plan};
 use crate::types::{DType, Stream};
 
 /// The 2-norm and the largest magnitude of the whole model's gradient (every trainable
@@ -33,10 +35,6 @@ impl GradNorm {
     }
 }
 
-/// Bytes of one rank's part: the f64 sum of squares, the u32 bits of the largest magnitude, and
-/// 4 bytes of padding.
-const PART_BYTES: usize = 16;
-
 /// The norms from every rank's part, summed in rank order (the same result on every rank).
 fn combine(parts: &[Vec<u8>]) -> GradNorm {
     let (mut sum, mut top) = (0f64, 0u32);
@@ -53,6 +51,46 @@ fn combine(parts: &[Vec<u8>]) -> GradNorm {
     }
 }
 
+/// What a step's check of its gradients sums over the gradient shards.
+#[derive(Clone, Copy)]
+pub(super) enum ShardSum {
+    /// The squares and the largest magnitude ([`Backend::norm_partials`]).
+    Norms,
+    /// The non-finite elements ([`Backend::count_nonfinite`]).
+    NonFinite,
+}
+
+/// Zeroes the first `bytes.len()` bytes of `out`, adds `sum` of every gradient shard into them
+/// on the compute stream, and downloads them into `bytes`.
+pub(super) fn sum_over_grad_shards<B: Backend>(
+    backend: &B,
+    plan: &Plan,
+    groups: &[GroupGrads<B::Buffer>],
+    out: &mut B::Buffer,
+    sum: ShardSum,
+    bytes: &mut [u8],
+) -> Result<()> {
+    let record = Region::new(0, bytes.len() / 4, DType::F32);
+    // SAFETY: `out` is the engine's own, used on the compute stream only; the gradient shards are
+    // read there after `finish_grad_sync` made it wait for the reductions, and before the next
+    // step's first ones, queued after compute's event.
+    unsafe { backend.zero(Stream::Compute, out, record) }?;
+    for g in plan.groups() {
+        let Some(shard) = groups.get(g.index).and_then(|grads| grads.shard.as_ref()) else {
+            continue;
+        };
+        let region = Region::new(0, g.shard_numel, DType::F32);
+        // SAFETY: as above.
+        unsafe {
+            match sum {
+                ShardSum::Norms => backend.norm_partials(Stream::Compute, shard, region, out),
+                ShardSum::NonFinite => backend.count_nonfinite(Stream::Compute, shard, region, out),
+            }
+        }?;
+    }
+    backend.download(out, record, bytes)
+}
+
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The whole model's gradient norms, after [`Engine::finish_grad_sync`] and before the
     /// optimizer step. A collective (every rank calls it) that blocks the host.
@@ -60,28 +98,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_synced("the gradient norm")?;
         self.effects(|e| {
-            let mut part = match e.optimizer.norm_part.take() {
-                Some(part) => part,
-                None => e.backend.alloc_scratch(PART_BYTES)?,
-            };
-            let record = Region::new(0, PART_BYTES / 4, DType::F32);
-            // SAFETY: the part is the engine's own, used on the compute stream only; the gradient
-            // shards are read there after `finish_grad_sync` made it wait for the reductions, and
-            // before the next step's first ones, queued after compute's event.
-            unsafe { e.backend.zero(Stream::Compute, &mut part, record) }?;
-            for g in e.plan.groups() {
-                if let Some(shard) = &e.reducing.groups[g.index].shard {
-                    let region = Region::new(0, g.shard_numel, DType::F32);
-                    // SAFETY: as above.
-                    unsafe {
-                        e.backend
-                            .norm_partials(Stream::Compute, shard, region, &mut part)
-                    }?;
-                }
+            // Nothing trains: the part is zero (and the ranks still meet below).
+            let mut bytes = [0u8; NORM_PART_BYTES];
+            if let Some(checks) = e.optimizer.checks.as_mut() {
+                let groups = &e.reducing.groups;
+                let part = &mut checks.norm_part;
+                sum_over_grad_shards(
+                    &e.backend,
+                    &e.plan,
+                    groups,
+                    part,
+                    ShardSum::Norms,
+                    &mut bytes,
+                )?;
             }
-            let mut bytes = [0u8; PART_BYTES];
-            e.backend.download(&part, record, &mut bytes)?;
-            e.optimizer.norm_part = Some(part);
             let parts = if e.plan.world_size() == 1 {
                 vec![bytes.to_vec()]
             } else {

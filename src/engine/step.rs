@@ -2,12 +2,14 @@
 //! of the shards between steps.
 
 use super::Engine;
+use super::norm::{ShardSum, sum_over_grad_shards};
 use crate::backend::{Backend, Input, Moments, OptimizerShard, Region, Source};
 use crate::comm::Communicator;
 use crate::config::GradShardMemory;
 use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::optim::{GroupSettings, MomentStorage, moment_seed};
+use crate::plan::NONFINITE_COUNT_BYTES;
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
@@ -21,10 +23,16 @@ pub(super) struct OptimizerState<Buf> {
     pub(super) stepped: bool,
     /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
     pub(super) clip_scale: Option<f32>,
-    /// Where [`Engine::nonfinite_grads`] counts, made at its first use.
-    pub(super) nonfinite_counter: Option<Buf>,
-    /// Where [`Engine::grad_norm`] sums this rank's part, made at its first use.
-    pub(super) norm_part: Option<Buf>,
+    /// Where the step's checks of its gradients add up; `None` where nothing trains.
+    pub(super) checks: Option<StepChecks<Buf>>,
+}
+
+/// The buffers of the plan's [`crate::plan::StepScratch`].
+pub(super) struct StepChecks<Buf> {
+    /// Where [`Engine::grad_norm`] sums this rank's part.
+    pub(super) norm_part: Buf,
+    /// Where [`Engine::nonfinite_grads`] counts.
+    pub(super) nonfinite_count: Buf,
 }
 
 /// One group's optimizer state.
@@ -36,14 +44,16 @@ pub(super) struct GroupOptimizerState<Buf> {
 }
 
 impl<Buf> OptimizerState<Buf> {
-    pub(super) fn new(groups: Vec<GroupOptimizerState<Buf>>) -> Self {
+    pub(super) fn new(
+        groups: Vec<GroupOptimizerState<Buf>>,
+        checks: Option<StepChecks<Buf>>,
+    ) -> Self {
         OptimizerState {
             groups,
             steps: 0,
             stepped: false,
             clip_scale: None,
-            nonfinite_counter: None,
-            norm_part: None,
+            checks,
         }
     }
 }
@@ -323,28 +333,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         self.effects(|e| {
-            let mut counter = match e.optimizer.nonfinite_counter.take() {
-                Some(counter) => counter,
-                None => e.backend.alloc_scratch(8)?,
+            // Nothing trains: no gradient, none non-finite.
+            let Some(checks) = e.optimizer.checks.as_mut() else {
+                return Ok(0);
             };
-            let count = Region::new(0, 2, DType::F32);
-            // SAFETY: the counter is the engine's own, used on the compute stream only; the
-            // gradient shards are read there after `finish_grad_sync` made it wait for the
-            // reductions, and before the next step's first ones, queued after compute's event.
-            unsafe { e.backend.zero(Stream::Compute, &mut counter, count) }?;
-            for g in e.plan.groups() {
-                if let Some(shard) = &e.reducing.groups[g.index].shard {
-                    let region = Region::new(0, g.shard_numel, DType::F32);
-                    // SAFETY: as above.
-                    unsafe {
-                        e.backend
-                            .count_nonfinite(Stream::Compute, shard, region, &mut counter)
-                    }?;
-                }
-            }
-            let mut bytes = [0u8; 8];
-            e.backend.download(&counter, count, &mut bytes)?;
-            e.optimizer.nonfinite_counter = Some(counter);
+            let mut bytes = [0u8; NONFINITE_COUNT_BYTES];
+            let (groups, counter) = (&e.reducing.groups, &mut checks.nonfinite_count);
+            let sum = ShardSum::NonFinite;
+            sum_over_grad_shards(&e.backend, &e.plan, groups, counter, sum, &mut bytes)?;
             Ok(u64::from_le_bytes(bytes))
         })
     }

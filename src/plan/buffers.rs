@@ -23,10 +23,33 @@ pub struct GroupBuffers {
     pub accumulator: Option<usize>,
 }
 
+/// Bytes of a rank's part of the gradient norms: the f64 sum of squares, the u32 bits of the
+/// largest magnitude, and 4 bytes of padding.
+pub const NORM_PART_BYTES: usize = 16;
+
+/// Bytes of a rank's count of non-finite gradient elements: a u64.
+pub const NONFINITE_COUNT_BYTES: usize = 8;
+
+/// Where a step's checks of its gradients add up on the device: the norms' part and the
+/// non-finite count, made with the engine when anything trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepScratch {
+    pub norm_part: usize,
+    pub nonfinite_count: usize,
+}
+
+impl StepScratch {
+    pub fn bytes(&self) -> usize {
+        self.norm_part + self.nonfinite_count
+    }
+}
+
 /// Every buffer a rank allocates: per group, then the gather and gradient slots.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BufferLayout {
     pub groups: Vec<GroupBuffers>,
+    /// `None` where nothing trains.
+    pub step_scratch: Option<StepScratch>,
     pub gather_slots: usize,
     pub gather_slot_bytes: usize,
     pub grad_slots: usize,
@@ -73,8 +96,13 @@ pub(super) fn layout(
                 .transpose()?,
         });
     }
+    let trains = plan.groups().iter().any(|g| g.trainable);
     Ok(BufferLayout {
         groups,
+        step_scratch: trains.then_some(StepScratch {
+            norm_part: NORM_PART_BYTES,
+            nonfinite_count: NONFINITE_COUNT_BYTES,
+        }),
         gather_slots,
         gather_slot_bytes: plan.gather_slot_bytes(),
         grad_slots,

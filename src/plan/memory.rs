@@ -94,9 +94,11 @@ impl Policy {
             },
             BufferReport {
                 what: "optimizer state",
-                count: masters + moments,
+                count: masters + moments + if layout.step_scratch.is_some() { 2 } else { 0 },
                 bytes: m.optimizer_state,
-                why: "fp32 masters of bf16/f16 groups, and AdamW's two moments".into(),
+                why: "fp32 masters of bf16/f16 groups, AdamW's two moments, and where the \
+                    gradient norms and the non-finite count add up (16 and 8 bytes)"
+                    .into(),
             },
             BufferReport {
                 what: "gather slots",
@@ -146,6 +148,8 @@ pub(super) fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
             "gradient accumulators",
         )?;
     }
+    let scratch = layout.step_scratch.map_or(0, |s| s.bytes());
+    m.optimizer_state = add(m.optimizer_state, Some(scratch), "optimizer state")?;
     m.gathered_slots = layout
         .gather_slots
         .checked_mul(layout.gather_slot_bytes)
@@ -199,8 +203,9 @@ mod tests {
         assert_eq!(f.padded_numel, 256);
         assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
         assert_eq!(mem.grad_shards, 256 * 4);
-        // AdamW on bf16: fp32 master plus two moments.
-        assert_eq!(mem.optimizer_state, 256 * 12);
+        // AdamW on bf16: fp32 master plus two moments; where the norms and the non-finite
+        // count add up.
+        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 8);
         assert_eq!(mem.gathered_slots, 2 * 2048);
         // Two reductions in flight are allowed but one trainable group binds: one in flight, one
         // being filled.
@@ -213,6 +218,17 @@ mod tests {
                 + mem.gathered_slots
                 + mem.grad_slots
         );
+    }
+
+    #[test]
+    fn a_model_that_trains_nothing_has_no_optimizer_state() {
+        let frozen = model(vec![
+            ParamSpec::new("f", &[10], DType::F32).in_unit(0).frozen(),
+        ]);
+        let policy =
+            Policy::new(&Plan::new(&frozen, 2).unwrap(), &EngineConfig::default()).unwrap();
+        assert_eq!(policy.layout.step_scratch, None);
+        assert_eq!(policy.memory.optimizer_state, 0);
     }
 
     #[test]

@@ -15,7 +15,9 @@ mod json;
 mod memory;
 mod policy;
 
-pub use buffers::{BufferLayout, GroupBuffers};
+pub use buffers::{
+    BufferLayout, GroupBuffers, NONFINITE_COUNT_BYTES, NORM_PART_BYTES, StepScratch,
+};
 pub use memory::{BufferReport, MemoryPerRank};
 pub use policy::{Limits, Policy};
 
