@@ -24,6 +24,31 @@ use crate::optim::{
 };
 
 #[test]
+fn element_wise_grids_give_each_thread_one_round_and_reductions_fill_the_gpu_once() {
+    // A bf16 cast's round: two 16-byte vectors of its widest operand, 16 elements.
+    let kernel = Kernel {
+        function: std::ptr::null_mut(),
+        full_grid: 1056,
+        round_elements: ROUND_BYTES / 2,
+    };
+    let per_block = BLOCK as usize * 16;
+    assert_eq!(kernel.elementwise_grid(1), 1);
+    assert_eq!(kernel.elementwise_grid(per_block), 1);
+    assert_eq!(kernel.elementwise_grid(per_block + 1), 2);
+    // 1 GiB of bf16: far past a full GPU's grid.
+    assert_eq!(
+        kernel.elementwise_grid(1 << 29),
+        (1 << 29) / per_block as u32
+    );
+    // Past the largest grid the kernels stride over the rest.
+    assert_eq!(kernel.elementwise_grid(usize::MAX), MAX_GRID);
+    assert_eq!(kernel.reduction_grid(1 << 29), 1056);
+    assert_eq!(kernel.reduction_grid(1), 1);
+    assert_eq!(kernel.tile_grid(PACK_TILE_BYTES * 3), 3);
+    assert_eq!(kernel.tile_grid(1 << 30), 1056);
+}
+
+#[test]
 fn load_fails_cleanly_without_a_gpu_or_kernels() {
     assert!(matches!(available(&[]), Err(Error::KernelsUnavailable)));
     match available(&FATBIN.0) {
