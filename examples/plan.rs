@@ -1,14 +1,42 @@
 //! Prints the plan of a model file: groups, params, padding and the bytes each rank holds.
 //!
 //! cargo run --release --example plan -- --model examples/models/tiny.json --world-size 4 [--json]
+//!     [--param-storage master-only] [--grad-shards per-step] [--moment-dtype bf16]
 
 use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use fsdp_fusion::plan::ALIGNMENT_BYTES;
-use fsdp_fusion::{EngineConfig, ModelSpec, OptimizerConfig, Plan, Policy};
+use fsdp_fusion::{
+    DType, EngineConfig, GradShardMemory, ModelSpec, OptimizerConfig, ParamStorage, Plan, Policy,
+};
+
+/// What a trainable group keeps of its parameters (`EngineConfig::param_storage`).
+#[derive(Clone, Copy, ValueEnum)]
+enum Storage {
+    /// A shard in the parameter's dtype beside the fp32 master.
+    ShardAndMaster,
+    /// The fp32 master only; gathers cast it.
+    MasterOnly,
+}
+
+/// When the fp32 gradient shards live (`EngineConfig::grad_shard_memory`).
+#[derive(Clone, Copy, ValueEnum)]
+enum GradShards {
+    /// With the engine.
+    Persistent,
+    /// From a step's first gradient of their group to the step's end.
+    PerStep,
+}
+
+/// The dtype of AdamW's moments (`EngineConfig::moment_dtype`).
+#[derive(Clone, Copy, ValueEnum)]
+enum MomentDtype {
+    F32,
+    Bf16,
+}
 
 #[derive(Parser)]
 #[command(about = "Print how fsdp-fusion groups, pads and shards a model")]
@@ -27,6 +55,12 @@ struct Args {
     /// adamw or sgd: decides the optimizer state counted per rank.
     #[arg(long, default_value = "adamw")]
     optimizer: String,
+    #[arg(long, value_enum, default_value_t = Storage::ShardAndMaster)]
+    param_storage: Storage,
+    #[arg(long, value_enum, default_value_t = GradShards::Persistent)]
+    grad_shards: GradShards,
+    #[arg(long, value_enum, default_value_t = MomentDtype::F32)]
+    moment_dtype: MomentDtype,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -71,6 +105,18 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         double_buffer_limit: args.limit,
         max_reduces_in_flight: args.reduces,
         optimizer,
+        param_storage: match args.param_storage {
+            Storage::ShardAndMaster => ParamStorage::ShardAndMaster,
+            Storage::MasterOnly => ParamStorage::MasterOnly,
+        },
+        grad_shard_memory: match args.grad_shards {
+            GradShards::Persistent => GradShardMemory::Persistent,
+            GradShards::PerStep => GradShardMemory::PerStep,
+        },
+        moment_dtype: match args.moment_dtype {
+            MomentDtype::F32 => DType::F32,
+            MomentDtype::Bf16 => DType::Bf16,
+        },
         ..EngineConfig::default()
     };
     config.validate()?;
@@ -162,8 +208,14 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
     )?;
     writeln!(
         out,
-        "bytes per rank (limit {}, {} reduce-scatters in flight, {}):",
-        args.limit, args.reduces, args.optimizer
+        "bytes per rank (limit {}, {} reduce-scatters in flight, {}, {} storage, {} gradient \
+         shards, {} moments):",
+        args.limit,
+        args.reduces,
+        args.optimizer,
+        name(args.param_storage),
+        name(args.grad_shards),
+        name(args.moment_dtype),
     )?;
     for b in policy.buffer_report() {
         writeln!(
@@ -176,14 +228,17 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
             b.why
         )?;
     }
-    writeln!(
-        out,
-        "  {:<22}         {} ({} bytes)",
-        "peak",
-        mib(m.peak),
-        m.peak
-    )?;
+    for (what, bytes) in [("peak", m.peak), ("between steps", m.between_steps)] {
+        writeln!(out, "  {what:<22}         {} ({bytes} bytes)", mib(bytes))?;
+    }
     Ok(())
+}
+
+/// An option's value as it is written on the command line.
+fn name(value: impl ValueEnum) -> String {
+    value
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_owned())
 }
 
 fn overhead(numel: usize, padded: usize) -> f64 {

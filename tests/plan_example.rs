@@ -70,3 +70,69 @@ fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
     assert!(status.success(), "{status}: {stderr}");
     assert_eq!(stderr, "");
 }
+
+/// The bytes the example printed on the line of `what` ("  what ... (N bytes)...").
+fn printed_bytes(text: &str, what: &str) -> usize {
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with(what))
+        .unwrap_or_else(|| panic!("no line for {what}: {text}"));
+    let (_, after) = line.split_once('(').unwrap();
+    let (number, _) = after.split_once(" bytes)").unwrap();
+    number.parse().unwrap()
+}
+
+#[test]
+fn the_memory_options_give_the_bytes_the_engine_allocates() {
+    use fsdp_fusion::{
+        DType, EngineConfig, GradShardMemory, ModelSpec, ParamStorage, Plan, Policy,
+    };
+    let exe = build_plan_example();
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/models/tiny.json");
+    let plan = Plan::new(&ModelSpec::from_path(&path).unwrap(), 2).unwrap();
+    let run = |options: &[&str]| {
+        let out = Command::new(&exe)
+            .args(["--world-size", "2", "--model"])
+            .arg(&path)
+            .args(options)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let lean = EngineConfig {
+        param_storage: ParamStorage::MasterOnly,
+        grad_shard_memory: GradShardMemory::PerStep,
+        moment_dtype: DType::Bf16,
+        ..EngineConfig::default()
+    };
+    let options = [
+        "--param-storage",
+        "master-only",
+        "--grad-shards",
+        "per-step",
+        "--moment-dtype",
+        "bf16",
+    ];
+    for (config, options) in [(EngineConfig::default(), &[][..]), (lean, &options[..])] {
+        let text = run(options);
+        let want = Policy::new(&plan, &config).unwrap().memory;
+        let printed = |what| printed_bytes(&text, what);
+        assert_eq!(printed("parameter shards"), want.param_shards, "{text}");
+        assert_eq!(printed("optimizer state"), want.optimizer_state, "{text}");
+        assert_eq!(printed("peak"), want.peak, "{text}");
+        assert_eq!(printed("between steps"), want.between_steps, "{text}");
+    }
+    // The options change what a rank holds: each one's saving shows.
+    let (default, lean) = (run(&[]), run(&options));
+    for what in ["parameter shards", "optimizer state", "between steps"] {
+        assert!(
+            printed_bytes(&lean, what) < printed_bytes(&default, what),
+            "{what}"
+        );
+    }
+}
