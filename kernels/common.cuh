@@ -15,11 +15,11 @@ constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
 // op; the host launches one round per thread (`Kernel::elementwise_grid`): one for a copy or a
-// fill, two for the ops that convert or compute. On an H200 at 1 GiB, against `cudaMemcpyAsync`:
-// a copy ran at 0.98 of it with one, 0.94 with two; an accumulation from bf16 into f32 at 0.97
-// with two, 0.91 with one; a 16-bit cast at 0.94 with two, 0.84 with one. Four chunks a round
-// on a grid that fills the GPU once and strides over the rest (the earlier launch) ran them at
-// 0.90-0.92.
+// fill, two for the ops that convert or compute. On an H200 at 1 GiB, these ops timed alone in a
+// program of their own against `cudaMemcpyAsync`: a copy ran at 0.98 of it with one, 0.94 with
+// two; an accumulation from bf16 into f32 at 0.97 with two, 0.91 with one; a 16-bit cast at 0.94
+// with two, 0.84 with one. Four chunks a round on a grid that fills the GPU once and strides over
+// the rest (the earlier launch) ran them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
 
@@ -100,7 +100,9 @@ __device__ __forceinline__ uint2 load8(const void* p) {
   return v;
 }
 
-// The stores are streaming (`.cs`, evict first): no kernel reads back what it wrote.
+// The stores are streaming (`.cs`, evict first): no kernel reads back what it wrote, and at 16 MiB
+// and 1 GiB the ops ran as fast or faster with them. A consumer that would find the output still
+// in the L2 right after (a buffer smaller than it) was not measured.
 __device__ __forceinline__ void store16(void* p, uint4 v) {
   asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};"
                :

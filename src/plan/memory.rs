@@ -96,9 +96,12 @@ impl Policy {
                 what: "optimizer state",
                 count: masters + moments + if layout.step_scratch.is_some() { 2 } else { 0 },
                 bytes: m.optimizer_state,
-                why: "fp32 masters of bf16/f16 groups, AdamW's two moments, and where the \
-                    gradient norms and the non-finite count add up (16 and 8 bytes)"
-                    .into(),
+                why: match layout.step_scratch {
+                    Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, and where \
+                        the gradient norms and the non-finite count add up (16 and 8 bytes)"
+                        .into(),
+                    None => "none: nothing trains".into(),
+                },
             },
             BufferReport {
                 what: "gather slots",
