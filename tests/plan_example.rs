@@ -2,7 +2,7 @@
 //! reader that goes away early (`| head`) ends it quietly.
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 fn build_plan_example() -> PathBuf {
@@ -17,16 +17,12 @@ fn model_file(name: &str, json: &str) -> PathBuf {
     path
 }
 
-#[test]
-fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
-    let exe = build_plan_example();
-    let model = model_file(
-        "bell.json",
-        r#"{"params": [{"name": "w\u001b[2J\u0007", "shape": [4], "dtype": "f32"}]}"#,
-    );
-    let out = Command::new(&exe)
+/// What the example prints for `model` at world size 2 with `options`; it must succeed.
+fn printed_plan(exe: &Path, model: &Path, options: &[&str]) -> String {
+    let out = Command::new(exe)
         .args(["--world-size", "2", "--model"])
-        .arg(&model)
+        .arg(model)
+        .args(options)
         .output()
         .unwrap();
     assert!(
@@ -34,7 +30,17 @@ fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8(out.stdout).unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn names_are_escaped_and_a_closed_pipe_ends_it_quietly() {
+    let exe = build_plan_example();
+    let model = model_file(
+        "bell.json",
+        r#"{"params": [{"name": "w\u001b[2J\u0007", "shape": [4], "dtype": "f32"}]}"#,
+    );
+    let text = printed_plan(&exe, &model, &[]);
     assert!(text.contains(r"w\u{1b}[2J\u{7}"), "{text}");
     assert!(
         !text.contains('\u{1b}'),
@@ -90,20 +96,7 @@ fn the_memory_options_give_the_bytes_the_engine_allocates() {
     let exe = build_plan_example();
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/models/tiny.json");
     let plan = Plan::new(&ModelSpec::from_path(&path).unwrap(), 2).unwrap();
-    let run = |options: &[&str]| {
-        let out = Command::new(&exe)
-            .args(["--world-size", "2", "--model"])
-            .arg(&path)
-            .args(options)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |options: &[&str]| printed_plan(&exe, &path, options);
     let lean = EngineConfig {
         param_storage: ParamStorage::MasterOnly,
         grad_shard_memory: GradShardMemory::PerStep,
