@@ -39,6 +39,31 @@ fn shards(e: &mut CpuEngine) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// Makes an engine start from `init`, the model's initial values.
+fn loaded_with(init: Vec<Vec<f32>>) -> impl Fn(&mut CpuEngine) + Send + Sync + 'static {
+    move |e| load(e, &init).unwrap()
+}
+
+/// Every rank's parameter shards, as bytes, rank by rank.
+type RankShards = Vec<Vec<Vec<u8>>>;
+
+/// Every rank's shards after steps 0..6 from `init`, and after steps 0..3 of the same run,
+/// which is saved to `dir` then.
+fn straight_and_saved_halfway(
+    run: (&Mlp, &Arc<Plan>, &EngineConfig),
+    mode: Mode,
+    init: Vec<Vec<f32>>,
+    dir: &Path,
+) -> (RankShards, RankShards) {
+    let straight = train(run, mode, 0..6, loaded_with(init.clone()), shards);
+    let dir = dir.to_path_buf();
+    let halfway = train(run, mode, 0..3, loaded_with(init), move |e| {
+        e.save(&dir).unwrap();
+        shards(e)
+    });
+    (straight, halfway)
+}
+
 /// Steps `steps` of the model on every rank; each rank's engine is made by `make` (loaded with
 /// the initial values or from a checkpoint) and handed to `after` when done.
 fn train<R: Send + 'static>(
@@ -82,20 +107,9 @@ fn a_saved_run_continues_bit_for_bit_in_fresh_engines() {
         };
         let init = mlp.init(3);
         let what = format!("{dtype} {storage:?} world {world}");
-        let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
-        let straight = train(
-            (&mlp, &plan, &config),
-            mode,
-            0..6,
-            start(init.clone()),
-            shards,
-        );
         let scratch = Scratch::new("checkpoint");
-        let dir = scratch.path().to_path_buf();
-        let halfway = train((&mlp, &plan, &config), mode, 0..3, start(init), move |e| {
-            e.save(&dir).unwrap();
-            shards(e)
-        });
+        let (straight, halfway) =
+            straight_and_saved_halfway((&mlp, &plan, &config), mode, init, scratch.path());
         assert_ne!(halfway, straight, "{what}: training moved nothing");
         let dir = scratch.path().to_path_buf();
         let resumed = train(
@@ -370,20 +384,9 @@ fn reshard_with(mode: Mode, dtype: DType, (saved, loaded): (usize, usize), confi
     let plan = |world| Arc::new(Plan::new(&mlp.spec().unwrap(), world).unwrap());
     let (from, to) = (plan(saved), plan(loaded));
     let init = mlp.init(3);
-    let start = move |init: Vec<Vec<f32>>| move |e: &mut CpuEngine| load(e, &init).unwrap();
-    let straight = train(
-        (&mlp, &from, &config),
-        mode,
-        0..6,
-        start(init.clone()),
-        shards,
-    );
     let (first, second) = (Scratch::new("checkpoint"), Scratch::new("checkpoint"));
-    let dir = first.path().to_path_buf();
-    let at_save = train((&mlp, &from, &config), mode, 0..3, start(init), move |e| {
-        e.save(&dir).unwrap();
-        shards(e)
-    });
+    let (straight, at_save) =
+        straight_and_saved_halfway((&mlp, &from, &config), mode, init, first.path());
     let (dir, again) = (first.path().to_path_buf(), second.path().to_path_buf());
     let at_load = train(
         (&mlp, &to, &config),
