@@ -14,6 +14,8 @@ use super::{BufferLayout, GroupBuffers, Policy};
 pub struct MemoryPerRank {
     pub param_shards: usize,
     pub grad_shards: usize,
+    /// fp32 masters, AdamW's moments, and (where anything trains) the 24 bytes the gradient
+    /// norms and the non-finite count add up in.
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,
