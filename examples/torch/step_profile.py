@@ -9,7 +9,13 @@ and for fsdp-fusion the host time in its hooks, split into the C calls (by funct
 Python around them, with the cost of a ctypes call that does nothing for scale.
 
     NCCL_NVLS_ENABLE=0 python examples/torch/step_profile.py --model gpt2 [--micro-batches 2]
-        [--checkpointing] [--fsdp2]
+        [--checkpointing] [--fsdp2] [--trace-steps 3] [--python-profile 5]
+
+`--trace-steps N` runs N more steps of each trainer under torch.profiler and lists the CUDA
+driver and runtime calls a step makes, and inside each of the engine's calls (the profiler sees
+the kernel launches, not every driver call: the time an engine call spends outside them is its
+own and the driver's other calls'). `--python-profile N` lists the Python functions N steps of
+the engine's trainer spend the most time in (cProfile).
 
 `--model` is transformers' GPT-2 (12 layers, 768, tied), Llama (8 layers, 1024, 4 KV heads) or
 Qwen2 (6 layers, 896, tied, biased attention projections).
@@ -21,11 +27,17 @@ Plain PyTorch is a bf16 model trained through an fp32 master copy with `torch.op
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
+import cProfile
 import functools
+import io
+import json
 import os
+import pstats
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -61,6 +73,13 @@ def arguments():
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 as a third trainer")
     parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
                         help="the engine's fp32 gradient shards: made each step, or kept")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="after the measured steps, this many more of each trainer under "
+                             "torch.profiler: the CUDA driver and runtime calls inside each "
+                             "engine call, and each trainer's calls a step")
+    parser.add_argument("--python-profile", type=int, default=0, metavar="STEPS",
+                        help="after the measured steps, this many fsdp-fusion steps under "
+                             "cProfile: the Python functions the step spends most time in")
     return parser.parse_args()
 
 
@@ -147,10 +166,12 @@ class HookClock:
 
 
 class TimedLibrary:
-    """The client's library, each C function timed."""
+    """The client's library, each C function timed (and, while `annotate` is set, named in the
+    profiler's trace)."""
 
     def __init__(self, lib, calls):
         self._lib, self._calls = lib, calls
+        self.annotate = False
 
     def __getattr__(self, name):
         function = getattr(self._lib, name)
@@ -161,6 +182,9 @@ class TimedLibrary:
         def timed(*args):
             start = time.perf_counter()
             try:
+                if self.annotate:
+                    with torch.profiler.record_function(name):
+                        return function(*args)
                 return function(*args)
             finally:
                 entry = calls[name]
@@ -255,6 +279,79 @@ def plain_trainer(args, model, device):
     return step
 
 
+DEVICE_API = ("cuda_driver", "cuda_runtime")
+
+
+def traced_steps(step, make_batches, steps: int) -> list[dict]:
+    """The complete events of `steps` steps of `step` under torch.profiler (chrome-trace form)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(make_batches(), Phases()).item()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def device_api_report(name: str, events: list[dict], steps: int):
+    """Prints the CUDA driver and runtime calls a step of trainer `name` makes, and for the
+    engine's calls (the annotations `TimedLibrary` makes) the device calls inside each."""
+    engine = sorted((e for e in events if e.get("cat") == "user_annotation"
+                     and e["name"].startswith("fsdp_engine_")), key=lambda e: e["ts"])
+    by_thread = defaultdict(list)
+    for e in engine:
+        by_thread[e["tid"]].append(e)
+    starts = {tid: [e["ts"] for e in spans] for tid, spans in by_thread.items()}
+    own = defaultdict(lambda: [0, 0.0])
+    inside = defaultdict(lambda: defaultdict(lambda: [0, 0.0]))
+    for call in (e for e in events if e.get("cat") in DEVICE_API):
+        spans = by_thread.get(call["tid"], [])
+        i = bisect.bisect_right(starts.get(call["tid"], []), call["ts"]) - 1
+        if i >= 0 and call["ts"] + call["dur"] <= spans[i]["ts"] + spans[i]["dur"]:
+            entry = inside[spans[i]["name"]][call["name"]]
+        else:
+            entry = own[call["name"]]
+        entry[0] += 1
+        entry[1] += call["dur"]
+    print(f"{name}: CUDA driver and runtime calls a step outside the engine's calls "
+          "(count x us each):")
+    for call, (count, us) in sorted(own.items(), key=lambda kv: -kv[1][1])[:12]:
+        print(f"    {call:<36} {count / steps:7.1f} x {us / count:7.2f}")
+    if not engine:
+        return
+    spans = defaultdict(lambda: [0, 0.0])
+    for e in engine:
+        spans[e["name"]][0] += 1
+        spans[e["name"]][1] += e["dur"]
+    print(f"{name}: the engine's calls, and the device calls inside one (count x us each):")
+    for function, (count, us) in sorted(spans.items(), key=lambda kv: -kv[1][1]):
+        calls = inside[function]
+        device_us = sum(v[1] for v in calls.values())
+        print(f"  {function:<34} {count / steps:5.1f} a step x {us / count:7.1f} us; "
+              f"outside device calls {(us - device_us) / count:6.1f} us")
+        for call, (n, call_us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+            print(f"      {call:<32} {n / count:6.2f} x {call_us / n:6.2f} us")
+
+
+def python_profile(step, make_batches, steps: int):
+    """Prints the Python functions `steps` steps of `step` spend the most own time in."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step(make_batches(), Phases()).item()
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    print(f"fsdp-fusion under cProfile, {steps} steps, by own time:")
+    print(out.getvalue())
+
+
 def spread(values: list[float]) -> str:
     q = statistics.quantiles(values, n=10)
     return f"{statistics.median(values):7.2f} ({q[0]:.2f}-{q[-1]:.2f})"
@@ -274,11 +371,15 @@ def main() -> int:
     trainers = {"fsdp-fusion": fusion, "plain PyTorch": plain_trainer(args, plain_model, device),
                 **trainers}
     g = torch.Generator(device=device).manual_seed(1)
+
+    def make_batches():
+        return [torch.randint(0, 4096, (args.batch, args.seq), device=device, generator=g)
+                for _ in range(args.micro_batches)]
+
     record = {name: defaultdict(list) for name in trainers}
     hook_steps, call_steps = [], defaultdict(lambda: [0, 0.0])
     for i in range(args.steps):
-        batches = [torch.randint(0, 4096, (args.batch, args.seq), device=device, generator=g)
-                   for _ in range(args.micro_batches)]
+        batches = make_batches()
         order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
         for name in order:
             phases = Phases()
@@ -321,6 +422,14 @@ def main() -> int:
     for function, (count, seconds) in sorted(call_steps.items(), key=lambda kv: -kv[1][1]):
         print(f"  {function:<32} {count / measured:6.1f} calls/step {seconds / count * 1e6:8.1f} "
               f"us/call")
+    if args.trace_steps:
+        fused._lib.annotate = True
+        for name, step in trainers.items():
+            device_api_report(name, traced_steps(step, make_batches, args.trace_steps),
+                              args.trace_steps)
+        fused._lib.annotate = False
+    if args.python_profile:
+        python_profile(trainers["fsdp-fusion"], make_batches, args.python_profile)
     lib = fused._lib._lib._lib  # the CDLL under the timing and the typed wrapper
     start, n = time.perf_counter(), 20000
     for _ in range(n):

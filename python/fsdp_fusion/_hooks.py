@@ -4,7 +4,7 @@ over, and keep autograd's saved tensors right when the views move."""
 
 from __future__ import annotations
 
-from ctypes import c_size_t, c_void_p
+from ctypes import c_size_t, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,11 @@ class _Views:
         self.position = {address: i for i, address in enumerate(addresses) if address}
 
 
+_GRAD_WORDS = sizeof(Grad) // sizeof(c_uint64)
+"""64-bit words per `Grad`: its address is the second of an entry's."""
+assert _GRAD_WORDS * sizeof(c_uint64) == sizeof(Grad) and Grad.data.offset == sizeof(c_uint64)
+
+
 class _Unit:
     """One unit's parameters as the hooks handle them."""
 
@@ -40,7 +45,16 @@ class _Unit:
         self.forward_opens = 0
         self.views: _Views | None = None
         self.backward_open = False
-        self.trainable = [p for p in params if p.tensor.requires_grad]
+        trainable = [p for p in params if p.tensor.requires_grad]
+        self.trainable = [p.tensor for p in trainable]
+        # The hand-over's batch when every trainable parameter has a contiguous gradient of its
+        # own dtype (the usual case): made once, the call fills in the addresses alone.
+        self.full_batch = (Grad * len(trainable))(
+            *[Grad(p.id, None, p.tensor.numel(), DTYPE_CODES[p.tensor.dtype]) for p in trainable])
+        self.full_batch_words = (c_uint64 * (len(trainable) * _GRAD_WORDS)).from_buffer(
+            self.full_batch)
+        self.dtypes = [p.tensor.dtype for p in trainable]
+        self.trainable_ids = [p.id for p in trainable]
         self.batch = (Grad * count)()
 
 
@@ -203,25 +217,38 @@ class _Hooks:
         of a unit's backward every gradient of the unit is there. On the CPU the engine reads
         them before returning; on a GPU it reads them on the compute stream, where the caching
         allocator reuses their memory only afterwards."""
-        grads, batch = [], u.batch
-        for p in u.trainable:
-            grad = p.tensor.grad
+        # Held until the call returned.
+        grads = [t.grad for t in u.trainable]
+        if all(g is None for g in grads):
+            return
+        self._gradients = True
+        if all(g is not None and g.dtype == dtype and g.is_contiguous()
+               for g, dtype in zip(grads, u.dtypes)):
+            words = u.full_batch_words
+            for i, grad in enumerate(grads):
+                words[i * _GRAD_WORDS + 1] = grad.data_ptr()
+            batch, count = u.full_batch, len(grads)
+        else:
+            batch, count = self._batch_of(u, grads)
+        for t in u.trainable:
+            t.grad = None
+        self._check(self._lib.fsdp_engine_grads(self._engine, batch, count), "fsdp_engine_grads")
+
+    @staticmethod
+    def _batch_of(u: _Unit, grads: list) -> tuple:
+        """The batch of the gradients present, each made contiguous (in place in `grads`, which
+        holds them through the call), in its own dtype."""
+        batch, count = u.batch, 0
+        for i, grad in enumerate(grads):
             if grad is None:
                 continue
             if not grad.is_contiguous():
-                grad = grad.contiguous()
-            entry = batch[len(grads)]
-            entry.param, entry.data, entry.numel = p.id, grad.data_ptr(), grad.numel()
-            entry.dtype = DTYPE_CODES.get(grad.dtype, 99)
-            grads.append(grad)
-        if not grads:
-            return
-        self._gradients = True
-        for p in u.trainable:
-            p.tensor.grad = None
-        # The tensors live until the call returned: `grads` holds them.
-        self._check(self._lib.fsdp_engine_grads(self._engine, batch, len(grads)),
-                    "fsdp_engine_grads")
+                grads[i] = grad = grad.contiguous()
+            entry = batch[count]
+            entry.param, entry.data = u.trainable_ids[i], grad.data_ptr()
+            entry.numel, entry.dtype = grad.numel(), DTYPE_CODES.get(grad.dtype, 99)
+            count += 1
+        return batch, count
 
     # -- gathered views --------------------------------------------------------------------
 

@@ -37,6 +37,49 @@ def test_adamw_at_world_size_1_matches_torch():
     assert difference <= 1e-4, f"{name} differs by {difference}"
 
 
+class Gated(torch.nn.Module):
+    """A block whose `side` weight adds `gate * side(x)`: with the gate 0 it takes part with a
+    zero gradient; left out (`gate` None) it gets no gradient at all."""
+
+    def __init__(self):
+        super().__init__()
+        # First, so that the gradients present follow a missing one in the batch.
+        self.side = torch.nn.Linear(8, 8, bias=False)
+        self.main = torch.nn.Linear(8, 8)
+        self.gate = None
+
+    def forward(self, x):
+        x = x + torch.tanh(self.main(x))
+        return x if self.gate is None else x + self.gate * self.side(x)
+
+
+def test_a_gradient_missing_from_a_pass_trains_as_a_zero_gradient():
+    """A unit whose parameter got no gradient in a pass hands over the others alone (the batch
+    of the gradients present), and the engine counts the missing one as zero: the same
+    parameters, bit for bit, as a run where it got a zero gradient (every gradient present)."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Gated(), Gated())
+    runs = {}
+    for missing in (True, False):
+        module = copy.deepcopy(blocks)
+        fused = FusedFSDP(module, list(module), lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            for i in range(2):
+                # The first pass of each step leaves the side weights out.
+                for block in module:
+                    block.gate = None if missing and i == 0 else (0.0 if i == 0 else 0.5)
+                x = torch.randn(4, 8, generator=g)
+                fused(x).square().mean().backward()
+            fused.step()
+        runs[missing] = {name: fused.full_parameter(name)
+                         for name, _ in blocks.named_parameters()}
+        fused.close()
+    for name, value in runs[True].items():
+        assert torch.equal(value, runs[False][name]), name
+    assert not torch.equal(runs[True]["0.side.weight"], blocks[0].side.weight.detach())
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):

@@ -180,6 +180,18 @@ pub trait Backend: Send {
     /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
 
+    /// As [`Backend::alloc`], the contents undefined until written: for a buffer the engine
+    /// writes whole before it reads any of it (a per-step gradient shard), so that making it
+    /// queues no fill.
+    fn alloc_unfilled(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// Drops `buffers` as dropping each would; a backend that frees in stream order orders their
+    /// memory after every stream's work so far once for them all, rather than once a buffer.
+    fn free(&self, buffers: Vec<Self::Buffer>) -> Result<()> {
+        drop(buffers);
+        Ok(())
+    }
+
     /// As [`Backend::alloc`], outside [`Backend::memory`]'s count: for the few bytes the ranks
     /// exchange to compare their plans and collectives, which no plan predicts.
     fn alloc_scratch(&self, bytes: usize) -> Result<Self::Buffer>;

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaStream, result};
 
 use crate::backend::Region;
-use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, bind, cuda};
+use crate::backend::cuda::{CudaBackend, CudaBuffer, DeviceMemory, PooledEvent, bind, cuda};
 use crate::comm::{
     Communicator, Fingerprint, Tag, check_all_gather, check_all_reduce, check_reduce_scatter,
     own_part,
@@ -62,13 +62,13 @@ enum Deposit {
     /// The rank's stream reached the collective at `reached`; `data` is its source address.
     Arrive {
         op: Op,
-        reached: Arc<CudaEvent>,
+        reached: Arc<PooledEvent>,
         data: u64,
     },
     /// The rank failed on the device before taking part.
     Failed,
     /// The rank's part ends at this event (none if even recording it failed).
-    Done(Option<Arc<CudaEvent>>),
+    Done(Option<Arc<PooledEvent>>),
 }
 
 /// Checks that every rank arrived with rank 0's operation (`op` is this rank's). A rank that

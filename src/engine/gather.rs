@@ -137,11 +137,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// One use of unit `u`'s groups ended on the compute stream.
     pub(super) fn release_unit(&mut self, u: usize) -> Result<()> {
-        let done = Arc::new(self.backend.record(Stream::Compute)?);
         let plan = Arc::clone(&self.plan);
-        for &g in plan.unit_groups(u) {
+        let groups = plan.unit_groups(u);
+        // Compute's last use matters to the next gather into a group's slot only: a group whose
+        // view is its shard (world size 1) is written next by the optimizer, on compute itself.
+        let in_slot = groups
+            .iter()
+            .any(|&g| matches!(self.gathering.groups[g].placed, Some(Placement::Slot(_))));
+        let done = match in_slot {
+            true => Some(Arc::new(self.backend.record(Stream::Compute)?)),
+            false => None,
+        };
+        for &g in groups {
             self.gathering.machine.release(g)?;
-            self.gathering.groups[g].released = Some(Arc::clone(&done));
+            self.gathering.groups[g].released = done.clone();
         }
         Ok(())
     }

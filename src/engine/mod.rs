@@ -135,7 +135,12 @@ struct CollectiveLog {
 
 /// Allocates `bytes` for `what`, naming it when memory runs out.
 fn alloc<B: Backend>(backend: &B, bytes: usize, what: impl Fn() -> String) -> Result<B::Buffer> {
-    backend.alloc(bytes).map_err(|e| match e {
+    naming_what_ran_out(backend.alloc(bytes), what)
+}
+
+/// `result`, an allocation's, with `what` named in its error when memory ran out.
+fn naming_what_ran_out<T>(result: Result<T>, what: impl Fn() -> String) -> Result<T> {
+    result.map_err(|e| match e {
         Error::OutOfMemory { bytes, .. } => Error::OutOfMemory {
             bytes,
             what: what(),

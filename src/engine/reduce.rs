@@ -96,15 +96,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.take_grads(std::iter::once((param, group, gradient)))
     }
 
-    /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each in order.
-    /// Every entry is checked before any is taken (a parameter named twice is
+    /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each, taken
+    /// group by group in the plan's order of groups (each group's in the batch's order): the
+    /// gradients of one group go to the device together, in one operation where the backend can (a layer whose
+    /// parameters alternate between a decayed and an exempt group costs two launches, not one
+    /// per parameter). Every entry is checked before any is taken (a parameter named twice is
     /// `Error::DuplicateGradient`), so a refused batch changes nothing.
     pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
         self.healthy()?;
-        let mut groups = crate::fallible::with_capacity(gradients.len(), "a batch's groups")?;
+        let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
         let mut named = crate::fallible::filled(self.plan.params().len(), false, "a batch's ids")?;
         for &(param, gradient) in gradients {
-            groups.push(self.check_grad(param, gradient.dtype(), gradient.numel())?);
+            let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
             let seen = named.get_mut(param.0).ok_or(Error::ParamIdOutOfRange {
                 id: param.0,
                 count: self.plan.params().len(),
@@ -114,9 +117,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     name: self.plan.param(param)?.name.clone(),
                 });
             }
+            batch.push((param, group, gradient));
         }
-        let batch = gradients.iter().zip(groups);
-        self.take_grads(batch.map(|(&(param, gradient), group)| (param, group, gradient)))
+        // Stable: a group's gradients keep the caller's order.
+        batch.sort_by_key(|&(_, group, _)| group);
+        self.take_grads(batch.into_iter())
     }
 
     /// Writes the gradients `writes` holds into their place.
@@ -360,9 +365,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !g.trainable || self.reducing.groups[group].shard.is_some() {
             return Ok(());
         }
-        let shard = super::alloc(&self.backend, g.shard_numel * 4, || {
-            format!("the gradient shard of group {group}")
-        })?;
+        // The step writes every element before anything reads the shard: its first gradients
+        // (with the padding and the parameters that got none zeroed), its first reduction, or a
+        // zero fill when the group got nothing.
+        let shard =
+            super::naming_what_ran_out(self.backend.alloc_unfilled(g.shard_numel * 4), || {
+                format!("the gradient shard of group {group}")
+            })?;
         self.reducing.groups[group].shard = Some(shard);
         Ok(())
     }

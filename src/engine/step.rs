@@ -204,9 +204,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     e.counters.skipped_steps += 1;
                 }
                 if e.config.grad_shard_memory == GradShardMemory::PerStep {
-                    // Dropped after the optimizer's work was queued: the backend frees them in
+                    // Freed after the optimizer's work was queued: the backend frees them in
                     // stream order.
-                    e.reducing.groups.iter_mut().for_each(|g| g.shard = None);
+                    let groups = &mut e.reducing.groups;
+                    let mut freed =
+                        crate::fallible::with_capacity(groups.len(), "the step's gradient shards")?;
+                    freed.extend(groups.iter_mut().filter_map(|g| g.shard.take()));
+                    e.backend.free(freed)?;
                 }
                 e.gathering.schedule.end_step();
                 e.reducing.pipeline.end_step();

@@ -100,6 +100,16 @@ impl CpuBuffer {
         })
     }
 
+    /// Allocates `bytes` bytes of `0xFF`, counted by `tracker`: what a buffer whose contents are
+    /// undefined holds on the CPU, a NaN in every f32, bf16 and f16, so that a read before the
+    /// first write shows in the values.
+    pub(crate) fn poisoned(bytes: usize, tracker: &Arc<Tracker>) -> Result<CpuBuffer> {
+        let buffer = CpuBuffer::zeroed(bytes, tracker)?;
+        // SAFETY: the memory was just made; no other thread knows it.
+        unsafe { buffer.memory.bytes_mut(0..bytes) }.fill(0xFF);
+        Ok(buffer)
+    }
+
     /// The size in bytes.
     pub fn len(&self) -> usize {
         self.memory.layout.size()

@@ -216,6 +216,11 @@ impl Backend for CpuBackend {
         CpuBuffer::zeroed(bytes, &self.tracker)
     }
 
+    /// Every byte 0xFF: a NaN in every element, so that a read before the first write shows.
+    fn alloc_unfilled(&self, bytes: usize) -> Result<CpuBuffer> {
+        CpuBuffer::poisoned(bytes, &self.tracker)
+    }
+
     fn alloc_scratch(&self, bytes: usize) -> Result<CpuBuffer> {
         CpuBuffer::zeroed(bytes, &Arc::default())
     }

@@ -45,6 +45,28 @@ fn memory_is_counted_while_buffers_live_and_starts_zeroed() {
 }
 
 #[test]
+fn an_unfilled_buffer_is_counted_and_holds_nan_until_written_and_free_drops_buffers() {
+    let b = CpuBackend::new();
+    let x = b.alloc_unfilled(16).unwrap();
+    let y = b.alloc(8).unwrap();
+    assert_eq!(b.memory().current, 24);
+    let values = download_f32(&b, &x, 4);
+    assert!(values.iter().all(|v| v.is_nan()), "{values:?}");
+    let mut halves = [0u8; 16];
+    b.download(&x, Region::new(0, 8, DType::Bf16), &mut halves)
+        .unwrap();
+    assert_eq!(halves, [0xFF; 16], "a NaN in every bf16 too");
+    b.free(vec![x, y]).unwrap();
+    assert_eq!(
+        b.memory(),
+        MemoryUsage {
+            current: 0,
+            peak: 24
+        }
+    );
+}
+
+#[test]
 fn an_allocation_larger_than_memory_is_an_error() {
     let b = CpuBackend::new();
     assert!(matches!(

@@ -175,6 +175,8 @@ pub(crate) struct LentMemory {
     allocator: Arc<dyn DeviceAllocator>,
     /// The compute stream, then the streams it waits for before the memory goes back.
     streams: [Arc<CudaStream>; 3],
+    /// The compute stream already waits for the other streams' every use of the memory.
+    joined: bool,
 }
 
 impl LentMemory {
@@ -193,6 +195,7 @@ impl LentMemory {
             bytes,
             allocator: Arc::clone(allocator),
             streams,
+            joined: false,
         })
     }
 
@@ -214,7 +217,7 @@ impl Drop for LentMemory {
         }
         // Memory whose last uses cannot be ordered before the compute stream's next work is
         // leaked rather than handed out again while the device may still use it.
-        if self.join_on_compute().is_ok() {
+        if self.joined || self.join_on_compute().is_ok() {
             self.allocator.release(self.ptr, self.bytes);
         }
     }
@@ -281,6 +284,17 @@ impl CudaBuffer {
     pub(crate) fn addr(&self, region: Region) -> Result<u64> {
         let range = region.byte_range(self.bytes())?;
         Ok(self.ptr() + range.start as u64)
+    }
+}
+
+impl CudaBuffer {
+    /// Drops the buffer once the compute stream was made to wait for the gather and reduce
+    /// streams' work so far (every use of the buffer among it): lent memory goes back to its
+    /// allocator with no join of its own.
+    pub(crate) fn free_joined(mut self) {
+        if let BufferMemory::Lent(lent) = &mut self.memory {
+            lent.joined = true;
+        }
     }
 }
 

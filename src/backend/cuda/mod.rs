@@ -14,6 +14,7 @@
 //! order instead, with no wait.
 
 mod driver;
+mod events;
 pub mod kernels;
 mod memory;
 mod staging;
@@ -25,6 +26,8 @@ use std::time::Duration;
 
 use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
+use events::EventPool;
+pub(crate) use events::PooledEvent;
 
 use crate::backend::{
     Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Tracker,
@@ -46,9 +49,9 @@ use streams::wait_for;
 const NAME: &str = "cuda";
 
 /// A point in one of a backend's streams: a CUDA event, timed only when made by
-/// [`Backend::record_timed`].
+/// [`Backend::record_timed`] (the others are used again once dropped).
 #[derive(Debug)]
-pub struct CudaBackendEvent(CudaEvent);
+pub struct CudaBackendEvent(PooledEvent);
 
 /// The CUDA backend of one rank.
 pub struct CudaBackend {
@@ -66,6 +69,17 @@ pub struct CudaBackend {
     allocator: Option<Arc<dyn DeviceAllocator>>,
     /// The deadline and abort flag of the host's waits.
     watch: Watch,
+    /// The events [`Backend::record`] marks the streams with.
+    events: Arc<EventPool>,
+}
+
+/// What a new buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contents {
+    /// Zeros, as every stream sees them first.
+    Zeroed,
+    /// Whatever the memory held: the caller writes it before any read.
+    Undefined,
 }
 
 /// The f32 view of `region`, as the gradient operations read it whatever its dtype says.
@@ -97,11 +111,32 @@ impl Backend for CudaBackend {
     /// Allocates with `cuMemAlloc` (or the caller's allocator) and zero-fills on the compute stream; the gather and reduce
     /// streams wait for the fill, so the zeros are what any stream sees first.
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
-        self.alloc_counted(bytes, &self.tracker)
+        self.alloc_counted(bytes, &self.tracker, Contents::Zeroed)
+    }
+
+    /// No fill, and so no event: the other streams' first use of the memory is ordered after
+    /// the compute stream's work at the allocation by the waits that order every use.
+    fn alloc_unfilled(&self, bytes: usize) -> Result<CudaBuffer> {
+        self.alloc_counted(bytes, &self.tracker, Contents::Undefined)
+    }
+
+    /// One join of the gather and reduce streams into the compute stream for them all: lent
+    /// memory goes back to the caller's allocator after it, with no join of its own.
+    fn free(&self, buffers: Vec<CudaBuffer>) -> Result<()> {
+        let joined = self.join_on_compute();
+        for buffer in buffers {
+            if joined.is_ok() {
+                buffer.free_joined();
+            } else {
+                // Each buffer tries a join of its own, and is leaked if that fails too.
+                drop(buffer);
+            }
+        }
+        joined
     }
 
     fn alloc_scratch(&self, bytes: usize) -> Result<CudaBuffer> {
-        self.alloc_counted(bytes, &Arc::default())
+        self.alloc_counted(bytes, &Arc::default(), Contents::Zeroed)
     }
 
     fn memory(&self) -> MemoryUsage {
@@ -248,7 +283,7 @@ impl Backend for CudaBackend {
     fn record_timed(&self, stream: Stream) -> Result<CudaBackendEvent> {
         self.stream_handle(stream)
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map(CudaBackendEvent)
+            .map(|event| CudaBackendEvent(PooledEvent::unpooled(event)))
             .map_err(cuda("cuEventRecord"))
     }
 

@@ -106,6 +106,7 @@ impl CudaBackend {
             caller_stream: None,
             allocator: None,
             watch: Watch::default(),
+            events: Arc::default(),
         })
     }
 
@@ -175,7 +176,12 @@ impl CudaBackend {
     }
 
     /// Allocates `bytes`, zero-filled as [`Backend::alloc`] says, counted by `tracker`.
-    pub(super) fn alloc_counted(&self, bytes: usize, tracker: &Arc<Tracker>) -> Result<CudaBuffer> {
+    pub(super) fn alloc_counted(
+        &self,
+        bytes: usize,
+        tracker: &Arc<Tracker>,
+        contents: Contents,
+    ) -> Result<CudaBuffer> {
         let memory = match &self.allocator {
             None => BufferMemory::Driver(DeviceMemory::alloc(&self.ctx, bytes)?),
             Some(allocator) => {
@@ -188,7 +194,7 @@ impl CudaBackend {
             }
         };
         let memory = CudaBuffer::new(memory, tracker);
-        if bytes > 0 {
+        if bytes > 0 && contents == Contents::Zeroed {
             // SAFETY: the allocation holds `bytes` bytes and is not yet used by anything (lent
             // memory only by work queued on the compute stream before this fill).
             unsafe { result::memset_d8_async(memory.ptr(), 0, bytes, self.compute.cu_stream()) }
@@ -201,10 +207,8 @@ impl CudaBackend {
         Ok(memory)
     }
 
-    pub(crate) fn record_raw(&self, stream: Stream) -> Result<CudaEvent> {
-        self.stream_handle(stream)
-            .record_event(None)
-            .map_err(cuda("cuEventRecord"))
+    pub(crate) fn record_raw(&self, stream: Stream) -> Result<PooledEvent> {
+        self.events.record(&self.ctx, self.stream_handle(stream))
     }
 
     /// Counts a host wait, then blocks until `stream`'s work so far completed.
