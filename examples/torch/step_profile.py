@@ -5,11 +5,13 @@ falls on both alike.
 Per phase (forward, backward, the optimizer step) it reports the device time (CUDA events) and
 the host time (until the phase's calls returned; the host runs ahead of the device when it is
 not the bottleneck), as the median over the measured steps with the 10th and 90th percentiles;
-and for fsdp-fusion the host time in its hooks, split into the C calls (by function) and the
-Python around them, with the cost of a ctypes call that does nothing for scale.
+and with `--hook-times` the host time in fsdp-fusion's hooks, split into the C calls (by
+function) and the Python around them, with the cost of a ctypes call that does nothing for scale
+(the timing costs host time of its own, so the steps are timed without it otherwise).
 
     NCCL_NVLS_ENABLE=0 python examples/torch/step_profile.py --model gpt2 [--micro-batches 2]
-        [--checkpointing] [--fsdp2] [--trace-steps 3] [--python-profile 5]
+        [--checkpointing] [--compile] [--fsdp2] [--hook-times] [--trace-steps 3]
+        [--python-profile 5]
 
 `--trace-steps N` runs N more steps of each trainer under torch.profiler and lists the CUDA
 driver and runtime calls a step makes, and inside each of the engine's calls (the profiler sees
@@ -71,8 +73,14 @@ def arguments():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--fsdp2", action="store_true", help="FSDP2 as a third trainer")
+    parser.add_argument("--compile", action="store_true",
+                        help="each layer compiled with torch.compile before wrapping, in the "
+                             "engine's trainer and plain PyTorch's (FSDP2's stay eager)")
     parser.add_argument("--grad-shards", default="per-step", choices=["per-step", "persistent"],
                         help="the engine's fp32 gradient shards: made each step, or kept")
+    parser.add_argument("--hook-times", action="store_true",
+                        help="time the engine's hooks (the Python around them and each C call); "
+                             "the timing's own cost then falls on the engine's steps")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="after the measured steps, this many more of each trainer under "
                              "torch.profiler: the CUDA driver and runtime calls inside each "
@@ -83,8 +91,23 @@ def arguments():
     return parser.parse_args()
 
 
+def layers_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's transformer layers: its FSDP units."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def compiled(args, model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's layers, each compiled in its place first under `--compile` (as torchtitan
+    compiles each layer before sharding it: the engine's hooks stay between compiled regions)."""
+    layers = layers_of(model)
+    if args.compile:
+        for i, layer in enumerate(layers):
+            layers[i] = torch.compile(layer)
+    return list(layers)
+
+
 def build(args):
-    """The fp32 model and its layers (the FSDP units)."""
+    """The fp32 model."""
     torch.manual_seed(0)
     if args.model == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -92,7 +115,6 @@ def build(args):
         config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=4096,
                             n_positions=args.seq)
         model = GPT2LMHeadModel(config)
-        layers = list(model.transformer.h)
     elif args.model == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -101,7 +123,6 @@ def build(args):
                              num_attention_heads=14, num_key_value_heads=2, vocab_size=4096,
                              max_position_embeddings=args.seq, tie_word_embeddings=True)
         model = Qwen2ForCausalLM(config)
-        layers = list(model.model.layers)
     else:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -109,10 +130,9 @@ def build(args):
                              num_attention_heads=16, num_key_value_heads=4, vocab_size=4096,
                              max_position_embeddings=args.seq)
         model = LlamaForCausalLM(config)
-        layers = list(model.model.layers)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, layers
+    return model
 
 
 class Phases:
@@ -195,12 +215,13 @@ class TimedLibrary:
         return timed
 
 
-def fusion_trainer(args, model, layers, device):
+def fusion_trainer(args, model, device):
     module = model.to(device=device, dtype=torch.bfloat16)
-    fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
+    fused = FusedFSDP(module, compiled(args, module), args.library, lr=3e-4, betas=(0.9, 0.95),
                       weight_decay=0.1, no_weight_decay=default_no_weight_decay,
                       grad_shards=args.grad_shards)
-    clock = HookClock(fused)
+    # The clock's wrappers cost host time of their own: the step is timed without them.
+    clock = HookClock(fused) if args.hook_times or args.trace_steps else None
     return stepper(fused, fused.step), clock, fused
 
 
@@ -254,6 +275,7 @@ def fsdp2_trainer(model, layers, device):
 def plain_trainer(args, model, device):
     master = model.to(device)
     compute = copy.deepcopy(master).to(torch.bfloat16)
+    compiled(args, compute)
     pairs = list(zip(master.parameters(), compute.parameters()))
     optimizer = adamw(master)
 
@@ -360,14 +382,14 @@ def spread(values: list[float]) -> str:
 def main() -> int:
     args = arguments()
     device = nccl_world_of_one()
-    model, layers = build(args)
+    model = build(args)
     plain_model = copy.deepcopy(model)
     trainers = {}
     if args.fsdp2:
         # A copy of the model whose layers FSDP2 shards in place.
-        fsdp2_model, fsdp2_layers = build(args)
-        trainers["FSDP2"] = fsdp2_trainer(fsdp2_model, fsdp2_layers, device)
-    fusion, clock, fused = fusion_trainer(args, model, layers, device)
+        fsdp2_model = build(args)
+        trainers["FSDP2"] = fsdp2_trainer(fsdp2_model, list(layers_of(fsdp2_model)), device)
+    fusion, clock, fused = fusion_trainer(args, model, device)
     trainers = {"fsdp-fusion": fusion, "plain PyTorch": plain_trainer(args, plain_model, device),
                 **trainers}
     g = torch.Generator(device=device).manual_seed(1)
@@ -383,11 +405,12 @@ def main() -> int:
         order = list(trainers) if i % 2 == 0 else list(reversed(trainers))
         for name in order:
             phases = Phases()
-            clock.take()
+            if clock:
+                clock.take()
             loss = trainers[name](batches, phases)
             loss_value = loss.item()
             torch.cuda.synchronize()
-            hooks, calls = clock.take()
+            hooks, calls = clock.take() if clock else (0.0, {})
             if i < args.warmup:
                 continue
             device_ms, host_ms = phases.times()
@@ -404,7 +427,8 @@ def main() -> int:
                     call_steps[function][1] += seconds
     measured = args.steps - args.warmup
     print(f"{args.model}, batch {args.batch} x {args.seq}, {args.micro_batches} micro-batch(es)"
-          f"{', gradient checkpointing' if args.checkpointing else ''}, bf16, AdamW, world size 1, "
+          f"{', gradient checkpointing' if args.checkpointing else ''}"
+          f"{', layers compiled' if args.compile else ''}, bf16, AdamW, world size 1, "
           f"{measured} steps after {args.warmup}, interleaved; ms, median (p10-p90)")
     for name, r in record.items():
         print(f"{name:>14}: step {spread(r['step'])}  "
@@ -415,14 +439,16 @@ def main() -> int:
         if name != "plain PyTorch":
             print(f"{name} / plain PyTorch, median step: "
                   f"{statistics.median(record[name]['step']) / plain:.3f}")
-    c_ms = sum(seconds for _, seconds in call_steps.values()) * 1e3 / measured
-    hooks_ms = statistics.mean(hook_steps)
-    print(f"fsdp-fusion hooks, host ms per step: {hooks_ms:.2f} in all, {c_ms:.2f} in C calls, "
-          f"{hooks_ms - c_ms:.2f} in Python around them")
-    for function, (count, seconds) in sorted(call_steps.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {function:<32} {count / measured:6.1f} calls/step {seconds / count * 1e6:8.1f} "
-              f"us/call")
+    if clock:
+        c_ms = sum(seconds for _, seconds in call_steps.values()) * 1e3 / measured
+        hooks_ms = statistics.mean(hook_steps)
+        print(f"fsdp-fusion hooks, host ms per step: {hooks_ms:.2f} in all, {c_ms:.2f} in C "
+              f"calls, {hooks_ms - c_ms:.2f} in Python around them")
+        for function, (count, seconds) in sorted(call_steps.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {function:<32} {count / measured:6.1f} calls/step "
+                  f"{seconds / count * 1e6:8.1f} us/call")
     if args.trace_steps:
+        # The clock's library names each engine call in the trace.
         fused._lib.annotate = True
         for name, step in trainers.items():
             device_api_report(name, traced_steps(step, make_batches, args.trace_steps),
@@ -430,11 +456,12 @@ def main() -> int:
         fused._lib.annotate = False
     if args.python_profile:
         python_profile(trainers["fsdp-fusion"], make_batches, args.python_profile)
-    lib = fused._lib._lib._lib  # the CDLL under the timing and the typed wrapper
-    start, n = time.perf_counter(), 20000
-    for _ in range(n):
-        lib.fsdp_abi_version()
-    print(f"a ctypes call that does nothing: {(time.perf_counter() - start) / n * 1e6:.2f} us")
+    if clock:
+        lib = fused._lib._lib._lib  # the CDLL under the timing and the typed wrapper
+        start, n = time.perf_counter(), 20000
+        for _ in range(n):
+            lib.fsdp_abi_version()
+        print(f"a ctypes call that does nothing: {(time.perf_counter() - start) / n * 1e6:.2f} us")
     fused.close()
     dist.destroy_process_group()
     return 0

@@ -110,16 +110,24 @@ class _Hooks:
     # -- hooks -----------------------------------------------------------------------------
 
     # Where the views never move (world size 1, parameters stored as shards), a unit's views
-    # are mapped in its first forward and the engine has nothing to gather or release for it:
-    # inside the root's forward (whose hooks tell the engine where a pass begins), later passes
-    # make no engine call for the unit but the one that hands its gradients over.
+    # are mapped in its first forward and the engine has nothing to gather, release or reduce
+    # for it: inside the root's forward (whose hooks tell the engine where a pass begins), later
+    # passes make no engine call for the unit, and the whole model's gradients go
+    # to the engine in one call when the next forward or the step begins (`_close_backwards`),
+    # as plain PyTorch's optimizer takes them at the step. Where the views move, each unit's
+    # hooks call the engine, and its gradients go over when its backward ends, so that their
+    # reduction overlaps the rest of the backward.
 
     def _pre_forward_hook(self, unit: int):
         def hook(_module, args, kwargs):
             u = self._units[unit]
+            # Outside the root's forward (a root with no parameters of its own, a recompute in
+            # backward) the unit's hooks tell the engine where a pass begins.
             if self._views_move or u.views is None or self._root.opens == 0:
                 self._open(u, self._lib.fsdp_engine_pre_forward)
                 u.forward_opens += 1
+            if not self._views_move:
+                return None
             return self._wrap_inputs(unit, args, kwargs)
 
         return hook
@@ -192,21 +200,24 @@ class _Hooks:
         u = self._unit_of[unit]
         if u.backward_open:
             u.backward_open = False
-            self._hand_over(u)
+            if self._views_move:
+                self._hand_over(u)
             self._close(u, self._lib.fsdp_engine_post_backward)
-        elif not self._views_move and unit != ROOT:
-            # A unit whose forward made no engine call (see `_pre_forward_hook`).
-            self._hand_over(u)
 
     def _close_backwards(self):
-        """Ends every backward left open, then hands over the gradients that arrived after
-        their unit's backward ended (or in a unit whose outputs needed none), before the next
-        forward or the step. Two backward passes with no forward between them (`retain_graph`)
-        are one pass to the engine: a unit's gradient handed over in both is refused as a
-        duplicate, and a late one is their sum in the parameter's dtype."""
+        """Ends every backward left open, then hands over the gradients still in `.grad`, before
+        the next forward or the step: where the views move, those that arrived after their
+        unit's backward ended (or in a unit whose outputs needed none), unit by unit; where they
+        do not, the whole model's, in one call. Two backward passes with no forward between
+        them (`retain_graph`) are one pass to the engine: where the views move, a unit's
+        gradient handed over in both is refused as a duplicate, and a late one is their sum in
+        the parameter's dtype, as every gradient is where the views do not."""
         for u in self._unit_of.values():
             if u.backward_open:
                 self._post_backward(u.index)
+        if not self._views_move:
+            self._hand_over(self._whole_model)
+            return
         for u in self._unit_of.values():
             self._hand_over(u)
 

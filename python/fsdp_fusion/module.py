@@ -3,10 +3,12 @@
 The wrapper declares every parameter of the module to the engine (its unit is the index of the
 unit module holding it, or the root; a parameter held by several modules is tied), loads the
 initial values and drops the module's own parameter storage. Hooks then point each parameter's
-`.data` at its gathered view while one of its unit's hooks is open, forward and backward (at
-world size 1 the views are the shards themselves, which never move: parameters stay views
-between hooks), and hand the unit's gradients to the engine once its backward is done. Each unit costs one C call for
-its views and one for its gradients per hook, whatever its number of parameters.
+`.data` at its gathered view while one of its unit's hooks is open, forward and backward, and
+hand the unit's gradients to the engine once its backward is done: one C call for its views and
+one for its gradients, whatever its number of parameters. At world size 1 with shard storage the
+views are the shards themselves, which never move: parameters stay views between hooks, a unit
+costs no C call after its first forward, and the whole model's gradients go to the engine in one
+call when the next forward or the step begins.
 """
 
 from __future__ import annotations
@@ -96,7 +98,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     Every forward goes through the wrapper (`model(...)`, or the module itself): the root's
     hooks tell the engine where a pass begins. The parameters' `.grad` belong to the wrapper:
     it clears them when wrapping, and takes each unit's when the unit's backward ends (autograd
-    accumulates them first); the step holds the gradients, not `.grad`.
+    accumulates them first); the step holds the gradients, not `.grad`. At world size 1 with
+    shard storage nothing moves or travels, and the wrapper takes the whole model's `.grad` in
+    one call when the next forward or `step` begins instead: until then `.grad` holds them, as
+    for a plain PyTorch optimizer, and the step briefly holds both those and its fp32 gradient
+    shards.
 
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
     unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of
@@ -235,6 +241,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                        for u in range(len(units))]
         self._root = _Unit(ROOT, [p for p in self._params if p.unit == ROOT])
         self._unit_of = {u.index: u for u in (*self._units, self._root)}
+        # Every parameter, for the one hand-over of a pass where the views do not move.
+        self._whole_model = _Unit(ROOT, self._params)
         self._load_and_release()
         # At world size 1 the views are the shards, which never move: autograd's saved views
         # stay right without the saved-tensor hooks below. Without shards (master storage) they

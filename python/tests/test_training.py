@@ -493,10 +493,11 @@ class CallCounter:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_at_world_size_1_a_unit_costs_one_engine_call_a_pass(world):
-    """Where the views are the shards, a unit has nothing to gather or release after its first
-    forward: a pass calls the engine for the root's hooks and one hand-over of gradients per
-    unit. Above world size 1 every unit's four hooks call it."""
+def test_at_world_size_1_a_pass_calls_the_engine_for_the_roots_hooks_and_one_hand_over(world):
+    """Where the views are the shards, a unit has nothing to gather, release or reduce after its
+    first forward: a pass calls the engine for the root's hooks and one hand-over of the whole
+    model's gradients. Above world size 1 every unit's four hooks call it, and each unit's
+    gradients go over when its backward ends."""
     _, module = models(False)
     modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
     group = fsdp_fusion.LocalGroup(world) if world > 1 else None
@@ -519,4 +520,4 @@ def test_at_world_size_1_a_unit_costs_one_engine_call_a_pass(world):
         hooks = 1 if world == 1 else units + 1
         for name in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
             assert calls.get(f"fsdp_engine_{name}", 0) == hooks, (name, calls)
-        assert calls["fsdp_engine_grads"] == units + 1, calls
+        assert calls["fsdp_engine_grads"] == (1 if world == 1 else units + 1), calls
