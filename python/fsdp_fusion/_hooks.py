@@ -101,11 +101,23 @@ class _Hooks:
     """`FusedFSDP`'s hooks on the module, its units and their parameters."""
 
     def _install_hooks(self, units):
+        self._unit_hooks = []
         for index, unit in enumerate(units):
-            unit.register_forward_pre_hook(self._pre_forward_hook(index), with_kwargs=True)
-            unit.register_forward_hook(self._post_forward_hook(index), always_call=True)
+            self._unit_hooks += [
+                unit.register_forward_pre_hook(self._pre_forward_hook(index), with_kwargs=True),
+                unit.register_forward_hook(self._post_forward_hook(index), always_call=True)]
         self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         self.module.register_forward_hook(self._root_post_forward, always_call=True)
+
+    def _drop_unit_hooks_once_mapped(self):
+        """Removes the units' hooks once they have nothing left to do: where the views do not
+        move, every unit's views are mapped, and the root's hooks (it has parameters) tell the
+        engine where each pass begins. The units then run as plain modules."""
+        if (self._unit_hooks and not self._views_move and self._root.params
+                and all(u.views is not None for u in self._units)):
+            for handle in self._unit_hooks:
+                handle.remove()
+            self._unit_hooks = []
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -162,6 +174,7 @@ class _Hooks:
             self._saved_hooks = None
         self._close(self._root, self._lib.fsdp_engine_post_forward)
         self._hook_outputs(ROOT, output)
+        self._drop_unit_hooks_once_mapped()
 
     def _wrap_inputs(self, unit, args, kwargs):
         """Passes the unit's tensor inputs (top-level args and kwargs) through `_PostBackward`."""

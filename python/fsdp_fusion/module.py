@@ -6,9 +6,10 @@ initial values and drops the module's own parameter storage. Hooks then point ea
 `.data` at its gathered view while one of its unit's hooks is open, forward and backward, and
 hand the unit's gradients to the engine once its backward is done: one C call for its views and
 one for its gradients, whatever its number of parameters. At world size 1 with shard storage the
-views are the shards themselves, which never move: parameters stay views between hooks, a unit
-costs no C call after its first forward, and the whole model's gradients go to the engine in one
-call when the next forward or the step begins.
+views are the shards themselves, which never move: parameters stay views between hooks, the
+units' hooks are removed once every unit's views are mapped (where the root has parameters of its
+own, whose hooks tell the engine where a pass begins), and the whole model's gradients go to the
+engine in one call when the next forward or the step begins.
 """
 
 from __future__ import annotations

@@ -496,7 +496,7 @@ class CallCounter:
 def test_at_world_size_1_a_pass_calls_the_engine_for_the_roots_hooks_and_one_hand_over(world):
     """Where the views are the shards, a unit has nothing to gather, release or reduce after its
     first forward: a pass calls the engine for the root's hooks and one hand-over of the whole
-    model's gradients. Above world size 1 every unit's four hooks call it, and each unit's
+    model's gradients, and the units' hooks are gone. Above world size 1 every unit's four hooks call it, and each unit's
     gradients go over when its backward ends."""
     _, module = models(False)
     modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
@@ -521,3 +521,7 @@ def test_at_world_size_1_a_pass_calls_the_engine_for_the_roots_hooks_and_one_han
         for name in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
             assert calls.get(f"fsdp_engine_{name}", 0) == hooks, (name, calls)
         assert calls["fsdp_engine_grads"] == (1 if world == 1 else units + 1), calls
+    # At world size 1 the units then run as plain modules, their hooks removed.
+    for rank in range(world):
+        hooked = [bool(b._forward_pre_hooks or b._forward_hooks) for b in modules[rank].blocks]
+        assert hooked == [world > 1] * units, hooked
