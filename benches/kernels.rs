@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
-use fsdp_fusion::backend::cuda::kernels::{Kernels, PackEntry};
+use fsdp_fusion::backend::cuda::kernels::{AccumulateEntry, Kernels, PackEntry};
 use fsdp_fusion::optim::{AdamwCoefficients, MomentStorage};
 use fsdp_fusion::{DType, Error};
 
@@ -323,6 +323,7 @@ fn items(size: usize) -> Vec<Item> {
     for src in [DType::Bf16, DType::F32] {
         items.push(accumulate(size, (src, DType::Bf16), false));
     }
+    items.push(accumulate_layer(size));
     for param in DTYPES {
         items.push(adamw(size, param));
     }
@@ -396,6 +397,42 @@ fn accumulate(size: usize, (src, dst): (DType, DType), add: bool) -> Item {
                 .accumulate(&gpu.stream, (src, dst), a[0], a[1], n, 0.5, add)
         }?)
     })
+}
+
+/// A layer's bf16 gradients (the params of [`Layer`], from 13 tensors of three sizes) written
+/// into an f32 shard by one `accumulate_many` call, as a unit's gradients are handed over.
+fn accumulate_layer(size: usize) -> Item {
+    let layer = Layer::new(size / DType::F32.size(), DType::Bf16);
+    let operands = vec![layer.arena_numel * 2, layer.flat_numel * 4];
+    let moved = layer.numel() * (2 + 4);
+    let params = layer.params.clone();
+    Item::new(
+        "accumulate_many",
+        "f32 = bf16, a layer".into(),
+        operands,
+        moved,
+        move |gpu, a| {
+            let entries: Vec<AccumulateEntry> = params
+                .iter()
+                .map(|&(at, offset, numel, _)| AccumulateEntry {
+                    src: a[0] + (at * 2) as u64,
+                    dst: a[1] + (offset * 4) as u64,
+                    n: numel as u64,
+                })
+                .collect();
+            // SAFETY: each entry's source lies in the bf16 arena (a[0]), its destination in the f32
+            // flat buffer (a[1]); the destinations do not overlap.
+            Ok(unsafe {
+                gpu.kernels.accumulate_many(
+                    &gpu.stream,
+                    (DType::Bf16, DType::F32),
+                    &entries,
+                    0.5,
+                    false,
+                )
+            }?)
+        },
+    )
 }
 
 /// AdamW's coefficients at lr 1e-3, step 10; any finite ones time the same.

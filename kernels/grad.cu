@@ -50,14 +50,16 @@ struct AccumulateOp {
   }
 };
 
+// Thread `thread` of `threads` (which stride over the range) does its part.
 template <class S, class D>
 __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename D::Bits* dst,
-                                           uint64_t n, float scale, bool add) {
+                                           uint64_t n, float scale, bool add, uint64_t thread,
+                                           uint64_t threads) {
   Phase phase;
   phase.add(src);
   phase.add(dst);
   elementwise<kChunk<typename Wider<S, D>::Bits>, kRound>(
-      AccumulateOp<S, D>{src, dst, scale, add}, n, phase, grid_thread(), grid_threads());
+      AccumulateOp<S, D>{src, dst, scale, add}, n, phase, thread, threads);
 }
 
 // One accumulation of a batch: `n` elements from `src` into `dst` (`fsdp_fusion`'s
@@ -68,12 +70,23 @@ struct AccumulateEntry {
   uint64_t n;
 };
 
-// The accumulations of one launch, passed by value (768 bytes of the 4 KiB of parameters): row y
-// of the grid runs entry y. `kBatchEntries` is `ACCUMULATE_BATCH` on the host.
+// The accumulations of one launch, passed by value (904 bytes of the 4 KiB of parameters):
+// entry e runs on blocks `first_block[e]` up to `first_block[e + 1]` of a one-dimensional grid,
+// as many as its length asks for, so that a small entry beside a large one leaves no block idle.
+// `kBatchEntries` is `ACCUMULATE_BATCH` on the host.
 constexpr int kBatchEntries = 32;
 struct AccumulateBatch {
   AccumulateEntry entries[kBatchEntries];
+  uint32_t first_block[kBatchEntries + 1];
 };
+
+// The entry block `block` runs: the last whose first block is at or before it (entries with no
+// block share their next one's first block, so the scan passes them).
+__device__ __forceinline__ int entry_of(const AccumulateBatch& batch, uint32_t block) {
+  int e = 0;
+  while (e + 1 < kBatchEntries && batch.first_block[e + 1] <= block) ++e;
+  return e;
+}
 
 // `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
 // reads source k, so every chunk of a round has its load of one source in flight together. `dst`
@@ -126,16 +139,23 @@ using fsdp::kBlock;
 #define FSDP_ACCUMULATE(name, S, D)                                                        \
   extern "C" __global__ void __launch_bounds__(kBlock) accumulate_##name(                  \
       const S::Bits* src, D::Bits* dst, uint64_t n, float scale, uint32_t add) {           \
-    fsdp::accumulate<S, D>(src, dst, n, scale, add != 0);                                  \
+    fsdp::accumulate<S, D>(src, dst, n, scale, add != 0, fsdp::grid_thread(),              \
+                           fsdp::grid_threads());                                          \
   }
 
-// Many accumulations of one dtype pair in one launch, each as `accumulate_<name>` computes it.
+// Many accumulations of one dtype pair in one launch, each as `accumulate_<name>` computes it,
+// on blocks of its own.
 #define FSDP_ACCUMULATE_MANY(name, S, D)                                                   \
   extern "C" __global__ void __launch_bounds__(kBlock) accumulate_many_##name(             \
       const fsdp::AccumulateBatch batch, float scale, uint32_t add) {                      \
-    const fsdp::AccumulateEntry e = batch.entries[blockIdx.y];                             \
+    const int i = fsdp::entry_of(batch, blockIdx.x);                                       \
+    const fsdp::AccumulateEntry e = batch.entries[i];                                      \
+    const uint64_t first = batch.first_block[i];                                           \
+    const uint64_t blocks = batch.first_block[i + 1] - first;                              \
     fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(e.src),                        \
-                           reinterpret_cast<D::Bits*>(e.dst), e.n, scale, add != 0);       \
+                           reinterpret_cast<D::Bits*>(e.dst), e.n, scale, add != 0,        \
+                           (blockIdx.x - first) * blockDim.x + threadIdx.x,                \
+                           blocks * blockDim.x);                                           \
   }
 
 FSDP_ACCUMULATE_MANY(bf16_f32, fsdp::Bf16, fsdp::F32)

@@ -129,27 +129,39 @@ impl Kernels {
         };
         let kernel = kernels[dtype_index(src_dtype)];
         let add = u32::from(add);
+        // An entry's share of a grid that every entry's could fill: the kernel strides over
+        // the rest of a longer one.
+        let most_blocks = MAX_GRID / ACCUMULATE_BATCH as u32;
+        let blocks = |n: u64| {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            kernel.elementwise_grid(n).min(most_blocks)
+        };
         for chunk in entries.chunks(ACCUMULATE_BATCH) {
-            let mut batch = AccumulateBatch([AccumulateEntry::default(); ACCUMULATE_BATCH]);
-            for (slot, e) in batch.0.iter_mut().zip(chunk) {
+            let mut batch = AccumulateBatch {
+                entries: [AccumulateEntry::default(); ACCUMULATE_BATCH],
+                first_block: [0; ACCUMULATE_BATCH + 1],
+            };
+            for (slot, e) in batch.entries.iter_mut().zip(chunk) {
                 check_aligned(e.src, src_dtype.size())?;
                 check_aligned(e.dst, dst_dtype.size())?;
                 *slot = *e;
             }
-            let most = chunk.iter().map(|e| e.n).max().unwrap_or(0);
-            if most == 0 {
+            batch.first_block = first_blocks(chunk, blocks).ok_or(Error::Unsupported {
+                backend: "cuda",
+                what: "a batch of accumulations past the largest grid",
+            })?;
+            let grid = batch.first_block[ACCUMULATE_BATCH];
+            if grid == 0 {
                 continue;
             }
-            let grid = kernel.elementwise_grid(usize::try_from(most).unwrap_or(usize::MAX));
-            // At most ACCUMULATE_BATCH rows.
-            let rows = chunk.len() as u32;
             // SAFETY: accumulate_many_<src>_<dst>(AccumulateBatch batch, float scale, uint32_t
-            // add), row y running entry y of the `rows` filled; the caller's contract.
+            // add), block b running its part of the entry whose blocks hold it; the caller's
+            // contract.
             unsafe {
-                self.launch_rows(
+                self.launch(
                     stream,
                     kernel,
-                    (grid, rows),
+                    grid,
                     &mut [arg(&batch), arg(&scale), arg(&add)],
                 )
             }?;

@@ -43,11 +43,33 @@ pub struct AccumulateEntry {
 /// Accumulations in one launch: `fsdp::kBatchEntries` in kernels/grad.cu.
 pub const ACCUMULATE_BATCH: usize = 32;
 
-/// The launch's table, passed by value as `fsdp::AccumulateBatch`.
+/// The launch's table, passed by value as `fsdp::AccumulateBatch`: the entries, and the first
+/// block of each of them in a one-dimensional grid (the grid's size after the last).
 #[repr(C)]
-struct AccumulateBatch([AccumulateEntry; ACCUMULATE_BATCH]);
+struct AccumulateBatch {
+    entries: [AccumulateEntry; ACCUMULATE_BATCH],
+    first_block: [u32; ACCUMULATE_BATCH + 1],
+}
 
-const _: () = assert!(std::mem::size_of::<AccumulateBatch>() == 24 * ACCUMULATE_BATCH);
+const _: () = assert!(std::mem::size_of::<AccumulateBatch>() == 904);
+
+/// Each entry's first block when entry `e` takes `blocks(entries[e].n)` blocks, the grid's size
+/// after the last used entry and in every unused place; `None` when the blocks of `entries` (at
+/// most [`ACCUMULATE_BATCH`]) do not fit in a grid.
+fn first_blocks(
+    entries: &[AccumulateEntry],
+    blocks: impl Fn(u64) -> u32,
+) -> Option<[u32; ACCUMULATE_BATCH + 1]> {
+    let mut first = [0u32; ACCUMULATE_BATCH + 1];
+    let mut next = 0u32;
+    for (place, e) in first.iter_mut().zip(entries) {
+        *place = next;
+        let taken = if e.n == 0 { 0 } else { blocks(e.n) };
+        next = next.checked_add(taken).filter(|&n| n <= MAX_GRID)?;
+    }
+    first[entries.len().min(ACCUMULATE_BATCH)..].fill(next);
+    Some(first)
+}
 
 /// The fatbin that build.rs compiled; empty when nvcc was not found.
 static FATBIN: &Aligned<[u8]> =
@@ -373,21 +395,6 @@ impl Kernels {
         grid: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_rows(stream, kernel, (grid, 1), args) }
-    }
-
-    /// As [`Kernels::launch`], with `rows` rows of `grid` blocks each (`blockIdx.y` the row).
-    ///
-    /// # Safety
-    /// As [`Kernels::launch`].
-    unsafe fn launch_rows(
-        &self,
-        stream: &CudaStream,
-        kernel: Kernel,
-        (grid, rows): (u32, u32),
-        args: &mut [*mut c_void],
-    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_error("cuCtxSetCurrent"))?;
@@ -395,7 +402,7 @@ impl Kernels {
         unsafe {
             result::launch_kernel(
                 kernel.function,
-                (grid, rows, 1),
+                (grid, 1, 1),
                 (BLOCK, 1, 1),
                 0,
                 stream.cu_stream(),

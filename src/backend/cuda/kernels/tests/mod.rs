@@ -49,6 +49,22 @@ fn element_wise_grids_give_each_thread_one_round_and_reductions_fill_the_gpu_onc
 }
 
 #[test]
+fn a_batch_of_accumulations_gives_each_entry_the_blocks_of_its_own_length() {
+    let entry = |n| AccumulateEntry { src: 0, dst: 0, n };
+    // A block per 100 elements.
+    let blocks = |n: u64| n.div_ceil(100) as u32;
+    let first = first_blocks(&[entry(1), entry(0), entry(250), entry(100)], blocks).unwrap();
+    assert_eq!(first[..5], [0, 1, 1, 4, 5]);
+    // The grid's size in every unused place, where the kernel's search stops.
+    assert!(first[5..].iter().all(|&b| b == 5), "{first:?}");
+    let nothing = first_blocks(&[entry(0), entry(0)], blocks).unwrap();
+    assert!(nothing.iter().all(|&b| b == 0));
+    // Blocks past the largest grid are refused, not wrapped.
+    let huge = |_: u64| MAX_GRID / 2 + 1;
+    assert_eq!(first_blocks(&[entry(1), entry(1)], huge), None);
+}
+
+#[test]
 fn load_fails_cleanly_without_a_gpu_or_kernels() {
     assert!(matches!(available(&[]), Err(Error::KernelsUnavailable)));
     match available(&FATBIN.0) {
