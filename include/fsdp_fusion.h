@@ -11,7 +11,7 @@
 // parameters of every function. It changes with each of them; a caller compares it with its
 // own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
 // versions never exchange structs.
-#define FSDP_ABI_VERSION 4
+#define FSDP_ABI_VERSION 5
 
 // Element types, for the `dtype` arguments and fields.
 #define FSDP_BF16 0
@@ -158,6 +158,13 @@ typedef struct fsdp_config {
   // a GPU, the size of the rank's state) with the engine, so that even the first
   // asynchronous save's call only copies; 0: the first asynchronous save makes it.
   uint8_t save_staging;
+  // 1: step the optimizer inside the backward pass, each trainable group as soon as its
+  // gradient shard is final, a per-step shard freed right after (the same result as the
+  // ordinary step, bit for bit; `fsdp_engine_optimizer_step` then only ends the updates).
+  // One backward pass a step (`FSDP_REDUCE_EVERY_PASS`; a second forward in a step is
+  // `FSDP_MISUSE`); the gradient norm, clipping, the non-finite count and changing the
+  // learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`.
+  uint8_t step_in_backward;
 } fsdp_config;
 
 // Device memory from the caller for a CUDA engine's buffers: a framework's caching allocator,
@@ -806,7 +813,7 @@ const char *fsdp_last_error(void);
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 // 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
 // a shard beside each master, persistent gradient shards, f32 moments, no save staging made
-// ahead.
+// ahead, the optimizer stepped after the backward.
 //
 // # Safety
 // `out` is NULL or valid for a write.

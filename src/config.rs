@@ -111,6 +111,16 @@ pub struct EngineConfig {
     /// CPU and loopback communicators compare every collective anyway; this is for NCCL, as
     /// PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` is.
     pub verify_collectives: bool,
+    /// Step the optimizer inside the backward pass: each trainable group's update is queued as
+    /// soon as its gradient shard is final (at world size 1 once the group's gradients are all
+    /// written, or its unit's backward ended; above, once its reduction completed), and a
+    /// per-step gradient shard is freed right after its update, so that the step holds the
+    /// gradient shards of the groups in flight only. The result equals the ordinary step bit for
+    /// bit. Everything that needs every gradient before the update is refused: several backward
+    /// passes a step (so `accumulation` stays `ReduceEveryPass`, and a second forward in a step
+    /// is an error), clipping by the global norm, the norm, the non-finite count, and changing
+    /// the learning rate or weight decay once the step's gradients began.
+    pub step_in_backward: bool,
     /// Make the host memory that [`crate::Engine::save_async`] copies the rank's state into
     /// (page-locked on a GPU, the state's size) with the engine, so that even the first
     /// asynchronous save's call only copies: page-locking gigabytes takes seconds. Off, the first
@@ -133,6 +143,7 @@ impl Default for EngineConfig {
             optimizer: OptimizerConfig::default(),
             timeout: DEFAULT_TIMEOUT,
             verify_collectives: false,
+            step_in_backward: false,
             save_staging: false,
         }
     }
@@ -172,6 +183,16 @@ impl EngineConfig {
                 field: "moment_dtype",
                 reason: "f16, expected f32 or bf16 (f16's range cuts off small second moments)"
                     .into(),
+            });
+        }
+        if self.step_in_backward && self.accumulation != Accumulation::ReduceEveryPass {
+            return Err(Error::InvalidConfig {
+                field: "step_in_backward",
+                reason: format!(
+                    "takes one backward pass a step, while accumulation {:?} is for several: \
+                     use ReduceEveryPass",
+                    self.accumulation
+                ),
             });
         }
         if self.timeout.is_zero() {

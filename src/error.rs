@@ -160,6 +160,10 @@ pub enum Error {
     OptimizerAlreadyStepped,
     #[error("the optimizer stepped: end the step before {action}")]
     OptimizerStepped { action: &'static str },
+    #[error(
+        "{what} is refused with step_in_backward: each group is updated as soon as its gradient is final, before the whole gradient exists"
+    )]
+    StepInBackward { what: &'static str },
     #[error("parameter {name:?} is not gathered: its unit's forward or backward must be open")]
     NotGathered { name: String },
     #[error("group {group}: transition {from:?} -> {to:?} is not allowed")]

@@ -57,15 +57,20 @@ fn on_loaded<R: Send + 'static>(
     mode: Mode,
     f: impl Fn(&mut CpuEngine) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    on_engines(
-        &plan(world),
-        &EngineConfig::default(),
-        mode,
-        move |mut e| {
-            load(&mut e);
-            f(&mut e)
-        },
-    )
+    on_loaded_with(&EngineConfig::default(), world, mode, f)
+}
+
+/// As [`on_loaded`], the engines made with `config`.
+fn on_loaded_with<R: Send + 'static>(
+    config: &EngineConfig,
+    world: usize,
+    mode: Mode,
+    f: impl Fn(&mut CpuEngine) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    on_engines(&plan(world), config, mode, move |mut e| {
+        load(&mut e);
+        f(&mut e)
+    })
 }
 
 fn id(e: &CpuEngine, name: &str) -> ParamId {
@@ -118,13 +123,24 @@ fn assert_harmless(
     expected: impl Fn(&Error) -> bool + Copy + Send + Sync + 'static,
     finish: impl Fn(&mut CpuEngine) -> Vec<Vec<u8>> + Copy + Send + Sync + 'static,
 ) {
+    assert_harmless_with(&EngineConfig::default(), setup, mistake, expected, finish);
+}
+
+/// As [`assert_harmless`], the engines made with `config`.
+fn assert_harmless_with(
+    config: &EngineConfig,
+    setup: impl Fn(&mut CpuEngine) + Copy + Send + Sync + 'static,
+    mistake: impl Fn(&mut CpuEngine) -> fsdp_fusion::Result<()> + Copy + Send + Sync + 'static,
+    expected: impl Fn(&Error) -> bool + Copy + Send + Sync + 'static,
+    finish: impl Fn(&mut CpuEngine) -> Vec<Vec<u8>> + Copy + Send + Sync + 'static,
+) {
     for world in WORLD_SIZES {
         for_each_mode(|mode| {
-            let want = on_loaded(world, mode, move |e| {
+            let want = on_loaded_with(config, world, mode, move |e| {
                 setup(e);
                 finish(e)
             });
-            let got = on_loaded(world, mode, move |e| {
+            let got = on_loaded_with(config, world, mode, move |e| {
                 setup(e);
                 let counters = e.counters();
                 let err = mistake(e).unwrap_err();
@@ -146,6 +162,137 @@ fn assert_harmless(
 }
 
 fn nothing(_: &mut CpuEngine) {}
+
+fn in_backward() -> EngineConfig {
+    EngineConfig {
+        step_in_backward: true,
+        ..EngineConfig::default()
+    }
+}
+
+/// The forward, and the backward of unit 0 (its groups then updated where the optimizer steps
+/// in the backward).
+fn forward_and_layer_backward(e: &mut CpuEngine) {
+    e.pre_forward(Unit::Root).unwrap();
+    e.post_forward(Unit::Root).unwrap();
+    e.pre_forward(Unit::Layer(0)).unwrap();
+    e.post_forward(Unit::Layer(0)).unwrap();
+    e.pre_backward(Unit::Layer(0)).unwrap();
+    for name in ["w", "b"] {
+        grad(e, name).unwrap();
+    }
+    e.post_backward(Unit::Layer(0)).unwrap();
+}
+
+/// The root's gradients, then the end of the step; returns every shard afterwards.
+fn root_grads_and_end(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    for name in ["head", "embed"] {
+        grad(e, name).unwrap();
+    }
+    end_step(e)
+}
+
+fn stepping_in_backward(error: &Error) -> bool {
+    matches!(error, Error::StepInBackward { .. })
+}
+
+#[test]
+fn stepping_in_the_backward_refuses_what_needs_the_whole_gradient() {
+    fn synced(e: &mut CpuEngine) {
+        forward_and_layer_backward(e);
+        for name in ["head", "embed"] {
+            grad(e, name).unwrap();
+        }
+        e.finish_grad_sync().unwrap();
+    }
+    fn stepped_and_ended(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        shards(e)
+    }
+    let config = in_backward();
+    let norm = |e: &mut CpuEngine| e.grad_norm().map(|_| ());
+    let clip = |e: &mut CpuEngine| e.clip_grad_norm(1.0).map(|_| ());
+    let count = |e: &mut CpuEngine| e.nonfinite_grads().map(|_| ());
+    assert_harmless_with(
+        &config,
+        synced,
+        norm,
+        stepping_in_backward,
+        stepped_and_ended,
+    );
+    assert_harmless_with(
+        &config,
+        synced,
+        clip,
+        stepping_in_backward,
+        stepped_and_ended,
+    );
+    assert_harmless_with(
+        &config,
+        synced,
+        count,
+        stepping_in_backward,
+        stepped_and_ended,
+    );
+}
+
+#[test]
+fn stepping_in_the_backward_refuses_a_second_pass_and_new_settings_once_gradients_began() {
+    let config = in_backward();
+    let second_forward = |e: &mut CpuEngine| e.pre_forward(Unit::Root);
+    let lr = |e: &mut CpuEngine| e.set_lr(0.5);
+    let decay = |e: &mut CpuEngine| e.set_weight_decay(0.5);
+    for mistake in [second_forward, lr, decay] {
+        assert_harmless_with(
+            &config,
+            forward_and_layer_backward,
+            mistake,
+            stepping_in_backward,
+            root_grads_and_end,
+        );
+    }
+    // Between steps the settings change as ever.
+    for world in WORLD_SIZES {
+        for_each_mode(|mode| {
+            on_loaded_with(&in_backward(), world, mode, |e| {
+                e.set_lr(0.5).unwrap();
+                e.set_weight_decay(0.5).unwrap();
+            });
+        });
+    }
+}
+
+#[test]
+fn stepping_in_the_backward_refuses_a_gradient_of_a_group_its_units_backward_ended() {
+    // Unit 0's two parameters share a group: the unit's backward ending with one of them
+    // counts the other as zero and updates the group.
+    let model = ModelSpec::new(vec![
+        ParamSpec::new("w1", &[4], DType::F32).in_unit(0),
+        ParamSpec::new("w2", &[4], DType::F32).in_unit(0),
+    ])
+    .unwrap();
+    for world in WORLD_SIZES {
+        let plan = Arc::new(Plan::new(&model, world).unwrap());
+        for_each_mode(|mode| {
+            on_engines(&plan, &in_backward(), mode, move |mut e| {
+                let w1 = e.plan().param_id("w1").unwrap();
+                let w2 = e.plan().param_id("w2").unwrap();
+                let g = grad_values(4);
+                e.pre_forward(Unit::Layer(0)).unwrap();
+                e.post_forward(Unit::Layer(0)).unwrap();
+                e.pre_backward(Unit::Layer(0)).unwrap();
+                e.grad(w1, Input::host(&g)).unwrap();
+                e.post_backward(Unit::Layer(0)).unwrap();
+                let late = e.grad(w2, Input::host(&g)).unwrap_err();
+                assert!(stepping_in_backward(&late), "world {world}: {late:?}");
+                e.finish_grad_sync().unwrap();
+                e.optimizer_step().unwrap();
+                e.end_step().unwrap();
+            });
+        });
+    }
+}
 
 #[test]
 fn hook_for_an_unknown_unit() {
@@ -520,6 +667,20 @@ fn bad_configurations_and_sizes() {
             ..
         })
     ));
+    for accumulation in [Accumulation::NoSync, Accumulation::KeepGathered] {
+        let comm = LocalComm::group(2).unwrap().pop().unwrap();
+        let config = EngineConfig {
+            accumulation,
+            ..in_backward()
+        };
+        assert!(matches!(
+            Engine::new(Arc::clone(&plan), config, CpuBackend::new(), comm),
+            Err(Error::InvalidConfig {
+                field: "step_in_backward",
+                ..
+            })
+        ));
+    }
     let comm = LocalComm::group(2).unwrap().pop().unwrap();
     let config = EngineConfig {
         optimizer: OptimizerConfig::sgd(-1.0),

@@ -27,7 +27,7 @@ ROOT = -1
 
 UNIQUE_ID_BYTES = 128
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 """The C ABI (`FSDP_ABI_VERSION`) this package's structs and signatures follow."""
 
 
@@ -66,6 +66,7 @@ class Config(ctypes.Structure):
         ("grad_shard_memory", c_uint32),
         ("moment_dtype", c_uint32),
         ("save_staging", c_uint8),
+        ("step_in_backward", c_uint8),
     ]
 
 

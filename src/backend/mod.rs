@@ -187,8 +187,22 @@ pub trait Backend: Send {
 
     /// Drops `buffers` as dropping each would; a backend that frees in stream order orders their
     /// memory after every stream's work so far once for them all, rather than once a buffer.
-    fn free(&self, buffers: Vec<Self::Buffer>) -> Result<()> {
-        drop(buffers);
+    fn free(&self, buffers: impl IntoIterator<Item = Self::Buffer>) -> Result<()> {
+        buffers.into_iter().for_each(drop);
+        Ok(())
+    }
+
+    /// Drops `buffers`, whose every use so far the compute stream is ordered after (it used
+    /// them last, after waiting for the other streams' uses): a backend that frees in stream
+    /// order gives their memory back with no wait of its own.
+    ///
+    /// # Safety
+    /// The compute stream waited for every use of the buffers on another stream.
+    unsafe fn free_after_compute(
+        &self,
+        buffers: impl IntoIterator<Item = Self::Buffer>,
+    ) -> Result<()> {
+        buffers.into_iter().for_each(drop);
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 use super::reduce::{GradSlot, GroupGrads};
 use super::step::{GroupOptimizerState, StepChecks};
 use super::*;
+use crate::grads::Updates;
 use crate::plan::Group;
 
 /// An engine that could not be made, with the backend and communicators it was given: the rank
@@ -339,6 +340,14 @@ fn grad_pipeline(plan: &Plan, config: &EngineConfig, policy: &Policy) -> GradPip
         (policy.layout.grad_slots, policy.limits.reduces_in_flight),
         config.overlap,
         policy.grads_direct,
-        passes,
+        (passes, updates(config)),
     )
+}
+
+/// When the optimizer updates the groups under `config`.
+fn updates(config: &EngineConfig) -> Updates {
+    match config.step_in_backward {
+        true => Updates::InBackward,
+        false => Updates::AfterBackward,
+    }
 }

@@ -351,6 +351,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::ForwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
+        if self.config.step_in_backward && self.open.backward.is_empty() && self.has_gradients() {
+            return Err(Error::StepInBackward {
+                what: "a forward after the step's backward (a second pass)",
+            });
+        }
         self.effects(|e| {
             // A forward while a backward is open recomputes activations inside that backward
             // (activation checkpointing): it belongs to the backward pass, so it neither ends
@@ -410,8 +415,32 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.effects(|e| {
             e.open.backward.remove(&u);
             e.end_span(u, Phase::Backward)?;
-            e.release_unit(u)
+            e.release_unit(u)?;
+            e.complete_unit(unit)
         })
+    }
+
+    /// Whether the step has gradients: some arrived, or they were synced.
+    fn has_gradients(&self) -> bool {
+        self.reducing.pipeline.pending() || self.reducing.pipeline.synced()
+    }
+
+    /// Where updates run in the backward, refuses `what`, which needs the whole gradient before
+    /// the updates.
+    fn refuse_in_backward_updates(&self, what: &'static str) -> Result<()> {
+        match self.config.step_in_backward {
+            true => Err(Error::StepInBackward { what }),
+            false => Ok(()),
+        }
+    }
+
+    /// Where updates run in the backward, refuses `what` once the step has gradients: an update
+    /// may have run.
+    fn check_before_updates(&self, what: &'static str) -> Result<()> {
+        match self.config.step_in_backward && self.has_gradients() {
+            true => Err(Error::StepInBackward { what }),
+            false => Ok(()),
+        }
     }
 
     /// A gradient slot the caller is writing must be committed before anything else.

@@ -96,6 +96,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// optimizer step. A collective (every rank calls it) that blocks the host.
     pub fn grad_norm(&mut self) -> Result<GradNorm> {
         self.healthy()?;
+        self.refuse_in_backward_updates("the gradient norm")?;
         self.check_synced("the gradient norm")?;
         self.effects(|e| {
             // Nothing trains: the part is zero (and the ranks still meet below).
@@ -127,6 +128,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// own), as `torch.nn.utils.clip_grad_norm_` would before the step. Returns the norms before
     /// clipping. `max_norm` must be finite and > 0.
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<GradNorm> {
+        self.refuse_in_backward_updates("clipping by the global norm")?;
         if !(max_norm.is_finite() && max_norm > 0.0) {
             return Err(Error::InvalidConfig {
                 field: "max_norm",

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::grads::{GradEffect, GradPipeline, GradTarget};
 use crate::schedule::Phase;
 use crate::trace::SpanKind;
-use crate::types::{DType, ParamId, Stream};
+use crate::types::{DType, ParamId, Stream, Unit};
 
 /// What reducing owns: the reduction pipeline, each group's gradient buffers and the gradient
 /// slots.
@@ -158,6 +158,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.enter(Phase::Backward)?;
                 let mut fx = std::mem::take(&mut e.reducing.effects);
                 fx.clear();
+                if e.config.step_in_backward {
+                    e.complete_other_units(group, &mut fx);
+                }
                 e.reducing.pipeline.on_grad(param.0, group, &mut fx);
                 let result = e.apply_grad_effects(&fx, Some((gradient, &mut writes)));
                 e.reducing.effects = fx;
@@ -165,6 +168,34 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             e.flush_writes(&mut writes)
         })
+    }
+
+    /// Where updates run in the backward, a gradient of one unit ends the gradients of every
+    /// other unit but the root (whose parameters are used from the backward's start to its
+    /// end): their backward is over, the parameters that got none count as zero, and their
+    /// groups are final. So at most the root's groups and one other unit's wait for gradients.
+    fn complete_other_units(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+        let groups = self.plan.groups();
+        let unit = groups[group].unit;
+        self.reducing.pipeline.complete_groups_where(
+            |g| groups[g].unit != unit && groups[g].unit != Unit::Root,
+            effects,
+        );
+    }
+
+    /// Where updates run in the backward, `unit`'s backward ended: its groups' gradients are
+    /// complete (the parameters that got none count as zero), and the groups final.
+    pub(super) fn complete_unit(&mut self, unit: Unit) -> Result<()> {
+        if !self.config.step_in_backward {
+            return Ok(());
+        }
+        let mut fx = std::mem::take(&mut self.reducing.effects);
+        fx.clear();
+        let groups = self.plan.groups();
+        (self.reducing.pipeline).complete_groups_where(|g| groups[g].unit == unit, &mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.reducing.effects = fx;
+        result
     }
 
     /// Checks a gradient for `param` before anything changes; returns its group.
@@ -192,6 +223,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         if self.reducing.pipeline.received(param.0) {
             return Err(Error::DuplicateGradient { name: name() });
+        }
+        if self.reducing.pipeline.closed(layout.group) {
+            return Err(Error::StepInBackward {
+                what: "a gradient for a group already updated in this step (after its unit's \
+                       backward ended)",
+            });
         }
         Ok(layout.group)
     }
@@ -343,6 +380,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     place,
                     overwrite,
                 } => self.reduce(group, place, overwrite)?,
+                GradEffect::Final { group } => self.update_in_backward(group)?,
                 GradEffect::ZeroShard { group } => {
                     let numel = self.plan.groups()[group].shard_numel;
                     if let Some(shard) = self.reducing.groups[group].shard.as_mut() {

@@ -21,6 +21,9 @@ pub(super) struct OptimizerState<Buf> {
     pub(super) steps: u64,
     /// Whether this step's optimizer step ran.
     pub(super) stepped: bool,
+    /// Whether this step's updates began inside its backward
+    /// ([`crate::EngineConfig::step_in_backward`]).
+    pub(super) updating: bool,
     /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
     pub(super) clip_scale: Option<f32>,
     /// Where the step's checks of its gradients add up; `None` where nothing trains.
@@ -52,6 +55,7 @@ impl<Buf> OptimizerState<Buf> {
             groups,
             steps: 0,
             stepped: false,
+            updating: false,
             clip_scale: None,
             checks,
         }
@@ -107,69 +111,112 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     fn step_shards(&mut self) -> Result<()> {
-        // A gather still in flight (a prefetch no hook used) reads the shards (or masters) the
-        // optimizer writes.
-        if !self.gathering.slots.is_empty() {
-            let gathered = self.backend.record(Stream::Gather)?;
-            self.backend.wait(Stream::Compute, &gathered)?;
-        }
-        self.optimizer.steps += 1;
         let start = self.mark(Stream::Compute)?;
-        let grad_scale = self.optimizer.clip_scale.take().unwrap_or(1.0);
-        for g in self.plan.groups().iter().filter(|g| g.trainable) {
-            let i = g.index;
-            let update = self.config.optimizer.coefficients(
-                self.optimizer.steps,
-                GroupSettings {
-                    lr_scale: g.lr_scale,
-                    decay: g.weight_decay,
-                    grad_scale,
-                },
-            );
-            // Every trainable group has its shard once synced (a group without gradients got a
-            // zeroed one).
-            let count = self.reducing.groups.len();
-            let grad = self.reducing.groups[i]
-                .shard
-                .as_ref()
-                .ok_or(Error::GroupOutOfRange { group: i, count })?;
-            let master_only = self.policy.master_only(g.index);
-            // A master-only group steps its master as an f32 parameter that is its own master.
-            let steps = self.optimizer.steps;
-            let GroupOptimizerState { master, moments } = &mut self.optimizer.groups[i];
-            let (param, dtype, master) = match (master_only, master.as_mut()) {
-                (true, Some(master)) => (master, DType::F32, None),
-                (_, master) => (&mut self.param_shards[i], g.dtype, master),
-            };
-            let shard = OptimizerShard {
-                param,
-                dtype,
-                numel: g.shard_numel,
-                grad,
-                master,
-                moments: moments.as_mut().map(|(first, second)| Moments {
-                    first,
-                    second,
-                    storage: match self.config.moment_dtype {
-                        DType::Bf16 => MomentStorage::Bf16Stochastic {
-                            seed: moment_seed(steps, i),
-                            first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel)
-                                as u64,
-                        },
-                        _ => MomentStorage::F32,
-                    },
-                }),
-            };
-            // SAFETY: on the compute stream, which waited for every reduction into the gradient
-            // shards (`finish_grad_sync`) and for every gather reading the parameter shards or
-            // masters (above); the moments are only ever used on the compute stream. The step's
-            // next gather waits for this one (`shards_updated`), and the next step's first
-            // reductions are queued after it with compute's event.
-            unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }?;
+        if self.config.step_in_backward {
+            // Every group was updated as its gradient became final; a step that trained nothing
+            // counts as the ordinary one does.
+            if !self.optimizer.updating {
+                self.optimizer.steps += 1;
+            }
+        } else {
+            self.order_after_gathers()?;
+            self.optimizer.steps += 1;
+            let grad_scale = self.optimizer.clip_scale.take().unwrap_or(1.0);
+            for g in 0..self.plan.groups().len() {
+                if self.plan.groups()[g].trainable {
+                    self.update_group(g, grad_scale)?;
+                }
+            }
         }
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
         self.gathering.shards_updated = Some(self.backend.record(Stream::Compute)?);
         self.optimizer.stepped = true;
+        Ok(())
+    }
+
+    /// Orders the compute stream after the gathers in flight: a gather still in flight (a
+    /// prefetch no hook used) reads the shards (or masters) the optimizer writes.
+    fn order_after_gathers(&mut self) -> Result<()> {
+        if !self.gathering.slots.is_empty() {
+            let gathered = self.backend.record(Stream::Gather)?;
+            self.backend.wait(Stream::Compute, &gathered)?;
+        }
+        Ok(())
+    }
+
+    /// Updates group `g`'s shard from its gradient shard, every gradient multiplied by
+    /// `grad_scale`, at the step's count ([`OptimizerState::steps`]).
+    fn update_group(&mut self, i: usize, grad_scale: f32) -> Result<()> {
+        let g = &self.plan.groups()[i];
+        let update = self.config.optimizer.coefficients(
+            self.optimizer.steps,
+            GroupSettings {
+                lr_scale: g.lr_scale,
+                decay: g.weight_decay,
+                grad_scale,
+            },
+        );
+        // Every trainable group has its shard once its gradient is final (a group without
+        // gradients got a zeroed one).
+        let count = self.reducing.groups.len();
+        let grad = self.reducing.groups[i]
+            .shard
+            .as_ref()
+            .ok_or(Error::GroupOutOfRange { group: i, count })?;
+        let master_only = self.policy.master_only(g.index);
+        // A master-only group steps its master as an f32 parameter that is its own master.
+        let steps = self.optimizer.steps;
+        let GroupOptimizerState { master, moments } = &mut self.optimizer.groups[i];
+        let (param, dtype, master) = match (master_only, master.as_mut()) {
+            (true, Some(master)) => (master, DType::F32, None),
+            (_, master) => (&mut self.param_shards[i], g.dtype, master),
+        };
+        let shard = OptimizerShard {
+            param,
+            dtype,
+            numel: g.shard_numel,
+            grad,
+            master,
+            moments: moments.as_mut().map(|(first, second)| Moments {
+                first,
+                second,
+                storage: match self.config.moment_dtype {
+                    DType::Bf16 => MomentStorage::Bf16Stochastic {
+                        seed: moment_seed(steps, i),
+                        first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel) as u64,
+                    },
+                    _ => MomentStorage::F32,
+                },
+            }),
+        };
+        // SAFETY: on the compute stream, which waited for every reduction into the gradient
+        // shard (`finish_grad_sync`, or the retire of the group's last reduction in the
+        // backward) and for every gather reading the parameter shards or masters
+        // (`order_after_gathers`); the moments are only ever used on the compute stream. The
+        // step's next gather waits for this one (`shards_updated`), and the next step's first
+        // reductions are queued after it with compute's event.
+        unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }
+    }
+
+    /// Updates group `group` inside the backward ([`crate::EngineConfig::step_in_backward`]): its
+    /// gradient shard is final. The step's first such update counts the step; a per-step
+    /// gradient shard is freed right after its update.
+    pub(super) fn update_in_backward(&mut self, group: usize) -> Result<()> {
+        if !std::mem::replace(&mut self.optimizer.updating, true) {
+            self.optimizer.steps += 1;
+        }
+        self.order_after_gathers()?;
+        let start = self.mark(Stream::Compute)?;
+        self.update_group(group, 1.0)?;
+        self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
+        if self.config.grad_shard_memory == GradShardMemory::PerStep {
+            let shard = self.reducing.groups[group].shard.take();
+            // SAFETY: the compute stream used the shard last (the update above), after waiting
+            // for every other stream's use of it: the reduction that wrote it (the retire of
+            // its last reduction, or at world size 1 none: the gradients were written on
+            // compute).
+            unsafe { self.backend.free_after_compute(shard) }?;
+        }
         Ok(())
     }
 
@@ -206,15 +253,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 if e.config.grad_shard_memory == GradShardMemory::PerStep {
                     // Freed after the optimizer's work was queued: the backend frees them in
                     // stream order.
-                    let groups = &mut e.reducing.groups;
-                    let mut freed =
-                        crate::fallible::with_capacity(groups.len(), "the step's gradient shards")?;
-                    freed.extend(groups.iter_mut().filter_map(|g| g.shard.take()));
-                    e.backend.free(freed)?;
+                    let shards = e.reducing.groups.iter_mut().filter_map(|g| g.shard.take());
+                    e.backend.free(shards)?;
                 }
                 e.gathering.schedule.end_step();
                 e.reducing.pipeline.end_step();
                 e.optimizer.stepped = false;
+                e.optimizer.updating = false;
                 e.optimizer.clip_scale = None;
                 e.counters.steps += 1;
                 e.collectives.in_step = 0;
@@ -230,6 +275,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// every parameter's is this times its `lr_scale`. Every rank must set the same.
     pub fn set_lr(&mut self, lr: f32) -> Result<()> {
         self.healthy()?;
+        self.check_before_updates("changing the learning rate once the step's gradients began")?;
         let decay = self.config.optimizer.weight_decay();
         self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, decay)?;
         Ok(())
@@ -238,6 +284,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Sets the weight decay of the next optimizer steps, for the parameters that take it.
     pub fn set_weight_decay(&mut self, weight_decay: f32) -> Result<()> {
         self.healthy()?;
+        self.check_before_updates("changing the weight decay once the step's gradients began")?;
         let lr = self.config.optimizer.lr();
         self.config.optimizer = self.config.optimizer.with_lr_and_decay(lr, weight_decay)?;
         Ok(())
@@ -331,6 +378,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::finish_grad_sync`] to [`Engine::end_step`]; blocks the host for the count.
     pub fn nonfinite_grads(&mut self) -> Result<u64> {
         self.healthy()?;
+        self.refuse_in_backward_updates("counting non-finite gradients")?;
         if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced {
                 action: "counting non-finite gradients",

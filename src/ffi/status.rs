@@ -116,6 +116,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::Gathered { .. }
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
+        | Error::StepInBackward { .. }
         | Error::MidStep { .. }
         | Error::SavePending { .. }
         | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
@@ -228,7 +229,7 @@ pub(crate) unsafe fn text<'a>(s: *const c_char, what: &str) -> Outcome<&'a str> 
 /// parameters of every function. It changes with each of them; a caller compares it with its
 /// own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
 /// versions never exchange structs.
-pub const FSDP_ABI_VERSION: u32 = 4;
+pub const FSDP_ABI_VERSION: u32 = 5;
 
 /// The library's `FSDP_ABI_VERSION`.
 #[unsafe(no_mangle)]

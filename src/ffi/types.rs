@@ -145,6 +145,13 @@ pub struct fsdp_config {
     /// a GPU, the size of the rank's state) with the engine, so that even the first
     /// asynchronous save's call only copies; 0: the first asynchronous save makes it.
     pub save_staging: u8,
+    /// 1: step the optimizer inside the backward pass, each trainable group as soon as its
+    /// gradient shard is final, a per-step shard freed right after (the same result as the
+    /// ordinary step, bit for bit; `fsdp_engine_optimizer_step` then only ends the updates).
+    /// One backward pass a step (`FSDP_REDUCE_EVERY_PASS`; a second forward in a step is
+    /// `FSDP_MISUSE`); the gradient norm, clipping, the non-finite count and changing the
+    /// learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`.
+    pub step_in_backward: u8,
 }
 
 /// Bytes one rank allocates, as the plan predicts them.
@@ -374,6 +381,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
         optimizer,
         timeout,
         verify_collectives: flag(c.verify_collectives, "verify_collectives")?,
+        step_in_backward: flag(c.step_in_backward, "step_in_backward")?,
         save_staging: flag(c.save_staging, "save_staging")?,
     };
     config.validate()?;
@@ -384,7 +392,7 @@ pub(crate) fn config_of(c: &fsdp_config) -> Outcome<EngineConfig> {
 /// AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a
 /// 600-second timeout, collectives not verified, f32 gradient transport, a reduction every pass,
 /// a shard beside each master, persistent gradient shards, f32 moments, no save staging made
-/// ahead.
+/// ahead, the optimizer stepped after the backward.
 ///
 /// # Safety
 /// `out` is NULL or valid for a write.
@@ -422,6 +430,7 @@ pub unsafe extern "C" fn fsdp_config_default(out: *mut fsdp_config) -> fsdp_stat
             grad_shard_memory: FSDP_GRAD_SHARDS_PERSISTENT,
             moment_dtype: FSDP_F32,
             save_staging: u8::from(d.save_staging),
+            step_in_backward: u8::from(d.step_in_backward),
         };
         // SAFETY: the caller's contract.
         unsafe { put(out, "out", config) }

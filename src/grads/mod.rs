@@ -56,6 +56,21 @@ pub enum GradEffect {
     },
     /// Zero the group's shard: it received no gradient this step.
     ZeroShard { group: usize },
+    /// The group's shard holds the step's whole gradient, written and reduced ([`Updates::InBackward`]):
+    /// its optimizer update can run.
+    Final { group: usize },
+}
+
+/// When the optimizer updates a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Updates {
+    /// After the step's last backward pass, every group at once.
+    AfterBackward,
+    /// Each group as soon as its gradient shard is final, in the step's one backward pass: the
+    /// pipeline emits [`GradEffect::Final`] once the group's gradients are complete (all of
+    /// them arrived, or its unit's backward ended) and, where they travel, their last
+    /// reduction was retired.
+    InBackward,
 }
 
 impl GradEffect {
@@ -69,7 +84,7 @@ impl GradEffect {
                 GradTarget::Slot(_) | GradTarget::Accumulator(_) => None,
             },
             GradEffect::Reduce { group, .. } | GradEffect::ZeroShard { group } => Some(group),
-            GradEffect::Retire { .. } | GradEffect::Stage { .. } => None,
+            GradEffect::Retire { .. } | GradEffect::Stage { .. } | GradEffect::Final { .. } => None,
         }
     }
 }
@@ -93,7 +108,16 @@ pub struct GradPipeline {
     filling: Vec<Option<GradTarget>>,
     fill_order: VecDeque<usize>,
     slots: Vec<Slot>,
+    /// The group each slot's reduction in flight belongs to.
+    slot_group: Vec<usize>,
     in_flight: VecDeque<usize>,
+    /// Per group, its reductions in flight.
+    group_in_flight: Vec<usize>,
+    updates: Updates,
+    /// Groups whose gradients of the pass are complete: no more arrive.
+    complete: Vec<bool>,
+    /// Groups whose [`GradEffect::Final`] was emitted this step.
+    finalized: Vec<bool>,
     max_in_flight: usize,
     overlap: bool,
     /// A step's first gradients of a group go straight into its shard (world size 1).
@@ -117,7 +141,7 @@ impl GradPipeline {
         (slots, max_in_flight): (usize, usize),
         overlap: bool,
         direct: bool,
-        passes: Passes,
+        (passes, updates): (Passes, Updates),
     ) -> GradPipeline {
         let groups = members.len();
         GradPipeline {
@@ -128,7 +152,12 @@ impl GradPipeline {
             filling: vec![None; groups],
             fill_order: VecDeque::new(),
             slots: vec![Slot::Free; slots],
+            slot_group: vec![0; slots],
             in_flight: VecDeque::new(),
+            group_in_flight: vec![0; groups],
+            updates,
+            complete: vec![false; groups],
+            finalized: vec![false; groups],
             max_in_flight,
             overlap,
             direct,
@@ -155,6 +184,13 @@ impl GradPipeline {
         self.synced
     }
 
+    /// Whether `group`'s gradients of the step are complete where updates run in the backward
+    /// ([`Updates::InBackward`]): its update is queued or will be, and no gradient of it may
+    /// come any more.
+    pub fn closed(&self, group: usize) -> bool {
+        self.updates == Updates::InBackward && self.complete[group]
+    }
+
     /// Reductions launched and not yet retired.
     #[cfg(test)]
     fn in_flight(&self) -> usize {
@@ -165,10 +201,50 @@ impl GradPipeline {
         let slot = self.in_flight.pop_front()?;
         self.slots[slot] = Slot::Free;
         effects.push(GradEffect::Retire { slot });
+        let group = self.slot_group[slot];
+        self.group_in_flight[group] -= 1;
+        if self.complete[group] && self.group_in_flight[group] == 0 {
+            self.finalize(group, effects);
+        }
         Some(slot)
     }
 
+    /// Emits `group`'s [`GradEffect::Final`], once, where updates run in the backward.
+    fn finalize(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+        if self.updates == Updates::InBackward
+            && !std::mem::replace(&mut self.finalized[group], true)
+        {
+            effects.push(GradEffect::Final { group });
+        }
+    }
+
+    /// Ends the pass's gradients of every group with some that `ended` picks, as
+    /// [`GradPipeline::end_pass`] does for all (the parameters that got none count as zero):
+    /// where updates run in the backward, a unit's groups are final once its backward ended.
+    pub fn complete_groups_where(
+        &mut self,
+        mut ended: impl FnMut(usize) -> bool,
+        effects: &mut Vec<GradEffect>,
+    ) {
+        let mut i = 0;
+        while let Some(&group) = self.fill_order.get(i) {
+            if ended(group) {
+                // Takes the group out of the fill order.
+                self.launch(group, effects);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Launches `group`'s gradients of the pass so far: they are complete (every one arrived,
+    /// or none will any more), unless a slot is needed and the reduction of a later part of
+    /// them will follow (`claim_slot`).
     fn launch(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+        self.launch_part(group, true, effects);
+    }
+
+    fn launch_part(&mut self, group: usize, complete: bool, effects: &mut Vec<GradEffect>) {
         let Some(place) = self.filling[group].take() else {
             return;
         };
@@ -182,14 +258,26 @@ impl GradPipeline {
         }
         match place {
             // The gradients are in the shard already.
-            GradTarget::Shard(_) => self.written[group] = true,
+            GradTarget::Shard(_) => {
+                self.written[group] = true;
+                if complete {
+                    self.complete[group] = true;
+                    self.finalize(group, effects);
+                }
+            }
             // The step's sync reduces them.
             GradTarget::Accumulator(_) => self.accumulated[group] = true,
-            GradTarget::Slot(slot) => self.reduce_slot(group, slot, effects),
+            GradTarget::Slot(slot) => self.reduce_slot(group, slot, complete, effects),
         }
     }
 
-    fn reduce_slot(&mut self, group: usize, slot: usize, effects: &mut Vec<GradEffect>) {
+    fn reduce_slot(
+        &mut self,
+        group: usize,
+        slot: usize,
+        complete: bool,
+        effects: &mut Vec<GradEffect>,
+    ) {
         if self.in_flight.len() >= self.max_in_flight {
             self.retire_oldest(effects);
         }
@@ -200,6 +288,10 @@ impl GradPipeline {
         });
         self.written[group] = true;
         self.slots[slot] = Slot::Reducing;
+        self.slot_group[slot] = group;
+        self.group_in_flight[group] += 1;
+        // Final at the retire of this reduction, the group's last.
+        self.complete[group] = complete;
         self.in_flight.push_back(slot);
         if !self.overlap {
             self.retire_oldest(effects);
@@ -215,7 +307,7 @@ impl GradPipeline {
             if self.passes == Passes::AccumulateStaged {
                 let slot = self.claim_slot(effects);
                 effects.push(GradEffect::Stage { group, slot });
-                self.reduce_slot(group, slot, effects);
+                self.reduce_slot(group, slot, true, effects);
             } else {
                 effects.push(GradEffect::Reduce {
                     group,
@@ -242,7 +334,7 @@ impl GradPipeline {
             .iter()
             .find(|&&g| matches!(filling[g], Some(GradTarget::Slot(_))))
         {
-            self.launch(oldest, effects);
+            self.launch_part(oldest, false, effects);
         }
         match self.retire_oldest(effects) {
             Some(slot) => slot,
@@ -337,6 +429,8 @@ impl GradPipeline {
             if !self.members[group].is_empty() && !self.written[group] {
                 effects.push(GradEffect::ZeroShard { group });
                 self.written[group] = true;
+                self.complete[group] = true;
+                self.finalize(group, effects);
             }
         }
         self.pending = false;
@@ -346,6 +440,8 @@ impl GradPipeline {
     /// A new step begins: the next reduction of each group overwrites its shard.
     pub fn end_step(&mut self) {
         self.written.fill(false);
+        self.complete.fill(false);
+        self.finalized.fill(false);
         self.synced = false;
     }
 }

@@ -1,6 +1,9 @@
 use super::GradEffect::*;
 use super::*;
 
+/// Each pass reduces; the optimizer steps after the backward.
+const AFTER: (Passes, Updates) = (Passes::ReduceEach, Updates::AfterBackward);
+
 fn reduces(effects: &[GradEffect]) -> usize {
     effects
         .iter()
@@ -11,7 +14,7 @@ fn reduces(effects: &[GradEffect]) -> usize {
 #[test]
 fn a_group_reduces_once_its_last_gradient_arrives() {
     // Group 0: params 0 and 1.
-    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, false, Passes::ReduceEach);
+    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, false, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     assert_eq!(
@@ -57,7 +60,7 @@ fn at_most_max_in_flight_reductions() {
         (3, 2),
         true,
         false,
-        Passes::ReduceEach,
+        AFTER,
     );
     let mut fx = Vec::new();
     for g in 0..groups {
@@ -79,14 +82,7 @@ fn at_most_max_in_flight_reductions() {
 
 #[test]
 fn overlap_off_retires_each_reduction_at_once() {
-    let mut p = GradPipeline::new(
-        vec![vec![0], vec![1]],
-        2,
-        (3, 2),
-        false,
-        false,
-        Passes::ReduceEach,
-    );
+    let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, (3, 2), false, false, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     assert_eq!(p.in_flight(), 0);
@@ -102,7 +98,7 @@ fn full_slots_flush_the_oldest_partial_group() {
         (2, 1),
         true,
         false,
-        Passes::ReduceEach,
+        AFTER,
     );
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
@@ -195,7 +191,7 @@ fn full_slots_flush_the_oldest_partial_group() {
 
 #[test]
 fn at_world_size_1_gradients_go_straight_to_the_shard_and_later_passes_add() {
-    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, Passes::ReduceEach);
+    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     p.on_grad(1, 0, &mut fx);
@@ -234,7 +230,14 @@ fn at_world_size_1_gradients_go_straight_to_the_shard_and_later_passes_add() {
 #[test]
 fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
     for passes in [Passes::AccumulateInPlace, Passes::AccumulateStaged] {
-        let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (2, 1), true, false, passes);
+        let mut p = GradPipeline::new(
+            vec![vec![0, 1]],
+            2,
+            (2, 1),
+            true,
+            false,
+            (passes, Updates::AfterBackward),
+        );
         let mut fx = Vec::new();
         let acc = GradTarget::Accumulator(0);
         p.on_grad(1, 0, &mut fx);
@@ -289,7 +292,7 @@ fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
 
 #[test]
 fn passes_accumulate_and_steps_overwrite() {
-    let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, false, Passes::ReduceEach);
+    let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, false, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     p.end_pass(&mut fx);
@@ -337,7 +340,7 @@ fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
         (3, 2),
         true,
         false,
-        Passes::ReduceEach,
+        AFTER,
     );
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
@@ -359,4 +362,142 @@ fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
             ZeroShard { group: 2 },
         ]
     );
+}
+
+/// Each pass reduces; the optimizer steps in the backward.
+const IN_BACKWARD: (Passes, Updates) = (Passes::ReduceEach, Updates::InBackward);
+
+fn finals(effects: &[GradEffect]) -> Vec<usize> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Final { group } => Some(*group),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn at_world_size_1_a_group_is_final_once_its_gradients_are_all_written() {
+    // Group 0: params 0 and 1; group 1: param 2; group 2: param 3, which gets none.
+    let members = vec![vec![0, 1], vec![2], vec![3]];
+    let mut p = GradPipeline::new(members, 4, (0, 1), true, true, IN_BACKWARD);
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    assert!(finals(&fx).is_empty() && !p.closed(0));
+    p.on_grad(1, 0, &mut fx);
+    // The update follows the group's last write.
+    assert_eq!(
+        &fx[fx.len() - 2..],
+        [
+            Write {
+                param: 1,
+                place: GradTarget::Shard(0),
+                add: false
+            },
+            Final { group: 0 }
+        ]
+    );
+    assert!(p.closed(0));
+    fx.clear();
+    p.finish(&mut fx);
+    // Group 1 got nothing: a zero shard, then its update; every group once.
+    assert_eq!(
+        fx,
+        vec![
+            ZeroShard { group: 1 },
+            Final { group: 1 },
+            ZeroShard { group: 2 },
+            Final { group: 2 }
+        ]
+    );
+    // The same in steps that update after the backward: no update effect at all.
+    let mut after = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, AFTER);
+    let mut fx = Vec::new();
+    after.on_grad(0, 0, &mut fx);
+    after.on_grad(1, 0, &mut fx);
+    after.finish(&mut fx);
+    assert!(finals(&fx).is_empty() && !after.closed(0));
+}
+
+#[test]
+fn a_units_end_completes_its_groups_the_missing_gradients_zero() {
+    let mut p = GradPipeline::new(
+        vec![vec![0, 1], vec![2]],
+        3,
+        (0, 1),
+        true,
+        true,
+        IN_BACKWARD,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.on_grad(2, 1, &mut fx);
+    fx.clear();
+    p.complete_groups_where(|g| g == 0, &mut fx);
+    assert_eq!(
+        fx,
+        vec![
+            ZeroParam {
+                place: GradTarget::Shard(0),
+                param: 1
+            },
+            Final { group: 0 }
+        ]
+    );
+    assert!(p.closed(0));
+}
+
+#[test]
+fn where_gradients_travel_a_group_is_final_at_the_retire_of_its_last_reduction() {
+    // Three one-parameter groups, two reductions in flight, three slots.
+    let mut p = GradPipeline::new(
+        (0..3).map(|g| vec![g]).collect(),
+        3,
+        (3, 2),
+        true,
+        false,
+        IN_BACKWARD,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.on_grad(1, 1, &mut fx);
+    // Reduced, not yet retired: not final, but closed to more gradients.
+    assert!(finals(&fx).is_empty() && p.closed(0) && p.closed(1));
+    fx.clear();
+    p.on_grad(2, 2, &mut fx);
+    // The third reduction retires the first: group 0's update waits for its reduction.
+    let retire = fx.iter().position(|e| *e == Retire { slot: 0 }).unwrap();
+    assert_eq!(fx[retire + 1], Final { group: 0 });
+    assert_eq!(finals(&fx), vec![0]);
+    fx.clear();
+    p.finish(&mut fx);
+    assert_eq!(finals(&fx), vec![1, 2]);
+}
+
+#[test]
+fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
+    // One slot in flight and two slots: a third group needs the slot of a group still filling,
+    // whose gradients so far are reduced early.
+    let mut p = GradPipeline::new(
+        vec![vec![0, 1], vec![2, 3], vec![4]],
+        5,
+        (2, 1),
+        true,
+        false,
+        IN_BACKWARD,
+    );
+    let mut fx = Vec::new();
+    p.on_grad(0, 0, &mut fx);
+    p.on_grad(2, 1, &mut fx);
+    p.on_grad(4, 2, &mut fx);
+    // Group 0 was reduced in part (and retired): not final, still open.
+    assert!(finals(&fx).is_empty(), "{fx:?}");
+    assert!(!p.closed(0));
+    fx.clear();
+    p.on_grad(1, 0, &mut fx);
+    p.finish(&mut fx);
+    let mut all = finals(&fx);
+    all.sort_unstable();
+    assert_eq!(all, vec![0, 1, 2]);
 }

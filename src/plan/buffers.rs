@@ -57,6 +57,9 @@ pub struct BufferLayout {
     /// Whether gradient shards come with a step's first gradient of their group and go when the
     /// step ends ([`GradShardMemory::PerStep`]) rather than live as long as the engine.
     pub per_step_grad_shards: bool,
+    /// Where per-step gradient shards go right after their group's update inside the backward
+    /// ([`EngineConfig::step_in_backward`]): the most bytes of them held at once.
+    pub grad_shards_in_flight: Option<usize>,
 }
 
 /// The buffers a rank allocates for `plan` under `config`, given the policy's decisions;
@@ -108,6 +111,7 @@ pub(super) fn layout(
         grad_slots,
         grad_slot_bytes: bytes(plan.grad_slot_numel(), grad_slot_dtype, "gradient slots")?,
         per_step_grad_shards: config.grad_shard_memory == GradShardMemory::PerStep,
+        grad_shards_in_flight: None,
     })
 }
 

@@ -87,10 +87,14 @@ impl Policy {
                 what: "gradient shards",
                 count: self.trainable,
                 bytes: m.grad_shards,
-                why: match layout.per_step_grad_shards {
-                    false => "each trainable group's part of the reduced fp32 gradient".into(),
-                    true => "each trainable group's part of the reduced \
+                why: match (layout.per_step_grad_shards, layout.grad_shards_in_flight) {
+                    (false, _) => "each trainable group's part of the reduced fp32 gradient".into(),
+                    (true, None) => "each trainable group's part of the reduced \
                         fp32 gradient, from the step's first gradient of the group to the step's end"
+                        .into(),
+                    (true, Some(_)) => "at most: the root's, the largest other unit's, and one \
+                        per reduction in flight (the largest), each from its group's first \
+                        gradient to its update in the backward"
                         .into(),
                 },
             },
@@ -152,6 +156,9 @@ pub(super) fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
             g.accumulator.or(Some(0)),
             "gradient accumulators",
         )?;
+    }
+    if let Some(held) = layout.grad_shards_in_flight {
+        m.grad_shards = held;
     }
     let scratch = layout.step_scratch.map_or(0, |s| s.bytes());
     m.optimizer_state = add(m.optimizer_state, Some(scratch), "optimizer state")?;
@@ -223,6 +230,52 @@ mod tests {
                 + mem.gathered_slots
                 + mem.grad_slots
         );
+    }
+
+    #[test]
+    fn stepping_in_the_backward_holds_the_root_s_shards_one_unit_s_and_those_in_flight() {
+        // Root: one group of 100 + 50 elements. Unit 0: a decayed group and an exempt one.
+        // Unit 1: one group.
+        let m = model(vec![
+            ParamSpec::new("embed", &[100], DType::F32),
+            ParamSpec::new("head", &[50], DType::F32),
+            ParamSpec::new("w0", &[200], DType::F32).in_unit(0),
+            ParamSpec::new("b0", &[10], DType::F32).in_unit(0).no_weight_decay(),
+            ParamSpec::new("w1", &[300], DType::F32).in_unit(1),
+        ]);
+        let config = |step_in_backward, grad_shard_memory| EngineConfig {
+            step_in_backward,
+            grad_shard_memory,
+            ..EngineConfig::default()
+        };
+        let memory = |world, c: EngineConfig| {
+            Policy::new(&Plan::new(&m, world).unwrap(), &c)
+                .unwrap()
+                .memory
+        };
+        use crate::config::GradShardMemory::{Persistent, PerStep};
+        // World size 1, f32 padded to 64 elements: root 128 + 64, unit 0 256 + 64, unit 1 320.
+        let held = memory(1, config(true, PerStep));
+        assert_eq!(held.grad_shards, (192 + 320) * 4);
+        let all = memory(1, config(false, PerStep));
+        assert_eq!(all.grad_shards, (192 + 320 + 320) * 4);
+        assert_eq!(all.peak - held.peak, 320 * 4);
+        assert_eq!(held.between_steps, all.between_steps);
+        // Persistent shards stay whole.
+        assert_eq!(memory(1, config(true, Persistent)), memory(1, config(false, Persistent)));
+        // World size 4, padded to 256 elements, a quarter each: root 128, unit 0 64 + 64, unit 1
+        // 128; two reductions in flight hold the two largest, 128 + 128: more than every shard,
+        // which bounds it.
+        let held = memory(4, config(true, PerStep));
+        assert_eq!(held.grad_shards, (128 + 128 + 128) * 4);
+        let with_one_in_flight = memory(
+            4,
+            EngineConfig {
+                overlap: false,
+                ..config(true, PerStep)
+            },
+        );
+        assert_eq!(with_one_in_flight.grad_shards, (128 + 128 + 128) * 4);
     }
 
     #[test]

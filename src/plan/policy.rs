@@ -5,7 +5,7 @@
 
 use crate::config::{Accumulation, EngineConfig, ParamStorage};
 use crate::error::Result;
-use crate::types::DType;
+use crate::types::{DType, Unit};
 
 use super::{BufferLayout, Group, MemoryPerRank, Plan, buffers, memory};
 
@@ -87,13 +87,24 @@ impl Policy {
             true => limits.reduces_in_flight + 1,
             false => 0,
         };
-        let layout = buffers::layout(
+        let mut layout = buffers::layout(
             plan,
             config,
             &master_only,
             grad_accumulators,
             (gather_slots, grad_slots, grad_slot_dtype),
         )?;
+        if config.step_in_backward && layout.per_step_grad_shards {
+            let reductions = match config.overlap {
+                true => limits.reduces_in_flight,
+                false => 1,
+            };
+            layout.grad_shards_in_flight = Some(grad_shards_in_flight(
+                plan,
+                &layout,
+                (!grads_direct).then_some(reductions),
+            )?);
+        }
         Ok(Policy {
             limits,
             grads_direct,
@@ -113,6 +124,58 @@ impl Policy {
     pub fn master_only(&self, group: usize) -> bool {
         self.master_only.get(group) == Some(&true)
     }
+}
+
+/// The most bytes of per-step gradient shards held at once where each group's goes right after
+/// its update in the backward. A shard lives from the group's first gradient (or, where
+/// gradients travel, its first reduction) to its update. Gradients of one unit end those of every
+/// other unit but the root, so the root's groups and one other unit's wait for gradients at
+/// once; where they travel, each of at most `reductions` reductions in flight holds a group's
+/// shard too, until its retire. The bound: the root's shards, the largest other unit's, and the
+/// `reductions` largest shards; never more than every shard.
+fn grad_shards_in_flight(
+    plan: &Plan,
+    layout: &BufferLayout,
+    reductions: Option<usize>,
+) -> Result<usize> {
+    let overflow = || crate::error::Error::SizeOverflow {
+        what: "gradient shards",
+    };
+    let shard = |g: usize| layout.groups[g].grad_shard.unwrap_or(0);
+    let of_unit = |u: usize| -> Option<usize> {
+        plan.unit_groups(u)
+            .iter()
+            .try_fold(0usize, |total, &g| total.checked_add(shard(g)))
+    };
+    let mut root = 0;
+    let mut largest_unit = 0;
+    for (u, &unit) in plan.units().iter().enumerate() {
+        let bytes = of_unit(u).ok_or_else(overflow)?;
+        match unit {
+            Unit::Root => root = bytes,
+            _ => largest_unit = largest_unit.max(bytes),
+        }
+    }
+    let mut in_flight = 0;
+    if let Some(count) = reductions {
+        let mut shards =
+            crate::fallible::with_capacity(layout.groups.len(), "the gradient shards' sizes")?;
+        shards.extend((0..layout.groups.len()).map(shard));
+        shards.sort_unstable_by(|a, b| b.cmp(a));
+        in_flight = shards
+            .iter()
+            .take(count)
+            .try_fold(0usize, |total, &b| total.checked_add(b))
+            .ok_or_else(overflow)?;
+    }
+    let all = (0..layout.groups.len())
+        .try_fold(0usize, |total, g| total.checked_add(shard(g)))
+        .ok_or_else(overflow)?;
+    let bound = [largest_unit, in_flight]
+        .into_iter()
+        .try_fold(root, |total, b| total.checked_add(b))
+        .ok_or_else(overflow)?;
+    Ok(bound.min(all))
 }
 
 fn keeps_only_master(config: &EngineConfig, group: &Group) -> bool {

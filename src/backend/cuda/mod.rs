@@ -122,7 +122,7 @@ impl Backend for CudaBackend {
 
     /// One join of the gather and reduce streams into the compute stream for them all: lent
     /// memory goes back to the caller's allocator after it, with no join of its own.
-    fn free(&self, buffers: Vec<CudaBuffer>) -> Result<()> {
+    fn free(&self, buffers: impl IntoIterator<Item = CudaBuffer>) -> Result<()> {
         let joined = self.join_on_compute();
         for buffer in buffers {
             if joined.is_ok() {
@@ -133,6 +133,16 @@ impl Backend for CudaBackend {
             }
         }
         joined
+    }
+
+    /// Lent memory goes back to the caller's allocator with no join: the compute stream is
+    /// ordered after every use already.
+    unsafe fn free_after_compute(
+        &self,
+        buffers: impl IntoIterator<Item = CudaBuffer>,
+    ) -> Result<()> {
+        buffers.into_iter().for_each(CudaBuffer::free_joined);
+        Ok(())
     }
 
     fn alloc_scratch(&self, bytes: usize) -> Result<CudaBuffer> {

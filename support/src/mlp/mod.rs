@@ -495,7 +495,8 @@ impl Default for Recipe {
 
 /// One sharded training step on a rank: the step's learning rate, `passes` micro-batches,
 /// gradient sync, the gradient norm (clipped under the recipe), optimizer step. Returns the mean
-/// loss of the rank's micro-batches and the gradient norm before clipping.
+/// loss of the rank's micro-batches and the gradient norm before clipping (NaN where the engine
+/// steps in the backward, which refuses the norm).
 pub fn sharded_step<B: Backend, C: Communicator<B>>(
     model: &Mlp,
     engine: &mut Engine<B, C>,
@@ -512,9 +513,13 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
         loss += model.pass(&mut EngineParams(engine), &x, &y)?;
     }
     engine.finish_grad_sync()?;
-    let norm = match recipe.clip {
-        Some(max) => engine.clip_grad_norm(max)?,
-        None => engine.grad_norm()?,
+    let norm = match (recipe.clip, engine.config().step_in_backward) {
+        (_, true) => GradNorm {
+            l2: f32::NAN,
+            max: f32::NAN,
+        },
+        (Some(max), false) => engine.clip_grad_norm(max)?,
+        (None, false) => engine.grad_norm()?,
     };
     engine.optimizer_step()?;
     engine.end_step()?;
