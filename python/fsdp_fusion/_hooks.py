@@ -112,8 +112,9 @@ class _Hooks:
     def _drop_unit_hooks_once_mapped(self):
         """Removes the units' hooks once they have nothing left to do: where the views do not
         move, every unit's views are mapped, and the root's hooks (it has parameters) tell the
-        engine where each pass begins. The units then run as plain modules."""
-        if (self._unit_hooks and not self._views_move and self._root.params
+        engine where each pass begins, and no unit's gradients go over on their own. The units
+        then run as plain modules."""
+        if (self._unit_hooks and not self._per_unit and self._root.params
                 and all(u.views is not None for u in self._units)):
             for handle in self._unit_hooks:
                 handle.remove()
@@ -124,11 +125,12 @@ class _Hooks:
     # Where the views never move (world size 1, parameters stored as shards), a unit's views
     # are mapped in its first forward and the engine has nothing to gather, release or reduce
     # for it: inside the root's forward (whose hooks tell the engine where a pass begins), later
-    # passes make no engine call for the unit, and the whole model's gradients go
-    # to the engine in one call when the next forward or the step begins (`_close_backwards`),
-    # as plain PyTorch's optimizer takes them at the step. Where the views move, each unit's
-    # hooks call the engine, and its gradients go over when its backward ends, so that their
-    # reduction overlaps the rest of the backward.
+    # passes make no engine call for the unit, and the whole model's gradients go to the engine
+    # in one call when the next forward or the step begins (`_close_backwards`), as plain
+    # PyTorch's optimizer takes them at the step. Where the views move, each unit's hooks call
+    # the engine, and its gradients go over when its backward ends (`_per_unit`), so that their
+    # reduction overlaps the rest of the backward; so they do where the optimizer steps in the
+    # backward, which updates each unit's groups as their gradients arrive.
 
     def _pre_forward_hook(self, unit: int):
         def hook(_module, args, kwargs):
@@ -138,7 +140,7 @@ class _Hooks:
             if self._views_move or u.views is None or self._root.opens == 0:
                 self._open(u, self._lib.fsdp_engine_pre_forward)
                 u.forward_opens += 1
-            if not self._views_move:
+            if not self._per_unit:
                 return None
             return self._wrap_inputs(unit, args, kwargs)
 
@@ -213,22 +215,27 @@ class _Hooks:
         u = self._unit_of[unit]
         if u.backward_open:
             u.backward_open = False
-            if self._views_move:
+            if self._per_unit:
                 self._hand_over(u)
             self._close(u, self._lib.fsdp_engine_post_backward)
+        elif self._per_unit and unit != ROOT:
+            # A unit whose forward made no engine call (see `_pre_forward_hook`).
+            self._hand_over(u)
 
     def _close_backwards(self):
         """Ends every backward left open, then hands over the gradients still in `.grad`, before
         the next forward or the step: where the views move, those that arrived after their
         unit's backward ended (or in a unit whose outputs needed none), unit by unit; where they
-        do not, the whole model's, in one call. Two backward passes with no forward between
-        them (`retain_graph`) are one pass to the engine: where the views move, a unit's
-        gradient handed over in both is refused as a duplicate, and a late one is their sum in
-        the parameter's dtype, as every gradient is where the views do not."""
+        do not, the whole model's, in one call (unless the optimizer steps in the backward,
+        which takes each unit's gradients as its backward ends). Two backward passes with no
+        forward between them (`retain_graph`) are one pass to the engine: where units hand
+        their gradients over, a unit's gradient handed over in both is refused as a duplicate,
+        and a late one is their sum in the parameter's dtype, as every gradient is where the
+        whole model's go over at once."""
         for u in self._unit_of.values():
             if u.backward_open:
                 self._post_backward(u.index)
-        if not self._views_move:
+        if not self._per_unit:
             self._hand_over(self._whole_model)
             return
         for u in self._unit_of.values():

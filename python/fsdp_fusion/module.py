@@ -139,6 +139,14 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     moment computed in fp32 and rounded stochastically so that it stays unbiased; the update
     itself is the fp32 one.
 
+    `step_in_backward=True` updates each parameter group inside the backward, as soon as its
+    gradient is final, and (with per-step gradient shards) frees its fp32 gradient shard right
+    after: the step then holds the gradient shards of the groups in flight only, not the
+    model's, and the update runs while the backward does. It trains exactly as the ordinary
+    step; what needs the whole gradient first is refused: one backward per step (no
+    micro-batches), no `max_grad_norm`, `grad_norm`, `skip_nonfinite` or `count_nonfinite`, and
+    `set_lr` / `set_weight_decay` only between steps.
+
     `process_groups` maps names to sizes of process groups other than the data-parallel world
     (mixture-of-experts parameters), and `param_groups` parameter names to one of them: the
     world's ranks split into groups of `size` consecutive ranks, each group holding its own copy
@@ -174,6 +182,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         param_storage: str = "shard",
         grad_shards: str = "per-step",
         moment_dtype: torch.dtype = torch.float32,
+        step_in_backward: bool = False,
         timeout: float = 600.0,
         verify_collectives: bool = False,
         save_staging: bool = False,
@@ -226,6 +235,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                                       {torch.float32: DTYPE_CODES[torch.float32],
                                        torch.bfloat16: DTYPE_CODES[torch.bfloat16]})
         config.save_staging = int(bool(save_staging))
+        config.step_in_backward = int(bool(step_in_backward))
         self._config_struct = config
         self._plan = self._make_plan()
         self._group = c_void_p()
@@ -249,6 +259,10 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         # stay right without the saved-tensor hooks below. Without shards (master storage) they
         # are gather slots, at every world size.
         self._views_move = self._world > 1 or param_storage == "master"
+        # Whether each unit's gradients go to the engine when its backward ends, rather than the
+        # whole model's when the next forward or the step begins.
+        self._per_unit = self._views_move or step_in_backward
+        self._step_in_backward = step_in_backward
         self._open_units: list[_Unit] = []
         self._saved_hooks = None
         # Whether the step so far had forward passes, and gradients: a step of forwards only
@@ -284,7 +298,14 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         `skip_nonfinite` skips the optimizer step when the norm is not finite (AMP's
         `found_inf`); `grad_norm` only reports the norm. Each of these, and `count_nonfinite`
         (the infinite or NaN values in this rank's gradient shards), is a collective or a read
-        that waits for the device; without them the step does not block the host on a GPU."""
+        that waits for the device; without them the step does not block the host on a GPU.
+        Where the optimizer steps in the backward, each of them is refused (`MisuseError`)
+        before anything changes: the updates ran before the whole gradient existed."""
+        if self._step_in_backward and (max_grad_norm is not None or grad_norm or skip_nonfinite
+                                       or count_nonfinite):
+            raise MisuseError("step_in_backward updated each group as its gradient became "
+                              "final: the gradient norm, clipping, skipping and the non-finite "
+                              "count need the whole gradient first")
         self._close_backwards()
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None

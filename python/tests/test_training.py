@@ -297,6 +297,65 @@ def test_per_step_gradient_shards_train_exactly_as_persistent_ones():
         FusedFSDP(module, list(module.blocks), grad_shards="sometimes")
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_stepping_in_the_backward_trains_exactly_as_after_it_with_less_gradient_memory(world):
+    """Each group updated as soon as its gradient is final, inside the backward: losses and
+    parameters the ordinary step's bit for bit, a step that holds fewer gradient bytes than the
+    ordinary one's (per-step shards), as the plan bounds them; what needs the whole gradient is
+    refused before anything changes, and training goes on."""
+    runs = {}
+    for in_backward in (False, True):
+        _, module = models(False)
+        modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank].blocks), local_group=group, rank=rank, lr=1e-2,
+            weight_decay=0.1, grad_shards="per-step", step_in_backward=in_backward))
+
+        def train(rank, fused=fused):
+            f, losses = fused[rank], []
+            for step in batches(world):
+                tokens = step[0][rank]
+                loss = loss_of(f(tokens[:, :-1]), tokens[:, 1:])
+                loss.backward()
+                losses.append(loss.item())
+                f.step()
+            current, peak = f.memory()
+            plan = f.planned_memory()
+            # Gather slots made beyond the limit stay, each counted (the model's frozen
+            # parameters give two of its blocks two groups).
+            beyond_plan = current - plan.between_steps
+            return losses, f.full_state_dict(), peak - beyond_plan, plan
+
+        runs[in_backward] = on_ranks(world, train)
+    for (losses, state, peak, plan), (after_losses, after_state, after_peak, after_plan) in zip(
+            runs[True], runs[False]):
+        assert losses == after_losses
+        assert state.keys() == after_state.keys()
+        for name, value in state.items():
+            assert torch.equal(value, after_state[name]), name
+        assert plan.grad_shards < after_plan.grad_shards
+        assert peak <= plan.peak < after_plan.peak == after_peak
+    # Refused before anything changes: the step still ends, and the next trains.
+    _, module = models(False)
+    fused = FusedFSDP(module, list(module.blocks), lr=1e-2, step_in_backward=True)
+    tokens = batches(1)[0][0][0]
+    loss_of(fused(tokens[:, :-1]), tokens[:, 1:]).backward()
+    for options in ({"max_grad_norm": 1.0}, {"grad_norm": True}, {"skip_nonfinite": True},
+                    {"count_nonfinite": True}):
+        with pytest.raises(fsdp_fusion.MisuseError, match="step_in_backward"):
+            fused.step(**options)
+    with pytest.raises(fsdp_fusion.MisuseError, match="step_in_backward"):
+        fused.set_lr(0.5)
+    with pytest.raises(fsdp_fusion.MisuseError, match="step_in_backward"):
+        fused(tokens[:, :-1])
+    fused.step()
+    fused.set_lr(0.5)
+    loss_of(fused(tokens[:, :-1]), tokens[:, 1:]).backward()
+    fused.step()
+    assert fused.counters().steps == 2
+
+
 def test_a_saved_run_continues_exactly_in_a_fresh_wrapper(tmp_path):
     """Two steps, a save (and one written in the background while training goes on), two more
     steps: a fresh wrapper loaded from either save gives the same last two losses and
