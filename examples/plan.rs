@@ -2,6 +2,7 @@
 //!
 //! cargo run --release --example plan -- --model examples/models/tiny.json --world-size 4 [--json]
 //!     [--param-storage master-only] [--grad-shards per-step] [--moment-dtype bf16]
+//!     [--step-in-backward]
 
 use std::io::{self, Write};
 use std::path::PathBuf;
@@ -61,6 +62,10 @@ struct Args {
     grad_shards: GradShards,
     #[arg(long, value_enum, default_value_t = MomentDtype::F32)]
     moment_dtype: MomentDtype,
+    /// The optimizer steps in the backward (`EngineConfig::step_in_backward`): with per-step
+    /// gradient shards, the step holds those of the groups in flight only.
+    #[arg(long)]
+    step_in_backward: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -117,6 +122,7 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
             MomentDtype::F32 => DType::F32,
             MomentDtype::Bf16 => DType::Bf16,
         },
+        step_in_backward: args.step_in_backward,
         ..EngineConfig::default()
     };
     config.validate()?;

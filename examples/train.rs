@@ -158,6 +158,10 @@ struct Args {
     /// Write the full model as a safetensors file (a new one) after the last step.
     #[arg(long)]
     export: Option<PathBuf>,
+    /// Step the optimizer inside the backward, each group as soon as its gradient is final (one
+    /// pass a step, no clipping: the grad norm column is then NaN).
+    #[arg(long)]
+    step_in_backward: bool,
 }
 
 /// Runs longer than this show a progress bar and print a line every few steps.
@@ -232,9 +236,19 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             Accumulate::KeepGathered => Accumulation::KeepGathered,
         },
         optimizer,
+        step_in_backward: args.step_in_backward,
         ..EngineConfig::default()
     };
     config.validate()?;
+    if args.step_in_backward && args.passes != 1 {
+        return Err(fsdp_fusion::Error::InvalidConfig {
+            field: "step_in_backward",
+            reason: format!(
+                "takes one backward pass a step, not {}: add --passes 1",
+                args.passes
+            ),
+        });
+    }
     let shard_size = fsdp_fusion::comm::hybrid::shard_size(args.ranks, args.replicas)?;
     let plan = Arc::new(Plan::hybrid(&model.spec()?, args.replicas, shard_size)?);
     let init = model.init(1);

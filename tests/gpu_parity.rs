@@ -57,20 +57,22 @@ fn parity_under<B: Backend, C: Communicator<B>>(
     let shard_size = ranks.len() / replicas;
     let plan = Arc::new(Plan::hybrid(&model.spec().unwrap(), replicas, shard_size).unwrap());
     let init = model.init(9);
+    // An engine that steps in the backward takes one backward pass a step, and refuses the norm.
+    let in_backward = config.step_in_backward;
     let training = Training {
         model: &model,
         plan: &plan,
         config: &config,
         init: &init,
         steps: STEPS,
-        passes: PASSES,
+        passes: if in_backward { 1 } else { PASSES },
         recipe,
     };
     let mut worst = 0f32;
     let summaries = training
         .compare(ranks, |step, c| {
             let norms = (c.grad_norm - c.reference_grad_norm).abs() / c.reference_grad_norm;
-            assert!(norms <= 1e-6, "step {step}: {c:?}");
+            assert!(in_backward || norms <= 1e-6, "step {step}: {c:?}");
             worst = worst.max(c.difference);
             Ok(())
         })
@@ -79,12 +81,17 @@ fn parity_under<B: Backend, C: Communicator<B>>(
     worst
 }
 
-/// The device memory each rank held is the plan's, but for slots a tight limit added.
+/// The device memory each rank held is the plan's, but for slots a tight limit added; where the
+/// optimizer steps in the backward with per-step gradient shards, the plan bounds the peak.
 fn check_memory(plan: &Plan, config: &EngineConfig, summaries: &[RankSummary]) {
-    let predicted = Policy::new(plan, config).unwrap().memory;
+    let policy = Policy::new(plan, config).unwrap();
+    let predicted = policy.memory;
     for (rank, s) in summaries.iter().enumerate() {
         let extra = s.counters.extra_slots as usize * plan.gather_slot_bytes();
-        assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}");
+        match policy.layout.grad_shards_in_flight {
+            Some(_) => assert!(s.memory.peak <= predicted.peak + extra, "rank {rank}"),
+            None => assert_eq!(s.memory.peak, predicted.peak + extra, "rank {rank}"),
+        }
         assert_eq!(
             s.memory.current,
             predicted.between_steps + extra,
@@ -384,6 +391,55 @@ impl Drop for ReusingAllocator {
     }
 }
 
+/// Loopback ranks on the GPU, each with its allocator (which fills what it gets back with 0xFF:
+/// a shard used after it was given back shows as NaN).
+fn loopback_with_allocators(
+    world: usize,
+) -> (Vec<(CudaBackend, LoopbackComm)>, Vec<Arc<ReusingAllocator>>) {
+    let mut allocators = Vec::new();
+    let ranks = LoopbackComm::group(world)
+        .unwrap()
+        .into_iter()
+        .map(|c| {
+            let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+            let allocator = Arc::new(ReusingAllocator::new(&backend));
+            allocators.push(allocator.clone());
+            (backend.with_allocator(allocator), c)
+        })
+        .collect();
+    (ranks, allocators)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_optimizer_stepping_in_the_backward_equals_the_reference() {
+    let recipe = Recipe {
+        schedule: LrSchedule::WarmupCosine {
+            warmup_steps: 2,
+            total_steps: STEPS,
+            min_factor: 0.1,
+        },
+        clip: None,
+    };
+    for world in [1, 2, 4] {
+        for param_storage in [ParamStorage::ShardAndMaster, ParamStorage::MasterOnly] {
+            let (ranks, allocators) = loopback_with_allocators(world);
+            let config = EngineConfig {
+                step_in_backward: true,
+                param_storage,
+                grad_shard_memory: GradShardMemory::PerStep,
+                ..EngineConfig::default()
+            };
+            let diff = parity_under(DType::Bf16, config, recipe, ranks);
+            eprintln!("in the backward, loopback world {world} {param_storage:?}: {diff:e}");
+            assert!(diff <= 1e-6, "world {world} {param_storage:?}: {diff}");
+            for a in &allocators {
+                assert_eq!(a.outstanding.load(Ordering::SeqCst), 0);
+            }
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
@@ -394,17 +450,7 @@ fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
     for world in [1, 2, 4] {
         for accumulation in [Accumulation::ReduceEveryPass, Accumulation::NoSync] {
             // One allocator per rank (per compute stream), as the contract says.
-            let mut allocators = Vec::new();
-            let ranks = LoopbackComm::group(world)
-                .unwrap()
-                .into_iter()
-                .map(|c| {
-                    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
-                    let allocator = Arc::new(ReusingAllocator::new(&backend));
-                    allocators.push(allocator.clone());
-                    (backend.with_allocator(allocator), c)
-                })
-                .collect();
+            let (ranks, allocators) = loopback_with_allocators(world);
             let config = EngineConfig {
                 accumulation,
                 grad_shard_memory: GradShardMemory::PerStep,

@@ -111,7 +111,10 @@ fn the_memory_options_give_the_bytes_the_engine_allocates() {
         "--moment-dtype",
         "bf16",
     ];
-    for (config, options) in [(EngineConfig::default(), &[][..]), (lean, &options[..])] {
+    for (config, options) in [
+        (EngineConfig::default(), &[][..]),
+        (lean.clone(), &options[..]),
+    ] {
         let text = run(options);
         let want = Policy::new(&plan, &config).unwrap().memory;
         let printed = |what| printed_bytes(&text, what);
@@ -121,11 +124,38 @@ fn the_memory_options_give_the_bytes_the_engine_allocates() {
         assert_eq!(printed("between steps"), want.between_steps, "{text}");
     }
     // The options change what a rank holds: each one's saving shows.
-    let (default, lean) = (run(&[]), run(&options));
+    let (default, lean_text) = (run(&[]), run(&options));
     for what in ["parameter shards", "optimizer state", "between steps"] {
         assert!(
-            printed_bytes(&lean, what) < printed_bytes(&default, what),
+            printed_bytes(&lean_text, what) < printed_bytes(&default, what),
             "{what}"
         );
     }
+    // Stepping in the backward holds fewer gradient shards at the peak, as the policy bounds
+    // them, and the same between steps.
+    let in_backward = [&options[..], &["--step-in-backward"]].concat();
+    let text = run(&in_backward);
+    let want = Policy::new(
+        &plan,
+        &EngineConfig {
+            step_in_backward: true,
+            ..lean
+        },
+    )
+    .unwrap()
+    .memory;
+    assert_eq!(
+        printed_bytes(&text, "gradient shards"),
+        want.grad_shards,
+        "{text}"
+    );
+    assert_eq!(printed_bytes(&text, "peak"), want.peak, "{text}");
+    assert!(
+        printed_bytes(&text, "peak") < printed_bytes(&lean_text, "peak"),
+        "{text}"
+    );
+    assert_eq!(
+        printed_bytes(&text, "between steps"),
+        printed_bytes(&lean_text, "between steps")
+    );
 }

@@ -59,3 +59,39 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
     let (ok, err) = run(&["--ranks", "2", "--steps", "1", "--save", &path(&dir)]);
     assert!(!ok && err.contains("exists"), "{err}");
 }
+
+#[test]
+fn the_optimizer_stepping_in_the_backward_agrees_with_the_reference_and_refuses_what_it_cannot() {
+    let train = fsdp_fusion_support::examples::build("train");
+    let run = |args: &[&str]| {
+        let out = Command::new(&train)
+            .args(args)
+            .output()
+            .expect("run the example");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    };
+    let (ok, out, err) = run(&[
+        "--step-in-backward",
+        "--passes",
+        "1",
+        "--steps",
+        "3",
+        "--lr-schedule",
+        "warmup-cosine",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("over all steps: 0.000e0"), "{out}");
+    let (ok, _, err) = run(&["--step-in-backward", "--steps", "1"]);
+    assert!(!ok && err.contains("--passes 1"), "{err}");
+    let (ok, _, err) = run(&[
+        "--step-in-backward",
+        "--passes",
+        "1",
+        "--clip",
+        "1",
+        "--steps",
+        "1",
+    ]);
+    assert!(!ok && err.contains("step_in_backward"), "{err}");
+}

@@ -2,7 +2,8 @@
 each peak is its own: fsdp-fusion with a bf16 shard beside each fp32 master ("fusion-shard") or
 the master only ("fusion-master"), each with per-step gradient shards, and the master only with
 persistent ones ("fusion-master-persistent") or with bf16 AdamW moments
-("fusion-master-bf16moments"); plain PyTorch (bf16 compute copy, fp32 master,
+("fusion-master-bf16moments"), a setup's name ending in "-inbackward" with the optimizer
+stepping in the backward; plain PyTorch (bf16 compute copy, fp32 master,
 AdamW) and FSDP2 (`fully_shard` per layer and the root, bf16 parameters, fp32 reduction), all at
 world size 1, on the GPT example or transformers' Llama.
 
@@ -39,7 +40,7 @@ from gpt import GPT, loss_of  # noqa: E402
 from world_of_one import nccl_world_of_one  # noqa: E402
 
 SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "fusion-master-bf16moments",
-          "plain", "fsdp2")
+          "fusion-shard-inbackward", "fusion-master-bf16moments-inbackward", "plain", "fsdp2")
 GIB = 1 << 30
 
 
@@ -85,13 +86,14 @@ def trainer(setup: str, args, device):
     model, layers, loss_fn = build(args)
     if setup.startswith("fusion"):
         module = model.to(device=device, dtype=torch.bfloat16)
-        storage, _, variant = setup.removeprefix("fusion-").partition("-")
+        storage, *variants = setup.removeprefix("fusion-").split("-")
         fused = FusedFSDP(module, layers, args.library, lr=3e-4, betas=(0.9, 0.95),
                           weight_decay=0.1, no_weight_decay=default_no_weight_decay,
                           param_storage=storage,
-                          grad_shards="persistent" if variant == "persistent" else "per-step",
-                          moment_dtype=torch.bfloat16 if variant == "bf16moments"
-                          else torch.float32)
+                          grad_shards="persistent" if "persistent" in variants else "per-step",
+                          moment_dtype=torch.bfloat16 if "bf16moments" in variants
+                          else torch.float32,
+                          step_in_backward="inbackward" in variants)
 
         def step(tokens):
             loss = loss_fn(fused, tokens)

@@ -92,9 +92,10 @@ impl Policy {
                     (true, None) => "each trainable group's part of the reduced \
                         fp32 gradient, from the step's first gradient of the group to the step's end"
                         .into(),
-                    (true, Some(_)) => "at most: the root's, the largest other unit's, and one \
-                        per reduction in flight (the largest), each from its group's first \
-                        gradient to its update in the backward"
+                    (true, Some(_)) => "the most held at once, each from its group's first \
+                        gradient (or reduction) to its update in the backward: at world size 1 \
+                        the root's and the largest other unit's; above, one per reduction in \
+                        flight (the largest)"
                         .into(),
                 },
             },
@@ -240,7 +241,9 @@ mod tests {
             ParamSpec::new("embed", &[100], DType::F32),
             ParamSpec::new("head", &[50], DType::F32),
             ParamSpec::new("w0", &[200], DType::F32).in_unit(0),
-            ParamSpec::new("b0", &[10], DType::F32).in_unit(0).no_weight_decay(),
+            ParamSpec::new("b0", &[10], DType::F32)
+                .in_unit(0)
+                .no_weight_decay(),
             ParamSpec::new("w1", &[300], DType::F32).in_unit(1),
         ]);
         let config = |step_in_backward, grad_shard_memory| EngineConfig {
@@ -253,7 +256,7 @@ mod tests {
                 .unwrap()
                 .memory
         };
-        use crate::config::GradShardMemory::{Persistent, PerStep};
+        use crate::config::GradShardMemory::{PerStep, Persistent};
         // World size 1, f32 padded to 64 elements: root 128 + 64, unit 0 256 + 64, unit 1 320.
         let held = memory(1, config(true, PerStep));
         assert_eq!(held.grad_shards, (192 + 320) * 4);
@@ -262,20 +265,32 @@ mod tests {
         assert_eq!(all.peak - held.peak, 320 * 4);
         assert_eq!(held.between_steps, all.between_steps);
         // Persistent shards stay whole.
-        assert_eq!(memory(1, config(true, Persistent)), memory(1, config(false, Persistent)));
-        // World size 4, padded to 256 elements, a quarter each: root 128, unit 0 64 + 64, unit 1
-        // 128; two reductions in flight hold the two largest, 128 + 128: more than every shard,
-        // which bounds it.
-        let held = memory(4, config(true, PerStep));
-        assert_eq!(held.grad_shards, (128 + 128 + 128) * 4);
-        let with_one_in_flight = memory(
-            4,
-            EngineConfig {
-                overlap: false,
-                ..config(true, PerStep)
-            },
+        assert_eq!(
+            memory(1, config(true, Persistent)),
+            memory(1, config(false, Persistent))
         );
-        assert_eq!(with_one_in_flight.grad_shards, (128 + 128 + 128) * 4);
+        // World size 4, padded to 256 elements, a quarter each: root 128, unit 0 64 + 64, unit 1
+        // 128. Two reductions in flight hold the two largest; the root's group and unit 0's two
+        // take gradients at once in as many slots as there are (three), so no group is reduced
+        // before its gradients are complete.
+        let held = memory(4, config(true, PerStep));
+        assert_eq!(held.grad_shards, (128 + 128) * 4);
+        let one_at_a_time = EngineConfig {
+            overlap: false,
+            ..config(true, PerStep)
+        };
+        assert_eq!(memory(4, one_at_a_time).grad_shards, 128 * 4);
+        // One reduction in flight leaves two slots: three groups taking gradients may have one
+        // reduced early, its shard kept until its last reduction; the root's and unit 0's
+        // count then, bounded by every shard.
+        let one_in_flight = EngineConfig {
+            max_reduces_in_flight: 1,
+            ..config(true, PerStep)
+        };
+        assert_eq!(
+            memory(4, one_in_flight).grad_shards,
+            (128 + 64 + 64 + 128) * 4
+        );
     }
 
     #[test]

@@ -127,12 +127,16 @@ impl Policy {
 }
 
 /// The most bytes of per-step gradient shards held at once where each group's goes right after
-/// its update in the backward. A shard lives from the group's first gradient (or, where
-/// gradients travel, its first reduction) to its update. Gradients of one unit end those of every
-/// other unit but the root, so the root's groups and one other unit's wait for gradients at
-/// once; where they travel, each of at most `reductions` reductions in flight holds a group's
-/// shard too, until its retire. The bound: the root's shards, the largest other unit's, and the
-/// `reductions` largest shards; never more than every shard.
+/// its update in the backward (never more than every shard). Gradients of one unit end those of
+/// every other unit but the root, so at most the root's groups and one other unit's take
+/// gradients at once.
+/// - At world size 1 (`reductions` `None`) a shard lives from its group's first gradient to its
+///   update: the root's shards and the largest other unit's.
+/// - Where gradients travel, a shard lives from the group's first reduction to the retire of its
+///   last, and at most `reductions` are in flight: the largest `reductions` shards. A group is
+///   reduced before its gradients are complete only when every gradient slot is being filled,
+///   which takes more groups taking gradients at once than slots; then the root's shards and
+///   the largest other unit's count too.
 fn grad_shards_in_flight(
     plan: &Plan,
     layout: &BufferLayout,
@@ -142,38 +146,48 @@ fn grad_shards_in_flight(
         what: "gradient shards",
     };
     let shard = |g: usize| layout.groups[g].grad_shard.unwrap_or(0);
-    let of_unit = |u: usize| -> Option<usize> {
-        plan.unit_groups(u)
+    let sum = |groups: &[usize]| {
+        groups
             .iter()
             .try_fold(0usize, |total, &g| total.checked_add(shard(g)))
     };
-    let mut root = 0;
-    let mut largest_unit = 0;
+    let trains = |g: &&usize| layout.groups[**g].grad_shard.is_some();
+    let (mut root, mut largest_unit) = (0usize, 0usize);
+    let (mut root_groups, mut most_unit_groups) = (0, 0);
     for (u, &unit) in plan.units().iter().enumerate() {
-        let bytes = of_unit(u).ok_or_else(overflow)?;
+        let groups = plan.unit_groups(u);
+        let bytes = sum(groups).ok_or_else(overflow)?;
+        let count = groups.iter().filter(trains).count();
         match unit {
-            Unit::Root => root = bytes,
-            _ => largest_unit = largest_unit.max(bytes),
+            Unit::Root => (root, root_groups) = (bytes, count),
+            _ => {
+                largest_unit = largest_unit.max(bytes);
+                most_unit_groups = most_unit_groups.max(count);
+            }
         }
     }
-    let mut in_flight = 0;
-    if let Some(count) = reductions {
-        let mut shards =
-            crate::fallible::with_capacity(layout.groups.len(), "the gradient shards' sizes")?;
-        shards.extend((0..layout.groups.len()).map(shard));
-        shards.sort_unstable_by(|a, b| b.cmp(a));
-        in_flight = shards
-            .iter()
-            .take(count)
-            .try_fold(0usize, |total, &b| total.checked_add(b))
-            .ok_or_else(overflow)?;
-    }
+    let open_units = root.checked_add(largest_unit).ok_or_else(overflow)?;
+    let bound = match reductions {
+        None => open_units,
+        Some(count) => {
+            let mut shards =
+                crate::fallible::with_capacity(layout.groups.len(), "the gradient shards' sizes")?;
+            shards.extend((0..layout.groups.len()).map(shard));
+            shards.sort_unstable_by(|a, b| b.cmp(a));
+            let largest = shards
+                .iter()
+                .take(count)
+                .try_fold(0usize, |total, &b| total.checked_add(b))
+                .ok_or_else(overflow)?;
+            let partial = root_groups + most_unit_groups > layout.grad_slots;
+            match partial {
+                true => largest.checked_add(open_units).ok_or_else(overflow)?,
+                false => largest,
+            }
+        }
+    };
     let all = (0..layout.groups.len())
         .try_fold(0usize, |total, g| total.checked_add(shard(g)))
-        .ok_or_else(overflow)?;
-    let bound = [largest_unit, in_flight]
-        .into_iter()
-        .try_fold(root, |total, b| total.checked_add(b))
         .ok_or_else(overflow)?;
     Ok(bound.min(all))
 }

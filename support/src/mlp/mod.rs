@@ -514,11 +514,11 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
     }
     engine.finish_grad_sync()?;
     let norm = match (recipe.clip, engine.config().step_in_backward) {
-        (_, true) => GradNorm {
+        (Some(max), _) => engine.clip_grad_norm(max)?,
+        (None, true) => GradNorm {
             l2: f32::NAN,
             max: f32::NAN,
         },
-        (Some(max), false) => engine.clip_grad_norm(max)?,
         (None, false) => engine.grad_norm()?,
     };
     engine.optimizer_step()?;
