@@ -85,6 +85,13 @@ fn grad(e: &mut CpuEngine, name: &str) -> fsdp_fusion::Result<()> {
 
 /// A whole correct step; returns every shard afterwards.
 fn step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    forward_and_layer_backward(e);
+    root_grads_and_end(e)
+}
+
+/// The forward, and the backward of unit 0 (its groups then updated where the optimizer steps
+/// in the backward).
+fn forward_and_layer_backward(e: &mut CpuEngine) {
     e.pre_forward(Unit::Root).unwrap();
     e.post_forward(Unit::Root).unwrap();
     e.pre_forward(Unit::Layer(0)).unwrap();
@@ -94,6 +101,10 @@ fn step(e: &mut CpuEngine) -> Vec<Vec<u8>> {
         grad(e, name).unwrap();
     }
     e.post_backward(Unit::Layer(0)).unwrap();
+}
+
+/// The root's gradients, then the end of the step; returns every shard afterwards.
+fn root_grads_and_end(e: &mut CpuEngine) -> Vec<Vec<u8>> {
     for name in ["head", "embed"] {
         grad(e, name).unwrap();
     }
@@ -168,28 +179,6 @@ fn in_backward() -> EngineConfig {
         step_in_backward: true,
         ..EngineConfig::default()
     }
-}
-
-/// The forward, and the backward of unit 0 (its groups then updated where the optimizer steps
-/// in the backward).
-fn forward_and_layer_backward(e: &mut CpuEngine) {
-    e.pre_forward(Unit::Root).unwrap();
-    e.post_forward(Unit::Root).unwrap();
-    e.pre_forward(Unit::Layer(0)).unwrap();
-    e.post_forward(Unit::Layer(0)).unwrap();
-    e.pre_backward(Unit::Layer(0)).unwrap();
-    for name in ["w", "b"] {
-        grad(e, name).unwrap();
-    }
-    e.post_backward(Unit::Layer(0)).unwrap();
-}
-
-/// The root's gradients, then the end of the step; returns every shard afterwards.
-fn root_grads_and_end(e: &mut CpuEngine) -> Vec<Vec<u8>> {
-    for name in ["head", "embed"] {
-        grad(e, name).unwrap();
-    }
-    end_step(e)
 }
 
 fn stepping_in_backward(error: &Error) -> bool {
