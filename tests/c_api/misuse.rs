@@ -523,6 +523,15 @@ fn flags_and_timeouts_that_are_not_what_they_say_are_refused() {
             BAD,
             "save_staging is 2",
         );
+        let in_backward = fsdp_config {
+            step_in_backward: 2,
+            ..config()
+        };
+        expect(
+            fsdp_engine_create_cpu(plan, &in_backward, group, 0, &mut engine),
+            BAD,
+            "step_in_backward is 2",
+        );
         // Nothing was taken: the rank's communicator is still in the group.
         ok(fsdp_engine_create_cpu(
             plan,

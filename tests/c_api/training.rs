@@ -293,6 +293,55 @@ fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
 }
 
 #[test]
+fn the_optimizer_steps_inside_the_backward_through_the_c_api() {
+    for_each_mode(|mode| {
+        let plan = plan(1);
+        let group = local_group(mode, 1);
+        let mut engine = null_mut();
+        let values = initial_values();
+        let g = [2.0f32; 9];
+        let config = fsdp_config {
+            step_in_backward: 1,
+            ..sgd_config()
+        };
+        let mut norm = fsdp_grad_norm::default();
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine));
+            load_values(engine, &values);
+            ok(fsdp_engine_pre_backward(engine, 0));
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            // w is its group's only parameter: updated by the gradient's call, in the backward.
+            let want: Vec<f32> = values[1].iter().map(|w| w - 0.5 * 2.0).collect();
+            assert_close(&shard_values(engine, plan, 1), &want);
+            expect(
+                fsdp_engine_set_lr(engine, 0.25),
+                fsdp_status::FSDP_MISUSE,
+                "step_in_backward",
+            );
+            ok(fsdp_engine_post_backward(engine, 0));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            expect(
+                fsdp_engine_grad_norm(engine, &mut norm),
+                fsdp_status::FSDP_MISUSE,
+                "step_in_backward",
+            );
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            // The embedding got no gradient: a zero one, as the ordinary step gives it.
+            assert_close(&shard_values(engine, plan, 0), &values[0]);
+            assert_close(&shard_values(engine, plan, 1), &want);
+            let mut counters = fsdp_counters::default();
+            ok(fsdp_engine_counters(engine, &mut counters));
+            assert_eq!(counters.steps, 1);
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
+
+#[test]
 fn the_memory_report_follows_the_transport_and_the_accumulation_mode() {
     let plan = plan(2);
     let memory = |edit: &dyn Fn(&mut fsdp_config)| {
