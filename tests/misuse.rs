@@ -252,6 +252,58 @@ fn stepping_in_the_backward_refuses_a_second_pass_and_new_settings_once_gradient
     }
 }
 
+/// unit 0 holds x; unit 1 holds w1 and w2 in one group.
+fn two_units() -> ModelSpec {
+    ModelSpec::new(vec![
+        ParamSpec::new("x", &[4], DType::F32).in_unit(0),
+        ParamSpec::new("w1", &[4], DType::F32).in_unit(1),
+        ParamSpec::new("w2", &[4], DType::F32).in_unit(1),
+    ])
+    .unwrap()
+}
+
+#[test]
+fn stepping_in_the_backward_keeps_open_every_unit_whose_gradients_arrive_together() {
+    // w1 alone, then w2 beside unit 0's x in one batch: unit 1's group is still open when the
+    // batch comes, so w2 joins w1, and the step equals the ordinary one; ended without
+    // `optimizer_step`, a step whose groups were updated in its backward is not skipped.
+    for world in WORLD_SIZES {
+        let plan = Arc::new(Plan::new(&two_units(), world).unwrap());
+        for_each_mode(|mode| {
+            let run = |config: EngineConfig| {
+                on_engines(&plan, &config, mode, |mut e| {
+                    let id = |name| e.plan().param_id(name).unwrap();
+                    let (x, w1, w2) = (id("x"), id("w1"), id("w2"));
+                    let (a, b) = (grad_values(4), [0.25f32; 4]);
+                    e.grads(&[(w1, Input::host(&a))]).unwrap();
+                    // A shard read while gradients arrive would show unwritten elements.
+                    let group = e.plan().param(w1).unwrap().group;
+                    assert!(matches!(
+                        e.grad_shard(group),
+                        Err(Error::GradsNotSynced { .. })
+                    ));
+                    e.grads(&[(w2, Input::host(&b)), (x, Input::host(&a))])
+                        .unwrap();
+                    e.finish_grad_sync().unwrap();
+                    if e.config().step_in_backward {
+                        e.end_step().unwrap();
+                        assert_eq!(e.counters().skipped_steps, 0);
+                    } else {
+                        e.optimizer_step().unwrap();
+                        e.end_step().unwrap();
+                    }
+                    shards(&e)
+                })
+            };
+            assert_eq!(
+                run(in_backward()),
+                run(EngineConfig::default()),
+                "world {world}"
+            );
+        });
+    }
+}
+
 #[test]
 fn stepping_in_the_backward_refuses_a_gradient_of_a_group_its_units_backward_ended() {
     // Unit 0's two parameters share a group: the unit's backward ending with one of them

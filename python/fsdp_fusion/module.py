@@ -103,7 +103,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     shard storage nothing moves or travels, and the wrapper takes the whole model's `.grad` in
     one call when the next forward or `step` begins instead: until then `.grad` holds them, as
     for a plain PyTorch optimizer, and the step briefly holds both those and its fp32 gradient
-    shards.
+    shards. A change to `.grad` there reaches the engine, where above world size 1 `.grad` is
+    empty by then: clip with `step(max_grad_norm=...)`, which does the same at every world size.
 
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
     unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of

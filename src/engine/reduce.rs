@@ -1,5 +1,7 @@
 //! Gradient slots, the places gradients are written into, and the reductions into the shards.
 
+use std::sync::Arc;
+
 use super::Engine;
 use crate::backend::{Backend, Input, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
@@ -93,7 +95,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
-        self.take_grads(std::iter::once((param, group, gradient)))
+        self.take_grads(&[(param, group, gradient)])
     }
 
     /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each, taken
@@ -121,7 +123,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         // Stable: a group's gradients keep the caller's order.
         batch.sort_by_key(|&(_, group, _)| group);
-        self.take_grads(batch.into_iter())
+        self.take_grads(&batch)
     }
 
     /// Writes the gradients `writes` holds into their place.
@@ -142,25 +144,22 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Takes checked gradients, each `(param, its group, gradient)`, into their places in order:
     /// consecutive writes into one place go to the backend as one call.
-    fn take_grads<'a>(
-        &mut self,
-        gradients: impl ExactSizeIterator<Item = (ParamId, usize, Input<'a>)>,
-    ) -> Result<()> {
+    fn take_grads(&mut self, gradients: &[(ParamId, usize, Input<'_>)]) -> Result<()> {
         self.effects(|e| {
+            // Entering the backward never ends a pass: no effect of it passes the writes.
+            e.enter(Phase::Backward)?;
+            let plan = Arc::clone(&e.plan);
+            let groups = plan.groups();
+            e.complete_units_but(|unit| gradients.iter().any(|&(_, g, _)| groups[g].unit == unit))?;
             let mut writes = Writes {
                 target: None,
                 // A gradient makes one write.
                 pending: crate::fallible::with_capacity(gradients.len(), "a batch's writes")?,
             };
-            for (param, group, gradient) in gradients {
+            for &(param, group, gradient) in gradients {
                 let _range = crate::nvtx::range("grad", param.0);
-                // Entering the backward never ends a pass: no effect of it passes the writes.
-                e.enter(Phase::Backward)?;
                 let mut fx = std::mem::take(&mut e.reducing.effects);
                 fx.clear();
-                if e.config.step_in_backward {
-                    e.complete_other_units(group, &mut fx);
-                }
                 e.reducing.pipeline.on_grad(param.0, group, &mut fx);
                 let result = e.apply_grad_effects(&fx, Some((gradient, &mut writes)));
                 e.reducing.effects = fx;
@@ -170,17 +169,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Where updates run in the backward, a gradient of one unit ends the gradients of every
+    /// Where updates run in the backward, gradients of some units end the gradients of every
     /// other unit but the root (whose parameters are used from the backward's start to its
     /// end): their backward is over, the parameters that got none count as zero, and their
-    /// groups are final. So at most the root's groups and one other unit's wait for gradients.
-    fn complete_other_units(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+    /// groups are final. So at most the root's groups and those of the units whose gradients
+    /// arrive together wait for gradients. `arriving` says whether gradients of a unit arrive
+    /// now.
+    fn complete_units_but(&mut self, arriving: impl Fn(Unit) -> bool) -> Result<()> {
+        if !self.config.step_in_backward {
+            return Ok(());
+        }
+        let mut fx = std::mem::take(&mut self.reducing.effects);
+        fx.clear();
         let groups = self.plan.groups();
-        let unit = groups[group].unit;
-        self.reducing.pipeline.complete_groups_where(
-            |g| groups[g].unit != unit && groups[g].unit != Unit::Root,
-            effects,
+        (self.reducing.pipeline).complete_groups_where(
+            |g| groups[g].unit != Unit::Root && !arriving(groups[g].unit),
+            &mut fx,
         );
+        let result = self.apply_grad_effects(&fx, None);
+        self.reducing.effects = fx;
+        result
     }
 
     /// Where updates run in the backward, `unit`'s backward ended: its groups' gradients are
@@ -258,6 +266,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         self.effects(|e| {
             e.enter(Phase::Backward)?;
+            let unit = e.plan.groups()[group].unit;
+            e.complete_units_but(|u| u == unit)?;
             let mut fx = std::mem::take(&mut e.reducing.effects);
             fx.clear();
             let place = e.reducing.pipeline.open(group, &mut fx);

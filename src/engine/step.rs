@@ -209,6 +209,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let start = self.mark(Stream::Compute)?;
         self.update_group(group, 1.0)?;
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
+        // The next step's first gather waits for this update too, whether or not
+        // `optimizer_step` ends the updates.
+        self.gathering.shards_updated = Some(self.backend.record(Stream::Compute)?);
         if self.config.grad_shard_memory == GradShardMemory::PerStep {
             let shard = self.reducing.groups[group].shard.take();
             // SAFETY: the compute stream used the shard last (the update above), after waiting
@@ -247,7 +250,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = decided.and_then(|()| {
             self.effects(|e| {
                 e.apply_gather_effects(&fx)?;
-                if e.reducing.pipeline.synced() && !e.optimizer.stepped {
+                // A step whose groups were updated in its backward was not skipped.
+                if e.reducing.pipeline.synced() && !e.optimizer.stepped && !e.optimizer.updating {
                     e.counters.skipped_steps += 1;
                 }
                 if e.config.grad_shard_memory == GradShardMemory::PerStep {
@@ -421,10 +425,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(out)
     }
 
-    /// This rank's fp32 gradient shard of trainable `group`, as synced so far this step (zeros
-    /// where per-step shards are not made yet, or freed by the step's end).
+    /// This rank's fp32 gradient shard of trainable `group`, once the step's gradients are
+    /// synced (or between steps; zeros where a per-step shard is not made, or was freed: at the
+    /// step's end, or after its update in the backward). Refused while gradients are arriving:
+    /// part of the shard is not written yet.
     pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
         self.healthy()?;
+        if self.reducing.pipeline.pending() {
+            return Err(Error::GradsNotSynced {
+                action: "reading a gradient shard",
+            });
+        }
         let g = self.plan.group(group)?;
         let mut out = crate::fallible::filled(g.shard_numel, 0f32, "a gradient shard's copy")?;
         if let Some(shard) = &self.reducing.groups[group].shard {

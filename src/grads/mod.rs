@@ -116,6 +116,9 @@ pub struct GradPipeline {
     updates: Updates,
     /// Groups whose gradients of the pass are complete: no more arrive.
     complete: Vec<bool>,
+    /// Groups reduced in part (every slot was being filled) whose other gradients may still
+    /// come, in the order of their first part.
+    partial: VecDeque<usize>,
     /// Groups whose [`GradEffect::Final`] was emitted this step.
     finalized: Vec<bool>,
     max_in_flight: usize,
@@ -157,6 +160,7 @@ impl GradPipeline {
             group_in_flight: vec![0; groups],
             updates,
             complete: vec![false; groups],
+            partial: VecDeque::new(),
             finalized: vec![false; groups],
             max_in_flight,
             overlap,
@@ -235,6 +239,24 @@ impl GradPipeline {
                 i += 1;
             }
         }
+        let mut i = 0;
+        while let Some(&group) = self.partial.get(i) {
+            if ended(group) {
+                self.partial.remove(i);
+                self.complete_reduced(group, effects);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// `group`, reduced in part and taking no more gradients, is complete: final once its
+    /// reductions in flight retire.
+    fn complete_reduced(&mut self, group: usize, effects: &mut Vec<GradEffect>) {
+        self.complete[group] = true;
+        if self.group_in_flight[group] == 0 {
+            self.finalize(group, effects);
+        }
     }
 
     /// Launches `group`'s gradients of the pass so far: they are complete (every one arrived,
@@ -278,6 +300,11 @@ impl GradPipeline {
         complete: bool,
         effects: &mut Vec<GradEffect>,
     ) {
+        match complete {
+            true => self.partial.retain(|&g| g != group),
+            false if !self.partial.contains(&group) => self.partial.push_back(group),
+            false => {}
+        }
         if self.in_flight.len() >= self.max_in_flight {
             self.retire_oldest(effects);
         }
@@ -414,6 +441,10 @@ impl GradPipeline {
     pub fn end_pass(&mut self, effects: &mut Vec<GradEffect>) {
         while let Some(&group) = self.fill_order.front() {
             self.launch(group, effects);
+        }
+        // Those reduced in part get nothing more in this pass.
+        while let Some(group) = self.partial.pop_front() {
+            self.complete_reduced(group, effects);
         }
         self.received.fill(false);
         self.received_count.fill(0);

@@ -501,3 +501,32 @@ fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
     all.sort_unstable();
     assert_eq!(all, vec![0, 1, 2]);
 }
+
+#[test]
+fn a_group_reduced_in_part_whose_other_gradients_never_come_is_final_when_its_unit_ends() {
+    // As above, but param 1 never gets a gradient: the unit's end (or the pass's) completes the
+    // group reduced in part, and every group is updated once.
+    for end_of_unit in [true, false] {
+        let mut p = GradPipeline::new(
+            vec![vec![0, 1], vec![2, 3], vec![4]],
+            5,
+            (2, 1),
+            true,
+            false,
+            IN_BACKWARD,
+        );
+        let mut fx = Vec::new();
+        p.on_grad(0, 0, &mut fx);
+        p.on_grad(2, 1, &mut fx);
+        p.on_grad(4, 2, &mut fx);
+        if end_of_unit {
+            p.complete_groups_where(|g| g == 0, &mut fx);
+            assert!(p.closed(0));
+        }
+        p.on_grad(3, 1, &mut fx);
+        p.finish(&mut fx);
+        let mut all = finals(&fx);
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 2], "end of unit {end_of_unit}: {fx:?}");
+    }
+}
