@@ -1,7 +1,7 @@
 //! Prints the plan of a model file: groups, params, padding and the bytes each rank holds.
 //!
 //! cargo run --release --example plan -- --model examples/models/tiny.json --world-size 4 [--json]
-//!     [--param-storage master-only] [--grad-shards per-step] [--moment-dtype bf16]
+//!     [--param-storage master-only (or master)] [--grad-shards per-step] [--moment-dtype bf16]
 //!     [--step-in-backward]
 
 use std::io::{self, Write};
@@ -19,7 +19,8 @@ use fsdp_fusion::{
 enum Storage {
     /// A shard in the parameter's dtype beside the fp32 master.
     ShardAndMaster,
-    /// The fp32 master only; gathers cast it.
+    /// The fp32 master only; gathers cast it (`master`, as the Python package names it).
+    #[value(alias = "master")]
     MasterOnly,
 }
 
