@@ -464,12 +464,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.gathering.schedule.enter(phase) != Some(Phase::Backward) {
             return Ok(());
         }
-        let mut fx = std::mem::take(&mut self.reducing.effects);
-        fx.clear();
-        self.reducing.pipeline.end_pass(&mut fx);
-        let result = self.apply_grad_effects(&fx, None);
-        self.reducing.effects = fx;
-        result
+        self.apply_decided(GradPipeline::end_pass)
     }
 }
 

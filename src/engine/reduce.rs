@@ -176,34 +176,24 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// arrive together wait for gradients. `arriving` says whether gradients of a unit arrive
     /// now.
     fn complete_units_but(&mut self, arriving: impl Fn(Unit) -> bool) -> Result<()> {
-        if !self.config.step_in_backward {
-            return Ok(());
-        }
-        let mut fx = std::mem::take(&mut self.reducing.effects);
-        fx.clear();
-        let groups = self.plan.groups();
-        (self.reducing.pipeline).complete_groups_where(
-            |g| groups[g].unit != Unit::Root && !arriving(groups[g].unit),
-            &mut fx,
-        );
-        let result = self.apply_grad_effects(&fx, None);
-        self.reducing.effects = fx;
-        result
+        self.complete_units(|unit| unit != Unit::Root && !arriving(unit))
     }
 
     /// Where updates run in the backward, `unit`'s backward ended: its groups' gradients are
     /// complete (the parameters that got none count as zero), and the groups final.
     pub(super) fn complete_unit(&mut self, unit: Unit) -> Result<()> {
+        self.complete_units(|u| u == unit)
+    }
+
+    /// Where updates run in the backward, completes the groups with gradients of every unit
+    /// that `ended` picks.
+    fn complete_units(&mut self, ended: impl Fn(Unit) -> bool) -> Result<()> {
         if !self.config.step_in_backward {
             return Ok(());
         }
-        let mut fx = std::mem::take(&mut self.reducing.effects);
-        fx.clear();
-        let groups = self.plan.groups();
-        (self.reducing.pipeline).complete_groups_where(|g| groups[g].unit == unit, &mut fx);
-        let result = self.apply_grad_effects(&fx, None);
-        self.reducing.effects = fx;
-        result
+        let plan = Arc::clone(&self.plan);
+        let groups = plan.groups();
+        self.apply_decided(|p, fx| p.complete_groups_where(|g| ended(groups[g].unit), fx))
     }
 
     /// Checks a gradient for `param` before anything changes; returns its group.
@@ -268,12 +258,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             e.enter(Phase::Backward)?;
             let unit = e.plan.groups()[group].unit;
             e.complete_units_but(|u| u == unit)?;
-            let mut fx = std::mem::take(&mut e.reducing.effects);
-            fx.clear();
-            let place = e.reducing.pipeline.open(group, &mut fx);
-            let result = e.apply_grad_effects(&fx, None);
-            e.reducing.effects = fx;
-            result?;
+            let place = e.apply_decided(|p, fx| p.open(group, fx))?;
             e.reducing.open_slot = Some(param);
             let layout = &e.plan.params()[param.0];
             Ok((place, Region::new(layout.offset, layout.numel, DType::F32)))
@@ -295,13 +280,22 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let group = layout.group;
         self.effects(|e| {
             e.reducing.open_slot = None;
-            let mut fx = std::mem::take(&mut e.reducing.effects);
-            fx.clear();
-            e.reducing.pipeline.commit(param.0, group, &mut fx);
-            let result = e.apply_grad_effects(&fx, None);
-            e.reducing.effects = fx;
-            result
+            e.apply_decided(|p, fx| p.commit(param.0, group, fx))
         })
+    }
+
+    /// Lets the pipeline decide (`decide` pushes its effects) and applies what it decided, in
+    /// the buffer of effects reused between calls.
+    pub(super) fn apply_decided<T>(
+        &mut self,
+        decide: impl FnOnce(&mut GradPipeline, &mut Vec<GradEffect>) -> T,
+    ) -> Result<T> {
+        let mut fx = std::mem::take(&mut self.reducing.effects);
+        fx.clear();
+        let decided = decide(&mut self.reducing.pipeline, &mut fx);
+        let result = self.apply_grad_effects(&fx, None);
+        self.reducing.effects = fx;
+        result.map(|()| decided)
     }
 
     /// Applies `effects` in order. A gradient's writes (with `gradient`: the gradient and the

@@ -80,12 +80,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             while let Some(u) = e.open.backward.pop_first() {
                 e.release_unit(u)?;
             }
-            let mut fx = std::mem::take(&mut e.reducing.effects);
-            fx.clear();
-            e.reducing.pipeline.finish(&mut fx);
-            let result = e.apply_grad_effects(&fx, None);
-            e.reducing.effects = fx;
-            result?;
+            e.apply_decided(crate::grads::GradPipeline::finish)?;
             if e.config.verify_collectives {
                 e.verify_collectives()?;
             }

@@ -475,10 +475,10 @@ fn where_gradients_travel_a_group_is_final_at_the_retire_of_its_last_reduction()
     assert_eq!(finals(&fx), vec![1, 2]);
 }
 
-#[test]
-fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
-    // One slot in flight and two slots: a third group needs the slot of a group still filling,
-    // whose gradients so far are reduced early.
+/// Groups [0, 1], [2, 3] and [4], one reduction in flight and two slots, after gradients of
+/// params 0, 2 and 4: the third group needed the slot of group 0, still filling, whose
+/// gradients so far were reduced early.
+fn reduced_in_part() -> (GradPipeline, Vec<GradEffect>) {
     let mut p = GradPipeline::new(
         vec![vec![0, 1], vec![2, 3], vec![4]],
         5,
@@ -491,15 +491,26 @@ fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
     p.on_grad(0, 0, &mut fx);
     p.on_grad(2, 1, &mut fx);
     p.on_grad(4, 2, &mut fx);
+    (p, fx)
+}
+
+/// The groups `effects` finalize, in group order.
+fn sorted_finals(effects: &[GradEffect]) -> Vec<usize> {
+    let mut all = finals(effects);
+    all.sort_unstable();
+    all
+}
+
+#[test]
+fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
+    let (mut p, mut fx) = reduced_in_part();
     // Group 0 was reduced in part (and retired): not final, still open.
     assert!(finals(&fx).is_empty(), "{fx:?}");
     assert!(!p.closed(0));
     fx.clear();
     p.on_grad(1, 0, &mut fx);
     p.finish(&mut fx);
-    let mut all = finals(&fx);
-    all.sort_unstable();
-    assert_eq!(all, vec![0, 1, 2]);
+    assert_eq!(sorted_finals(&fx), vec![0, 1, 2]);
 }
 
 #[test]
@@ -507,26 +518,17 @@ fn a_group_reduced_in_part_whose_other_gradients_never_come_is_final_when_its_un
     // As above, but param 1 never gets a gradient: the unit's end (or the pass's) completes the
     // group reduced in part, and every group is updated once.
     for end_of_unit in [true, false] {
-        let mut p = GradPipeline::new(
-            vec![vec![0, 1], vec![2, 3], vec![4]],
-            5,
-            (2, 1),
-            true,
-            false,
-            IN_BACKWARD,
-        );
-        let mut fx = Vec::new();
-        p.on_grad(0, 0, &mut fx);
-        p.on_grad(2, 1, &mut fx);
-        p.on_grad(4, 2, &mut fx);
+        let (mut p, mut fx) = reduced_in_part();
         if end_of_unit {
             p.complete_groups_where(|g| g == 0, &mut fx);
             assert!(p.closed(0));
         }
         p.on_grad(3, 1, &mut fx);
         p.finish(&mut fx);
-        let mut all = finals(&fx);
-        all.sort_unstable();
-        assert_eq!(all, vec![0, 1, 2], "end of unit {end_of_unit}: {fx:?}");
+        assert_eq!(
+            sorted_finals(&fx),
+            vec![0, 1, 2],
+            "end of unit {end_of_unit}: {fx:?}"
+        );
     }
 }

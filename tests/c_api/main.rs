@@ -76,12 +76,19 @@ fn local_group(mode: Mode, world: usize) -> *mut fsdp_local_group {
 
 /// One rank's engine at world size 1 in `mode`, with its plan and group.
 fn engine(mode: Mode) -> (*mut fsdp_plan, *mut fsdp_local_group, *mut fsdp_engine) {
+    engine_with(mode, &config())
+}
+
+/// As [`engine`], made with `config`.
+fn engine_with(
+    mode: Mode,
+    config: &fsdp_config,
+) -> (*mut fsdp_plan, *mut fsdp_local_group, *mut fsdp_engine) {
     let plan = plan(1);
     let group = local_group(mode, 1);
     let mut engine = null_mut();
-    let config = config();
     // SAFETY: valid pointers.
-    unsafe { ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine)) };
+    unsafe { ok(fsdp_engine_create_cpu(plan, config, group, 0, &mut engine)) };
     (plan, group, engine)
 }
 

@@ -226,21 +226,12 @@ fn non_finite_gradients_are_counted_through_the_c_api() {
 #[test]
 fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
     for_each_mode(|mode| {
-        let plan = plan(1);
-        let group = local_group(mode, 1);
-        let mut engine = null_mut();
+        let (plan, group, engine) = engine_with(mode, &sgd_config());
         let values = initial_values();
         let g = [2.0f32; 9];
         let mut norm = fsdp_grad_norm::default();
         // SAFETY: valid pointers throughout.
         unsafe {
-            ok(fsdp_engine_create_cpu(
-                plan,
-                &sgd_config(),
-                group,
-                0,
-                &mut engine,
-            ));
             load_values(engine, &values);
             expect(fsdp_engine_set_lr(engine, -1.0), BAD, "lr");
             expect(
@@ -295,19 +286,16 @@ fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
 #[test]
 fn the_optimizer_steps_inside_the_backward_through_the_c_api() {
     for_each_mode(|mode| {
-        let plan = plan(1);
-        let group = local_group(mode, 1);
-        let mut engine = null_mut();
-        let values = initial_values();
-        let g = [2.0f32; 9];
         let config = fsdp_config {
             step_in_backward: 1,
             ..sgd_config()
         };
+        let (plan, group, engine) = engine_with(mode, &config);
+        let values = initial_values();
+        let g = [2.0f32; 9];
         let mut norm = fsdp_grad_norm::default();
         // SAFETY: valid pointers throughout.
         unsafe {
-            ok(fsdp_engine_create_cpu(plan, &config, group, 0, &mut engine));
             load_values(engine, &values);
             ok(fsdp_engine_pre_backward(engine, 0));
             ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
