@@ -546,51 +546,41 @@ impl Layer {
         self.params.iter().map(|p| p.2).sum()
     }
 
-    /// The pack table of params in the arena at `arena`, as the device reads it.
-    fn table(&self, arena: u64, dtype: DType) -> Vec<u8> {
+    /// The pack entries of params in the arena at `arena`.
+    fn entries(&self, arena: u64, dtype: DType) -> Vec<PackEntry> {
         let entry = |&(at, offset, numel, padded): &(usize, usize, usize, usize)| PackEntry {
             ptr: arena + (at * dtype.size()) as u64,
             offset: offset as u64,
             numel: numel as u64,
             padded: padded as u64,
         };
-        self.params
-            .iter()
-            .map(entry)
-            .flat_map(|e| [e.ptr, e.offset, e.numel, e.padded])
-            .flat_map(u64::to_le_bytes)
-            .collect()
+        self.params.iter().map(entry).collect()
     }
 }
 
-/// Pack (params into the flat buffer, padding zeroed) or unpack (back out), one launch per layer.
+/// Pack (params into the flat buffer, padding zeroed) or unpack (back out), one call per layer.
 fn pack(size: usize, dtype: DType, packing: bool) -> Item {
-    let layer = Arc::new(Layer::new(size / dtype.size(), dtype));
+    let layer = Layer::new(size / dtype.size(), dtype);
     let w = dtype.size();
-    let count = layer.params.len();
-    let operands = vec![layer.arena_numel * w, layer.flat_numel * w, 32 * count];
+    let operands = vec![layer.arena_numel * w, layer.flat_numel * w];
     let moved = if packing {
         (layer.numel() + layer.flat_numel) * w
     } else {
         2 * layer.numel() * w
     };
-    let flat_numel = layer.flat_numel;
     let kernel = if packing { "pack" } else { "unpack" };
-    let mut item = Item::new(kernel, dtype.to_string(), operands, moved, move |gpu, a| {
-        // SAFETY: the table (a[2]) holds `count` entries into the arena (a[0]), in offset order;
-        // the flat buffer (a[1]) holds `flat_numel` elements.
+    Item::new(kernel, dtype.to_string(), operands, moved, move |gpu, a| {
+        let entries = layer.entries(a[0], dtype);
+        // SAFETY: the entries lie in the arena (a[0]) and tile the flat buffer (a[1]).
         let done = unsafe {
             if packing {
-                gpu.kernels
-                    .pack(&gpu.stream, dtype, a[2], count, a[1], flat_numel)
+                gpu.kernels.pack(&gpu.stream, dtype, &entries, a[1])
             } else {
-                gpu.kernels.unpack(&gpu.stream, dtype, a[2], count, a[1])
+                gpu.kernels.unpack(&gpu.stream, dtype, &entries, a[1])
             }
         };
         Ok(done?)
-    });
-    item.setup = Box::new(move |gpu, a| upload(gpu, a[2], &layer.table(a[0], dtype)));
-    item
+    })
 }
 
 fn reduce_sum(size: usize, dtype: DType, count: usize) -> Item {

@@ -14,14 +14,22 @@ namespace fsdp {
 constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
-// op; the host launches one round per thread (`Kernel::elementwise_grid`): one for a copy or a
-// fill, two for the ops that convert or compute. On an H200 at 1 GiB, these ops timed alone in a
-// program of their own against `cudaMemcpyAsync`: a copy ran at 0.98 of it with one, 0.94 with
-// two; an accumulation from bf16 into f32 at 0.97 with two, 0.91 with one; a 16-bit cast at 0.94
-// with two, 0.84 with one. Four chunks a round on a grid that fills the GPU once and strides over
-// the rest (the earlier launch) ran them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
+// op; the host launches one round per thread (`Kernel::elementwise_grid`). A copy or a fill takes
+// one (`kMoveRound`); the casts take two (`kRound`); the accumulations and the optimizers take as
+// many as `arithmetic_round` gives for the bytes a chunk loads and stores. On an H200 at 1 GiB,
+// against `cudaMemcpyAsync` in the same program: a copy at 0.98 with one, 0.94 with two; a cast
+// from bf16 into f32 (24 bytes a chunk) at 0.965 with two, 0.936 with one, 0.946 with four; an
+// accumulation `f32 += bf16` (40 bytes) at 0.990 with one, 0.946 with two; `f32 = f32` (32
+// bytes) at 0.978 with one, 0.928 with two; AdamW at 0.977 with one, 0.937 with two, 0.934 with
+// four, and lower again when registers were capped for more blocks; SGD at 0.978 with one, 0.944
+// with two. Four chunks a round on a grid that fills the GPU once and strides over the rest (an
+// earlier launch) ran them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
+
+// Chunks in a round of an arithmetic op whose chunk loads and stores `chunk_bytes` bytes: two up
+// to 24 bytes (a 16-bit operand beside an f32 one), else one.
+__host__ __device__ constexpr int arithmetic_round(int chunk_bytes) { return chunk_bytes <= 24 ? 2 : 1; }
 
 // One element per step when the operands cannot be vectorized together; several steps in flight
 // per thread so that scalar loads still overlap.
@@ -229,6 +237,55 @@ __device__ __forceinline__ uint64_t grid_thread() {
 
 __device__ __forceinline__ uint64_t grid_threads() {
   return static_cast<uint64_t>(gridDim.x) * blockDim.x;
+}
+
+// One span of a batch: `n` elements from `src` to `dst` (`fsdp_fusion`'s `Span`); a move with
+// no source writes zeros.
+struct Span {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t n;
+};
+
+// The spans of one launch, passed by value (904 bytes of the 4 KiB of parameters): span s runs on
+// blocks `first_block[s]` up to `first_block[s + 1]` of a one-dimensional grid, as many as its
+// length asks for, so that a small span beside a large one leaves no block idle and every block
+// has a round's work. `kBatchSpans` is `BATCH_SPANS` on the host.
+constexpr int kBatchSpans = 32;
+struct SpanBatch {
+  Span spans[kBatchSpans];
+  uint32_t first_block[kBatchSpans + 1];
+};
+
+// The span block `block` runs: the last whose first block is at or before it (a span with no
+// block shares its next one's first block, so it is never the last). A binary search: a block
+// reads five of the table's places rather than up to all of them.
+__device__ __forceinline__ int span_of(const SpanBatch& batch, uint32_t block) {
+  int lo = 0;
+  int hi = kBatchSpans;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (batch.first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The block's span of `batch`, with the block's thread and the span's threads in its blocks.
+struct SpanPart {
+  Span span;
+  uint64_t thread;
+  uint64_t threads;
+};
+
+__device__ __forceinline__ SpanPart span_part(const SpanBatch& batch) {
+  const int s = span_of(batch, blockIdx.x);
+  const uint64_t first = batch.first_block[s];
+  const uint64_t blocks = batch.first_block[s + 1] - first;
+  return {batch.spans[s], (blockIdx.x - first) * blockDim.x + threadIdx.x, blocks * blockDim.x};
 }
 
 // One round of a thread: chunks c0, c0 + 32, ... (U of them) of N elements from element `start`,

@@ -58,34 +58,17 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kChunk<typename Wider<S, D>::Bits>, kRound>(
-      AccumulateOp<S, D>{src, dst, scale, add}, n, phase, thread, threads);
-}
-
-// One accumulation of a batch: `n` elements from `src` into `dst` (`fsdp_fusion`'s
-// `AccumulateEntry`).
-struct AccumulateEntry {
-  uint64_t src;
-  uint64_t dst;
-  uint64_t n;
-};
-
-// The accumulations of one launch, passed by value (904 bytes of the 4 KiB of parameters):
-// entry e runs on blocks `first_block[e]` up to `first_block[e + 1]` of a one-dimensional grid,
-// as many as its length asks for, so that a small entry beside a large one leaves no block idle.
-// `kBatchEntries` is `ACCUMULATE_BATCH` on the host.
-constexpr int kBatchEntries = 32;
-struct AccumulateBatch {
-  AccumulateEntry entries[kBatchEntries];
-  uint32_t first_block[kBatchEntries + 1];
-};
-
-// The entry block `block` runs: the last whose first block is at or before it (entries with no
-// block share their next one's first block, so the scan passes them).
-__device__ __forceinline__ int entry_of(const AccumulateBatch& batch, uint32_t block) {
-  int e = 0;
-  while (e + 1 < kBatchEntries && batch.first_block[e + 1] <= block) ++e;
-  return e;
+  // A chunk is one vector of the wider type; an addition also loads the destination.
+  using W = typename Wider<S, D>::Bits;
+  constexpr int kE = kChunk<W>;
+  constexpr int kSet = kE * static_cast<int>(sizeof(typename S::Bits) + sizeof(typename D::Bits));
+  constexpr int kAdd = kSet + kE * static_cast<int>(sizeof(typename D::Bits));
+  const AccumulateOp<S, D> op{src, dst, scale, add};
+  if (add) {
+    elementwise<kE, arithmetic_round(kAdd)>(op, n, phase, thread, threads);
+  } else {
+    elementwise<kE, arithmetic_round(kSet)>(op, n, phase, thread, threads);
+  }
 }
 
 // `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
@@ -147,15 +130,11 @@ using fsdp::kBlock;
 // on blocks of its own.
 #define FSDP_ACCUMULATE_MANY(name, S, D)                                                   \
   extern "C" __global__ void __launch_bounds__(kBlock) accumulate_many_##name(             \
-      const fsdp::AccumulateBatch batch, float scale, uint32_t add) {                      \
-    const int i = fsdp::entry_of(batch, blockIdx.x);                                       \
-    const fsdp::AccumulateEntry e = batch.entries[i];                                      \
-    const uint64_t first = batch.first_block[i];                                           \
-    const uint64_t blocks = batch.first_block[i + 1] - first;                              \
-    fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(e.src),                        \
-                           reinterpret_cast<D::Bits*>(e.dst), e.n, scale, add != 0,        \
-                           (blockIdx.x - first) * blockDim.x + threadIdx.x,                \
-                           blocks * blockDim.x);                                           \
+      const fsdp::SpanBatch batch, float scale, uint32_t add) {                            \
+    const fsdp::SpanPart part = fsdp::span_part(batch);                                    \
+    fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(part.span.src),                \
+                           reinterpret_cast<D::Bits*>(part.span.dst), part.span.n, scale,   \
+                           add != 0, part.thread, part.threads);                           \
   }
 
 FSDP_ACCUMULATE_MANY(bf16_f32, fsdp::Bf16, fsdp::F32)

@@ -5,6 +5,9 @@
 
 namespace fsdp {
 
+// Every optimizer's chunk loads at least two f32 vectors (master and gradient) and stores one.
+constexpr int kOptimizerRound = arithmetic_round(3 * 16);
+
 // `crate::optim::AdamwCoefficients`, field for field.
 struct AdamwCoefficients {
   float decay;
@@ -208,7 +211,7 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, kRound>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
+  elementwise<kChunk<uint32_t>, kOptimizerRound>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
                                    grid_thread(), grid_threads());
 }
 
@@ -224,7 +227,7 @@ __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m,
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, kRound>(
+  elementwise<kChunk<uint32_t>, kOptimizerRound>(
       AdamwBf16MomentsOp<P>{master, m, v, grad, param, c, seed, first_index, aliased}, n, phase,
       grid_thread(), grid_threads());
 }
@@ -238,7 +241,7 @@ __device__ __forceinline__ void sgd(float* master, const float* grad, typename P
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, kRound>(
+  elementwise<kChunk<uint32_t>, kOptimizerRound>(
       SgdOp<P>{master, grad, param, lr, weight_decay, grad_scale, aliased}, n, phase,
       grid_thread(), grid_threads());
 }

@@ -21,7 +21,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(bytes),
+                elementwise_grid(bytes, round_elements(MOVE_ROUND, 1)),
                 &mut [arg(&dst), arg(&n)],
             )
         }
@@ -51,7 +51,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round_elements(MOVE_ROUND, dtype.size())),
                 &mut [arg(&src), arg(&dst), arg(&n64)],
             )
         }
@@ -89,6 +89,7 @@ impl Kernels {
             }
         };
         let n64 = n as u64;
+        let round = accumulate_round_elements((src_dtype, dst_dtype), add);
         let add = u32::from(add);
         // SAFETY: accumulate_<src>_<dst>(const S* src, D* dst, uint64_t n, float scale,
         // uint32_t add); the caller's contract.
@@ -96,7 +97,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round),
                 &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale), arg(&add)],
             )
         }
@@ -128,45 +129,81 @@ impl Kernels {
             }
         };
         let kernel = kernels[dtype_index(src_dtype)];
+        let round = accumulate_round_elements((src_dtype, dst_dtype), add);
         let add = u32::from(add);
-        // An entry's share of a grid that every entry's could fill: the kernel strides over
-        // the rest of a longer one.
-        let most_blocks = MAX_GRID / ACCUMULATE_BATCH as u32;
+        let mut spans = entries.iter().map(|e| {
+            check_aligned(e.src, src_dtype.size())?;
+            check_aligned(e.dst, dst_dtype.size())?;
+            Ok(Span {
+                src: e.src,
+                dst: e.dst,
+                n: e.n,
+            })
+        });
+        // SAFETY: accumulate_many_<src>_<dst>(SpanBatch batch, float scale, uint32_t add); the
+        // caller's contract.
+        unsafe { self.launch_spans(stream, kernel, &mut spans, round, &[arg(&scale), arg(&add)]) }
+    }
+
+    /// Launches `kernel` over `spans` in batches of [`BATCH_SPANS`], each span on blocks of its
+    /// own, as many as its length asks for at `round` elements a thread; the batch by value,
+    /// then `args`, are the kernel's parameters. Stops at the first span that is an error.
+    ///
+    /// # Safety
+    /// `kernel` takes `(SpanBatch, args...)`, and each span is valid for it.
+    unsafe fn launch_spans(
+        &self,
+        stream: &CudaStream,
+        kernel: Kernel,
+        spans: &mut dyn Iterator<Item = Result<Span>>,
+        round: usize,
+        args: &[*mut c_void],
+    ) -> Result<()> {
+        // A span's share of a grid that every span's could fill: the kernel strides over the rest
+        // of a longer one.
+        let most_blocks = MAX_GRID / BATCH_SPANS as u32;
         let blocks = |n: u64| {
             let n = usize::try_from(n).unwrap_or(usize::MAX);
-            kernel.elementwise_grid(n).min(most_blocks)
+            elementwise_grid(n, round).min(most_blocks)
         };
-        for chunk in entries.chunks(ACCUMULATE_BATCH) {
-            let mut batch = AccumulateBatch {
-                entries: [AccumulateEntry::default(); ACCUMULATE_BATCH],
-                first_block: [0; ACCUMULATE_BATCH + 1],
-            };
-            for (slot, e) in batch.entries.iter_mut().zip(chunk) {
-                check_aligned(e.src, src_dtype.size())?;
-                check_aligned(e.dst, dst_dtype.size())?;
-                *slot = *e;
-            }
-            batch.first_block = first_blocks(chunk, blocks).ok_or(Error::Unsupported {
+        let mut params = [std::ptr::null_mut(); 3];
+        let Some(count) = args.len().checked_add(1).filter(|&c| c <= params.len()) else {
+            return Err(Error::Unsupported {
                 backend: "cuda",
-                what: "a batch of accumulations past the largest grid",
-            })?;
-            let grid = batch.first_block[ACCUMULATE_BATCH];
-            if grid == 0 {
-                continue;
+                what: "a batched kernel with more than two parameters after its batch",
+            });
+        };
+        loop {
+            let mut batch = SpanBatch {
+                spans: [Span::default(); BATCH_SPANS],
+                first_block: [0; BATCH_SPANS + 1],
+            };
+            let mut taken = 0;
+            while taken < BATCH_SPANS {
+                match spans.next() {
+                    Some(span) => {
+                        batch.spans[taken] = span?;
+                        taken += 1;
+                    }
+                    None => break,
+                }
             }
-            // SAFETY: accumulate_many_<src>_<dst>(AccumulateBatch batch, float scale, uint32_t
-            // add), block b running its part of the entry whose blocks hold it; the caller's
-            // contract.
-            unsafe {
-                self.launch(
-                    stream,
-                    kernel,
-                    grid,
-                    &mut [arg(&batch), arg(&scale), arg(&add)],
-                )
-            }?;
+            batch.first_block =
+                first_blocks(&batch.spans[..taken], blocks).ok_or(Error::Unsupported {
+                    backend: "cuda",
+                    what: "a batch of spans past the largest grid",
+                })?;
+            let grid = batch.first_block[BATCH_SPANS];
+            if grid > 0 {
+                params[0] = arg(&batch);
+                params[1..count].copy_from_slice(args);
+                // SAFETY: the caller's contract; the batch outlives the launch, which copies it.
+                unsafe { self.launch(stream, kernel, grid, &mut params[..count]) }?;
+            }
+            if taken < BATCH_SPANS {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 
     /// `dst[i] = convert(src[i])`, rounding to nearest even when narrowing.
@@ -192,12 +229,13 @@ impl Kernels {
         check_aligned(src, src_dtype.size())?;
         check_aligned(dst, dst_dtype.size())?;
         let n64 = n as u64;
+        let round = round_elements(ROUND, src_dtype.size().max(dst_dtype.size()));
         // SAFETY: cast_<src>_<dst>(const S* src, D* dst, uint64_t n); the caller's contract.
         unsafe {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round),
                 &mut [arg(&src), arg(&dst), arg(&n64)],
             )
         }
@@ -241,7 +279,7 @@ impl Kernels {
                 self.launch(
                     stream,
                     kernel,
-                    kernel.elementwise_grid(n),
+                    elementwise_grid(n, round_elements(OPTIMIZER_ROUND, 4)),
                     &mut [
                         arg(&master),
                         arg(&m),
@@ -267,7 +305,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round_elements(OPTIMIZER_ROUND, 4)),
                 &mut [
                     arg(&master),
                     arg(&m),
@@ -310,7 +348,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round_elements(OPTIMIZER_ROUND, 4)),
                 &mut [
                     arg(&master),
                     arg(&grad),
@@ -324,39 +362,46 @@ impl Kernels {
         }
     }
 
-    /// Packs `count` params (a device array of [`PackEntry`]) into `flat` in one launch; the
-    /// entries tile `0..flat_numel`, padding is written as zero.
+    /// Packs `entries` into `flat`: each entry's `numel` elements at its offset, and its padding
+    /// (`numel..padded`) as zero. A param and its padding are a span each, [`BATCH_SPANS`] spans
+    /// a launch, each span on blocks of its own: params of any sizes side by side keep every
+    /// block busy, and small ones cost no block more than their length asks for.
     ///
     /// # Safety
-    /// `table` holds `count` entries whose addresses are valid; `flat` holds `flat_numel` elements.
-    /// The entries are sorted by offset (each starts where the previous one's padding ends), and
-    /// each `ptr` is aligned to the element size.
+    /// Each entry's `ptr` is valid for `numel` elements of `dtype`, and `flat` for each entry's
+    /// `offset + padded`; no entry's range of `flat` overlaps another's or any `ptr`'s.
     pub unsafe fn pack(
         &self,
         stream: &CudaStream,
         dtype: DType,
-        table: u64,
-        count: usize,
+        entries: &[PackEntry],
         flat: u64,
-        flat_numel: usize,
     ) -> Result<()> {
-        if count == 0 || flat_numel == 0 {
-            return Ok(());
-        }
-        check_aligned(table, std::mem::align_of::<PackEntry>())?;
-        check_aligned(flat, dtype.size())?;
-        let kernel = self.pack[dtype_index(dtype)];
-        let grid = kernel.tile_grid(flat_numel.saturating_mul(dtype.size()));
-        let count64 = count as u64;
-        let numel = flat_numel as u64;
-        // SAFETY: pack_<dtype>(const PackEntry* table, uint64_t count, T* flat, uint64_t numel);
-        // the caller's contract.
+        let mut spans = entries
+            .iter()
+            .flat_map(|e| {
+                let data = flat_address(dtype, flat, e.offset)
+                    .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
+                let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
+                    backend: "cuda",
+                    what: "a pack entry padded to fewer elements than it holds",
+                });
+                let padding = padding.and_then(|n| {
+                    let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
+                    let dst = flat_address(dtype, flat, start)?;
+                    Ok(Span { src: 0, dst, n })
+                });
+                [data, padding]
+            })
+            .filter(|span| !matches!(span, Ok(Span { n: 0, .. })));
+        // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
-            self.launch(
+            self.launch_spans(
                 stream,
-                kernel,
-                grid,
-                &mut [arg(&table), arg(&count64), arg(&flat), arg(&numel)],
+                self.move_many[dtype_index(dtype)],
+                &mut spans,
+                round_elements(MOVE_ROUND, dtype.size()),
+                &[],
             )
         }
     }
@@ -369,27 +414,29 @@ impl Kernels {
         &self,
         stream: &CudaStream,
         dtype: DType,
-        table: u64,
-        count: usize,
+        entries: &[PackEntry],
         flat: u64,
     ) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        check_aligned(table, std::mem::align_of::<PackEntry>())?;
-        check_aligned(flat, dtype.size())?;
-        let kernel = self.unpack[dtype_index(dtype)];
-        let count64 = count as u64;
-        // The flat length is in the table, on the device: launch a full grid, and the blocks
-        // past the last tile return at once.
-        // SAFETY: unpack_<dtype>(const PackEntry* table, uint64_t count, T* flat); the caller's
-        // contract.
+        let mut spans = entries
+            .iter()
+            .map(|e| {
+                let in_flat = flat_address(dtype, flat, e.offset)?;
+                let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
+                Ok(Span {
+                    src: span.dst,
+                    dst: span.src,
+                    n: span.n,
+                })
+            })
+            .filter(|span| !matches!(span, Ok(Span { n: 0, .. })));
+        // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
-            self.launch(
+            self.launch_spans(
                 stream,
-                kernel,
-                kernel.full_grid,
-                &mut [arg(&table), arg(&count64), arg(&flat)],
+                self.move_many[dtype_index(dtype)],
+                &mut spans,
+                round_elements(MOVE_ROUND, dtype.size()),
+                &[],
             )
         }
     }
@@ -441,7 +488,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                kernel.elementwise_grid(n),
+                elementwise_grid(n, round_elements(ROUND, dtype.size())),
                 &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64), arg(&scale)],
             )
         }
@@ -508,4 +555,35 @@ impl Kernels {
             )
         }
     }
+}
+
+const PAST_THE_ADDRESSES: Error = Error::Unsupported {
+    backend: "cuda",
+    what: "a pack entry past the end of the address space",
+};
+
+/// The address of element `start` of `flat`, checked.
+fn flat_address(dtype: DType, flat: u64, start: u64) -> Result<u64> {
+    check_aligned(flat, dtype.size())?;
+    start
+        .checked_mul(dtype.size() as u64)
+        .and_then(|bytes| flat.checked_add(bytes))
+        .ok_or(PAST_THE_ADDRESSES)
+}
+
+/// The span of `n` elements from the param at `ptr` to `in_flat`: the param's address checked
+/// for alignment, and refused when null (a span with no source writes zeros).
+fn param_span(dtype: DType, ptr: u64, in_flat: u64, n: u64) -> Result<Span> {
+    if ptr == 0 && n > 0 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            what: "a pack entry with a null parameter address",
+        });
+    }
+    check_aligned(ptr, dtype.size())?;
+    Ok(Span {
+        src: ptr,
+        dst: in_flat,
+        n,
+    })
 }

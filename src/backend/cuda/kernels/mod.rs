@@ -14,9 +14,8 @@ use crate::types::DType;
 
 mod launches;
 
-/// One parameter of a pack or unpack table, in elements of the group's dtype.
+/// One parameter of [`Kernels::pack`] and [`Kernels::unpack`], in elements of the group's dtype.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(C)]
 pub struct PackEntry {
     /// Device address of the parameter's own (unpadded) storage.
     pub ptr: u64,
@@ -26,9 +25,6 @@ pub struct PackEntry {
     /// Elements reserved in the flat buffer; `numel..padded` is written as zero by `pack`.
     pub padded: u64,
 }
-
-// The kernels read the table with this exact layout (`fsdp::PackEntry` in kernels/pack.cu).
-const _: () = assert!(std::mem::size_of::<PackEntry>() == 32);
 
 /// One accumulation of [`Kernels::accumulate_many`]: `n` elements from `src` into `dst`, device
 /// addresses.
@@ -40,34 +36,42 @@ pub struct AccumulateEntry {
     pub n: u64,
 }
 
-/// Accumulations in one launch: `fsdp::kBatchEntries` in kernels/grad.cu.
-pub const ACCUMULATE_BATCH: usize = 32;
+/// Spans in one launch of a batched kernel (`accumulate_many`, `move_many`): `fsdp::kBatchSpans`
+/// in kernels/common.cuh.
+pub const BATCH_SPANS: usize = 32;
 
-/// The launch's table, passed by value as `fsdp::AccumulateBatch`: the entries, and the first
-/// block of each of them in a one-dimensional grid (the grid's size after the last).
+/// One span of a batch: `n` elements from `src` to `dst`, device addresses (`fsdp::Span`); a move
+/// with no source (0) writes zeros.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C)]
-struct AccumulateBatch {
-    entries: [AccumulateEntry; ACCUMULATE_BATCH],
-    first_block: [u32; ACCUMULATE_BATCH + 1],
+struct Span {
+    src: u64,
+    dst: u64,
+    n: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<AccumulateBatch>() == 904);
+/// The launch's table, passed by value as `fsdp::SpanBatch`: the spans, and the first block of
+/// each of them in a one-dimensional grid (the grid's size after the last).
+#[repr(C)]
+struct SpanBatch {
+    spans: [Span; BATCH_SPANS],
+    first_block: [u32; BATCH_SPANS + 1],
+}
 
-/// Each entry's first block when entry `e` takes `blocks(entries[e].n)` blocks, the grid's size
-/// after the last used entry and in every unused place; `None` when the blocks of `entries` (at
-/// most [`ACCUMULATE_BATCH`]) do not fit in a grid.
-fn first_blocks(
-    entries: &[AccumulateEntry],
-    blocks: impl Fn(u64) -> u32,
-) -> Option<[u32; ACCUMULATE_BATCH + 1]> {
-    let mut first = [0u32; ACCUMULATE_BATCH + 1];
+const _: () = assert!(std::mem::size_of::<SpanBatch>() == 904);
+
+/// Each span's first block when span `s` takes `blocks(spans[s].n)` blocks, the grid's size
+/// after the last used span and in every unused place; `None` when the blocks of `spans` (at
+/// most [`BATCH_SPANS`]) do not fit in a grid.
+fn first_blocks(spans: &[Span], blocks: impl Fn(u64) -> u32) -> Option<[u32; BATCH_SPANS + 1]> {
+    let mut first = [0u32; BATCH_SPANS + 1];
     let mut next = 0u32;
-    for (place, e) in first.iter_mut().zip(entries) {
+    for (place, s) in first.iter_mut().zip(spans) {
         *place = next;
-        let taken = if e.n == 0 { 0 } else { blocks(e.n) };
+        let taken = if s.n == 0 { 0 } else { blocks(s.n) };
         next = next.checked_add(taken).filter(|&n| n <= MAX_GRID)?;
     }
-    first[entries.len().min(ACCUMULATE_BATCH)..].fill(next);
+    first[spans.len().min(BATCH_SPANS)..].fill(next);
     Some(first)
 }
 
@@ -82,27 +86,50 @@ struct Aligned<T: ?Sized>(T);
 /// Threads per block: `kBlock` in kernels/common.cuh.
 const BLOCK: u32 = 256;
 
-/// Bytes of the widest operand a thread of an element-wise kernel takes in its round:
-/// `kMoveRound` 16-byte vectors for a copy or a fill, `kRound` for the others
-/// (kernels/common.cuh).
-const MOVE_ROUND_BYTES: usize = 16;
-const ROUND_BYTES: usize = 2 * 16;
+/// Bytes of one chunk of an element-wise kernel: a 16-byte vector of its widest operand.
+const CHUNK_BYTES: usize = 16;
+
+/// Chunks a thread of a copy, a fill or a move takes in its round: `kMoveRound` in
+/// kernels/common.cuh.
+const MOVE_ROUND: usize = 1;
+
+/// Chunks a thread of a cast or a sum takes in its round: `kRound`.
+const ROUND: usize = 2;
+
+/// Chunks a thread of an arithmetic op takes in its round when a chunk loads and stores
+/// `chunk_bytes`: `arithmetic_round`.
+const fn arithmetic_round(chunk_bytes: usize) -> usize {
+    if chunk_bytes <= 24 { 2 } else { 1 }
+}
+
+/// Chunks a thread of an optimizer takes in its round: `kOptimizerRound` in kernels/optim.cu.
+const OPTIMIZER_ROUND: usize = arithmetic_round(3 * 16);
+
+/// Elements in a round of `chunks` chunks of an op whose widest operand is `widest` bytes.
+fn round_elements(chunks: usize, widest: usize) -> usize {
+    chunks * CHUNK_BYTES / widest.max(1)
+}
+
+/// Elements a thread of an accumulation from `src` into `dst` takes in its round, as
+/// `fsdp::accumulate` chooses: the chunk is one vector of the wider dtype, and an addition also
+/// loads the destination.
+fn accumulate_round_elements((src, dst): (DType, DType), add: bool) -> usize {
+    let chunk = CHUNK_BYTES / src.size().max(dst.size());
+    let loaded = if add { 2 * dst.size() } else { dst.size() };
+    chunk * arithmetic_round(chunk * (src.size() + loaded))
+}
 
 /// Elements each thread of a reduction (a non-finite count, the norms) takes, about: sizes the
 /// grid of a small launch so that no block is left without work; large ones fill the GPU once,
 /// and each warp adds to the result once.
 const REDUCTION_ELEMENTS_PER_THREAD: usize = 16;
 
-/// Bytes of one pack tile: `kTileVectors` 16-byte vectors in kernels/pack.cu.
-const PACK_TILE_BYTES: usize = 2048 * 16;
-
 /// The most blocks of a launch's row (`gridDim.x`); the kernels stride over what lies past it.
 const MAX_GRID: u32 = i32::MAX as u32;
 
 /// Kernel names by dtype, in the order of [`dtype_index`].
 const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
-const PACK: [&CStr; 3] = [c"pack_bf16", c"pack_f16", c"pack_f32"];
-const UNPACK: [&CStr; 3] = [c"unpack_bf16", c"unpack_f16", c"unpack_f32"];
+const MOVE_MANY: [&CStr; 3] = [c"move_many_bf16", c"move_many_f16", c"move_many_f32"];
 /// By source dtype, into f32 and into bf16.
 const ACCUMULATE_TO_F32: [&CStr; 3] = [
     c"accumulate_bf16_f32",
@@ -143,41 +170,33 @@ fn dtype_index(dtype: DType) -> usize {
     }
 }
 
-/// A loaded kernel, the grid that fills the GPU with it, and the elements of one thread's round.
+/// A loaded kernel, and the grid that fills the GPU with it.
 #[derive(Clone, Copy)]
 struct Kernel {
     function: sys::CUfunction,
     full_grid: u32,
-    round_elements: usize,
+}
+
+/// Blocks for `units` units of work at `per_block` units per block: at least one, at most `most`.
+fn blocks(units: usize, per_block: usize, most: u32) -> u32 {
+    let wanted = units.div_ceil(per_block.max(1)).max(1);
+    u32::try_from(wanted).map_or(most, |w| w.min(most))
+}
+
+/// One round of `round_elements` elements per thread over `n` elements: the grid that ran the
+/// element-wise ops nearest the memory's bandwidth (see `kRound`).
+fn elementwise_grid(n: usize, round_elements: usize) -> u32 {
+    blocks(n, BLOCK as usize * round_elements, MAX_GRID)
 }
 
 impl Kernel {
-    /// Blocks for `units` units of work at `per_block` units per block: at least one, at most
-    /// `most`.
-    fn blocks(units: usize, per_block: usize, most: u32) -> u32 {
-        let wanted = units.div_ceil(per_block).max(1);
-        u32::try_from(wanted).map_or(most, |w| w.min(most))
-    }
-
-    /// One round per thread over `n` elements: the grid that ran the element-wise ops nearest
-    /// the memory's bandwidth (see `kRound`).
-    fn elementwise_grid(&self, n: usize) -> u32 {
-        Self::blocks(n, BLOCK as usize * self.round_elements, MAX_GRID)
-    }
-
     /// A reduction's grid over `n` elements: at most a full GPU.
     fn reduction_grid(&self, n: usize) -> u32 {
-        Self::blocks(
+        blocks(
             n,
             BLOCK as usize * REDUCTION_ELEMENTS_PER_THREAD,
             self.full_grid,
         )
-    }
-
-    /// Pack's grid over a flat buffer of `bytes`: a block per tile, at most a full GPU (each
-    /// block's later tiles start their search from its last entry).
-    fn tile_grid(&self, bytes: usize) -> u32 {
-        Self::blocks(bytes, PACK_TILE_BYTES, self.full_grid)
     }
 }
 
@@ -188,8 +207,8 @@ struct Module {
 }
 
 impl Module {
-    /// Kernel `name`, a thread of which takes `round_elements` elements a round.
-    fn kernel(&self, name: &CStr, sm_count: u32, round_elements: usize) -> Result<Kernel> {
+    /// Kernel `name`.
+    fn kernel(&self, name: &CStr, sm_count: u32) -> Result<Kernel> {
         // SAFETY: the module is loaded and stays loaded while `self` lives.
         let function = unsafe { result::module::get_function(self.handle, CString::from(name)) }
             .map_err(|e| cuda_error_for("cuModuleGetFunction", name, e))?;
@@ -202,7 +221,6 @@ impl Module {
         Ok(Kernel {
             function,
             full_grid: sm_count.saturating_mul(per_sm),
-            round_elements: round_elements.max(1),
         })
     }
 }
@@ -223,8 +241,7 @@ pub struct Kernels {
     sm_count: u32,
     fill_zero: Kernel,
     copy: [Kernel; 3],
-    pack: [Kernel; 3],
-    unpack: [Kernel; 3],
+    move_many: [Kernel; 3],
     accumulate_to_f32: [Kernel; 3],
     accumulate_to_bf16: [Kernel; 3],
     accumulate_many_to_f32: [Kernel; 3],
@@ -322,61 +339,37 @@ impl Kernels {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_error("cuDeviceGetAttribute"))?;
         let sm_count = u32::try_from(sm_count).unwrap_or(1).max(1);
-        // A kernel's round: `round_bytes` of its widest operand, whose elements are `widest`.
-        let round = |round_bytes: usize, widest: usize| round_bytes / widest.max(1);
-        // By the dtype of `names`' index, the widest operand at least `least` bytes wide.
-        let each = |names: &[&CStr; 3], round_bytes: usize, least: usize| -> Result<[Kernel; 3]> {
-            let kernel = |i: usize, dtype: DType| {
-                let widest = dtype.size().max(least);
-                module.kernel(names[i], sm_count, round(round_bytes, widest))
-            };
+        let each = |names: &[&CStr; 3]| -> Result<[Kernel; 3]> {
             Ok([
-                kernel(0, DType::Bf16)?,
-                kernel(1, DType::F16)?,
-                kernel(2, DType::F32)?,
+                module.kernel(names[0], sm_count)?,
+                module.kernel(names[1], sm_count)?,
+                module.kernel(names[2], sm_count)?,
             ])
         };
         let mut cast = [[None; 3]; 3];
-        let dtypes = [DType::Bf16, DType::F16, DType::F32];
-        for ((row, names), src) in cast.iter_mut().zip(CAST).zip(dtypes) {
-            for ((slot, name), dst) in row.iter_mut().zip(names).zip(dtypes) {
-                let elements = round(ROUND_BYTES, src.size().max(dst.size()));
-                *slot = name
-                    .map(|name| module.kernel(name, sm_count, elements))
-                    .transpose()?;
+        for (row, names) in cast.iter_mut().zip(CAST) {
+            for (slot, name) in row.iter_mut().zip(names) {
+                *slot = name.map(|name| module.kernel(name, sm_count)).transpose()?;
             }
         }
-        let (f32_size, bf16_size) = (DType::F32.size(), DType::Bf16.size());
-        // Pack, unpack and the reductions size their grids otherwise.
-        let other = 1;
         Ok(Kernels {
             ctx: Arc::clone(ctx),
             sm_count,
-            fill_zero: module.kernel(c"fill_zero_bytes", sm_count, MOVE_ROUND_BYTES)?,
-            copy: each(&COPY, MOVE_ROUND_BYTES, 1)?,
-            pack: each(&PACK, other, 1)?,
-            unpack: each(&UNPACK, other, 1)?,
-            accumulate_to_f32: each(&ACCUMULATE_TO_F32, ROUND_BYTES, f32_size)?,
-            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16, ROUND_BYTES, bf16_size)?,
-            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32, ROUND_BYTES, f32_size)?,
-            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16, ROUND_BYTES, bf16_size)?,
-            // The optimizers' chunks are vectors of their f32 operands.
-            adamw: each(&ADAMW, ROUND_BYTES, f32_size)?,
-            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS, ROUND_BYTES, f32_size)?,
-            sgd: each(&SGD, ROUND_BYTES, f32_size)?,
+            fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
+            copy: each(&COPY)?,
+            move_many: each(&MOVE_MANY)?,
+            accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
+            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
+            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32)?,
+            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16)?,
+            adamw: each(&ADAMW)?,
+            adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
+            sgd: each(&SGD)?,
             cast,
-            reduce_sum_f32: module.kernel(
-                c"reduce_sum_f32",
-                sm_count,
-                round(ROUND_BYTES, f32_size),
-            )?,
-            reduce_sum_bf16: module.kernel(
-                c"reduce_sum_bf16",
-                sm_count,
-                round(ROUND_BYTES, bf16_size),
-            )?,
-            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count, other)?,
-            norm_partials: module.kernel(c"norm_partials_f32", sm_count, other)?,
+            reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
+            reduce_sum_bf16: module.kernel(c"reduce_sum_bf16", sm_count)?,
+            count_nonfinite: module.kernel(c"count_nonfinite_f32", sm_count)?,
+            norm_partials: module.kernel(c"norm_partials_f32", sm_count)?,
             _module: module,
         })
     }

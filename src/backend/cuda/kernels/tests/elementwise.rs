@@ -444,7 +444,7 @@ fn accumulate_matches_the_host() {
 #[ignore = "needs a CUDA GPU"]
 fn accumulate_many_matches_the_host() {
     let gpu = gpu();
-    assert!(pieces((1 << 20) + 3).len() > 2 * ACCUMULATE_BATCH);
+    assert!(pieces((1 << 20) + 3).len() > 2 * BATCH_SPANS);
     for src in DTYPES {
         for dst in ACCUMULATORS {
             for add in [false, true] {

@@ -210,28 +210,22 @@ fn pack_case(gpu: &Gpu, dtype: DType, numels: &[u64]) {
             upload_span(gpu, arena.ptr, width, span);
         }
     }
-    let table_for = |base: u64| -> Vec<u8> {
+    let table_for = |base: u64| -> Vec<PackEntry> {
         entries
             .iter()
-            .flat_map(|&(at, offset, numel, padded, _)| {
-                [base + at * width as u64, offset, numel, padded]
+            .map(|&(at, offset, numel, padded, _)| PackEntry {
+                ptr: base + at * width as u64,
+                offset,
+                numel,
+                padded,
             })
-            .flat_map(u64::to_le_bytes)
             .collect()
     };
-    let table = DeviceBuffer::poisoned(gpu, 32 * entries.len() as u64);
-    gpu.upload(table.ptr, &table_for(arena.ptr));
     let flat = DeviceBuffer::poisoned(gpu, (lead + flat_end + GUARD) * width as u64);
     let flat_ptr = flat.ptr + lead * width as u64;
     unsafe {
-        gpu.kernels.pack(
-            &gpu.stream,
-            dtype,
-            table.ptr,
-            entries.len(),
-            flat_ptr,
-            flat_end as usize,
-        )
+        gpu.kernels
+            .pack(&gpu.stream, dtype, &table_for(arena.ptr), flat_ptr)
     }
     .expect("pack");
     gpu.sync();
@@ -261,10 +255,9 @@ fn pack_case(gpu: &Gpu, dtype: DType, numels: &[u64]) {
     check_spans(gpu, flat.ptr, width, &flat_spans, &what);
 
     let unpacked = DeviceBuffer::poisoned(gpu, arena_bytes);
-    gpu.upload(table.ptr, &table_for(unpacked.ptr));
     unsafe {
         gpu.kernels
-            .unpack(&gpu.stream, dtype, table.ptr, entries.len(), flat_ptr)
+            .unpack(&gpu.stream, dtype, &table_for(unpacked.ptr), flat_ptr)
     }
     .expect("unpack");
     gpu.sync();

@@ -26,42 +26,57 @@ use crate::optim::{
 #[test]
 fn element_wise_grids_give_each_thread_one_round_and_reductions_fill_the_gpu_once() {
     // A bf16 cast's round: two 16-byte vectors of its widest operand, 16 elements.
-    let kernel = Kernel {
-        function: std::ptr::null_mut(),
-        full_grid: 1056,
-        round_elements: ROUND_BYTES / 2,
-    };
+    let round = round_elements(ROUND, 2);
+    assert_eq!(round, 16);
     let per_block = BLOCK as usize * 16;
-    assert_eq!(kernel.elementwise_grid(1), 1);
-    assert_eq!(kernel.elementwise_grid(per_block), 1);
-    assert_eq!(kernel.elementwise_grid(per_block + 1), 2);
+    assert_eq!(elementwise_grid(1, round), 1);
+    assert_eq!(elementwise_grid(per_block, round), 1);
+    assert_eq!(elementwise_grid(per_block + 1, round), 2);
     // 1 GiB of bf16: far past a full GPU's grid.
     assert_eq!(
-        kernel.elementwise_grid(1 << 29),
+        elementwise_grid(1 << 29, round),
         (1 << 29) / per_block as u32
     );
     // Past the largest grid the kernels stride over the rest.
-    assert_eq!(kernel.elementwise_grid(usize::MAX), MAX_GRID);
+    assert_eq!(elementwise_grid(usize::MAX, round), MAX_GRID);
+    let kernel = Kernel {
+        function: std::ptr::null_mut(),
+        full_grid: 1056,
+    };
     assert_eq!(kernel.reduction_grid(1 << 29), 1056);
     assert_eq!(kernel.reduction_grid(1), 1);
-    assert_eq!(kernel.tile_grid(PACK_TILE_BYTES * 3), 3);
-    assert_eq!(kernel.tile_grid(1 << 30), 1056);
 }
 
 #[test]
-fn a_batch_of_accumulations_gives_each_entry_the_blocks_of_its_own_length() {
-    let entry = |n| AccumulateEntry { src: 0, dst: 0, n };
+fn rounds_follow_the_bytes_a_chunk_moves_as_the_kernels_choose_them() {
+    use DType::{Bf16, F16, F32};
+    // A chunk of 24 bytes or fewer: two a round; more: one.
+    assert_eq!(accumulate_round_elements((Bf16, F32), false), 8);
+    assert_eq!(accumulate_round_elements((F16, F32), false), 8);
+    assert_eq!(accumulate_round_elements((Bf16, F32), true), 4);
+    assert_eq!(accumulate_round_elements((F32, F32), false), 4);
+    assert_eq!(accumulate_round_elements((F32, Bf16), false), 8);
+    assert_eq!(accumulate_round_elements((F32, Bf16), true), 4);
+    // Into bf16 from a 16-bit type, the chunk is 8 elements of 4 bytes loaded and stored.
+    assert_eq!(accumulate_round_elements((Bf16, Bf16), false), 8);
+    assert_eq!(OPTIMIZER_ROUND, 1);
+    assert_eq!(round_elements(MOVE_ROUND, 1), 16);
+}
+
+#[test]
+fn a_batch_of_spans_gives_each_span_the_blocks_of_its_own_length() {
+    let span = |n| super::Span { src: 0, dst: 0, n };
     // A block per 100 elements.
     let blocks = |n: u64| n.div_ceil(100) as u32;
-    let first = first_blocks(&[entry(1), entry(0), entry(250), entry(100)], blocks).unwrap();
+    let first = first_blocks(&[span(1), span(0), span(250), span(100)], blocks).unwrap();
     assert_eq!(first[..5], [0, 1, 1, 4, 5]);
     // The grid's size in every unused place, where the kernel's search stops.
     assert!(first[5..].iter().all(|&b| b == 5), "{first:?}");
-    let nothing = first_blocks(&[entry(0), entry(0)], blocks).unwrap();
+    let nothing = first_blocks(&[span(0), span(0)], blocks).unwrap();
     assert!(nothing.iter().all(|&b| b == 0));
     // Blocks past the largest grid are refused, not wrapped.
     let huge = |_: u64| MAX_GRID / 2 + 1;
-    assert_eq!(first_blocks(&[entry(1), entry(1)], huge), None);
+    assert_eq!(first_blocks(&[span(1), span(1)], huge), None);
 }
 
 #[test]
@@ -391,6 +406,12 @@ fn misaligned_addresses_are_refused_before_launch() {
         seed: 1,
         first_index: 0,
     };
+    let entry = |ptr| PackEntry {
+        ptr,
+        offset: 0,
+        numel: 4,
+        padded: 4,
+    };
     let results = unsafe {
         [
             k.copy(s, DType::F32, odd, p, 4),
@@ -419,8 +440,10 @@ fn misaligned_addresses_are_refused_before_launch() {
                 &c,
             ),
             k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
-            k.pack(s, DType::F32, p + 4, 1, p + 64, 4),
-            k.unpack(s, DType::F32, p, 1, odd),
+            k.pack(s, DType::F32, &[entry(odd)], p + 64),
+            k.pack(s, DType::F32, &[entry(p)], odd),
+            k.unpack(s, DType::F32, &[entry(p)], odd),
+            k.unpack(s, DType::F32, &[entry(odd)], p + 64),
             k.reduce_sum(s, DType::F32, p + 4, 1, p + 64, 4, 1.0),
             k.reduce_sum(s, DType::Bf16, p, 1, p + 65, 4, 1.0),
         ]
@@ -432,6 +455,62 @@ fn misaligned_addresses_are_refused_before_launch() {
         );
     }
     gpu.sync();
+}
+
+/// A param with no address would be read as zeros, and padding shorter than its data would wrap:
+/// both are refused before anything is launched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pack_entries_with_no_parameter_or_less_padding_than_data_are_refused() {
+    let gpu = gpu();
+    let flat = DeviceBuffer::poisoned(&gpu, 64);
+    let null = PackEntry {
+        ptr: 0,
+        offset: 0,
+        numel: 4,
+        padded: 4,
+    };
+    let short = PackEntry {
+        ptr: flat.ptr + 32,
+        offset: 0,
+        numel: 4,
+        padded: 2,
+    };
+    let (k, s) = (&gpu.kernels, &gpu.stream);
+    let results = unsafe {
+        [
+            k.pack(s, DType::F32, &[null], flat.ptr),
+            k.unpack(s, DType::F32, &[null], flat.ptr),
+            k.pack(s, DType::F32, &[short], flat.ptr),
+        ]
+    };
+    let whats: Vec<_> = results
+        .into_iter()
+        .map(|r| match r {
+            Err(Error::Unsupported {
+                backend: "cuda",
+                what,
+            }) => what,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert!(
+        whats[0].contains("null") && whats[1].contains("null"),
+        "{whats:?}"
+    );
+    assert!(whats[2].contains("padded to fewer"), "{whats:?}");
+    gpu.sync();
+    check_spans(
+        &gpu,
+        flat.ptr,
+        1,
+        &[Span {
+            start: 0,
+            len: 64,
+            content: Content::Poison,
+        }],
+        "the flat buffer after refused packs",
+    );
 }
 
 #[test]
@@ -467,8 +546,13 @@ fn zero_length_calls_launch_nothing() {
             k.adamw(s, dtype, 0, (0, 0, MomentStorage::F32), 0, 0, 0, &c)
                 .expect("adamw");
             k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
-            k.pack(s, dtype, 0, 0, 0, 0).expect("pack");
-            k.unpack(s, dtype, 0, 0, 0).expect("unpack");
+            k.pack(s, dtype, &[], 0).expect("pack");
+            k.unpack(s, dtype, &[], 0).expect("unpack");
+            let empty = PackEntry::default();
+            k.pack(s, dtype, &[empty], 0)
+                .expect("pack of an empty entry");
+            k.unpack(s, dtype, &[empty], 0)
+                .expect("unpack of an empty entry");
         }
     }
     unsafe {
