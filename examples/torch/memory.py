@@ -5,7 +5,9 @@ persistent ones ("fusion-master-persistent") or with bf16 AdamW moments
 ("fusion-master-bf16moments"), a setup's name ending in "-inbackward" with the optimizer
 stepping in the backward; plain PyTorch (bf16 compute copy, fp32 master,
 AdamW) and FSDP2 (`fully_shard` per layer and the root, bf16 parameters, fp32 reduction), all at
-world size 1, on the GPT example or transformers' Llama.
+world size 1, on the GPT example or transformers' Llama (`--checkpointing`: with transformers'
+gradient checkpointing in every setup, so that the backward's gradients, not the forward's
+activations, make the peak).
 
     NCCL_NVLS_ENABLE=0 python examples/torch/memory.py --library .gpu/lib/libfsdp_fusion.so \\
         --model llama
@@ -40,6 +42,7 @@ from gpt import GPT, loss_of  # noqa: E402
 from world_of_one import nccl_world_of_one  # noqa: E402
 
 SETUPS = ("fusion-shard", "fusion-master", "fusion-master-persistent", "fusion-master-bf16moments",
+          "fusion-master-inbackward",
           "fusion-shard-inbackward", "fusion-master-bf16moments-inbackward", "plain", "fsdp2")
 GIB = 1 << 30
 
@@ -54,6 +57,8 @@ def arguments():
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--batch", type=int, help="default: 8 (gpt), 4 (llama)")
     parser.add_argument("--seq", type=int, help="default: 512 (gpt), 2048 (llama)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="transformers' gradient checkpointing in every setup (llama only)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: this setup only
     return parser.parse_args()
 
@@ -70,6 +75,8 @@ def build(args) -> tuple[torch.nn.Module, list[torch.nn.Module], callable]:
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                          max_position_embeddings=args.seq, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, list(model.model.layers), lambda m, t: m(input_ids=t, labels=t).loss
 
 
@@ -177,6 +184,9 @@ def main() -> int:
     args = arguments()
     args.batch = args.batch or (8 if args.model == "gpt" else 4)
     args.seq = args.seq or (512 if args.model == "gpt" else 2048)
+    if args.checkpointing and args.model != "llama":
+        print("--checkpointing is transformers' own: --model llama", file=sys.stderr)
+        return 2
     if args.one:
         print(json.dumps(measure(args.one, args)))
         return 0
@@ -190,10 +200,13 @@ def main() -> int:
                  "--batch", str(args.batch), "--seq", str(args.seq)]
         if args.library:
             child += ["--library", args.library]
+        if args.checkpointing:
+            child.append("--checkpointing")
         out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
         reports.append(json.loads(out.strip().splitlines()[-1]))
     fsdp2 = next((r for r in reports if r["setup"] == "fsdp2"), None)
-    print(f"{args.model}, batch {args.batch} x {args.seq}, bf16, AdamW, world size 1")
+    print(f"{args.model}, batch {args.batch} x {args.seq}, bf16, AdamW, world size 1"
+          f"{', gradient checkpointing' if args.checkpointing else ''}")
     print(f"{'setup':<26} {'step ms':>8} {'engine':>8} {'peak GiB':>9} {'vs FSDP2':>9} "
           f"{'last loss':>10}")
     for r in reports:

@@ -297,15 +297,17 @@ def test_per_step_gradient_shards_train_exactly_as_persistent_ones():
         FusedFSDP(module, list(module.blocks), grad_shards="sometimes")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_stepping_in_the_backward_trains_exactly_as_after_it_with_less_gradient_memory(world):
-    """Each group updated as soon as its gradient is final, inside the backward: losses and
-    parameters the ordinary step's bit for bit, a step that holds fewer gradient bytes than the
-    ordinary one's (per-step shards), as the plan bounds them; what needs the whole gradient is
-    refused before anything changes, and training goes on."""
+@pytest.mark.parametrize("world,checkpoint", [(1, False), (2, False), (1, True), (2, True)])
+def test_stepping_in_the_backward_trains_exactly_as_after_it_with_less_gradient_memory(
+        world, checkpoint):
+    """Each group updated as soon as its gradient is final, inside the backward (blocks
+    recomputing their forward there too, under gradient checkpointing): losses and parameters
+    the ordinary step's bit for bit, a step that holds fewer gradient bytes than the ordinary
+    one's (per-step shards), as the plan bounds them; what needs the whole gradient is refused
+    before anything changes, and training goes on."""
     runs = {}
     for in_backward in (False, True):
-        _, module = models(False)
+        _, module = models(checkpoint)
         modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
         group = fsdp_fusion.LocalGroup(world) if world > 1 else None
         fused = on_ranks(world, lambda rank: FusedFSDP(
