@@ -15,21 +15,24 @@ constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
 // op; the host launches one round per thread (`Kernel::elementwise_grid`). A copy or a fill takes
-// one (`kMoveRound`); the casts take two (`kRound`); the accumulations and the optimizers take as
-// many as `arithmetic_round` gives for the bytes a chunk loads and stores. On an H200 at 1 GiB,
-// against `cudaMemcpyAsync` in the same program: a copy at 0.98 with one, 0.94 with two; a cast
-// from bf16 into f32 (24 bytes a chunk) at 0.965 with two, 0.936 with one, 0.946 with four; an
-// accumulation `f32 += bf16` (40 bytes) at 0.990 with one, 0.946 with two; `f32 = f32` (32
-// bytes) at 0.978 with one, 0.928 with two; AdamW at 0.977 with one, 0.937 with two, 0.934 with
-// four, and lower again when registers were capped for more blocks; SGD at 0.978 with one, 0.944
-// with two. Four chunks a round on a grid that fills the GPU once and strides over the rest (an
-// earlier launch) ran them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
+// one (`kMoveRound`), the casts and the sums two (`kRound`), the accumulations and the optimizers
+// as many as `arithmetic_round` gives. On an H200 at 1 GiB, against `cudaMemcpyAsync` in the same
+// program: a copy at 0.98 with one, 0.94 with two; a cast from bf16 into f32 at 0.965 with two,
+// 0.936 with one, 0.946 with four; `f32 = bf16` likewise, and `bf16 = bf16` at 0.941 with two,
+// 0.895 with one; but `f32 += bf16` at 0.990 with one, 0.946 with two; `f32 = f32` at 0.978 with
+// one, 0.928 with two; AdamW at 0.977 with one, 0.937 with two, 0.934 with four, and lower again
+// when registers were capped for more blocks; SGD at 0.978 with one, 0.944 with two. Four chunks
+// a round on a grid that fills the GPU once and strides over the rest (an earlier launch) ran
+// them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
 
-// Chunks in a round of an arithmetic op whose chunk loads and stores `chunk_bytes` bytes: two up
-// to 24 bytes (a 16-bit operand beside an f32 one), else one.
-__host__ __device__ constexpr int arithmetic_round(int chunk_bytes) { return chunk_bytes <= 24 ? 2 : 1; }
+// Chunks in a round of an arithmetic op that loads `loaded` operands: two where it loads one and
+// converts to or from a 16-bit type (the conversions' instructions hide behind a second chunk's
+// loads), else one (more loads of a round in flight cost more than they hide).
+__host__ __device__ constexpr int arithmetic_round(int loaded, bool converts_16_bit) {
+  return loaded == 1 && converts_16_bit ? 2 : 1;
+}
 
 // One element per step when the operands cannot be vectorized together; several steps in flight
 // per thread so that scalar loads still overlap.

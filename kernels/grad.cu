@@ -59,15 +59,13 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
   phase.add(src);
   phase.add(dst);
   // A chunk is one vector of the wider type; an addition also loads the destination.
-  using W = typename Wider<S, D>::Bits;
-  constexpr int kE = kChunk<W>;
-  constexpr int kSet = kE * static_cast<int>(sizeof(typename S::Bits) + sizeof(typename D::Bits));
-  constexpr int kAdd = kSet + kE * static_cast<int>(sizeof(typename D::Bits));
+  constexpr int kE = kChunk<typename Wider<S, D>::Bits>;
+  constexpr bool kConverts = sizeof(typename S::Bits) == 2 || sizeof(typename D::Bits) == 2;
   const AccumulateOp<S, D> op{src, dst, scale, add};
   if (add) {
-    elementwise<kE, arithmetic_round(kAdd)>(op, n, phase, thread, threads);
+    elementwise<kE, arithmetic_round(2, kConverts)>(op, n, phase, thread, threads);
   } else {
-    elementwise<kE, arithmetic_round(kSet)>(op, n, phase, thread, threads);
+    elementwise<kE, arithmetic_round(1, kConverts)>(op, n, phase, thread, threads);
   }
 }
 

@@ -5,8 +5,8 @@
 
 namespace fsdp {
 
-// Every optimizer's chunk loads at least two f32 vectors (master and gradient) and stores one.
-constexpr int kOptimizerRound = arithmetic_round(3 * 16);
+// Every optimizer loads at least two operands (master and gradient).
+constexpr int kOptimizerRound = arithmetic_round(2, true);
 
 // `crate::optim::AdamwCoefficients`, field for field.
 struct AdamwCoefficients {

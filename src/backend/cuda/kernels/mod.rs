@@ -96,14 +96,14 @@ const MOVE_ROUND: usize = 1;
 /// Chunks a thread of a cast or a sum takes in its round: `kRound`.
 const ROUND: usize = 2;
 
-/// Chunks a thread of an arithmetic op takes in its round when a chunk loads and stores
-/// `chunk_bytes`: `arithmetic_round`.
-const fn arithmetic_round(chunk_bytes: usize) -> usize {
-    if chunk_bytes <= 24 { 2 } else { 1 }
+/// Chunks a thread of an arithmetic op that loads `loaded` operands takes in its round:
+/// `arithmetic_round` in kernels/common.cuh.
+const fn arithmetic_round(loaded: usize, converts_16_bit: bool) -> usize {
+    if loaded == 1 && converts_16_bit { 2 } else { 1 }
 }
 
 /// Chunks a thread of an optimizer takes in its round: `kOptimizerRound` in kernels/optim.cu.
-const OPTIMIZER_ROUND: usize = arithmetic_round(3 * 16);
+const OPTIMIZER_ROUND: usize = arithmetic_round(2, true);
 
 /// Elements in a round of `chunks` chunks of an op whose widest operand is `widest` bytes.
 fn round_elements(chunks: usize, widest: usize) -> usize {
@@ -115,8 +115,8 @@ fn round_elements(chunks: usize, widest: usize) -> usize {
 /// loads the destination.
 fn accumulate_round_elements((src, dst): (DType, DType), add: bool) -> usize {
     let chunk = CHUNK_BYTES / src.size().max(dst.size());
-    let loaded = if add { 2 * dst.size() } else { dst.size() };
-    chunk * arithmetic_round(chunk * (src.size() + loaded))
+    let converts = src.size() == 2 || dst.size() == 2;
+    chunk * arithmetic_round(if add { 2 } else { 1 }, converts)
 }
 
 /// Elements each thread of a reduction (a non-finite count, the norms) takes, about: sizes the

@@ -48,17 +48,18 @@ fn element_wise_grids_give_each_thread_one_round_and_reductions_fill_the_gpu_onc
 }
 
 #[test]
-fn rounds_follow_the_bytes_a_chunk_moves_as_the_kernels_choose_them() {
+fn rounds_are_the_kernels_own() {
     use DType::{Bf16, F16, F32};
-    // A chunk of 24 bytes or fewer: two a round; more: one.
+    // Two chunks where one operand is loaded and a 16-bit one converted; else one.
     assert_eq!(accumulate_round_elements((Bf16, F32), false), 8);
     assert_eq!(accumulate_round_elements((F16, F32), false), 8);
     assert_eq!(accumulate_round_elements((Bf16, F32), true), 4);
     assert_eq!(accumulate_round_elements((F32, F32), false), 4);
     assert_eq!(accumulate_round_elements((F32, Bf16), false), 8);
     assert_eq!(accumulate_round_elements((F32, Bf16), true), 4);
-    // Into bf16 from a 16-bit type, the chunk is 8 elements of 4 bytes loaded and stored.
-    assert_eq!(accumulate_round_elements((Bf16, Bf16), false), 8);
+    // Between 16-bit types a chunk is 8 elements.
+    assert_eq!(accumulate_round_elements((Bf16, Bf16), false), 16);
+    assert_eq!(accumulate_round_elements((F16, Bf16), true), 8);
     assert_eq!(OPTIMIZER_ROUND, 1);
     assert_eq!(round_elements(MOVE_ROUND, 1), 16);
 }
