@@ -104,7 +104,7 @@ impl Kernels {
     }
 
     /// As [`Kernels::accumulate`] on each entry of `entries`, all of one dtype pair, in one
-    /// launch per [`ACCUMULATE_BATCH`] entries (a launch costs the host more than most
+    /// launch per [`BATCH_SPANS`] entries (a launch costs the host more than most
     /// parameters' arithmetic costs the device).
     ///
     /// # Safety
@@ -131,34 +131,39 @@ impl Kernels {
         let kernel = kernels[dtype_index(src_dtype)];
         let round = accumulate_round_elements((src_dtype, dst_dtype), add);
         let add = u32::from(add);
-        let mut spans = entries.iter().map(|e| {
-            check_aligned(e.src, src_dtype.size())?;
-            check_aligned(e.dst, dst_dtype.size())?;
-            Ok(Span {
-                src: e.src,
-                dst: e.dst,
-                n: e.n,
+        let spans = || {
+            entries.iter().map(|e| {
+                check_aligned(e.src, src_dtype.size())?;
+                check_aligned(e.dst, dst_dtype.size())?;
+                Ok(Span {
+                    src: e.src,
+                    dst: e.dst,
+                    n: e.n,
+                })
             })
-        });
+        };
         // SAFETY: accumulate_many_<src>_<dst>(SpanBatch batch, float scale, uint32_t add); the
         // caller's contract.
-        unsafe { self.launch_spans(stream, kernel, &mut spans, round, &[arg(&scale), arg(&add)]) }
+        unsafe { self.launch_spans(stream, kernel, spans, round, &[arg(&scale), arg(&add)]) }
     }
 
-    /// Launches `kernel` over `spans` in batches of [`BATCH_SPANS`], each span on blocks of its
-    /// own, as many as its length asks for at `round` elements a thread; the batch by value,
-    /// then `args`, are the kernel's parameters. Stops at the first span that is an error.
+    /// Launches `kernel` over the spans `spans()` gives, in batches of [`BATCH_SPANS`], each span
+    /// on blocks of its own, as many as its length asks for at `round` elements a thread; the
+    /// batch by value, then `args`, are the kernel's parameters. Every span is checked before
+    /// the first launch: a span that is an error launches nothing.
     ///
     /// # Safety
     /// `kernel` takes `(SpanBatch, args...)`, and each span is valid for it.
-    unsafe fn launch_spans(
+    unsafe fn launch_spans<I: Iterator<Item = Result<Span>>>(
         &self,
         stream: &CudaStream,
         kernel: Kernel,
-        spans: &mut dyn Iterator<Item = Result<Span>>,
+        spans: impl Fn() -> I,
         round: usize,
         args: &[*mut c_void],
     ) -> Result<()> {
+        spans().try_for_each(|span| span.map(drop))?;
+        let mut spans = spans();
         // A span's share of a grid that every span's could fill: the kernel strides over the rest
         // of a longer one.
         let most_blocks = MAX_GRID / BATCH_SPANS as u32;
@@ -377,29 +382,31 @@ impl Kernels {
         entries: &[PackEntry],
         flat: u64,
     ) -> Result<()> {
-        let mut spans = entries
-            .iter()
-            .flat_map(|e| {
-                let data = flat_address(dtype, flat, e.offset)
-                    .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
-                let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
-                    backend: "cuda",
-                    what: "a pack entry padded to fewer elements than it holds",
-                });
-                let padding = padding.and_then(|n| {
-                    let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
-                    let dst = flat_address(dtype, flat, start)?;
-                    Ok(Span { src: 0, dst, n })
-                });
-                [data, padding]
-            })
-            .filter(|span| !matches!(span, Ok(Span { n: 0, .. })));
+        let spans = || {
+            entries
+                .iter()
+                .flat_map(|e| {
+                    let data = flat_address(dtype, flat, e.offset)
+                        .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
+                    let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
+                        backend: "cuda",
+                        what: "a pack entry padded to fewer elements than it holds",
+                    });
+                    let padding = padding.and_then(|n| {
+                        let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
+                        let dst = flat_address(dtype, flat, start)?;
+                        Ok(Span { src: 0, dst, n })
+                    });
+                    [data, padding]
+                })
+                .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
+        };
         // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
             self.launch_spans(
                 stream,
                 self.move_many[dtype_index(dtype)],
-                &mut spans,
+                spans,
                 round_elements(MOVE_ROUND, dtype.size()),
                 &[],
             )
@@ -417,24 +424,26 @@ impl Kernels {
         entries: &[PackEntry],
         flat: u64,
     ) -> Result<()> {
-        let mut spans = entries
-            .iter()
-            .map(|e| {
-                let in_flat = flat_address(dtype, flat, e.offset)?;
-                let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
-                Ok(Span {
-                    src: span.dst,
-                    dst: span.src,
-                    n: span.n,
+        let spans = || {
+            entries
+                .iter()
+                .map(|e| {
+                    let in_flat = flat_address(dtype, flat, e.offset)?;
+                    let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
+                    Ok(Span {
+                        src: span.dst,
+                        dst: span.src,
+                        n: span.n,
+                    })
                 })
-            })
-            .filter(|span| !matches!(span, Ok(Span { n: 0, .. })));
+                .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
+        };
         // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
             self.launch_spans(
                 stream,
                 self.move_many[dtype_index(dtype)],
-                &mut spans,
+                spans,
                 round_elements(MOVE_ROUND, dtype.size()),
                 &[],
             )
