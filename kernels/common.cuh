@@ -14,7 +14,7 @@ namespace fsdp {
 constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
-// op; the host launches one round per thread (`Kernel::elementwise_grid`). A copy or a fill takes
+// op; the host launches one round per thread (`elementwise_grid`). A copy or a fill takes
 // one (`kMoveRound`), the casts and the sums two (`kRound`), the accumulations and the optimizers
 // as many as `arithmetic_round` gives. On an H200 at 1 GiB, against `cudaMemcpyAsync` in the same
 // program: a copy at 0.98 with one, 0.94 with two; a cast from bf16 into f32 at 0.965 with two,
@@ -89,12 +89,13 @@ template <class Wide>
 constexpr int kChunk = kPerVector<Wide>;
 
 // The vector accesses are written in PTX so that they are 128-bit (or 64-bit) global accesses even
-// through addresses read from a device table, which the compiler cannot prove global. Being
+// through addresses read from a table (a sum's sources, a batch's spans), which the compiler
+// cannot prove global. Being
 // volatile, they keep their source order (every load of a round before its stores, which matters
 // when `dst` is also a source); the stores also clobber memory, so that no ordinary access moves
 // across them. The loads do not, so that values such as a source address stay in registers across
 // a round. The loads do not allocate in L1: no kernel reads a byte of an operand twice, and what is
-// read again (pack's table of entries) then stays in L1 instead of being evicted by the stream.
+// read again (a sum's table of sources) then stays in L1 instead of being evicted by the stream.
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -259,6 +260,7 @@ struct SpanBatch {
   Span spans[kBatchSpans];
   uint32_t first_block[kBatchSpans + 1];
 };
+static_assert(sizeof(SpanBatch) == 904, "the layout of the host's SpanBatch");
 
 // The span block `block` runs: the last whose first block is at or before it (a span with no
 // block shares its next one's first block, so it is never the last). A binary search: a block

@@ -386,7 +386,7 @@ impl Kernels {
             entries
                 .iter()
                 .flat_map(|e| {
-                    let data = flat_address(dtype, flat, e.offset)
+                    let data = flat_address(dtype, flat, e.offset, e.numel)
                         .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
                     let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
                         backend: "cuda",
@@ -394,7 +394,7 @@ impl Kernels {
                     });
                     let padding = padding.and_then(|n| {
                         let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
-                        let dst = flat_address(dtype, flat, start)?;
+                        let dst = flat_address(dtype, flat, start, n)?;
                         Ok(Span { src: 0, dst, n })
                     });
                     [data, padding]
@@ -428,7 +428,7 @@ impl Kernels {
             entries
                 .iter()
                 .map(|e| {
-                    let in_flat = flat_address(dtype, flat, e.offset)?;
+                    let in_flat = flat_address(dtype, flat, e.offset, e.numel)?;
                     let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
                     Ok(Span {
                         src: span.dst,
@@ -571,8 +571,16 @@ const PAST_THE_ADDRESSES: Error = Error::Unsupported {
     what: "a pack entry past the end of the address space",
 };
 
-/// The address of element `start` of `flat`, checked.
-fn flat_address(dtype: DType, flat: u64, start: u64) -> Result<u64> {
+/// The address of element `start` of `flat`, where a span of `n` elements lies, checked; a null
+/// `flat` is refused under a span that is not empty (an unpack from it would read zeros, as a span
+/// with no source does).
+fn flat_address(dtype: DType, flat: u64, start: u64, n: u64) -> Result<u64> {
+    if flat == 0 && n > 0 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            what: "a pack with a null flat buffer",
+        });
+    }
     check_aligned(flat, dtype.size())?;
     start
         .checked_mul(dtype.size() as u64)

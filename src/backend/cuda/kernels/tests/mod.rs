@@ -458,11 +458,11 @@ fn misaligned_addresses_are_refused_before_launch() {
     gpu.sync();
 }
 
-/// A param with no address would be read as zeros, and padding shorter than its data would wrap:
-/// both are refused before anything is launched.
+/// A param or a flat buffer with no address would be read as zeros, and padding shorter than its
+/// data would wrap: each is refused before anything is launched.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn pack_entries_with_no_parameter_or_less_padding_than_data_are_refused() {
+fn pack_entries_with_no_address_or_less_padding_than_data_are_refused() {
     let gpu = gpu();
     let flat = DeviceBuffer::poisoned(&gpu, 64);
     let null = PackEntry {
@@ -471,18 +471,21 @@ fn pack_entries_with_no_parameter_or_less_padding_than_data_are_refused() {
         numel: 4,
         padded: 4,
     };
-    let short = PackEntry {
+    let short_of = |padded| PackEntry {
         ptr: flat.ptr + 32,
         offset: 0,
         numel: 4,
-        padded: 2,
+        padded,
     };
+    let short = short_of(2);
     let (k, s) = (&gpu.kernels, &gpu.stream);
     let results = unsafe {
         [
             k.pack(s, DType::F32, &[null], flat.ptr),
             k.unpack(s, DType::F32, &[null], flat.ptr),
             k.pack(s, DType::F32, &[short], flat.ptr),
+            k.pack(s, DType::F32, &[short_of(4)], 0),
+            k.unpack(s, DType::F32, &[short_of(4)], 0),
         ]
     };
     let whats: Vec<_> = results
@@ -500,6 +503,10 @@ fn pack_entries_with_no_parameter_or_less_padding_than_data_are_refused() {
         "{whats:?}"
     );
     assert!(whats[2].contains("padded to fewer"), "{whats:?}");
+    assert!(
+        whats[3..].iter().all(|w| w.contains("null flat")),
+        "{whats:?}"
+    );
     gpu.sync();
     check_spans(
         &gpu,
