@@ -1,7 +1,10 @@
 //! GPU bench of every kernel at 1 GiB and at 16 MiB, beside a device-to-device copy
 //! (`cuMemcpyDtoDAsync`) of the same size measured in the same run.
 //!
-//!     cargo bench --bench kernels [-- --quick]       (on the GPU machine: .gpu/bin/bench-kernels)
+//!     cargo bench --bench kernels [-- --quick] [--only WORD]   (on the GPU machine: .gpu/bin/bench-kernels)
+//!
+//! `--only WORD` measures the kernels whose name or dtype column contains WORD (the copy is
+//! always measured: every figure is a ratio to it).
 //!
 //! A size is the bytes of a kernel's output: the flat buffer for pack, the params for unpack, the
 //! f32 destination for accumulate and reduce_sum, the param for the optimizers. Each figure is
@@ -38,6 +41,8 @@ const GATE_BYTES: usize = 2 * GIB;
 struct Settings {
     warmup: usize,
     reps: usize,
+    /// Measure only the kernels whose name or dtype column contains this.
+    only: Option<String>,
 }
 
 struct Gpu {
@@ -49,18 +54,22 @@ struct Gpu {
 }
 
 fn main() -> ExitCode {
-    let quick = std::env::args().skip(1).any(|a| a == "--quick");
-    let settings = if quick {
-        Settings {
-            warmup: 3,
-            reps: 20,
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .map(|at| args.get(at + 1).cloned());
+    let only = match only {
+        Some(None) => {
+            eprintln!("kernels bench: --only takes a word");
+            return ExitCode::FAILURE;
         }
-    } else {
-        Settings {
-            warmup: 10,
-            reps: 50,
-        }
+        Some(word) => word,
+        None => None,
     };
+    let (warmup, reps) = if quick { (3, 20) } else { (10, 50) };
+    let settings = Settings { warmup, reps, only };
     let result = open().and_then(|gpu| match gpu {
         Some(gpu) => run(&gpu, &settings),
         None => Ok(()),
@@ -127,7 +136,12 @@ fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
         };
         let copy = measure(gpu, settings, &memcpy(size))?;
         print_row("cuMemcpyDtoD", "bytes", &label, copy, 1.0);
-        for item in items(size) {
+        let wanted = |item: &Item| {
+            settings.only.as_ref().is_none_or(|word| {
+                item.kernel.contains(word.as_str()) || item.dtype.contains(word.as_str())
+            })
+        };
+        for item in items(size).into_iter().filter(wanted) {
             let figure = measure(gpu, settings, &item)?;
             let fraction = figure.gb_per_s / copy.gb_per_s;
             print_row(item.kernel, &item.dtype, &label, figure, fraction);
