@@ -382,25 +382,7 @@ impl Kernels {
         entries: &[PackEntry],
         flat: u64,
     ) -> Result<()> {
-        let spans = || {
-            entries
-                .iter()
-                .flat_map(|e| {
-                    let data = flat_address(dtype, flat, e.offset, e.numel)
-                        .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
-                    let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
-                        backend: "cuda",
-                        what: "a pack entry padded to fewer elements than it holds",
-                    });
-                    let padding = padding.and_then(|n| {
-                        let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
-                        let dst = flat_address(dtype, flat, start, n)?;
-                        Ok(Span { src: 0, dst, n })
-                    });
-                    [data, padding]
-                })
-                .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
-        };
+        let spans = || pack_spans(dtype, entries, flat);
         // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
             self.launch_spans(
@@ -424,20 +406,7 @@ impl Kernels {
         entries: &[PackEntry],
         flat: u64,
     ) -> Result<()> {
-        let spans = || {
-            entries
-                .iter()
-                .map(|e| {
-                    let in_flat = flat_address(dtype, flat, e.offset, e.numel)?;
-                    let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
-                    Ok(Span {
-                        src: span.dst,
-                        dst: span.src,
-                        n: span.n,
-                    })
-                })
-                .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
-        };
+        let spans = || unpack_spans(dtype, entries, flat);
         // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
         unsafe {
             self.launch_spans(
@@ -564,6 +533,53 @@ impl Kernels {
             )
         }
     }
+}
+
+/// The spans of a pack of `entries` into `flat`: each entry's data, then its padding (no
+/// source: zeros), the empty ones left out; an entry that cannot be packed is an error in its
+/// place.
+pub(super) fn pack_spans(
+    dtype: DType,
+    entries: &[PackEntry],
+    flat: u64,
+) -> impl Iterator<Item = Result<Span>> + '_ {
+    entries
+        .iter()
+        .flat_map(move |e| {
+            let data = flat_address(dtype, flat, e.offset, e.numel)
+                .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
+            let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
+                backend: "cuda",
+                what: "a pack entry padded to fewer elements than it holds",
+            });
+            let padding = padding.and_then(|n| {
+                let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
+                let dst = flat_address(dtype, flat, start, n)?;
+                Ok(Span { src: 0, dst, n })
+            });
+            [data, padding]
+        })
+        .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
+}
+
+/// The spans of an unpack of `entries` out of `flat`: each entry's data, the empty ones left out.
+pub(super) fn unpack_spans(
+    dtype: DType,
+    entries: &[PackEntry],
+    flat: u64,
+) -> impl Iterator<Item = Result<Span>> + '_ {
+    entries
+        .iter()
+        .map(move |e| {
+            let in_flat = flat_address(dtype, flat, e.offset, e.numel)?;
+            let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
+            Ok(Span {
+                src: span.dst,
+                dst: span.src,
+                n: span.n,
+            })
+        })
+        .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
 }
 
 const PAST_THE_ADDRESSES: Error = Error::Unsupported {

@@ -81,6 +81,97 @@ fn a_batch_of_spans_gives_each_span_the_blocks_of_its_own_length() {
 }
 
 #[test]
+fn pack_spans_copy_each_param_zero_its_padding_and_refuse_what_cannot_be_packed() {
+    use super::Span as S;
+    use super::launches::{pack_spans, unpack_spans};
+    let entry = |ptr, offset, numel, padded| PackEntry {
+        ptr,
+        offset,
+        numel,
+        padded,
+    };
+    let flat = 0x1000;
+    // Bf16: a param with padding, one at an odd element of its own storage with none, an
+    // empty one.
+    let entries = [
+        entry(0x9000, 0, 3, 8),
+        entry(0xA002, 8, 8, 8),
+        entry(0, 16, 0, 0),
+    ];
+    let spans: Vec<S> = pack_spans(DType::Bf16, &entries, flat)
+        .collect::<Result<_>>()
+        .unwrap();
+    assert_eq!(
+        spans,
+        [
+            S {
+                src: 0x9000,
+                dst: 0x1000,
+                n: 3
+            },
+            S {
+                src: 0,
+                dst: 0x1006,
+                n: 5
+            },
+            S {
+                src: 0xA002,
+                dst: 0x1010,
+                n: 8
+            },
+        ]
+    );
+    let back: Vec<S> = unpack_spans(DType::Bf16, &entries, flat)
+        .collect::<Result<_>>()
+        .unwrap();
+    assert_eq!(
+        back,
+        [
+            S {
+                src: 0x1000,
+                dst: 0x9000,
+                n: 3
+            },
+            S {
+                src: 0x1010,
+                dst: 0xA002,
+                n: 8
+            },
+        ]
+    );
+    // Nothing to move needs no address.
+    assert_eq!(pack_spans(DType::F32, &[entry(0, 0, 0, 0)], 0).count(), 0);
+    let what = |first: Option<Error>| match first {
+        Some(Error::Unsupported {
+            backend: "cuda",
+            what,
+        }) => what,
+        other => panic!("{other:?}"),
+    };
+    let pack = |entries: &[PackEntry], flat| {
+        what(pack_spans(DType::F32, entries, flat).find_map(Result::err))
+    };
+    let unpack = |entries: &[PackEntry], flat| {
+        what(unpack_spans(DType::F32, entries, flat).find_map(Result::err))
+    };
+    for (entries, flat, words) in [
+        ([entry(0, 0, 4, 4)], flat, "null parameter"),
+        ([entry(0x9000, 0, 4, 4)], 0, "null flat"),
+        ([entry(0x9002, 0, 4, 4)], flat, "aligned"),
+        ([entry(0x9000, 0, 4, 4)], flat + 2, "aligned"),
+        ([entry(0x9000, u64::MAX / 2, 4, 4)], flat, "address space"),
+    ] {
+        for refused in [pack(&entries, flat), unpack(&entries, flat)] {
+            assert!(refused.contains(words), "{refused}");
+        }
+    }
+    // Only a pack writes the padding.
+    let short = [entry(0x9000, 0, 4, 2)];
+    assert!(pack(&short, flat).contains("padded to fewer"));
+    assert_eq!(unpack_spans(DType::F32, &short, flat).count(), 1);
+}
+
+#[test]
 fn load_fails_cleanly_without_a_gpu_or_kernels() {
     assert!(matches!(available(&[]), Err(Error::KernelsUnavailable)));
     match available(&FATBIN.0) {
