@@ -146,7 +146,7 @@ pub enum Error {
         param: DType,
         requested: DType,
     },
-    #[error("the gradient slot of {name:?} is open: commit it before any other gradient")]
+    #[error("the gradient slot of {name:?} is open: commit it before any other gradient or hook")]
     GradSlotOpen { name: String },
     #[error("parameter {name:?} has no open gradient slot to commit")]
     GradSlotNotOpen { name: String },

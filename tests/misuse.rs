@@ -879,6 +879,33 @@ fn another_gradient_while_a_slot_is_open() {
         |err| matches!(err, Error::GradSlotNotOpen { name } if name == "w"),
         step,
     );
+    // The end of the unit's backward would end its groups under the open slot (and, where the
+    // optimizer steps in the backward, update them without the slot's gradient).
+    let open_in_backward = |e: &mut CpuEngine| {
+        e.pre_forward(Unit::Root).unwrap();
+        e.post_forward(Unit::Root).unwrap();
+        e.pre_forward(Unit::Layer(0)).unwrap();
+        e.post_forward(Unit::Layer(0)).unwrap();
+        e.pre_backward(Unit::Layer(0)).unwrap();
+        let w = id(e, "w");
+        e.grad_slot(w).unwrap().fill(0.0);
+    };
+    let commit_then_finish = |e: &mut CpuEngine| {
+        let w = id(e, "w");
+        e.commit_grad(w).unwrap();
+        grad(e, "b").unwrap();
+        e.post_backward(Unit::Layer(0)).unwrap();
+        root_grads_and_end(e)
+    };
+    for config in [EngineConfig::default(), in_backward()] {
+        assert_harmless_with(
+            &config,
+            open_in_backward,
+            |e| e.post_backward(Unit::Layer(0)),
+            |err| matches!(err, Error::GradSlotOpen { name } if name == "w"),
+            commit_then_finish,
+        );
+    }
 }
 
 /// The gradient `grad` hands over, of `n` elements.

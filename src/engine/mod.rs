@@ -412,6 +412,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !self.open.backward.contains(&u) {
             return Err(Error::BackwardNotOpen { unit });
         }
+        // Its end would end the unit's groups under the open slot.
+        self.check_no_open_slot()?;
         self.effects(|e| {
             e.open.backward.remove(&u);
             e.end_span(u, Phase::Backward)?;

@@ -235,7 +235,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// pass's gradient into; returns the place and the region. The place is not zero-filled (that
     /// would cost a pass over it): it holds what an earlier gradient left there, so the caller
     /// writes every element (on a GPU, on the compute stream) and never adds into it.
-    /// [`Engine::commit_grad`] must follow before any other gradient. Refused
+    /// [`Engine::commit_grad`] must follow before any other gradient or hook. Refused
     /// (`Error::GradSlotUnavailable`) where gradients travel in bf16, and for a step's later
     /// passes where they add into an earlier pass's (world size 1, no-sync): there the place is
     /// not one the caller can overwrite with f32.

@@ -363,6 +363,11 @@ impl GradPipeline {
         {
             self.launch_part(oldest, false, effects);
         }
+        // Without overlap that reduction retired at once and its slot is free; with it, the
+        // reduction holds its slot until retired here.
+        if let Some(free) = self.slots.iter().position(|&s| s == Slot::Free) {
+            return free;
+        }
         match self.retire_oldest(effects) {
             Some(slot) => slot,
             None => unreachable!("a launched reduction holds a slot"),

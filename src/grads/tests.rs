@@ -478,12 +478,12 @@ fn where_gradients_travel_a_group_is_final_at_the_retire_of_its_last_reduction()
 /// Groups [0, 1], [2, 3] and [4], one reduction in flight and two slots, after gradients of
 /// params 0, 2 and 4: the third group needed the slot of group 0, still filling, whose
 /// gradients so far were reduced early.
-fn reduced_in_part() -> (GradPipeline, Vec<GradEffect>) {
+fn reduced_in_part(overlap: bool) -> (GradPipeline, Vec<GradEffect>) {
     let mut p = GradPipeline::new(
         vec![vec![0, 1], vec![2, 3], vec![4]],
         5,
         (2, 1),
-        true,
+        overlap,
         false,
         IN_BACKWARD,
     );
@@ -503,14 +503,22 @@ fn sorted_finals(effects: &[GradEffect]) -> Vec<usize> {
 
 #[test]
 fn a_group_reduced_in_parts_is_final_only_after_its_last_part() {
-    let (mut p, mut fx) = reduced_in_part();
-    // Group 0 was reduced in part (and retired): not final, still open.
-    assert!(finals(&fx).is_empty(), "{fx:?}");
-    assert!(!p.closed(0));
-    fx.clear();
-    p.on_grad(1, 0, &mut fx);
-    p.finish(&mut fx);
-    assert_eq!(sorted_finals(&fx), vec![0, 1, 2]);
+    // With overlap off the part's reduction retires at once, and its slot serves the third group.
+    for overlap in [true, false] {
+        let (mut p, mut fx) = reduced_in_part(overlap);
+        // Group 0 was reduced in part (and retired): not final, still open.
+        assert!(!finals(&fx).contains(&0), "{fx:?}");
+        assert!(!p.closed(0));
+        p.on_grad(1, 0, &mut fx);
+        p.finish(&mut fx);
+        assert_eq!(
+            sorted_finals(&fx),
+            vec![0, 1, 2],
+            "overlap {overlap}: {fx:?}"
+        );
+        // Group 0 in two parts, groups 1 and 2 once.
+        assert_eq!(reduces(&fx), 4, "overlap {overlap}: {fx:?}");
+    }
 }
 
 #[test]
@@ -518,7 +526,7 @@ fn a_group_reduced_in_part_whose_other_gradients_never_come_is_final_when_its_un
     // As above, but param 1 never gets a gradient: the unit's end (or the pass's) completes the
     // group reduced in part, and every group is updated once.
     for end_of_unit in [true, false] {
-        let (mut p, mut fx) = reduced_in_part();
+        let (mut p, mut fx) = reduced_in_part(true);
         if end_of_unit {
             p.complete_groups_where(|g| g == 0, &mut fx);
             assert!(p.closed(0));
