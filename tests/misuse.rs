@@ -10,8 +10,8 @@ use fsdp_fusion::comm::Tag;
 use fsdp_fusion::types::Stream;
 use fsdp_fusion::watch::Watch;
 use fsdp_fusion::{
-    Accumulation, Communicator, DType, Engine, EngineConfig, Error, Input, LocalComm, ModelSpec,
-    OptimizerConfig, ParamId, ParamSpec, Plan, Unit,
+    Accumulation, Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input,
+    LocalComm, ModelSpec, OptimizerConfig, ParamId, ParamSpec, Plan, Unit,
 };
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, on_engines};
 
@@ -263,43 +263,109 @@ fn two_units() -> ModelSpec {
 }
 
 #[test]
-fn stepping_in_the_backward_keeps_open_every_unit_whose_gradients_arrive_together() {
-    // w1 alone, then w2 beside unit 0's x in one batch: unit 1's group is still open when the
-    // batch comes, so w2 joins w1, and the step equals the ordinary one; ended without
-    // `optimizer_step`, a step whose groups were updated in its backward is not skipped.
+fn stepping_in_the_backward_takes_a_batch_unit_after_unit_the_open_one_first() {
+    // w1 alone, then w2 beside unit 0's x in one batch, in either order: unit 1 is taking
+    // gradients when the batch comes, so its w2 is taken first and joins w1, then x ends unit 1;
+    // the step equals the ordinary one. Ended without `optimizer_step`, a step whose groups
+    // were updated in its backward is not skipped.
     for world in WORLD_SIZES {
         let plan = Arc::new(Plan::new(&two_units(), world).unwrap());
+        for x_first in [false, true] {
+            for_each_mode(|mode| {
+                let run = |config: EngineConfig| {
+                    on_engines(&plan, &config, mode, move |mut e| {
+                        let id = |name| e.plan().param_id(name).unwrap();
+                        let (x, w1, w2) = (id("x"), id("w1"), id("w2"));
+                        let (a, b) = (grad_values(4), [0.25f32; 4]);
+                        e.grads(&[(w1, Input::host(&a))]).unwrap();
+                        // A shard read while gradients arrive would show unwritten elements.
+                        let group = e.plan().param(w1).unwrap().group;
+                        assert!(matches!(
+                            e.grad_shard(group),
+                            Err(Error::GradsNotSynced { .. })
+                        ));
+                        let mut batch = [(w2, Input::host(&b)), (x, Input::host(&a))];
+                        if x_first {
+                            batch.reverse();
+                        }
+                        e.grads(&batch).unwrap();
+                        e.finish_grad_sync().unwrap();
+                        if e.config().step_in_backward {
+                            e.end_step().unwrap();
+                            assert_eq!(e.counters().skipped_steps, 0);
+                        } else {
+                            e.optimizer_step().unwrap();
+                            e.end_step().unwrap();
+                        }
+                        shards(&e)
+                    })
+                };
+                assert_eq!(
+                    run(in_backward()),
+                    run(EngineConfig::default()),
+                    "world {world}, x first {x_first}"
+                );
+            });
+        }
+    }
+}
+
+#[test]
+fn stepping_in_the_backward_holds_one_unit_s_gradient_shards_for_a_batch_of_several() {
+    // Units 0 and 1, a group of two parameters each; a batch of a1 and b1 ends unit 0 (a2 counts
+    // as zero) when unit 1's gradient is taken, as two calls would: its shard goes before unit
+    // 1's is held, so the step stays within the plan's peak (at world size 1 below the ordinary
+    // step's), and trains as the ordinary step does with a2 zero.
+    let model = ModelSpec::new(vec![
+        ParamSpec::new("a1", &[64], DType::F32).in_unit(0),
+        ParamSpec::new("a2", &[64], DType::F32).in_unit(0),
+        ParamSpec::new("b1", &[64], DType::F32).in_unit(1),
+        ParamSpec::new("b2", &[64], DType::F32).in_unit(1),
+    ])
+    .unwrap();
+    let per_step = |step_in_backward| EngineConfig {
+        step_in_backward,
+        grad_shard_memory: GradShardMemory::PerStep,
+        ..EngineConfig::default()
+    };
+    for world in WORLD_SIZES {
+        let plan = Arc::new(Plan::new(&model, world).unwrap());
         for_each_mode(|mode| {
             let run = |config: EngineConfig| {
-                on_engines(&plan, &config, mode, |mut e| {
+                on_engines(&plan, &config, mode, move |mut e| {
                     let id = |name| e.plan().param_id(name).unwrap();
-                    let (x, w1, w2) = (id("x"), id("w1"), id("w2"));
-                    let (a, b) = (grad_values(4), [0.25f32; 4]);
-                    e.grads(&[(w1, Input::host(&a))]).unwrap();
-                    // A shard read while gradients arrive would show unwritten elements.
-                    let group = e.plan().param(w1).unwrap().group;
-                    assert!(matches!(
-                        e.grad_shard(group),
-                        Err(Error::GradsNotSynced { .. })
-                    ));
-                    e.grads(&[(w2, Input::host(&b)), (x, Input::host(&a))])
+                    let (a1, a2, b1, b2) = (id("a1"), id("a2"), id("b1"), id("b2"));
+                    let g = grad_values(64);
+                    e.grads(&[(a1, Input::host(&g)), (b1, Input::host(&g))])
                         .unwrap();
-                    e.finish_grad_sync().unwrap();
                     if e.config().step_in_backward {
-                        e.end_step().unwrap();
-                        assert_eq!(e.counters().skipped_steps, 0);
-                    } else {
-                        e.optimizer_step().unwrap();
-                        e.end_step().unwrap();
+                        assert!(matches!(
+                            e.grad(a2, Input::host(&g)),
+                            Err(Error::StepInBackward { .. })
+                        ));
                     }
-                    shards(&e)
+                    e.grad(b2, Input::host(&g)).unwrap();
+                    e.finish_grad_sync().unwrap();
+                    if !e.config().step_in_backward {
+                        e.optimizer_step().unwrap();
+                    }
+                    e.end_step().unwrap();
+                    let extra = e.counters().extra_slots as usize * e.plan().gather_slot_bytes();
+                    (shards(&e), e.memory().peak - extra, e.policy().memory.peak)
                 })
             };
-            assert_eq!(
-                run(in_backward()),
-                run(EngineConfig::default()),
-                "world {world}"
-            );
+            let (in_backward, after) = (run(per_step(true)), run(per_step(false)));
+            for ((shards, peak, planned), (after_shards, after_peak, after_planned)) in
+                in_backward.iter().zip(&after)
+            {
+                assert_eq!(shards, after_shards, "world {world}");
+                assert!(peak <= planned, "world {world}: {peak} > {planned}");
+                // Above world size 1 both reductions may be in flight at once, each shard held.
+                assert!(world > 1 || planned < after_planned, "world {world}");
+                if planned < after_planned {
+                    assert!(peak < after_peak, "world {world}: {peak} >= {after_peak}");
+                }
+            }
         });
     }
 }

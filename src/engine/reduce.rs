@@ -122,8 +122,44 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             batch.push((param, group, gradient));
         }
         // Stable: a group's gradients keep the caller's order.
-        batch.sort_by_key(|&(_, group, _)| group);
+        if self.config.step_in_backward {
+            let units = self.units_in_taking_order(&batch)?;
+            let groups = self.plan.groups();
+            batch.sort_by_key(|&(_, group, _)| {
+                let unit = groups[group].unit;
+                (units.iter().position(|&u| u == unit), group)
+            });
+        } else {
+            batch.sort_by_key(|&(_, group, _)| group);
+        }
         self.take_grads(&batch)
+    }
+
+    /// Where updates run in the backward, the units of a batch's gradients in the order they are
+    /// taken, each unit's gradients together: the unit other than the root already taking
+    /// gradients (there is at most one), then the others, the root among them, in the order of
+    /// their first gradient in the batch. So a batch is taken as its units' gradients one unit
+    /// after another would be, each unit's ending the ones before it but the root, and no more
+    /// gradient shards are held than so.
+    fn units_in_taking_order(&self, batch: &[(ParamId, usize, Input<'_>)]) -> Result<Vec<Unit>> {
+        let groups = self.plan.groups();
+        let mut units = crate::fallible::with_capacity(batch.len(), "a batch's units")?;
+        for &(_, group, _) in batch {
+            let unit = groups[group].unit;
+            if !units.contains(&unit) {
+                units.push(unit);
+            }
+        }
+        let pipeline = &self.reducing.pipeline;
+        let taking = |unit: Unit| {
+            unit != Unit::Root
+                && groups.iter().filter(|g| g.unit == unit).any(|g| {
+                    !pipeline.closed(g.index) && g.params.iter().any(|p| pipeline.received(p.0))
+                })
+        };
+        // Stable: the others keep their order.
+        units.sort_by_key(|&unit| !taking(unit));
+        Ok(units)
     }
 
     /// Writes the gradients `writes` holds into their place.
@@ -150,14 +186,22 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             e.enter(Phase::Backward)?;
             let plan = Arc::clone(&e.plan);
             let groups = plan.groups();
-            e.complete_units_but(|unit| gradients.iter().any(|&(_, g, _)| groups[g].unit == unit))?;
             let mut writes = Writes {
                 target: None,
                 // A gradient makes one write.
                 pending: crate::fallible::with_capacity(gradients.len(), "a batch's writes")?,
             };
+            let mut taking = None;
             for &(param, group, gradient) in gradients {
                 let _range = crate::nvtx::range("grad", param.0);
+                let unit = groups[group].unit;
+                if taking != Some(unit) {
+                    // A unit's gradients end the others' (where updates run in the backward):
+                    // what was written goes first.
+                    e.flush_writes(&mut writes)?;
+                    e.complete_units_but(|u| u == unit)?;
+                    taking = Some(unit);
+                }
                 let mut fx = std::mem::take(&mut e.reducing.effects);
                 fx.clear();
                 e.reducing.pipeline.on_grad(param.0, group, &mut fx);
