@@ -100,10 +100,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Hands over several gradients of this backward pass, as [`Engine::grad`] on each, taken
     /// group by group in the plan's order of groups (each group's in the batch's order): the
-    /// gradients of one group go to the device together, in one operation where the backend can (a layer whose
-    /// parameters alternate between a decayed and an exempt group costs two launches, not one
-    /// per parameter). Every entry is checked before any is taken (a parameter named twice is
-    /// `Error::DuplicateGradient`), so a refused batch changes nothing.
+    /// gradients of one group go to the device together, in one operation where the backend
+    /// can (a layer whose parameters alternate between a decayed and an exempt group costs two
+    /// launches, not one per parameter). Where the optimizer steps in the backward, the batch is
+    /// taken unit after unit, the unit already taking gradients first, then the others in the
+    /// order of their first gradient in the batch, as one call per unit would take them: each
+    /// unit's gradients end the units before it but the root. Every entry is checked before any
+    /// is taken (a parameter named twice is `Error::DuplicateGradient`), so a refused batch
+    /// changes nothing.
     pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
         self.healthy()?;
         let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
@@ -216,9 +220,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Where updates run in the backward, gradients of some units end the gradients of every
     /// other unit but the root (whose parameters are used from the backward's start to its
     /// end): their backward is over, the parameters that got none count as zero, and their
-    /// groups are final. So at most the root's groups and those of the units whose gradients
-    /// arrive together wait for gradients. `arriving` says whether gradients of a unit arrive
-    /// now.
+    /// groups are final. So at most the root's groups and one other unit's wait for gradients.
+    /// `arriving` says whether gradients of a unit arrive now.
     fn complete_units_but(&mut self, arriving: impl Fn(Unit) -> bool) -> Result<()> {
         self.complete_units(|unit| unit != Unit::Root && !arriving(unit))
     }

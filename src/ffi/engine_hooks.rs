@@ -131,9 +131,12 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 }
 
 /// Hands over several gradients of this backward pass at once: as `fsdp_engine_grad` on each
-/// entry in order, for one call per unit instead of one per parameter. Every entry is checked
-/// (its parameter, dtype, length, and no parameter twice) before any is taken, so a refused
-/// batch changes nothing. `count` 0 does nothing.
+/// entry in order, for one call per unit instead of one per parameter; where the optimizer steps
+/// in the backward, the entries are taken unit after unit, the unit already taking gradients
+/// first, then the others in the order of their first entry (each unit's gradients end the
+/// units before it but the root). Every entry is checked (its parameter, dtype, length, and no
+/// parameter twice) before any is taken, so a refused batch changes nothing. `count` 0 does
+/// nothing.
 ///
 /// # Safety
 /// `grads` is NULL (with `count` 0) or valid for `count` entries, each of whose `data` is as
