@@ -543,23 +543,19 @@ pub(super) fn pack_spans(
     entries: &[PackEntry],
     flat: u64,
 ) -> impl Iterator<Item = Result<Span>> + '_ {
-    entries
-        .iter()
-        .flat_map(move |e| {
-            let data = flat_address(dtype, flat, e.offset, e.numel)
-                .and_then(|in_flat| param_span(dtype, e.ptr, in_flat, e.numel));
-            let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
-                backend: "cuda",
-                what: "a pack entry padded to fewer elements than it holds",
-            });
-            let padding = padding.and_then(|n| {
-                let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
-                let dst = flat_address(dtype, flat, start, n)?;
-                Ok(Span { src: 0, dst, n })
-            });
-            [data, padding]
-        })
-        .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
+    let spans = entries.iter().flat_map(move |e| {
+        let padding = e.padded.checked_sub(e.numel).ok_or(Error::Unsupported {
+            backend: "cuda",
+            what: "a pack entry padded to fewer elements than it holds",
+        });
+        let padding = padding.and_then(|n| {
+            let start = e.offset.checked_add(e.numel).ok_or(PAST_THE_ADDRESSES)?;
+            let dst = flat_address(dtype, flat, start, n)?;
+            Ok(Span { src: 0, dst, n })
+        });
+        [data_span(dtype, e, flat), padding]
+    });
+    spans.filter(not_empty)
 }
 
 /// The spans of an unpack of `entries` out of `flat`: each entry's data, the empty ones left out.
@@ -568,18 +564,25 @@ pub(super) fn unpack_spans(
     entries: &[PackEntry],
     flat: u64,
 ) -> impl Iterator<Item = Result<Span>> + '_ {
-    entries
-        .iter()
-        .map(move |e| {
-            let in_flat = flat_address(dtype, flat, e.offset, e.numel)?;
-            let span = param_span(dtype, e.ptr, in_flat, e.numel)?;
-            Ok(Span {
-                src: span.dst,
-                dst: span.src,
-                n: span.n,
-            })
+    let spans = entries.iter().map(move |e| {
+        data_span(dtype, e, flat).map(|span| Span {
+            src: span.dst,
+            dst: span.src,
+            n: span.n,
         })
-        .filter(|span| !matches!(span, Ok(Span { n: 0, .. })))
+    });
+    spans.filter(not_empty)
+}
+
+/// Entry `e`'s data from its param to its place in `flat`, checked.
+fn data_span(dtype: DType, e: &PackEntry, flat: u64) -> Result<Span> {
+    let in_flat = flat_address(dtype, flat, e.offset, e.numel)?;
+    param_span(dtype, e.ptr, in_flat, e.numel)
+}
+
+/// Whether a span moves anything, or is an error to report.
+fn not_empty(span: &Result<Span>) -> bool {
+    !matches!(span, Ok(Span { n: 0, .. }))
 }
 
 const PAST_THE_ADDRESSES: Error = Error::Unsupported {
@@ -591,12 +594,7 @@ const PAST_THE_ADDRESSES: Error = Error::Unsupported {
 /// `flat` is refused under a span that is not empty (an unpack from it would read zeros, as a span
 /// with no source does).
 fn flat_address(dtype: DType, flat: u64, start: u64, n: u64) -> Result<u64> {
-    if flat == 0 && n > 0 {
-        return Err(Error::Unsupported {
-            backend: "cuda",
-            what: "a pack with a null flat buffer",
-        });
-    }
+    present(flat, n, "a pack with a null flat buffer")?;
     check_aligned(flat, dtype.size())?;
     start
         .checked_mul(dtype.size() as u64)
@@ -607,16 +605,23 @@ fn flat_address(dtype: DType, flat: u64, start: u64, n: u64) -> Result<u64> {
 /// The span of `n` elements from the param at `ptr` to `in_flat`: the param's address checked
 /// for alignment, and refused when null (a span with no source writes zeros).
 fn param_span(dtype: DType, ptr: u64, in_flat: u64, n: u64) -> Result<Span> {
-    if ptr == 0 && n > 0 {
-        return Err(Error::Unsupported {
-            backend: "cuda",
-            what: "a pack entry with a null parameter address",
-        });
-    }
+    present(ptr, n, "a pack entry with a null parameter address")?;
     check_aligned(ptr, dtype.size())?;
     Ok(Span {
         src: ptr,
         dst: in_flat,
         n,
     })
+}
+
+/// Refuses a null `address` under `n` elements (`what` says whose): a span with no source writes
+/// zeros, so a null one would not fault.
+fn present(address: u64, n: u64, what: &'static str) -> Result<()> {
+    match address == 0 && n > 0 {
+        true => Err(Error::Unsupported {
+            backend: "cuda",
+            what,
+        }),
+        false => Ok(()),
+    }
 }
