@@ -182,7 +182,9 @@ pub trait Backend: Send {
 
     /// As [`Backend::alloc`], the contents undefined until written: for a buffer the engine
     /// writes whole before it reads any of it (a per-step gradient shard), so that making it
-    /// queues no fill.
+    /// queues no fill. Its first use is on the compute stream, or on another stream after that
+    /// stream waited for the compute stream's work queued after the allocation: a backend that
+    /// reuses memory in stream order reuses it in the compute stream's.
     fn alloc_unfilled(&self, bytes: usize) -> Result<Self::Buffer>;
 
     /// Drops `buffers` as dropping each would; a backend that frees in stream order orders their

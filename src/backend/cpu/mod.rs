@@ -221,6 +221,41 @@ impl Backend for CpuBackend {
         CpuBuffer::poisoned(bytes, &self.tracker)
     }
 
+    /// Orders the compute stream after the other streams' work so far, then frees the buffers
+    /// as [`Backend::free_after_compute`] does.
+    fn free(&self, buffers: impl IntoIterator<Item = CpuBuffer>) -> Result<()> {
+        let mut buffers = buffers.into_iter().peekable();
+        if buffers.peek().is_none() {
+            return Ok(());
+        }
+        for other in [Stream::Gather, Stream::Reduce] {
+            let event = self.record(other)?;
+            self.wait(Stream::Compute, &event)?;
+        }
+        // SAFETY: the compute stream now follows every stream's use of the buffers so far.
+        unsafe { self.free_after_compute(buffers) }
+    }
+
+    /// Fills each buffer with 0xFF on the compute stream, then drops it: as a GPU hands freed
+    /// memory to its next user, so that a use on another stream not ordered before the free
+    /// reads NaNs here (and fails the parity suites) instead of passing unseen.
+    unsafe fn free_after_compute(
+        &self,
+        buffers: impl IntoIterator<Item = CpuBuffer>,
+    ) -> Result<()> {
+        for buffer in buffers {
+            let memory = Arc::clone(buffer.memory());
+            let len = buffer.len();
+            self.run(Stream::Compute, move || {
+                // SAFETY: the buffer is freed: every use of it so far is ordered before this job
+                // (the caller's contract), and nothing queued later uses it.
+                unsafe { memory.bytes_mut(0..len) }.fill(0xFF);
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
     fn alloc_scratch(&self, bytes: usize) -> Result<CpuBuffer> {
         CpuBuffer::zeroed(bytes, &Arc::default())
     }

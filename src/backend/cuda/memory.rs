@@ -175,6 +175,9 @@ pub(crate) struct LentMemory {
     allocator: Arc<dyn DeviceAllocator>,
     /// The compute stream, then the streams it waits for before the memory goes back.
     streams: [Arc<CudaStream>; 3],
+    /// The caller's stream that the compute stream wraps without owning it (`with_stream`), kept
+    /// alive for the wait on it when the memory goes back, which may be after the backend is gone.
+    _caller_stream: Option<Arc<CudaStream>>,
     /// The compute stream already waits for the other streams' every use of the memory.
     joined: bool,
 }
@@ -184,6 +187,7 @@ impl LentMemory {
         allocator: &Arc<dyn DeviceAllocator>,
         bytes: usize,
         streams: [Arc<CudaStream>; 3],
+        caller_stream: Option<Arc<CudaStream>>,
     ) -> Result<LentMemory> {
         let ptr = if bytes == 0 {
             0
@@ -195,6 +199,7 @@ impl LentMemory {
             bytes,
             allocator: Arc::clone(allocator),
             streams,
+            _caller_stream: caller_stream,
             joined: false,
         })
     }

@@ -55,12 +55,13 @@ impl CudaBackend {
     /// context; 0 is the legacy default stream.
     ///
     /// The handle is checked to belong to that context (`Error::Cuda` from `cuStreamGetCtx`
-    /// otherwise). The caller keeps ownership: the stream must stay alive until the backend is
-    /// dropped, and it is never destroyed here.
+    /// otherwise). The caller keeps ownership: the stream must stay alive until the backend and
+    /// every buffer it made are dropped (memory from an allocator goes back after a wait on it),
+    /// and it is never destroyed here.
     ///
     /// # Safety
     /// `stream` is 0 or a live stream handle (the driver cannot tell a freed handle from a live
-    /// one), and it outlives the backend.
+    /// one), and it outlives the backend and its buffers.
     pub unsafe fn with_raw_stream(ordinal: usize, stream: u64) -> Result<CudaBackend> {
         let ctx = primary_context(ordinal)?;
         bind(&ctx)?;
@@ -187,7 +188,8 @@ impl CudaBackend {
             Some(allocator) => {
                 bind(&self.ctx)?;
                 let streams = [&self.compute, &self.gather, &self.reduce].map(Arc::clone);
-                let lent = LentMemory::allocate(allocator, bytes, streams)?;
+                let caller = self.caller_stream.clone();
+                let lent = LentMemory::allocate(allocator, bytes, streams, caller)?;
                 // The caller's allocator may have made another context current.
                 bind(&self.ctx)?;
                 BufferMemory::Lent(lent)
