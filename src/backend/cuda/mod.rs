@@ -120,9 +120,14 @@ impl Backend for CudaBackend {
         self.alloc_counted(bytes, &self.tracker, Contents::Undefined)
     }
 
-    /// One join of the gather and reduce streams into the compute stream for them all: lent
-    /// memory goes back to the caller's allocator after it, with no join of its own.
+    /// One join of the gather and reduce streams into the compute stream for them all (none for
+    /// no buffers): lent memory goes back to the caller's allocator after it, with no join of its
+    /// own.
     fn free(&self, buffers: impl IntoIterator<Item = CudaBuffer>) -> Result<()> {
+        let mut buffers = buffers.into_iter().peekable();
+        if buffers.peek().is_none() {
+            return Ok(());
+        }
         let joined = self.join_on_compute();
         for buffer in buffers {
             if joined.is_ok() {
