@@ -104,7 +104,13 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     one call when the next forward or `step` begins instead: until then `.grad` holds them, as
     for a plain PyTorch optimizer, and the step briefly holds both those and its fp32 gradient
     shards. A change to `.grad` there reaches the engine, where above world size 1 `.grad` is
-    empty by then: clip with `step(max_grad_norm=...)`, which does the same at every world size.
+    empty by then, and with several backward passes a step `.grad` holds the last pass's only
+    (the engine holds their sum): clip with `step(max_grad_norm=...)`, which does the same at
+    every world size and over every pass.
+
+    Which parameters train is fixed when wrapping (`requires_grad` then); a trainable parameter
+    that gets no gradient in a step counts as a zero gradient, so AdamW's decay and moments
+    still move it, where `torch.optim` skips a parameter whose `.grad` is None.
 
     Between its unit's hooks a parameter is a NaN placeholder of its shape (a use outside the
     unit shows), except at world size 1 with `param_storage="shard"`, where it stays a view of
