@@ -215,9 +215,13 @@ class _Hooks:
         u = self._unit_of[unit]
         if u.backward_open:
             u.backward_open = False
-            if self._per_unit:
-                self._hand_over(u)
-            self._close(u, self._lib.fsdp_engine_post_backward)
+            # The unit's backward ends even where its gradients are refused (a duplicate): its
+            # views go back, and the next pass finds the unit closed.
+            try:
+                if self._per_unit:
+                    self._hand_over(u)
+            finally:
+                self._close(u, self._lib.fsdp_engine_post_backward)
         elif self._per_unit and unit != ROOT:
             # A unit whose forward made no engine call (see `_pre_forward_hook`).
             self._hand_over(u)

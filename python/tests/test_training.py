@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from ctypes import c_void_p
 
 import pytest
 import torch
@@ -586,3 +587,49 @@ def test_at_world_size_1_a_pass_calls_the_engine_for_the_roots_hooks_and_one_han
     for rank in range(world):
         hooked = [bool(b._forward_pre_hooks or b._forward_hooks) for b in modules[rank].blocks]
         assert hooked == [world > 1] * units, hooked
+
+
+def test_a_unit_whose_gradients_are_refused_still_ends_its_backward():
+    """Two forwards, then two backwards of the same pass at world size 2: the second's
+    gradients are refused as duplicates, but every unit's backward ends, its views go back, and
+    the later steps' forwards read each unit's gathered memory."""
+    world = 2
+    _, module = models(False)
+    modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+    group = fsdp_fusion.LocalGroup(world)
+    fused = on_ranks(world, lambda rank: FusedFSDP(
+        modules[rank], list(modules[rank].blocks), local_group=group, rank=rank,
+        optimizer="sgd", lr=0.5))
+    steps = batches(world)
+
+    def run(rank):
+        f = fused[rank]
+        first, second = (steps[k][0][rank] for k in (0, 1))
+        l1 = loss_of(f(first[:, :-1]), first[:, 1:])
+        l2 = loss_of(f(second[:, :-1]), second[:, 1:])
+        l1.backward()
+        with pytest.raises(fsdp_fusion.MisuseError, match="already received a gradient"):
+            l2.backward()
+        assert [u.opens for u in f._units] == [0] * len(f._units)
+        f.step()
+        elsewhere = []
+        for u, block in zip(f._units, modules[rank].blocks):
+            def check(_module, _args, u=u):
+                # Runs after the wrapper's own pre-forward hook: the unit is gathered.
+                gathered = (c_void_p * len(u.params))()
+                f._lib.fsdp_engine_params(f._engine, u.ids, len(u.params), gathered)
+                elsewhere.extend(p.tensor.data_ptr() != (at or 0)
+                                 for p, at in zip(u.params, gathered))
+            block.register_forward_pre_hook(check)
+        losses = []
+        for step in steps[2:]:
+            tokens = step[0][rank]
+            loss = loss_of(f(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            f.step()
+        return elsewhere, losses
+
+    for elsewhere, losses in on_ranks(world, run):
+        assert elsewhere and not any(elsewhere)
+        assert all(torch.isfinite(torch.tensor(losses)))
