@@ -303,7 +303,11 @@ class _Hooks:
         key = tuple(u.addresses)
         views = u.cache.get(key)
         if views is None:
-            views = _Views([self._view(p, address) for p, address in zip(u.params, key)], key)
+            # Cached for every later forward: made as ordinary tensors even inside
+            # `torch.inference_mode()`, whose tensors autograd cannot save for a backward.
+            with torch.inference_mode(False):
+                views = _Views([self._view(p, address) for p, address in zip(u.params, key)],
+                               key)
             u.cache[key] = views
         u.views = views
         for p, view in zip(u.params, views.tensors):

@@ -633,3 +633,36 @@ def test_a_unit_whose_gradients_are_refused_still_ends_its_backward():
     for elsewhere, losses in on_ranks(world, run):
         assert elsewhere and not any(elsewhere)
         assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("world,storage", [(1, "shard"), (2, "shard"), (1, "master")])
+def test_forwards_under_inference_mode_change_nothing_of_training(world, storage):
+    """A forward under `torch.inference_mode()` before the first step and between steps: the
+    training after it is the same, bit for bit, as without them."""
+    runs = []
+    for inference in (False, True):
+        _, module = models(False)
+        modules = [module] + [copy.deepcopy(module) for _ in range(world - 1)]
+        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank].blocks), local_group=group, rank=rank,
+            param_storage=storage, optimizer="sgd", lr=0.5))
+
+        def run(rank, fused=fused, inference=inference):
+            f, losses = fused[rank], []
+            for step in batches(world):
+                tokens = step[0][rank]
+                if inference:
+                    with torch.inference_mode():
+                        f(tokens[:, :-1])
+                loss = loss_of(f(tokens[:, :-1]), tokens[:, 1:])
+                loss.backward()
+                losses.append(loss.item())
+                f.step()
+            return losses, f.full_state_dict()
+
+        runs.append(on_ranks(world, run))
+    for (losses, state), (inference_losses, inference_state) in zip(*runs):
+        assert losses == inference_losses
+        for name, value in state.items():
+            assert torch.equal(value, inference_state[name]), name
