@@ -111,11 +111,11 @@ class _Hooks:
 
     def _drop_unit_hooks_once_mapped(self):
         """Removes the units' hooks once they have nothing left to do: where the views do not
-        move, every unit's views are mapped, and the root's hooks (it has parameters) tell the
-        engine where each pass begins, and no unit's gradients go over on their own. The units
-        then run as plain modules."""
+        move, every unit's views are mapped (a unit with no parameters has none to map), and
+        the root's hooks (it has parameters) tell the engine where each pass begins, and no
+        unit's gradients go over on their own. The units then run as plain modules."""
         if (self._unit_hooks and not self._per_unit and self._root.params
-                and all(u.views is not None for u in self._units)):
+                and all(u.views is not None or not u.params for u in self._units)):
             for handle in self._unit_hooks:
                 handle.remove()
             self._unit_hooks = []

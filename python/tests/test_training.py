@@ -666,3 +666,42 @@ def test_forwards_under_inference_mode_change_nothing_of_training(world, storage
         assert losses == inference_losses
         for name, value in state.items():
             assert torch.equal(value, inference_state[name]), name
+
+
+class WithActivationUnit(torch.nn.Module):
+    """Two linear layers around an activation with no parameters, and a root bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.act = torch.nn.GELU()
+        self.out = torch.nn.Linear(16, 4)
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.out(self.act(self.inp(x))) + self.bias
+
+
+def test_a_unit_with_no_parameters_leaves_the_world_size_1_path_without_hooks():
+    """At world size 1 with shard storage, a unit with no parameters among the units does not
+    keep the units' hooks installed, and trains as the same model without that unit does."""
+    runs = []
+    for with_activation in (True, False):
+        model = WithActivationUnit()
+        units = [model.inp, model.act, model.out] if with_activation else [model.inp, model.out]
+        fused = FusedFSDP(model, units, optimizer="sgd", lr=0.1)
+        g = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(3):
+            x = torch.randn(5, 8, generator=g)
+            loss = fused(x).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            fused.step()
+        assert fused._unit_hooks == []
+        runs.append((losses, fused.full_state_dict()))
+    (losses, state), (plain_losses, plain_state) = runs
+    assert losses == plain_losses
+    for name, value in state.items():
+        assert torch.equal(value, plain_state[name]), name
