@@ -338,8 +338,10 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
 
     def _end_evaluation(self):
         """Ends a step of forward passes only (an evaluation under `no_grad`), which would
-        otherwise hold the engine inside a step; a step with gradients is left to `step`."""
-        if self._forwards and not self._gradients:
+        otherwise hold the engine inside a step; a step with gradients (handed over, or in a
+        backward still open) is left to `step`."""
+        backward = any(u.backward_open for u in self._unit_of.values())
+        if self._forwards and not self._gradients and not backward:
             self._call("fsdp_engine_end_step", self._engine)
             self._forwards = False
 

@@ -705,3 +705,29 @@ def test_a_unit_with_no_parameters_leaves_the_world_size_1_path_without_hooks():
     assert losses == plain_losses
     for name, value in state.items():
         assert torch.equal(value, plain_state[name]), name
+
+
+def test_a_save_between_backward_and_step_is_refused_as_a_save_and_changes_nothing(tmp_path):
+    """At world size 1, where `.grad` holds the gradients until the step: a save after the
+    backward is refused by the save itself (not by an end of step it never asked for), and the
+    training after it is the same as without it."""
+    runs = []
+    for attempt in (False, True):
+        model = WithActivationUnit()
+        fused = FusedFSDP(model, [model.inp, model.out], optimizer="sgd", lr=0.1)
+        g = torch.Generator().manual_seed(3)
+        losses = []
+        for step in range(3):
+            loss = fused(torch.randn(5, 8, generator=g)).square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            if attempt and step == 1:
+                with pytest.raises(fsdp_fusion.MisuseError,
+                                   match="fsdp_engine_save.*a step is under way"):
+                    fused.save(tmp_path / "checkpoint")
+            fused.step()
+        runs.append((losses, fused.full_state_dict()))
+    (losses, state), (attempt_losses, attempt_state) = runs
+    assert losses == attempt_losses
+    for name, value in state.items():
+        assert torch.equal(value, attempt_state[name]), name
