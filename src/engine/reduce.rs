@@ -206,12 +206,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     e.complete_units_but(|u| u == unit)?;
                     taking = Some(unit);
                 }
-                let mut fx = std::mem::take(&mut e.reducing.effects);
-                fx.clear();
-                e.reducing.pipeline.on_grad(param.0, group, &mut fx);
-                let result = e.apply_grad_effects(&fx, Some((gradient, &mut writes)));
-                e.reducing.effects = fx;
-                result?;
+                let writing = Some((gradient, &mut writes));
+                e.apply_decided_with(writing, |p, fx| p.on_grad(param.0, group, fx))?;
             }
             e.flush_writes(&mut writes)
         })
@@ -337,10 +333,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         &mut self,
         decide: impl FnOnce(&mut GradPipeline, &mut Vec<GradEffect>) -> T,
     ) -> Result<T> {
+        self.apply_decided_with(None, decide)
+    }
+
+    /// As [`Engine::apply_decided`], a gradient's writes (`gradient`) joining the writes waiting
+    /// as [`Engine::apply_grad_effects`] says.
+    fn apply_decided_with<'a, T>(
+        &mut self,
+        gradient: Option<(Input<'a>, &mut Writes<'a>)>,
+        decide: impl FnOnce(&mut GradPipeline, &mut Vec<GradEffect>) -> T,
+    ) -> Result<T> {
         let mut fx = std::mem::take(&mut self.reducing.effects);
         fx.clear();
         let decided = decide(&mut self.reducing.pipeline, &mut fx);
-        let result = self.apply_grad_effects(&fx, None);
+        let result = self.apply_grad_effects(&fx, gradient);
         self.reducing.effects = fx;
         result.map(|()| decided)
     }

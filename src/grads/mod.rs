@@ -347,10 +347,7 @@ impl GradPipeline {
     }
 
     fn claim_slot(&mut self, effects: &mut Vec<GradEffect>) -> usize {
-        if let Some(free) = self.slots.iter().position(|&s| s == Slot::Free) {
-            return free;
-        }
-        if let Some(slot) = self.retire_oldest(effects) {
+        if let Some(slot) = self.free_or_retired(effects) {
             return slot;
         }
         // Every slot is being filled: reduce the oldest group's gradients so far. Reduction is
@@ -365,12 +362,18 @@ impl GradPipeline {
         }
         // Without overlap that reduction retired at once and its slot is free; with it, the
         // reduction holds its slot until retired here.
-        if let Some(free) = self.slots.iter().position(|&s| s == Slot::Free) {
-            return free;
-        }
-        match self.retire_oldest(effects) {
+        match self.free_or_retired(effects) {
             Some(slot) => slot,
             None => unreachable!("a launched reduction holds a slot"),
+        }
+    }
+
+    /// A free slot, else the slot of the oldest reduction in flight, retired; `None` when every
+    /// slot is being filled.
+    fn free_or_retired(&mut self, effects: &mut Vec<GradEffect>) -> Option<usize> {
+        match self.slots.iter().position(|&s| s == Slot::Free) {
+            Some(free) => Some(free),
+            None => self.retire_oldest(effects),
         }
     }
 
@@ -444,13 +447,8 @@ impl GradPipeline {
 
     /// The backward pass ended: groups still missing gradients are reduced with what they have.
     pub fn end_pass(&mut self, effects: &mut Vec<GradEffect>) {
-        while let Some(&group) = self.fill_order.front() {
-            self.launch(group, effects);
-        }
-        // Those reduced in part get nothing more in this pass.
-        while let Some(group) = self.partial.pop_front() {
-            self.complete_reduced(group, effects);
-        }
+        // Every group ends, those reduced in part too: they get nothing more in this pass.
+        self.complete_groups_where(|_| true, effects);
         self.received.fill(false);
         self.received_count.fill(0);
     }
