@@ -108,12 +108,18 @@ impl CpuBackend {
     /// Orders the compute stream after the other two streams' work so far, then blocks until it
     /// completed: afterwards no queued work touches any buffer.
     fn quiesce(&self) -> Result<()> {
+        self.join_on_compute()?;
+        self.drain(Stream::Compute)
+    }
+
+    /// Orders the compute stream after the other two streams' work so far.
+    fn join_on_compute(&self) -> Result<()> {
         if let Some(streams) = &self.streams {
             for other in [Stream::Gather, Stream::Reduce] {
                 streams.wait(Stream::Compute, &streams.record(other)?)?;
             }
         }
-        self.drain(Stream::Compute)
+        Ok(())
     }
 
     /// The bytes of `region` of `buf`, read by the host as the compute stream's work.
@@ -228,10 +234,7 @@ impl Backend for CpuBackend {
         if buffers.peek().is_none() {
             return Ok(());
         }
-        for other in [Stream::Gather, Stream::Reduce] {
-            let event = self.record(other)?;
-            self.wait(Stream::Compute, &event)?;
-        }
+        self.join_on_compute()?;
         // SAFETY: the compute stream now follows every stream's use of the buffers so far.
         unsafe { self.free_after_compute(buffers) }
     }
