@@ -164,6 +164,10 @@ pub enum Error {
         "{what} is refused with step_in_backward: each group is updated as soon as its gradient is final, before the whole gradient exists"
     )]
     StepInBackward { what: &'static str },
+    #[error(
+        "parameter {name:?} got its gradient after its unit's ({unit:?}) backward ended, which reduced the unit's gradients of the pass; above world size 1 a unit's gradients come before its post_backward (a parameter used outside its unit's forward belongs to the root)"
+    )]
+    GradientAfterItsUnit { name: String, unit: Unit },
     #[error("parameter {name:?} is not gathered: its unit's forward or backward must be open")]
     NotGathered { name: String },
     #[error("group {group}: transition {from:?} -> {to:?} is not allowed")]

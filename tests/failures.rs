@@ -67,6 +67,23 @@ fn backward_in_order<C: Communicator<CpuBackend>>(
     e.param_shard(0).map(drop)
 }
 
+/// Runs the backward of the units of `names` in that order, each unit's gradient of 1 between
+/// its hooks (its end reduces it), then syncs and reads a shard.
+fn units_backward_in_order<C: Communicator<CpuBackend>>(
+    e: &mut Engine<CpuBackend, C>,
+    names: [&str; 2],
+) -> Result<()> {
+    for name in names {
+        let id = e.plan().param_id(name)?;
+        let unit = e.plan().param(id)?.unit;
+        e.pre_backward(unit)?;
+        e.grad(id, Input::host(&[1f32; 64]))?;
+        e.post_backward(unit)?;
+    }
+    e.finish_grad_sync()?;
+    e.param_shard(0).map(drop)
+}
+
 /// Checks that a rank's engine is poisoned: every call says why, and no view is handed out.
 fn assert_poisoned<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) {
     let a = e.plan().param_id("a").unwrap();
@@ -80,7 +97,7 @@ fn assert_poisoned<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) {
 }
 
 #[test]
-fn ranks_that_reduce_equal_groups_in_another_order_all_fail_naming_both() {
+fn ranks_that_end_units_backward_in_another_order_all_fail_naming_both() {
     for world in [2, 3, 8] {
         for_each_mode(|mode| {
             let outcomes = on_engines(&plan(&two_units(), world), &sgd(), mode, |mut e| {
@@ -89,7 +106,7 @@ fn ranks_that_reduce_equal_groups_in_another_order_all_fail_naming_both() {
                 } else {
                     ["b", "a"]
                 };
-                let result = forward(&mut e).and_then(|()| backward_in_order(&mut e, order));
+                let result = forward(&mut e).and_then(|()| units_backward_in_order(&mut e, order));
                 let error = result.err().map(|e| root(&e).clone());
                 assert_poisoned(&mut e);
                 error
@@ -538,11 +555,7 @@ fn verifying_collectives_catches_what_a_communicator_cannot_compare() {
                         e.pre_forward(u)?;
                         e.post_forward(u)?;
                     }
-                    for name in order {
-                        let id = e.plan().param_id(name)?;
-                        e.grad(id, Input::host(&[1f32; 64]))?;
-                    }
-                    e.finish_grad_sync()
+                    units_backward_in_order(&mut e, order)
                 };
                 step().err().map(|e| root(&e).clone())
             });

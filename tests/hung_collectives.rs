@@ -117,13 +117,14 @@ fn a_hung_collective_in_any_phase_fails_every_wait_past_the_deadline() {
             .filter(|&i| before.get(i + 1).is_some_and(|&next| next > before[i]))
             .collect();
         let names: Vec<_> = phases.iter().map(|&i| steps[i].0).collect();
-        // A gather in the forward and in the backward, reductions (the last one still in flight
-        // at `finish_grad_sync`), the norm's exchange before the optimizer.
+        // A gather in the forward and in the backward, reductions (at a unit's backward's end,
+        // and at `finish_grad_sync` for the unit whose backward no hook ended), the norm's
+        // exchange before the optimizer.
         for wanted in [
             "pre_forward 0",
             "pre_backward 1",
-            "grad 1",
-            "grad 0",
+            "post_backward 1",
+            "finish_grad_sync",
             "clip_grad_norm",
         ] {
             assert!(

@@ -228,8 +228,9 @@ class _Hooks:
 
     def _close_backwards(self):
         """Ends every backward left open, then hands over the gradients still in `.grad`, before
-        the next forward or the step: where the views move, those that arrived after their
-        unit's backward ended (or in a unit whose outputs needed none), unit by unit; where they
+        the next forward or the step: where the views move, those of a unit whose outputs needed
+        none, unit by unit (one that arrived after its unit's backward ended is refused above
+        world size 1, where that end reduced the unit's gradients of the pass); where they
         do not, the whole model's, in one call (unless the optimizer steps in the backward,
         which takes each unit's gradients as its backward ends). Two backward passes with no
         forward between them (`retain_graph`) are one pass to the engine: where units hand

@@ -81,6 +81,73 @@ def test_a_gradient_missing_from_a_pass_trains_as_a_zero_gradient():
     assert not torch.equal(runs[True]["0.side.weight"], blocks[0].side.weight.detach())
 
 
+class Experts(torch.nn.Module):
+    """A block of two experts of which each pass may skip one (`skip`): left out, the skipped
+    expert gets no gradient, as an expert no token was routed to; with `zero_gate` it takes
+    part through a zero gate instead, with a zero gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(
+            torch.nn.Linear(8, 8, bias=False) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(8)
+        self.skip, self.zero_gate = None, False
+
+    def forward(self, x):
+        for i, expert in enumerate(self.experts):
+            if i != self.skip:
+                x = x + torch.tanh(expert(x))
+            elif self.zero_gate:
+                x = x + 0.0 * torch.tanh(expert(x))
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gradients_missing_on_some_ranks_only_train_as_zero_gradients(overlap):
+    """Ranks whose passes leave different parameters without a gradient (experts no token was
+    routed to) issue the same collectives (the engine compares them every step) and train as if
+    the missing gradients were zeros: bit for bit the parameters of a run where every rank got
+    every gradient, a zero one where the other run had none."""
+    world = 2
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(Experts() for _ in range(3)))
+
+    def skip(rank, step, i, b):
+        """The expert block `b` of `rank` skips in pass `i` of `step`, if any."""
+        return None if (rank + step + i + b) % 3 == 0 else (rank + i + b) % 2
+
+    runs = {}
+    for zero_gate in (False, True):
+        modules = [copy.deepcopy(blocks) for _ in range(world)]
+        group = fsdp_fusion.LocalGroup(world)
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank]), local_group=group, rank=rank, lr=1e-2,
+            weight_decay=0.1, overlap=overlap, verify_collectives=True))
+
+        def train(rank):
+            module, f = modules[rank], fused[rank]
+            g = torch.Generator().manual_seed(1 + rank)
+            for step in range(3):
+                for i in range(2):
+                    for b, block in enumerate(module):
+                        block.skip, block.zero_gate = skip(rank, step, i, b), zero_gate
+                    f(torch.randn(4, 8, generator=g)).square().mean().backward()
+                f.step()
+            return f.full_state_dict()
+
+        runs[zero_gate] = on_ranks(world, train)
+        for f in fused:
+            f.close()
+    names = [name for name, _ in blocks.named_parameters()]
+    for rank in range(world):
+        assert sorted(runs[False][rank]) == sorted(names)
+        for name in names:
+            assert torch.equal(runs[False][rank][name], runs[True][rank][name]), (rank, name)
+    # Every expert trained: a run that left the skipped ones alone would also agree.
+    for name in names:
+        assert not torch.equal(runs[False][0][name], blocks.state_dict()[name]), name
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):

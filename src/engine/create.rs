@@ -5,7 +5,7 @@
 use super::reduce::{GradSlot, GroupGrads};
 use super::step::{GroupOptimizerState, StepChecks};
 use super::*;
-use crate::grads::Updates;
+use crate::grads::{GradRoute, Updates};
 use crate::plan::Group;
 
 /// An engine that could not be made, with the backend and communicators it was given: the rank
@@ -334,12 +334,19 @@ fn grad_pipeline(plan: &Plan, config: &EngineConfig, policy: &Policy) -> GradPip
     } else {
         Passes::AccumulateStaged
     };
+    let route = if policy.grads_direct {
+        GradRoute::IntoShards
+    } else if plan.grads_travel() {
+        GradRoute::ReducedAcrossRanks
+    } else {
+        GradRoute::Reduced
+    };
     GradPipeline::new(
         members,
         plan.params().len(),
         (policy.layout.grad_slots, policy.limits.reduces_in_flight),
         config.overlap,
-        policy.grads_direct,
+        route,
         (passes, updates(config)),
     )
 }

@@ -403,7 +403,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still open.
+    /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still
+    /// open. Above world size 1 it reduce-scatters every trainable group of the unit (not the
+    /// root's, which take gradients until the pass ends), a parameter with no gradient counting
+    /// as zero, and the unit's later gradients of the pass are refused.
     pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("post_backward", unit);
         self.healthy()?;
@@ -461,12 +464,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients.
+    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients,
+    /// entering one begins a pass of gradients.
     fn enter(&mut self, phase: Phase) -> Result<()> {
-        if self.gathering.schedule.enter(phase) != Some(Phase::Backward) {
-            return Ok(());
+        let schedule = &mut self.gathering.schedule;
+        let entering = phase == Phase::Backward && schedule.phase() != Some(Phase::Backward);
+        if schedule.enter(phase) == Some(Phase::Backward) {
+            self.apply_decided(GradPipeline::end_pass)?;
         }
-        self.apply_decided(GradPipeline::end_pass)
+        if entering {
+            self.reducing.pipeline.begin_pass();
+        }
+        Ok(())
     }
 }
 

@@ -90,8 +90,13 @@ pub(super) fn place_buffer<'a, Buf, E>(
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Hands over `param`'s gradient for this backward pass, in the param's dtype or f32; it is
-    /// written into a slot of the transport's dtype (or the fp32 shard, or accumulator), and the
-    /// group is reduce-scattered once all its trainable params have theirs. The gradient may be read after this returns (host input is consumed at once).
+    /// written into a slot of the transport's dtype (or the fp32 shard, or accumulator). At
+    /// world size 1 the group's last gradient ends the group's pass. Above it no gradient
+    /// launches a reduce-scatter: the end of the unit's backward ([`Engine::post_backward`]) or
+    /// of the pass does, in the plan's order, so the ranks may hand over different gradients
+    /// (one with none counts as zero) as long as they issue the same hooks in the same order;
+    /// a gradient of a unit whose backward ended in this pass is
+    /// `Error::GradientAfterItsUnit`. Host input is read before this returns.
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
@@ -104,8 +109,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// can (a layer whose parameters alternate between a decayed and an exempt group costs two
     /// launches, not one per parameter). Where the optimizer steps in the backward, the batch is
     /// taken unit after unit, the unit already taking gradients first, then the others in the
-    /// order of their first gradient in the batch, as one call per unit would take them: each
-    /// unit's gradients end the units before it but the root. Every entry is checked before any
+    /// order of their first gradient in the batch, as one call per unit would take them: at
+    /// world size 1 each unit's gradients end the units before it but the root. Every entry is checked before any
     /// is taken (a parameter named twice is `Error::DuplicateGradient`), so a refused batch
     /// changes nothing.
     pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
@@ -213,30 +218,31 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Where updates run in the backward, gradients of some units end the gradients of every
-    /// other unit but the root (whose parameters are used from the backward's start to its
-    /// end): their backward is over, the parameters that got none count as zero, and their
-    /// groups are final. So at most the root's groups and one other unit's wait for gradients.
-    /// `arriving` says whether gradients of a unit arrive now.
+    /// Where updates run in the backward on one rank, gradients of some units end the
+    /// gradients of every other unit but the root (whose parameters are used from the
+    /// backward's start to its end): their backward is over, the parameters that got none
+    /// count as zero, and their groups are final. So at most the root's groups and one other
+    /// unit's wait for gradients. `arriving` says whether gradients of a unit arrive now. Where
+    /// gradients are reduced, only the ranks' hooks end a unit: which gradients arrive may
+    /// differ between ranks, and their reductions may not.
     fn complete_units_but(&mut self, arriving: impl Fn(Unit) -> bool) -> Result<()> {
-        self.complete_units(|unit| unit != Unit::Root && !arriving(unit))
-    }
-
-    /// Where updates run in the backward, `unit`'s backward ended: its groups' gradients are
-    /// complete (the parameters that got none count as zero), and the groups final.
-    pub(super) fn complete_unit(&mut self, unit: Unit) -> Result<()> {
-        self.complete_units(|u| u == unit)
-    }
-
-    /// Where updates run in the backward, completes the groups with gradients of every unit
-    /// that `ended` picks.
-    fn complete_units(&mut self, ended: impl Fn(Unit) -> bool) -> Result<()> {
-        if !self.config.step_in_backward {
+        if !self.config.step_in_backward || self.plan.grads_travel() {
             return Ok(());
         }
         let plan = Arc::clone(&self.plan);
         let groups = plan.groups();
-        self.apply_decided(|p, fx| p.complete_groups_where(|g| ended(groups[g].unit), fx))
+        let ended = |g: usize| groups[g].unit != Unit::Root && !arriving(groups[g].unit);
+        self.apply_decided(|p, fx| p.complete_groups_where(ended, fx))
+    }
+
+    /// `unit`'s backward ended ([`Engine::post_backward`]): where gradients are reduced across
+    /// ranks, every trainable group of it but the root's is reduced (the parameters that got
+    /// none count as zero); elsewhere, where updates run in the backward, its groups are final.
+    pub(super) fn complete_unit(&mut self, unit: Unit) -> Result<()> {
+        let plan = Arc::clone(&self.plan);
+        let groups = plan.groups();
+        let root = unit == Unit::Root;
+        self.apply_decided(|p, fx| p.end_unit(|g| groups[g].unit == unit, root, fx))
     }
 
     /// Checks a gradient for `param` before anything changes; returns its group.
@@ -269,6 +275,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::StepInBackward {
                 what: "a gradient for a group already updated in this step (after its unit's \
                        backward ended)",
+            });
+        }
+        if self.reducing.pipeline.ended(layout.group) {
+            return Err(Error::GradientAfterItsUnit {
+                name: name(),
+                unit: layout.unit,
             });
         }
         Ok(layout.group)

@@ -32,8 +32,10 @@ pub extern "C" fn fsdp_engine_pre_backward(engine: *mut fsdp_engine, unit: i64) 
     unit_hook(engine, unit, UnitHook::PreBackward)
 }
 
-/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Does
-/// not block the host.
+/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Above
+/// world size 1 it reduce-scatters every trainable group of the unit (a collective; not the
+/// root's, which take gradients until the pass ends), a parameter with no gradient counting as
+/// zero, and refuses the unit's later gradients of the pass. Does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
     unit_hook(engine, unit, UnitHook::PostBackward)
@@ -100,8 +102,13 @@ pub unsafe extern "C" fn fsdp_engine_param(
 }
 
 /// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
-/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. The group's
-/// last gradient launches its reduce-scatter (a collective). The caller keeps ownership of `data`.
+/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. At world size
+/// 1 the group's last gradient ends the group's pass. Above it no gradient launches a
+/// reduce-scatter: the end of the unit's backward (`fsdp_engine_post_backward`) or of the pass
+/// does, in the plan's order, so the ranks may hand over different gradients (one with none
+/// counts as zero) as long as they issue the same hooks in the same order; a gradient of a unit
+/// whose backward ended in this pass is refused (`FSDP_MISUSE`). The caller keeps ownership of
+/// `data`.
 ///
 /// CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
 /// device address, read on the compute stream (the caller's stream) after the work already queued
@@ -133,8 +140,8 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 /// Hands over several gradients of this backward pass at once: as `fsdp_engine_grad` on each
 /// entry in order, for one call per unit instead of one per parameter; where the optimizer steps
 /// in the backward, the entries are taken unit after unit, the unit already taking gradients
-/// first, then the others in the order of their first entry (each unit's gradients end the
-/// units before it but the root). Every entry is checked (its parameter, dtype, length, and no
+/// first, then the others in the order of their first entry (at world size 1 each unit's
+/// gradients end the units before it but the root). Every entry is checked (its parameter, dtype, length, and no
 /// parameter twice) before any is taken, so a refused batch changes nothing. `count` 0 does
 /// nothing.
 ///

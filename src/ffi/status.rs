@@ -117,6 +117,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
         | Error::StepInBackward { .. }
+        | Error::GradientAfterItsUnit { .. }
         | Error::MidStep { .. }
         | Error::SavePending { .. }
         | Error::ForbiddenTransition { .. } => FSDP_MISUSE,

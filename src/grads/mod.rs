@@ -1,6 +1,12 @@
 //! Pure decisions for the gradient path: temporary slots (in the transport's dtype),
 //! reduce-scatters in flight, unsharded accumulators of the no-sync mode, and accumulation into
 //! the persistent fp32 shards. No I/O: each call returns the effects to apply.
+//!
+//! Where gradients are reduced (every place but the shards themselves), the ranks' reductions
+//! must come in the same order, whichever gradients each rank got: so a group's gradients of a
+//! pass end only when its unit's backward ends or the pass does, never on the arrival of its
+//! last gradient, and then every trainable group of those that ended, in the plan's order, is
+//! reduced once, its missing gradients zero (a group that got none is zero).
 
 use std::collections::VecDeque;
 
@@ -61,6 +67,20 @@ pub enum GradEffect {
     Final { group: usize },
 }
 
+/// Where a pass's gradients go, and so what ends a group's gradients of a pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GradRoute {
+    /// Straight into the fp32 shards (world size 1): a group's last gradient ends its pass.
+    IntoShards,
+    /// Into slots or accumulators reduced on this rank alone (world size 1, a scaled
+    /// reduction): a group's last gradient ends its pass.
+    Reduced,
+    /// Into slots or accumulators reduced across ranks: the ranks' reductions must come in the
+    /// same order whichever gradients each rank got, so only the end of a group's unit's
+    /// backward, or of the pass, ends its gradients of the pass.
+    ReducedAcrossRanks,
+}
+
 /// When the optimizer updates a group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Updates {
@@ -119,12 +139,19 @@ pub struct GradPipeline {
     /// Groups reduced in part (every slot was being filled) whose other gradients may still
     /// come, in the order of their first part.
     partial: VecDeque<usize>,
+    /// Where gradients are reduced, the groups whose gradients of the pass ended (their unit's
+    /// backward did): each reduced once more, none may come any more in this pass.
+    ended: Vec<bool>,
+    /// A backward pass began and did not end yet.
+    in_pass: bool,
     /// Groups whose [`GradEffect::Final`] was emitted this step.
     finalized: Vec<bool>,
     max_in_flight: usize,
     overlap: bool,
     /// A step's first gradients of a group go straight into its shard (world size 1).
     direct: bool,
+    /// Only units' and passes' ends end a group's gradients ([`GradRoute::ReducedAcrossRanks`]).
+    ordered: bool,
     passes: Passes,
     /// Groups whose accumulator holds this step's gradients.
     accumulated: Vec<bool>,
@@ -136,14 +163,14 @@ pub struct GradPipeline {
 impl GradPipeline {
     /// `members[g]`: the trainable parameters of group `g` (none for a frozen group); `params`:
     /// number of parameters; `slots` temporary buffers, at least `max_in_flight + 1` when any
-    /// group trains and a slot is used at all; `direct` at world size 1, where a step's first
-    /// gradients of a group go straight into its shard (then no group uses an accumulator).
+    /// group trains and a slot is used at all; `route`: where gradients go (straight into the
+    /// shards at world size 1, where no group uses an accumulator).
     pub fn new(
         members: Vec<Vec<usize>>,
         params: usize,
         (slots, max_in_flight): (usize, usize),
         overlap: bool,
-        direct: bool,
+        route: GradRoute,
         (passes, updates): (Passes, Updates),
     ) -> GradPipeline {
         let groups = members.len();
@@ -161,10 +188,13 @@ impl GradPipeline {
             updates,
             complete: vec![false; groups],
             partial: VecDeque::new(),
+            ended: vec![false; groups],
+            in_pass: false,
             finalized: vec![false; groups],
             max_in_flight,
             overlap,
-            direct,
+            direct: route == GradRoute::IntoShards,
+            ordered: route == GradRoute::ReducedAcrossRanks,
             passes,
             accumulated: vec![false; groups],
             written: vec![false; groups],
@@ -195,6 +225,12 @@ impl GradPipeline {
         self.updates == Updates::InBackward && self.complete[group]
     }
 
+    /// Whether `group`'s gradients of this pass ended with its unit's backward, where gradients
+    /// are reduced across ranks: none may come any more in this pass.
+    pub fn ended(&self, group: usize) -> bool {
+        self.ended[group]
+    }
+
     /// Reductions launched and not yet retired.
     #[cfg(test)]
     fn in_flight(&self) -> usize {
@@ -222,9 +258,58 @@ impl GradPipeline {
         }
     }
 
+    /// A backward pass begins (the ranks' hooks say so, not the arrival of a gradient).
+    pub fn begin_pass(&mut self) {
+        self.in_pass = true;
+    }
+
+    /// The backward of a unit whose groups `in_unit` picks ended: where gradients are reduced
+    /// across ranks, every trainable group of it is reduced once more (unless `root`: the
+    /// root's parameters take gradients until the pass ends); elsewhere, where updates run in
+    /// the backward, its groups with gradients are final.
+    pub fn end_unit(
+        &mut self,
+        in_unit: impl FnMut(usize) -> bool,
+        root: bool,
+        effects: &mut Vec<GradEffect>,
+    ) {
+        match self.ordered {
+            true if !root => self.end_groups_where(in_unit, effects),
+            true => {}
+            false if self.updates == Updates::InBackward => {
+                self.complete_groups_where(in_unit, effects)
+            }
+            false => {}
+        }
+    }
+
+    /// Where gradients are reduced across ranks, ends the pass's gradients of every trainable
+    /// group that
+    /// `ended` picks and that did not end yet, in the plan's order, whatever arrived: each is
+    /// reduced once more (opened, all zero, if no gradient of it is waiting), so that every rank
+    /// reduces the same groups in the same order.
+    fn end_groups_where(
+        &mut self,
+        mut ended: impl FnMut(usize) -> bool,
+        effects: &mut Vec<GradEffect>,
+    ) {
+        for group in 0..self.members.len() {
+            if self.members[group].is_empty() || self.ended[group] || !ended(group) {
+                continue;
+            }
+            self.ended[group] = true;
+            if self.filling[group].is_none() {
+                self.open(group, effects);
+            }
+            self.launch(group, effects);
+        }
+    }
+
     /// Ends the pass's gradients of every group with some that `ended` picks, as
     /// [`GradPipeline::end_pass`] does for all (the parameters that got none count as zero):
     /// where updates run in the backward, a unit's groups are final once its backward ended.
+    /// Where no rank waits for another only: the groups end in the order they began taking
+    /// gradients.
     pub fn complete_groups_where(
         &mut self,
         mut ended: impl FnMut(usize) -> bool,
@@ -413,6 +498,8 @@ impl GradPipeline {
     /// commits before asking for another.
     pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> GradTarget {
         self.pending = true;
+        // A gradient outside a pass (after the step's sync) begins one.
+        self.in_pass = true;
         self.synced = false;
         if let Some(place) = self.filling[group] {
             return place;
@@ -434,21 +521,32 @@ impl GradPipeline {
         place
     }
 
-    /// `param`'s gradient is in `group`'s open slot; the group's last one launches its reduction.
+    /// `param`'s gradient is in `group`'s open slot; the group's last one ends the group's
+    /// gradients of the pass, unless they are reduced across ranks (there its unit's end or
+    /// the pass's does).
     pub fn commit(&mut self, param: usize, group: usize, effects: &mut Vec<GradEffect>) {
         debug_assert!(!self.received[param] && self.filling[group].is_some());
         self.received[param] = true;
         self.in_slot[param] = true;
         self.received_count[group] += 1;
-        if self.received_count[group] == self.members[group].len() {
+        if !self.ordered && self.received_count[group] == self.members[group].len() {
             self.launch(group, effects);
         }
     }
 
-    /// The backward pass ended: groups still missing gradients are reduced with what they have.
+    /// The backward pass ended: every group's gradients of it end, the parameters that got none
+    /// zero. Where gradients are reduced across ranks, every trainable group is reduced in the
+    /// pass (those whose unit's backward ended already were). Nothing where no pass began.
     pub fn end_pass(&mut self, effects: &mut Vec<GradEffect>) {
-        // Every group ends, those reduced in part too: they get nothing more in this pass.
-        self.complete_groups_where(|_| true, effects);
+        if !std::mem::take(&mut self.in_pass) {
+            return;
+        }
+        match self.ordered {
+            true => self.end_groups_where(|_| true, effects),
+            // Every group ends, those reduced in part too: they get nothing more in this pass.
+            false => self.complete_groups_where(|_| true, effects),
+        }
+        self.ended.fill(false);
         self.received.fill(false);
         self.received_count.fill(0);
     }

@@ -14,7 +14,7 @@ fn reduces(effects: &[GradEffect]) -> usize {
 #[test]
 fn a_group_reduces_once_its_last_gradient_arrives() {
     // Group 0: params 0 and 1.
-    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, false, AFTER);
+    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (3, 2), true, GradRoute::Reduced, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     assert_eq!(
@@ -59,7 +59,7 @@ fn at_most_max_in_flight_reductions() {
         groups,
         (3, 2),
         true,
-        false,
+        GradRoute::Reduced,
         AFTER,
     );
     let mut fx = Vec::new();
@@ -82,7 +82,14 @@ fn at_most_max_in_flight_reductions() {
 
 #[test]
 fn overlap_off_retires_each_reduction_at_once() {
-    let mut p = GradPipeline::new(vec![vec![0], vec![1]], 2, (3, 2), false, false, AFTER);
+    let mut p = GradPipeline::new(
+        vec![vec![0], vec![1]],
+        2,
+        (3, 2),
+        false,
+        GradRoute::Reduced,
+        AFTER,
+    );
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     assert_eq!(p.in_flight(), 0);
@@ -97,7 +104,7 @@ fn full_slots_flush_the_oldest_partial_group() {
         6,
         (2, 1),
         true,
-        false,
+        GradRoute::Reduced,
         AFTER,
     );
     let mut fx = Vec::new();
@@ -191,7 +198,14 @@ fn full_slots_flush_the_oldest_partial_group() {
 
 #[test]
 fn at_world_size_1_gradients_go_straight_to_the_shard_and_later_passes_add() {
-    let mut p = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, AFTER);
+    let mut p = GradPipeline::new(
+        vec![vec![0, 1]],
+        2,
+        (0, 1),
+        true,
+        GradRoute::IntoShards,
+        AFTER,
+    );
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     p.on_grad(1, 0, &mut fx);
@@ -235,7 +249,7 @@ fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
             2,
             (2, 1),
             true,
-            false,
+            GradRoute::Reduced,
             (passes, Updates::AfterBackward),
         );
         let mut fx = Vec::new();
@@ -292,7 +306,7 @@ fn no_sync_passes_add_into_the_accumulator_and_the_sync_reduces_it_once() {
 
 #[test]
 fn passes_accumulate_and_steps_overwrite() {
-    let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, false, AFTER);
+    let mut p = GradPipeline::new(vec![vec![0]], 1, (2, 1), true, GradRoute::Reduced, AFTER);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     p.end_pass(&mut fx);
@@ -339,7 +353,7 @@ fn finish_zeroes_shards_without_gradients_and_reduces_partial_groups() {
         4,
         (3, 2),
         true,
-        false,
+        GradRoute::Reduced,
         AFTER,
     );
     let mut fx = Vec::new();
@@ -381,7 +395,7 @@ fn finals(effects: &[GradEffect]) -> Vec<usize> {
 fn at_world_size_1_a_group_is_final_once_its_gradients_are_all_written() {
     // Group 0: params 0 and 1; group 1: param 2; group 2: param 3, which gets none.
     let members = vec![vec![0, 1], vec![2], vec![3]];
-    let mut p = GradPipeline::new(members, 4, (0, 1), true, true, IN_BACKWARD);
+    let mut p = GradPipeline::new(members, 4, (0, 1), true, GradRoute::IntoShards, IN_BACKWARD);
     let mut fx = Vec::new();
     p.on_grad(0, 0, &mut fx);
     assert!(finals(&fx).is_empty() && !p.closed(0));
@@ -412,7 +426,14 @@ fn at_world_size_1_a_group_is_final_once_its_gradients_are_all_written() {
         ]
     );
     // The same in steps that update after the backward: no update effect at all.
-    let mut after = GradPipeline::new(vec![vec![0, 1]], 2, (0, 1), true, true, AFTER);
+    let mut after = GradPipeline::new(
+        vec![vec![0, 1]],
+        2,
+        (0, 1),
+        true,
+        GradRoute::IntoShards,
+        AFTER,
+    );
     let mut fx = Vec::new();
     after.on_grad(0, 0, &mut fx);
     after.on_grad(1, 0, &mut fx);
@@ -427,7 +448,7 @@ fn a_units_end_completes_its_groups_the_missing_gradients_zero() {
         3,
         (0, 1),
         true,
-        true,
+        GradRoute::IntoShards,
         IN_BACKWARD,
     );
     let mut fx = Vec::new();
@@ -456,7 +477,7 @@ fn where_gradients_travel_a_group_is_final_at_the_retire_of_its_last_reduction()
         3,
         (3, 2),
         true,
-        false,
+        GradRoute::Reduced,
         IN_BACKWARD,
     );
     let mut fx = Vec::new();
@@ -484,7 +505,7 @@ fn reduced_in_part(overlap: bool) -> (GradPipeline, Vec<GradEffect>) {
         5,
         (2, 1),
         overlap,
-        false,
+        GradRoute::Reduced,
         IN_BACKWARD,
     );
     let mut fx = Vec::new();
@@ -539,4 +560,96 @@ fn a_group_reduced_in_part_whose_other_gradients_never_come_is_final_when_its_un
             "end of unit {end_of_unit}: {fx:?}"
         );
     }
+}
+
+/// The groups a rank's effects reduce, in order.
+fn reduced_groups(effects: &[GradEffect]) -> Vec<usize> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Reduce { group, .. } => Some(*group),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn across_ranks_the_reductions_follow_the_units_ends_in_the_plans_order_whatever_arrived() {
+    // Groups 0 and 1 in unit A (params 0, 1 and 2), group 2 in unit B (param 3), group 3 the
+    // root's (param 4), group 4 frozen. Ranks hand over different subsets in different orders:
+    // each reduces the same groups in the same order, once each, a missing gradient zeroed.
+    let members = vec![vec![0, 1], vec![2], vec![3], vec![4], vec![]];
+    let in_a = |g: usize| g < 2;
+    let in_b = |g: usize| g == 2;
+    // Each rank's gradients (param, group) in unit B's backward, then in unit A's.
+    type Gradients = &'static [(usize, usize)];
+    let ranks: [(Gradients, Gradients); 4] = [
+        (&[(3, 2)], &[(0, 0), (1, 0), (2, 1), (4, 3)]),
+        (&[], &[(2, 1), (1, 0)]),
+        (&[(4, 3), (3, 2)], &[(0, 0)]),
+        (&[], &[]),
+    ];
+    let mut sequences = Vec::new();
+    for (b_grads, a_grads) in ranks {
+        let mut p = GradPipeline::new(
+            members.clone(),
+            5,
+            (3, 2),
+            true,
+            GradRoute::ReducedAcrossRanks,
+            AFTER,
+        );
+        let mut fx = Vec::new();
+        p.begin_pass();
+        for &(param, group) in b_grads {
+            p.on_grad(param, group, &mut fx);
+        }
+        // No gradient reduces: the ends do.
+        assert_eq!(reduces(&fx), 0);
+        p.end_unit(in_b, false, &mut fx);
+        assert!(p.ended(2) && !p.ended(0));
+        for &(param, group) in a_grads {
+            p.on_grad(param, group, &mut fx);
+        }
+        p.end_unit(in_a, false, &mut fx);
+        // The root's end waits for the pass's.
+        p.end_unit(|g| g == 3, true, &mut fx);
+        assert!(!p.ended(3));
+        p.finish(&mut fx);
+        // Every trainable place written whole: a group that got nothing is opened and zeroed.
+        for (param, group) in [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)] {
+            let got = b_grads.contains(&(param, group)) || a_grads.contains(&(param, group));
+            let zeroed = fx
+                .iter()
+                .any(|e| matches!(e, ZeroParam { param: p, .. } if *p == param));
+            assert_eq!(got, !zeroed, "param {param}");
+        }
+        assert!(!fx.iter().any(|e| matches!(e, ZeroShard { .. })));
+        sequences.push(reduced_groups(&fx));
+    }
+    for sequence in &sequences {
+        assert_eq!(sequence, &[2, 0, 1, 3]);
+    }
+}
+
+#[test]
+fn across_ranks_a_pass_that_never_began_reduces_nothing_and_its_groups_are_zero() {
+    let mut p = GradPipeline::new(
+        vec![vec![0], vec![1]],
+        2,
+        (3, 2),
+        true,
+        GradRoute::ReducedAcrossRanks,
+        AFTER,
+    );
+    let mut fx = Vec::new();
+    p.end_pass(&mut fx);
+    p.finish(&mut fx);
+    assert_eq!(fx, vec![ZeroShard { group: 0 }, ZeroShard { group: 1 }]);
+    // A pass with no gradient at all reduces every trainable group (a peer may have some).
+    let mut fx = Vec::new();
+    p.end_step();
+    p.begin_pass();
+    p.finish(&mut fx);
+    assert_eq!(reduced_groups(&fx), [0, 1]);
 }

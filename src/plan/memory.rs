@@ -69,6 +69,12 @@ impl Policy {
             "none: at world size 1 gradients go straight into the shards".into()
         } else if grad_slots == 0 {
             "none: the fp32 accumulators are reduced in place".into()
+        } else if grad_slots > limits.reduces_in_flight + 1 {
+            format!(
+                "one for each group taking gradients at once (the root's and one unit's) until \
+                 its unit's backward ends, in {}",
+                self.grad_slot_dtype
+            )
         } else {
             format!(
                 "one filling beside each of {} reductions in flight, in {}",
@@ -280,17 +286,25 @@ mod tests {
             ..config(true, PerStep)
         };
         assert_eq!(memory(4, one_at_a_time).grad_shards, 128 * 4);
-        // One reduction in flight leaves two slots: three groups taking gradients may have one
-        // reduced early, its shard kept until its last reduction; the root's and unit 0's
-        // count then, bounded by every shard.
+        // One reduction in flight still has a slot for each of the three groups taking
+        // gradients at once: the largest shard only.
         let one_in_flight = EngineConfig {
             max_reduces_in_flight: 1,
             ..config(true, PerStep)
         };
-        assert_eq!(
-            memory(4, one_in_flight).grad_shards,
-            (128 + 64 + 64 + 128) * 4
-        );
+        let policy = Policy::new(&Plan::new(&m, 4).unwrap(), &one_in_flight).unwrap();
+        assert_eq!(policy.layout.grad_slots, 3);
+        assert_eq!(policy.memory.grad_shards, 128 * 4);
+        // Where nothing travels but a reduction scales the gradients, two slots: three groups
+        // taking gradients may have one reduced early, its shard kept until its last
+        // reduction; the root's and unit 0's count then, bounded by every shard.
+        let scaled = EngineConfig {
+            grad_reduction: crate::config::GradReduction::Scaled(0.5),
+            ..one_in_flight
+        };
+        let policy = Policy::new(&Plan::new(&m, 1).unwrap(), &scaled).unwrap();
+        assert_eq!(policy.layout.grad_slots, 2);
+        assert_eq!(policy.memory.grad_shards, (320 + 192 + 320) * 4);
     }
 
     #[test]

@@ -81,9 +81,19 @@ impl Policy {
             _ => limits.gathered,
         };
         // One slot being filled beside each reduction in flight; none where gradients go
-        // straight into the shards or fp32 accumulators are reduced in place.
+        // straight into the shards or fp32 accumulators are reduced in place. Where each pass
+        // reduces across ranks, a group holds its slot until its unit's backward ends, so every
+        // group that takes gradients at once (the root's and one unit's) has one: none is
+        // reduced in part, which would depend on the gradients a rank got.
         let in_place = grad_accumulators && grad_slot_dtype == DType::F32;
+        let filled_at_once = {
+            let (root, unit) = groups_taking_gradients_at_once(plan);
+            root.saturating_add(unit)
+        };
         let grad_slots = match trainable > 0 && !grads_direct && !in_place {
+            true if plan.grads_travel() && !grad_accumulators => {
+                (limits.reduces_in_flight + 1).max(filled_at_once)
+            }
             true => limits.reduces_in_flight + 1,
             false => 0,
         };
@@ -126,6 +136,22 @@ impl Policy {
     }
 }
 
+/// The trainable groups of the root, and the most of any other unit: the groups that take
+/// gradients at once where units' backwards come one after another.
+fn groups_taking_gradients_at_once(plan: &Plan) -> (usize, usize) {
+    let (mut root, mut most) = (0, 0);
+    for (u, &unit) in plan.units().iter().enumerate() {
+        let trainable = (plan.unit_groups(u).iter())
+            .filter(|&&g| plan.groups()[g].trainable)
+            .count();
+        match unit {
+            Unit::Root => root = trainable,
+            _ => most = most.max(trainable),
+        }
+    }
+    (root, most)
+}
+
 /// The most bytes of per-step gradient shards held at once where each group's goes right after
 /// its update in the backward (never more than every shard). Gradients of one unit end those of
 /// every other unit but the root, so at most the root's groups and one other unit's take
@@ -151,21 +177,15 @@ fn grad_shards_in_flight(
             .iter()
             .try_fold(0usize, |total, &g| total.checked_add(shard(g)))
     };
-    let trains = |g: &&usize| layout.groups[**g].grad_shard.is_some();
     let (mut root, mut largest_unit) = (0usize, 0usize);
-    let (mut root_groups, mut most_unit_groups) = (0, 0);
     for (u, &unit) in plan.units().iter().enumerate() {
-        let groups = plan.unit_groups(u);
-        let bytes = sum(groups).ok_or_else(overflow)?;
-        let count = groups.iter().filter(trains).count();
+        let bytes = sum(plan.unit_groups(u)).ok_or_else(overflow)?;
         match unit {
-            Unit::Root => (root, root_groups) = (bytes, count),
-            _ => {
-                largest_unit = largest_unit.max(bytes);
-                most_unit_groups = most_unit_groups.max(count);
-            }
+            Unit::Root => root = bytes,
+            _ => largest_unit = largest_unit.max(bytes),
         }
     }
+    let (root_groups, most_unit_groups) = groups_taking_gradients_at_once(plan);
     let open_units = root.checked_add(largest_unit).ok_or_else(overflow)?;
     let bound = match reductions {
         None => open_units,

@@ -429,7 +429,8 @@ fn forward_then_gradient(engine: usize) -> fsdp_status {
     gradient_after_forward(engine)
 }
 
-/// `w`'s gradient after the forward, then a read of its shard (a host wait).
+/// `w`'s gradient after the forward, the end of the backward (which reduces it), then a read of
+/// its shard (a host wait).
 fn gradient_after_forward(engine: usize) -> fsdp_status {
     let e = handle(engine);
     let g = [0.5f32; 9];
@@ -438,9 +439,16 @@ fn gradient_after_forward(engine: usize) -> fsdp_status {
     // SAFETY: a valid host gradient of `w`'s 9 elements, and valid out-pointers.
     unsafe {
         match fsdp_engine_grad(e, 1, g.as_ptr().cast(), 9, FSDP_F32) {
-            fsdp_status::FSDP_OK => {
-                fsdp_engine_param_shard(e, 1, bytes.as_mut_ptr().cast(), bytes.len(), &mut written)
-            }
+            fsdp_status::FSDP_OK => match fsdp_engine_finish_grad_sync(e) {
+                fsdp_status::FSDP_OK => fsdp_engine_param_shard(
+                    e,
+                    1,
+                    bytes.as_mut_ptr().cast(),
+                    bytes.len(),
+                    &mut written,
+                ),
+                failed => failed,
+            },
             failed => failed,
         }
     }
