@@ -363,8 +363,9 @@ class _Hooks:
             return saved
         u = saved.unit
         if u.views is None:
-            name = u.params[saved.position].name
-            raise MisuseError(f"backward needs {name}, whose unit's backward is not open")
+            # A node of the unit runs before any gradient reached the unit's outputs (a loss on
+            # a value the unit kept aside, such as an auxiliary loss): its backward begins here.
+            self._pre_backward(u.index)
         flat = u.views.tensors[saved.position].reshape(-1)
         if flat.dtype != saved.dtype:
             flat = flat.view(saved.dtype)

@@ -148,6 +148,52 @@ def test_gradients_missing_on_some_ranks_only_train_as_zero_gradients(overlap):
         assert not torch.equal(runs[False][0][name], blocks.state_dict()[name]), name
 
 
+class Aside(torch.nn.Module):
+    """A block that keeps an auxiliary loss aside (`aux`), as a mixture of experts keeps its
+    load-balancing loss, from its gate's weight and its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.gate = torch.nn.Linear(8, 2)
+        self.aux = None
+
+    def forward(self, x):
+        self.aux = (torch.softmax(self.gate(x), -1).square().mean()
+                    + 0.01 * self.gate.weight.square().sum())
+        return x + torch.tanh(self.lin(x))
+
+
+def test_a_loss_on_a_value_a_unit_kept_aside_trains_as_at_world_size_1():
+    """A loss of only the blocks' auxiliary losses: no gradient reaches a block's outputs, and
+    its backward begins where autograd first needs its parameters. At world size 2 on the same
+    batches the parameters end as at world size 1, bit for bit."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(Aside() for _ in range(3)))
+    runs = {}
+    for world in (1, 2):
+        modules = [copy.deepcopy(blocks) for _ in range(world)]
+        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank]), local_group=group, rank=rank, lr=1e-2))
+
+        def train(rank):
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                fused[rank](torch.randn(4, 8, generator=g))
+                sum(block.aux for block in modules[rank]).backward()
+                fused[rank].step()
+            return fused[rank].full_state_dict()
+
+        runs[world] = on_ranks(world, train)
+        for f in fused:
+            f.close()
+    for state in runs[2]:
+        for name, value in runs[1][0].items():
+            assert torch.equal(state[name], value), name
+    assert not torch.equal(runs[1][0]["0.gate.weight"], blocks[0].gate.weight.detach())
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):
