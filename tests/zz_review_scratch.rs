@@ -173,3 +173,74 @@ fn s3_gradient_free_backward_then_end_step() {
     });
     report("s3", out);
 }
+
+/// Rank 0 hands over every gradient, rank 1 none, with every hook: a full step.
+fn full_step(e: &mut E) -> Result<()> {
+    forward(e)?;
+    for (unit, names) in [
+        (Unit::Layer(1), &["b", "b2", "bn"][..]),
+        (Unit::Layer(0), &["a", "a2", "an"][..]),
+        (Unit::Root, &["r"][..]),
+    ] {
+        e.pre_backward(unit)?;
+        if e.rank() == 0 {
+            for n in names {
+                grad(e, n)?;
+            }
+        }
+        e.post_backward(unit)?;
+    }
+    e.finish_grad_sync()?;
+    e.optimizer_step()?;
+    e.end_step()
+}
+
+/// 4. end_pass's zero opens set in_pass again on the rank that missed a gradient only: a later
+/// step with no backward (forward, then the step) reduces every group on that rank alone.
+#[test]
+fn s4_stale_in_pass_after_zero_opens() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let out = on_engines(&plan, &config(), Mode::Eager, |mut e| -> Result<(u64, u64)> {
+        full_step(&mut e)?;
+        let before = e.counters().reduce_scatters;
+        forward(&mut e)?;
+        e.finish_grad_sync()?;
+        let after = e.counters().reduce_scatters;
+        e.optimizer_step()?;
+        e.end_step()?;
+        Ok((before, after))
+    });
+    report("s4", out);
+}
+
+/// 4b. Same, within one step: finish_grad_sync, then an evaluation forward before the
+/// optimizer's step (enter(Forward) ends the "pass").
+#[test]
+fn s4b_forward_between_sync_and_step() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let out = on_engines(&plan, &config(), Mode::Eager, |mut e| -> Result<(u64, u64)> {
+        forward(&mut e)?;
+        for (unit, names) in [
+            (Unit::Layer(1), &["b", "b2", "bn"][..]),
+            (Unit::Layer(0), &["a", "a2", "an"][..]),
+            (Unit::Root, &["r"][..]),
+        ] {
+            e.pre_backward(unit)?;
+            if e.rank() == 0 {
+                for n in names {
+                    grad(&mut e, n)?;
+                }
+            }
+            e.post_backward(unit)?;
+        }
+        e.finish_grad_sync()?;
+        let before = e.counters().reduce_scatters;
+        forward(&mut e)?;
+        let after = e.counters().reduce_scatters;
+        e.finish_grad_sync()?;
+        e.optimizer_step()?;
+        e.end_step()?;
+        Ok((before, after))
+    });
+    report("s4b", out);
+}

@@ -26,6 +26,8 @@ class _Param:
     tensor: torch.nn.Parameter
     unit: int
     tied: bool
+    # Whether it trains: its `requires_grad` when wrapped.
+    trains: bool
     # What `.data` holds while the parameter is not gathered: one NaN broadcast to its shape, so
     # that the shape stays right and a use outside its unit shows.
     placeholder: torch.Tensor | None = None
@@ -56,7 +58,7 @@ def _owners(module: torch.nn.Module, units: list[torch.nn.Module]) -> list[_Para
         # A parameter that several units (or a unit and the root) use stays gathered with the
         # root, which is open for the whole forward and backward.
         unit = owner_units.pop() if len(owner_units) == 1 else ROOT
-        params.append(_Param(index, name, p, unit, slots > 1))
+        params.append(_Param(index, name, p, unit, slots > 1, p.requires_grad))
     if not params:
         raise InvalidArgumentError("the module has no parameters")
     return params

@@ -108,7 +108,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     (the engine holds their sum): clip with `step(max_grad_norm=...)`, which does the same at
     every world size and over every pass.
 
-    Which parameters train is fixed when wrapping (`requires_grad` then); a trainable parameter
+    Which parameters train is fixed when wrapping (`requires_grad` then; `step` refuses, with
+    nothing changed, while a parameter's `requires_grad` differs from that); a trainable parameter
     that gets no gradient in a step counts as a zero gradient, so AdamW's decay and moments
     still move it, where `torch.optim` skips a parameter whose `.grad` is None.
 
@@ -313,6 +314,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
             raise MisuseError("step_in_backward updated each group as its gradient became "
                               "final: the gradient norm, clipping, skipping and the non-finite "
                               "count need the whole gradient first")
+        changed = [p.name for p in self._params if p.tensor.requires_grad != p.trains]
+        if changed:
+            raise MisuseError(f"requires_grad of {', '.join(changed)} changed since wrapping, "
+                              "which fixed the parameters that train: set it back (or wrap "
+                              "again); the step is left to take")
         self._close_backwards()
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None

@@ -194,6 +194,51 @@ def test_a_loss_on_a_value_a_unit_kept_aside_trains_as_at_world_size_1():
     assert not torch.equal(runs[1][0]["0.gate.weight"], blocks[0].gate.weight.detach())
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_step_after_requires_grad_changed_since_wrapping_is_refused_until_it_is_back(world):
+    """Which parameters train is fixed when wrapping: a step while a frozen parameter requires
+    a gradient, or a trainable one does not, is refused naming it, with nothing changed; with
+    `requires_grad` set back the step goes on, and the run ends as one that never changed it."""
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+    blocks[1].bias.requires_grad_(False)
+    runs = {}
+    for toggle in (False, True):
+        modules = [copy.deepcopy(blocks) for _ in range(world)]
+        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank]), local_group=group, rank=rank, lr=1e-2))
+
+        def train(rank):
+            module, f = modules[rank], fused[rank]
+            g = torch.Generator().manual_seed(1)
+            refusals = []
+            for step in range(3):
+                x = torch.randn(4, 8, generator=g)
+                if toggle and step == 1:
+                    # Autograd now computes the frozen bias's gradient, which the engine leaves.
+                    module[1].bias.requires_grad_(True)
+                f(x).square().mean().backward()
+                if toggle and step == 1:
+                    module[2].weight.requires_grad_(False)
+                    with pytest.raises(fsdp_fusion.MisuseError) as refused:
+                        f.step()
+                    refusals.append(str(refused.value))
+                    module[1].bias.requires_grad_(False)
+                    module[2].weight.requires_grad_(True)
+                f.step()
+            return refusals, f.full_state_dict()
+
+        runs[toggle] = on_ranks(world, train)
+        for f in fused:
+            f.close()
+    for (refusals, state), (_, plain) in zip(runs[True], runs[False]):
+        assert len(refusals) == 1 and "1.bias, 2.weight" in refusals[0], refusals
+        for name, value in plain.items():
+            assert torch.equal(state[name], value), name
+    assert torch.equal(runs[False][0][1]["1.bias"], blocks[1].bias.detach())
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):
