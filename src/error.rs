@@ -165,7 +165,7 @@ pub enum Error {
     )]
     StepInBackward { what: &'static str },
     #[error(
-        "parameter {name:?} got its gradient after its unit's ({unit:?}) backward ended, which reduced the unit's gradients of the pass; above world size 1 a unit's gradients come before its post_backward (a parameter used outside its unit's forward belongs to the root)"
+        "parameter {name:?} got its gradient after its unit's ({unit:?}) backward ended, which reduced the unit's gradients of the pass; where gradients travel between ranks a unit's gradients come before its post_backward (a parameter used outside its unit's forward belongs to the root)"
     )]
     GradientAfterItsUnit { name: String, unit: Unit },
     #[error("parameter {name:?} is not gathered: its unit's forward or backward must be open")]

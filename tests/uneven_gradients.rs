@@ -242,3 +242,74 @@ fn a_gradient_after_its_units_backward_ended_is_refused_and_the_pass_goes_on() {
         }
     });
 }
+
+/// A backward pass with every hook, unit 1's then unit 0's then the root's, in which only rank 0
+/// hands over gradients.
+fn backward_of_rank_0<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
+    let plan = e.plan().clone();
+    for unit in [Unit::Layer(1), Unit::Layer(0), Unit::Root] {
+        e.pre_backward(unit)?;
+        if e.rank() == 0 {
+            for p in plan.params().iter().filter(|p| p.unit == unit) {
+                let id = plan.param_id(&p.name)?;
+                e.grad(id, Input::host(&gradient(0, id, p.numel)))?;
+            }
+        }
+        e.post_backward(unit)?;
+    }
+    Ok(())
+}
+
+fn forward<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
+    for unit in [Unit::Root, Unit::Layer(0), Unit::Layer(1)] {
+        e.pre_forward(unit)?;
+        e.post_forward(unit)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn only_the_hooks_begin_and_end_a_pass_so_ranks_without_gradients_keep_in_step() {
+    // Rank 1 gets no gradient at all. Steps: a forward between the sync and the optimizer's
+    // step; a step with no backward; a second backward pass after the sync. Each rank issues
+    // the same collectives (compared every step) and as many reductions.
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let config = EngineConfig {
+        optimizer: OptimizerConfig::sgd(LR),
+        verify_collectives: true,
+        ..EngineConfig::default()
+    };
+    for_each_mode(|mode| {
+        let counts = on_engines(&plan, &config, mode, |mut e| -> Result<Vec<u64>> {
+            let mut counts = Vec::new();
+            forward(&mut e)?;
+            backward_of_rank_0(&mut e)?;
+            e.finish_grad_sync()?;
+            forward(&mut e)?;
+            e.optimizer_step()?;
+            e.end_step()?;
+            counts.push(e.counters().reduce_scatters);
+            forward(&mut e)?;
+            e.finish_grad_sync()?;
+            e.optimizer_step()?;
+            e.end_step()?;
+            counts.push(e.counters().reduce_scatters);
+            forward(&mut e)?;
+            backward_of_rank_0(&mut e)?;
+            e.finish_grad_sync()?;
+            backward_of_rank_0(&mut e)?;
+            e.finish_grad_sync()?;
+            e.optimizer_step()?;
+            e.end_step()?;
+            counts.push(e.counters().reduce_scatters);
+            Ok(counts)
+        });
+        let counts: Vec<Vec<u64>> = counts
+            .into_iter()
+            .map(|c| c.unwrap_or_else(|e| panic!("{mode:?}: {e}")))
+            .collect();
+        // Five trainable groups a pass: one pass, none, two.
+        assert_eq!(counts[0], [5, 5, 15], "{mode:?}");
+        assert_eq!(counts[0], counts[1], "{mode:?}");
+    });
+}

@@ -135,6 +135,11 @@ class _Hooks:
     def _pre_forward_hook(self, unit: int):
         def hook(_module, args, kwargs):
             u = self._units[unit]
+            # A forward of a unit after the backward began is its recompute (reentrant
+            # checkpointing, whose first forward took no gradient): its backward opens first, so
+            # that the engine takes the forward as part of it, not as the end of the pass.
+            if self._backward_began and torch.is_grad_enabled() and not u.backward_open:
+                self._pre_backward(unit)
             # Outside the root's forward (a root with no parameters of its own, a recompute in
             # backward) the unit's hooks tell the engine where a pass begins.
             if self._views_move or u.views is None or self._root.opens == 0:
@@ -163,6 +168,7 @@ class _Hooks:
         # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
+        self._backward_began = False
         if self._views_move:
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -206,6 +212,7 @@ class _Hooks:
                 t.register_hook(on_grad)
 
     def _pre_backward(self, unit: int):
+        self._backward_began = True
         u = self._unit_of[unit]
         if not u.backward_open:
             self._open(u, self._lib.fsdp_engine_pre_backward)
@@ -234,9 +241,10 @@ class _Hooks:
         do not, the whole model's, in one call (unless the optimizer steps in the backward,
         which takes each unit's gradients as its backward ends). Two backward passes with no
         forward between them (`retain_graph`) are one pass to the engine: where units hand
-        their gradients over, a unit's gradient handed over in both is refused as a duplicate,
-        and a late one is their sum in the parameter's dtype, as every gradient is where the
-        whole model's go over at once."""
+        their gradients over, a unit's gradient handed over in both is refused as a duplicate
+        (where gradients travel, any gradient of a unit whose backward ended is refused), and a
+        late one at world size 1 is their sum in the parameter's dtype, as every gradient is
+        where the whole model's go over at once."""
         for u in self._unit_of.values():
             if u.backward_open:
                 self._post_backward(u.index)

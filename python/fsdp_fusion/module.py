@@ -272,6 +272,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._per_unit = self._views_move or step_in_backward
         self._step_in_backward = step_in_backward
         self._open_units: list[_Unit] = []
+        # Whether a unit's backward began since the last forward of the whole module.
+        self._backward_began = False
         self._saved_hooks = None
         # Whether the step so far had forward passes, and gradients: a step of forwards only
         # (an evaluation) is ended before a save or a load.

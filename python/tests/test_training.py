@@ -239,6 +239,63 @@ def test_a_step_after_requires_grad_changed_since_wrapping_is_refused_until_it_i
     assert torch.equal(runs[False][0][1]["1.bias"], blocks[1].bias.detach())
 
 
+class Recomputed(torch.nn.Module):
+    """Blocks under no root parameter, each checkpointed (`reentrant`: True, False, or None for
+    no checkpointing)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = torch.tanh(block(x))
+            else:
+                x = torch.utils.checkpoint.checkpoint(
+                    lambda x, block=block: torch.tanh(block(x)), x,
+                    use_reentrant=self.reentrant)
+        return x
+
+
+def test_units_recomputed_in_the_backward_under_a_root_without_parameters_reduce_once():
+    """A reentrant checkpoint recomputes a unit's forward inside the backward, where no other
+    backward is open: the unit's backward opens first, so the recompute stays part of the pass.
+    Each group is reduced once a step, as without checkpointing, and the runs end the same."""
+    world = 2
+    runs = {}
+    for reentrant in (None, False, True):
+        torch.manual_seed(0)
+        modules = [Recomputed(reentrant) for _ in range(world)]
+        for m in modules[1:]:
+            m.load_state_dict(modules[0].state_dict())
+        group = fsdp_fusion.LocalGroup(world)
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], list(modules[rank].blocks), local_group=group, rank=rank, lr=1e-2,
+            verify_collectives=True))
+
+        def train(rank):
+            g = torch.Generator().manual_seed(rank)
+            counts = []
+            for _ in range(2):
+                before = fused[rank].counters().reduce_scatters
+                x = torch.randn(4, 8, generator=g, requires_grad=True)
+                fused[rank](x).square().mean().backward()
+                fused[rank].step()
+                counts.append(fused[rank].counters().reduce_scatters - before)
+            return counts, fused[rank].full_state_dict()
+
+        runs[reentrant] = on_ranks(world, train)
+        for f in fused:
+            f.close()
+    for reentrant in (False, True):
+        for (counts, state), (plain_counts, plain) in zip(runs[reentrant], runs[None]):
+            assert counts == plain_counts == [4, 4], (reentrant, counts, plain_counts)
+            for name, value in plain.items():
+                assert torch.equal(state[name], value), (reentrant, name)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_ranks_match_torch_on_the_mean_of_their_batches(world, optimizer):

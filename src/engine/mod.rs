@@ -398,15 +398,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.check_no_open_slot()?;
         self.effects(|e| {
             e.begin(Phase::Backward, u)?;
+            // Each rank's hooks begin its pass, after the step's sync too (where the phase
+            // stays the backward's), whichever gradients it gets.
+            e.reducing.pipeline.begin_pass();
             e.open.backward.insert(u);
             e.use_unit_traced(u, Phase::Backward)
         })
     }
 
-    /// After `unit`'s backward. Optional: [`Engine::finish_grad_sync`] ends any backward still
-    /// open. Above world size 1 it reduce-scatters every trainable group of the unit (not the
-    /// root's, which take gradients until the pass ends), a parameter with no gradient counting
-    /// as zero, and the unit's later gradients of the pass are refused.
+    /// After `unit`'s backward. Optional where the ranks hand over the same gradients in the
+    /// same order: [`Engine::finish_grad_sync`] ends any backward still open. Where gradients
+    /// travel between ranks (above world size 1, or with replicas) it reduce-scatters every
+    /// trainable group of the unit (not the root's, which take gradients until the pass ends),
+    /// a parameter with no gradient counting as zero, and the unit's later gradients of the
+    /// pass are refused. Ranks whose gradients differ (some without a parameter's) end each
+    /// unit's backward before the next unit's gradients: the reductions then follow the hooks,
+    /// which every rank issues alike. A pass of hooks with no gradient at all reduces zeros
+    /// and ends with [`Engine::finish_grad_sync`] like any other.
     pub fn post_backward(&mut self, unit: Unit) -> Result<()> {
         let _range = crate::nvtx::range("post_backward", unit);
         self.healthy()?;

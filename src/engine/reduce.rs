@@ -90,10 +90,11 @@ pub(super) fn place_buffer<'a, Buf, E>(
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Hands over `param`'s gradient for this backward pass, in the param's dtype or f32; it is
-    /// written into a slot of the transport's dtype (or the fp32 shard, or accumulator). At
-    /// world size 1 the group's last gradient ends the group's pass. Above it no gradient
-    /// launches a reduce-scatter: the end of the unit's backward ([`Engine::post_backward`]) or
-    /// of the pass does, in the plan's order, so the ranks may hand over different gradients
+    /// written into a slot of the transport's dtype (or the fp32 shard, or accumulator). Where
+    /// gradients stay on the rank the group's last gradient ends the group's pass. Where they
+    /// travel (above world size 1, or with replicas) no gradient launches a reduce-scatter: the
+    /// end of the unit's backward ([`Engine::post_backward`]) or of the pass does, in the plan's
+    /// order, so the ranks may hand over different gradients
     /// (one with none counts as zero) as long as they issue the same hooks in the same order;
     /// a gradient of a unit whose backward ended in this pass is
     /// `Error::GradientAfterItsUnit`. Host input is read before this returns.
@@ -109,10 +110,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// can (a layer whose parameters alternate between a decayed and an exempt group costs two
     /// launches, not one per parameter). Where the optimizer steps in the backward, the batch is
     /// taken unit after unit, the unit already taking gradients first, then the others in the
-    /// order of their first gradient in the batch, as one call per unit would take them: at
-    /// world size 1 each unit's gradients end the units before it but the root. Every entry is checked before any
-    /// is taken (a parameter named twice is `Error::DuplicateGradient`), so a refused batch
-    /// changes nothing.
+    /// order of their first gradient in the batch, as one call per unit would take them: where
+    /// gradients stay on the rank each unit's gradients end the units before it but the root.
+    /// Every entry is checked before any is taken (a parameter named twice is
+    /// `Error::DuplicateGradient`), so a refused batch changes nothing.
     pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
         self.healthy()?;
         let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
@@ -218,7 +219,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Where updates run in the backward on one rank, gradients of some units end the
+    /// Where updates run in the backward and gradients stay on the rank, gradients of some units end the
     /// gradients of every other unit but the root (whose parameters are used from the
     /// backward's start to its end): their backward is over, the parameters that got none
     /// count as zero, and their groups are final. So at most the root's groups and one other
@@ -321,7 +322,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Declares `param`'s gradient written into the slot [`Engine::grad_slot_address`] (or, on the
-    /// CPU, `grad_slot`) opened; the group's last gradient launches its reduce-scatter.
+    /// CPU, `grad_slot`) opened; it counts as [`Engine::grad`] does.
     pub fn commit_grad(&mut self, param: ParamId) -> Result<()> {
         let _range = crate::nvtx::range("commit_grad", param.0);
         self.healthy()?;

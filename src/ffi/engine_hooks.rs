@@ -32,10 +32,15 @@ pub extern "C" fn fsdp_engine_pre_backward(engine: *mut fsdp_engine, unit: i64) 
     unit_hook(engine, unit, UnitHook::PreBackward)
 }
 
-/// After `unit`'s backward. Optional: `fsdp_engine_finish_grad_sync` ends any still open. Above
-/// world size 1 it reduce-scatters every trainable group of the unit (a collective; not the
-/// root's, which take gradients until the pass ends), a parameter with no gradient counting as
-/// zero, and refuses the unit's later gradients of the pass. Does not block the host.
+/// After `unit`'s backward. Optional where the ranks hand over the same gradients in the same
+/// order: `fsdp_engine_finish_grad_sync` ends any still open. Where gradients travel between
+/// ranks (above world size 1, or with replicas) it reduce-scatters every trainable group of the
+/// unit (a collective; not the root's, which take gradients until the pass ends), a parameter
+/// with no gradient counting as zero, and refuses the unit's later gradients of the pass. Ranks
+/// whose gradients differ (some without a parameter's) end each unit's backward before the next
+/// unit's gradients: the reductions then follow the hooks, which every rank issues alike. A pass
+/// of hooks with no gradient at all reduces zeros and ends with `fsdp_engine_finish_grad_sync`
+/// like any other. Does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_post_backward(engine: *mut fsdp_engine, unit: i64) -> fsdp_status {
     unit_hook(engine, unit, UnitHook::PostBackward)
@@ -102,12 +107,13 @@ pub unsafe extern "C" fn fsdp_engine_param(
 }
 
 /// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
-/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. At world size
-/// 1 the group's last gradient ends the group's pass. Above it no gradient launches a
-/// reduce-scatter: the end of the unit's backward (`fsdp_engine_post_backward`) or of the pass
-/// does, in the plan's order, so the ranks may hand over different gradients (one with none
-/// counts as zero) as long as they issue the same hooks in the same order; a gradient of a unit
-/// whose backward ended in this pass is refused (`FSDP_MISUSE`). The caller keeps ownership of
+/// parameter's dtype or `FSDP_F32`); it is added in fp32 to this pass's reduction. Where
+/// gradients stay on the rank the group's last gradient ends the group's pass. Where they travel
+/// (above world size 1, or with replicas) no gradient launches a reduce-scatter: the end of the
+/// unit's backward (`fsdp_engine_post_backward`) or of the pass does, in the plan's order, so the
+/// ranks may hand over different gradients (one with none counts as zero) as long as they issue
+/// the same hooks in the same order; a gradient of a unit whose backward ended in this pass is
+/// refused (`FSDP_MISUSE`). The caller keeps ownership of
 /// `data`.
 ///
 /// CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
@@ -140,10 +146,10 @@ pub unsafe extern "C" fn fsdp_engine_grad(
 /// Hands over several gradients of this backward pass at once: as `fsdp_engine_grad` on each
 /// entry in order, for one call per unit instead of one per parameter; where the optimizer steps
 /// in the backward, the entries are taken unit after unit, the unit already taking gradients
-/// first, then the others in the order of their first entry (at world size 1 each unit's
-/// gradients end the units before it but the root). Every entry is checked (its parameter, dtype, length, and no
-/// parameter twice) before any is taken, so a refused batch changes nothing. `count` 0 does
-/// nothing.
+/// first, then the others in the order of their first entry (where gradients stay on the rank
+/// each unit's gradients end the units before it but the root). Every entry is checked (its
+/// parameter, dtype, length, and no parameter twice) before any is taken, so a refused batch
+/// changes nothing. `count` 0 does nothing.
 ///
 /// # Safety
 /// `grads` is NULL (with `count` 0) or valid for `count` entries, each of whose `data` is as

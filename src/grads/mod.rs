@@ -87,9 +87,9 @@ pub enum Updates {
     /// After the step's last backward pass, every group at once.
     AfterBackward,
     /// Each group as soon as its gradient shard is final, in the step's one backward pass: the
-    /// pipeline emits [`GradEffect::Final`] once the group's gradients are complete (all of
-    /// them arrived, or its unit's backward ended) and, where they travel, their last
-    /// reduction was retired.
+    /// pipeline emits [`GradEffect::Final`] once the group's gradients are complete (where they
+    /// stay on the rank all of them arrived, or its unit's backward ended) and, where they
+    /// travel, their last reduction was retired.
     InBackward,
 }
 
@@ -298,9 +298,7 @@ impl GradPipeline {
                 continue;
             }
             self.ended[group] = true;
-            if self.filling[group].is_none() {
-                self.open(group, effects);
-            }
+            self.take_place(group, effects);
             self.launch(group, effects);
         }
     }
@@ -492,14 +490,20 @@ impl GradPipeline {
         }
     }
 
-    /// Where `group`'s gradients go in this pass: its shard at world size 1, its accumulator in
-    /// no-sync accumulation, else a slot, taken (its padding zeroed) if the group has none. A slot stays the group's
-    /// until a later `open` of another group needs its place, so a caller writing into it
-    /// commits before asking for another.
+    /// Where `group`'s gradient, arriving now, goes in this pass: its shard at world size 1, its
+    /// accumulator in no-sync accumulation, else a slot, taken (its padding zeroed) if the
+    /// group has none. A slot stays the group's until a later `open` of another group needs
+    /// its place, so a caller writing into it commits before asking for another.
     pub fn open(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> GradTarget {
-        self.pending = true;
-        // A gradient outside a pass (after the step's sync) begins one.
+        // A gradient outside a pass (after the step's sync, with no hook) begins one.
         self.in_pass = true;
+        self.take_place(group, effects)
+    }
+
+    /// `group`'s place in this pass, taken if it has none: gradients are pending until the
+    /// step's sync.
+    fn take_place(&mut self, group: usize, effects: &mut Vec<GradEffect>) -> GradTarget {
+        self.pending = true;
         self.synced = false;
         if let Some(place) = self.filling[group] {
             return place;
@@ -536,16 +540,16 @@ impl GradPipeline {
 
     /// The backward pass ended: every group's gradients of it end, the parameters that got none
     /// zero. Where gradients are reduced across ranks, every trainable group is reduced in the
-    /// pass (those whose unit's backward ended already were). Nothing where no pass began.
+    /// pass (those whose unit's backward ended already were), and nothing where no pass began
+    /// (no rank's hooks or gradients began one since the last end).
     pub fn end_pass(&mut self, effects: &mut Vec<GradEffect>) {
-        if !std::mem::take(&mut self.in_pass) {
-            return;
-        }
         match self.ordered {
-            true => self.end_groups_where(|_| true, effects),
+            true if self.in_pass => self.end_groups_where(|_| true, effects),
+            true => {}
             // Every group ends, those reduced in part too: they get nothing more in this pass.
             false => self.complete_groups_where(|_| true, effects),
         }
+        self.in_pass = false;
         self.ended.fill(false);
         self.received.fill(false);
         self.received_count.fill(0);
@@ -571,6 +575,8 @@ impl GradPipeline {
 
     /// A new step begins: the next reduction of each group overwrites its shard.
     pub fn end_step(&mut self) {
+        self.in_pass = false;
+        self.ended.fill(false);
         self.written.fill(false);
         self.complete.fill(false);
         self.finalized.fill(false);
