@@ -75,10 +75,7 @@ fn step<C: Communicator<CpuBackend>>(
         let id = plan.param_id(&p.name)?;
         e.load_param(id, Input::host(&initial(id, p.numel)))?;
     }
-    for unit in [Unit::Root, Unit::Layer(0), Unit::Layer(1)] {
-        e.pre_forward(unit)?;
-        e.post_forward(unit)?;
-    }
+    forward(e)?;
     let rank = e.rank();
     let gradients: Vec<(ParamId, Vec<f32>)> = handed_over(rank)
         .iter()
@@ -144,12 +141,17 @@ fn expected(plan: &Plan, world: usize) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn configs() -> Vec<(&'static str, EngineConfig)> {
-    let base = EngineConfig {
+/// SGD, the ranks' collectives compared every step.
+fn sgd() -> EngineConfig {
+    EngineConfig {
         optimizer: OptimizerConfig::sgd(LR),
         verify_collectives: true,
         ..EngineConfig::default()
-    };
+    }
+}
+
+fn configs() -> Vec<(&'static str, EngineConfig)> {
+    let base = sgd();
     vec![
         ("every pass reduces", base.clone()),
         (
@@ -210,19 +212,12 @@ fn ranks_handing_over_different_gradients_in_different_orders_train_on_their_mea
 #[test]
 fn a_gradient_after_its_units_backward_ended_is_refused_and_the_pass_goes_on() {
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
-    let config = EngineConfig {
-        optimizer: OptimizerConfig::sgd(LR),
-        verify_collectives: true,
-        ..EngineConfig::default()
-    };
+    let config = sgd();
     for_each_mode(|mode| {
         let outcomes = on_engines(&plan, &config, mode, |mut e| -> Result<Error> {
             let a = e.plan().param_id("a")?;
             let numel = e.plan().param(a)?.numel;
-            for unit in [Unit::Root, Unit::Layer(0), Unit::Layer(1)] {
-                e.pre_forward(unit)?;
-                e.post_forward(unit)?;
-            }
+            forward(&mut e)?;
             e.pre_backward(Unit::Layer(0))?;
             e.post_backward(Unit::Layer(0))?;
             let late = e.grad(a, Input::host(&vec![1.0; numel])).unwrap_err();
@@ -274,11 +269,7 @@ fn only_the_hooks_begin_and_end_a_pass_so_ranks_without_gradients_keep_in_step()
     // step; a step with no backward; a second backward pass after the sync. Each rank issues
     // the same collectives (compared every step) and as many reductions.
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
-    let config = EngineConfig {
-        optimizer: OptimizerConfig::sgd(LR),
-        verify_collectives: true,
-        ..EngineConfig::default()
-    };
+    let config = sgd();
     for_each_mode(|mode| {
         let counts = on_engines(&plan, &config, mode, |mut e| -> Result<Vec<u64>> {
             let mut counts = Vec::new();
