@@ -472,18 +472,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients,
-    /// entering one begins a pass of gradients.
+    /// Enters `phase`; leaving a backward pass reduces the groups still waiting for gradients.
+    /// (A pass of gradients begins at a `pre_backward` or a gradient, whatever the phase.)
     fn enter(&mut self, phase: Phase) -> Result<()> {
-        let schedule = &mut self.gathering.schedule;
-        let entering = phase == Phase::Backward && schedule.phase() != Some(Phase::Backward);
-        if schedule.enter(phase) == Some(Phase::Backward) {
-            self.apply_decided(GradPipeline::end_pass)?;
+        if self.gathering.schedule.enter(phase) != Some(Phase::Backward) {
+            return Ok(());
         }
-        if entering {
-            self.reducing.pipeline.begin_pass();
-        }
-        Ok(())
+        self.apply_decided(GradPipeline::end_pass)
     }
 }
 

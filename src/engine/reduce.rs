@@ -219,13 +219,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Where updates run in the backward and gradients stay on the rank, gradients of some units end the
-    /// gradients of every other unit but the root (whose parameters are used from the
-    /// backward's start to its end): their backward is over, the parameters that got none
+    /// Where updates run in the backward and gradients stay on the rank, gradients of some
+    /// units end the gradients of every other unit but the root (whose parameters are used from
+    /// the backward's start to its end): their backward is over, the parameters that got none
     /// count as zero, and their groups are final. So at most the root's groups and one other
     /// unit's wait for gradients. `arriving` says whether gradients of a unit arrive now. Where
-    /// gradients are reduced, only the ranks' hooks end a unit: which gradients arrive may
-    /// differ between ranks, and their reductions may not.
+    /// gradients travel, only the ranks' hooks end a unit: which gradients arrive may differ
+    /// between ranks, and their reductions may not.
     fn complete_units_but(&mut self, arriving: impl Fn(Unit) -> bool) -> Result<()> {
         if !self.config.step_in_backward || self.plan.grads_travel() {
             return Ok(());

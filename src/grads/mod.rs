@@ -258,7 +258,8 @@ impl GradPipeline {
         }
     }
 
-    /// A backward pass begins (the ranks' hooks say so, not the arrival of a gradient).
+    /// A backward pass begins at a unit's backward hook, which every rank issues alike, with or
+    /// without gradients (a gradient begins one too, in [`GradPipeline::open`]).
     pub fn begin_pass(&mut self) {
         self.in_pass = true;
     }
@@ -284,10 +285,9 @@ impl GradPipeline {
     }
 
     /// Where gradients are reduced across ranks, ends the pass's gradients of every trainable
-    /// group that
-    /// `ended` picks and that did not end yet, in the plan's order, whatever arrived: each is
-    /// reduced once more (opened, all zero, if no gradient of it is waiting), so that every rank
-    /// reduces the same groups in the same order.
+    /// group that `ended` picks and that did not end yet, in the plan's order, whatever arrived:
+    /// each is reduced once more (opened, all zero, if no gradient of it is waiting), so that
+    /// every rank reduces the same groups in the same order.
     fn end_groups_where(
         &mut self,
         mut ended: impl FnMut(usize) -> bool,
