@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 use fsdp_fusion::backend::cuda::kernels::{AccumulateEntry, Kernels, PackEntry};
-use fsdp_fusion::optim::{AdamwCoefficients, MomentStorage};
+use fsdp_fusion::optim::{GroupUpdate, MomentStorage, STEP_VALUES_BYTES};
 use fsdp_fusion::{DType, Error};
 
 type Outcome<T> = Result<T, Box<dyn StdError>>;
@@ -449,28 +449,17 @@ fn accumulate_layer(size: usize) -> Item {
     )
 }
 
-/// AdamW's coefficients at lr 1e-3, step 10; any finite ones time the same.
-const COEFFICIENTS: AdamwCoefficients = AdamwCoefficients {
-    decay: 0.999_99,
-    beta1: 0.9,
-    one_minus_beta1: 0.1,
-    beta2: 0.999,
-    one_minus_beta2: 0.001,
-    step_size: 0.001_535,
-    sqrt_bias2: 0.099_55,
-    eps: 1e-8,
-    grad_scale: 1.0,
-};
-
-/// Optimizer operands: f32 master (the param itself for f32), the f32 state, then a bf16/f16
-/// param; the dtype column says which.
+/// Optimizer operands: the step's values (their bytes, 0x3F each, make finite coefficients, and
+/// any finite ones time the same; their 48 bytes are not counted), f32 master (the param itself
+/// for f32), the f32 state, then a bf16/f16 param; the dtype column says which.
 fn optimizer_operands(
     size: usize,
     param: DType,
     f32_state: usize,
 ) -> (usize, Vec<usize>, usize, String) {
     let n = size / param.size();
-    let mut operands = vec![4 * n; 1 + f32_state];
+    let mut operands = vec![STEP_VALUES_BYTES];
+    operands.extend(vec![4 * n; 1 + f32_state]);
     let mut moved = n * 4 * (2 * (1 + f32_state) - 1);
     let what = if param == DType::F32 {
         "f32 (master)".to_owned()
@@ -482,22 +471,28 @@ fn optimizer_operands(
     (n, operands, moved, what)
 }
 
+/// A group with weight decay at the learning rate.
+const GROUP: GroupUpdate = GroupUpdate {
+    lr_scale: 1.0,
+    decay: true,
+};
+
 fn adamw(size: usize, param: DType) -> Item {
     // Reads master, m, v, grad; writes master, m, v and, apart from an f32 param, the param.
     let (n, operands, moved, what) = optimizer_operands(size, param, 3);
     Item::new("adamw", what, operands, moved, move |gpu, a| {
-        let param_ptr = a.get(4).copied().unwrap_or(a[0]);
-        // SAFETY: every operand holds `n` elements of its dtype.
+        let param_ptr = a.get(5).copied().unwrap_or(a[1]);
+        // SAFETY: every operand holds `n` elements of its dtype, the first the step's values.
         Ok(unsafe {
             gpu.kernels.adamw(
                 &gpu.stream,
                 param,
-                a[0],
-                (a[1], a[2], MomentStorage::F32),
-                a[3],
+                a[1],
+                (a[2], a[3], MomentStorage::F32),
+                a[4],
                 param_ptr,
                 n,
-                &COEFFICIENTS,
+                (a[0], GROUP),
             )
         }?)
     })
@@ -507,18 +502,11 @@ fn sgd(size: usize, param: DType) -> Item {
     // Reads master and grad; writes master and, apart from an f32 param, the param.
     let (n, operands, moved, what) = optimizer_operands(size, param, 1);
     Item::new("sgd", what, operands, moved, move |gpu, a| {
-        let param_ptr = a.get(2).copied().unwrap_or(a[0]);
-        // SAFETY: every operand holds `n` elements of its dtype.
+        let param_ptr = a.get(3).copied().unwrap_or(a[1]);
+        // SAFETY: every operand holds `n` elements of its dtype, the first the step's values.
         Ok(unsafe {
-            gpu.kernels.sgd(
-                &gpu.stream,
-                param,
-                a[0],
-                a[1],
-                param_ptr,
-                n,
-                (0.01, 0.1, 1.0),
-            )
+            gpu.kernels
+                .sgd(&gpu.stream, param, a[1], a[2], param_ptr, n, (a[0], GROUP))
         }?)
     })
 }

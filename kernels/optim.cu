@@ -8,6 +8,21 @@ namespace fsdp {
 // Every optimizer loads at least two operands (master and gradient).
 constexpr int kOptimizerRound = arithmetic_round(2, true);
 
+// `crate::optim::StepValues`, field for field: what the step's updates read from device memory.
+struct StepValues {
+  double bias1;
+  uint64_t step;
+  float lr;
+  float weight_decay;
+  float beta1;
+  float beta2;
+  float eps;
+  float sqrt_bias2;
+  float grad_scale;
+  uint32_t padding;
+};
+static_assert(sizeof(StepValues) == 48, "StepValues is crate::optim::StepValues");
+
 // `crate::optim::AdamwCoefficients`, field for field.
 struct AdamwCoefficients {
   float decay;
@@ -20,6 +35,31 @@ struct AdamwCoefficients {
   float eps;
   float grad_scale;
 };
+
+// `crate::optim::GroupUpdate`: a group's learning-rate scale and whether weight decay applies.
+struct GroupUpdate {
+  float lr_scale;
+  bool decay;
+};
+
+// `crate::optim::GroupUpdate::coefficients` for AdamW, operation for operation (f64 where it
+// computes in f64).
+__device__ __forceinline__ AdamwCoefficients adamw_coefficients(const StepValues& s,
+                                                                GroupUpdate group) {
+  const double lr = static_cast<double>(__fmul_rn(s.lr, group.lr_scale));
+  const double weight_decay = group.decay ? static_cast<double>(s.weight_decay) : 0.0;
+  AdamwCoefficients c;
+  c.decay = __double2float_rn(__dsub_rn(1.0, __dmul_rn(lr, weight_decay)));
+  c.beta1 = s.beta1;
+  c.one_minus_beta1 = __double2float_rn(__dsub_rn(1.0, static_cast<double>(s.beta1)));
+  c.beta2 = s.beta2;
+  c.one_minus_beta2 = __double2float_rn(__dsub_rn(1.0, static_cast<double>(s.beta2)));
+  c.step_size = __double2float_rn(__ddiv_rn(lr, s.bias1));
+  c.sqrt_bias2 = s.sqrt_bias2;
+  c.eps = s.eps;
+  c.grad_scale = s.grad_scale;
+  return c;
+}
 
 // `crate::optim::adamw_element`, operation for operation: the new p, m and v in place.
 __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float g,
@@ -82,6 +122,12 @@ __device__ __forceinline__ uint32_t mix(uint32_t x) {
   x = (x ^ (x >> 16)) * 0x7feb352du;
   x = (x ^ (x >> 15)) * 0x846ca68bu;
   return x ^ (x >> 16);
+}
+
+// `crate::optim::moment_seed`, operation for operation.
+__device__ __forceinline__ uint32_t moment_seed(uint64_t step, uint32_t group) {
+  return mix(static_cast<uint32_t>(step) ^
+             mix(static_cast<uint32_t>(step >> 32) ^ mix(group ^ 0x9e3779b9u)));
 }
 
 __device__ __forceinline__ uint32_t rounding_bits(uint32_t seed, uint64_t index, uint32_t which) {
@@ -203,7 +249,8 @@ struct SgdOp {
 template <class P>
 __device__ __forceinline__ void adamw(float* master, float* m, float* v, const float* grad,
                                       typename P::Bits* param, uint64_t n,
-                                      const AdamwCoefficients& c) {
+                                      const StepValues* values, GroupUpdate group) {
+  const AdamwCoefficients c = adamw_coefficients(*values, group);
   Phase phase;
   phase.add(master);
   phase.add(m);
@@ -218,8 +265,12 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
 template <class P>
 __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m, Bf16::Bits* v,
                                                    const float* grad, typename P::Bits* param,
-                                                   uint64_t n, const AdamwCoefficients& c,
-                                                   uint32_t seed, uint64_t first_index) {
+                                                   uint64_t n, const StepValues* values,
+                                                   GroupUpdate group, uint32_t group_index,
+                                                   uint64_t first_index) {
+  const StepValues s = *values;
+  const AdamwCoefficients c = adamw_coefficients(s, group);
+  const uint32_t seed = moment_seed(s.step, group_index);
   Phase phase;
   phase.add(master);
   phase.add(m);
@@ -232,10 +283,14 @@ __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m,
       grid_thread(), grid_threads());
 }
 
+// `crate::optim::GroupUpdate::coefficients` for SGD, then the update.
 template <class P>
 __device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
-                                    uint64_t n, float lr, float weight_decay,
-                                    float grad_scale) {
+                                    uint64_t n, const StepValues* values, GroupUpdate group) {
+  const StepValues s = *values;
+  const float lr = __fmul_rn(s.lr, group.lr_scale);
+  const float weight_decay = group.decay ? s.weight_decay : 0.0f;
+  const float grad_scale = s.grad_scale;
   Phase phase;
   phase.add(master);
   phase.add(grad);
@@ -250,24 +305,34 @@ __device__ __forceinline__ void sgd(float* master, const float* grad, typename P
 
 using fsdp::kBlock;
 
+// `decay` is an int: a kernel parameter of type bool has no layout the driver promises.
 #define FSDP_OPTIM(name, P)                                                                     \
   extern "C" __global__ void __launch_bounds__(kBlock)                                          \
       adamw_##name(float* master, float* m, float* v, const float* grad, P::Bits* param,        \
-                   uint64_t n, fsdp::AdamwCoefficients c) {                                     \
-    fsdp::adamw<P>(master, m, v, grad, param, n, c);                                            \
+                   uint64_t n, const fsdp::StepValues* values, float lr_scale, int decay) {     \
+    fsdp::adamw<P>(master, m, v, grad, param, n, values, {lr_scale, decay != 0});               \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(kBlock)                                          \
       adamw_bf16m_##name(float* master, fsdp::Bf16::Bits* m, fsdp::Bf16::Bits* v,              \
                          const float* grad, P::Bits* param, uint64_t n,                         \
-                         fsdp::AdamwCoefficients c, uint32_t seed, uint64_t first_index) {       \
-    fsdp::adamw_bf16_moments<P>(master, m, v, grad, param, n, c, seed, first_index);            \
+                         const fsdp::StepValues* values, float lr_scale, int decay,             \
+                         uint32_t group, uint64_t first_index) {                                \
+    fsdp::adamw_bf16_moments<P>(master, m, v, grad, param, n, values, {lr_scale, decay != 0},   \
+                                group, first_index);                                            \
   }                                                                                             \
   extern "C" __global__ void __launch_bounds__(kBlock)                                          \
-      sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n, float lr,        \
-                 float wd, float grad_scale) {                                                  \
-    fsdp::sgd<P>(master, grad, param, n, lr, wd, grad_scale);                                   \
+      sgd_##name(float* master, const float* grad, P::Bits* param, uint64_t n,                  \
+                 const fsdp::StepValues* values, float lr_scale, int decay) {                   \
+    fsdp::sgd<P>(master, grad, param, n, values, {lr_scale, decay != 0});                       \
   }
 
 FSDP_OPTIM(bf16, fsdp::Bf16)
 FSDP_OPTIM(f16, fsdp::F16)
 FSDP_OPTIM(f32, fsdp::F32)
+
+// `*dst = values`, by one thread: the step's values, written in stream order after the last
+// step's updates read theirs.
+extern "C" __global__ void __launch_bounds__(kBlock)
+    write_step_values(fsdp::StepValues* dst, fsdp::StepValues values) {
+  if (fsdp::grid_thread() == 0) *dst = values;
+}

@@ -130,42 +130,130 @@ impl OptimizerConfig {
 
     /// The coefficients of update number `step` (counting from 1) for a parameter group at the
     /// learning rate times `lr_scale`, with weight decay when `decay`, and gradients multiplied by
-    /// `grad_scale` (the clipping coefficient; 1 leaves them as they are).
+    /// `grad_scale` (the clipping coefficient; 1 leaves them as they are): the group's part
+    /// ([`GroupUpdate::coefficients`]) of the step's [`StepValues`].
     pub fn coefficients(&self, step: u64, group: GroupSettings) -> Update {
         let GroupSettings {
             lr_scale,
             decay,
             grad_scale,
         } = group;
-        match *self {
-            OptimizerConfig::Sgd { lr, weight_decay } => Update::Sgd {
-                lr: lr * lr_scale,
-                weight_decay: if decay { weight_decay } else { 0.0 },
-                grad_scale,
-            },
-            OptimizerConfig::AdamW {
+        let values = self.step_values(step, grad_scale);
+        GroupUpdate { lr_scale, decay }.coefficients(self.kind(), &values)
+    }
+
+    /// Which optimizer this is.
+    pub fn kind(&self) -> OptimizerKind {
+        match self {
+            OptimizerConfig::Sgd { .. } => OptimizerKind::Sgd,
+            OptimizerConfig::AdamW { .. } => OptimizerKind::AdamW,
+        }
+    }
+
+    /// The values of update number `step` (counting from 1) that every group shares, gradients
+    /// multiplied by `grad_scale` first.
+    pub fn step_values(&self, step: u64, grad_scale: f32) -> StepValues {
+        let mut values = StepValues {
+            bias1: 1.0,
+            step,
+            lr: self.lr(),
+            weight_decay: self.weight_decay(),
+            beta1: 0.0,
+            beta2: 0.0,
+            eps: 0.0,
+            sqrt_bias2: 1.0,
+            grad_scale,
+            padding: 0,
+        };
+        if let OptimizerConfig::AdamW {
+            beta1, beta2, eps, ..
+        } = *self
+        {
+            let t = step.min(i32::MAX as u64) as i32;
+            let bias2 = 1.0 - f64::from(beta2).powi(t);
+            values.bias1 = 1.0 - f64::from(beta1).powi(t);
+            values.beta1 = beta1;
+            values.beta2 = beta2;
+            values.eps = eps;
+            values.sqrt_bias2 = bias2.sqrt() as f32;
+        }
+        values
+    }
+}
+
+/// Which optimizer runs: the kernel a backend launches. The numbers it uses come from the step's
+/// [`StepValues`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerKind {
+    Sgd,
+    AdamW,
+}
+
+/// What changes from one optimizer step to the next, shared by every group: the kernels read it
+/// from device memory, where the engine writes it on the compute stream before the step's first
+/// update, so that no launch of an update bakes in a step's numbers (a captured step reads each
+/// replay's own). Laid out as the kernels' `StepValues`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub struct StepValues {
+    /// `1 - beta1^t` (AdamW; 1 for SGD).
+    pub bias1: f64,
+    /// The update's number `t`, counting from 1: the moments' rounding seed comes from it.
+    pub step: u64,
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// `sqrt(1 - beta2^t)` (AdamW; 1 for SGD).
+    pub sqrt_bias2: f32,
+    /// Gradients are multiplied by this first (the clipping coefficient, else 1).
+    pub grad_scale: f32,
+    pub padding: u32,
+}
+
+// SAFETY: `repr(C)`, every field plain data of any bit pattern, and no padding: 8 + 8 + 8 * 4
+// bytes, a multiple of the 8-byte alignment.
+unsafe impl bytemuck::Zeroable for StepValues {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for StepValues {}
+
+/// Bytes of [`StepValues`] in device memory.
+pub const STEP_VALUES_BYTES: usize = std::mem::size_of::<StepValues>();
+
+/// What sets one group's update apart, the same every step: its learning-rate scale and whether
+/// weight decay applies.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupUpdate {
+    pub lr_scale: f32,
+    pub decay: bool,
+}
+
+impl GroupUpdate {
+    /// The group's coefficients of the step `values` describe, operation for operation as the
+    /// kernels compute them from the same values.
+    pub fn coefficients(&self, kind: OptimizerKind, values: &StepValues) -> Update {
+        let lr = values.lr * self.lr_scale;
+        let weight_decay = if self.decay { values.weight_decay } else { 0.0 };
+        match kind {
+            OptimizerKind::Sgd => Update::Sgd {
                 lr,
-                beta1,
-                beta2,
-                eps,
                 weight_decay,
-            } => {
-                let t = step.min(i32::MAX as u64) as i32;
-                let lr = f64::from(lr * lr_scale);
-                let weight_decay = if decay { f64::from(weight_decay) } else { 0.0 };
-                let (b1, b2) = (f64::from(beta1), f64::from(beta2));
-                let bias1 = 1.0 - b1.powi(t);
-                let bias2 = 1.0 - b2.powi(t);
+                grad_scale: values.grad_scale,
+            },
+            OptimizerKind::AdamW => {
+                let lr = f64::from(lr);
+                let (b1, b2) = (f64::from(values.beta1), f64::from(values.beta2));
                 Update::AdamW(AdamwCoefficients {
-                    decay: (1.0 - lr * weight_decay) as f32,
-                    beta1,
+                    decay: (1.0 - lr * f64::from(weight_decay)) as f32,
+                    beta1: values.beta1,
                     one_minus_beta1: (1.0 - b1) as f32,
-                    beta2,
+                    beta2: values.beta2,
                     one_minus_beta2: (1.0 - b2) as f32,
-                    step_size: (lr / bias1) as f32,
-                    sqrt_bias2: bias2.sqrt() as f32,
-                    eps,
-                    grad_scale,
+                    step_size: (lr / values.bias1) as f32,
+                    sqrt_bias2: values.sqrt_bias2,
+                    eps: values.eps,
+                    grad_scale: values.grad_scale,
                 })
             }
         }
@@ -281,11 +369,11 @@ pub enum MomentStorage {
     /// bf16, each new moment rounded stochastically (up with the probability of its distance
     /// from the value below): unbiased, so that the second moment still moves when
     /// `(1 - beta2) * g^2` is below half a bf16 step of it, where rounding to nearest would stall
-    /// it. The random bits are a hash of `seed` (the step and the group, [`moment_seed`]) and
-    /// the element's index in the group's layout (`first_index` + its index in the shard), so
-    /// every backend and the reference round alike.
+    /// it. The random bits are a hash of the step's seed ([`moment_seed`] of the step's number
+    /// in [`StepValues`] and `group`) and the element's index in the group's layout
+    /// (`first_index` + its index in the shard), so every backend and the reference round alike.
     Bf16Stochastic {
-        seed: u32,
+        group: u32,
         first_index: u64,
     },
 }

@@ -12,10 +12,10 @@ use cudarc::driver::CudaContext;
 
 use fsdp_fusion::backend::cpu::{CpuBackend, CpuBuffer};
 use fsdp_fusion::backend::cuda::{CudaBackend, CudaBuffer, is_driver_present};
-use fsdp_fusion::backend::{Backend, Input, Moments, OptimizerShard, Region};
+use fsdp_fusion::backend::{Backend, Input, Moments, OptimizerShard, Region, StepUpdate};
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::engine::DeviceTensor;
-use fsdp_fusion::optim::{GroupSettings, MomentStorage, moment_seed};
+use fsdp_fusion::optim::{GroupUpdate, MomentStorage, OptimizerKind, STEP_VALUES_BYTES};
 use fsdp_fusion::types::Stream;
 use fsdp_fusion::{
     DType, Engine, EngineConfig, Error, ModelSpec, OptimizerConfig, ParamSpec, Plan, Unit,
@@ -384,7 +384,7 @@ fn optimizer_steps_match_the_cpu() {
     let storages = [
         MomentStorage::F32,
         MomentStorage::Bf16Stochastic {
-            seed: 0,
+            group: 2,
             first_index: 4000,
         },
     ];
@@ -398,6 +398,7 @@ fn optimizer_steps_match_the_cpu() {
                     .has_moments()
                     .then(|| (both.zeros(n * 4), both.zeros(n * 4))),
             };
+            let mut values = both.zeros(STEP_VALUES_BYTES);
             if let Some(m) = s.master.as_mut() {
                 // SAFETY: see the module note.
                 unsafe {
@@ -430,21 +431,24 @@ fn optimizer_steps_match_the_cpu() {
                 both.gpu
                     .upload(&mut s.grad.gpu, all(n, DType::F32), &grad)
                     .unwrap();
-                // Clipped on step 2, as a clipping coefficient does.
-                let settings = GroupSettings {
-                    grad_scale: if step == 2 { 0.625 } else { 1.0 },
-                    decay: step != 3,
+                // Clipped on step 2, as a clipping coefficient does; the values written on the
+                // stream the updates read them on.
+                let step_values = config.step_values(step, if step == 2 { 0.625 } else { 1.0 });
+                // SAFETY: see the module note.
+                unsafe {
+                    both.cpu
+                        .write_step_values(Stream::Compute, &mut values.cpu, &step_values)
+                }
+                .unwrap();
+                // SAFETY: see the module note.
+                unsafe {
+                    both.gpu
+                        .write_step_values(Stream::Compute, &mut values.gpu, &step_values)
+                }
+                .unwrap();
+                let group = GroupUpdate {
                     lr_scale: 0.5,
-                };
-                let update = config.coefficients(step, settings);
-                let storage = match storage {
-                    MomentStorage::Bf16Stochastic { first_index, .. } => {
-                        MomentStorage::Bf16Stochastic {
-                            seed: moment_seed(step, 2),
-                            first_index,
-                        }
-                    }
-                    f32s => f32s,
+                    decay: step != 3,
                 };
                 let cpu = OptimizerShard {
                     param: &mut s.param.cpu,
@@ -459,7 +463,13 @@ fn optimizer_steps_match_the_cpu() {
                     }),
                 };
                 // SAFETY: see the module note.
-                unsafe { both.cpu.optimizer_step(Stream::Compute, &update, cpu) }.unwrap();
+                let update = StepUpdate {
+                    kind: config.kind(),
+                    values: &values.cpu,
+                    group,
+                };
+                // SAFETY: see the module note.
+                unsafe { both.cpu.optimizer_step(Stream::Compute, update, cpu) }.unwrap();
                 let gpu = OptimizerShard {
                     param: &mut s.param.gpu,
                     dtype,
@@ -473,7 +483,13 @@ fn optimizer_steps_match_the_cpu() {
                     }),
                 };
                 // SAFETY: see the module note.
-                unsafe { both.gpu.optimizer_step(Stream::Compute, &update, gpu) }.unwrap();
+                let update = StepUpdate {
+                    kind: config.kind(),
+                    values: &values.gpu,
+                    group,
+                };
+                // SAFETY: see the module note.
+                unsafe { both.gpu.optimizer_step(Stream::Compute, update, gpu) }.unwrap();
                 let what = format!("{config:?} {dtype} {storage:?} step {step}");
                 both.assert_same(&s.param, &format!("{what}: param"));
                 if let Some(m) = &s.master {
@@ -672,8 +688,16 @@ fn optimizer_steps_without_their_state_are_refused() {
         master: None,
         moments: None,
     };
-    let sgd = OptimizerConfig::sgd(0.1).coefficients(1, GroupSettings::default());
-    let r = unsafe { b.optimizer_step(Stream::Compute, &sgd, shard) };
+    let values = b.alloc(STEP_VALUES_BYTES).unwrap();
+    let update = |kind| StepUpdate {
+        kind,
+        values: &values,
+        group: GroupUpdate {
+            lr_scale: 1.0,
+            decay: true,
+        },
+    };
+    let r = unsafe { b.optimizer_step(Stream::Compute, update(OptimizerKind::Sgd), shard) };
     assert!(
         matches!(
             r,
@@ -692,8 +716,7 @@ fn optimizer_steps_without_their_state_are_refused() {
         master: None,
         moments: None,
     };
-    let adamw = OptimizerConfig::default().coefficients(1, GroupSettings::default());
-    let r = unsafe { b.optimizer_step(Stream::Compute, &adamw, shard) };
+    let r = unsafe { b.optimizer_step(Stream::Compute, update(OptimizerKind::AdamW), shard) };
     assert!(
         matches!(
             r,
@@ -744,15 +767,20 @@ fn events_streams_and_launches_never_block_the_host() {
             storage: MomentStorage::F32,
         }),
     };
+    let mut values = b.alloc(STEP_VALUES_BYTES).unwrap();
+    let step_values = OptimizerConfig::default().step_values(1, 1.0);
     // SAFETY: see the module note.
-    unsafe {
-        b.optimizer_step(
-            Stream::Compute,
-            &OptimizerConfig::default().coefficients(1, GroupSettings::default()),
-            shard,
-        )
-    }
-    .unwrap();
+    unsafe { b.write_step_values(Stream::Compute, &mut values, &step_values) }.unwrap();
+    let update = StepUpdate {
+        kind: OptimizerKind::AdamW,
+        values: &values,
+        group: GroupUpdate {
+            lr_scale: 1.0,
+            decay: true,
+        },
+    };
+    // SAFETY: see the module note.
+    unsafe { b.optimizer_step(Stream::Compute, update, shard) }.unwrap();
     assert_eq!(
         b.host_waits(),
         0,

@@ -12,7 +12,7 @@ pub mod hold;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::{Error, Result};
-use crate::optim::Update;
+use crate::optim::{GroupUpdate, OptimizerKind, StepValues};
 use crate::types::DType;
 use crate::types::Stream;
 use crate::watch::Watch;
@@ -148,6 +148,15 @@ pub struct OptimizerShard<'a, B: Backend + ?Sized> {
     pub master: Option<&'a mut B::Buffer>,
     /// AdamW's first and second moments.
     pub moments: Option<Moments<'a, B>>,
+}
+
+/// Which update an optimizer step applies: `kind`'s, with the numbers of the [`StepValues`] at the
+/// start of `values` as the stream finds them when the update runs, and `group`'s scale and
+/// decay.
+pub struct StepUpdate<'a, B: Backend + ?Sized> {
+    pub kind: OptimizerKind,
+    pub values: &'a B::Buffer,
+    pub group: GroupUpdate,
 }
 
 /// AdamW's moments of a shard, `numel` elements each, stored as `storage` says.
@@ -363,14 +372,27 @@ pub trait Backend: Send {
         add: bool,
     ) -> Result<()>;
 
-    /// Applies one optimizer update to a shard.
+    /// Queues on `stream` a write of `values` into the first [`crate::optim::STEP_VALUES_BYTES`]
+    /// of `dst`, which must hold them; `values` are taken before the call returns.
     ///
     /// # Safety
-    /// As [`Backend::zero`], for every buffer of the shard.
+    /// As [`Backend::zero`], for those bytes of `dst`.
+    unsafe fn write_step_values(
+        &self,
+        stream: Stream,
+        dst: &mut Self::Buffer,
+        values: &StepValues,
+    ) -> Result<()>;
+
+    /// Applies one optimizer update to a shard: the coefficients of
+    /// [`GroupUpdate::coefficients`] of the step values it reads, exactly.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for every buffer of the shard, and for `update.values` read.
     unsafe fn optimizer_step(
         &self,
         stream: Stream,
-        update: &Update,
+        update: StepUpdate<'_, Self>,
         shard: OptimizerShard<'_, Self>,
     ) -> Result<()>;
 

@@ -84,6 +84,7 @@ impl<B: Backend> Parts<B> {
             Ok::<_, Error>(StepChecks {
                 norm_part: scratch(s.norm_part, "the gradient norms' part")?,
                 nonfinite_count: scratch(s.nonfinite_count, "the non-finite count")?,
+                step_values: scratch(s.step_values, "the step's values")?,
             })
         });
         let limit = policy.limits.gathered;

@@ -3,12 +3,12 @@
 
 use super::Engine;
 use super::norm::{ShardSum, sum_over_grad_shards};
-use crate::backend::{Backend, Input, Moments, OptimizerShard, Region, Source};
+use crate::backend::{Backend, Input, Moments, OptimizerShard, Region, Source, StepUpdate};
 use crate::comm::Communicator;
 use crate::config::GradShardMemory;
 use crate::dtype::convert;
 use crate::error::{Error, Result};
-use crate::optim::{GroupSettings, MomentStorage, moment_seed};
+use crate::optim::{GroupUpdate, MomentStorage};
 use crate::plan::NONFINITE_COUNT_BYTES;
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
@@ -36,6 +36,8 @@ pub(super) struct StepChecks<Buf> {
     pub(super) norm_part: Buf,
     /// Where [`Engine::nonfinite_grads`] counts.
     pub(super) nonfinite_count: Buf,
+    /// The [`crate::optim::StepValues`] the step's updates read.
+    pub(super) step_values: Buf,
 }
 
 /// One group's optimizer state.
@@ -117,9 +119,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.order_after_gathers()?;
             self.optimizer.steps += 1;
             let grad_scale = self.optimizer.clip_scale.take().unwrap_or(1.0);
+            self.write_step_values(grad_scale)?;
             for g in 0..self.plan.groups().len() {
                 if self.plan.groups()[g].trainable {
-                    self.update_group(g, grad_scale)?;
+                    self.update_group(g)?;
                 }
             }
         }
@@ -139,28 +142,42 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
-    /// Updates group `g`'s shard from its gradient shard, every gradient multiplied by
-    /// `grad_scale`, at the step's count ([`OptimizerState::steps`]).
-    fn update_group(&mut self, i: usize, grad_scale: f32) -> Result<()> {
+    /// Writes the step's [`crate::optim::StepValues`] for its updates, at the step's count
+    /// ([`OptimizerState::steps`]) and the engine's learning rate and weight decay now, every
+    /// gradient multiplied by `grad_scale`: on the compute stream, after the last step's updates
+    /// that read them.
+    fn write_step_values(&mut self, grad_scale: f32) -> Result<()> {
+        let values = (self.config.optimizer).step_values(self.optimizer.steps, grad_scale);
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            // Nothing trains: no update reads them.
+            return Ok(());
+        };
+        // SAFETY: the values are only ever used on the compute stream.
+        unsafe {
+            (self.backend).write_step_values(Stream::Compute, &mut checks.step_values, &values)
+        }
+    }
+
+    /// Updates group `i`'s shard from its gradient shard with the values
+    /// [`Engine::write_step_values`] wrote for the step.
+    fn update_group(&mut self, i: usize) -> Result<()> {
         let g = &self.plan.groups()[i];
-        let update = self.config.optimizer.coefficients(
-            self.optimizer.steps,
-            GroupSettings {
-                lr_scale: g.lr_scale,
-                decay: g.weight_decay,
-                grad_scale,
-            },
-        );
+        let group = GroupUpdate {
+            lr_scale: g.lr_scale,
+            decay: g.weight_decay,
+        };
+        let count = self.reducing.groups.len();
+        let missing = Error::GroupOutOfRange { group: i, count };
+        let values = match self.optimizer.checks.as_ref() {
+            Some(checks) => &checks.step_values,
+            // A trainable group has them: they are made when anything trains.
+            None => return Err(missing),
+        };
         // Every trainable group has its shard once its gradient is final (a group without
         // gradients got a zeroed one).
-        let count = self.reducing.groups.len();
-        let grad = self.reducing.groups[i]
-            .shard
-            .as_ref()
-            .ok_or(Error::GroupOutOfRange { group: i, count })?;
+        let grad = self.reducing.groups[i].shard.as_ref().ok_or(missing)?;
         let master_only = self.policy.master_only(g.index);
         // A master-only group steps its master as an f32 parameter that is its own master.
-        let steps = self.optimizer.steps;
         let GroupOptimizerState { master, moments } = &mut self.optimizer.groups[i];
         let (param, dtype, master) = match (master_only, master.as_mut()) {
             (true, Some(master)) => (master, DType::F32, None),
@@ -177,7 +194,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 second,
                 storage: match self.config.moment_dtype {
                     DType::Bf16 => MomentStorage::Bf16Stochastic {
-                        seed: moment_seed(steps, i),
+                        group: i as u32,
                         first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel) as u64,
                     },
                     _ => MomentStorage::F32,
@@ -190,7 +207,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // (`order_after_gathers`); the moments are only ever used on the compute stream. The
         // step's next gather waits for this one (`shards_updated`), and the next step's first
         // reductions are queued after it with compute's event.
-        unsafe { self.backend.optimizer_step(Stream::Compute, &update, shard) }
+        let update = StepUpdate {
+            kind: self.config.optimizer.kind(),
+            values,
+            group,
+        };
+        unsafe { self.backend.optimizer_step(Stream::Compute, update, shard) }
     }
 
     /// Updates group `group` inside the backward ([`crate::EngineConfig::step_in_backward`]): its
@@ -199,10 +221,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(super) fn update_in_backward(&mut self, group: usize) -> Result<()> {
         if !std::mem::replace(&mut self.optimizer.updating, true) {
             self.optimizer.steps += 1;
+            self.write_step_values(1.0)?;
         }
         self.order_after_gathers()?;
         let start = self.mark(Stream::Compute)?;
-        self.update_group(group, 1.0)?;
+        self.update_group(group)?;
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
         // The next step's first gather waits for this update too, whether or not
         // `optimizer_step` ends the updates.

@@ -30,17 +30,19 @@ pub const NORM_PART_BYTES: usize = 16;
 /// Bytes of a rank's count of non-finite gradient elements: a u64.
 pub const NONFINITE_COUNT_BYTES: usize = 8;
 
-/// Where a step's checks of its gradients add up on the device: the norms' part and the
-/// non-finite count, made with the engine when anything trains.
+/// A step's few bytes on the device, made with the engine when anything trains: where the checks
+/// of its gradients add up (the norms' part and the non-finite count), and the
+/// [`crate::optim::StepValues`] its updates read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepScratch {
     pub norm_part: usize,
     pub nonfinite_count: usize,
+    pub step_values: usize,
 }
 
 impl StepScratch {
     pub fn bytes(&self) -> usize {
-        self.norm_part + self.nonfinite_count
+        self.norm_part + self.nonfinite_count + self.step_values
     }
 }
 
@@ -105,6 +107,7 @@ pub(super) fn layout(
         step_scratch: trains.then_some(StepScratch {
             norm_part: NORM_PART_BYTES,
             nonfinite_count: NONFINITE_COUNT_BYTES,
+            step_values: crate::optim::STEP_VALUES_BYTES,
         }),
         gather_slots,
         gather_slot_bytes: plan.gather_slot_bytes(),

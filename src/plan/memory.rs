@@ -107,11 +107,12 @@ impl Policy {
             },
             BufferReport {
                 what: "optimizer state",
-                count: masters + moments + if layout.step_scratch.is_some() { 2 } else { 0 },
+                count: masters + moments + if layout.step_scratch.is_some() { 3 } else { 0 },
                 bytes: m.optimizer_state,
                 why: match layout.step_scratch {
-                    Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, and where \
-                        the gradient norms and the non-finite count add up (16 and 8 bytes)"
+                    Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, where \
+                        the gradient norms and the non-finite count add up (16 and 8 bytes), and \
+                        the step's values that the updates read (48 bytes)"
                         .into(),
                     None => "none: nothing trains".into(),
                 },
@@ -223,8 +224,8 @@ mod tests {
         assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
         assert_eq!(mem.grad_shards, 256 * 4);
         // AdamW on bf16: fp32 master plus two moments; where the norms and the non-finite
-        // count add up.
-        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 8);
+        // count add up, and the step's values.
+        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 8 + 48);
         assert_eq!(mem.gathered_slots, 2 * 2048);
         // Two reductions in flight are allowed but one trainable group binds: one in flight, one
         // being filled.

@@ -3,8 +3,8 @@
 use crate::backend::OptimizerShard;
 use crate::dtype::{load_f32, store_f32};
 use crate::optim::{
-    MomentStorage, Update, accumulate_element, adamw_element, bf16_stochastic, rounding_bits,
-    sgd_element,
+    MomentStorage, OptimizerKind, Update, accumulate_element, adamw_element, bf16_stochastic,
+    rounding_bits, sgd_element,
 };
 use crate::types::DType;
 
@@ -49,11 +49,13 @@ pub(crate) struct OptimizerSlices<'a> {
     pub(crate) moments: Option<MomentSlices<'a>>,
 }
 
-/// AdamW's moments of a shard, as bytes stored as `storage` says.
+/// AdamW's moments of a shard, as bytes stored as `storage` says, rounded (where stochastically)
+/// with the step's `seed`.
 pub(crate) struct MomentSlices<'a> {
     pub(crate) first: &'a mut [u8],
     pub(crate) second: &'a mut [u8],
     pub(crate) storage: MomentStorage,
+    pub(crate) seed: u32,
 }
 
 impl MomentSlices<'_> {
@@ -71,8 +73,8 @@ impl MomentSlices<'_> {
                 store_f32(self.first, DType::F32, i, m);
                 store_f32(self.second, DType::F32, i, v);
             }
-            MomentStorage::Bf16Stochastic { seed, first_index } => {
-                let index = first_index + i as u64;
+            MomentStorage::Bf16Stochastic { first_index, .. } => {
+                let (seed, index) = (self.seed, first_index + i as u64);
                 let bits = |x, which| bf16_stochastic(x, rounding_bits(seed, index, which));
                 self.first[2 * i..2 * i + 2].copy_from_slice(&bits(m, 0).to_le_bytes());
                 self.second[2 * i..2 * i + 2].copy_from_slice(&bits(v, 1).to_le_bytes());
@@ -96,10 +98,10 @@ pub(crate) fn norm_partials(src: &[f32], out: &mut [u8]) {
 
 /// The shapes an optimizer step needs, checked before anything is queued.
 pub(crate) fn check_optimizer<B: crate::backend::Backend + ?Sized>(
-    update: &Update,
+    kind: OptimizerKind,
     shard: &OptimizerShard<'_, B>,
 ) -> crate::error::Result<()> {
-    if matches!(update, Update::AdamW(_)) && shard.moments.is_none() {
+    if kind == OptimizerKind::AdamW && shard.moments.is_none() {
         return Err(crate::error::Error::InvalidConfig {
             field: "optimizer",
             reason: "AdamW needs moment buffers".into(),

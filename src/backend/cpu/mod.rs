@@ -25,10 +25,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Tracker,
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate, Tracker,
 };
 use crate::error::{Error, Result};
-use crate::optim::Update;
+use crate::optim::{MomentStorage, STEP_VALUES_BYTES, StepValues, moment_seed};
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
 use math::OptimizerSlices;
@@ -153,8 +153,8 @@ impl CpuBackend {
     }
 }
 
-/// The `bytes` bytes of host buffer `buf` from `at`, checked to lie inside it.
-fn host_part(buf: &CpuBuffer, at: usize, bytes: usize) -> Result<(Arc<Memory>, Range<usize>)> {
+/// The `bytes` bytes of `buf` from `at`, checked to lie inside it.
+fn byte_part(buf: &CpuBuffer, at: usize, bytes: usize) -> Result<(Arc<Memory>, Range<usize>)> {
     let end = at.checked_add(bytes).filter(|&end| end <= buf.len());
     let range = end.map(|end| at..end).ok_or(Error::OutOfRange {
         offset: at,
@@ -292,7 +292,7 @@ impl Backend for CpuBackend {
         at: usize,
     ) -> Result<()> {
         let device = part(src, region)?;
-        let host = host_part(dst, at, device.1.len())?;
+        let host = byte_part(dst, at, device.1.len())?;
         // SAFETY: the caller's contract, passed on.
         unsafe { self.copy_bytes(stream, device, host) }
     }
@@ -306,7 +306,7 @@ impl Backend for CpuBackend {
         region: Region,
     ) -> Result<()> {
         let device = part(dst, region)?;
-        let host = host_part(src, at, device.1.len())?;
+        let host = byte_part(src, at, device.1.len())?;
         // SAFETY: the caller's contract, passed on.
         unsafe { self.copy_bytes(stream, host, device) }
     }
@@ -494,13 +494,29 @@ impl Backend for CpuBackend {
         })
     }
 
+    unsafe fn write_step_values(
+        &self,
+        stream: Stream,
+        dst: &mut CpuBuffer,
+        values: &StepValues,
+    ) -> Result<()> {
+        let (memory, range) = byte_part(dst, 0, STEP_VALUES_BYTES)?;
+        let values = *values;
+        self.run(stream, move || {
+            // SAFETY: the caller ordered every other use of the bytes.
+            let bytes = unsafe { memory.bytes_mut(range) };
+            bytes.copy_from_slice(bytemuck::bytes_of(&values));
+            Ok(())
+        })
+    }
+
     unsafe fn optimizer_step(
         &self,
         stream: Stream,
-        update: &Update,
+        update: StepUpdate<'_, CpuBackend>,
         shard: OptimizerShard<'_, CpuBackend>,
     ) -> Result<()> {
-        math::check_optimizer(update, &shard)?;
+        math::check_optimizer(update.kind, &shard)?;
         let n = shard.numel;
         let whole = Region::new(0, n, DType::F32);
         let dtype = shard.dtype;
@@ -514,8 +530,18 @@ impl Backend for CpuBackend {
             }
             None => None,
         };
-        let update = *update;
+        let values = byte_part(update.values, 0, STEP_VALUES_BYTES)?;
+        let (kind, group) = (update.kind, update.group);
         self.run(stream, move || {
+            // SAFETY: the caller ordered the write of the values before this update.
+            let values: StepValues =
+                bytemuck::pod_read_unaligned(unsafe { values.0.bytes(values.1.clone()) });
+            let seed = |storage| match storage {
+                MomentStorage::Bf16Stochastic { group, .. } => {
+                    moment_seed(values.step, group as usize)
+                }
+                MomentStorage::F32 => 0,
+            };
             // SAFETY: distinct buffers, every one a whole shard of the group; the caller ordered
             // every other use of them (the trait's contract).
             let slices = unsafe {
@@ -531,11 +557,12 @@ impl Backend for CpuBackend {
                             first: m.bytes_mut(mr.clone()),
                             second: v.bytes_mut(vr.clone()),
                             storage: *storage,
+                            seed: seed(*storage),
                         }
                     }),
                 }
             };
-            math::optimizer_step(&update, slices);
+            math::optimizer_step(&group.coefficients(kind, &values), slices);
             Ok(())
         })
     }

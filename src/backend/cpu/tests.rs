@@ -1,4 +1,5 @@
 use super::*;
+use crate::optim::{GroupUpdate, OptimizerKind};
 
 /// An eager backend and asynchronous ones of a few seeds.
 fn backends() -> Vec<CpuBackend> {
@@ -317,4 +318,90 @@ fn dropping_the_backend_finishes_queued_work_on_memory_already_released() {
     .unwrap();
     drop(b);
     assert!(flag.load(Ordering::SeqCst), "queued work was dropped");
+}
+
+/// SGD's update of one f32 element `p` with gradient `g` at `values`, as the host computes it.
+fn sgd_on_host(values: &StepValues, group: GroupUpdate, p: f32, g: f32) -> f32 {
+    let crate::optim::Update::Sgd {
+        lr,
+        weight_decay,
+        grad_scale,
+    } = group.coefficients(OptimizerKind::Sgd, values)
+    else {
+        unreachable!("SGD's coefficients")
+    };
+    crate::optim::sgd_element(p, g, lr, weight_decay, grad_scale)
+}
+
+#[test]
+fn updates_read_the_step_values_the_stream_wrote_before_them() {
+    use crate::optim::OptimizerConfig;
+    let group = GroupUpdate {
+        lr_scale: 0.5,
+        decay: true,
+    };
+    let sgd = |lr| OptimizerConfig::Sgd {
+        lr,
+        weight_decay: 0.25,
+    };
+    // Two steps at different rates and clip factors, each written right before its update:
+    // the second write must not reach the first update, however the stream runs.
+    let steps = [sgd(0.5).step_values(1, 1.0), sgd(0.125).step_values(2, 0.5)];
+    for b in backends() {
+        let mut param = b.alloc(4).unwrap();
+        let mut grad = b.alloc(4).unwrap();
+        let mut values = b.alloc(STEP_VALUES_BYTES).unwrap();
+        b.upload(&mut param, f32_region(1), &3.0f32.to_le_bytes())
+            .unwrap();
+        b.upload(&mut grad, f32_region(1), &2.0f32.to_le_bytes())
+            .unwrap();
+        for step in &steps {
+            // SAFETY: every buffer is used on the compute stream only.
+            unsafe { b.write_step_values(Stream::Compute, &mut values, step) }.unwrap();
+            let shard = OptimizerShard {
+                param: &mut param,
+                dtype: DType::F32,
+                numel: 1,
+                grad: &grad,
+                master: None,
+                moments: None,
+            };
+            let update = StepUpdate {
+                kind: OptimizerKind::Sgd,
+                values: &values,
+                group,
+            };
+            // SAFETY: as above.
+            unsafe { b.optimizer_step(Stream::Compute, update, shard) }.unwrap();
+        }
+        let first = sgd_on_host(&steps[0], group, 3.0, 2.0);
+        let expected = sgd_on_host(&steps[1], group, first, 2.0);
+        assert_eq!(download_f32(&b, &param, 1), [expected]);
+        assert_ne!(expected, sgd_on_host(&steps[1], group, 3.0, 2.0));
+        let mut written = [0u8; STEP_VALUES_BYTES];
+        b.download(&values, Region::new(0, 12, DType::F32), &mut written)
+            .unwrap();
+        assert_eq!(written, bytemuck::bytes_of(&steps[1]));
+    }
+}
+
+#[test]
+fn step_values_that_do_not_fit_their_buffer_are_refused() {
+    for b in backends() {
+        let mut short = b.alloc(STEP_VALUES_BYTES - 8).unwrap();
+        let values = crate::optim::OptimizerConfig::default().step_values(1, 1.0);
+        // SAFETY: nothing else uses the buffer.
+        let r = unsafe { b.write_step_values(Stream::Compute, &mut short, &values) };
+        assert!(
+            matches!(
+                r,
+                Err(Error::OutOfRange {
+                    offset: 0,
+                    len: 48,
+                    capacity: 40
+                })
+            ),
+            "{r:?}"
+        );
+    }
 }

@@ -30,10 +30,10 @@ use events::EventPool;
 pub(crate) use events::PooledEvent;
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, Tracker,
+    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate, Tracker,
 };
 use crate::error::{Error, Result};
-use crate::optim::Update;
+use crate::optim::{OptimizerKind, STEP_VALUES_BYTES, StepValues};
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
 
@@ -512,16 +512,35 @@ impl Backend for CudaBackend {
         }
     }
 
+    unsafe fn write_step_values(
+        &self,
+        stream: Stream,
+        dst: &mut CudaBuffer,
+        values: &StepValues,
+    ) -> Result<()> {
+        let dst = dst.addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
+        bind(&self.ctx)?;
+        // SAFETY: `dst` is checked to hold the values, of a buffer borrowed for this call; the
+        // caller orders other uses.
+        unsafe {
+            self.kernels
+                .write_step_values(self.stream_handle(stream), dst, values)
+        }
+    }
+
     unsafe fn optimizer_step(
         &self,
         stream: Stream,
-        update: &Update,
+        update: StepUpdate<'_, CudaBackend>,
         shard: OptimizerShard<'_, CudaBackend>,
     ) -> Result<()> {
         let n = shard.numel;
         let whole = Region::new(0, n, DType::F32);
         let param = shard.param.addr(Region::new(0, n, shard.dtype))?;
         let grad = shard.grad.addr(whole)?;
+        let values = update
+            .values
+            .addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
         let master = match (shard.master, shard.dtype) {
             (Some(master), _) => master.addr(whole)?,
             // An f32 shard is its own master copy.
@@ -545,32 +564,17 @@ impl Backend for CudaBackend {
         }
         let on = self.stream_handle(stream);
         bind(&self.ctx)?;
-        // SAFETY (both arms): every address is checked to hold `n` elements of a live buffer
-        // borrowed for this call.
-        match (update, moments) {
-            (
-                Update::Sgd {
-                    lr,
-                    weight_decay,
-                    grad_scale,
-                },
-                _,
-            ) => unsafe {
-                self.kernels.sgd(
-                    on,
-                    shard.dtype,
-                    master,
-                    grad,
-                    param,
-                    n,
-                    (*lr, *weight_decay, *grad_scale),
-                )
+        let step = (values, update.group);
+        // SAFETY (both arms): every address is checked to hold `n` elements (the values theirs)
+        // of a live buffer borrowed for this call.
+        match (update.kind, moments) {
+            (OptimizerKind::Sgd, _) => unsafe {
+                (self.kernels).sgd(on, shard.dtype, master, grad, param, n, step)
             },
-            (Update::AdamW(c), Some(moments)) => unsafe {
-                self.kernels
-                    .adamw(on, shard.dtype, master, moments, grad, param, n, c)
+            (OptimizerKind::AdamW, Some(moments)) => unsafe {
+                (self.kernels).adamw(on, shard.dtype, master, moments, grad, param, n, step)
             },
-            (Update::AdamW(_), None) => Err(Error::InvalidConfig {
+            (OptimizerKind::AdamW, None) => Err(Error::InvalidConfig {
                 field: "optimizer",
                 reason: "AdamW needs moment buffers".into(),
             }),

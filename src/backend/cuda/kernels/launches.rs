@@ -246,12 +246,36 @@ impl Kernels {
         }
     }
 
-    /// AdamW exactly as [`crate::optim::adamw_element`] on fp32 `master` and `grad` and moments
-    /// `m`, `v` stored as `moments` says, writing the result to `master` and, rounded, to `param`
-    /// (of `param_dtype`). For f32 params `master` may equal `param`.
+    /// `*dst = values`, in stream order.
     ///
     /// # Safety
-    /// Every address is valid for `n` elements.
+    /// `dst` is valid for [`crate::optim::STEP_VALUES_BYTES`] bytes on `stream`.
+    pub unsafe fn write_step_values(
+        &self,
+        stream: &CudaStream,
+        dst: u64,
+        values: &StepValues,
+    ) -> Result<()> {
+        check_aligned(dst, std::mem::align_of::<StepValues>())?;
+        // SAFETY: write_step_values(StepValues* dst, StepValues values), the struct laid out as
+        // the #[repr(C)] one; the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                self.write_step_values,
+                1,
+                &mut [arg(&dst), arg(values)],
+            )
+        }
+    }
+
+    /// AdamW exactly as [`crate::optim::adamw_element`] with the coefficients
+    /// [`GroupUpdate::coefficients`] makes of the [`StepValues`] at `values`, on fp32 `master`
+    /// and `grad` and moments `m`, `v` stored as `moments` says, writing the result to `master`
+    /// and, rounded, to `param` (of `param_dtype`). For f32 params `master` may equal `param`.
+    ///
+    /// # Safety
+    /// Every address but `values` is valid for `n` elements, `values` for a [`StepValues`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn adamw(
         &self,
@@ -262,7 +286,7 @@ impl Kernels {
         grad: u64,
         param: u64,
         n: usize,
-        c: &AdamwCoefficients,
+        (values, group): (u64, GroupUpdate),
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -271,15 +295,17 @@ impl Kernels {
             check_aligned(addr, DType::F32.size())?;
         }
         check_aligned(param, param_dtype.size())?;
+        check_aligned(values, std::mem::align_of::<StepValues>())?;
         let n64 = n as u64;
-        if let MomentStorage::Bf16Stochastic { seed, first_index } = moments {
+        let (lr_scale, decay) = (group.lr_scale, i32::from(group.decay));
+        if let MomentStorage::Bf16Stochastic { group, first_index } = moments {
             for addr in [m, v] {
                 check_aligned(addr, DType::Bf16.size())?;
             }
             let kernel = self.adamw_bf16_moments[dtype_index(param_dtype)];
             // SAFETY: adamw_bf16m_<param>(float* master, uint16_t* m, uint16_t* v, const float*
-            // grad, P* param, uint64_t n, AdamwCoefficients c, uint32_t seed, uint64_t
-            // first_index); the caller's contract.
+            // grad, P* param, uint64_t n, const StepValues* values, float lr_scale, int decay,
+            // uint32_t group, uint64_t first_index); the caller's contract.
             return unsafe {
                 self.launch(
                     stream,
@@ -292,8 +318,10 @@ impl Kernels {
                         arg(&grad),
                         arg(&param),
                         arg(&n64),
-                        arg(c),
-                        arg(&seed),
+                        arg(&values),
+                        arg(&lr_scale),
+                        arg(&decay),
+                        arg(&group),
                         arg(&first_index),
                     ],
                 )
@@ -304,8 +332,8 @@ impl Kernels {
         }
         let kernel = self.adamw[dtype_index(param_dtype)];
         // SAFETY: adamw_<param>(float* master, float* m, float* v, const float* grad, P* param,
-        // uint64_t n, AdamwCoefficients c), the struct laid out as the #[repr(C)] one; the
-        // caller's contract.
+        // uint64_t n, const StepValues* values, float lr_scale, int decay); the caller's
+        // contract.
         unsafe {
             self.launch(
                 stream,
@@ -318,16 +346,20 @@ impl Kernels {
                     arg(&grad),
                     arg(&param),
                     arg(&n64),
-                    arg(c),
+                    arg(&values),
+                    arg(&lr_scale),
+                    arg(&decay),
                 ],
             )
         }
     }
 
-    /// SGD exactly as [`crate::optim::sgd_element`]; `master` may equal `param` for f32 params.
+    /// SGD exactly as [`crate::optim::sgd_element`] with the coefficients
+    /// [`GroupUpdate::coefficients`] makes of the [`StepValues`] at `values`; `master` may equal
+    /// `param` for f32 params.
     ///
     /// # Safety
-    /// Every address is valid for `n` elements.
+    /// Every address but `values` is valid for `n` elements, `values` for a [`StepValues`].
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn sgd(
         &self,
@@ -337,7 +369,7 @@ impl Kernels {
         grad: u64,
         param: u64,
         n: usize,
-        (lr, weight_decay, grad_scale): (f32, f32, f32),
+        (values, group): (u64, GroupUpdate),
     ) -> Result<()> {
         if n == 0 {
             return Ok(());
@@ -345,10 +377,12 @@ impl Kernels {
         check_aligned(master, DType::F32.size())?;
         check_aligned(grad, DType::F32.size())?;
         check_aligned(param, param_dtype.size())?;
+        check_aligned(values, std::mem::align_of::<StepValues>())?;
         let kernel = self.sgd[dtype_index(param_dtype)];
         let n64 = n as u64;
-        // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, float lr,
-        // float wd, float grad_scale); the caller's contract.
+        let (lr_scale, decay) = (group.lr_scale, i32::from(group.decay));
+        // SAFETY: sgd_<param>(float* master, const float* grad, P* param, uint64_t n, const
+        // StepValues* values, float lr_scale, int decay); the caller's contract.
         unsafe {
             self.launch(
                 stream,
@@ -359,9 +393,9 @@ impl Kernels {
                     arg(&grad),
                     arg(&param),
                     arg(&n64),
-                    arg(&lr),
-                    arg(&weight_decay),
-                    arg(&grad_scale),
+                    arg(&values),
+                    arg(&lr_scale),
+                    arg(&decay),
                 ],
             )
         }

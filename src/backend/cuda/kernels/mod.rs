@@ -9,7 +9,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
-use crate::optim::{AdamwCoefficients, MomentStorage};
+use crate::optim::{GroupUpdate, MomentStorage, StepValues};
 use crate::types::DType;
 
 mod launches;
@@ -249,6 +249,7 @@ pub struct Kernels {
     adamw: [Kernel; 3],
     adamw_bf16_moments: [Kernel; 3],
     sgd: [Kernel; 3],
+    write_step_values: Kernel,
     cast: [[Option<Kernel>; 3]; 3],
     reduce_sum_f32: Kernel,
     reduce_sum_bf16: Kernel,
@@ -365,6 +366,7 @@ impl Kernels {
             adamw: each(&ADAMW)?,
             adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
             sgd: each(&SGD)?,
+            write_step_values: module.kernel(c"write_step_values", sm_count)?,
             cast,
             reduce_sum_f32: module.kernel(c"reduce_sum_f32", sm_count)?,
             reduce_sum_bf16: module.kernel(c"reduce_sum_bf16", sm_count)?,

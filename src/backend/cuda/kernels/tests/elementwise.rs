@@ -227,14 +227,19 @@ fn accumulate_case(
     });
 }
 
-/// `aliased`: an f32 param that is its own master copy; `moments` as the kernel stores them.
+/// `aliased`: an f32 param that is its own master copy; `moments` as the kernel stores them;
+/// step 7 of the default AdamW for `group`.
 fn adamw_case(
     gpu: &Gpu,
     (param, aliased, moments): (DType, bool, MomentStorage),
+    group: GroupUpdate,
     pattern: &[u64],
     n: u64,
 ) {
-    let c = adamw_coefficients();
+    let (values, device_values) = step_values(gpu, OptimizerConfig::default());
+    let Update::AdamW(c) = group.coefficients(OptimizerKind::AdamW, &values) else {
+        unreachable!("AdamW's coefficients")
+    };
     let f32_in = (DType::F32, Some(Fill::Finite));
     let moment = moments.dtype();
     let mut specs = vec![
@@ -261,7 +266,8 @@ fn adamw_case(
         v[0] = p.to_bits();
         (v[1], v[2]) = match moments {
             MomentStorage::F32 => (m.to_bits(), s.to_bits()),
-            MomentStorage::Bf16Stochastic { seed, first_index } => {
+            MomentStorage::Bf16Stochastic { group, first_index } => {
+                let seed = moment_seed(values.step, group as usize);
                 let round = |x, which| {
                     u32::from(bf16_stochastic(
                         x,
@@ -294,14 +300,33 @@ fn adamw_case(
                 s[3],
                 param_ptr,
                 n as usize,
-                &c,
+                (device_values.ptr, group),
             )
         }
     });
 }
 
-fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
-    let (lr, weight_decay, grad_scale) = (0.01f32, 0.1f32, 0.75f32);
+/// Step 7 of SGD at 0.01 with weight decay 0.1, for `group`.
+fn sgd_case(
+    gpu: &Gpu,
+    (param, aliased): (DType, bool),
+    group: GroupUpdate,
+    pattern: &[u64],
+    n: u64,
+) {
+    let sgd = OptimizerConfig::Sgd {
+        lr: 0.01,
+        weight_decay: 0.1,
+    };
+    let (values, device_values) = step_values(gpu, sgd);
+    let Update::Sgd {
+        lr,
+        weight_decay,
+        grad_scale,
+    } = group.coefficients(OptimizerKind::Sgd, &values)
+    else {
+        unreachable!("SGD's coefficients")
+    };
     let f32_in = (DType::F32, Some(Fill::Finite));
     let mut specs = vec![f32_in, f32_in];
     if !aliased {
@@ -331,7 +356,7 @@ fn sgd_case(gpu: &Gpu, param: DType, aliased: bool, pattern: &[u64], n: u64) {
                 s[1],
                 param_ptr,
                 n as usize,
-                (lr, weight_decay, grad_scale),
+                (device_values.ptr, group),
             )
         }
     });
@@ -504,14 +529,18 @@ fn adamw_matches_the_host() {
     let gpu = gpu();
     // Elements far into a shard of a large group: the index's high word reaches the hash.
     let bf16 = MomentStorage::Bf16Stochastic {
-        seed: moment_seed(7, 3),
+        group: 3,
         first_index: (5 << 32) + 11,
     };
-    for moments in [MomentStorage::F32, bf16] {
+    for (moments, group) in [(MomentStorage::F32, HALF_LR), (bf16, NO_DECAY)] {
         for param in DTYPES {
-            for_small_cases(|pattern, n| adamw_case(&gpu, (param, false, moments), pattern, n));
+            for_small_cases(|pattern, n| {
+                adamw_case(&gpu, (param, false, moments), group, pattern, n)
+            });
         }
-        for_small_cases(|pattern, n| adamw_case(&gpu, (DType::F32, true, moments), pattern, n));
+        for_small_cases(|pattern, n| {
+            adamw_case(&gpu, (DType::F32, true, moments), group, pattern, n)
+        });
     }
 }
 
@@ -520,14 +549,20 @@ fn adamw_matches_the_host() {
 fn adamw_one_gib() {
     let gpu = gpu();
     let bf16 = MomentStorage::Bf16Stochastic {
-        seed: moment_seed(1, 0),
+        group: 0,
         first_index: 0,
     };
     for moments in [MomentStorage::F32, bf16] {
         for param in DTYPES {
-            adamw_case(&gpu, (param, false, moments), &[3], gib_of(param));
+            adamw_case(&gpu, (param, false, moments), HALF_LR, &[3], gib_of(param));
         }
-        adamw_case(&gpu, (DType::F32, true, moments), &[3], gib_of(DType::F32));
+        adamw_case(
+            &gpu,
+            (DType::F32, true, moments),
+            HALF_LR,
+            &[3],
+            gib_of(DType::F32),
+        );
     }
 }
 
@@ -536,9 +571,9 @@ fn adamw_one_gib() {
 fn sgd_matches_the_host() {
     let gpu = gpu();
     for param in DTYPES {
-        for_small_cases(|pattern, n| sgd_case(&gpu, param, false, pattern, n));
+        for_small_cases(|pattern, n| sgd_case(&gpu, (param, false), HALF_LR, pattern, n));
     }
-    for_small_cases(|pattern, n| sgd_case(&gpu, DType::F32, true, pattern, n));
+    for_small_cases(|pattern, n| sgd_case(&gpu, (DType::F32, true), NO_DECAY, pattern, n));
 }
 
 #[test]
@@ -546,9 +581,9 @@ fn sgd_matches_the_host() {
 fn sgd_one_gib() {
     let gpu = gpu();
     for param in DTYPES {
-        sgd_case(&gpu, param, false, &[3], gib_of(param));
+        sgd_case(&gpu, (param, false), HALF_LR, &[3], gib_of(param));
     }
-    sgd_case(&gpu, DType::F32, true, &[3], gib_of(DType::F32));
+    sgd_case(&gpu, (DType::F32, true), HALF_LR, &[3], gib_of(DType::F32));
 }
 
 #[test]

@@ -19,8 +19,8 @@ use half::{bf16, f16};
 
 use super::*;
 use crate::optim::{
-    GroupSettings, MomentStorage, OptimizerConfig, Update, accumulate_element, adamw_element,
-    bf16_stochastic, moment_seed, rounding_bits, sgd_element,
+    GroupUpdate, MomentStorage, OptimizerConfig, OptimizerKind, STEP_VALUES_BYTES, Update,
+    accumulate_element, adamw_element, bf16_stochastic, moment_seed, rounding_bits, sgd_element,
 };
 
 #[test]
@@ -399,16 +399,28 @@ fn gib_of(dtype: DType) -> u64 {
     GIB / dtype.size() as u64
 }
 
-/// Step 7's coefficients with gradients scaled by 0.75, as clipping scales them.
-fn adamw_coefficients() -> AdamwCoefficients {
-    let clipped = GroupSettings {
-        grad_scale: 0.75,
-        ..GroupSettings::default()
-    };
-    let Update::AdamW(c) = OptimizerConfig::default().coefficients(7, clipped) else {
-        unreachable!("the default optimizer is AdamW")
-    };
-    c
+/// A group at half the learning rate, with weight decay.
+const HALF_LR: GroupUpdate = GroupUpdate {
+    lr_scale: 0.5,
+    decay: true,
+};
+
+/// A group at the learning rate, without weight decay.
+const NO_DECAY: GroupUpdate = GroupUpdate {
+    lr_scale: 1.0,
+    decay: false,
+};
+
+/// `optimizer`'s values of step 7 with gradients scaled by 0.75, as clipping scales them, in a
+/// device buffer of their own, written by the kernel the engine writes them with.
+fn step_values(gpu: &Gpu, optimizer: OptimizerConfig) -> (StepValues, DeviceBuffer) {
+    let values = optimizer.step_values(7, 0.75);
+    let buf = DeviceBuffer::poisoned(gpu, STEP_VALUES_BYTES as u64);
+    // SAFETY: the buffer holds the values.
+    unsafe { gpu.kernels.write_step_values(&gpu.stream, buf.ptr, &values) }
+        .expect("write_step_values");
+    gpu.sync();
+    (values, buf)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -487,15 +499,27 @@ mod layout;
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn step_values_come_back_as_written() {
+    let gpu = gpu();
+    for optimizer in [OptimizerConfig::default(), OptimizerConfig::sgd(0.5)] {
+        let (values, buf) = step_values(&gpu, optimizer);
+        let mut back = [0u8; STEP_VALUES_BYTES];
+        gpu.download(buf.ptr, &mut back);
+        assert_eq!(back, bytemuck::bytes_of(&values), "{optimizer:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn misaligned_addresses_are_refused_before_launch() {
     let gpu = gpu();
     let buf = DeviceBuffer::poisoned(&gpu, 256);
     let (p, odd) = (buf.ptr, buf.ptr + 2);
     let k = &gpu.kernels;
     let s = &gpu.stream;
-    let c = adamw_coefficients();
+    let values = (p, HALF_LR);
     let bf16_moments = MomentStorage::Bf16Stochastic {
-        seed: 1,
+        group: 1,
         first_index: 0,
     };
     let entry = |ptr| PackEntry {
@@ -519,7 +543,7 @@ fn misaligned_addresses_are_refused_before_launch() {
                 p + 128,
                 p + 192,
                 4,
-                &c,
+                values,
             ),
             k.adamw(
                 s,
@@ -529,9 +553,11 @@ fn misaligned_addresses_are_refused_before_launch() {
                 p + 128,
                 p + 192,
                 4,
-                &c,
+                values,
             ),
-            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, (0.1, 0.0, 1.0)),
+            k.sgd(s, DType::F16, p, p + 64, p + 129, 4, values),
+            k.sgd(s, DType::F32, p, p + 64, p + 128, 4, (odd, HALF_LR)),
+            k.write_step_values(s, p + 4, &OptimizerConfig::default().step_values(1, 1.0)),
             k.pack(s, DType::F32, &[entry(odd)], p + 64),
             k.pack(s, DType::F32, &[entry(p)], odd),
             k.unpack(s, DType::F32, &[entry(p)], odd),
@@ -633,7 +659,7 @@ fn a_sum_of_no_sources_is_refused() {
 fn zero_length_calls_launch_nothing() {
     let gpu = gpu();
     let (k, s) = (&gpu.kernels, &gpu.stream);
-    let c = adamw_coefficients();
+    let values = (0, HALF_LR);
     for dtype in DTYPES {
         unsafe {
             k.copy(s, dtype, 0, 0, 0).expect("copy");
@@ -642,9 +668,9 @@ fn zero_length_calls_launch_nothing() {
                 k.accumulate(s, (dtype, dst), 0, 0, 0, 1.0, true)
                     .expect("accumulate");
             }
-            k.adamw(s, dtype, 0, (0, 0, MomentStorage::F32), 0, 0, 0, &c)
+            k.adamw(s, dtype, 0, (0, 0, MomentStorage::F32), 0, 0, 0, values)
                 .expect("adamw");
-            k.sgd(s, dtype, 0, 0, 0, 0, (0.1, 0.0, 1.0)).expect("sgd");
+            k.sgd(s, dtype, 0, 0, 0, 0, values).expect("sgd");
             k.pack(s, dtype, &[], 0).expect("pack");
             k.unpack(s, dtype, &[], 0).expect("unpack");
             let empty = PackEntry::default();
