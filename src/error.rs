@@ -264,6 +264,11 @@ pub enum Error {
         code: i32,
         message: String,
     },
+    /// Work that a captured step cannot hold (a host wait, an allocation), or streams that break
+    /// a capture's rules (work on a stream that did not join it, a wait on work outside it, a
+    /// stream not joined back at its end).
+    #[error("cannot capture: {what}")]
+    Capture { what: String },
     #[error("{backend} backend cannot take {what}")]
     Unsupported {
         backend: &'static str,

@@ -183,8 +183,28 @@ pub trait Backend: Send {
     /// so that the copies run at the link's speed while the host goes on).
     type HostBuffer: Send + 'static;
 
+    /// Work captured from the streams ([`Backend::end_capture`]), replayable.
+    type Graph: Send + Sync;
+
     /// A short name for errors and reports.
     fn name(&self) -> &'static str;
+
+    /// Begins capturing the work queued on `stream` and on each stream that joins the capture
+    /// by waiting for an event recorded in it, as a CUDA stream capture does: nothing queued
+    /// runs until a replay. Until the capture ends, a host wait, an allocation, a free, work on
+    /// a stream that did not join and a wait for an event outside the capture are
+    /// `Error::Capture`, and so is a query of an event recorded in it.
+    fn begin_capture(&self, stream: Stream) -> Result<()>;
+
+    /// Ends the capture under way: its graph, or `Error::Capture` where a stream that joined it
+    /// was not joined back (the stream it began on waits for an event recorded after that
+    /// stream's last work). The capture ends either way.
+    fn end_capture(&self) -> Result<Self::Graph>;
+
+    /// Queues `graph`'s work as one operation of the stream its capture began on: that stream's
+    /// later work follows all of it, another stream's later work none of it (order it with an
+    /// event of that stream).
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
     /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;

@@ -120,7 +120,8 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::GradientAfterItsUnit { .. }
         | Error::MidStep { .. }
         | Error::SavePending { .. }
-        | Error::ForbiddenTransition { .. } => FSDP_MISUSE,
+        | Error::ForbiddenTransition { .. }
+        | Error::Capture { .. } => FSDP_MISUSE,
         Error::CudaUnavailable { .. }
         | Error::KernelsUnavailable
         | Error::NcclUnavailable { .. }

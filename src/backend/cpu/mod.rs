@@ -34,6 +34,7 @@ use crate::watch::Watch;
 use math::OptimizerSlices;
 pub use memory::CpuBuffer;
 pub(crate) use memory::Memory;
+pub use streams::CpuGraph;
 use streams::{Marker, Streams};
 
 const NAME: &str = "cpu";
@@ -88,11 +89,28 @@ impl CpuBackend {
     pub fn run(
         &self,
         stream: Stream,
-        job: impl FnOnce() -> Result<()> + Send + 'static,
+        job: impl Fn() -> Result<()> + Send + Sync + 'static,
     ) -> Result<()> {
         match &self.streams {
             None => job(),
-            Some(streams) => streams.run(stream, Box::new(job)),
+            Some(streams) => streams.run(stream, Arc::new(job)),
+        }
+    }
+
+    /// The streams of an asynchronous backend; `Error::Unsupported` naming `what` on an eager
+    /// one.
+    fn asynchronous_streams(&self, what: &'static str) -> Result<&Streams> {
+        self.streams.as_ref().ok_or(Error::Unsupported {
+            backend: NAME,
+            what,
+        })
+    }
+
+    /// `Error::Capture` naming `what` while a capture is under way.
+    fn check_not_capturing(&self, what: &str) -> Result<()> {
+        match &self.streams {
+            Some(streams) => streams.check_not_capturing(what),
+            None => Ok(()),
         }
     }
 
@@ -101,6 +119,7 @@ impl CpuBackend {
         let Some(streams) = &self.streams else {
             return Ok(());
         };
+        streams.check_not_capturing("a host wait")?;
         self.host_waits.fetch_add(1, Ordering::Relaxed);
         streams.synchronize(&*streams.record(stream)?).map(drop)
     }
@@ -108,6 +127,7 @@ impl CpuBackend {
     /// Orders the compute stream after the other two streams' work so far, then blocks until it
     /// completed: afterwards no queued work touches any buffer.
     fn quiesce(&self) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
         self.join_on_compute()?;
         self.drain(Stream::Compute)
     }
@@ -177,7 +197,12 @@ impl CpuBackend {
     ) -> Result<()> {
         self.run(stream, move || {
             // SAFETY: distinct buffers; the caller ordered every other use of both ranges.
-            let (from, to) = unsafe { (from_memory.bytes(from), to_memory.bytes_mut(to)) };
+            let (from, to) = unsafe {
+                (
+                    from_memory.bytes(from.clone()),
+                    to_memory.bytes_mut(to.clone()),
+                )
+            };
             to.copy_from_slice(from);
             Ok(())
         })
@@ -213,23 +238,42 @@ impl Backend for CpuBackend {
     type Buffer = CpuBuffer;
     type Event = CpuEvent;
     type HostBuffer = CpuBuffer;
+    type Graph = CpuGraph;
 
     fn name(&self) -> &'static str {
         NAME
     }
 
+    /// On the asynchronous backend only: an eager one runs its streams' work on the caller's
+    /// thread as it is queued.
+    fn begin_capture(&self, stream: Stream) -> Result<()> {
+        self.asynchronous_streams("a capture")?
+            .begin_capture(stream)
+    }
+
+    fn end_capture(&self) -> Result<CpuGraph> {
+        self.asynchronous_streams("a capture")?.end_capture()
+    }
+
+    fn replay(&self, graph: &CpuGraph) -> Result<()> {
+        self.asynchronous_streams("a replay")?.replay(graph)
+    }
+
     fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        self.check_not_capturing("an allocation")?;
         CpuBuffer::zeroed(bytes, &self.tracker)
     }
 
     /// Every byte 0xFF: a NaN in every element, so that a read before the first write shows.
     fn alloc_unfilled(&self, bytes: usize) -> Result<CpuBuffer> {
+        self.check_not_capturing("an allocation")?;
         CpuBuffer::poisoned(bytes, &self.tracker)
     }
 
     /// Orders the compute stream after the other streams' work so far, then frees the buffers
     /// as [`Backend::free_after_compute`] does.
     fn free(&self, buffers: impl IntoIterator<Item = CpuBuffer>) -> Result<()> {
+        self.check_not_capturing("a free")?;
         let mut buffers = buffers.into_iter().peekable();
         if buffers.peek().is_none() {
             return Ok(());
@@ -246,6 +290,7 @@ impl Backend for CpuBackend {
         &self,
         buffers: impl IntoIterator<Item = CpuBuffer>,
     ) -> Result<()> {
+        self.check_not_capturing("a free")?;
         for buffer in buffers {
             let memory = Arc::clone(buffer.memory());
             let len = buffer.len();
@@ -360,7 +405,7 @@ impl Backend for CpuBackend {
     fn reached(event: &CpuEvent) -> Result<bool> {
         Ok(match &event.0 {
             Point::Reached(_) => true,
-            Point::Queued(marker) => marker.is_reached(),
+            Point::Queued(marker) => marker.is_reached()?,
         })
     }
 
@@ -394,7 +439,7 @@ impl Backend for CpuBackend {
         let (memory, range) = part(buf, region)?;
         self.run(stream, move || {
             // SAFETY: the caller ordered every other use of the region (the trait's contract).
-            unsafe { memory.bytes_mut(range) }.fill(0);
+            unsafe { memory.bytes_mut(range.clone()) }.fill(0);
             Ok(())
         })
     }
@@ -463,7 +508,7 @@ impl Backend for CpuBackend {
         };
         self.run(stream, move || {
             // SAFETY: the caller ordered every other use of the region (the trait's contract).
-            let dst = unsafe { memory.bytes_mut(range) };
+            let dst = unsafe { memory.bytes_mut(range.clone()) };
             math::accumulate((dst, dst_dtype), (&bytes, dtype), scale, add);
             Ok(())
         })
@@ -487,8 +532,12 @@ impl Backend for CpuBackend {
         }
         self.run(stream, move || {
             // SAFETY: distinct buffers; the caller ordered every other use of both regions.
-            let (src, dst) =
-                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            let (src, dst) = unsafe {
+                (
+                    src_memory.bytes(src_range.clone()),
+                    dst_memory.bytes_mut(dst_range.clone()),
+                )
+            };
             math::accumulate((dst, dst_region.dtype), (src, src_region.dtype), scale, add);
             Ok(())
         })
@@ -504,7 +553,7 @@ impl Backend for CpuBackend {
         let values = *values;
         self.run(stream, move || {
             // SAFETY: the caller ordered every other use of the bytes.
-            let bytes = unsafe { memory.bytes_mut(range) };
+            let bytes = unsafe { memory.bytes_mut(range.clone()) };
             bytes.copy_from_slice(bytemuck::bytes_of(&values));
             Ok(())
         })
@@ -546,9 +595,9 @@ impl Backend for CpuBackend {
             // every other use of them (the trait's contract).
             let slices = unsafe {
                 OptimizerSlices {
-                    param: param.0.bytes_mut(param.1),
+                    param: param.0.bytes_mut(param.1.clone()),
                     dtype,
-                    grad: math::f32s(grad.0.bytes(grad.1)),
+                    grad: math::f32s(grad.0.bytes(grad.1.clone())),
                     master: master
                         .as_ref()
                         .map(|(m, r)| math::f32s_mut(m.bytes_mut(r.clone()))),
@@ -581,8 +630,8 @@ impl Backend for CpuBackend {
             // SAFETY: distinct buffers; the caller ordered every other use of both.
             let (src, out) = unsafe {
                 (
-                    math::f32s(src_memory.bytes(src_range)),
-                    out_memory.bytes_mut(out_range),
+                    math::f32s(src_memory.bytes(src_range.clone())),
+                    out_memory.bytes_mut(out_range.clone()),
                 )
             };
             math::norm_partials(src, out);
@@ -604,8 +653,8 @@ impl Backend for CpuBackend {
             // SAFETY: distinct buffers; the caller ordered every other use of both.
             let (src, counter) = unsafe {
                 (
-                    math::f32s(src_memory.bytes(src_range)),
-                    counter_memory.bytes_mut(counter_range),
+                    math::f32s(src_memory.bytes(src_range.clone())),
+                    counter_memory.bytes_mut(counter_range.clone()),
                 )
             };
             let found = src.iter().filter(|x| !x.is_finite()).count() as u64;
@@ -631,8 +680,12 @@ impl Backend for CpuBackend {
         let dtypes = (src_region.dtype, dst_region.dtype);
         self.run(stream, move || {
             // SAFETY: distinct buffers; the caller ordered every other use of both regions.
-            let (src, dst) =
-                unsafe { (src_memory.bytes(src_range), dst_memory.bytes_mut(dst_range)) };
+            let (src, dst) = unsafe {
+                (
+                    src_memory.bytes(src_range.clone()),
+                    dst_memory.bytes_mut(dst_range.clone()),
+                )
+            };
             crate::dtype::convert((dst, dtypes.1), (src, dtypes.0));
             Ok(())
         })

@@ -3,6 +3,16 @@
 //! Before each operation a worker sleeps for a delay drawn from the backend's seed (mostly none,
 //! sometimes tens of microseconds, now and then milliseconds), so work that the engine did not
 //! order with events runs in another order than it was issued, as it would on a GPU.
+//!
+//! The streams capture work as CUDA captures a stream's into a graph: between
+//! [`Streams::begin_capture`] and [`Streams::end_capture`] nothing queued runs. The stream the
+//! capture began on takes part from the start; another joins by waiting for a point recorded in
+//! the capture, and must be joined back (the first stream waits for its last point) before the
+//! end. Work on a stream that did not join, a wait on a point outside the capture, a host wait
+//! and a query of a captured point are errors, as they are for CUDA's global capture mode. A
+//! replay ([`Streams::replay`]) is one operation of the first stream: each joined stream's work
+//! runs on a thread of its own, ordered only by the captured points, and the first stream's later
+//! work follows all of it; the other streams' later work does not.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -17,8 +27,9 @@ use crate::watch::Watch;
 /// How many of the watch's timeouts a wait on the rank's own streams lasts.
 const LOCAL_WAIT_FACTOR: u32 = 4;
 
-/// Work for a stream; its error fails the backend.
-pub(crate) type Job = Box<dyn FnOnce() -> Result<()> + Send>;
+/// Work for a stream; its error fails the backend. Runs once a queueing, and again at each
+/// replay of a capture that holds it.
+pub(crate) type Job = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 enum Task {
     Run(Job),
@@ -28,11 +39,13 @@ enum Task {
     Wait(Arc<Marker>),
 }
 
-/// A point in a stream's queue, reached when the stream's worker gets there.
+/// A point in a stream's queue, reached when the stream's worker gets there; a point recorded in
+/// a capture is never reached: only its replays' copies are.
 #[derive(Debug, Default)]
 pub(crate) struct Marker {
     reached: Mutex<Option<Instant>>,
     changed: Condvar,
+    captured: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -48,9 +61,17 @@ impl Marker {
         self.changed.notify_all();
     }
 
-    /// Whether the stream reached the point.
-    pub(crate) fn is_reached(&self) -> bool {
-        lock(&self.reached).is_some()
+    /// Whether the stream reached the point; an error for a point recorded in a capture.
+    pub(crate) fn is_reached(&self) -> Result<bool> {
+        self.check_not_captured("a query of a point recorded in a capture")?;
+        Ok(lock(&self.reached).is_some())
+    }
+
+    fn check_not_captured(&self, what: &str) -> Result<()> {
+        match self.captured.load(std::sync::atomic::Ordering::Relaxed) {
+            true => Err(Error::Capture { what: what.into() }),
+            false => Ok(()),
+        }
     }
 
     /// When the stream reached the point; blocks until then, within `watch`'s deadline.
@@ -147,6 +168,146 @@ pub(crate) struct Streams {
     fault: Arc<Fault>,
     /// The deadline and abort flag of the workers' and the host's waits.
     watch: Arc<Mutex<Watch>>,
+    /// The capture under way, if any.
+    capture: Mutex<Option<Capture>>,
+    /// The seed of the delays of the streams and of the replays.
+    seed: u64,
+    replays: std::sync::atomic::AtomicU64,
+}
+
+/// One operation of a capture, on its stream.
+#[derive(Clone)]
+enum Captured {
+    Run(Job),
+    /// The stream reached the capture's point number `n`.
+    Mark(usize),
+    /// The stream's later work waits for the capture's point number `n`.
+    Wait(usize),
+}
+
+/// What a capture under way holds.
+struct Capture {
+    origin: Stream,
+    /// Each stream's operations, in order; `None` for a stream that has not joined.
+    streams: [Option<Vec<Captured>>; 3],
+    /// The points recorded in the capture: each with its stream and how many of that stream's
+    /// operations come before it.
+    points: Vec<(Arc<Marker>, Stream, usize)>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ops = self
+            .streams
+            .each_ref()
+            .map(|ops| ops.as_ref().map(Vec::len));
+        write!(f, "Capture on {:?} ({ops:?} operations)", self.origin)
+    }
+}
+
+impl Capture {
+    /// Takes `task`, queued on `stream`, into the capture; gives it back where it goes to the
+    /// stream as usual (a point or a wait of a stream that has not joined).
+    fn take(&mut self, stream: Stream, task: Task) -> Result<Option<Task>> {
+        let joined = &mut self.streams[index(stream)];
+        match task {
+            Task::Run(job) => match joined {
+                Some(ops) => ops.push(Captured::Run(job)),
+                None => {
+                    return Err(Error::Capture {
+                        what: format!(
+                            "work on the {stream:?} stream, which did not join the capture (by a \
+                             wait for a point captured on another stream)"
+                        ),
+                    });
+                }
+            },
+            Task::Mark(marker) => match joined {
+                Some(ops) => {
+                    marker
+                        .captured
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    self.points.push((marker, stream, ops.len()));
+                    ops.push(Captured::Mark(self.points.len() - 1));
+                }
+                None => return Ok(Some(Task::Mark(marker))),
+            },
+            Task::Wait(marker) => {
+                let point = (self.points.iter()).position(|(p, ..)| Arc::ptr_eq(p, &marker));
+                match (point, joined) {
+                    (Some(n), joined) => joined.get_or_insert_default().push(Captured::Wait(n)),
+                    (None, None) => return Ok(Some(Task::Wait(marker))),
+                    (None, Some(_)) => {
+                        return Err(Error::Capture {
+                            what: format!(
+                                "a wait of the {stream:?} stream for work outside the capture"
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The capture's graph, once every stream that joined is joined back into the first.
+    fn end(self, seed: u64) -> Result<CpuGraph> {
+        let origin_ops = self.streams[index(self.origin)].as_deref().unwrap_or(&[]);
+        // Joined back: the first stream waits for a point of `stream` after its last work.
+        let joined_back = |stream: Stream, ops: &[Captured]| {
+            let work = ops.iter().rposition(|op| matches!(op, Captured::Run(_)));
+            origin_ops.iter().any(|op| match op {
+                Captured::Wait(n) => {
+                    let (_, on, at) = &self.points[*n];
+                    *on == stream && work.is_none_or(|last| *at > last)
+                }
+                _ => false,
+            })
+        };
+        for (stream, ops) in STREAMS.into_iter().zip(&self.streams) {
+            let Some(ops) = ops else { continue };
+            if stream != self.origin && !joined_back(stream, ops) {
+                return Err(Error::Capture {
+                    what: format!(
+                        "the {stream:?} stream's work, not joined back into the {:?} stream (by \
+                         a wait for a point recorded after it)",
+                        self.origin
+                    ),
+                });
+            }
+        }
+        let joined = STREAMS.into_iter().zip(self.streams);
+        let streams = joined
+            .filter_map(|(stream, ops)| Some((stream, ops?)))
+            .collect();
+        Ok(CpuGraph(Arc::new(Graph {
+            origin: self.origin,
+            streams,
+            points: self.points.len(),
+            seed,
+        })))
+    }
+}
+
+/// The work a capture took from the streams that joined it, replayable as one operation of the
+/// stream it began on ([`crate::backend::Backend::replay`]).
+#[derive(Clone)]
+pub struct CpuGraph(Arc<Graph>);
+
+impl std::fmt::Debug for CpuGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ops: Vec<_> = (self.0.streams.iter())
+            .map(|(stream, ops)| (*stream, ops.len()))
+            .collect();
+        write!(f, "CpuGraph({ops:?})")
+    }
+}
+
+struct Graph {
+    origin: Stream,
+    streams: Vec<(Stream, Vec<Captured>)>,
+    points: usize,
+    seed: u64,
 }
 
 impl std::fmt::Debug for Task {
@@ -167,6 +328,9 @@ impl Streams {
             workers: Vec::with_capacity(STREAMS.len()),
             fault: Arc::default(),
             watch: Arc::default(),
+            capture: Mutex::default(),
+            seed,
+            replays: std::sync::atomic::AtomicU64::new(0),
         };
         for stream in STREAMS {
             let (queue, tasks) = channel();
@@ -187,6 +351,13 @@ impl Streams {
 
     fn send(&self, stream: Stream, task: Task) -> Result<()> {
         self.fault.check()?;
+        let task = match lock(&self.capture).as_mut() {
+            Some(capture) => match capture.take(stream, task)? {
+                Some(task) => task,
+                None => return Ok(()),
+            },
+            None => task,
+        };
         self.queues[index(stream)]
             .send(task)
             .map_err(|_| Error::StreamFailed {
@@ -212,8 +383,11 @@ impl Streams {
         self.send(stream, Task::Wait(Arc::clone(marker)))
     }
 
-    /// Blocks the host until `marker` is reached, or a stream failed; reports the failure.
+    /// Blocks the host until `marker` is reached, or a stream failed; reports the failure. An
+    /// error during a capture, or for a point recorded in one.
     pub(crate) fn synchronize(&self, marker: &Marker) -> Result<Instant> {
+        self.check_not_capturing("a host wait")?;
+        marker.check_not_captured("a host wait for a point recorded in a capture")?;
         let watch = lock(&self.watch).clone();
         let reached = marker.wait_local(&watch, &self.fault, "a host wait for a CPU stream");
         self.fault.check()?;
@@ -222,6 +396,126 @@ impl Streams {
 
     pub(crate) fn set_watch(&self, watch: &Watch) {
         *lock(&self.watch) = watch.clone();
+    }
+
+    /// An error, naming `what`, while a capture is under way.
+    pub(crate) fn check_not_capturing(&self, what: &str) -> Result<()> {
+        match lock(&self.capture).as_ref() {
+            Some(capture) => Err(Error::Capture {
+                what: format!(
+                    "{what} during the capture on the {:?} stream",
+                    capture.origin
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Begins capturing the work queued on `origin` and on the streams that join it.
+    pub(crate) fn begin_capture(&self, origin: Stream) -> Result<()> {
+        let mut capture = lock(&self.capture);
+        if let Some(under_way) = capture.as_ref() {
+            return Err(Error::Capture {
+                what: format!(
+                    "a capture inside the capture on the {:?} stream",
+                    under_way.origin
+                ),
+            });
+        }
+        let mut streams = [None, None, None];
+        streams[index(origin)] = Some(Vec::new());
+        *capture = Some(Capture {
+            origin,
+            streams,
+            points: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Ends the capture under way: its graph, or an error where a stream was not joined back
+    /// (the capture is dropped either way).
+    pub(crate) fn end_capture(&self) -> Result<CpuGraph> {
+        let capture = lock(&self.capture).take().ok_or_else(|| Error::Capture {
+            what: "an end with no capture under way".into(),
+        })?;
+        let seed = self.seed ^ 0x5851_F42D_4C95_7F2D;
+        capture.end(seed)
+    }
+
+    /// Queues a replay of `graph` on the stream its capture began on.
+    pub(crate) fn replay(&self, graph: &CpuGraph) -> Result<()> {
+        let graph = Arc::clone(&graph.0);
+        let replay = self
+            .replays
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let watch = Arc::clone(&self.watch);
+        let origin = graph.origin;
+        let job: Job = Arc::new(move || run_graph(&graph, replay, &watch));
+        self.send(origin, Task::Run(job))
+    }
+}
+
+/// Runs replay number `replay` of `graph`: each stream's operations on a thread of its own, with
+/// fresh points; returns when every one is done, with the first failure.
+fn run_graph(graph: &Graph, replay: u64, watch: &Mutex<Watch>) -> Result<()> {
+    let points = crate::fallible::with_capacity(graph.points, "a replay's points")?;
+    let mut points: Vec<Marker> = points;
+    points.extend((0..graph.points).map(|_| Marker::default()));
+    let failed = Fault::default();
+    let seed = graph.seed ^ replay.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    std::thread::scope(|scope| {
+        for (stream, ops) in &graph.streams {
+            let delays = Delays(seed ^ (index(*stream) as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+            let (points, failed) = (&points, &failed);
+            let spawned = std::thread::Builder::new()
+                .name(format!("fsdp-replay-{stream:?}").to_lowercase())
+                .spawn_scoped(scope, move || {
+                    replay_stream(*stream, ops, delays, points, (failed, watch));
+                });
+            if let Err(source) = spawned {
+                failed.set(
+                    *stream,
+                    Error::Spawn {
+                        what: "a replay's stream",
+                        source: Arc::new(source),
+                    },
+                );
+                // The streams already running end: their waits see the failure.
+            }
+        }
+    });
+    failed.check()
+}
+
+/// One stream's part of a replay, as a worker runs its queue.
+fn replay_stream(
+    stream: Stream,
+    ops: &[Captured],
+    mut delays: Delays,
+    points: &[Marker],
+    (failed, watch): (&Fault, &Mutex<Watch>),
+) {
+    for op in ops {
+        let delay = delays.draw();
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        match op {
+            Captured::Mark(n) => points[*n].reach(),
+            Captured::Run(_) | Captured::Wait(_) if failed.check().is_err() => {}
+            Captured::Run(job) => match catch_unwind(AssertUnwindSafe(|| job())) {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => failed.set(stream, error),
+                Err(_) => failed.set(stream, Error::WorkerPanicked { stream }),
+            },
+            Captured::Wait(n) => {
+                let watch = lock(watch).clone();
+                let waited = points[*n].wait_local(&watch, failed, "a replayed stream's wait");
+                if let Err(error) = waited {
+                    failed.set(stream, error);
+                }
+            }
+        }
     }
 }
 
@@ -253,7 +547,7 @@ fn work(
             // outlives the failure.
             Task::Mark(marker) => marker.reach(),
             Task::Run(_) | Task::Wait(_) if fault.check().is_err() => {}
-            Task::Run(job) => match catch_unwind(AssertUnwindSafe(job)) {
+            Task::Run(job) => match catch_unwind(AssertUnwindSafe(|| job())) {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => fault.set(stream, error),
                 Err(_) => fault.set(stream, Error::WorkerPanicked { stream }),

@@ -405,3 +405,104 @@ fn step_values_that_do_not_fit_their_buffer_are_refused() {
         );
     }
 }
+
+/// Asynchronous backends of a few seeds.
+fn asynchronous() -> Vec<CpuBackend> {
+    (0..4)
+        .map(|seed| CpuBackend::asynchronous(seed).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_capture_runs_nothing_until_replayed_and_each_replay_runs_it_again_in_order() {
+    for b in asynchronous() {
+        let (mut x, mut y) = (b.alloc(4).unwrap(), b.alloc(4).unwrap());
+        b.begin_capture(Stream::Compute).unwrap();
+        // SAFETY (each call): `x` is written on compute, then read on gather after an event of
+        // compute's; `y` is used on gather only; compute waits for gather before the end.
+        unsafe {
+            let one = [1.0f32];
+            (b.accumulate_input(
+                Stream::Compute,
+                Input::host(&one),
+                &mut x,
+                f32_region(1),
+                1.0,
+                true,
+            ))
+            .unwrap();
+            let written = b.record(Stream::Compute).unwrap();
+            b.wait(Stream::Gather, &written).unwrap();
+            (b.accumulate(
+                Stream::Gather,
+                &x,
+                f32_region(1),
+                &mut y,
+                f32_region(1),
+                1.0,
+                true,
+            ))
+            .unwrap();
+        }
+        let added = b.record(Stream::Gather).unwrap();
+        b.wait(Stream::Compute, &added).unwrap();
+        let graph = b.end_capture().unwrap();
+        assert_eq!(download_f32(&b, &x, 1), [0.0], "nothing ran in the capture");
+        for _ in 0..3 {
+            b.replay(&graph).unwrap();
+        }
+        // Each replay adds 1 to x, then x to y: y is 1 + 2 + 3.
+        assert_eq!(download_f32(&b, &x, 1), [3.0]);
+        assert_eq!(download_f32(&b, &y, 1), [6.0]);
+    }
+}
+
+/// The error of `r`, which must be a capture's naming `what`.
+fn assert_capture_error<T: std::fmt::Debug>(r: Result<T>, what: &str) {
+    match r {
+        Err(Error::Capture { what: message }) => {
+            assert!(message.contains(what), "{message:?} names no {what:?}")
+        }
+        other => panic!("expected a capture error naming {what:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn what_a_capture_cannot_hold_is_an_error() {
+    for b in asynchronous() {
+        let mut x = b.alloc(4).unwrap();
+        let outside = b.record(Stream::Gather).unwrap();
+        assert_capture_error(b.end_capture(), "no capture under way");
+        b.begin_capture(Stream::Compute).unwrap();
+        assert_capture_error(b.begin_capture(Stream::Gather), "inside the capture");
+        // SAFETY: nothing else uses `x`.
+        let unjoined = unsafe { b.zero(Stream::Reduce, &mut x, f32_region(1)) };
+        assert_capture_error(unjoined, "Reduce stream, which did not join");
+        assert_capture_error(b.wait(Stream::Compute, &outside), "outside the capture");
+        assert_capture_error(b.alloc(4), "an allocation");
+        assert_capture_error(b.free([b.alloc_scratch(4).unwrap()]), "a free");
+        let mut out = [0u8; 4];
+        assert_capture_error(b.download(&x, f32_region(1), &mut out), "a host wait");
+        let point = b.record(Stream::Compute).unwrap();
+        assert_capture_error(b.synchronize(&point), "a host wait");
+        assert_capture_error(CpuBackend::reached(&point), "a query");
+        // Gather joins, works, and is not joined back.
+        b.wait(Stream::Gather, &point).unwrap();
+        // SAFETY: as above.
+        unsafe { b.zero(Stream::Gather, &mut x, f32_region(1)) }.unwrap();
+        assert_capture_error(b.end_capture(), "Gather stream's work, not joined back");
+        // The capture is over: the backend works as before, and nothing captured ran.
+        b.upload(&mut x, f32_region(1), &2.5f32.to_le_bytes())
+            .unwrap();
+        assert_eq!(download_f32(&b, &x, 1), [2.5]);
+        assert!(CpuBackend::reached(&outside).unwrap());
+    }
+    let eager = CpuBackend::new();
+    assert!(matches!(
+        eager.begin_capture(Stream::Compute),
+        Err(Error::Unsupported {
+            backend: "cpu",
+            what: "a capture"
+        })
+    ));
+}

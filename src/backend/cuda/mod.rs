@@ -99,13 +99,32 @@ fn length_mismatch(len: usize, capacity: usize) -> Error {
     }
 }
 
+const CAPTURE_REFUSED: Error = Error::Unsupported {
+    backend: NAME,
+    what: "a capture of its streams (not built yet)",
+};
+
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Event = CudaBackendEvent;
     type HostBuffer = PinnedHost;
+    /// No graph is made yet: every capture is refused.
+    type Graph = std::convert::Infallible;
 
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn begin_capture(&self, _: Stream) -> Result<()> {
+        Err(CAPTURE_REFUSED)
+    }
+
+    fn end_capture(&self) -> Result<std::convert::Infallible> {
+        Err(CAPTURE_REFUSED)
+    }
+
+    fn replay(&self, graph: &std::convert::Infallible) -> Result<()> {
+        match *graph {}
     }
 
     /// Allocates with `cuMemAlloc` (or the caller's allocator) and zero-fills on the compute stream; the gather and reduce

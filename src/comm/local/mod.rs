@@ -39,7 +39,7 @@ pub struct LocalComm {
 /// One rank's part of a collective, kept for its stream until its batch ends.
 struct Queued {
     stream: Stream,
-    run: Box<dyn FnOnce() -> Result<()> + Send>,
+    run: Arc<dyn Fn() -> Result<()> + Send + Sync>,
 }
 
 impl std::fmt::Debug for Queued {
@@ -115,9 +115,14 @@ fn gather_bytes(
     let part = src.len();
     // SAFETY (both closures): the caller ordered every other use of both ranges (the trait's
     // contract); the deposit is a copy, taken before the parts are written.
-    let take = move || copy_of(unsafe { from.bytes(src) }, "an all-gather's deposit");
+    let take = move || {
+        copy_of(
+            unsafe { from.bytes(src.clone()) },
+            "an all-gather's deposit",
+        )
+    };
     let give = move |parts: &[&[u8]]| {
-        let out = unsafe { into.bytes_mut(dst) };
+        let out = unsafe { into.bytes_mut(dst.clone()) };
         for (rank, bytes) in parts.iter().enumerate() {
             out[rank * part..(rank + 1) * part].copy_from_slice(bytes);
         }
@@ -132,8 +137,8 @@ fn meet(
     backend: &CpuBackend,
     stream: Stream,
     fingerprint: Fingerprint,
-    take: impl FnOnce() -> Result<Vec<u8>> + Send + 'static,
-    give: impl FnOnce(&[&[u8]]) + Send + 'static,
+    take: impl Fn() -> Result<Vec<u8>> + Send + Sync + 'static,
+    give: impl Fn(&[&[u8]]) + Send + Sync + 'static,
 ) -> Result<()> {
     let (shared, rank, watch) = (Arc::clone(&comm.shared), comm.rank, comm.watch.clone());
     let collective = move || {
@@ -144,7 +149,7 @@ fn meet(
             fingerprint,
             watch: &watch,
         };
-        meeting.exchange(take()?, give)
+        meeting.exchange(take()?, &give)
     };
     match &mut comm.batch {
         Some(batch) => {
@@ -154,7 +159,7 @@ fn meet(
             })?;
             batch.push(Queued {
                 stream,
-                run: Box::new(collective),
+                run: Arc::new(collective),
             });
             Ok(())
         }
@@ -201,7 +206,7 @@ impl Communicator<CpuBackend> for LocalComm {
             .take()
             .into_iter()
             .flatten()
-            .try_for_each(|queued| backend.run(queued.stream, queued.run))
+            .try_for_each(|queued| backend.run(queued.stream, move || (queued.run)()))
     }
 
     unsafe fn all_gather(
@@ -312,11 +317,16 @@ fn reduce(
     let (memory, written) = (Arc::clone(buf.memory()), Arc::clone(buf.memory()));
     // SAFETY (both closures): the caller ordered every other use of the region (the trait's
     // contract); every rank's deposit is a copy, taken before any rank writes.
-    let take = move || copy_of(unsafe { memory.bytes(all) }, "a reduction's deposit");
+    let take = move || {
+        copy_of(
+            unsafe { memory.bytes(all.clone()) },
+            "a reduction's deposit",
+        )
+    };
     // The deposits are byte copies, with no alignment to read them as f32 slices.
     let give = move |parts: &[&[u8]]| {
-        let out = unsafe { written.bytes_mut(out) };
-        for (i, at) in kept.enumerate() {
+        let out = unsafe { written.bytes_mut(out.clone()) };
+        for (i, at) in kept.clone().enumerate() {
             let value = |part: &[u8]| load_f32(part, dtype, at);
             let mut acc = scale * value(parts[0]);
             for part in &parts[1..] {
