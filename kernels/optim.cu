@@ -1,6 +1,8 @@
 // Optimizer updates on a shard: fp32 master weights and moments, the param written rounded to its
 // dtype. Each formula is `crate::optim`'s, operation for operation, with round-to-nearest
 // intrinsics so that nvcc cannot contract into FMAs or approximate the division and square root.
+#include <stddef.h>
+
 #include "common.cuh"
 
 namespace fsdp {
@@ -21,7 +23,10 @@ struct StepValues {
   float grad_scale;
   uint32_t padding;
 };
-static_assert(sizeof(StepValues) == 48, "StepValues is crate::optim::StepValues");
+static_assert(sizeof(StepValues) == 48 && offsetof(StepValues, step) == 8 &&
+                  offsetof(StepValues, lr) == 16 && offsetof(StepValues, eps) == 32 &&
+                  offsetof(StepValues, grad_scale) == 40,
+              "StepValues is laid out as crate::optim::StepValues");
 
 // `crate::optim::AdamwCoefficients`, field for field.
 struct AdamwCoefficients {

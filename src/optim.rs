@@ -221,6 +221,15 @@ unsafe impl bytemuck::Pod for StepValues {}
 /// Bytes of [`StepValues`] in device memory.
 pub const STEP_VALUES_BYTES: usize = std::mem::size_of::<StepValues>();
 
+// The kernels' `StepValues` asserts the same layout.
+const _: () = assert!(
+    STEP_VALUES_BYTES == 48
+        && std::mem::offset_of!(StepValues, step) == 8
+        && std::mem::offset_of!(StepValues, lr) == 16
+        && std::mem::offset_of!(StepValues, eps) == 32
+        && std::mem::offset_of!(StepValues, grad_scale) == 40
+);
+
 /// What sets one group's update apart, the same every step: its learning-rate scale and whether
 /// weight decay applies.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -321,7 +330,8 @@ impl LrSchedule {
     }
 }
 
-/// One step's coefficients, computed once on the host.
+/// One group's coefficients of one step ([`GroupUpdate::coefficients`]), as each update computes
+/// them from the step's [`StepValues`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Update {
     Sgd {
@@ -332,9 +342,8 @@ pub enum Update {
     AdamW(AdamwCoefficients),
 }
 
-/// AdamW's per-step coefficients, in the form the kernels take them.
+/// AdamW's coefficients of one group and step, as the kernels compute them.
 #[derive(Clone, Copy, Debug, PartialEq)]
-#[repr(C)]
 pub struct AdamwCoefficients {
     /// `1 - lr * weight_decay`.
     pub decay: f32,
@@ -500,6 +509,55 @@ mod tests {
             assert!((p - (1.0 - 0.1 * g.signum())).abs() < 1e-5, "g={g} p={p}");
             assert!((m - 0.1 * g).abs() <= 1e-6 * g.abs());
             assert!((v - 0.001 * g * g).abs() <= 1e-6 * g * g);
+        }
+    }
+
+    /// The coefficients of the step values are the formulas written out whole (lr and weight
+    /// decay in f64 from the f32 scaled rate, bias corrections of `powi`), bit for bit.
+    #[test]
+    fn coefficients_are_the_written_out_formulas() {
+        let (beta1, beta2, eps) = (0.9f32, 0.95f32, 1e-8f32);
+        let adamw = OptimizerConfig::AdamW {
+            lr: 3e-4,
+            beta1,
+            beta2,
+            eps,
+            weight_decay: 0.1,
+        };
+        for step in [1u64, 2, 7, 1000, (3 << 32) + 7] {
+            for (lr_scale, decay, grad_scale) in [(1.0f32, true, 1.0f32), (0.3, false, 0.625)] {
+                let settings = GroupSettings {
+                    lr_scale,
+                    decay,
+                    grad_scale,
+                };
+                let lr = f64::from(3e-4f32 * lr_scale);
+                let weight_decay = if decay { f64::from(0.1f32) } else { 0.0 };
+                let t = step.min(i32::MAX as u64) as i32;
+                let expected = AdamwCoefficients {
+                    decay: (1.0 - lr * weight_decay) as f32,
+                    beta1,
+                    one_minus_beta1: (1.0 - f64::from(beta1)) as f32,
+                    beta2,
+                    one_minus_beta2: (1.0 - f64::from(beta2)) as f32,
+                    step_size: (lr / (1.0 - f64::from(beta1).powi(t))) as f32,
+                    sqrt_bias2: (1.0 - f64::from(beta2).powi(t)).sqrt() as f32,
+                    eps,
+                    grad_scale,
+                };
+                let got = adamw.coefficients(step, settings);
+                assert_eq!(got, Update::AdamW(expected), "step {step}, {settings:?}");
+                let sgd = OptimizerConfig::Sgd {
+                    lr: 3e-4,
+                    weight_decay: 0.1,
+                };
+                let expected = Update::Sgd {
+                    lr: 3e-4f32 * lr_scale,
+                    weight_decay: if decay { 0.1 } else { 0.0 },
+                    grad_scale,
+                };
+                assert_eq!(sgd.coefficients(step, settings), expected);
+            }
         }
     }
 

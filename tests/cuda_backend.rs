@@ -447,7 +447,7 @@ fn optimizer_steps_match_the_cpu() {
                 }
                 .unwrap();
                 let group = GroupUpdate {
-                    lr_scale: 0.5,
+                    lr_scale: 0.3,
                     decay: step != 3,
                 };
                 let cpu = OptimizerShard {

@@ -26,7 +26,8 @@ pub(super) struct OptimizerState<Buf> {
     pub(super) updating: bool,
     /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
     pub(super) clip_scale: Option<f32>,
-    /// Where the step's checks of its gradients add up; `None` where nothing trains.
+    /// Where the step's checks of its gradients add up, and the step's values its updates read;
+    /// `None` where nothing trains.
     pub(super) checks: Option<StepChecks<Buf>>,
 }
 
@@ -219,12 +220,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// gradient shard is final. The step's first such update counts the step; a per-step
     /// gradient shard is freed right after its update.
     pub(super) fn update_in_backward(&mut self, group: usize) -> Result<()> {
+        self.order_after_gathers()?;
+        let start = self.mark(Stream::Compute)?;
         if !std::mem::replace(&mut self.optimizer.updating, true) {
             self.optimizer.steps += 1;
             self.write_step_values(1.0)?;
         }
-        self.order_after_gathers()?;
-        let start = self.mark(Stream::Compute)?;
         self.update_group(group)?;
         self.push_span(Stream::Compute, SpanKind::Optimizer, start)?;
         // The next step's first gather waits for this update too, whether or not

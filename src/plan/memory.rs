@@ -14,8 +14,9 @@ use super::{BufferLayout, GroupBuffers, Policy};
 pub struct MemoryPerRank {
     pub param_shards: usize,
     pub grad_shards: usize,
-    /// fp32 masters, AdamW's moments, and (where anything trains) the 24 bytes the gradient
-    /// norms and the non-finite count add up in.
+    /// fp32 masters, AdamW's moments, and (where anything trains) the 72 bytes of
+    /// [`super::StepScratch`]: where the gradient norms and the non-finite count add up, and
+    /// the step's values the updates read.
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,

@@ -337,7 +337,7 @@ fn sgd_on_host(values: &StepValues, group: GroupUpdate, p: f32, g: f32) -> f32 {
 fn updates_read_the_step_values_the_stream_wrote_before_them() {
     use crate::optim::OptimizerConfig;
     let group = GroupUpdate {
-        lr_scale: 0.5,
+        lr_scale: 0.3,
         decay: true,
     };
     let sgd = |lr| OptimizerConfig::Sgd {
