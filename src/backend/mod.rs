@@ -469,6 +469,10 @@ pub trait RawAddress: Backend {
     fn address(&self, buf: &Self::Buffer, region: Region) -> Result<u64>;
     /// An address the caller may write through.
     fn address_mut(&self, buf: &mut Self::Buffer, region: Region) -> Result<u64>;
+    /// An address for work the caller queues on the compute stream (its kernels on a GPU,
+    /// [`cpu::CpuBackend::run`]'s jobs on the CPU): no wait, since that work is ordered where
+    /// it runs.
+    fn stream_address(&self, buf: &Self::Buffer, region: Region) -> Result<u64>;
 }
 
 #[cfg(test)]

@@ -260,6 +260,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 pending: None,
                 staging: None,
             },
+            id: capture::next_engine_id(),
+            capture: None,
             poisoned: OnceLock::new(),
             watch,
             deadlines,

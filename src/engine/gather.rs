@@ -58,6 +58,24 @@ impl<Buf, E> Gathering<Buf, E> {
     }
 }
 
+impl<Buf, E> Gathering<Buf, E> {
+    /// Forgets every event kept: the last update of the shards, each group's and slot's
+    /// uses. For where every stream's later work already follows every stream's work so far.
+    pub(super) fn forget_events(&mut self) {
+        self.shards_updated = None;
+        for group in &mut self.groups {
+            group.gathered = None;
+            group.released = None;
+            if let Some(Placement::Slot(slot)) = &mut group.placed {
+                slot.free_after = None;
+            }
+        }
+        for slot in &mut self.free_slots {
+            slot.free_after = None;
+        }
+    }
+}
+
 /// One group's gathered values: where they are and the events around their use.
 pub(super) struct GroupGather<E> {
     pub(super) placed: Option<Placement<E>>,

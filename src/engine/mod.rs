@@ -11,6 +11,7 @@
 //!   `save`, `load`: checkpoints; `full_model`: safetensors exports and imports; `spans`: tracing.
 
 mod agree;
+mod capture;
 mod checks;
 mod create;
 mod deadlines;
@@ -45,6 +46,8 @@ pub use norm::GradNorm;
 use reduce::Reducing;
 use spans::Trace;
 use step::OptimizerState;
+
+pub use capture::CapturedStep;
 pub use views::DeviceTensor;
 
 /// What the engine did, counted since it was created.
@@ -116,6 +119,10 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     counters: Counters,
     trace: Option<Trace<B::Event>>,
     saving: save::Saving<B::HostBuffer>,
+    /// This engine's identity among the process's engines, which its captured steps carry.
+    id: u64,
+    /// The capture under way ([`Engine::begin_capture`]).
+    capture: Option<capture::Capturing>,
 }
 
 /// The units whose forward, and whose backward, is open.
@@ -317,7 +324,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             hang::Hang::after_collective(&mut self.hang, &self.backend, stream)?;
         }
         let done = Arc::new(self.backend.record(stream)?);
-        if let Some((collective, peers)) = collective {
+        // A captured collective runs at its replays, and its event is never recorded.
+        if let (Some((collective, peers)), None) = (collective, &self.capture) {
             self.deadlines.track(collective, peers, Arc::clone(&done));
         }
         Ok(done)

@@ -96,6 +96,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// optimizer step. A collective (every rank calls it) that blocks the host.
     pub fn grad_norm(&mut self) -> Result<GradNorm> {
         self.healthy()?;
+        self.check_not_capturing("the gradient norm, a host read of the device")?;
         self.refuse_in_backward_updates("the gradient norm")?;
         self.check_synced("the gradient norm")?;
         self.effects(|e| {

@@ -107,18 +107,24 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
-    /// Refuses `action` between a step's first hook or gradient and its `end_step`.
+    /// Refuses `action` between a step's first hook or gradient and its `end_step`, and during
+    /// a capture.
     pub(super) fn check_step_boundary(&self, action: &'static str) -> Result<()> {
         self.check_not_stepped(action)?;
-        let open = !self.open.forward.is_empty() || !self.open.backward.is_empty();
-        if open
-            || self.gathering.machine.gathered() > 0
-            || self.reducing.pipeline.pending()
-            || self.reducing.pipeline.synced()
-        {
+        if !self.at_step_boundary() {
             return Err(Error::MidStep { action });
         }
-        Ok(())
+        self.check_not_capturing(action)
+    }
+
+    /// Whether no step is under way: no hook open, nothing gathered, no gradient taken.
+    pub(super) fn at_step_boundary(&self) -> bool {
+        let open = !self.open.forward.is_empty() || !self.open.backward.is_empty();
+        !(open
+            || self.optimizer.stepped
+            || self.gathering.machine.gathered() > 0
+            || self.reducing.pipeline.pending()
+            || self.reducing.pipeline.synced())
     }
 }
 

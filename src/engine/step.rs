@@ -147,7 +147,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// ([`OptimizerState::steps`]) and the engine's learning rate and weight decay now, every
     /// gradient multiplied by `grad_scale`: on the compute stream, after the last step's updates
     /// that read them.
-    fn write_step_values(&mut self, grad_scale: f32) -> Result<()> {
+    pub(super) fn write_step_values(&mut self, grad_scale: f32) -> Result<()> {
+        if self.capture.is_some() {
+            // A launch would bake them into the captured step: each replay writes its own.
+            return Ok(());
+        }
         let values = (self.config.optimizer).step_values(self.optimizer.steps, grad_scale);
         let Some(checks) = self.optimizer.checks.as_mut() else {
             // Nothing trains: no update reads them.
@@ -401,6 +405,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::finish_grad_sync`] to [`Engine::end_step`]; blocks the host for the count.
     pub fn nonfinite_grads(&mut self) -> Result<u64> {
         self.healthy()?;
+        self.check_not_capturing("counting non-finite gradients, a host read of the device")?;
         self.refuse_in_backward_updates("counting non-finite gradients")?;
         if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced {
@@ -425,6 +430,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// done.
     pub fn param_shard(&self, group: usize) -> Result<Vec<u8>> {
         self.healthy()?;
+        self.check_not_capturing("reading a parameter shard")?;
         let g = self.plan.group(group)?;
         let region = Region::new(0, g.shard_numel, g.dtype);
         let mut out = crate::fallible::filled(region.len * g.dtype.size(), 0u8, "a shard's copy")?;
@@ -450,6 +456,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// part of the shard is not written yet.
     pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
         self.healthy()?;
+        self.check_not_capturing("reading a gradient shard")?;
         if self.reducing.pipeline.pending() {
             return Err(Error::GradsNotSynced {
                 action: "reading a gradient shard",

@@ -5,7 +5,6 @@ use super::Engine;
 use super::gather::Placement;
 use super::reduce::place_buffer;
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, RawAddress, Region};
 use crate::comm::Communicator;
 use crate::dtype::Element;
@@ -13,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::plan::ParamLayout;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
-/// A device tensor: `numel` elements of `dtype` at device address `ptr`.
+/// A device tensor: `numel` elements of `dtype` at device address `ptr` (a host address on the
+/// CPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeviceTensor {
     pub ptr: u64,
@@ -45,6 +45,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// A copy of the gathered values of `param`, as bytes in its dtype; allowed while one of its
     /// unit's hooks is open. Blocks the host until the copy is done.
     pub fn param_bytes(&self, param: ParamId) -> Result<Vec<u8>> {
+        self.check_not_capturing("reading a parameter")?;
         let (layout, slot) = self.gathered_view(param)?;
         let bytes = layout.numel * layout.dtype.size();
         let mut out = crate::fallible::filled(bytes, 0u8, "a parameter's copy")?;
@@ -107,9 +108,27 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
 }
 
 impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
+    /// The gathered values of `param` on the device (host memory on the CPU), while one of its
+    /// unit's hooks is open (`Error::NotGathered` otherwise).
+    ///
+    /// Use the address in work queued on the compute stream only (a GPU's kernels,
+    /// [`CpuBackend::run`]'s jobs): the hook that opened the unit made that stream wait for the
+    /// gather, and the memory is reused for another group once the unit's hooks close and
+    /// compute passed that point. Read it, never write it: it is a copy of the shards.
+    pub fn param_device(&self, param: ParamId) -> Result<DeviceTensor> {
+        let (layout, slot) = self.gathered_view(param)?;
+        let region = Region::new(layout.offset, layout.numel, layout.dtype);
+        Ok(DeviceTensor {
+            ptr: self.backend.stream_address(slot, region)?,
+            numel: layout.numel,
+            dtype: layout.dtype,
+        })
+    }
+
     /// The address of `param`'s gathered values (host on the CPU, device on a GPU), valid while
     /// one of its unit's hooks is open; read only.
     pub fn param_address(&self, param: ParamId) -> Result<u64> {
+        self.check_not_capturing("a parameter's address")?;
         let (layout, slot) = self.gathered_view(param)?;
         let region = Region::new(layout.offset, layout.numel, layout.dtype);
         self.observe(self.backend.address(slot, region))
@@ -121,28 +140,11 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// there, so adding into it (as a GEMM with beta = 1 would) gives a wrong gradient. Refused
     /// as [`Engine::grad_slot`] is. On the CPU it first waits for the compute stream.
     pub fn grad_slot_address(&mut self, param: ParamId) -> Result<u64> {
+        self.check_not_capturing("a gradient slot's address")?;
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| {
             let buffer = place_buffer(&mut e.reducing.slots, &mut e.reducing.groups, place)?;
             e.backend.address_mut(buffer, region)
-        })
-    }
-}
-
-impl<C: Communicator<CudaBackend>> Engine<CudaBackend, C> {
-    /// The gathered values of `param` on the device, while one of its unit's hooks is open
-    /// (`Error::NotGathered` otherwise).
-    ///
-    /// Use the address on the compute stream only: the hook that opened the unit made that stream
-    /// wait for the gather, and the memory is reused for another group once the unit's hooks
-    /// close and compute passed that point. Read it, never write it: it is a copy of the shards.
-    pub fn param_device(&self, param: ParamId) -> Result<DeviceTensor> {
-        let (layout, slot) = self.gathered_view(param)?;
-        let ptr = slot.addr(Region::new(layout.offset, layout.numel, layout.dtype))?;
-        Ok(DeviceTensor {
-            ptr,
-            numel: layout.numel,
-            dtype: layout.dtype,
         })
     }
 }

@@ -123,6 +123,12 @@ impl CpuBuffer {
     pub(crate) fn memory(&self) -> &Arc<Memory> {
         &self.memory
     }
+
+    /// The host address of `region`, checked to lie inside the buffer.
+    pub(crate) fn addr(&self, region: crate::backend::Region) -> Result<u64> {
+        let range = region.byte_range(self.len())?;
+        Ok(self.memory.ptr.as_ptr() as u64 + range.start as u64)
+    }
 }
 
 impl Drop for CpuBuffer {

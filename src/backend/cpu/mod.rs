@@ -209,6 +209,46 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Queues on `stream` the accumulation of `numel` elements of `dtype` at host address `ptr`
+    /// (a device input: read when the stream runs the work) into `dst_region` of `dst`, as
+    /// [`Backend::accumulate_input`] does.
+    ///
+    /// # Safety
+    /// As [`Input::device`]: `ptr` holds the elements until the stream has read them; the
+    /// caller ordered every other use of the region.
+    unsafe fn accumulate_device(
+        &self,
+        stream: Stream,
+        (ptr, numel, dtype): (u64, usize, DType),
+        (dst, dst_region): (&CpuBuffer, Region),
+        scale: f32,
+        add: bool,
+    ) -> Result<()> {
+        check_accumulator(dst_region.dtype)?;
+        if numel != dst_region.len {
+            return Err(length_mismatch(numel, dst_region.len));
+        }
+        let len = numel.checked_mul(dtype.size()).ok_or(Error::SizeOverflow {
+            what: "a device input",
+        })?;
+        let dst_dtype = dst_region.dtype;
+        let (memory, range) = part(dst, dst_region)?;
+        self.run(stream, move || {
+            // SAFETY: the caller's contract: the elements are there until this work read them;
+            // the caller ordered every other use of the region (the trait's contract).
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(ptr as *const u8, len),
+                    memory.bytes_mut(range.clone()),
+                )
+            };
+            math::accumulate((dst, dst_dtype), (src, dtype), scale, add);
+            Ok(())
+        })
+    }
+}
+
 /// Accumulations compute in f32 and round into f32 or bf16: an f16 sum would overflow at 65504.
 fn check_accumulator(dtype: DType) -> Result<()> {
     if dtype == DType::F16 {
@@ -480,11 +520,15 @@ impl Backend for CpuBackend {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let Source::Host { bytes, dtype } = src.0 else {
-            return Err(Error::Unsupported {
-                backend: NAME,
-                what: "device memory",
-            });
+        let (bytes, dtype) = match src.0 {
+            Source::Host { bytes, dtype } => (bytes, dtype),
+            Source::Device { ptr, numel, dtype } => {
+                let src = (ptr, numel, dtype);
+                // SAFETY: the caller's contract, passed on.
+                return unsafe {
+                    self.accumulate_device(stream, src, (dst, dst_region), scale, add)
+                };
+            }
         };
         check_accumulator(dst_region.dtype)?;
         let dst_dtype = dst_region.dtype;
@@ -707,6 +751,10 @@ impl RawAddress for CpuBackend {
         self.drain(Stream::Compute)?;
         // SAFETY: as above.
         Ok(unsafe { buf.memory().bytes_mut(range) }.as_mut_ptr() as u64)
+    }
+
+    fn stream_address(&self, buf: &CpuBuffer, region: Region) -> Result<u64> {
+        buf.addr(region)
     }
 }
 

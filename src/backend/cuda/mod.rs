@@ -681,4 +681,8 @@ impl RawAddress for CudaBackend {
     fn address_mut(&self, buf: &mut CudaBuffer, region: Region) -> Result<u64> {
         buf.addr(region)
     }
+
+    fn stream_address(&self, buf: &CudaBuffer, region: Region) -> Result<u64> {
+        buf.addr(region)
+    }
 }

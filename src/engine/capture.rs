@@ -1,0 +1,263 @@
+//! A whole step captured on the engine's streams once and replayed step after step
+//! ([`Backend::begin_capture`]): the hooks' host work runs once, at the capture, and a replay
+//! queues the step's device work with no hook, no decision and no allocation.
+//!
+//! What a captured step cannot bake in lives on the device: the optimizer's [`StepValues`] are
+//! written before each replay, from the engine's step count and learning rate then. The host's
+//! state follows each replay as the captured step moved it (the step count, the counters), so a
+//! save, a load, `set_lr` or an eager step between replays work as between eager steps.
+//!
+//! [`StepValues`]: crate::optim::StepValues
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Counters, Engine};
+use crate::backend::Backend;
+use crate::comm::Communicator;
+use crate::config::GradShardMemory;
+use crate::error::{Error, Result};
+use crate::types::Stream;
+
+/// Each engine's identity, so that a step captured by one is never replayed on another's buffers.
+static ENGINES: AtomicU64 = AtomicU64::new(0);
+
+pub(super) fn next_engine_id() -> u64 {
+    ENGINES.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A step captured by [`Engine::end_capture`], for [`Engine::replay`] on the same engine.
+pub struct CapturedStep<G> {
+    graph: G,
+    engine: u64,
+    /// What the step did to the host's counts: each replay adds it.
+    moved: HostCounts,
+}
+
+impl<G> std::fmt::Debug for CapturedStep<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedStep")
+            .field("engine", &self.engine)
+            .field("moved", &self.moved)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The host's counts that a step moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct HostCounts {
+    counters: Counters,
+    optimizer_steps: u64,
+}
+
+impl HostCounts {
+    /// What moved from `earlier` to `self`; every count only grows.
+    fn since(&self, earlier: &HostCounts) -> HostCounts {
+        let (now, then) = (&self.counters, &earlier.counters);
+        let moved = |now: u64, then: u64| now.saturating_sub(then);
+        HostCounts {
+            counters: Counters {
+                all_gathers: moved(now.all_gathers, then.all_gathers),
+                prefetches: moved(now.prefetches, then.prefetches),
+                reuses: moved(now.reuses, then.reuses),
+                evictions: moved(now.evictions, then.evictions),
+                reduce_scatters: moved(now.reduce_scatters, then.reduce_scatters),
+                extra_slots: moved(now.extra_slots, then.extra_slots),
+                host_waits: 0,
+                steps: moved(now.steps, then.steps),
+                skipped_steps: moved(now.skipped_steps, then.skipped_steps),
+            },
+            optimizer_steps: moved(self.optimizer_steps, earlier.optimizer_steps),
+        }
+    }
+
+    /// `self` moved on by `moved`.
+    fn plus(&self, moved: &HostCounts) -> HostCounts {
+        let (now, by) = (&self.counters, &moved.counters);
+        HostCounts {
+            counters: Counters {
+                all_gathers: now.all_gathers.saturating_add(by.all_gathers),
+                prefetches: now.prefetches.saturating_add(by.prefetches),
+                reuses: now.reuses.saturating_add(by.reuses),
+                evictions: now.evictions.saturating_add(by.evictions),
+                reduce_scatters: now.reduce_scatters.saturating_add(by.reduce_scatters),
+                extra_slots: now.extra_slots.saturating_add(by.extra_slots),
+                host_waits: now.host_waits,
+                steps: now.steps.saturating_add(by.steps),
+                skipped_steps: now.skipped_steps.saturating_add(by.skipped_steps),
+            },
+            optimizer_steps: self.optimizer_steps.saturating_add(moved.optimizer_steps),
+        }
+    }
+}
+
+/// A capture under way: the host's counts when it began, which its end restores (nothing ran).
+pub(super) struct Capturing {
+    began: HostCounts,
+}
+
+fn refused(what: &str) -> Error {
+    Error::Capture { what: what.into() }
+}
+
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Begins capturing a step on the compute stream, between steps and after at least one
+    /// whole step (the warm-up, which records the units' order the captured step's prefetches
+    /// follow): the step's hooks, `finish_grad_sync`, `optimizer_step` and `end_step` then queue
+    /// work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`].
+    ///
+    /// Refused, with nothing changed, where a step would do what a capture cannot hold: per-step
+    /// gradient shards (allocated and freed), [`crate::EngineConfig::verify_collectives`] and a
+    /// trace (host reads of the device); and by a backend that cannot capture
+    /// (`Error::Unsupported`). During the capture the gradient norm, the non-finite count and
+    /// everything allowed only between steps (a save, a load, a read of the state) are
+    /// `Error::Capture`.
+    pub fn begin_capture(&mut self) -> Result<()> {
+        self.healthy()?;
+        if self.capture.is_some() {
+            return Err(refused("a capture inside another"));
+        }
+        self.check_step_boundary("a capture")?;
+        if self.counters.steps == 0 {
+            return Err(refused(
+                "a step before a whole step ran (the warm-up records the units' order that the \
+                 captured step's prefetches follow)",
+            ));
+        }
+        if self.config.grad_shard_memory == GradShardMemory::PerStep {
+            return Err(refused(
+                "per-step gradient shards (GradShardMemory::PerStep), which a step allocates \
+                 and frees",
+            ));
+        }
+        if self.config.verify_collectives {
+            return Err(refused(
+                "verify_collectives, whose comparison of the ranks' collectives waits on the host",
+            ));
+        }
+        if self.trace.is_some() {
+            return Err(refused(
+                "a trace, whose timings are host reads of the device",
+            ));
+        }
+        let began = self.host_counts();
+        // Everything queued so far comes before the capture's first work on any stream, so
+        // that no captured wait needs an event from before it.
+        self.effects(Engine::fence)?;
+        // A backend that cannot capture refuses here, with nothing but that order changed.
+        self.backend.begin_capture(Stream::Compute)?;
+        self.capture = Some(Capturing { began });
+        self.effects(|e| {
+            // The other streams join the capture.
+            let fork = e.backend.record(Stream::Compute)?;
+            e.backend.wait(Stream::Gather, &fork)?;
+            e.backend.wait(Stream::Reduce, &fork)
+        })
+    }
+
+    /// Ends the capture after the captured step's [`Engine::end_step`]: the step, for
+    /// [`Engine::replay`]. Nothing of it ran, so the engine is where it was when the capture
+    /// began (its step count, counters, shards). `Error::MidStep` before the step's end, with
+    /// the capture still under way.
+    pub fn end_capture(&mut self) -> Result<CapturedStep<B::Graph>> {
+        self.healthy()?;
+        let Some(capturing) = self.capture.as_ref() else {
+            return Err(refused("an end with no capture under way"));
+        };
+        let began = capturing.began;
+        if !self.at_step_boundary() {
+            return Err(Error::MidStep {
+                action: "the end of a capture",
+            });
+        }
+        let moved = self.host_counts().since(&began);
+        let graph = self.effects(|e| {
+            // The other streams join back into the compute stream.
+            for other in [Stream::Gather, Stream::Reduce] {
+                let done = e.backend.record(other)?;
+                e.backend.wait(Stream::Compute, &done)?;
+            }
+            e.capture = None;
+            let graph = e.backend.end_capture()?;
+            // The events kept in the capture were never recorded.
+            e.fence()?;
+            Ok(graph)
+        })?;
+        self.set_host_counts(began);
+        Ok(CapturedStep {
+            graph,
+            engine: self.id,
+            moved,
+        })
+    }
+
+    /// Replays `step`, captured by this engine, between steps: writes the step's values (the
+    /// engine's step count and learning rate now), queues the captured work on the compute
+    /// stream, and moves the engine's step count and counters on as the captured step did.
+    /// The host does not wait: a read of the results (a download, a save) waits as after an
+    /// eager step.
+    pub fn replay(&mut self, step: &CapturedStep<B::Graph>) -> Result<()> {
+        self.healthy()?;
+        if step.engine != self.id {
+            return Err(refused("a replay of a step another engine captured"));
+        }
+        if self.capture.is_some() {
+            return Err(refused("a replay during a capture"));
+        }
+        self.check_step_boundary("a replay")?;
+        let counts = self.host_counts();
+        self.effects(|e| {
+            if step.moved.optimizer_steps > 0 {
+                e.optimizer.steps = counts.optimizer_steps.saturating_add(1);
+                e.write_step_values(1.0)?;
+            }
+            e.backend.replay(&step.graph)?;
+            e.fence()
+        })?;
+        self.set_host_counts(counts.plus(&step.moved));
+        Ok(())
+    }
+
+    /// Whether a capture is under way.
+    pub fn capturing(&self) -> bool {
+        self.capture.is_some()
+    }
+
+    /// `Error::Capture` naming `action` while a capture is under way.
+    pub(super) fn check_not_capturing(&self, action: &str) -> Result<()> {
+        match self.capture {
+            Some(_) => Err(refused(&format!("{action}, during a capture"))),
+            None => Ok(()),
+        }
+    }
+
+    fn host_counts(&self) -> HostCounts {
+        HostCounts {
+            counters: self.counters,
+            optimizer_steps: self.optimizer.steps,
+        }
+    }
+
+    fn set_host_counts(&mut self, counts: HostCounts) {
+        self.counters = counts.counters;
+        self.optimizer.steps = counts.optimizer_steps;
+    }
+
+    /// Orders every stream's later work after every stream's work so far, and forgets the
+    /// events kept between steps (the last update of the shards, the slots' last uses): the
+    /// order they gave is now everyone's.
+    fn fence(&mut self) -> Result<()> {
+        for other in [Stream::Gather, Stream::Reduce] {
+            let done = self.backend.record(other)?;
+            self.backend.wait(Stream::Compute, &done)?;
+        }
+        let all = self.backend.record(Stream::Compute)?;
+        for other in [Stream::Gather, Stream::Reduce] {
+            self.backend.wait(other, &all)?;
+        }
+        self.gathering.forget_events();
+        for slot in &mut self.reducing.slots {
+            slot.reduced = None;
+        }
+        Ok(())
+    }
+}
