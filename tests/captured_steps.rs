@@ -3,15 +3,20 @@
 //! learning rate changed every step (the replays read it from the step's values on the
 //! device), SGD, bf16 parameters with fp32 masters, and the optimizer inside the backward. The
 //! model's work runs on the compute stream too (a gradient `w - target` from the gathered
-//! values and a target refilled before every step), as a GPU model's kernels would, so the
-//! capture holds it; the host's counts follow the replays, and an eager step after them goes on
-//! from where they left.
+//! values and a target refilled before every step, made by the backend's own operations), as a
+//! GPU model's kernels would, so the capture holds it; the host's counts follow the replays, and
+//! an eager step after them goes on from where they left. The same steps run on the GPU (NCCL at
+//! world size 1) where one is present.
 
 use std::sync::Arc;
 
+use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, RawAddress, Region};
+use fsdp_fusion::comm::loopback::LoopbackComm;
+use fsdp_fusion::comm::nccl::NcclComm;
+use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
-    CpuBackend, DType, Engine, EngineConfig, Error, GradShardMemory, Input, LocalComm, ModelSpec,
+    Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input, ModelSpec,
     OptimizerConfig, ParamId, ParamSpec, Plan, Result, Stream, Unit,
 };
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines};
@@ -41,14 +46,14 @@ fn target(rank: usize, step: usize, param: usize, numel: usize) -> Vec<f32> {
 }
 
 /// Each rank's buffers outside the engine: per parameter, its target (refilled before every
-/// step) and its gradient (written on the compute stream), with their addresses.
-struct Batch {
-    targets: Vec<<CpuBackend as Backend>::Buffer>,
-    gradients: Vec<<CpuBackend as Backend>::Buffer>,
+/// step) and its gradient (written on the compute stream).
+struct Batch<B: Backend> {
+    targets: Vec<B::Buffer>,
+    gradients: Vec<B::Buffer>,
 }
 
-impl Batch {
-    fn new(e: &Engine<CpuBackend, LocalComm>) -> Result<Batch> {
+impl<B: Backend> Batch<B> {
+    fn new<C: Communicator<B>>(e: &Engine<B, C>) -> Result<Batch<B>> {
         let numels: Vec<usize> = e.plan().params().iter().map(|p| p.numel).collect();
         let scratch = |n: usize| e.backend().alloc_scratch(n * 4);
         Ok(Batch {
@@ -57,7 +62,7 @@ impl Batch {
         })
     }
 
-    fn fill(&mut self, e: &Engine<CpuBackend, LocalComm>, step: usize) -> Result<()> {
+    fn fill<C: Communicator<B>>(&mut self, e: &Engine<B, C>, step: usize) -> Result<()> {
         for (i, p) in e.plan().params().iter().enumerate() {
             let values = target(e.rank(), step, i, p.numel);
             let region = Region::new(0, p.numel, DType::F32);
@@ -70,9 +75,9 @@ impl Batch {
 
 /// Runs `f` on `e` and a batch of its own, which outlives the engine: the engine's end lets its
 /// streams finish the work that reads the batch.
-fn with_batch<R>(
-    mut e: Engine<CpuBackend, LocalComm>,
-    f: impl FnOnce(&mut Engine<CpuBackend, LocalComm>, &mut Batch) -> R,
+fn with_batch<B: Backend, C: Communicator<B>, R>(
+    mut e: Engine<B, C>,
+    f: impl FnOnce(&mut Engine<B, C>, &mut Batch<B>) -> R,
 ) -> R {
     let mut batch = Batch::new(&e).unwrap_or_else(|e| panic!("a batch: {e}"));
     let r = f(&mut e, &mut batch);
@@ -81,8 +86,11 @@ fn with_batch<R>(
 }
 
 /// One step's hooks, with the model's work on the compute stream: each parameter's gradient is
-/// its gathered value minus its target.
-fn step(e: &mut Engine<CpuBackend, LocalComm>, batch: &Batch) -> Result<()> {
+/// its gathered value minus its target, made by the backend's operations.
+fn step<B: RawAddress, C: Communicator<B>>(
+    e: &mut Engine<B, C>,
+    batch: &mut Batch<B>,
+) -> Result<()> {
     for unit in [Unit::Root, Unit::Layer(0), Unit::Layer(1)] {
         e.pre_forward(unit)?;
         e.post_forward(unit)?;
@@ -97,29 +105,28 @@ fn step(e: &mut Engine<CpuBackend, LocalComm>, batch: &Batch) -> Result<()> {
             let id = ParamId(i);
             let values = e.param_device(id)?;
             let f32s = Region::new(0, p.numel, DType::F32);
-            let target = e.backend().stream_address(&batch.targets[i], f32s)?;
-            let gradient = e.backend().stream_address(&batch.gradients[i], f32s)?;
-            e.backend().run(Stream::Compute, move || {
-                // SAFETY: on the compute stream, after the hook that gathered the values; the
-                // batch's buffers outlive every step and are written by the host only between
-                // steps (an upload waits for the streams).
-                unsafe {
-                    for k in 0..values.numel {
-                        let w = match values.dtype {
-                            DType::Bf16 => {
-                                half::bf16::from_bits(*(values.ptr as *const u16).add(k)).to_f32()
-                            }
-                            _ => *(values.ptr as *const f32).add(k),
-                        };
-                        let t = *(target as *const f32).add(k);
-                        *(gradient as *mut f32).add(k) = w - t;
-                    }
-                }
-                Ok(())
-            })?;
+            let gradient = &mut batch.gradients[i];
+            // SAFETY: on the compute stream, after the hook that gathered the values (valid
+            // until the unit's hooks close); the batch's buffers are used on the compute stream
+            // only, and by the host between steps (an upload waits for the streams).
+            unsafe {
+                let gathered = Input::device(values.ptr, values.numel, values.dtype);
+                let b = e.backend();
+                b.accumulate_input(Stream::Compute, gathered, gradient, f32s, 1.0, false)?;
+                b.accumulate(
+                    Stream::Compute,
+                    &batch.targets[i],
+                    f32s,
+                    gradient,
+                    f32s,
+                    -1.0,
+                    true,
+                )?;
+            }
+            let address = e.backend().stream_address(&batch.gradients[i], f32s)?;
             // SAFETY: the gradient buffer holds `numel` f32, written above on the compute
             // stream, where the engine reads it; the next write is the next step's.
-            e.grad(id, unsafe { Input::device(gradient, p.numel, DType::F32) })?;
+            e.grad(id, unsafe { Input::device(address, p.numel, DType::F32) })?;
         }
         e.post_backward(unit)?;
     }
@@ -133,40 +140,52 @@ fn lr(step: usize) -> f32 {
     0.05 / (1.0 + step as f32)
 }
 
-/// Every group's shard bytes after each of [`STEPS`] steps, and the counts at the end; the steps
-/// from the second on captured once and replayed when `captured`, with one eager step after
-/// the replays.
-fn train(mode: Mode, world: usize, config: &EngineConfig, captured: bool) -> Vec<Trained> {
-    let plan = Arc::new(Plan::new(&model(), world).unwrap());
-    on_engines(&plan, config, mode, move |e| {
-        with_batch(e, |e, batch| -> Trained {
-            let mut shards = Vec::new();
-            let mut capture = None;
-            for s in 0..STEPS {
-                batch.fill(e, s).unwrap();
-                e.set_lr(lr(s)).unwrap();
-                let replayed = captured && (1..STEPS - 1).contains(&s);
-                if replayed {
-                    if capture.is_none() {
-                        e.begin_capture().unwrap();
-                        step(e, batch).unwrap();
-                        capture = Some(e.end_capture().unwrap());
-                    }
-                    e.replay(capture.as_ref().unwrap()).unwrap();
-                } else {
+/// [`STEPS`] steps on `e`: every group's shard bytes after each, and the counts at the end; the
+/// steps from the second on captured once and replayed when `captured`, with one eager step
+/// after the replays.
+fn train<B: RawAddress, C: Communicator<B>>(e: Engine<B, C>, captured: bool) -> Trained {
+    with_batch(e, |e, batch| {
+        let mut shards = Vec::new();
+        let mut capture = None;
+        for s in 0..STEPS {
+            batch.fill(e, s).unwrap();
+            e.set_lr(lr(s)).unwrap();
+            let replayed = captured && (1..STEPS - 1).contains(&s);
+            if replayed {
+                if capture.is_none() {
+                    e.begin_capture().unwrap();
                     step(e, batch).unwrap();
+                    capture = Some(e.end_capture().unwrap());
                 }
-                let groups = 0..e.plan().groups().len();
-                shards.push(groups.map(|g| e.param_shard(g).unwrap()).collect());
+                e.replay(capture.as_ref().unwrap()).unwrap();
+            } else {
+                step(e, batch).unwrap();
             }
-            Trained {
-                shards,
-                steps: e.counters().steps,
-                reduce_scatters: e.counters().reduce_scatters,
-                all_gathers: e.counters().all_gathers,
-            }
-        })
+            let groups = 0..e.plan().groups().len();
+            shards.push(groups.map(|g| e.param_shard(g).unwrap()).collect());
+        }
+        Trained {
+            shards,
+            steps: e.counters().steps,
+            reduce_scatters: e.counters().reduce_scatters,
+            all_gathers: e.counters().all_gathers,
+        }
     })
+}
+
+/// [`train`] on CPU ranks.
+fn train_cpu(mode: Mode, world: usize, config: &EngineConfig, captured: bool) -> Vec<Trained> {
+    let plan = Arc::new(Plan::new(&model(), world).unwrap());
+    on_engines(&plan, config, mode, move |e| train(e, captured))
+}
+
+/// The first difference of `eager` and `replayed`, `what` named.
+fn assert_trained_alike(eager: &Trained, replayed: &Trained, what: &str) {
+    for (s, (e, r)) in eager.shards.iter().zip(&replayed.shards).enumerate() {
+        let group = (e.iter().zip(r)).position(|(e, r)| e != r);
+        assert_eq!(group, None, "{what}: step {s}'s shards differ");
+    }
+    assert_eq!(eager, replayed, "{what}: counts");
 }
 
 #[derive(Debug, PartialEq)]
@@ -208,20 +227,17 @@ fn replays_of_a_captured_step_train_as_eager_steps_do() {
             let runs = for_each_mode(|mode| match mode {
                 Mode::Eager => None,
                 Mode::Async(_) => Some((
-                    train(mode, world, &config, false),
-                    train(mode, world, &config, true),
+                    train_cpu(mode, world, &config, false),
+                    train_cpu(mode, world, &config, true),
                 )),
             });
             for (eager, replayed) in runs.into_iter().flatten() {
                 for (rank, (eager, replayed)) in eager.iter().zip(&replayed).enumerate() {
                     let what = format!("world {world}, {name}, rank {rank}");
-                    for (s, (e, r)) in eager.shards.iter().zip(&replayed.shards).enumerate() {
-                        let group = (e.iter().zip(r)).position(|(e, r)| e != r);
-                        assert_eq!(group, None, "{what}: step {s}'s shards differ");
-                    }
-                    assert_eq!(eager, replayed, "{what}: counts");
+                    assert_trained_alike(eager, replayed, &what);
                 }
-                // Each step moved the parameters.
+                // Each step moved the parameters (rank 0 holds part of every group; at world
+                // sizes above 1 another rank's shards of these small groups may be padding).
                 let shards = &eager[0].shards;
                 assert!(shards.windows(2).all(|w| w[0] != w[1]), "{name}");
             }
@@ -258,6 +274,9 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             }
             // A forward with no backward: the step ends as usual.
             e.end_step()?;
+            e.set_tracing(true);
+            assert_refused(e.begin_capture(), "a trace");
+            e.set_tracing(false);
             e.begin_capture()?;
             assert_refused(e.begin_capture(), "inside another");
             assert_refused(e.param_shard(0), "during a capture");
@@ -348,4 +367,53 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
         e.replay(&captured[0])
     });
     assert_refused(other.into_iter().next().unwrap(), "another engine");
+}
+
+/// An engine of `plan` on GPU 0 with an NCCL communicator of one rank.
+fn nccl_engine(plan: &Arc<Plan>, config: &EngineConfig) -> Engine<CudaBackend, NcclComm> {
+    let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
+    let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
+    let comm =
+        NcclComm::new(&id, 0, 1, &backend, DEFAULT_TIMEOUT).unwrap_or_else(|e| panic!("{e}"));
+    Engine::new(Arc::clone(plan), config.clone(), backend, comm).unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    for (name, config) in configs() {
+        let eager = train(nccl_engine(&plan, &config), false);
+        let replayed = train(nccl_engine(&plan, &config), true);
+        assert_trained_alike(&eager, &replayed, name);
+        assert!(eager.shards.windows(2).all(|w| w[0] != w[1]), "{name}");
+    }
+    // The loopback's ranks meet on the host: refused before anything is queued.
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let comms = LoopbackComm::group(2).unwrap();
+    let outcomes = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let plan = Arc::clone(&plan);
+                s.spawn(move || {
+                    let backend = CudaBackend::new(0).unwrap();
+                    let e = Engine::new(plan, EngineConfig::default(), backend, comm).unwrap();
+                    with_batch(e, |e, batch| -> Result<()> {
+                        batch.fill(e, 0)?;
+                        step(e, batch)?;
+                        assert_refused(e.begin_capture(), "meet on the host");
+                        step(e, batch)
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    for outcome in outcomes {
+        outcome.unwrap();
+    }
 }

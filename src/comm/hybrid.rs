@@ -103,6 +103,10 @@ impl<B: Backend, C: Communicator<B>> Communicator<B> for Hybrid<C> {
             .saturating_mul(self.across.world_size())
     }
 
+    fn meets_on_the_host(&self) -> bool {
+        self.shard.meets_on_the_host() || self.across.meets_on_the_host()
+    }
+
     /// Gathers within the replica into the replica's block of `out_region`, then the blocks
     /// across the replicas.
     unsafe fn all_gather_grid(

@@ -357,6 +357,11 @@ impl Communicator<CudaBackend> for LoopbackComm {
         self.rank
     }
 
+    /// Every collective's ranks meet on the host before their copies are queued.
+    fn meets_on_the_host(&self) -> bool {
+        true
+    }
+
     fn world_size(&self) -> usize {
         self.world_size
     }

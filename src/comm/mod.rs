@@ -222,6 +222,12 @@ pub trait Communicator<B: Backend>: Send {
         Replica { index: 0, count: 1 }
     }
 
+    /// Whether the ranks' collectives meet on the host (a thread of each rank), which a captured
+    /// step never reaches again: [`crate::Engine::begin_capture`] refuses such a communicator.
+    fn meets_on_the_host(&self) -> bool {
+        false
+    }
+
     /// The ranks the engine's comparisons of plans and collectives span: every rank of the grid
     /// under hybrid sharding, else [`Communicator::world_size`].
     fn grid_size(&self) -> usize {

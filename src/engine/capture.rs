@@ -107,8 +107,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     ///
     /// Refused, with nothing changed, where a step would do what a capture cannot hold: per-step
     /// gradient shards (allocated and freed), [`crate::EngineConfig::verify_collectives`] and a
-    /// trace (host reads of the device); and by a backend that cannot capture
-    /// (`Error::Unsupported`). During the capture the gradient norm, the non-finite count and
+    /// trace (host reads of the device), collectives whose ranks meet on the host (the loopback
+    /// communicator); and by a backend that cannot capture (`Error::Unsupported`). During the capture the gradient norm, the non-finite count and
     /// everything allowed only between steps (a save, a load, a read of the state) are
     /// `Error::Capture`.
     pub fn begin_capture(&mut self) -> Result<()> {
@@ -137,6 +137,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.trace.is_some() {
             return Err(refused(
                 "a trace, whose timings are host reads of the device",
+            ));
+        }
+        let host_meetings = std::iter::once(&self.comm).chain(&self.process_groups);
+        if host_meetings.into_iter().any(|c| c.meets_on_the_host()) {
+            return Err(refused(
+                "collectives whose ranks meet on the host (the loopback communicator)",
             ));
         }
         let began = self.host_counts();

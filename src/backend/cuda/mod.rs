@@ -24,7 +24,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use cudarc::driver::sys::{CUcontext, CUevent_flags, CUresult, CUstream};
+use cudarc::driver::sys::{
+    CUcontext, CUevent_flags, CUgraphInstantiate_flags, CUresult, CUstream, CUstreamCaptureMode,
+};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 use events::EventPool;
 pub(crate) use events::PooledEvent;
@@ -44,7 +46,7 @@ pub(crate) use memory::DeviceMemory;
 use memory::{BufferMemory, LentMemory};
 pub use memory::{CudaBuffer, DeviceAllocator, PinnedHost};
 use staging::Staging;
-use streams::wait_for;
+use streams::{lock, wait_for};
 
 const NAME: &str = "cuda";
 
@@ -71,6 +73,23 @@ pub struct CudaBackend {
     watch: Watch,
     /// The events [`Backend::record`] marks the streams with.
     events: Arc<EventPool>,
+    /// The stream a capture under way began on.
+    capture: Mutex<Option<Stream>>,
+}
+
+/// A step captured on a backend's streams and instantiated, replayed with one launch.
+pub struct CudaGraph(Mutex<cudarc::driver::CudaGraph>);
+
+// SAFETY: a graph's handles may be used from any thread as long as no two threads use one at
+// once (the driver's rule for graph objects), which the mutex ensures.
+unsafe impl Send for CudaGraph {}
+// SAFETY: as above.
+unsafe impl Sync for CudaGraph {}
+
+impl std::fmt::Debug for CudaGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaGraph")
+    }
 }
 
 /// What a new buffer holds.
@@ -99,32 +118,49 @@ fn length_mismatch(len: usize, capacity: usize) -> Error {
     }
 }
 
-const CAPTURE_REFUSED: Error = Error::Unsupported {
-    backend: NAME,
-    what: "a capture of its streams (not built yet)",
-};
-
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Event = CudaBackendEvent;
     type HostBuffer = PinnedHost;
-    /// No graph is made yet: every capture is refused.
-    type Graph = std::convert::Infallible;
+    type Graph = CudaGraph;
 
     fn name(&self) -> &'static str {
         NAME
     }
 
-    fn begin_capture(&self, _: Stream) -> Result<()> {
-        Err(CAPTURE_REFUSED)
+    /// A CUDA stream capture in global mode: a call that is unsafe during a capture anywhere
+    /// in the process fails it. The calls of this backend that would (an allocation, a free, a
+    /// host wait, a host input's staging) are refused first with `Error::Capture`.
+    fn begin_capture(&self, stream: Stream) -> Result<()> {
+        let mut capture = lock(&self.capture);
+        if let Some(origin) = *capture {
+            return Err(Error::Capture {
+                what: format!("a capture inside the capture on the {origin:?} stream"),
+            });
+        }
+        self.stream_handle(stream)
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .map_err(cuda("cuStreamBeginCapture"))?;
+        *capture = Some(stream);
+        Ok(())
     }
 
-    fn end_capture(&self) -> Result<std::convert::Infallible> {
-        Err(CAPTURE_REFUSED)
+    fn end_capture(&self) -> Result<CudaGraph> {
+        let origin = lock(&self.capture).take().ok_or_else(|| Error::Capture {
+            what: "an end with no capture under way".into(),
+        })?;
+        let graph = self
+            .stream_handle(origin)
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(cuda("cuStreamEndCapture"))?;
+        let graph = graph.ok_or_else(|| Error::Capture {
+            what: "a capture that holds no work".into(),
+        })?;
+        Ok(CudaGraph(Mutex::new(graph)))
     }
 
-    fn replay(&self, graph: &std::convert::Infallible) -> Result<()> {
-        match *graph {}
+    fn replay(&self, graph: &CudaGraph) -> Result<()> {
+        lock(&graph.0).launch().map_err(cuda("cuGraphLaunch"))
     }
 
     /// Allocates with `cuMemAlloc` (or the caller's allocator) and zero-fills on the compute stream; the gather and reduce
@@ -143,6 +179,7 @@ impl Backend for CudaBackend {
     /// no buffers): lent memory goes back to the caller's allocator after it, with no join of its
     /// own.
     fn free(&self, buffers: impl IntoIterator<Item = CudaBuffer>) -> Result<()> {
+        self.check_not_capturing("a free")?;
         let mut buffers = buffers.into_iter().peekable();
         if buffers.peek().is_none() {
             return Ok(());
@@ -165,6 +202,7 @@ impl Backend for CudaBackend {
         &self,
         buffers: impl IntoIterator<Item = CudaBuffer>,
     ) -> Result<()> {
+        self.check_not_capturing("a free")?;
         buffers.into_iter().for_each(CudaBuffer::free_joined);
         Ok(())
     }
@@ -347,6 +385,7 @@ impl Backend for CudaBackend {
 
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
     fn upload(&self, buf: &mut CudaBuffer, region: Region, data: &[u8]) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
         let range = region.byte_range(buf.bytes())?;
         if range.len() != data.len() {
             return Err(length_mismatch(
@@ -368,6 +407,7 @@ impl Backend for CudaBackend {
 
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
     fn download(&self, buf: &CudaBuffer, region: Region, out: &mut [u8]) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
         let range = region.byte_range(buf.bytes())?;
         if range.len() != out.len() {
             return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
@@ -428,6 +468,7 @@ impl Backend for CudaBackend {
                 }
             }
             Source::Host { bytes, .. } => {
+                self.check_not_capturing("a host input, which the host copies and waits for")?;
                 self.host_waits.fetch_add(1, Ordering::Relaxed);
                 let copied = |event: &CudaEvent| wait_for(&self.watch, event);
                 self.staging()

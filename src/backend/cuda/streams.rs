@@ -108,6 +108,7 @@ impl CudaBackend {
             allocator: None,
             watch: Watch::default(),
             events: Arc::default(),
+            capture: Mutex::default(),
         })
     }
 
@@ -183,6 +184,7 @@ impl CudaBackend {
         tracker: &Arc<Tracker>,
         contents: Contents,
     ) -> Result<CudaBuffer> {
+        self.check_not_capturing("an allocation")?;
         let memory = match &self.allocator {
             None => BufferMemory::Driver(DeviceMemory::alloc(&self.ctx, bytes)?),
             Some(allocator) => {
@@ -221,6 +223,7 @@ impl CudaBackend {
 
     /// Counts a host wait, then blocks until `event` completed, within the watch's deadline.
     pub(super) fn wait_for(&self, event: &CudaEvent) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
         self.host_waits.fetch_add(1, Ordering::Relaxed);
         wait_for(&self.watch, event)
     }
@@ -241,4 +244,19 @@ impl CudaBackend {
         // A panic while staging leaves at worst an area whose readers are waited on: keep going.
         self.staging.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// `Error::Capture` naming `what` while a capture is under way: `what` would fail it.
+    pub(super) fn check_not_capturing(&self, what: &str) -> Result<()> {
+        match *lock(&self.capture) {
+            Some(origin) => Err(Error::Capture {
+                what: format!("{what} during the capture on the {origin:?} stream"),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `mutex`'s guard: every critical section of the backend leaves its data whole.
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
