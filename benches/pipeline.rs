@@ -153,13 +153,13 @@ fn run_rank<C: Communicator<CudaBackend>>(
     let calls = hooks.calls as f64 / args.steps as f64;
     let hook_us = hooks.mean_us();
 
-    engine.set_tracing(true);
+    engine.set_tracing(true)?;
     let origin = engine.backend().record_timed(Stream::Compute)?;
     stack.step(&mut engine, &mut HookTime::default())?;
     engine.optimizer_step()?;
     let raw = engine.take_trace();
     engine.end_step()?;
-    engine.set_tracing(false);
+    engine.set_tracing(false)?;
     let spans = trace::resolve(engine.backend(), &origin, &raw)?;
     Ok(RankResult {
         step_ms: median(step_ms),

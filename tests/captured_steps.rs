@@ -245,6 +245,61 @@ fn replays_of_a_captured_step_train_as_eager_steps_do() {
     }
 }
 
+/// An evaluation step: the forward hooks of the root only, which leaves the next unit's
+/// prefetch queued on the gather stream with nothing waiting for it.
+fn evaluation<B: Backend, C: Communicator<B>>(e: &mut Engine<B, C>) -> Result<()> {
+    e.pre_forward(Unit::Root)?;
+    e.post_forward(Unit::Root)?;
+    e.end_step()
+}
+
+/// Replays queued back to back with evaluation steps between them, the host waiting for
+/// nothing, train as the same steps run eagerly: a replay comes after every stream's earlier
+/// work (a prefetch left on the gather stream), not only the compute stream's.
+#[test]
+fn replays_follow_the_work_left_on_every_stream() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let config = EngineConfig::default();
+    let run = move |mode: Mode, captured: bool| {
+        on_engines(&plan, &config, mode, move |e| {
+            with_batch(e, |e, batch| -> Result<Vec<Vec<u8>>> {
+                batch.fill(e, 0)?;
+                step(e, batch)?;
+                let capture = match captured {
+                    true => {
+                        e.begin_capture()?;
+                        step(e, batch)?;
+                        Some(e.end_capture()?)
+                    }
+                    false => None,
+                };
+                for s in 1..6 {
+                    evaluation(e)?;
+                    e.set_lr(lr(s))?;
+                    match &capture {
+                        Some(capture) => e.replay(capture)?,
+                        None => step(e, batch)?,
+                    }
+                }
+                (0..e.plan().groups().len())
+                    .map(|g| e.param_shard(g))
+                    .collect()
+            })
+        })
+    };
+    for_each_mode(|mode| {
+        if mode == Mode::Eager {
+            return;
+        }
+        let eager = run(mode, false);
+        let replayed = run(mode, true);
+        for (rank, (eager, replayed)) in eager.into_iter().zip(replayed).enumerate() {
+            let (eager, replayed) = (eager.unwrap(), replayed.unwrap());
+            assert_eq!(eager, replayed, "{mode:?}, rank {rank}");
+        }
+    });
+}
+
 /// `r`'s capture error, naming `what`.
 fn assert_refused<T: std::fmt::Debug>(r: Result<T>, what: &str) {
     match r {
@@ -274,13 +329,19 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             }
             // A forward with no backward: the step ends as usual.
             e.end_step()?;
-            e.set_tracing(true);
+            e.set_tracing(true).unwrap();
             assert_refused(e.begin_capture(), "a trace");
-            e.set_tracing(false);
+            e.set_tracing(false).unwrap();
             e.begin_capture()?;
             assert_refused(e.begin_capture(), "inside another");
             assert_refused(e.param_shard(0), "during a capture");
             assert_refused(e.save(std::path::Path::new("unused")), "during a capture");
+            assert_refused(e.set_tracing(true), "a trace");
+            let zeros = vec![0f32; e.plan().params()[0].numel];
+            assert_refused(
+                e.load_param(ParamId(0), Input::host(&zeros)),
+                "during a capture",
+            );
             e.pre_forward(Unit::Root)?;
             assert!(matches!(e.end_capture(), Err(Error::MidStep { .. })));
             e.post_forward(Unit::Root)?;
@@ -290,6 +351,11 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             }
             for unit in [Unit::Layer(1), Unit::Layer(0), Unit::Root] {
                 e.pre_backward(unit)?;
+                if unit == Unit::Layer(1) {
+                    // A replay would take the bytes of the capture again.
+                    let g = vec![0.5f32; e.plan().params()[3].numel];
+                    assert_refused(e.grad(ParamId(3), Input::host(&g)), "host memory");
+                }
                 e.post_backward(unit)?;
             }
             e.finish_grad_sync()?;
@@ -297,6 +363,9 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             assert_refused(e.nonfinite_grads(), "non-finite");
             e.optimizer_step()?;
             e.end_step()?;
+            // A capture holds one step: its replays write one step's values.
+            assert_refused(e.pre_forward(Unit::Root), "a second step");
+            assert_refused(e.end_step(), "a second step");
             let before = e.counters();
             let captured = e.end_capture()?;
             // Nothing ran: the counts are the capture's beginning's.

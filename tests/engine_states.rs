@@ -370,7 +370,7 @@ fn tracing_records_a_span_for_every_hook_and_collective() {
         on_two_ranks(mode, stack(2, false), EngineConfig::default(), |mut e| {
             walk_step(&mut e, 2, &mut |_| {});
             let before = e.counters();
-            e.set_tracing(true);
+            e.set_tracing(true).unwrap();
             let origin = fsdp_fusion::Backend::record_timed(e.backend(), Stream::Compute).unwrap();
             // Every stream's later work comes after the origin only once it waits for it.
             for stream in [Stream::Gather, Stream::Reduce] {
@@ -403,7 +403,7 @@ fn tracing_records_a_span_for_every_hook_and_collective() {
                 assert_eq!(s.stream, stream, "{:?}", s.kind);
                 assert!(s.start_ms >= 0.0 && s.duration_ms >= 0.0, "{s:?}");
             }
-            e.set_tracing(false);
+            e.set_tracing(false).unwrap();
             walk_step(&mut e, 2, &mut |_| {});
             assert!(e.take_trace().is_empty());
         });

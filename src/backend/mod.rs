@@ -80,12 +80,15 @@ impl<'a> Input<'a> {
         Input(Source::Host { bytes, dtype })
     }
 
-    /// `numel` elements of `dtype` at device address `ptr`, read on the compute stream.
+    /// `numel` elements of `dtype` at device address `ptr` (a host address on the CPU backend),
+    /// read on the compute stream.
     ///
     /// # Safety
     /// `ptr` is a device address of the engine's device, valid for `numel` elements of `dtype`
     /// until the compute stream has read them (after the work queued on it when the input is
-    /// handed over); nothing writes them before then.
+    /// handed over); nothing writes them before then. Handed over during a capture
+    /// ([`crate::Engine::begin_capture`]), it is read again at every replay: it stays valid, and
+    /// written only in stream order, while the captured step may be replayed.
     pub unsafe fn device(ptr: u64, numel: usize, dtype: DType) -> Input<'static> {
         Input(Source::Device { ptr, numel, dtype })
     }
@@ -204,7 +207,12 @@ pub trait Backend: Send {
     /// Queues `graph`'s work as one operation of the stream its capture began on: that stream's
     /// later work follows all of it, another stream's later work none of it (order it with an
     /// event of that stream).
-    fn replay(&self, graph: &Self::Graph) -> Result<()>;
+    ///
+    /// # Safety
+    /// This backend captured `graph`; every buffer and address its work uses is alive until
+    /// the replay completed; work on another stream that uses them is ordered against it with
+    /// events, as for the data operations.
+    unsafe fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
     /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;

@@ -9,11 +9,12 @@
 //!
 //! [`StepValues`]: crate::optim::StepValues
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Counters, Engine};
 use crate::backend::Backend;
-use crate::comm::Communicator;
+use crate::comm::{Communicator, Fingerprint};
 use crate::config::GradShardMemory;
 use crate::error::{Error, Result};
 use crate::types::Stream;
@@ -31,6 +32,9 @@ pub struct CapturedStep<G> {
     engine: u64,
     /// What the step did to the host's counts: each replay adds it.
     moved: HostCounts,
+    /// The step's collectives, each with this rank's place among its ranks and their number:
+    /// each replay holds them to the engine's deadline.
+    collectives: Vec<(Fingerprint, (usize, usize))>,
 }
 
 impl<G> std::fmt::Debug for CapturedStep<G> {
@@ -90,9 +94,25 @@ impl HostCounts {
     }
 }
 
-/// A capture under way: the host's counts when it began, which its end restores (nothing ran).
+/// A capture under way: the host's counts when it began, which its end restores (nothing ran),
+/// and the collectives it holds.
 pub(super) struct Capturing {
     began: HostCounts,
+    collectives: Vec<(Fingerprint, (usize, usize))>,
+}
+
+impl Capturing {
+    /// Keeps `collective` (this rank's place and the ranks' number) for the replays' deadlines.
+    pub(super) fn hold(&mut self, collective: Fingerprint, peers: (usize, usize)) -> Result<()> {
+        self.collectives
+            .try_reserve(1)
+            .map_err(|_| Error::OutOfMemory {
+                bytes: std::mem::size_of::<(Fingerprint, (usize, usize))>(),
+                what: "a capture's collectives".into(),
+            })?;
+        self.collectives.push((collective, peers));
+        Ok(())
+    }
 }
 
 fn refused(what: &str) -> Error {
@@ -151,7 +171,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.effects(Engine::fence)?;
         // A backend that cannot capture refuses here, with nothing but that order changed.
         self.backend.begin_capture(Stream::Compute)?;
-        self.capture = Some(Capturing { began });
+        self.capture = Some(Capturing {
+            began,
+            collectives: Vec::new(),
+        });
         self.effects(|e| {
             // The other streams join the capture.
             let fork = e.backend.record(Stream::Compute)?;
@@ -182,17 +205,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 let done = e.backend.record(other)?;
                 e.backend.wait(Stream::Compute, &done)?;
             }
-            e.capture = None;
+            let collectives = e.capture.take().map(|c| c.collectives).unwrap_or_default();
             let graph = e.backend.end_capture()?;
             // The events kept in the capture were never recorded.
             e.fence()?;
-            Ok(graph)
+            Ok((graph, collectives))
         })?;
+        let (graph, collectives) = graph;
         self.set_host_counts(began);
         Ok(CapturedStep {
             graph,
             engine: self.id,
             moved,
+            collectives,
         })
     }
 
@@ -212,11 +237,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.check_step_boundary("a replay")?;
         let counts = self.host_counts();
         self.effects(|e| {
+            // The captured work's streams are ordered after the compute stream only: everything
+            // queued before on the others comes first.
+            e.fence()?;
             if step.moved.optimizer_steps > 0 {
                 e.optimizer.steps = counts.optimizer_steps.saturating_add(1);
                 e.write_step_values(1.0)?;
             }
-            e.backend.replay(&step.graph)?;
+            // SAFETY: this engine captured the graph (checked above); every buffer its work uses
+            // is the engine's, alive as long as the engine (none is made or freed in a
+            // capture), or a caller's device input, valid while a captured step holding it may
+            // be replayed (`Input::device`); the fence ordered every stream's earlier work
+            // before it, and the one after orders every later work after it.
+            unsafe { e.backend.replay(&step.graph) }?;
+            let done = Arc::new(e.backend.record(Stream::Compute)?);
+            for &(collective, peers) in &step.collectives {
+                e.deadlines.track(collective, peers, Arc::clone(&done));
+            }
             e.fence()
         })?;
         self.set_host_counts(counts.plus(&step.moved));
@@ -226,6 +263,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Whether a capture is under way.
     pub fn capturing(&self) -> bool {
         self.capture.is_some()
+    }
+
+    /// `Error::Capture` once the captured step ended: a capture holds one step, whose replays
+    /// write one step's values.
+    pub(super) fn check_captured_step_open(&self) -> Result<()> {
+        match &self.capture {
+            Some(c) if self.counters.steps != c.began.counters.steps => Err(refused(
+                "a second step in one capture (end_capture after the step's end_step: a capture \
+                 holds one step)",
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// `Error::Capture` naming `action` while a capture is under way.

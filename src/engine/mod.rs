@@ -234,6 +234,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(crate) fn poison(&self, cause: Error) {
         // Only the first failure is kept.
         if self.poisoned.set(cause).is_ok() {
+            if self.capture.is_some() {
+                // The capture's graph is of no use any more; its end lets the streams go on.
+                let _ = self.backend.end_capture();
+            }
             self.comm.abort();
             for c in &self.process_groups {
                 c.abort();
@@ -324,9 +328,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             hang::Hang::after_collective(&mut self.hang, &self.backend, stream)?;
         }
         let done = Arc::new(self.backend.record(stream)?);
-        // A captured collective runs at its replays, and its event is never recorded.
-        if let (Some((collective, peers)), None) = (collective, &self.capture) {
-            self.deadlines.track(collective, peers, Arc::clone(&done));
+        // A captured collective runs at its replays, which hold it to the deadline: its
+        // event here is never recorded.
+        match (collective, self.capture.as_mut()) {
+            (Some((collective, peers)), Some(capture)) => capture.hold(collective, peers)?,
+            (Some((collective, peers)), None) => {
+                self.deadlines.track(collective, peers, Arc::clone(&done))
+            }
+            (None, _) => {}
         }
         Ok(done)
     }
@@ -354,6 +363,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("pre_forward", unit);
         self.healthy()?;
         self.check_not_stepped("a forward")?;
+        self.check_captured_step_open()?;
         let u = self.unit_index(unit)?;
         if self.open.forward.contains(&u) {
             return Err(Error::ForwardAlreadyOpen { unit });
@@ -399,6 +409,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("pre_backward", unit);
         self.healthy()?;
         self.check_not_stepped("a backward")?;
+        self.check_captured_step_open()?;
         let u = self.unit_index(unit)?;
         if self.open.backward.contains(&u) {
             return Err(Error::BackwardAlreadyOpen { unit });

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::Engine;
-use crate::backend::{Backend, Input, Region};
+use crate::backend::{Backend, Input, Region, Source};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
 use crate::grads::{GradEffect, GradPipeline, GradTarget};
@@ -100,6 +100,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::GradientAfterItsUnit`. Host input is read before this returns.
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
+        self.check_capturable(gradient)?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
         self.take_grads(&[(param, group, gradient)])
     }
@@ -119,6 +120,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
         let mut named = crate::fallible::filled(self.plan.params().len(), false, "a batch's ids")?;
         for &(param, gradient) in gradients {
+            self.check_capturable(gradient)?;
             let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
             let seen = named.get_mut(param.0).ok_or(Error::ParamIdOutOfRange {
                 id: param.0,
@@ -246,9 +248,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.apply_decided(|p, fx| p.end_unit(|g| groups[g].unit == unit, root, fx))
     }
 
+    /// Refuses host memory during a capture: a replay would take the bytes of the capture again.
+    fn check_capturable(&self, gradient: Input<'_>) -> Result<()> {
+        match gradient.0 {
+            Source::Host { .. } => self.check_not_capturing("a gradient in host memory"),
+            Source::Device { .. } => Ok(()),
+        }
+    }
+
     /// Checks a gradient for `param` before anything changes; returns its group.
     fn check_grad(&self, param: ParamId, dtype: DType, numel: usize) -> Result<usize> {
         self.check_not_stepped("a gradient")?;
+        self.check_captured_step_open()?;
         let layout = self.plan.param(param)?;
         let name = || layout.name.clone();
         self.check_no_open_slot()?;
@@ -298,6 +309,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(super) fn open_grad_slot(&mut self, param: ParamId) -> Result<(GradTarget, Region)> {
         let _range = crate::nvtx::range("grad_slot", param.0);
         self.healthy()?;
+        self.check_captured_step_open()?;
         if self.policy.grad_slot_dtype != DType::F32 {
             return Err(Error::GradSlotUnavailable {
                 reason: "gradients travel in bf16 (reduce_dtype)",

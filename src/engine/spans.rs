@@ -18,13 +18,19 @@ pub(super) struct Trace<E> {
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Starts collecting spans of every stream's work (clearing earlier ones), or stops.
-    pub fn set_tracing(&mut self, on: bool) {
+    /// Starting is refused during a capture ([`Engine::begin_capture`]): a span's times are host
+    /// reads of the device.
+    pub fn set_tracing(&mut self, on: bool) -> Result<()> {
+        if on {
+            self.check_not_capturing("a trace, whose times are host reads of the device")?;
+        }
         let units = self.plan.units().len();
         self.trace = on.then(|| Trace {
             spans: Vec::new(),
             forward: (0..units).map(|_| None).collect(),
             backward: (0..units).map(|_| None).collect(),
         });
+        Ok(())
     }
 
     /// The spans collected since tracing started or since the last call.

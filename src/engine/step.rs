@@ -73,6 +73,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn finish_grad_sync(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("finish_grad_sync", "");
         self.healthy()?;
+        self.check_captured_step_open()?;
         self.check_no_open_slot()?;
         if let Some(u) = self.open.forward.first().copied() {
             return Err(Error::ForwardStillOpen {
@@ -97,6 +98,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn optimizer_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("optimizer_step", "");
         self.healthy()?;
+        self.check_captured_step_open()?;
         if !self.reducing.pipeline.synced() {
             return Err(Error::GradsNotSynced {
                 action: "the optimizer step",
@@ -251,6 +253,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn end_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("end_step", "");
         self.healthy()?;
+        self.check_captured_step_open()?;
         if let Some(u) = self.open.forward.first().copied() {
             return Err(Error::ForwardStillOpen {
                 unit: self.plan.units()[u],
@@ -323,6 +326,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// parameter. Allowed between steps.
     pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
         self.healthy()?;
+        self.check_not_capturing("loading a parameter")?;
         self.check_not_stepped("loading a parameter")?;
         let layout = self.plan.param(param)?;
         let Source::Host { bytes, dtype } = data.0 else {

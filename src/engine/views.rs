@@ -61,6 +61,7 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     /// On an asynchronous backend it first waits for the compute stream (the host reads the view
     /// as compute-stream work).
     pub fn param<T: Element>(&self, param: ParamId) -> Result<&[T]> {
+        self.check_not_capturing("a host view of a parameter")?;
         let (layout, slot) = self.gathered_view(param)?;
         if layout.dtype != T::DTYPE {
             return Err(Error::DtypeMismatch {
@@ -92,6 +93,7 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     /// On an asynchronous backend it first waits for the compute stream (the host writes the slot
     /// as compute-stream work).
     pub fn grad_slot(&mut self, param: ParamId) -> Result<&mut [f32]> {
+        self.check_not_capturing("a host view of a gradient slot")?;
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| e.backend.drain(Stream::Compute))?;
         let buffer = place_buffer(&mut self.reducing.slots, &mut self.reducing.groups, place)?;

@@ -295,7 +295,7 @@ impl Backend for CpuBackend {
         self.asynchronous_streams("a capture")?.end_capture()
     }
 
-    fn replay(&self, graph: &CpuGraph) -> Result<()> {
+    unsafe fn replay(&self, graph: &CpuGraph) -> Result<()> {
         self.asynchronous_streams("a replay")?.replay(graph)
     }
 
@@ -345,6 +345,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_scratch(&self, bytes: usize) -> Result<CpuBuffer> {
+        self.check_not_capturing("an allocation")?;
         CpuBuffer::zeroed(bytes, &Arc::default())
     }
 
@@ -353,6 +354,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
+        self.check_not_capturing("an allocation")?;
         CpuBuffer::zeroed(bytes, &Arc::default())
     }
 
@@ -521,7 +523,11 @@ impl Backend for CpuBackend {
         add: bool,
     ) -> Result<()> {
         let (bytes, dtype) = match src.0 {
-            Source::Host { bytes, dtype } => (bytes, dtype),
+            Source::Host { bytes, dtype } => {
+                // A replay would add the bytes taken now again, whatever the host holds then.
+                self.check_not_capturing("a host input, which the work takes a copy of")?;
+                (bytes, dtype)
+            }
             Source::Device { ptr, numel, dtype } => {
                 let src = (ptr, numel, dtype);
                 // SAFETY: the caller's contract, passed on.

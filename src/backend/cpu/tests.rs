@@ -417,14 +417,18 @@ fn asynchronous() -> Vec<CpuBackend> {
 fn a_capture_runs_nothing_until_replayed_and_each_replay_runs_it_again_in_order() {
     for b in asynchronous() {
         let (mut x, mut y) = (b.alloc(4).unwrap(), b.alloc(4).unwrap());
+        let mut one = b.alloc(4).unwrap();
+        b.upload(&mut one, f32_region(1), &1.0f32.to_le_bytes())
+            .unwrap();
+        let one_address = b.stream_address(&one, f32_region(1)).unwrap();
         b.begin_capture(Stream::Compute).unwrap();
         // SAFETY (each call): `x` is written on compute, then read on gather after an event of
-        // compute's; `y` is used on gather only; compute waits for gather before the end.
+        // compute's; `y` is used on gather only; compute waits for gather before the end; `one`
+        // outlives every replay.
         unsafe {
-            let one = [1.0f32];
             (b.accumulate_input(
                 Stream::Compute,
-                Input::host(&one),
+                Input::device(one_address, 1, DType::F32),
                 &mut x,
                 f32_region(1),
                 1.0,
@@ -449,7 +453,8 @@ fn a_capture_runs_nothing_until_replayed_and_each_replay_runs_it_again_in_order(
         let graph = b.end_capture().unwrap();
         assert_eq!(download_f32(&b, &x, 1), [0.0], "nothing ran in the capture");
         for _ in 0..3 {
-            b.replay(&graph).unwrap();
+            // SAFETY: this backend captured the graph; its buffers live to the end of the test.
+            unsafe { b.replay(&graph) }.unwrap();
         }
         // Each replay adds 1 to x, then x to y: y is 1 + 2 + 3.
         assert_eq!(download_f32(&b, &x, 1), [3.0]);
@@ -471,6 +476,7 @@ fn assert_capture_error<T: std::fmt::Debug>(r: Result<T>, what: &str) {
 fn what_a_capture_cannot_hold_is_an_error() {
     for b in asynchronous() {
         let mut x = b.alloc(4).unwrap();
+        let scratch = b.alloc_scratch(4).unwrap();
         let outside = b.record(Stream::Gather).unwrap();
         assert_capture_error(b.end_capture(), "no capture under way");
         b.begin_capture(Stream::Compute).unwrap();
@@ -480,7 +486,21 @@ fn what_a_capture_cannot_hold_is_an_error() {
         assert_capture_error(unjoined, "Reduce stream, which did not join");
         assert_capture_error(b.wait(Stream::Compute, &outside), "outside the capture");
         assert_capture_error(b.alloc(4), "an allocation");
-        assert_capture_error(b.free([b.alloc_scratch(4).unwrap()]), "a free");
+        assert_capture_error(b.alloc_scratch(4), "an allocation");
+        let host = [1.0f32];
+        // SAFETY: nothing else uses `x`.
+        let baked = unsafe {
+            b.accumulate_input(
+                Stream::Compute,
+                Input::host(&host),
+                &mut x,
+                f32_region(1),
+                1.0,
+                true,
+            )
+        };
+        assert_capture_error(baked, "a host input");
+        assert_capture_error(b.free([scratch]), "a free");
         let mut out = [0u8; 4];
         assert_capture_error(b.download(&x, f32_region(1), &mut out), "a host wait");
         let point = b.record(Stream::Compute).unwrap();

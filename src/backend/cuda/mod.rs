@@ -128,9 +128,11 @@ impl Backend for CudaBackend {
         NAME
     }
 
-    /// A CUDA stream capture in global mode: a call that is unsafe during a capture anywhere
-    /// in the process fails it. The calls of this backend that would (an allocation, a free, a
-    /// host wait, a host input's staging) are refused first with `Error::Capture`.
+    /// A CUDA stream capture in thread-local mode: a call that is unsafe during a capture fails
+    /// it when this thread makes it, while other threads (the engine's watchdog querying its
+    /// collectives' events, other ranks' engines) go on. The calls of this backend that would
+    /// fail it (an allocation, a free, a host wait, a host input's staging) are refused first
+    /// with `Error::Capture`.
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         let mut capture = lock(&self.capture);
         if let Some(origin) = *capture {
@@ -139,7 +141,7 @@ impl Backend for CudaBackend {
             });
         }
         self.stream_handle(stream)
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda("cuStreamBeginCapture"))?;
         *capture = Some(stream);
         Ok(())
@@ -159,7 +161,7 @@ impl Backend for CudaBackend {
         Ok(CudaGraph(Mutex::new(graph)))
     }
 
-    fn replay(&self, graph: &CudaGraph) -> Result<()> {
+    unsafe fn replay(&self, graph: &CudaGraph) -> Result<()> {
         lock(&graph.0).launch().map_err(cuda("cuGraphLaunch"))
     }
 
