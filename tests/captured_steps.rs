@@ -20,6 +20,7 @@ use fsdp_fusion::{
     OptimizerConfig, ParamId, ParamSpec, Plan, Result, Stream, Unit,
 };
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines};
+use fsdp_fusion_support::scratch::Scratch;
 
 const STEPS: usize = 5;
 
@@ -298,6 +299,62 @@ fn replays_follow_the_work_left_on_every_stream() {
             assert_eq!(eager, replayed, "{mode:?}, rank {rank}");
         }
     });
+}
+
+/// A checkpoint saved between replays holds the replayed steps: engines that load it and take an
+/// eager step end where eager steps all along do.
+#[test]
+fn a_checkpoint_between_replays_holds_what_they_trained() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let config = EngineConfig::default();
+    let mode = Mode::Async(1);
+    let dir = Arc::new(Scratch::new("captured-steps-checkpoint"));
+    let saved = Arc::clone(&dir);
+    let replayed = on_engines(&plan, &config, mode, move |e| {
+        with_batch(e, |e, batch| -> Result<()> {
+            batch.fill(e, 0)?;
+            e.set_lr(lr(0))?;
+            step(e, batch)?;
+            e.begin_capture()?;
+            step(e, batch)?;
+            let capture = e.end_capture()?;
+            for s in 1..3 {
+                e.set_lr(lr(s))?;
+                e.replay(&capture)?;
+            }
+            e.save(saved.path())
+        })
+    });
+    replayed.into_iter().for_each(|r| r.unwrap());
+    let resume = move |e: Engine<_, _>, load: bool| {
+        let dir = Arc::clone(&dir);
+        with_batch(e, move |e, batch| -> Result<Vec<Vec<u8>>> {
+            batch.fill(e, 0)?;
+            let steps = match load {
+                true => {
+                    e.load(dir.path())?;
+                    3..4
+                }
+                false => 0..4,
+            };
+            for s in steps {
+                e.set_lr(lr(s))?;
+                step(e, batch)?;
+            }
+            (0..e.plan().groups().len())
+                .map(|g| e.param_shard(g))
+                .collect()
+        })
+    };
+    let resume = Arc::new(resume);
+    let again = Arc::clone(&resume);
+    let loaded = on_engines(&plan, &config, mode, move |e| resume(e, true));
+    let eager = on_engines(&plan, &config, mode, move |e| again(e, false));
+    // AdamW's bias correction of the step after the load shows the replays' step count came
+    // through too.
+    for (rank, (loaded, eager)) in loaded.into_iter().zip(eager).enumerate() {
+        assert_eq!(loaded.unwrap(), eager.unwrap(), "rank {rank}");
+    }
 }
 
 /// `r`'s capture error, naming `what`.
