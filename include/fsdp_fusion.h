@@ -818,6 +818,12 @@ enum fsdp_status fsdp_engine_clip_grad_norm(struct fsdp_engine *engine,
                                             float max_norm,
                                             struct fsdp_grad_norm *out);
 
+// As `fsdp_engine_clip_grad_norm`, bit for bit, with no host wait: each rank's part of the
+// norms is summed, gathered across the ranks and turned into the clipping coefficient on the
+// device, where `fsdp_engine_optimizer_step` reads it; the host never sees the norms. A
+// collective (every rank calls it). `max_norm` must be finite and > 0.
+enum fsdp_status fsdp_engine_clip_grad_norm_on_device(struct fsdp_engine *engine, float max_norm);
+
 // The library's `FSDP_ABI_VERSION`.
 uint32_t fsdp_abi_version(void);
 

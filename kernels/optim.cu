@@ -341,3 +341,20 @@ extern "C" __global__ void __launch_bounds__(kBlock)
     write_step_values(fsdp::StepValues* dst, fsdp::StepValues values) {
   if (fsdp::grid_thread() == 0) *dst = values;
 }
+
+// `crate::engine::GradNorm::of_parts` then `clip_coefficient`, operation for operation, by one
+// thread: the ranks' sums of squares (the f64 at the start of each 16-byte part) added in rank
+// order, the square root rounded to f32, then `max_norm / (l2 + 1e-6)`, at most 1 (NaN stays
+// NaN), into the step's values' `grad_scale`.
+extern "C" __global__ void __launch_bounds__(kBlock)
+    clip_step_values(const uint8_t* parts, uint32_t ranks, float max_norm,
+                     fsdp::StepValues* values) {
+  if (fsdp::grid_thread() != 0) return;
+  double sum = 0.0;
+  for (uint32_t r = 0; r < ranks; ++r) {
+    sum = __dadd_rn(sum, *reinterpret_cast<const double*>(parts + 16u * r));
+  }
+  const float l2 = __double2float_rn(__dsqrt_rn(sum));
+  const float coefficient = __fdiv_rn(max_norm, __fadd_rn(l2, 1e-6f));
+  values->grad_scale = isnan(coefficient) ? coefficient : fminf(coefficient, 1.0f);
+}

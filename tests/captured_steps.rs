@@ -51,6 +51,18 @@ fn target(rank: usize, step: usize, param: usize, numel: usize) -> Vec<f32> {
 struct Batch<B: Backend> {
     targets: Vec<B::Buffer>,
     gradients: Vec<B::Buffer>,
+    /// How each step clips its gradients by their global norm.
+    clip: Clipping,
+}
+
+/// How a step clips its gradients by their global norm, if it does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Clipping {
+    No,
+    /// The norm read by the host ([`Engine::clip_grad_norm`]).
+    OnHost(f32),
+    /// The norm kept on the device ([`Engine::clip_grad_norm_on_device`]).
+    OnDevice(f32),
 }
 
 impl<B: Backend> Batch<B> {
@@ -60,6 +72,7 @@ impl<B: Backend> Batch<B> {
         Ok(Batch {
             targets: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
             gradients: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
+            clip: Clipping::No,
         })
     }
 
@@ -132,6 +145,11 @@ fn step<B: RawAddress, C: Communicator<B>>(
         e.post_backward(unit)?;
     }
     e.finish_grad_sync()?;
+    match batch.clip {
+        Clipping::No => {}
+        Clipping::OnHost(max_norm) => drop(e.clip_grad_norm(max_norm)?),
+        Clipping::OnDevice(max_norm) => e.clip_grad_norm_on_device(max_norm)?,
+    }
     e.optimizer_step()?;
     e.end_step()
 }
@@ -144,8 +162,13 @@ fn lr(step: usize) -> f32 {
 /// [`STEPS`] steps on `e`: every group's shard bytes after each, and the counts at the end; the
 /// steps from the second on captured once and replayed when `captured`, with one eager step
 /// after the replays.
-fn train<B: RawAddress, C: Communicator<B>>(e: Engine<B, C>, captured: bool) -> Trained {
+fn train<B: RawAddress, C: Communicator<B>>(
+    e: Engine<B, C>,
+    captured: bool,
+    clip: Clipping,
+) -> Trained {
     with_batch(e, |e, batch| {
+        batch.clip = clip;
         let mut shards = Vec::new();
         let mut capture = None;
         for s in 0..STEPS {
@@ -176,8 +199,18 @@ fn train<B: RawAddress, C: Communicator<B>>(e: Engine<B, C>, captured: bool) -> 
 
 /// [`train`] on CPU ranks.
 fn train_cpu(mode: Mode, world: usize, config: &EngineConfig, captured: bool) -> Vec<Trained> {
+    train_cpu_clipped(mode, world, config, (captured, Clipping::No))
+}
+
+/// [`train`] on CPU ranks, clipping as `clip` says.
+fn train_cpu_clipped(
+    mode: Mode,
+    world: usize,
+    config: &EngineConfig,
+    (captured, clip): (bool, Clipping),
+) -> Vec<Trained> {
     let plan = Arc::new(Plan::new(&model(), world).unwrap());
-    on_engines(&plan, config, mode, move |e| train(e, captured))
+    on_engines(&plan, config, mode, move |e| train(e, captured, clip))
 }
 
 /// The first difference of `eager` and `replayed`, `what` named.
@@ -241,6 +274,79 @@ fn replays_of_a_captured_step_train_as_eager_steps_do() {
                 // sizes above 1 another rank's shards of these small groups may be padding).
                 let shards = &eager[0].shards;
                 assert!(shards.windows(2).all(|w| w[0] != w[1]), "{name}");
+            }
+        }
+    }
+}
+
+/// Clipping by the global norm on the device equals clipping by the norm the host read, bit for
+/// bit, and replays of a step that clips on the device clip by each replay's own norm: at world
+/// sizes 1 to 4, with a bound that clips every step and one that clips none.
+#[test]
+fn clipping_on_the_device_equals_the_host_s_and_replays_with_it() {
+    for world in 1..=4 {
+        for (name, config) in configs().into_iter().take(2) {
+            for max_norm in [0.25, 1e6] {
+                let runs = for_each_mode(|mode| match mode {
+                    Mode::Eager => None,
+                    Mode::Async(_) => {
+                        let train = |captured, clip| {
+                            train_cpu_clipped(mode, world, &config, (captured, clip))
+                        };
+                        Some([
+                            train(false, Clipping::No),
+                            train(false, Clipping::OnHost(max_norm)),
+                            train(false, Clipping::OnDevice(max_norm)),
+                            train(true, Clipping::OnDevice(max_norm)),
+                        ])
+                    }
+                });
+                for [unclipped, host, device, replayed] in runs.into_iter().flatten() {
+                    // The small bound clips: the parameters move less.
+                    let clipped = unclipped[0].shards != host[0].shards;
+                    assert_eq!(clipped, max_norm < 1.0, "world {world}, {name}, {max_norm}");
+                    for rank in 0..world {
+                        let what = format!("world {world}, {name}, max norm {max_norm}");
+                        let what = format!("{what}, rank {rank}");
+                        assert_trained_alike(&host[rank], &device[rank], &what);
+                        assert_trained_alike(&host[rank], &replayed[rank], &what);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn clipping_on_the_device_refuses_what_clipping_on_the_host_refuses() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let in_backward = EngineConfig {
+        step_in_backward: true,
+        ..EngineConfig::default()
+    };
+    for config in [EngineConfig::default(), in_backward] {
+        let outcomes = on_engines(&plan, &config, Mode::Eager, |mut e| {
+            let refusals = [f32::NAN, 0.0, -1.0, f32::INFINITY].map(|bad| {
+                let r = e.clip_grad_norm_on_device(bad);
+                matches!(
+                    r,
+                    Err(Error::InvalidConfig {
+                        field: "max_norm",
+                        ..
+                    })
+                ) || matches!(r, Err(Error::StepInBackward { .. }))
+            });
+            let unsynced = e.clip_grad_norm_on_device(1.0);
+            (refusals, unsynced, e.config().step_in_backward)
+        });
+        for (refusals, unsynced, in_backward) in outcomes {
+            assert_eq!(refusals, [true; 4]);
+            match in_backward {
+                true => assert!(matches!(unsynced, Err(Error::StepInBackward { .. }))),
+                false => assert!(
+                    matches!(unsynced, Err(Error::GradsNotSynced { .. })),
+                    "{unsynced:?}"
+                ),
             }
         }
     }
@@ -509,8 +615,8 @@ fn nccl_engine(plan: &Arc<Plan>, config: &EngineConfig) -> Engine<CudaBackend, N
 fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
     let plan = Arc::new(Plan::new(&model(), 1).unwrap());
     for (name, config) in configs() {
-        let eager = train(nccl_engine(&plan, &config), false);
-        let replayed = train(nccl_engine(&plan, &config), true);
+        let eager = train(nccl_engine(&plan, &config), false, Clipping::No);
+        let replayed = train(nccl_engine(&plan, &config), true, Clipping::No);
         assert_trained_alike(&eager, &replayed, name);
         assert!(eager.shards.windows(2).all(|w| w[0] != w[1]), "{name}");
     }

@@ -451,6 +451,23 @@ pub trait Backend: Send {
         out: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Sets the `grad_scale` of the [`StepValues`] at the start of `values` to the clipping
+    /// coefficient of `max_norm` for the norms of `ranks` parts at the start of `parts` (each
+    /// [`crate::plan::NORM_PART_BYTES`] long, as [`Backend::norm_partials`] adds them up): the
+    /// sums of squares added in rank order in f64, the square root rounded to f32, then
+    /// `max_norm / (l2 + 1e-6)`, at most 1 (NaN stays NaN), as
+    /// [`crate::engine::GradNorm::clip_coefficient`] computes it on the host.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both buffers.
+    unsafe fn clip_step_values(
+        &self,
+        stream: Stream,
+        parts: (&Self::Buffer, usize),
+        max_norm: f32,
+        values: &mut Self::Buffer,
+    ) -> Result<()>;
+
     /// Copies `src_region` of `src` to `dst_region` of `dst` (the same length), converting
     /// between their dtypes: exact when widening, rounding to nearest even when narrowing (as
     /// the `half` crate does, NaN payloads included).

@@ -83,6 +83,7 @@ impl<B: Backend> Parts<B> {
         let step_scratch = layout.step_scratch.map(|s| {
             Ok::<_, Error>(StepChecks {
                 norm_part: scratch(s.norm_part, "the gradient norms' part")?,
+                norm_parts: scratch(s.norm_parts, "every rank's part of the gradient norms")?,
                 nonfinite_count: scratch(s.nonfinite_count, "the non-finite count")?,
                 step_values: scratch(s.step_values, "the step's values")?,
             })

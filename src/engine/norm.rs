@@ -4,7 +4,7 @@
 use super::Engine;
 use super::reduce::GroupGrads;
 use crate::backend::{Backend, Region};
-use crate::comm::{Communicator, Purpose};
+use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
 use crate::plan::{NORM_PART_BYTES, Plan};
 use crate::types::{DType, Stream};
@@ -37,17 +37,45 @@ impl GradNorm {
 
 /// The norms from every rank's part, summed in rank order (the same result on every rank).
 fn combine(parts: &[Vec<u8>]) -> GradNorm {
-    let (mut sum, mut top) = (0f64, 0u32);
-    for part in parts {
-        let field = |range: std::ops::Range<usize>| part.get(range).unwrap_or(&[]).to_vec();
-        sum += f64::from_le_bytes(field(0..8).try_into().unwrap_or([0; 8]));
-        top = top.max(u32::from_le_bytes(
-            field(8..12).try_into().unwrap_or([0; 4]),
-        ));
+    GradNorm::of_parts(parts.iter().map(Vec::as_slice))
+}
+
+impl GradNorm {
+    /// The norms from `parts`, each a rank's ([`NORM_PART_BYTES`]), summed in their order: where
+    /// the host and the CPU backend's clipping on the device add them up.
+    pub(crate) fn of_parts<'a>(parts: impl Iterator<Item = &'a [u8]>) -> GradNorm {
+        let (mut sum, mut top) = (0f64, 0u32);
+        for part in parts {
+            let field = |range: std::ops::Range<usize>| part.get(range).unwrap_or(&[]).to_vec();
+            sum += f64::from_le_bytes(field(0..8).try_into().unwrap_or([0; 8]));
+            top = top.max(u32::from_le_bytes(
+                field(8..12).try_into().unwrap_or([0; 4]),
+            ));
+        }
+        GradNorm {
+            l2: sum.sqrt() as f32,
+            max: f32::from_bits(top),
+        }
     }
-    GradNorm {
-        l2: sum.sqrt() as f32,
-        max: f32::from_bits(top),
+}
+
+/// How this step's optimizer clips its gradients.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Clip {
+    /// By a coefficient the host computed ([`Engine::clip_grad_norm`]).
+    OnHost { coefficient: f32 },
+    /// By the coefficient of `max_norm` the device computes from the gathered norm parts
+    /// ([`Engine::clip_grad_norm_on_device`]).
+    OnDevice { max_norm: f32 },
+}
+
+fn check_max_norm(max_norm: f32) -> Result<()> {
+    match max_norm.is_finite() && max_norm > 0.0 {
+        true => Ok(()),
+        false => Err(Error::InvalidConfig {
+            field: "max_norm",
+            reason: format!("is {max_norm}, expected finite, > 0"),
+        }),
     }
 }
 
@@ -71,6 +99,19 @@ pub(super) fn sum_over_grad_shards<B: Backend>(
     bytes: &mut [u8],
 ) -> Result<()> {
     let record = Region::new(0, bytes.len() / 4, DType::F32);
+    queue_sum_over_grad_shards(backend, plan, groups, (out, record), sum)?;
+    backend.download(out, record, bytes)
+}
+
+/// Zeroes `record` of `out` and adds `sum` of every gradient shard into it on the compute
+/// stream.
+fn queue_sum_over_grad_shards<B: Backend>(
+    backend: &B,
+    plan: &Plan,
+    groups: &[GroupGrads<B::Buffer>],
+    (out, record): (&mut B::Buffer, Region),
+    sum: ShardSum,
+) -> Result<()> {
     // SAFETY: `out` is the engine's own, used on the compute stream only; the gradient shards are
     // read there after `finish_grad_sync` made it wait for the reductions, and before the next
     // step's first ones, queued after compute's event.
@@ -88,7 +129,7 @@ pub(super) fn sum_over_grad_shards<B: Backend>(
             }
         }?;
     }
-    backend.download(out, record, bytes)
+    Ok(())
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -130,15 +171,72 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// clipping. `max_norm` must be finite and > 0.
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<GradNorm> {
         self.refuse_in_backward_updates("clipping by the global norm")?;
-        if !(max_norm.is_finite() && max_norm > 0.0) {
-            return Err(Error::InvalidConfig {
-                field: "max_norm",
-                reason: format!("is {max_norm}, expected finite, > 0"),
-            });
-        }
+        check_max_norm(max_norm)?;
         let norm = self.grad_norm()?;
-        self.optimizer.clip_scale = Some(norm.clip_coefficient(max_norm));
+        self.optimizer.clip = Some(Clip::OnHost {
+            coefficient: norm.clip_coefficient(max_norm),
+        });
         Ok(norm)
+    }
+
+    /// Clips this step's gradients by the global norm as [`Engine::clip_grad_norm`] does, bit
+    /// for bit, with no host wait: each rank's part of the norms is summed, gathered across the
+    /// ranks and turned into the clipping coefficient on the device, where the optimizer step
+    /// reads it. The host never sees the norms ([`Engine::clip_grad_norm`] returns them, at a
+    /// host wait). A collective (every rank calls it); allowed during a capture, whose replays
+    /// clip by each replay's own gradients. `max_norm` must be finite and > 0.
+    pub fn clip_grad_norm_on_device(&mut self, max_norm: f32) -> Result<()> {
+        self.refuse_in_backward_updates("clipping by the global norm")?;
+        check_max_norm(max_norm)?;
+        self.healthy()?;
+        self.check_synced("clipping by the global norm")?;
+        self.effects(|e| {
+            e.optimizer.clip = Some(Clip::OnDevice { max_norm });
+            let world = e.plan.world_size();
+            let Some(checks) = e.optimizer.checks.as_mut() else {
+                // Nothing trains: no update reads a coefficient.
+                return Ok(());
+            };
+            let record = Region::new(0, NORM_PART_BYTES / 4, DType::F32);
+            let groups = &e.reducing.groups;
+            let part = &mut checks.norm_part;
+            queue_sum_over_grad_shards(
+                &e.backend,
+                &e.plan,
+                groups,
+                (part, record),
+                ShardSum::Norms,
+            )?;
+            if world == 1 {
+                return Ok(());
+            }
+            let summed = e.backend.record(Stream::Compute)?;
+            e.backend.wait(Stream::Reduce, &summed)?;
+            let tag = e.next_tag(Purpose::GradNorm, |tag| {
+                Fingerprint::all_gather(tag, record)
+            });
+            let gathered = Region::new(0, record.len * world, DType::F32);
+            let Some(checks) = e.optimizer.checks.as_mut() else {
+                return Ok(());
+            };
+            // SAFETY: both buffers are the engine's, used on the compute stream otherwise: the
+            // part was summed there before the event the reduce stream waits for, and the
+            // compute stream waits for the gather below before the update reads the parts.
+            unsafe {
+                e.comm.all_gather(
+                    &e.backend,
+                    Stream::Reduce,
+                    tag,
+                    &checks.norm_part,
+                    record,
+                    &mut checks.norm_parts,
+                    gathered,
+                )
+            }?;
+            let collective = (Fingerprint::all_gather(tag, record), (e.rank, world));
+            let done = e.record_collective(Stream::Reduce, Some(collective))?;
+            e.backend.wait(Stream::Compute, &done)
+        })
     }
 
     /// Refuses what needs the step's gradients synced and not yet stepped on.

@@ -2,7 +2,7 @@
 //! of the shards between steps.
 
 use super::Engine;
-use super::norm::{ShardSum, sum_over_grad_shards};
+use super::norm::{Clip, ShardSum, sum_over_grad_shards};
 use crate::backend::{Backend, Input, Moments, OptimizerShard, Region, Source, StepUpdate};
 use crate::comm::Communicator;
 use crate::config::GradShardMemory;
@@ -24,8 +24,8 @@ pub(super) struct OptimizerState<Buf> {
     /// Whether this step's updates began inside its backward
     /// ([`crate::EngineConfig::step_in_backward`]).
     pub(super) updating: bool,
-    /// The factor this step's optimizer multiplies gradients by ([`Engine::clip_grad_norm`]).
-    pub(super) clip_scale: Option<f32>,
+    /// How this step's optimizer clips its gradients, if it does.
+    pub(super) clip: Option<Clip>,
     /// Where the step's checks of its gradients add up, and the step's values its updates read;
     /// `None` where nothing trains.
     pub(super) checks: Option<StepChecks<Buf>>,
@@ -35,6 +35,9 @@ pub(super) struct OptimizerState<Buf> {
 pub(super) struct StepChecks<Buf> {
     /// Where [`Engine::grad_norm`] sums this rank's part.
     pub(super) norm_part: Buf,
+    /// Every rank's part, where [`Engine::clip_grad_norm_on_device`] gathers them above world
+    /// size 1.
+    pub(super) norm_parts: Buf,
     /// Where [`Engine::nonfinite_grads`] counts.
     pub(super) nonfinite_count: Buf,
     /// The [`crate::optim::StepValues`] the step's updates read.
@@ -59,7 +62,7 @@ impl<Buf> OptimizerState<Buf> {
             steps: 0,
             stepped: false,
             updating: false,
-            clip_scale: None,
+            clip: None,
             checks,
         }
     }
@@ -121,8 +124,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         } else {
             self.order_after_gathers()?;
             self.optimizer.steps += 1;
-            let grad_scale = self.optimizer.clip_scale.take().unwrap_or(1.0);
+            let clip = self.optimizer.clip.take();
+            let grad_scale = match clip {
+                Some(Clip::OnHost { coefficient }) => coefficient,
+                _ => 1.0,
+            };
             self.write_step_values(grad_scale)?;
+            if let Some(Clip::OnDevice { max_norm }) = clip {
+                self.clip_on_device(max_norm)?;
+            }
             for g in 0..self.plan.groups().len() {
                 if self.plan.groups()[g].trainable {
                     self.update_group(g)?;
@@ -162,6 +172,30 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // SAFETY: the values are only ever used on the compute stream.
         unsafe {
             (self.backend).write_step_values(Stream::Compute, &mut checks.step_values, &values)
+        }
+    }
+
+    /// Sets the step values' clipping coefficient of `max_norm` from the norm parts
+    /// [`Engine::clip_grad_norm_on_device`] gathered, on the compute stream.
+    fn clip_on_device(&mut self, max_norm: f32) -> Result<()> {
+        let ranks = self.plan.world_size();
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            return Ok(());
+        };
+        let StepChecks {
+            norm_part,
+            norm_parts,
+            step_values,
+            ..
+        } = checks;
+        let parts = match ranks {
+            1 => &*norm_part,
+            _ => &*norm_parts,
+        };
+        // SAFETY: the parts and the values are used on the compute stream only, but for the
+        // gather of the parts, which the compute stream waited for.
+        unsafe {
+            (self.backend).clip_step_values(Stream::Compute, (parts, ranks), max_norm, step_values)
         }
     }
 
@@ -290,7 +324,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.reducing.pipeline.end_step();
                 e.optimizer.stepped = false;
                 e.optimizer.updating = false;
-                e.optimizer.clip_scale = None;
+                e.optimizer.clip = None;
                 e.counters.steps += 1;
                 e.collectives.in_step = 0;
                 e.collectives.issued.clear();

@@ -84,3 +84,19 @@ pub unsafe extern "C" fn fsdp_engine_clip_grad_norm(
         unsafe { put(out, "out", norm.into()) }
     })
 }
+
+/// As `fsdp_engine_clip_grad_norm`, bit for bit, with no host wait: each rank's part of the
+/// norms is summed, gathered across the ranks and turned into the clipping coefficient on the
+/// device, where `fsdp_engine_optimizer_step` reads it; the host never sees the norms. A
+/// collective (every rank calls it). `max_norm` must be finite and > 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_clip_grad_norm_on_device(
+    engine: *mut fsdp_engine,
+    max_norm: f32,
+) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.clip_grad_norm_on_device(max_norm))?)
+        })
+    })
+}

@@ -36,13 +36,15 @@ pub const NONFINITE_COUNT_BYTES: usize = 8;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepScratch {
     pub norm_part: usize,
+    /// Every rank's norm part, gathered for clipping on the device; none at world size 1.
+    pub norm_parts: usize,
     pub nonfinite_count: usize,
     pub step_values: usize,
 }
 
 impl StepScratch {
     pub fn bytes(&self) -> usize {
-        self.norm_part + self.nonfinite_count + self.step_values
+        self.norm_part + self.norm_parts + self.nonfinite_count + self.step_values
     }
 }
 
@@ -106,6 +108,14 @@ pub(super) fn layout(
         groups,
         step_scratch: trains.then_some(StepScratch {
             norm_part: NORM_PART_BYTES,
+            norm_parts: match plan.world_size() {
+                1 => 0,
+                world => bytes(world, DType::F32, "the ranks' norm parts")?
+                    .checked_mul(NORM_PART_BYTES / 4)
+                    .ok_or(Error::SizeOverflow {
+                        what: "the ranks' norm parts",
+                    })?,
+            },
             nonfinite_count: NONFINITE_COUNT_BYTES,
             step_values: crate::optim::STEP_VALUES_BYTES,
         }),

@@ -14,9 +14,9 @@ use super::{BufferLayout, GroupBuffers, Policy};
 pub struct MemoryPerRank {
     pub param_shards: usize,
     pub grad_shards: usize,
-    /// fp32 masters, AdamW's moments, and (where anything trains) the 72 bytes of
-    /// [`super::StepScratch`]: where the gradient norms and the non-finite count add up, and
-    /// the step's values the updates read.
+    /// fp32 masters, AdamW's moments, and (where anything trains) the
+    /// [`super::StepScratch`]: where the gradient norms and the non-finite count add up, every
+    /// rank's norm part above world size 1, and the step's values the updates read.
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,
@@ -108,12 +108,14 @@ impl Policy {
             },
             BufferReport {
                 what: "optimizer state",
-                count: masters + moments + if layout.step_scratch.is_some() { 3 } else { 0 },
+                count: masters + moments + if layout.step_scratch.is_some() { 4 } else { 0 },
                 bytes: m.optimizer_state,
                 why: match layout.step_scratch {
                     Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, where \
-                        the gradient norms and the non-finite count add up (16 and 8 bytes), and \
-                        the step's values that the updates read (48 bytes)"
+                        the gradient norms and the non-finite count add up (16 and 8 bytes), \
+                        every rank's norm part for clipping on the device (16 bytes a rank, \
+                        none at world size 1), and the step's values that the updates read \
+                        (48 bytes)"
                         .into(),
                     None => "none: nothing trains".into(),
                 },
@@ -225,8 +227,8 @@ mod tests {
         assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
         assert_eq!(mem.grad_shards, 256 * 4);
         // AdamW on bf16: fp32 master plus two moments; where the norms and the non-finite
-        // count add up, and the step's values.
-        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 8 + 48);
+        // count add up, the 4 ranks' norm parts, and the step's values.
+        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 4 * 16 + 8 + 48);
         assert_eq!(mem.gathered_slots, 2 * 2048);
         // Two reductions in flight are allowed but one trainable group binds: one in flight, one
         // being filled.

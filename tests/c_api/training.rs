@@ -273,9 +273,25 @@ fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
             ok(fsdp_engine_finish_grad_sync(engine));
             ok(fsdp_engine_end_step(engine));
             assert_close(&shard_values(engine, plan, 1), &want);
+            // Clipped on the device: the same coefficient, and the host waits for nothing.
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            expect(
+                fsdp_engine_clip_grad_norm_on_device(engine, f32::NAN),
+                BAD,
+                "max_norm",
+            );
+            ok(fsdp_engine_clip_grad_norm_on_device(engine, 1.0));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            let want: Vec<f32> = want
+                .iter()
+                .map(|w| w - 0.25 * (2.0 * coefficient))
+                .collect();
+            assert_close(&shard_values(engine, plan, 1), &want);
             let mut counters = fsdp_counters::default();
             ok(fsdp_engine_counters(engine, &mut counters));
-            assert_eq!((counters.steps, counters.skipped_steps), (2, 1));
+            assert_eq!((counters.steps, counters.skipped_steps), (3, 1));
             ok(fsdp_engine_destroy(engine));
             ok(fsdp_local_group_destroy(group));
             ok(fsdp_plan_destroy(plan));

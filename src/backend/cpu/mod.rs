@@ -666,6 +666,35 @@ impl Backend for CpuBackend {
         })
     }
 
+    unsafe fn clip_step_values(
+        &self,
+        stream: Stream,
+        (parts, ranks): (&CpuBuffer, usize),
+        max_norm: f32,
+        values: &mut CpuBuffer,
+    ) -> Result<()> {
+        let part_bytes = crate::plan::NORM_PART_BYTES;
+        let all = ranks.checked_mul(part_bytes).ok_or(Error::SizeOverflow {
+            what: "the ranks' norm parts",
+        })?;
+        let parts = byte_part(parts, 0, all)?;
+        let values = byte_part(values, 0, STEP_VALUES_BYTES)?;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both.
+            let (parts, values) = unsafe {
+                (
+                    parts.0.bytes(parts.1.clone()),
+                    values.0.bytes_mut(values.1.clone()),
+                )
+            };
+            let norm = crate::engine::GradNorm::of_parts(parts.chunks_exact(part_bytes));
+            let mut step: StepValues = bytemuck::pod_read_unaligned(values);
+            step.grad_scale = norm.clip_coefficient(max_norm);
+            values.copy_from_slice(bytemuck::bytes_of(&step));
+            Ok(())
+        })
+    }
+
     unsafe fn norm_partials(
         &self,
         stream: Stream,

@@ -643,6 +643,34 @@ impl Backend for CudaBackend {
         }
     }
 
+    unsafe fn clip_step_values(
+        &self,
+        stream: Stream,
+        (parts, ranks): (&CudaBuffer, usize),
+        max_norm: f32,
+        values: &mut CudaBuffer,
+    ) -> Result<()> {
+        let words =
+            ranks
+                .checked_mul(crate::plan::NORM_PART_BYTES / 4)
+                .ok_or(Error::SizeOverflow {
+                    what: "the ranks' norm parts",
+                })?;
+        let parts = parts.addr(Region::new(0, words, DType::F32))?;
+        let values = values.addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
+        bind(&self.ctx)?;
+        // SAFETY: both addresses are checked to hold the parts and the values, of buffers
+        // borrowed for this call; the caller orders other uses.
+        unsafe {
+            self.kernels.clip_step_values(
+                self.stream_handle(stream),
+                (parts, ranks),
+                max_norm,
+                values,
+            )
+        }
+    }
+
     unsafe fn norm_partials(
         &self,
         stream: Stream,

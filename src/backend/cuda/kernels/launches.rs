@@ -269,6 +269,36 @@ impl Kernels {
         }
     }
 
+    /// Sets the `grad_scale` of the [`StepValues`] at `values` to the clipping coefficient of
+    /// `max_norm` for the `ranks` norm parts at `parts`, as
+    /// [`crate::backend::Backend::clip_step_values`] says.
+    ///
+    /// # Safety
+    /// `parts` is valid for `ranks` parts, `values` for a [`StepValues`], on `stream`.
+    pub unsafe fn clip_step_values(
+        &self,
+        stream: &CudaStream,
+        (parts, ranks): (u64, usize),
+        max_norm: f32,
+        values: u64,
+    ) -> Result<()> {
+        check_aligned(parts, std::mem::align_of::<f64>())?;
+        check_aligned(values, std::mem::align_of::<StepValues>())?;
+        let ranks = u32::try_from(ranks).map_err(|_| Error::SizeOverflow {
+            what: "the ranks' norm parts",
+        })?;
+        // SAFETY: clip_step_values(const uint8_t* parts, uint32_t ranks, float max_norm,
+        // StepValues* values); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                self.clip_step_values,
+                1,
+                &mut [arg(&parts), arg(&ranks), arg(&max_norm), arg(&values)],
+            )
+        }
+    }
+
     /// AdamW exactly as [`crate::optim::adamw_element`] with the coefficients
     /// [`GroupUpdate::coefficients`] makes of the [`StepValues`] at `values`, on fp32 `master`
     /// and `grad` and moments `m`, `v` stored as `moments` says, writing the result to `master`

@@ -512,6 +512,57 @@ fn step_values_come_back_as_written() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn the_clipping_coefficient_is_the_host_s() {
+    let gpu = gpu();
+    let part = |sum: f64, max: f32| {
+        let mut p = sum.to_le_bytes().to_vec();
+        p.extend(max.to_bits().to_le_bytes());
+        p.extend([0u8; 4]);
+        p
+    };
+    let cases: [&[(f64, f32)]; 4] = [
+        &[(0.1, 0.3)],
+        &[(9.0, 2.0), (16.0, 3.5), (1e-9, 1e-5)],
+        &[(1e-14, 1e-7), (2e-14, 1e-7)],
+        &[(f64::NAN, f32::NAN), (1.0, 1.0)],
+    ];
+    for parts in cases {
+        let bytes: Vec<u8> = parts.iter().flat_map(|&(s, m)| part(s, m)).collect();
+        let buf = DeviceBuffer::poisoned(&gpu, bytes.len() as u64);
+        gpu.upload(buf.ptr, &bytes);
+        let norm = crate::engine::GradNorm::of_parts(bytes.chunks_exact(16));
+        for max_norm in [0.5f32, 1.0, 1e6] {
+            let (mut values, device) = step_values(&gpu, OptimizerConfig::default(), 7);
+            // SAFETY: the parts and the values are in live buffers of their sizes.
+            unsafe {
+                gpu.kernels.clip_step_values(
+                    &gpu.stream,
+                    (buf.ptr, parts.len()),
+                    max_norm,
+                    device.ptr,
+                )
+            }
+            .expect("clip_step_values");
+            let mut back = [0u8; STEP_VALUES_BYTES];
+            gpu.download(device.ptr, &mut back);
+            values.grad_scale = norm.clip_coefficient(max_norm);
+            let got: StepValues = bytemuck::pod_read_unaligned(&back);
+            // NaN payloads are not specified: a NaN is a NaN.
+            let (got_scale, want) = (got.grad_scale, values.grad_scale);
+            assert!(
+                got_scale.to_bits() == want.to_bits() || (got_scale.is_nan() && want.is_nan()),
+                "{parts:?}, {max_norm}: {got_scale} against {want}"
+            );
+            assert_eq!(
+                bytemuck::bytes_of(&got)[..40],
+                bytemuck::bytes_of(&values)[..40]
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn misaligned_addresses_are_refused_before_launch() {
     let gpu = gpu();
     let buf = DeviceBuffer::poisoned(&gpu, 256);
