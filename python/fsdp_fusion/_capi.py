@@ -186,6 +186,7 @@ _SIGNATURES = {
     "fsdp_engine_set_weight_decay": ([_HANDLE, ctypes.c_float], c_int),
     "fsdp_engine_grad_norm": ([_HANDLE, POINTER(GradNorm)], c_int),
     "fsdp_engine_clip_grad_norm": ([_HANDLE, ctypes.c_float, POINTER(GradNorm)], c_int),
+    "fsdp_engine_clip_grad_norm_on_device": ([_HANDLE, ctypes.c_float], c_int),
     "fsdp_engine_param_shard": (
         [_HANDLE, c_size_t, c_void_p, c_size_t, POINTER(c_size_t)],
         c_int,

@@ -301,7 +301,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         return self.module(*args, **kwargs)
 
     def step(self, max_grad_norm: float | None = None, *, grad_norm: bool = False,
-             skip_nonfinite: bool = False, count_nonfinite: bool = False) -> StepReport:
+             skip_nonfinite: bool = False, count_nonfinite: bool = False,
+             clip_on_device: bool = False) -> StepReport:
         """Ends the step: syncs the gradients of its backward passes, steps the optimizer on the
         shards and releases gathered parameters. `max_grad_norm` clips the whole gradient's
         2-norm to it inside the optimizer step, as `torch.nn.utils.clip_grad_norm_`;
@@ -309,8 +310,14 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         `found_inf`); `grad_norm` only reports the norm. Each of these, and `count_nonfinite`
         (the infinite or NaN values in this rank's gradient shards), is a collective or a read
         that waits for the device; without them the step does not block the host on a GPU.
+        `clip_on_device` clips the same, bit for bit, without that wait: the norm stays on the
+        device and is not reported (so `grad_norm` and `skip_nonfinite` are refused with it).
         Where the optimizer steps in the backward, each of them is refused (`MisuseError`)
         before anything changes: the updates ran before the whole gradient existed."""
+        if clip_on_device and (max_grad_norm is None or grad_norm or skip_nonfinite):
+            raise MisuseError("clip_on_device clips by max_grad_norm with the norm kept on the "
+                              "device: give max_grad_norm, and no grad_norm or skip_nonfinite, "
+                              "which need the norm on the host")
         if self._step_in_backward and (max_grad_norm is not None or grad_norm or skip_nonfinite
                                        or count_nonfinite):
             raise MisuseError("step_in_backward updated each group as its gradient became "
@@ -324,7 +331,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._close_backwards()
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
-        if max_grad_norm is not None:
+        if clip_on_device:
+            self._call("fsdp_engine_clip_grad_norm_on_device", self._engine, max_grad_norm)
+        elif max_grad_norm is not None:
             norm = GradNorm()
             self._call("fsdp_engine_clip_grad_norm", self._engine, max_grad_norm,
                            byref(norm))

@@ -101,6 +101,43 @@ def test_a_schedule_clipping_and_scales_match_torch(world):
         assert worst <= 1e-5, f"rank {rank}: losses differ by {worst} (relative)"
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_clipping_on_the_device_equals_clipping_by_the_norm_the_host_read(world):
+    _, module = models()
+    data = batches(world)
+    runs = []
+    for on_device in (False, True):
+        modules = [copy.deepcopy(module) for _ in range(world)]
+        group = LocalGroup(world) if world > 1 else None
+
+        def make(rank, modules=modules, group=group):
+            return FusedFSDP(modules[rank], list(modules[rank].blocks), optimizer="adamw",
+                             local_group=group, rank=rank)
+
+        ranks = on_ranks(world, make)
+
+        def run(rank, ranks=ranks, on_device=on_device):
+            fused = ranks[rank]
+            for step in data:
+                for per_rank in step:
+                    tokens = per_rank[rank]
+                    loss_of(fused(tokens[:, :-1]), tokens[:, 1:]).backward()
+                report = fused.step(max_grad_norm=0.05, clip_on_device=on_device)
+                assert (report.grad_norm is None) == on_device
+            return fused.full_state_dict()
+
+        runs.append(on_ranks(world, run))
+    for host, device in zip(*runs):
+        for name, value in host.items():
+            assert torch.equal(value, device[name]), name
+    wrapped = copy.deepcopy(module)
+    fused = FusedFSDP(wrapped, list(wrapped.blocks))
+    for options in ({}, {"max_grad_norm": 1.0, "grad_norm": True},
+                    {"max_grad_norm": 1.0, "skip_nonfinite": True}):
+        with pytest.raises(fsdp_fusion.MisuseError, match="clip_on_device"):
+            fused.step(clip_on_device=True, **options)
+
+
 def test_a_non_finite_gradient_skips_the_step_and_is_reported():
     _, module = models()
     fused = FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.1)
