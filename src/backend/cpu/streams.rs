@@ -496,24 +496,48 @@ fn replay_stream(
     (failed, watch): (&Fault, &Mutex<Watch>),
 ) {
     for op in ops {
-        let delay = delays.draw();
-        if !delay.is_zero() {
-            std::thread::sleep(delay);
-        }
-        match op {
-            Captured::Mark(n) => points[*n].reach(),
-            Captured::Run(_) | Captured::Wait(_) if failed.check().is_err() => {}
-            Captured::Run(job) => match catch_unwind(AssertUnwindSafe(|| job())) {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => failed.set(stream, error),
-                Err(_) => failed.set(stream, Error::WorkerPanicked { stream }),
-            },
-            Captured::Wait(n) => {
-                let watch = lock(watch).clone();
-                let waited = points[*n].wait_local(&watch, failed, "a replayed stream's wait");
-                if let Err(error) = waited {
-                    failed.set(stream, error);
-                }
+        let step = match op {
+            Captured::Run(job) => Step::Run(job),
+            Captured::Mark(n) => Step::Mark(&points[*n]),
+            Captured::Wait(n) => Step::Wait(&points[*n], "a replayed stream's wait"),
+        };
+        take_step(stream, step, &mut delays, (failed, watch));
+    }
+}
+
+/// One operation of a stream's worker, or of a replayed stream.
+enum Step<'a> {
+    Run(&'a Job),
+    Mark(&'a Marker),
+    /// A wait for the point, named for a deadline's error.
+    Wait(&'a Marker, &'static str),
+}
+
+/// Takes `step` on `stream` after a delay drawn from `delays`: its failure goes to `fault`, and
+/// after a failure later work is skipped, while points are still reached, so that no wait
+/// outlives the failure.
+fn take_step(
+    stream: Stream,
+    step: Step<'_>,
+    delays: &mut Delays,
+    (fault, watch): (&Fault, &Mutex<Watch>),
+) {
+    let delay = delays.draw();
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+    match step {
+        Step::Mark(marker) => marker.reach(),
+        Step::Run(_) | Step::Wait(..) if fault.check().is_err() => {}
+        Step::Run(job) => match catch_unwind(AssertUnwindSafe(|| job())) {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => fault.set(stream, error),
+            Err(_) => fault.set(stream, Error::WorkerPanicked { stream }),
+        },
+        Step::Wait(marker, what) => {
+            let watch = lock(watch).clone();
+            if let Err(error) = marker.wait_local(&watch, fault, what) {
+                fault.set(stream, error);
             }
         }
     }
@@ -538,27 +562,11 @@ fn work(
     watch: &Mutex<Watch>,
 ) {
     for task in tasks {
-        let delay = delays.draw();
-        if !delay.is_zero() {
-            std::thread::sleep(delay);
-        }
-        match task {
-            // After a failure later work is skipped; markers are still reached, so no wait
-            // outlives the failure.
-            Task::Mark(marker) => marker.reach(),
-            Task::Run(_) | Task::Wait(_) if fault.check().is_err() => {}
-            Task::Run(job) => match catch_unwind(AssertUnwindSafe(|| job())) {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => fault.set(stream, error),
-                Err(_) => fault.set(stream, Error::WorkerPanicked { stream }),
-            },
-            Task::Wait(marker) => {
-                let watch = lock(watch).clone();
-                let waited = marker.wait_local(&watch, fault, "a CPU stream's wait for another");
-                if let Err(error) = waited {
-                    fault.set(stream, error);
-                }
-            }
-        }
+        let step = match &task {
+            Task::Run(job) => Step::Run(job),
+            Task::Mark(marker) => Step::Mark(marker),
+            Task::Wait(marker) => Step::Wait(marker, "a CPU stream's wait for another"),
+        };
+        take_step(stream, step, &mut delays, (fault, watch));
     }
 }
