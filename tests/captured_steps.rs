@@ -287,21 +287,19 @@ fn clipping_on_the_device_equals_the_host_s_and_replays_with_it() {
     for world in 1..=4 {
         for (name, config) in configs().into_iter().take(2) {
             for max_norm in [0.25, 1e6] {
-                let runs = for_each_mode(|mode| match mode {
-                    Mode::Eager => None,
-                    Mode::Async(_) => {
-                        let train = |captured, clip| {
-                            train_cpu_clipped(mode, world, &config, (captured, clip))
-                        };
-                        Some([
-                            train(false, Clipping::No),
-                            train(false, Clipping::OnHost(max_norm)),
-                            train(false, Clipping::OnDevice(max_norm)),
-                            train(true, Clipping::OnDevice(max_norm)),
-                        ])
-                    }
+                // The eager backend cannot capture: its device clipping stands in for replays.
+                let runs = for_each_mode(|mode| {
+                    let train =
+                        |captured, clip| train_cpu_clipped(mode, world, &config, (captured, clip));
+                    let captured = matches!(mode, Mode::Async(_));
+                    [
+                        train(false, Clipping::No),
+                        train(false, Clipping::OnHost(max_norm)),
+                        train(false, Clipping::OnDevice(max_norm)),
+                        train(captured, Clipping::OnDevice(max_norm)),
+                    ]
                 });
-                for [unclipped, host, device, replayed] in runs.into_iter().flatten() {
+                for [unclipped, host, device, replayed] in runs {
                     // The small bound clips: the parameters move less.
                     let clipped = unclipped[0].shards != host[0].shards;
                     assert_eq!(clipped, max_norm < 1.0, "world {world}, {name}, {max_norm}");
@@ -618,6 +616,13 @@ fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
         let eager = train(nccl_engine(&plan, &config), false, Clipping::No);
         let replayed = train(nccl_engine(&plan, &config), true, Clipping::No);
         assert_trained_alike(&eager, &replayed, name);
+        // Clipped on the device, eagerly and in the replays, as by the host's norm.
+        let host = train(nccl_engine(&plan, &config), false, Clipping::OnHost(0.25));
+        let device = train(nccl_engine(&plan, &config), false, Clipping::OnDevice(0.25));
+        let replayed = train(nccl_engine(&plan, &config), true, Clipping::OnDevice(0.25));
+        assert_ne!(host.shards, eager.shards, "{name}: the bound clips");
+        assert_trained_alike(&host, &device, name);
+        assert_trained_alike(&host, &replayed, name);
         assert!(eager.shards.windows(2).all(|w| w[0] != w[1]), "{name}");
     }
     // The loopback's ranks meet on the host: refused before anything is queued.

@@ -108,7 +108,9 @@ impl Policy {
             },
             BufferReport {
                 what: "optimizer state",
-                count: masters + moments + if layout.step_scratch.is_some() { 4 } else { 0 },
+                count: masters
+                    + moments
+                    + layout.step_scratch.map_or(0, |s| 3 + usize::from(s.norm_parts > 0)),
                 bytes: m.optimizer_state,
                 why: match layout.step_scratch {
                     Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, where \
