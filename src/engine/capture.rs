@@ -128,9 +128,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Refused, with nothing changed, where a step would do what a capture cannot hold: per-step
     /// gradient shards (allocated and freed), [`crate::EngineConfig::verify_collectives`] and a
     /// trace (host reads of the device), collectives whose ranks meet on the host (the loopback
-    /// communicator); and by a backend that cannot capture (`Error::Unsupported`). During the capture the gradient norm, the non-finite count and
-    /// everything allowed only between steps (a save, a load, a read of the state) are
-    /// `Error::Capture`.
+    /// communicator); and by a backend that cannot capture (`Error::Unsupported`). During the
+    /// capture the gradient norm on the host (clip with [`Engine::clip_grad_norm_on_device`]),
+    /// the non-finite count, host gradients, and everything allowed only between steps (a save,
+    /// a load, a read of the state) are `Error::Capture`.
     pub fn begin_capture(&mut self) -> Result<()> {
         self.healthy()?;
         if self.capture.is_some() {

@@ -181,8 +181,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Clips this step's gradients by the global norm as [`Engine::clip_grad_norm`] does, bit
     /// for bit, with no host wait: each rank's part of the norms is summed, gathered across the
-    /// ranks and turned into the clipping coefficient on the device, where the optimizer step
-    /// reads it. The host never sees the norms ([`Engine::clip_grad_norm`] returns them, at a
+    /// ranks (on the gather stream) and turned into the clipping coefficient on the device,
+    /// where the optimizer step reads it. The host never sees the norms ([`Engine::clip_grad_norm`] returns them, at a
     /// host wait). A collective (every rank calls it); allowed during a capture, whose replays
     /// clip by each replay's own gradients. `max_norm` must be finite and > 0.
     pub fn clip_grad_norm_on_device(&mut self, max_norm: f32) -> Result<()> {
@@ -211,7 +211,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 return Ok(());
             }
             let summed = e.backend.record(Stream::Compute)?;
-            e.backend.wait(Stream::Reduce, &summed)?;
+            e.backend.wait(Stream::Gather, &summed)?;
             let tag = e.next_tag(Purpose::GradNorm, |tag| {
                 Fingerprint::all_gather(tag, record)
             });
@@ -220,12 +220,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 return Ok(());
             };
             // SAFETY: both buffers are the engine's, used on the compute stream otherwise: the
-            // part was summed there before the event the reduce stream waits for, and the
-            // compute stream waits for the gather below before the update reads the parts.
+            // part was summed there before the event the gather stream waits for, and the
+            // compute stream waits for the gather below before the update reads the parts. An
+            // all-gather goes on the gather stream, as the gathers' communicator's collectives
+            // all do.
             unsafe {
                 e.comm.all_gather(
                     &e.backend,
-                    Stream::Reduce,
+                    Stream::Gather,
                     tag,
                     &checks.norm_part,
                     record,
@@ -234,7 +236,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 )
             }?;
             let collective = (Fingerprint::all_gather(tag, record), (e.rank, world));
-            let done = e.record_collective(Stream::Reduce, Some(collective))?;
+            let done = e.record_collective(Stream::Gather, Some(collective))?;
             e.backend.wait(Stream::Compute, &done)
         })
     }
