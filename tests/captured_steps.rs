@@ -16,8 +16,8 @@ use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
-    Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input, ModelSpec,
-    OptimizerConfig, ParamId, ParamSpec, Plan, Result, Stream, Unit,
+    Accumulation, Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input,
+    ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan, Result, Stream, Unit,
 };
 use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines};
 use fsdp_fusion_support::scratch::Scratch;
@@ -248,6 +248,15 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
             "adamw in the backward",
             EngineConfig {
                 step_in_backward: true,
+                ..adamw.clone()
+            },
+        ),
+        (
+            "master-only storage, bf16 moments, no-sync accumulation",
+            EngineConfig {
+                param_storage: ParamStorage::MasterOnly,
+                moment_dtype: DType::Bf16,
+                accumulation: Accumulation::NoSync,
                 ..adamw
             },
         ),
