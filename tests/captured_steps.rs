@@ -12,14 +12,16 @@ use std::sync::Arc;
 
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, RawAddress, Region};
+use fsdp_fusion::comm::hybrid::Hybrid;
 use fsdp_fusion::comm::loopback::LoopbackComm;
 use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
     Accumulation, Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input,
-    ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan, Result, Stream, Unit,
+    LocalComm, ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan, Result, Stream,
+    Unit,
 };
-use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines};
+use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines, on_threads, within_deadline};
 use fsdp_fusion_support::scratch::Scratch;
 
 const STEPS: usize = 5;
@@ -357,6 +359,37 @@ fn clipping_on_the_device_refuses_what_clipping_on_the_host_refuses() {
             }
         }
     }
+}
+
+/// Under hybrid sharding (2 replicas of 2 ranks), replays that clip on the device train as eager
+/// steps that clip by the host's norm: the norm parts gathered within each replica.
+#[test]
+fn replays_under_hybrid_sharding_train_as_eager_steps_do() {
+    let plan = Arc::new(Plan::hybrid(&model(), 2, 2).unwrap());
+    let run = |mode: Mode, captured: bool, clip: Clipping| {
+        let plan = Arc::clone(&plan);
+        within_deadline("a hybrid grid", move || {
+            let comms = Hybrid::grid(2, 2, LocalComm::group).unwrap();
+            on_threads(comms, |rank, comm| {
+                let backend = mode.backend(rank);
+                let config = EngineConfig::default();
+                let e = Engine::new(Arc::clone(&plan), config, backend, comm).unwrap();
+                train(e, captured, clip)
+            })
+        })
+    };
+    for_each_mode(|mode| {
+        if mode == Mode::Eager {
+            return;
+        }
+        let eager = run(mode, false, Clipping::OnHost(0.25));
+        let replayed = run(mode, true, Clipping::OnDevice(0.25));
+        for (rank, (eager, replayed)) in eager.iter().zip(&replayed).enumerate() {
+            assert_trained_alike(eager, replayed, &format!("{mode:?}, rank {rank}"));
+        }
+        // The replicas hold the same shards.
+        assert_eq!(eager[0].shards, eager[2].shards);
+    });
 }
 
 /// An evaluation step: the forward hooks of the root only, which leaves the next unit's
