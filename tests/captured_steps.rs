@@ -6,7 +6,8 @@
 //! values and a target refilled before every step, made by the backend's own operations), as a
 //! GPU model's kernels would, so the capture holds it; the host's counts follow the replays, and
 //! an eager step after them goes on from where they left. The same steps run on the GPU (NCCL at
-//! world size 1) where one is present.
+//! world size 1) where one is present. The whole training loops run over the long suites'
+//! seeds; the replays' ordering against work left on other streams over the short suites'.
 
 use std::sync::Arc;
 
@@ -21,7 +22,9 @@ use fsdp_fusion::{
     LocalComm, ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan, Result, Stream,
     Unit,
 };
-use fsdp_fusion_support::ranks::{Mode, for_each_mode, on_engines, on_threads, within_deadline};
+use fsdp_fusion_support::ranks::{
+    Mode, for_each_mode, for_each_mode_of_a_long_suite, on_engines, on_threads, within_deadline,
+};
 use fsdp_fusion_support::scratch::Scratch;
 
 const STEPS: usize = 5;
@@ -269,7 +272,7 @@ fn configs() -> Vec<(&'static str, EngineConfig)> {
 fn replays_of_a_captured_step_train_as_eager_steps_do() {
     for world in 1..=4 {
         for (name, config) in configs() {
-            let runs = for_each_mode(|mode| match mode {
+            let runs = for_each_mode_of_a_long_suite(|mode| match mode {
                 Mode::Eager => None,
                 Mode::Async(_) => Some((
                     train_cpu(mode, world, &config, false),
@@ -299,7 +302,7 @@ fn clipping_on_the_device_equals_the_host_s_and_replays_with_it() {
         for (name, config) in configs().into_iter().take(2) {
             for max_norm in [0.25, 1e6] {
                 // The eager backend cannot capture: its device clipping stands in for replays.
-                let runs = for_each_mode(|mode| {
+                let runs = for_each_mode_of_a_long_suite(|mode| {
                     let train =
                         |captured, clip| train_cpu_clipped(mode, world, &config, (captured, clip));
                     let captured = matches!(mode, Mode::Async(_));
