@@ -19,8 +19,8 @@ use fsdp_fusion::comm::nccl::NcclComm;
 use fsdp_fusion::watch::DEFAULT_TIMEOUT;
 use fsdp_fusion::{
     Accumulation, Communicator, DType, Engine, EngineConfig, Error, GradShardMemory, Input,
-    LocalComm, ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan, Result, Stream,
-    Unit,
+    LocalComm, ModelSpec, OptimizerConfig, ParamId, ParamSpec, ParamStorage, Plan,
+    ProcessGroupSpec, Result, Stream, Unit,
 };
 use fsdp_fusion_support::ranks::{
     Mode, for_each_mode, for_each_mode_of_a_long_suite, on_engines, on_threads, within_deadline,
@@ -42,6 +42,23 @@ fn model() -> ModelSpec {
         ParamSpec::new("c", &[9], DType::Bf16).in_unit(1),
     ])
     .unwrap()
+}
+
+/// [`model`] with unit 1's f32 group an expert's: sharded over process groups of 2 ranks.
+fn model_with_an_expert() -> ModelSpec {
+    let params = model()
+        .params
+        .into_iter()
+        .map(|p| match p.name.as_str() {
+            "b" => p.in_process_group("experts"),
+            _ => p,
+        })
+        .collect();
+    let experts = ProcessGroupSpec {
+        name: "experts".into(),
+        size: 2,
+    };
+    ModelSpec::with_process_groups(params, vec![experts]).unwrap()
 }
 
 /// Each parameter's target of `step` on `rank`.
@@ -393,6 +410,28 @@ fn replays_under_hybrid_sharding_train_as_eager_steps_do() {
         // The replicas hold the same shards.
         assert_eq!(eager[0].shards, eager[2].shards);
     });
+}
+
+/// With an expert's parameters sharded over process groups of 2 of the 4 ranks, replays that
+/// clip on the device train as eager steps clipping by the host's norm.
+#[test]
+fn replays_with_expert_groups_train_as_eager_steps_do() {
+    let plan = Arc::new(Plan::new(&model_with_an_expert(), 4).unwrap());
+    let config = EngineConfig::default();
+    let runs = for_each_mode_of_a_long_suite(|mode| {
+        let train =
+            |captured, clip| on_engines(&plan, &config, mode, move |e| train(e, captured, clip));
+        let captured = matches!(mode, Mode::Async(_));
+        (
+            train(false, Clipping::OnHost(0.25)),
+            train(captured, Clipping::OnDevice(0.25)),
+        )
+    });
+    for (eager, replayed) in runs {
+        for (rank, (eager, replayed)) in eager.iter().zip(&replayed).enumerate() {
+            assert_trained_alike(eager, replayed, &format!("rank {rank}"));
+        }
+    }
 }
 
 /// An evaluation step: the forward hooks of the root only, which leaves the next unit's
