@@ -202,10 +202,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let moved = self.host_counts().since(&began);
         let graph = self.effects(|e| {
             // The other streams join back into the compute stream.
-            for other in [Stream::Gather, Stream::Reduce] {
-                let done = e.backend.record(other)?;
-                e.backend.wait(Stream::Compute, &done)?;
-            }
+            e.join_streams_on_compute()?;
             let collectives = e.capture.take().map(|c| c.collectives).unwrap_or_default();
             let graph = e.backend.end_capture()?;
             // The events kept in the capture were never recorded.
@@ -302,10 +299,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// events kept between steps (the last update of the shards, the slots' last uses): the
     /// order they gave is now everyone's.
     fn fence(&mut self) -> Result<()> {
-        for other in [Stream::Gather, Stream::Reduce] {
-            let done = self.backend.record(other)?;
-            self.backend.wait(Stream::Compute, &done)?;
-        }
+        self.join_streams_on_compute()?;
         let all = self.backend.record(Stream::Compute)?;
         for other in [Stream::Gather, Stream::Reduce] {
             self.backend.wait(other, &all)?;

@@ -182,8 +182,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Clips this step's gradients by the global norm as [`Engine::clip_grad_norm`] does, bit
     /// for bit, with no host wait: each rank's part of the norms is summed, gathered across the
     /// ranks (on the gather stream) and turned into the clipping coefficient on the device,
-    /// where the optimizer step reads it. The host never sees the norms ([`Engine::clip_grad_norm`] returns them, at a
-    /// host wait). A collective (every rank calls it); allowed during a capture, whose replays
+    /// where the optimizer step reads it. The host never sees the norms
+    /// ([`Engine::clip_grad_norm`] returns them, at a host wait). A collective (every rank calls it); allowed during a capture, whose replays
     /// clip by each replay's own gradients. `max_norm` must be finite and > 0.
     pub fn clip_grad_norm_on_device(&mut self, max_norm: f32) -> Result<()> {
         self.refuse_in_backward_updates("clipping by the global norm")?;
@@ -192,12 +192,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.check_synced("clipping by the global norm")?;
         self.effects(|e| {
             e.optimizer.clip = Some(Clip::OnDevice { max_norm });
-            let world = e.plan.world_size();
-            let Some(checks) = e.optimizer.checks.as_mut() else {
+            if e.optimizer.checks.is_none() {
                 // Nothing trains: no update reads a coefficient.
                 return Ok(());
-            };
+            }
+            let world = e.plan.world_size();
             let record = Region::new(0, NORM_PART_BYTES / 4, DType::F32);
+            let fingerprint = |tag| Fingerprint::all_gather(tag, record);
+            let tag = (world > 1).then(|| e.next_tag(Purpose::GradNorm, fingerprint));
+            let Some(checks) = e.optimizer.checks.as_mut() else {
+                return Ok(());
+            };
             let groups = &e.reducing.groups;
             let part = &mut checks.norm_part;
             queue_sum_over_grad_shards(
@@ -207,18 +212,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 (part, record),
                 ShardSum::Norms,
             )?;
-            if world == 1 {
-                return Ok(());
-            }
-            let summed = e.backend.record(Stream::Compute)?;
-            e.backend.wait(Stream::Gather, &summed)?;
-            let tag = e.next_tag(Purpose::GradNorm, |tag| {
-                Fingerprint::all_gather(tag, record)
-            });
-            let gathered = Region::new(0, record.len * world, DType::F32);
-            let Some(checks) = e.optimizer.checks.as_mut() else {
+            let Some(tag) = tag else {
+                // At world size 1 the rank's part is the whole.
                 return Ok(());
             };
+            let summed = e.backend.record(Stream::Compute)?;
+            e.backend.wait(Stream::Gather, &summed)?;
+            let gathered = Region::new(0, record.len * world, DType::F32);
             // SAFETY: both buffers are the engine's, used on the compute stream otherwise: the
             // part was summed there before the event the gather stream waits for, and the
             // compute stream waits for the gather below before the update reads the parts. An
@@ -235,7 +235,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                     gathered,
                 )
             }?;
-            let collective = (Fingerprint::all_gather(tag, record), (e.rank, world));
+            let collective = (fingerprint(tag), (e.rank, world));
             let done = e.record_collective(Stream::Gather, Some(collective))?;
             e.backend.wait(Stream::Compute, &done)
         })
