@@ -711,28 +711,18 @@ fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
     }
     // The loopback's ranks meet on the host: refused before anything is queued.
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
-    let comms = LoopbackComm::group(2).unwrap();
-    let outcomes = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                let plan = Arc::clone(&plan);
-                s.spawn(move || {
-                    let backend = CudaBackend::new(0).unwrap();
-                    let e = Engine::new(plan, EngineConfig::default(), backend, comm).unwrap();
-                    with_batch(e, |e, batch| -> Result<()> {
-                        batch.fill(e, 0)?;
-                        step(e, batch)?;
-                        assert_refused(e.begin_capture(), "meet on the host");
-                        step(e, batch)
-                    })
-                })
+    let outcomes = within_deadline("two loopback ranks", move || {
+        let comms = LoopbackComm::group(2).unwrap();
+        on_threads(comms, |_, comm| {
+            let backend = CudaBackend::new(0).unwrap();
+            let e = Engine::new(Arc::clone(&plan), EngineConfig::default(), backend, comm).unwrap();
+            with_batch(e, |e, batch| -> Result<()> {
+                batch.fill(e, 0)?;
+                step(e, batch)?;
+                assert_refused(e.begin_capture(), "meet on the host");
+                step(e, batch)
             })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        })
     });
     for outcome in outcomes {
         outcome.unwrap();
