@@ -215,30 +215,12 @@ fn bad_comm(comm: &str) -> fsdp_fusion::Error {
     }
 }
 
-fn parse_shapes(text: &str) -> Option<Vec<StackShape>> {
-    text.split(',')
-        .map(|s| {
-            let v: Vec<usize> = s
-                .split('x')
-                .map(|d| d.parse().ok())
-                .collect::<Option<_>>()?;
-            match v[..] {
-                [layers, width, batch] => Some(StackShape {
-                    layers,
-                    width,
-                    batch,
-                }),
-                _ => None,
-            }
-        })
-        .collect()
-}
-
 fn run(args: &Args) -> Result<()> {
-    let shapes = parse_shapes(&args.shapes).ok_or_else(|| fsdp_fusion::Error::InvalidConfig {
-        field: "shapes",
-        reason: format!("{:?} is not LAYERSxWIDTHxBATCH,...", args.shapes),
-    })?;
+    let shapes =
+        StackShape::parse_list(&args.shapes).ok_or_else(|| fsdp_fusion::Error::InvalidConfig {
+            field: "shapes",
+            reason: format!("{:?} is not LAYERSxWIDTHxBATCH,...", args.shapes),
+        })?;
     let largest = shapes
         .iter()
         .copied()

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use fsdp_fusion::backend::cpu::CpuBackend;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, RawAddress, Region};
 use fsdp_fusion::comm::hybrid::Hybrid;
@@ -75,6 +76,24 @@ struct Batch<B: Backend> {
     gradients: Vec<B::Buffer>,
     /// How each step clips its gradients by their global norm.
     clip: Clipping,
+    /// Where set, each gradient is copied into its slot by this (the model's own kernel, on
+    /// the compute stream) and committed, instead of handed over.
+    into_slots: Option<StreamCopy<B>>,
+}
+
+/// Queues a copy of `bytes` bytes from stream address `from` to `to` on `backend`'s compute
+/// stream.
+type StreamCopy<B> = fn(&B, u64, u64, usize) -> Result<()>;
+
+/// [`StreamCopy`] on the CPU backend: a job of the compute stream.
+fn cpu_stream_copy(backend: &CpuBackend, from: u64, to: u64, bytes: usize) -> Result<()> {
+    backend.run(Stream::Compute, move || {
+        // SAFETY: both hold `bytes` bytes of buffers that outlive the stream's work (the batch's
+        // gradient and the engine's slot, valid until `commit_grad` queues its read after this
+        // job); nothing else touches them while the job runs.
+        unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, bytes) };
+        Ok(())
+    })
 }
 
 /// How a step clips its gradients by their global norm, if it does.
@@ -95,6 +114,7 @@ impl<B: Backend> Batch<B> {
             targets: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
             gradients: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
             clip: Clipping::No,
+            into_slots: None,
         })
     }
 
@@ -160,6 +180,12 @@ fn step<B: RawAddress, C: Communicator<B>>(
                 )?;
             }
             let address = e.backend().stream_address(&batch.gradients[i], f32s)?;
+            if let Some(copy) = batch.into_slots {
+                let slot = e.grad_slot_device(id)?;
+                copy(e.backend(), address, slot.ptr, p.numel * 4)?;
+                e.commit_grad(id)?;
+                continue;
+            }
             // SAFETY: the gradient buffer holds `numel` f32, written above on the compute
             // stream, where the engine reads it; the next write is the next step's.
             e.grad(id, unsafe { Input::device(address, p.numel, DType::F32) })?;
@@ -189,8 +215,17 @@ fn train<B: RawAddress, C: Communicator<B>>(
     captured: bool,
     clip: Clipping,
 ) -> Trained {
+    train_batch(e, captured, |batch| batch.clip = clip)
+}
+
+/// [`train`] with the batch set up by `setup`.
+fn train_batch<B: RawAddress, C: Communicator<B>>(
+    e: Engine<B, C>,
+    captured: bool,
+    setup: impl FnOnce(&mut Batch<B>),
+) -> Trained {
     with_batch(e, |e, batch| {
-        batch.clip = clip;
+        setup(batch);
         let mut shards = Vec::new();
         let mut capture = None;
         for s in 0..STEPS {
@@ -306,6 +341,35 @@ fn replays_of_a_captured_step_train_as_eager_steps_do() {
                 let shards = &eager[0].shards;
                 assert!(shards.windows(2).all(|w| w[0] != w[1]), "{name}");
             }
+        }
+    }
+}
+
+/// Gradients that the model's own work writes into the engine's slots on the compute stream
+/// (`grad_slot_device`, then `commit_grad`) replay as they train eagerly, at world sizes 1 to 4.
+#[test]
+fn replays_of_gradients_written_into_their_slots_train_as_eager_steps_do() {
+    for world in 1..=4 {
+        let plan = Arc::new(Plan::new(&model(), world).unwrap());
+        let config = EngineConfig::default();
+        let runs = for_each_mode_of_a_long_suite(|mode| {
+            let train = |captured| {
+                on_engines(&plan, &config, mode, move |e| {
+                    train_batch(e, captured, |b| b.into_slots = Some(cpu_stream_copy))
+                })
+            };
+            match mode {
+                Mode::Eager => None,
+                Mode::Async(_) => Some((train(false), train(true))),
+            }
+        });
+        // The slots' gradients train as handed-over ones do.
+        let handed_over = train_cpu(Mode::Eager, world, &config, false);
+        for (eager, replayed) in runs.into_iter().flatten() {
+            for (rank, (eager, replayed)) in eager.iter().zip(&replayed).enumerate() {
+                assert_trained_alike(eager, replayed, &format!("world {world}, rank {rank}"));
+            }
+            assert_eq!(eager, handed_over, "world {world}");
         }
     }
 }
@@ -700,6 +764,9 @@ fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
         let eager = train(nccl_engine(&plan, &config), false, Clipping::No);
         let replayed = train(nccl_engine(&plan, &config), true, Clipping::No);
         assert_trained_alike(&eager, &replayed, name);
+        if config.step_in_backward {
+            continue; // which refuses clipping by the global norm
+        }
         // Clipped on the device, eagerly and in the replays, as by the host's norm.
         let host = train(nccl_engine(&plan, &config), false, Clipping::OnHost(0.25));
         let device = train(nccl_engine(&plan, &config), false, Clipping::OnDevice(0.25));

@@ -149,4 +149,21 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
             e.backend.address_mut(buffer, region)
         })
     }
+
+    /// `param`'s fp32 place in its gradient slot, for work the caller queues on the compute
+    /// stream (a GPU's kernels, [`CpuBackend::run`]'s jobs) to overwrite whole with this
+    /// pass's gradient before [`Engine::commit_grad`]: no wait, so a captured step may use it
+    /// (the slot is the same in every replay, as the step's schedule is). Refused as
+    /// [`Engine::grad_slot_address`] is, and holding what an earlier gradient left as it does.
+    pub fn grad_slot_device(&mut self, param: ParamId) -> Result<DeviceTensor> {
+        let (place, region) = self.open_grad_slot(param)?;
+        self.effects(|e| {
+            let buffer = place_buffer(&mut e.reducing.slots, &mut e.reducing.groups, place)?;
+            Ok(DeviceTensor {
+                ptr: e.backend.stream_address(buffer, region)?,
+                numel: region.len,
+                dtype: DType::F32,
+            })
+        })
+    }
 }

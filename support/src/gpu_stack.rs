@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::{self as blas, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr, DriverError};
 
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::types::Stream;
@@ -29,6 +30,26 @@ pub struct StackShape {
 }
 
 impl StackShape {
+    /// Shapes written `LAYERSxWIDTHxBATCH,...`; `None` for any other text.
+    pub fn parse_list(text: &str) -> Option<Vec<StackShape>> {
+        text.split(',')
+            .map(|s| {
+                let v: Vec<usize> = s
+                    .split('x')
+                    .map(|d| d.parse().ok())
+                    .collect::<Option<_>>()?;
+                match v[..] {
+                    [layers, width, batch] => Some(StackShape {
+                        layers,
+                        width,
+                        batch,
+                    }),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
     /// One bf16 `width x width` weight per layer, layer `i` in unit `i`.
     pub fn spec(&self) -> Result<ModelSpec> {
         let w = self.width as u64;
@@ -420,7 +441,9 @@ impl<C: Communicator<CudaBackend>> Weights for EngineWeights<'_, C> {
             return Ok(ptr);
         }
         let engine = &mut *self.engine;
-        self.hooks.time(|| engine.grad_slot_address(ParamId(layer)))
+        self.hooks
+            .time(|| engine.grad_slot_device(ParamId(layer)))
+            .map(|slot| slot.ptr)
     }
 
     fn close(&mut self, layer: usize, backward: bool) -> Result<()> {
@@ -498,6 +521,16 @@ fn pass(gemm: &Gemm, d: &Activations, shape: StackShape, weights: &mut impl Weig
     Ok(())
 }
 
+/// An [`UnshardedStack`]'s step as one CUDA graph.
+pub struct UnshardedGraph(CudaGraph);
+
+impl UnshardedGraph {
+    /// Queues the captured step on the stack's compute stream.
+    pub fn replay(&self) -> Result<()> {
+        self.0.launch().map_err(driver("cuGraphLaunch"))
+    }
+}
+
 /// The same GEMMs with plain device weights and fp32 gradients: no sharding, no engine.
 pub struct UnshardedStack {
     shape: StackShape,
@@ -537,6 +570,23 @@ impl UnshardedStack {
             grads: &self.grads,
         };
         pass(&self.gemm, &self.data, self.shape, &mut weights)
+    }
+
+    /// One step captured on the compute stream as a CUDA graph, for [`UnshardedGraph::replay`]:
+    /// nothing runs until a replay. Run a step first, so that cuBLAS has made its workspace.
+    pub fn capture(&mut self) -> Result<UnshardedGraph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("cuStreamBeginCapture"))?;
+        let step = self.step();
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(driver("cuStreamEndCapture"))?;
+        step?;
+        graph.map(UnshardedGraph).ok_or_else(|| Error::Capture {
+            what: "a capture that holds no work".into(),
+        })
     }
 
     /// Layer `layer`'s fp32 weight gradient of the last step. Blocks until it is copied.
