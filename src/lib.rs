@@ -97,7 +97,7 @@ pub use comm::Communicator;
 pub use comm::local::LocalComm;
 pub use config::{Accumulation, EngineConfig, GradReduction, GradShardMemory, ParamStorage};
 pub use dtype::Element;
-pub use engine::{CapturedStep, Counters, Engine};
+pub use engine::{CapturedStep, Counters, Engine, StepReplay};
 pub use error::{Error, Result};
 pub use optim::OptimizerConfig;
 pub use plan::{BufferReport, Group, MemoryPerRank, ParamLayout, Plan, Policy};

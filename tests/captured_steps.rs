@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use fsdp_fusion::backend::cpu::CpuBackend;
 use fsdp_fusion::backend::cuda::CudaBackend;
 use fsdp_fusion::backend::{Backend, RawAddress, Region};
@@ -79,6 +80,41 @@ struct Batch<B: Backend> {
     /// Where set, each gradient is copied into its slot by this (the model's own kernel, on
     /// the compute stream) and committed, instead of handed over.
     into_slots: Option<StreamCopy<B>>,
+    /// Where set, the replays are of a capture the caller makes ([`Engine::join_capture`]).
+    by_caller: Option<CallerCapture<B>>,
+}
+
+/// A capture of the compute stream made by the caller, outside the engine's backend
+/// ([`Engine::join_capture`]): `begin` begins it, `end` ends it and gives its replay, which
+/// launches the graph on the compute stream.
+struct CallerCapture<B> {
+    begin: fn(&B) -> Result<()>,
+    end: fn(&B) -> Result<Replay<B>>,
+}
+
+impl<B> Clone for CallerCapture<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for CallerCapture<B> {}
+
+/// Launches a caller's graph on the compute stream of the backend that captured it.
+type Replay<B> = Box<dyn Fn(&B) -> Result<()>>;
+
+/// On the CPU the caller's capture is the backend's own (`Backend::begin_capture`), which the
+/// engine joins.
+fn cpu_caller_capture() -> CallerCapture<CpuBackend> {
+    CallerCapture {
+        begin: |b| b.begin_capture(Stream::Compute),
+        end: |b| {
+            let graph = b.end_capture()?;
+            // SAFETY: the backend captured the graph; its buffers are the engine's and the
+            // batch's, alive while it is replayed; `before_replay` and `replayed` order it.
+            Ok(Box::new(move |b: &CpuBackend| unsafe { b.replay(&graph) }))
+        },
+    }
 }
 
 /// Queues a copy of `bytes` bytes from stream address `from` to `to` on `backend`'s compute
@@ -115,6 +151,7 @@ impl<B: Backend> Batch<B> {
             gradients: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
             clip: Clipping::No,
             into_slots: None,
+            by_caller: None,
         })
     }
 
@@ -228,11 +265,24 @@ fn train_batch<B: RawAddress, C: Communicator<B>>(
         setup(batch);
         let mut shards = Vec::new();
         let mut capture = None;
+        let mut callers = None;
         for s in 0..STEPS {
             batch.fill(e, s).unwrap();
             e.set_lr(lr(s)).unwrap();
             let replayed = captured && (1..STEPS - 1).contains(&s);
-            if replayed {
+            if let (true, Some(caller)) = (replayed, batch.by_caller) {
+                if callers.is_none() {
+                    e.join_capture().unwrap();
+                    (caller.begin)(e.backend()).unwrap();
+                    step(e, batch).unwrap();
+                    let step = e.leave_capture().unwrap();
+                    callers = Some(((caller.end)(e.backend()).unwrap(), step));
+                }
+                let (replay, step) = callers.as_ref().unwrap();
+                e.before_replay(step).unwrap();
+                replay(e.backend()).unwrap();
+                e.replayed(step).unwrap();
+            } else if replayed {
                 if capture.is_none() {
                     e.begin_capture().unwrap();
                     step(e, batch).unwrap();
@@ -257,6 +307,14 @@ fn train_batch<B: RawAddress, C: Communicator<B>>(
 /// [`train`] on CPU ranks.
 fn train_cpu(mode: Mode, world: usize, config: &EngineConfig, captured: bool) -> Vec<Trained> {
     train_cpu_clipped(mode, world, config, (captured, Clipping::No))
+}
+
+/// [`train`] on CPU ranks, the replays of a capture the caller makes.
+fn train_cpu_by_caller(mode: Mode, world: usize, config: &EngineConfig) -> Vec<Trained> {
+    let plan = Arc::new(Plan::new(&model(), world).unwrap());
+    on_engines(&plan, config, mode, move |e| {
+        train_batch(e, true, |b| b.by_caller = Some(cpu_caller_capture()))
+    })
 }
 
 /// [`train`] on CPU ranks, clipping as `clip` says.
@@ -329,12 +387,15 @@ fn replays_of_a_captured_step_train_as_eager_steps_do() {
                 Mode::Async(_) => Some((
                     train_cpu(mode, world, &config, false),
                     train_cpu(mode, world, &config, true),
+                    train_cpu_by_caller(mode, world, &config),
                 )),
             });
-            for (eager, replayed) in runs.into_iter().flatten() {
+            for (eager, replayed, by_caller) in runs.into_iter().flatten() {
                 for (rank, (eager, replayed)) in eager.iter().zip(&replayed).enumerate() {
                     let what = format!("world {world}, {name}, rank {rank}");
                     assert_trained_alike(eager, replayed, &what);
+                    let what = format!("{what}, the caller's capture");
+                    assert_trained_alike(eager, &by_caller[rank], &what);
                 }
                 // Each step moved the parameters (rank 0 holds part of every group; at world
                 // sizes above 1 another rank's shards of these small groups may be padding).
@@ -683,6 +744,26 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             e.replay(&captured)?;
             e.replay(&captured)?;
             assert_eq!(e.counters().steps, before.steps + 1);
+            // The caller's capture: a step's first work joins it, and is refused, with nothing
+            // changed, where the caller began none; the replay's calls come in pairs.
+            e.join_capture()?;
+            assert_refused(e.join_capture(), "inside another");
+            assert_refused(e.pre_forward(Unit::Root), "join");
+            assert_refused(e.leave_capture(), "no step joined");
+            e.join_capture()?;
+            e.backend().begin_capture(Stream::Compute)?;
+            assert_refused(e.end_capture(), "leave_capture");
+            step(e, batch)?;
+            let replay = e.leave_capture()?;
+            let graph = e.backend().end_capture()?;
+            assert_refused(e.replayed(&replay), "without before_replay");
+            e.before_replay(&replay)?;
+            assert_refused(e.before_replay(&replay), "twice");
+            assert_refused(e.pre_forward(Unit::Root), "between before_replay and replayed");
+            // SAFETY: as in `cpu_caller_capture`.
+            unsafe { e.backend().replay(&graph) }?;
+            e.replayed(&replay)?;
+            assert_eq!(e.counters().steps, before.steps + 2);
             Ok(())
         })
     });
@@ -748,6 +829,36 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
 }
 
 /// An engine of `plan` on GPU 0 with an NCCL communicator of one rank.
+/// The caller's own capture of the compute stream, in thread-local mode (as
+/// `torch.cuda.graph(..., capture_error_mode="thread_local")` makes it), outside the backend.
+fn cuda_caller_capture() -> CallerCapture<CudaBackend> {
+    fn driver(e: cudarc::driver::DriverError) -> Error {
+        Error::Cuda {
+            call: "a stream capture",
+            code: e.0 as i32,
+            message: e.to_string(),
+        }
+    }
+    CallerCapture {
+        begin: |b| {
+            // SAFETY: the capture only records the work queued on the stream.
+            let stream = unsafe { b.stream(Stream::Compute) };
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver)
+        },
+        end: |b| {
+            // SAFETY: as above.
+            let stream = unsafe { b.stream(Stream::Compute) };
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver)?;
+            let graph = graph.ok_or_else(|| Error::Capture {
+                what: "an empty capture".into(),
+            })?;
+            Ok(Box::new(move |_: &CudaBackend| graph.launch().map_err(driver)))
+        },
+    }
+}
+
 fn nccl_engine(plan: &Arc<Plan>, config: &EngineConfig) -> Engine<CudaBackend, NcclComm> {
     let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
     let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));
@@ -764,6 +875,10 @@ fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
         let eager = train(nccl_engine(&plan, &config), false, Clipping::No);
         let replayed = train(nccl_engine(&plan, &config), true, Clipping::No);
         assert_trained_alike(&eager, &replayed, name);
+        let by_caller = train_batch(nccl_engine(&plan, &config), true, |b| {
+            b.by_caller = Some(cuda_caller_capture())
+        });
+        assert_trained_alike(&eager, &by_caller, &format!("{name}, the caller's capture"));
         if config.step_in_backward {
             continue; // which refuses clipping by the global norm
         }

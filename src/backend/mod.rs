@@ -204,6 +204,19 @@ pub trait Backend: Send {
     /// stream's last work). The capture ends either way.
     fn end_capture(&self) -> Result<Self::Graph>;
 
+    /// Joins a capture of `stream` that the caller began outside this backend (its own stream
+    /// capture, or a framework's, such as `torch.cuda.graph` on that stream): until
+    /// [`Backend::leave_capture`], what would fail it is refused as during
+    /// [`Backend::begin_capture`]'s, and another stream joins it by waiting for an event
+    /// recorded in it. `Error::Capture` where no capture of `stream` is under way, or this
+    /// backend is already in one.
+    fn join_capture(&self, stream: Stream) -> Result<()>;
+
+    /// Leaves the capture joined by [`Backend::join_capture`], which the caller then ends; every
+    /// stream that joined it must be joined back first. `Error::Capture` where none was joined,
+    /// or where the capture is no longer under way (it failed).
+    fn leave_capture(&self) -> Result<()>;
+
     /// Queues `graph`'s work as one operation of the stream its capture began on: that stream's
     /// later work follows all of it, another stream's later work none of it (order it with an
     /// event of that stream).

@@ -29,6 +29,21 @@ pub(super) fn next_engine_id() -> u64 {
 /// A step captured by [`Engine::end_capture`], for [`Engine::replay`] on the same engine.
 pub struct CapturedStep<G> {
     graph: G,
+    replay: StepReplay,
+}
+
+impl<G> std::fmt::Debug for CapturedStep<G> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedStep")
+            .field("replay", &self.replay)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What each replay of a captured step does to the engine that captured it: the host's counts
+/// it moves and the collectives it holds to the deadline. [`Engine::leave_capture`] gives it
+/// for a step the caller captured, for [`Engine::before_replay`] and [`Engine::replayed`].
+pub struct StepReplay {
     engine: u64,
     /// What the step did to the host's counts: each replay adds it.
     moved: HostCounts,
@@ -37,9 +52,9 @@ pub struct CapturedStep<G> {
     collectives: Vec<(Fingerprint, (usize, usize))>,
 }
 
-impl<G> std::fmt::Debug for CapturedStep<G> {
+impl std::fmt::Debug for StepReplay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CapturedStep")
+        f.debug_struct("StepReplay")
             .field("engine", &self.engine)
             .field("moved", &self.moved)
             .finish_non_exhaustive()
@@ -94,11 +109,23 @@ impl HostCounts {
     }
 }
 
-/// A capture under way: the host's counts when it began, which its end restores (nothing ran),
-/// and the collectives it holds.
+/// A capture under way: who began it, the host's counts when it began, which its end restores
+/// (nothing ran), and the collectives it holds.
 pub(super) struct Capturing {
+    pub(super) by: CaptureBy,
     began: HostCounts,
     collectives: Vec<(Fingerprint, (usize, usize))>,
+}
+
+/// Who captures the compute stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum CaptureBy {
+    /// The engine's backend ([`Engine::begin_capture`]).
+    Engine,
+    /// The caller, whose capture the step's first work joins ([`Engine::join_capture`]).
+    CallerNotJoined,
+    /// The caller, joined.
+    Caller,
 }
 
 impl Capturing {
@@ -133,6 +160,54 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// the non-finite count, host gradients, and everything allowed only between steps (a save,
     /// a load, a read of the state) are `Error::Capture`.
     pub fn begin_capture(&mut self) -> Result<()> {
+        let began = self.check_step_capturable()?;
+        // A backend that cannot capture refuses here, with nothing but the fence's order
+        // changed.
+        self.backend.begin_capture(Stream::Compute)?;
+        self.capture = Some(Capturing {
+            by: CaptureBy::Engine,
+            began,
+            collectives: Vec::new(),
+        });
+        self.effects(Engine::fork_into_capture)
+    }
+
+    /// As [`Engine::begin_capture`], for a capture the caller makes itself on the engine's
+    /// compute stream (its own stream capture, or a framework's, such as `torch.cuda.graph`
+    /// given that stream): called between steps, before the caller begins its capture. The
+    /// step's first call that queues work joins the capture (`Error::Capture`, with nothing
+    /// changed, where no capture of the compute stream is under way then); after the step's
+    /// `end_step`, [`Engine::leave_capture`] comes before the caller ends its capture. Refused
+    /// as [`Engine::begin_capture`] is.
+    pub fn join_capture(&mut self) -> Result<()> {
+        let began = self.check_step_capturable()?;
+        self.capture = Some(Capturing {
+            by: CaptureBy::CallerNotJoined,
+            began,
+            collectives: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Joins the caller's capture that [`Engine::join_capture`] awaits, if it does, before a
+    /// call's first work: a refusal changes nothing.
+    pub(super) fn join_callers_capture(&mut self) -> Result<()> {
+        match &self.capture {
+            Some(c) if c.by == CaptureBy::CallerNotJoined => {}
+            _ => return Ok(()),
+        }
+        self.backend.join_capture(Stream::Compute)?;
+        if let Some(c) = self.capture.as_mut() {
+            c.by = CaptureBy::Caller;
+        }
+        let forked = self.fork_into_capture();
+        self.observe(forked)
+    }
+
+    /// What every capture refuses (see [`Engine::begin_capture`]), then the fence that orders
+    /// everything queued so far before the capture's first work on any stream, so that no
+    /// captured wait needs an event from before it: the host's counts now.
+    fn check_step_capturable(&mut self) -> Result<HostCounts> {
         self.healthy()?;
         if self.capture.is_some() {
             return Err(refused("a capture inside another"));
@@ -167,21 +242,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             ));
         }
         let began = self.host_counts();
-        // Everything queued so far comes before the capture's first work on any stream, so
-        // that no captured wait needs an event from before it.
         self.effects(Engine::fence)?;
-        // A backend that cannot capture refuses here, with nothing but that order changed.
-        self.backend.begin_capture(Stream::Compute)?;
-        self.capture = Some(Capturing {
-            began,
-            collectives: Vec::new(),
-        });
-        self.effects(|e| {
-            // The other streams join the capture.
-            let fork = e.backend.record(Stream::Compute)?;
-            e.backend.wait(Stream::Gather, &fork)?;
-            e.backend.wait(Stream::Reduce, &fork)
-        })
+        Ok(began)
+    }
+
+    /// The other streams join the capture of the compute stream.
+    fn fork_into_capture(&mut self) -> Result<()> {
+        let fork = self.backend.record(Stream::Compute)?;
+        self.backend.wait(Stream::Gather, &fork)?;
+        self.backend.wait(Stream::Reduce, &fork)
     }
 
     /// Ends the capture after the captured step's [`Engine::end_step`]: the step, for
@@ -189,10 +258,47 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// began (its step count, counters, shards). `Error::MidStep` before the step's end, with
     /// the capture still under way.
     pub fn end_capture(&mut self) -> Result<CapturedStep<B::Graph>> {
+        self.end_any_capture(CaptureBy::Engine, |backend| backend.end_capture())
+            .map(|(graph, replay)| CapturedStep { graph, replay })
+    }
+
+    /// Ends the engine's part of the caller's capture ([`Engine::join_capture`]) after the
+    /// captured step's [`Engine::end_step`], before the caller ends its capture: the other
+    /// streams join back into the compute stream, and the engine is where it was when the
+    /// capture began. What each replay does, for [`Engine::before_replay`] and
+    /// [`Engine::replayed`]. `Error::MidStep` before the step's end, with the capture still
+    /// under way. `Error::Capture` where no step joined the caller's capture, which the engine
+    /// then awaits no longer, with nothing else changed; and where that capture failed, which
+    /// poisons the engine (its streams' work since the capture began is not known).
+    pub fn leave_capture(&mut self) -> Result<StepReplay> {
+        if let Some(c) = &self.capture
+            && c.by == CaptureBy::CallerNotJoined
+        {
+            self.capture = None;
+            return Err(refused(
+                "a leave of a capture that no step joined (the engine awaits it no longer)",
+            ));
+        }
+        self.end_any_capture(CaptureBy::Caller, |backend| backend.leave_capture())
+            .map(|((), replay)| replay)
+    }
+
+    /// Ends the capture that `by` began, by `end` on the backend, once the captured step ended.
+    fn end_any_capture<T>(
+        &mut self,
+        by: CaptureBy,
+        end: impl FnOnce(&B) -> Result<T>,
+    ) -> Result<(T, StepReplay)> {
         self.healthy()?;
         let Some(capturing) = self.capture.as_ref() else {
             return Err(refused("an end with no capture under way"));
         };
+        if capturing.by != by {
+            return Err(refused(match by {
+                CaptureBy::Engine => "end_capture of the caller's capture (leave_capture)",
+                _ => "leave_capture of the engine's own capture (end_capture)",
+            }));
+        }
         let began = capturing.began;
         if !self.at_step_boundary() {
             return Err(Error::MidStep {
@@ -200,23 +306,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             });
         }
         let moved = self.host_counts().since(&began);
-        let graph = self.effects(|e| {
+        let ended = self.effects(|e| {
             // The other streams join back into the compute stream.
             e.join_streams_on_compute()?;
             let collectives = e.capture.take().map(|c| c.collectives).unwrap_or_default();
-            let graph = e.backend.end_capture()?;
+            let ended = end(&e.backend)?;
             // The events kept in the capture were never recorded.
             e.fence()?;
-            Ok((graph, collectives))
-        })?;
-        let (graph, collectives) = graph;
+            Ok((ended, collectives))
+        });
+        // Nothing of the step ran, whether its capture holds it or failed.
         self.set_host_counts(began);
-        Ok(CapturedStep {
-            graph,
-            engine: self.id,
-            moved,
-            collectives,
-        })
+        let (ended, collectives) = ended?;
+        Ok((
+            ended,
+            StepReplay {
+                engine: self.id,
+                moved,
+                collectives,
+            },
+        ))
     }
 
     /// Replays `step`, captured by this engine, between steps: writes the step's values (the
@@ -225,6 +334,28 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// The host does not wait: a read of the results (a download, a save) waits as after an
     /// eager step.
     pub fn replay(&mut self, step: &CapturedStep<B::Graph>) -> Result<()> {
+        self.before_replay(&step.replay)?;
+        // SAFETY: this engine captured the graph (`before_replay` checked the step is its);
+        // every buffer its work uses is the engine's, alive as long as the engine (none is made
+        // or freed in a capture), or a caller's device input, valid while a captured step
+        // holding it may be replayed (`Input::device`); `before_replay`'s fence ordered every
+        // stream's earlier work before it, and `replayed`'s orders every later work after it.
+        let launched = unsafe { self.backend.replay(&step.graph) };
+        match self.observe(launched) {
+            Ok(()) => self.replayed(&step.replay),
+            Err(e) => {
+                self.replay_pending = false;
+                Err(e)
+            }
+        }
+    }
+
+    /// Before the caller's replay of a step it captured ([`Engine::leave_capture`]), between
+    /// steps: orders every stream's work so far before the replay and writes the step's values
+    /// (the engine's step count and learning rate now) on the compute stream. The caller then
+    /// launches its graph on the compute stream, and calls [`Engine::replayed`] with no other
+    /// call of the engine between.
+    pub fn before_replay(&mut self, step: &StepReplay) -> Result<()> {
         self.healthy()?;
         if step.engine != self.id {
             return Err(refused("a replay of a step another engine captured"));
@@ -232,22 +363,44 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.capture.is_some() {
             return Err(refused("a replay during a capture"));
         }
+        if self.replay_pending {
+            return Err(refused(
+                "before_replay twice (replayed comes after the caller's replay)",
+            ));
+        }
         self.check_step_boundary("a replay")?;
-        let counts = self.host_counts();
+        let optimizer_steps = self.optimizer.steps;
         self.effects(|e| {
             // The captured work's streams are ordered after the compute stream only: everything
             // queued before on the others comes first.
             e.fence()?;
             if step.moved.optimizer_steps > 0 {
-                e.optimizer.steps = counts.optimizer_steps.saturating_add(1);
-                e.write_step_values(1.0)?;
+                e.optimizer.steps = optimizer_steps.saturating_add(1);
+                let written = e.write_step_values(1.0);
+                e.optimizer.steps = optimizer_steps;
+                written?;
             }
-            // SAFETY: this engine captured the graph (checked above); every buffer its work uses
-            // is the engine's, alive as long as the engine (none is made or freed in a
-            // capture), or a caller's device input, valid while a captured step holding it may
-            // be replayed (`Input::device`); the fence ordered every stream's earlier work
-            // before it, and the one after orders every later work after it.
-            unsafe { e.backend.replay(&step.graph) }?;
+            Ok(())
+        })?;
+        self.replay_pending = true;
+        Ok(())
+    }
+
+    /// After the caller launched its replay of `step` on the compute stream
+    /// ([`Engine::before_replay`]): holds the step's collectives to the deadline, orders every
+    /// stream's later work after the replay, and moves the engine's step count and counters on
+    /// as the captured step did. The host does not wait.
+    pub fn replayed(&mut self, step: &StepReplay) -> Result<()> {
+        self.healthy()?;
+        if step.engine != self.id {
+            return Err(refused("a replay of a step another engine captured"));
+        }
+        if !self.replay_pending {
+            return Err(refused("replayed without before_replay"));
+        }
+        self.replay_pending = false;
+        let counts = self.host_counts();
+        self.effects(|e| {
             let done = Arc::new(e.backend.record(Stream::Compute)?);
             for &(collective, peers) in &step.collectives {
                 e.deadlines.track(collective, peers, Arc::clone(&done));
@@ -266,6 +419,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::Capture` once the captured step ended: a capture holds one step, whose replays
     /// write one step's values.
     pub(super) fn check_captured_step_open(&self) -> Result<()> {
+        if self.replay_pending {
+            return Err(refused(
+                "a step between before_replay and replayed (the caller's replay goes there)",
+            ));
+        }
         match &self.capture {
             Some(c) if self.counters.steps != c.began.counters.steps => Err(refused(
                 "a second step in one capture (end_capture after the step's end_step: a capture \

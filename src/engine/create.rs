@@ -263,6 +263,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             },
             id: capture::next_engine_id(),
             capture: None,
+            replay_pending: false,
             poisoned: OnceLock::new(),
             watch,
             deadlines,

@@ -47,7 +47,7 @@ use reduce::Reducing;
 use spans::Trace;
 use step::OptimizerState;
 
-pub use capture::CapturedStep;
+pub use capture::{CapturedStep, StepReplay};
 pub use views::DeviceTensor;
 
 /// What the engine did, counted since it was created.
@@ -123,6 +123,8 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     id: u64,
     /// The capture under way ([`Engine::begin_capture`]).
     capture: Option<capture::Capturing>,
+    /// Between [`Engine::before_replay`] and [`Engine::replayed`]: the caller's replay is due.
+    replay_pending: bool,
 }
 
 /// The units whose forward, and whose backward, is open.
@@ -234,9 +236,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(crate) fn poison(&self, cause: Error) {
         // Only the first failure is kept.
         if self.poisoned.set(cause).is_ok() {
-            if self.capture.is_some() {
-                // The capture's graph is of no use any more; its end lets the streams go on.
-                let _ = self.backend.end_capture();
+            // The capture's graph is of no use any more; its end lets the streams go on. The
+            // caller's capture is the caller's to end.
+            match self.capture.as_ref().map(|c| c.by) {
+                Some(capture::CaptureBy::Engine) => drop(self.backend.end_capture()),
+                Some(capture::CaptureBy::Caller) => drop(self.backend.leave_capture()),
+                Some(capture::CaptureBy::CallerNotJoined) | None => {}
             }
             self.comm.abort();
             for c in &self.process_groups {
@@ -277,7 +282,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// Runs the part of a call that changes the engine: an error there leaves it half-done, so
     /// it poisons the engine.
+    /// A call's first work inside a capture the caller began joins it first
+    /// ([`Engine::join_capture`]).
     fn effects<T>(&mut self, work: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.join_callers_capture()?;
         let result = work(self);
         self.observe(result)
     }

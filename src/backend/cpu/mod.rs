@@ -295,6 +295,26 @@ impl Backend for CpuBackend {
         self.asynchronous_streams("a capture")?.end_capture()
     }
 
+    /// A capture of `stream` begun by [`Backend::begin_capture`] (the caller's, on this
+    /// backend): this backend's refusals already hold for it.
+    fn join_capture(&self, stream: Stream) -> Result<()> {
+        match self.asynchronous_streams("a capture")?.capture_origin() {
+            Some(origin) if origin == stream => Ok(()),
+            origin => Err(Error::Capture {
+                what: format!("a join of a capture of the {stream:?} stream, with {origin:?} under way"),
+            }),
+        }
+    }
+
+    fn leave_capture(&self) -> Result<()> {
+        match self.asynchronous_streams("a capture")?.capture_origin() {
+            Some(_) => Ok(()),
+            None => Err(Error::Capture {
+                what: "a capture left after it ended".into(),
+            }),
+        }
+    }
+
     unsafe fn replay(&self, graph: &CpuGraph) -> Result<()> {
         self.asynchronous_streams("a replay")?.replay(graph)
     }

@@ -442,6 +442,11 @@ impl Streams {
         capture.end(seed)
     }
 
+    /// The stream the capture under way began on, if one is.
+    pub(crate) fn capture_origin(&self) -> Option<Stream> {
+        lock(&self.capture).as_ref().map(|c| c.origin)
+    }
+
     /// Queues a replay of `graph` on the stream its capture began on.
     pub(crate) fn replay(&self, graph: &CpuGraph) -> Result<()> {
         let graph = Arc::clone(&graph.0);

@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys::{
     CUcontext, CUevent_flags, CUgraphInstantiate_flags, CUresult, CUstream, CUstreamCaptureMode,
+    CUstreamCaptureStatus,
 };
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, result};
 use events::EventPool;
@@ -74,7 +75,14 @@ pub struct CudaBackend {
     /// The events [`Backend::record`] marks the streams with.
     events: Arc<EventPool>,
     /// The stream a capture under way began on.
-    capture: Mutex<Option<Stream>>,
+    capture: Mutex<Option<CaptureUnderWay>>,
+}
+
+/// The capture a backend is in: begun on `stream` by it, or by the caller and joined.
+#[derive(Clone, Copy, Debug)]
+struct CaptureUnderWay {
+    stream: Stream,
+    joined: bool,
 }
 
 /// A step captured on a backend's streams and instantiated, replayed with one launch.
@@ -135,22 +143,40 @@ impl Backend for CudaBackend {
     /// with `Error::Capture`.
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         let mut capture = lock(&self.capture);
-        if let Some(origin) = *capture {
+        if let Some(under_way) = *capture {
             return Err(Error::Capture {
-                what: format!("a capture inside the capture on the {origin:?} stream"),
+                what: format!("a capture inside the capture on the {:?} stream", under_way.stream),
             });
         }
         self.stream_handle(stream)
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda("cuStreamBeginCapture"))?;
-        *capture = Some(stream);
+        *capture = Some(CaptureUnderWay {
+            stream,
+            joined: false,
+        });
         Ok(())
     }
 
     fn end_capture(&self) -> Result<CudaGraph> {
-        let origin = lock(&self.capture).take().ok_or_else(|| Error::Capture {
-            what: "an end with no capture under way".into(),
-        })?;
+        let mut capture = lock(&self.capture);
+        let origin = match *capture {
+            Some(CaptureUnderWay {
+                stream,
+                joined: false,
+            }) => stream,
+            Some(_) => {
+                return Err(Error::Capture {
+                    what: "an end of the caller's capture (leave it; the caller ends it)".into(),
+                });
+            }
+            None => {
+                return Err(Error::Capture {
+                    what: "an end with no capture under way".into(),
+                });
+            }
+        };
+        *capture = None;
         let graph = self
             .stream_handle(origin)
             .end_capture(CUgraphInstantiate_flags(0))
@@ -159,6 +185,37 @@ impl Backend for CudaBackend {
             what: "a capture that holds no work".into(),
         })?;
         Ok(CudaGraph(Mutex::new(graph)))
+    }
+
+    /// Checks with `cuStreamIsCapturing` that the stream's capture is active.
+    fn join_capture(&self, stream: Stream) -> Result<()> {
+        let mut capture = lock(&self.capture);
+        if let Some(under_way) = *capture {
+            return Err(Error::Capture {
+                what: format!("a join inside the capture on the {:?} stream", under_way.stream),
+            });
+        }
+        self.check_capture_active(stream)?;
+        *capture = Some(CaptureUnderWay {
+            stream,
+            joined: true,
+        });
+        Ok(())
+    }
+
+    fn leave_capture(&self) -> Result<()> {
+        let mut capture = lock(&self.capture);
+        let Some(CaptureUnderWay {
+            stream,
+            joined: true,
+        }) = *capture
+        else {
+            return Err(Error::Capture {
+                what: "a leave with no joined capture".into(),
+            });
+        };
+        *capture = None;
+        self.check_capture_active(stream)
     }
 
     unsafe fn replay(&self, graph: &CudaGraph) -> Result<()> {

@@ -248,10 +248,25 @@ impl CudaBackend {
     /// `Error::Capture` naming `what` while a capture is under way: `what` would fail it.
     pub(super) fn check_not_capturing(&self, what: &str) -> Result<()> {
         match *lock(&self.capture) {
-            Some(origin) => Err(Error::Capture {
-                what: format!("{what} during the capture on the {origin:?} stream"),
+            Some(under_way) => Err(Error::Capture {
+                what: format!("{what} during the capture on the {:?} stream", under_way.stream),
             }),
             None => Ok(()),
+        }
+    }
+
+    /// `Error::Capture` unless a capture of `stream` is active (not begun, or invalidated by a
+    /// call that failed it).
+    pub(super) fn check_capture_active(&self, stream: Stream) -> Result<()> {
+        let status = self
+            .stream_handle(stream)
+            .capture_status()
+            .map_err(cuda("cuStreamIsCapturing"))?;
+        match status {
+            CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => Ok(()),
+            status => Err(Error::Capture {
+                what: format!("work for a capture of the {stream:?} stream, which is {status:?}"),
+            }),
         }
     }
 }
