@@ -276,6 +276,36 @@ typedef struct fsdp_grad_norm {
 extern "C" {
 #endif // __cplusplus
 
+// Between steps, after at least one whole step and before the caller begins its capture of
+// the engine's compute stream: the next step's first call that queues work joins that capture.
+// `FSDP_MISUSE`, with nothing changed, where a step could not be captured (per-step gradient
+// shards, `verify_collectives`, a trace, the loopback communicator, before the first step or
+// mid-step), and for that first call where no capture of the compute stream is under way.
+// During the capture a host read (the gradient norm on the host, a save, a load, a host
+// gradient) is `FSDP_MISUSE`; clip with `fsdp_engine_clip_grad_norm_on_device`.
+enum fsdp_status fsdp_engine_join_capture(struct fsdp_engine *engine);
+
+// After the captured step's `fsdp_engine_end_step`, before the caller ends its capture: the
+// engine's other streams join back into the compute stream, the engine is again where it was
+// when the capture began (nothing ran), and its handle keeps the step for
+// `fsdp_engine_before_replay` and `fsdp_engine_replayed`. `FSDP_MISUSE` where no step joined
+// the capture (the engine awaits it no longer) and mid-step; a capture that failed poisons
+// the engine (`FSDP_POISONED` from then on), and its graph must not be replayed.
+enum fsdp_status fsdp_engine_leave_capture(struct fsdp_engine *engine);
+
+// Before each replay of the captured step, between steps: orders the engine's work so far
+// before it and writes the step's values (step count, learning rate now) on the compute
+// stream. The caller then launches its graph on the compute stream and calls
+// `fsdp_engine_replayed`, with no other call of the engine between. `FSDP_MISUSE` with no
+// captured step, twice in a row, or mid-step.
+enum fsdp_status fsdp_engine_before_replay(struct fsdp_engine *engine);
+
+// After the caller launched its replay on the compute stream: holds the step's collectives to
+// the engine's deadline, orders the engine's later work after the replay, and moves its step
+// count and counters on as the captured step did; no host wait. `FSDP_MISUSE` without
+// `fsdp_engine_before_replay` first.
+enum fsdp_status fsdp_engine_replayed(struct fsdp_engine *engine);
+
 // Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
 // (a trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
 // settings and the plan's layout. A collective: every rank calls it with the same `dir`. The

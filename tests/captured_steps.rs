@@ -759,7 +759,10 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             assert_refused(e.replayed(&replay), "without before_replay");
             e.before_replay(&replay)?;
             assert_refused(e.before_replay(&replay), "twice");
-            assert_refused(e.pre_forward(Unit::Root), "between before_replay and replayed");
+            assert_refused(
+                e.pre_forward(Unit::Root),
+                "between before_replay and replayed",
+            );
             // SAFETY: as in `cpu_caller_capture`.
             unsafe { e.backend().replay(&graph) }?;
             e.replayed(&replay)?;
@@ -850,11 +853,15 @@ fn cuda_caller_capture() -> CallerCapture<CudaBackend> {
         end: |b| {
             // SAFETY: as above.
             let stream = unsafe { b.stream(Stream::Compute) };
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(driver)?;
+            let graph = stream
+                .end_capture(CUgraphInstantiate_flags(0))
+                .map_err(driver)?;
             let graph = graph.ok_or_else(|| Error::Capture {
                 what: "an empty capture".into(),
             })?;
-            Ok(Box::new(move |_: &CudaBackend| graph.launch().map_err(driver)))
+            Ok(Box::new(move |_: &CudaBackend| {
+                graph.launch().map_err(driver)
+            }))
         },
     }
 }

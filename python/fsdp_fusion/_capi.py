@@ -187,6 +187,10 @@ _SIGNATURES = {
     "fsdp_engine_grad_norm": ([_HANDLE, POINTER(GradNorm)], c_int),
     "fsdp_engine_clip_grad_norm": ([_HANDLE, ctypes.c_float, POINTER(GradNorm)], c_int),
     "fsdp_engine_clip_grad_norm_on_device": ([_HANDLE, ctypes.c_float], c_int),
+    "fsdp_engine_join_capture": ([_HANDLE], c_int),
+    "fsdp_engine_leave_capture": ([_HANDLE], c_int),
+    "fsdp_engine_before_replay": ([_HANDLE], c_int),
+    "fsdp_engine_replayed": ([_HANDLE], c_int),
     "fsdp_engine_param_shard": (
         [_HANDLE, c_size_t, c_void_p, c_size_t, POINTER(c_size_t)],
         c_int,

@@ -14,6 +14,7 @@ engine in one call when the next forward or the step begins.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -352,6 +353,42 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._forwards, self._gradients = False, False
         return StepReport(norm.l2 if norm else None, norm.max if norm else None, nonfinite,
                           skipped)
+
+    @contextlib.contextmanager
+    def capture(self, graph: torch.cuda.CUDAGraph, pool=None):
+        """Captures one training step into `graph` for `replay`: forward, backward and `step()`
+        go inside, as `torch.cuda.graph(graph, pool, stream=<the engine's compute stream>,
+        capture_error_mode="thread_local")` captures them, the engine's own streams and
+        collectives joining the capture. After at least one whole step (the warm-up), on a
+        wrapper made under a stream other than the default one (CUDA captures no work of the
+        default stream), with `grad_shards="persistent"` (a step with per-step shards allocates
+        them) and no `verify_collectives`. Inside, a host read is refused (`MisuseError`): clip
+        with `step(max_grad_norm=m, clip_on_device=True)`. Replays read their inputs from the
+        tensors the captured step read: copy each step's batch into them."""
+        if self._stream is None or self._stream == torch.cuda.default_stream(self._device):
+            raise MisuseError("capture needs the wrapper made under a CUDA stream other than "
+                              "the default one (torch.cuda.stream(s)): the engine's compute "
+                              "stream is that stream, and CUDA captures no default stream")
+        self._call("fsdp_engine_join_capture", self._engine)
+        with torch.cuda.graph(graph, pool=pool, stream=self._stream,
+                              capture_error_mode="thread_local"):
+            try:
+                yield
+            except BaseException:
+                # The step's own error is the one to see; the engine stops awaiting a step that
+                # never began (a step left mid-way stays refused as such).
+                self._lib.fsdp_engine_leave_capture(self._engine)
+                raise
+            self._call("fsdp_engine_leave_capture", self._engine)
+
+    def replay(self, graph: torch.cuda.CUDAGraph):
+        """Replays the step `capture` captured into `graph`: the learning rate set now and the
+        next step count take effect, and the engine's step and counters move on as the captured
+        step's did. No host wait."""
+        self._call("fsdp_engine_before_replay", self._engine)
+        with torch.cuda.stream(self._stream):
+            graph.replay()
+        self._call("fsdp_engine_replayed", self._engine)
 
     def _end_evaluation(self):
         """Ends a step of forward passes only (an evaluation under `no_grad`), which would

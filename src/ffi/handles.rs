@@ -15,7 +15,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::comm::local::LocalComm;
 use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::NcclComm;
-use crate::engine::Engine;
+use crate::engine::{Engine, StepReplay};
 use crate::error::Error;
 use crate::plan::Plan;
 use crate::watch::AbortHandle;
@@ -64,6 +64,8 @@ pub(crate) struct EngineEntry {
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
     report: Mutex<(fsdp_counters, MemoryUsage)>,
+    /// The step the caller captured last, for its replays.
+    replay: Mutex<Option<StepReplay>>,
 }
 
 /// What a live handle names.
@@ -105,6 +107,7 @@ pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Out
         report: Mutex::new(report(&engine)),
         engine: Mutex::new(engine),
         abort,
+        replay: Mutex::new(None),
     };
     let handle = handles()?.insert(Object::Engine(entry))?;
     // SAFETY: the caller checked `out` and guarantees it is valid for a write.
@@ -158,6 +161,17 @@ pub(crate) fn on_engine_with<P, T>(
     });
     *lock(&entry.report)? = report(&any);
     outcome
+}
+
+/// As [`on_engine`], with the step the caller captured last on `engine`
+/// ([`Engine::leave_capture`]), kept with its handle.
+pub(crate) fn on_engine_replay<T>(
+    engine: *mut fsdp_engine,
+    f: impl FnOnce(&mut AnyEngine, &mut Option<StepReplay>) -> Outcome<T>,
+) -> Outcome<T> {
+    let object = object(engine as u64, "engine")?;
+    let mut replay = lock(&entry_of(&object)?.replay)?;
+    on_engine(engine, |any| f(any, &mut replay))
 }
 
 /// The counters and memory of `engine` as of the end of its last call; never waits for a call

@@ -16,6 +16,7 @@
 #![allow(non_camel_case_types)]
 
 mod allocator;
+mod capture;
 mod checkpoint;
 mod comms;
 mod engine;
@@ -32,6 +33,7 @@ mod status;
 mod types;
 
 pub use allocator::fsdp_device_allocator;
+pub use capture::*;
 pub use checkpoint::*;
 pub use engine::*;
 pub use engine_hooks::*;

@@ -301,7 +301,9 @@ impl Backend for CpuBackend {
         match self.asynchronous_streams("a capture")?.capture_origin() {
             Some(origin) if origin == stream => Ok(()),
             origin => Err(Error::Capture {
-                what: format!("a join of a capture of the {stream:?} stream, with {origin:?} under way"),
+                what: format!(
+                    "a join of a capture of the {stream:?} stream, with {origin:?} under way"
+                ),
             }),
         }
     }

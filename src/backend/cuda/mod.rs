@@ -145,7 +145,10 @@ impl Backend for CudaBackend {
         let mut capture = lock(&self.capture);
         if let Some(under_way) = *capture {
             return Err(Error::Capture {
-                what: format!("a capture inside the capture on the {:?} stream", under_way.stream),
+                what: format!(
+                    "a capture inside the capture on the {:?} stream",
+                    under_way.stream
+                ),
             });
         }
         self.stream_handle(stream)
@@ -192,7 +195,10 @@ impl Backend for CudaBackend {
         let mut capture = lock(&self.capture);
         if let Some(under_way) = *capture {
             return Err(Error::Capture {
-                what: format!("a join inside the capture on the {:?} stream", under_way.stream),
+                what: format!(
+                    "a join inside the capture on the {:?} stream",
+                    under_way.stream
+                ),
             });
         }
         self.check_capture_active(stream)?;

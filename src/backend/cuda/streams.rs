@@ -249,7 +249,10 @@ impl CudaBackend {
     pub(super) fn check_not_capturing(&self, what: &str) -> Result<()> {
         match *lock(&self.capture) {
             Some(under_way) => Err(Error::Capture {
-                what: format!("{what} during the capture on the {:?} stream", under_way.stream),
+                what: format!(
+                    "{what} during the capture on the {:?} stream",
+                    under_way.stream
+                ),
             }),
             None => Ok(()),
         }

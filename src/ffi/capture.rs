@@ -1,0 +1,71 @@
+//! A step the caller captures itself on the engine's compute stream (its own CUDA stream
+//! capture, or `torch.cuda.graph` given that stream), and its replays, from C. The engine's
+//! handle keeps the captured step, so that each replay's calls name the engine alone.
+
+use super::handles::{on_engine, on_engine_replay, with_engine};
+use super::status::{boundary, fsdp_status};
+use super::types::fsdp_engine;
+use crate::error::Error;
+
+/// Between steps, after at least one whole step and before the caller begins its capture of
+/// the engine's compute stream: the next step's first call that queues work joins that capture.
+/// `FSDP_MISUSE`, with nothing changed, where a step could not be captured (per-step gradient
+/// shards, `verify_collectives`, a trace, the loopback communicator, before the first step or
+/// mid-step), and for that first call where no capture of the compute stream is under way.
+/// During the capture a host read (the gradient norm on the host, a save, a load, a host
+/// gradient) is `FSDP_MISUSE`; clip with `fsdp_engine_clip_grad_norm_on_device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_join_capture(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.join_capture())?)))
+}
+
+/// After the captured step's `fsdp_engine_end_step`, before the caller ends its capture: the
+/// engine's other streams join back into the compute stream, the engine is again where it was
+/// when the capture began (nothing ran), and its handle keeps the step for
+/// `fsdp_engine_before_replay` and `fsdp_engine_replayed`. `FSDP_MISUSE` where no step joined
+/// the capture (the engine awaits it no longer) and mid-step; a capture that failed poisons
+/// the engine (`FSDP_POISONED` from then on), and its graph must not be replayed.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_leave_capture(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine_replay(engine, |any, replay| {
+            *replay = Some(with_engine!(any, e => e.leave_capture())?);
+            Ok(())
+        })
+    })
+}
+
+/// Before each replay of the captured step, between steps: orders the engine's work so far
+/// before it and writes the step's values (step count, learning rate now) on the compute
+/// stream. The caller then launches its graph on the compute stream and calls
+/// `fsdp_engine_replayed`, with no other call of the engine between. `FSDP_MISUSE` with no
+/// captured step, twice in a row, or mid-step.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine_replay(engine, |any, replay| {
+            let replay = replay.as_ref().ok_or_else(no_captured_step)?;
+            Ok(with_engine!(any, e => e.before_replay(replay))?)
+        })
+    })
+}
+
+/// After the caller launched its replay on the compute stream: holds the step's collectives to
+/// the engine's deadline, orders the engine's later work after the replay, and moves its step
+/// count and counters on as the captured step did; no host wait. `FSDP_MISUSE` without
+/// `fsdp_engine_before_replay` first.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_replayed(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine_replay(engine, |any, replay| {
+            let replay = replay.as_ref().ok_or_else(no_captured_step)?;
+            Ok(with_engine!(any, e => e.replayed(replay))?)
+        })
+    })
+}
+
+fn no_captured_step() -> Error {
+    Error::Capture {
+        what: "a replay with no captured step (fsdp_engine_leave_capture keeps it)".into(),
+    }
+}
