@@ -670,6 +670,77 @@ fn a_checkpoint_between_replays_holds_what_they_trained() {
     }
 }
 
+/// A capture given up (`abandon_capture`): before its step's first work it changes nothing;
+/// between steps it ends the capture; mid-step, of either kind, it poisons the engine, with the
+/// other streams joined back so that the caller can end its capture. A caller's capture that
+/// ended before the engine left it poisons the engine at the leave.
+#[test]
+fn a_capture_given_up_or_ended_early_changes_nothing_or_poisons() {
+    type Cpu = Engine<CpuBackend, LocalComm>;
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    let warmed = |f: fn(&mut Cpu, &mut Batch<CpuBackend>) -> Result<()>| {
+        let outcomes = on_engines(&plan, &EngineConfig::default(), Mode::Async(0), move |e| {
+            with_batch(e, |e, batch| {
+                batch.fill(e, 0)?;
+                step(e, batch)?;
+                f(e, batch)
+            })
+        });
+        for outcome in outcomes {
+            outcome.unwrap();
+        }
+    };
+    // Before the step's first work, and between steps: nothing lost, the engine goes on.
+    warmed(|e, batch| {
+        let before = e.counters();
+        e.join_capture()?;
+        e.abandon_capture()?;
+        assert_eq!(e.counters(), before);
+        e.join_capture()?;
+        e.backend().begin_capture(Stream::Compute)?;
+        step(e, batch)?;
+        e.abandon_capture()?;
+        e.backend().end_capture()?;
+        assert_eq!(e.counters(), before, "nothing of the abandoned step ran");
+        e.abandon_capture()?; // none under way
+        step(e, batch)?;
+        assert_eq!(e.counters().steps, before.steps + 1);
+        Ok(())
+    });
+    // Mid-step, the caller's: poisoned, and the caller's capture ends (its streams joined).
+    warmed(|e, batch| {
+        e.join_capture()?;
+        e.backend().begin_capture(Stream::Compute)?;
+        e.pre_forward(Unit::Root)?;
+        assert!(matches!(e.abandon_capture(), Err(Error::Poisoned { .. })));
+        e.backend().end_capture()?;
+        assert!(e.poisoned().is_some());
+        assert!(matches!(step(e, batch), Err(Error::Poisoned { .. })));
+        Ok(())
+    });
+    // Mid-step, the engine's own: poisoned, its capture ended.
+    warmed(|e, _| {
+        e.begin_capture()?;
+        e.pre_forward(Unit::Root)?;
+        assert!(matches!(e.abandon_capture(), Err(Error::Poisoned { .. })));
+        assert_refused(e.backend().end_capture(), "no capture under way");
+        Ok(())
+    });
+    // The caller ended its capture before the engine left it.
+    warmed(|e, batch| {
+        e.join_capture()?;
+        e.backend().begin_capture(Stream::Compute)?;
+        step(e, batch)?;
+        assert!(
+            e.backend().end_capture().is_err(),
+            "the streams were not joined back"
+        );
+        assert_refused(e.leave_capture(), "a capture left after it ended");
+        assert!(e.poisoned().is_some());
+        Ok(())
+    });
+}
+
 /// `r`'s capture error, naming `what`.
 fn assert_refused<T: std::fmt::Debug>(r: Result<T>, what: &str) {
     match r {
@@ -759,10 +830,11 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             assert_refused(e.replayed(&replay), "without before_replay");
             e.before_replay(&replay)?;
             assert_refused(e.before_replay(&replay), "twice");
-            assert_refused(
-                e.pre_forward(Unit::Root),
-                "between before_replay and replayed",
-            );
+            let between = "between before_replay and replayed";
+            assert_refused(e.pre_forward(Unit::Root), between);
+            assert_refused(e.join_capture(), between);
+            assert_refused(e.param_shard(0), between);
+            assert_refused(e.save(std::path::Path::new("unused")), between);
             // SAFETY: as in `cpu_caller_capture`.
             unsafe { e.backend().replay(&graph) }?;
             e.replayed(&replay)?;
@@ -831,7 +903,6 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
     assert_refused(other.into_iter().next().unwrap(), "another engine");
 }
 
-/// An engine of `plan` on GPU 0 with an NCCL communicator of one rank.
 /// The caller's own capture of the compute stream, in thread-local mode (as
 /// `torch.cuda.graph(..., capture_error_mode="thread_local")` makes it), outside the backend.
 fn cuda_caller_capture() -> CallerCapture<CudaBackend> {
@@ -866,6 +937,7 @@ fn cuda_caller_capture() -> CallerCapture<CudaBackend> {
     }
 }
 
+/// An engine of `plan` on GPU 0 with an NCCL communicator of one rank.
 fn nccl_engine(plan: &Arc<Plan>, config: &EngineConfig) -> Engine<CudaBackend, NcclComm> {
     let backend = CudaBackend::new(0).unwrap_or_else(|e| panic!("{e}"));
     let id = NcclComm::unique_id().unwrap_or_else(|e| panic!("{e}"));

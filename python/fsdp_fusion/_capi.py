@@ -189,6 +189,7 @@ _SIGNATURES = {
     "fsdp_engine_clip_grad_norm_on_device": ([_HANDLE, ctypes.c_float], c_int),
     "fsdp_engine_join_capture": ([_HANDLE], c_int),
     "fsdp_engine_leave_capture": ([_HANDLE], c_int),
+    "fsdp_engine_abandon_capture": ([_HANDLE], c_int),
     "fsdp_engine_before_replay": ([_HANDLE], c_int),
     "fsdp_engine_replayed": ([_HANDLE], c_int),
     "fsdp_engine_param_shard": (

@@ -364,30 +364,43 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         default stream), with `grad_shards="persistent"` (a step with per-step shards allocates
         them) and no `verify_collectives`. Inside, a host read is refused (`MisuseError`): clip
         with `step(max_grad_norm=m, clip_on_device=True)`. Replays read their inputs from the
-        tensors the captured step read: copy each step's batch into them."""
+        tensors the captured step read: copy each step's batch into them. An error inside gives
+        the capture up: before the step's first work nothing changes; mid-step the engine is
+        poisoned (its state is a step's that never ran)."""
         if self._stream is None or self._stream == torch.cuda.default_stream(self._device):
             raise MisuseError("capture needs the wrapper made under a CUDA stream other than "
                               "the default one (torch.cuda.stream(s)): the engine's compute "
                               "stream is that stream, and CUDA captures no default stream")
         self._call("fsdp_engine_join_capture", self._engine)
-        with torch.cuda.graph(graph, pool=pool, stream=self._stream,
-                              capture_error_mode="thread_local"):
-            try:
-                yield
-            except BaseException:
-                # The step's own error is the one to see; the engine stops awaiting a step that
-                # never began (a step left mid-way stays refused as such).
-                self._lib.fsdp_engine_leave_capture(self._engine)
-                raise
-            self._call("fsdp_engine_leave_capture", self._engine)
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=self._stream,
+                                  capture_error_mode="thread_local"):
+                try:
+                    yield
+                except BaseException:
+                    # Inside the capture, so that the engine's streams join back before it ends.
+                    # The step's own error is the one to see: a step given up mid-way poisons
+                    # the engine (it never ran), one that never began changes nothing.
+                    self._lib.fsdp_engine_abandon_capture(self._engine)
+                    raise
+                self._call("fsdp_engine_leave_capture", self._engine)
+        except BaseException:
+            # The capture did not begin, or did not end: the engine gives it up too.
+            self._lib.fsdp_engine_abandon_capture(self._engine)
+            raise
 
     def replay(self, graph: torch.cuda.CUDAGraph):
         """Replays the step `capture` captured into `graph`: the learning rate set now and the
         next step count take effect, and the engine's step and counters move on as the captured
         step's did. No host wait."""
         self._call("fsdp_engine_before_replay", self._engine)
-        with torch.cuda.stream(self._stream):
-            graph.replay()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.replay()
+        except BaseException:
+            # Whether the replay's work was queued is not known: the engine cannot go on.
+            self.abort()
+            raise
         self._call("fsdp_engine_replayed", self._engine)
 
     def _end_evaluation(self):

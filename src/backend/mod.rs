@@ -205,7 +205,8 @@ pub trait Backend: Send {
     fn end_capture(&self) -> Result<Self::Graph>;
 
     /// Joins a capture of `stream` that the caller began outside this backend (its own stream
-    /// capture, or a framework's, such as `torch.cuda.graph` on that stream): until
+    /// capture, or a framework's, such as `torch.cuda.graph` on that stream), in thread-local
+    /// or relaxed mode (the backend's other threads query events during it): until
     /// [`Backend::leave_capture`], what would fail it is refused as during
     /// [`Backend::begin_capture`]'s, and another stream joins it by waiting for an event
     /// recorded in it. `Error::Capture` where no capture of `stream` is under way, or this

@@ -174,7 +174,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// As [`Engine::begin_capture`], for a capture the caller makes itself on the engine's
     /// compute stream (its own stream capture, or a framework's, such as `torch.cuda.graph`
-    /// given that stream): called between steps, before the caller begins its capture. The
+    /// given that stream), in thread-local or relaxed mode: in global mode the engine's
+    /// watchdog, which queries events from a thread of its own, would fail it. Called between
+    /// steps, before the caller begins its capture. The
     /// step's first call that queues work joins the capture (`Error::Capture`, with nothing
     /// changed, where no capture of the compute stream is under way then); after the step's
     /// `end_step`, [`Engine::leave_capture`] comes before the caller ends its capture. Refused
@@ -283,6 +285,45 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .map(|((), replay)| replay)
     }
 
+    /// Gives up a capture that will not be replayed, of either kind, at any point: for a
+    /// failure inside the captured step. Where no step joined the caller's capture yet, the
+    /// engine stops awaiting it, with nothing else changed; between steps the capture ends as
+    /// [`Engine::end_capture`] or [`Engine::leave_capture`] ends it, its step dropped. Mid-step
+    /// the other streams join back into the compute stream (so that the caller can end its
+    /// capture), the engine ends its own capture or leaves the caller's, and is then poisoned
+    /// (its host state is a step's that never ran), its communicators left as they are, as no
+    /// collective of the step ran. No capture under way: nothing happens.
+    pub fn abandon_capture(&mut self) -> Result<()> {
+        let Some(by) = self.capture.as_ref().map(|c| c.by) else {
+            return Ok(());
+        };
+        if by == CaptureBy::CallerNotJoined {
+            self.capture = None;
+            return Ok(());
+        }
+        if self.at_step_boundary() && self.poisoned.get().is_none() {
+            return match by {
+                CaptureBy::Engine => self.end_capture().map(drop),
+                _ => self.leave_capture().map(drop),
+            };
+        }
+        // Best effort: the engine is poisoned whatever fails here.
+        let _ = self.join_streams_on_compute();
+        let _ = match by {
+            CaptureBy::Engine => self.backend.end_capture().map(drop),
+            _ => self.backend.leave_capture(),
+        };
+        self.capture = None;
+        let cause = refused("a step abandoned during its capture, which never ran");
+        // Poisoned without the communicators' abort: no collective of the step ran, so none
+        // waits for a peer, and an abort inside the caller's capture (still under way) would
+        // fail it.
+        let _ = self.poisoned.set(cause.clone());
+        Err(Error::Poisoned {
+            cause: Box::new(cause),
+        })
+    }
+
     /// Ends the capture that `by` began, by `end` on the backend, once the captured step ended.
     fn end_any_capture<T>(
         &mut self,
@@ -311,8 +352,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             e.join_streams_on_compute()?;
             let collectives = e.capture.take().map(|c| c.collectives).unwrap_or_default();
             let ended = end(&e.backend)?;
-            // The events kept in the capture were never recorded.
-            e.fence()?;
+            // The events kept in the capture were never recorded. After the engine's own
+            // capture a fence orders everything again; the caller's capture is still under way,
+            // where new waits would join it again, and the fence at `join_capture` already
+            // ordered every stream after all work before the capture.
+            match by {
+                CaptureBy::Engine => e.fence()?,
+                _ => e.forget_events(),
+            }
             Ok((ended, collectives))
         });
         // Nothing of the step ran, whether its capture holds it or failed.
@@ -353,8 +400,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Before the caller's replay of a step it captured ([`Engine::leave_capture`]), between
     /// steps: orders every stream's work so far before the replay and writes the step's values
     /// (the engine's step count and learning rate now) on the compute stream. The caller then
-    /// launches its graph on the compute stream, and calls [`Engine::replayed`] with no other
-    /// call of the engine between.
+    /// launches its graph on the compute stream, and calls [`Engine::replayed`]: between them a
+    /// step's call, a capture, a save, a load and a read of the state are `Error::Capture`.
     pub fn before_replay(&mut self, step: &StepReplay) -> Result<()> {
         self.healthy()?;
         if step.engine != self.id {
@@ -398,7 +445,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !self.replay_pending {
             return Err(refused("replayed without before_replay"));
         }
-        self.replay_pending = false;
         let counts = self.host_counts();
         self.effects(|e| {
             let done = Arc::new(e.backend.record(Stream::Compute)?);
@@ -407,6 +453,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             e.fence()
         })?;
+        self.replay_pending = false;
         self.set_host_counts(counts.plus(&step.moved));
         Ok(())
     }
@@ -433,8 +480,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
-    /// `Error::Capture` naming `action` while a capture is under way.
+    /// `Error::Capture` naming `action` while a capture is under way, or a caller's replay is
+    /// due ([`Engine::before_replay`]).
     pub(super) fn check_not_capturing(&self, action: &str) -> Result<()> {
+        if self.replay_pending {
+            return Err(refused(&format!(
+                "{action}, between before_replay and replayed (the caller's replay goes there)"
+            )));
+        }
         match self.capture {
             Some(_) => Err(refused(&format!("{action}, during a capture"))),
             None => Ok(()),
@@ -462,10 +515,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         for other in [Stream::Gather, Stream::Reduce] {
             self.backend.wait(other, &all)?;
         }
+        self.forget_events();
+        Ok(())
+    }
+
+    /// Forgets the events kept between steps.
+    fn forget_events(&mut self) {
         self.gathering.forget_events();
         for slot in &mut self.reducing.slots {
             slot.reduced = None;
         }
-        Ok(())
     }
 }

@@ -237,10 +237,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // Only the first failure is kept.
         if self.poisoned.set(cause).is_ok() {
             // The capture's graph is of no use any more; its end lets the streams go on. The
-            // caller's capture is the caller's to end.
+            // caller's capture is the caller's to end: the other streams join back first, so
+            // that it can. (The communicators' abort below can still fail the caller's capture,
+            // which a failure inside it does anyway.)
             match self.capture.as_ref().map(|c| c.by) {
                 Some(capture::CaptureBy::Engine) => drop(self.backend.end_capture()),
-                Some(capture::CaptureBy::Caller) => drop(self.backend.leave_capture()),
+                Some(capture::CaptureBy::Caller) => {
+                    let _ = self.join_streams_on_compute();
+                    drop(self.backend.leave_capture())
+                }
                 Some(capture::CaptureBy::CallerNotJoined) | None => {}
             }
             self.comm.abort();

@@ -153,8 +153,9 @@ impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// `param`'s fp32 place in its gradient slot, for work the caller queues on the compute
     /// stream (a GPU's kernels, [`CpuBackend::run`]'s jobs) to overwrite whole with this
     /// pass's gradient before [`Engine::commit_grad`]: no wait, so a captured step may use it
-    /// (the slot is the same in every replay, as the step's schedule is). Refused as
-    /// [`Engine::grad_slot_address`] is, and holding what an earlier gradient left as it does.
+    /// (the slot is the same in every replay, as the step's schedule is). Unlike
+    /// [`Engine::grad_slot_address`] it is allowed during a capture; otherwise refused as that
+    /// is, and holding what an earlier gradient left as it does.
     pub fn grad_slot_device(&mut self, param: ParamId) -> Result<DeviceTensor> {
         let (place, region) = self.open_grad_slot(param)?;
         self.effects(|e| {

@@ -8,7 +8,9 @@ use super::types::fsdp_engine;
 use crate::error::Error;
 
 /// Between steps, after at least one whole step and before the caller begins its capture of
-/// the engine's compute stream: the next step's first call that queues work joins that capture.
+/// the engine's compute stream, in thread-local or relaxed mode (the engine's watchdog queries
+/// events from a thread of its own, which a global-mode capture forbids): the next step's first
+/// call that queues work joins that capture.
 /// `FSDP_MISUSE`, with nothing changed, where a step could not be captured (per-step gradient
 /// shards, `verify_collectives`, a trace, the loopback communicator, before the first step or
 /// mid-step), and for that first call where no capture of the compute stream is under way.
@@ -24,7 +26,8 @@ pub extern "C" fn fsdp_engine_join_capture(engine: *mut fsdp_engine) -> fsdp_sta
 /// when the capture began (nothing ran), and its handle keeps the step for
 /// `fsdp_engine_before_replay` and `fsdp_engine_replayed`. `FSDP_MISUSE` where no step joined
 /// the capture (the engine awaits it no longer) and mid-step; a capture that failed poisons
-/// the engine (`FSDP_POISONED` from then on), and its graph must not be replayed.
+/// the engine (`FSDP_POISONED` from then on), and its graph must not be replayed. The handle
+/// keeps the last step left: replay only the graph of the last capture.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_leave_capture(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
@@ -35,11 +38,27 @@ pub extern "C" fn fsdp_engine_leave_capture(engine: *mut fsdp_engine) -> fsdp_st
     })
 }
 
+/// Gives up the capture under way, for a failure inside the captured step: where no step joined
+/// it yet the engine awaits it no longer, with nothing else changed; between steps it is left
+/// and its step dropped; mid-step the engine's other streams join back into the compute stream
+/// (so that the caller can end its capture), the engine leaves it and is poisoned
+/// (`FSDP_POISONED`): its state is a step's that never ran. With no capture under way it does
+/// nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_abandon_capture(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.abandon_capture())?)
+        })
+    })
+}
+
 /// Before each replay of the captured step, between steps: orders the engine's work so far
 /// before it and writes the step's values (step count, learning rate now) on the compute
 /// stream. The caller then launches its graph on the compute stream and calls
-/// `fsdp_engine_replayed`, with no other call of the engine between. `FSDP_MISUSE` with no
-/// captured step, twice in a row, or mid-step.
+/// `fsdp_engine_replayed`; between them a step's call, a capture, a save, a load and a read of
+/// the state are `FSDP_MISUSE`. `FSDP_MISUSE` with no captured step, twice in a row, or
+/// mid-step.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {

@@ -418,3 +418,61 @@ fn a_cpu_engine_with_per_step_gradient_shards_holds_them_only_within_a_step() {
         ok(fsdp_plan_destroy(plan));
     });
 }
+
+/// The caller's capture through the C API: refused before a whole step and with no captured
+/// step to replay; a step whose first work finds no capture of the compute stream is refused
+/// with nothing changed, and the engine, given the capture up, trains on.
+#[test]
+fn a_callers_capture_through_the_c_api_refuses_and_gives_up_cleanly() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine_with(mode, &sgd_config());
+        let values = initial_values();
+        let g = [2.0f32; 9];
+        let step = |engine| {
+            // SAFETY: valid pointers.
+            unsafe {
+                ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+                ok(fsdp_engine_finish_grad_sync(engine));
+                ok(fsdp_engine_optimizer_step(engine));
+                ok(fsdp_engine_end_step(engine));
+            }
+        };
+        // SAFETY: valid pointers throughout.
+        unsafe {
+            load_values(engine, &values);
+            let misuse = fsdp_status::FSDP_MISUSE;
+            expect(fsdp_engine_join_capture(engine), misuse, "warm-up");
+            expect(
+                fsdp_engine_before_replay(engine),
+                misuse,
+                "no captured step",
+            );
+            expect(fsdp_engine_replayed(engine), misuse, "no captured step");
+            step(engine);
+            let trained = shard_values(engine, plan, 1);
+            ok(fsdp_engine_join_capture(engine));
+            expect(fsdp_engine_join_capture(engine), misuse, "inside another");
+            // No capture of the compute stream is under way (none on the eager backend).
+            let refused = fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32);
+            assert_ne!(refused, fsdp_status::FSDP_OK);
+            assert_ne!(refused, fsdp_status::FSDP_POISONED);
+            ok(fsdp_engine_abandon_capture(engine));
+            ok(fsdp_engine_abandon_capture(engine));
+            expect(
+                fsdp_engine_leave_capture(engine),
+                misuse,
+                "no capture under way",
+            );
+            assert_eq!(shard_values(engine, plan, 1), trained);
+            step(engine);
+            assert_ne!(
+                shard_values(engine, plan, 1),
+                trained,
+                "the engine trains on"
+            );
+            ok(fsdp_engine_destroy(engine));
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+        }
+    });
+}
