@@ -112,14 +112,14 @@ impl HostCounts {
 /// A capture under way: who began it, the host's counts when it began, which its end restores
 /// (nothing ran), and the collectives it holds.
 pub(super) struct Capturing {
-    pub(super) by: CaptureBy,
+    by: CaptureBy,
     began: HostCounts,
     collectives: Vec<(Fingerprint, (usize, usize))>,
 }
 
 /// Who captures the compute stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum CaptureBy {
+enum CaptureBy {
     /// The engine's backend ([`Engine::begin_capture`]).
     Engine,
     /// The caller, whose capture the step's first work joins ([`Engine::join_capture`]).
@@ -176,9 +176,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// compute stream (its own stream capture, or a framework's, such as `torch.cuda.graph`
     /// given that stream), in thread-local or relaxed mode: in global mode the engine's
     /// watchdog, which queries events from a thread of its own, would fail it. Called between
-    /// steps, before the caller begins its capture. The
-    /// step's first call that queues work joins the capture (`Error::Capture`, with nothing
-    /// changed, where no capture of the compute stream is under way then); after the step's
+    /// steps, before the caller begins its capture. The step's first call that queues work
+    /// joins the capture (`Error::Capture`, with nothing changed, where no capture of the
+    /// compute stream is under way then); after the step's
     /// `end_step`, [`Engine::leave_capture`] comes before the caller ends its capture. Refused
     /// as [`Engine::begin_capture`] is.
     pub fn join_capture(&mut self) -> Result<()> {
@@ -308,11 +308,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             };
         }
         // Best effort: the engine is poisoned whatever fails here.
-        let _ = self.join_streams_on_compute();
-        let _ = match by {
-            CaptureBy::Engine => self.backend.end_capture().map(drop),
-            _ => self.backend.leave_capture(),
-        };
+        self.drop_backend_capture();
         self.capture = None;
         let cause = refused("a step abandoned during its capture, which never ran");
         // Poisoned without the communicators' abort: no collective of the step ran, so none
@@ -322,6 +318,23 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Err(Error::Poisoned {
             cause: Box::new(cause),
         })
+    }
+
+    /// Ends the backend's part of the capture under way, best effort, for a capture given up:
+    /// the other streams join back into the compute stream (so that a caller's capture can
+    /// end), then the engine's own capture ends or the caller's is left (the caller ends it).
+    pub(super) fn drop_backend_capture(&self) {
+        let Some(by) = self.capture.as_ref().map(|c| c.by) else {
+            return;
+        };
+        if by == CaptureBy::CallerNotJoined {
+            return;
+        }
+        let _ = self.join_streams_on_compute();
+        let _ = match by {
+            CaptureBy::Engine => self.backend.end_capture().map(drop),
+            _ => self.backend.leave_capture(),
+        };
     }
 
     /// Ends the capture that `by` began, by `end` on the backend, once the captured step ended.
@@ -403,13 +416,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// launches its graph on the compute stream, and calls [`Engine::replayed`]: between them a
     /// step's call, a capture, a save, a load and a read of the state are `Error::Capture`.
     pub fn before_replay(&mut self, step: &StepReplay) -> Result<()> {
-        self.healthy()?;
-        if step.engine != self.id {
-            return Err(refused("a replay of a step another engine captured"));
-        }
-        if self.capture.is_some() {
-            return Err(refused("a replay during a capture"));
-        }
+        self.check_replay_of_own(step)?;
         if self.replay_pending {
             return Err(refused(
                 "before_replay twice (replayed comes after the caller's replay)",
@@ -438,10 +445,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// stream's later work after the replay, and moves the engine's step count and counters on
     /// as the captured step did. The host does not wait.
     pub fn replayed(&mut self, step: &StepReplay) -> Result<()> {
-        self.healthy()?;
-        if step.engine != self.id {
-            return Err(refused("a replay of a step another engine captured"));
-        }
+        self.check_replay_of_own(step)?;
         if !self.replay_pending {
             return Err(refused("replayed without before_replay"));
         }
@@ -455,6 +459,15 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })?;
         self.replay_pending = false;
         self.set_host_counts(counts.plus(&step.moved));
+        Ok(())
+    }
+
+    /// A healthy engine, replaying a step it captured.
+    fn check_replay_of_own(&self, step: &StepReplay) -> Result<()> {
+        self.healthy()?;
+        if step.engine != self.id {
+            return Err(refused("a replay of a step another engine captured"));
+        }
         Ok(())
     }
 

@@ -236,18 +236,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub(crate) fn poison(&self, cause: Error) {
         // Only the first failure is kept.
         if self.poisoned.set(cause).is_ok() {
-            // The capture's graph is of no use any more; its end lets the streams go on. The
-            // caller's capture is the caller's to end: the other streams join back first, so
-            // that it can. (The communicators' abort below can still fail the caller's capture,
-            // which a failure inside it does anyway.)
-            match self.capture.as_ref().map(|c| c.by) {
-                Some(capture::CaptureBy::Engine) => drop(self.backend.end_capture()),
-                Some(capture::CaptureBy::Caller) => {
-                    let _ = self.join_streams_on_compute();
-                    drop(self.backend.leave_capture())
-                }
-                Some(capture::CaptureBy::CallerNotJoined) | None => {}
-            }
+            // The capture's graph is of no use any more; its end lets the streams go on. (The
+            // communicators' abort below can still fail a caller's capture, which a failure
+            // inside it does anyway.)
+            self.drop_backend_capture();
             self.comm.abort();
             for c in &self.process_groups {
                 c.abort();
@@ -285,10 +277,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
-    /// Runs the part of a call that changes the engine: an error there leaves it half-done, so
-    /// it poisons the engine.
-    /// A call's first work inside a capture the caller began joins it first
-    /// ([`Engine::join_capture`]).
+    /// Runs the part of a call that changes the engine, after joining the caller's capture
+    /// where one awaits the step's first work ([`Engine::join_capture`]): an error there
+    /// leaves the engine half-done, so it poisons it.
     fn effects<T>(&mut self, work: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.join_callers_capture()?;
         let result = work(self);

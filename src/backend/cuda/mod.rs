@@ -143,14 +143,7 @@ impl Backend for CudaBackend {
     /// with `Error::Capture`.
     fn begin_capture(&self, stream: Stream) -> Result<()> {
         let mut capture = lock(&self.capture);
-        if let Some(under_way) = *capture {
-            return Err(Error::Capture {
-                what: format!(
-                    "a capture inside the capture on the {:?} stream",
-                    under_way.stream
-                ),
-            });
-        }
+        streams::no_capture_under_way(*capture, "a capture")?;
         self.stream_handle(stream)
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda("cuStreamBeginCapture"))?;
@@ -193,14 +186,7 @@ impl Backend for CudaBackend {
     /// Checks with `cuStreamIsCapturing` that the stream's capture is active.
     fn join_capture(&self, stream: Stream) -> Result<()> {
         let mut capture = lock(&self.capture);
-        if let Some(under_way) = *capture {
-            return Err(Error::Capture {
-                what: format!(
-                    "a join inside the capture on the {:?} stream",
-                    under_way.stream
-                ),
-            });
-        }
+        streams::no_capture_under_way(*capture, "a join")?;
         self.check_capture_active(stream)?;
         *capture = Some(CaptureUnderWay {
             stream,

@@ -247,15 +247,7 @@ impl CudaBackend {
 
     /// `Error::Capture` naming `what` while a capture is under way: `what` would fail it.
     pub(super) fn check_not_capturing(&self, what: &str) -> Result<()> {
-        match *lock(&self.capture) {
-            Some(under_way) => Err(Error::Capture {
-                what: format!(
-                    "{what} during the capture on the {:?} stream",
-                    under_way.stream
-                ),
-            }),
-            None => Ok(()),
-        }
+        no_capture_under_way(*lock(&self.capture), what)
     }
 
     /// `Error::Capture` unless a capture of `stream` is active (not begun, or invalidated by a
@@ -277,4 +269,17 @@ impl CudaBackend {
 /// `mutex`'s guard: every critical section of the backend leaves its data whole.
 pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `Error::Capture` naming `what` where `capture` is under way.
+pub(super) fn no_capture_under_way(capture: Option<CaptureUnderWay>, what: &str) -> Result<()> {
+    match capture {
+        Some(under_way) => Err(Error::Capture {
+            what: format!(
+                "{what} during the capture on the {:?} stream",
+                under_way.stream
+            ),
+        }),
+        None => Ok(()),
+    }
 }
