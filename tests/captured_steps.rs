@@ -678,17 +678,23 @@ fn a_checkpoint_between_replays_holds_what_they_trained() {
 fn a_capture_given_up_or_ended_early_changes_nothing_or_poisons() {
     type Cpu = Engine<CpuBackend, LocalComm>;
     let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    // After a warm-up step, on the asynchronous backend over the short suites' seeds.
     let warmed = |f: fn(&mut Cpu, &mut Batch<CpuBackend>) -> Result<()>| {
-        let outcomes = on_engines(&plan, &EngineConfig::default(), Mode::Async(0), move |e| {
-            with_batch(e, |e, batch| {
-                batch.fill(e, 0)?;
-                step(e, batch)?;
-                f(e, batch)
-            })
+        for_each_mode(|mode| {
+            if mode == Mode::Eager {
+                return; // which cannot capture
+            }
+            let outcomes = on_engines(&plan, &EngineConfig::default(), mode, move |e| {
+                with_batch(e, |e, batch| {
+                    batch.fill(e, 0)?;
+                    step(e, batch)?;
+                    f(e, batch)
+                })
+            });
+            for outcome in outcomes {
+                outcome.unwrap_or_else(|e| panic!("{mode:?}: {e}"));
+            }
         });
-        for outcome in outcomes {
-            outcome.unwrap();
-        }
     };
     // Before the step's first work, and between steps: nothing lost, the engine goes on.
     warmed(|e, batch| {
