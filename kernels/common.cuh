@@ -15,7 +15,7 @@ constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
 // op; the host launches one round per thread (`elementwise_grid`). A copy or a fill takes
-// one (`kMoveRound`), the casts and the sums two (`kRound`), the accumulations and the optimizers
+// one (`kMoveRound`), the casts two (`kRound`), the accumulations, the sums and the optimizers
 // as many as `arithmetic_round` gives. On an H200 at 1 GiB, against `cudaMemcpyAsync` in the same
 // program: a copy at 0.98 with one, 0.94 with two; a cast from bf16 into f32 at 0.965 with two,
 // 0.936 with one, 0.946 with four; `f32 = bf16` likewise, and `bf16 = bf16` at 0.941 with two,
@@ -23,7 +23,9 @@ constexpr int kBlock = 256;
 // one, 0.928 with two; AdamW at 0.977 with one, 0.937 with two, 0.934 with four, and lower again
 // when registers were capped for more blocks; SGD at 0.978 with one, 0.944 with two. Four chunks
 // a round on a grid that fills the GPU once and strides over the rest (an earlier launch) ran
-// them at 0.90-0.92. (BENCHMARKS.md has the crate's own bench.)
+// them at 0.90-0.92, and so did a thread that loads its next round before it stores the last on
+// such a grid (0.89-0.94 for copies, casts and accumulations). (BENCHMARKS.md has the crate's own
+// bench.)
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
 
@@ -33,6 +35,12 @@ constexpr int kRound = 2;
 __host__ __device__ constexpr int arithmetic_round(int loaded, bool converts_16_bit) {
   return loaded == 1 && converts_16_bit ? 2 : 1;
 }
+
+// The blocks of kBlock threads an SM holds when each thread has at most 32 registers: a kernel
+// launched with `__launch_bounds__(kBlock, kFullSm)` is compiled to fit. The batched
+// accumulations (38-40 registers otherwise, 6 blocks an SM) and the sums (41-45, 5 blocks) ran
+// 2-3% nearer the copy at 1 GiB with it, without spilling; AdamW, which needs more, lost 4-10%.
+constexpr int kFullSm = 8;
 
 // One element per step when the operands cannot be vectorized together; several steps in flight
 // per thread so that scalar loads still overlap.
@@ -254,7 +262,10 @@ struct Span {
 // The spans of one launch, passed by value (904 bytes of the 4 KiB of parameters): span s runs on
 // blocks `first_block[s]` up to `first_block[s + 1]` of a one-dimensional grid, as many as its
 // length asks for, so that a small span beside a large one leaves no block idle and every block
-// has a round's work. `kBatchSpans` is `BATCH_SPANS` on the host.
+// has work: a round a thread, or for pack and unpack two, one after the other
+// (`MOVE_SPAN_ROUNDS` on the host: a block's search for its span then serves twice the bytes,
+// and they ran at 0.97 of the copy at 1 GiB rather than 0.94). `kBatchSpans` is `BATCH_SPANS` on
+// the host.
 constexpr int kBatchSpans = 32;
 struct SpanBatch {
   Span spans[kBatchSpans];

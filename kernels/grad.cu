@@ -109,8 +109,9 @@ __device__ __forceinline__ void reduce_sum(const typename T::Bits* const* srcs, 
   Phase phase;
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
-  elementwise<kChunk<typename T::Bits>, kRound>(SumOp<T>{srcs, count, dst, scale}, n, phase,
-                                           grid_thread(), grid_threads());
+  // A sum loads a vector of each of its sources (two or more) for every chunk.
+  elementwise<kChunk<typename T::Bits>, arithmetic_round(2, true)>(
+      SumOp<T>{srcs, count, dst, scale}, n, phase, grid_thread(), grid_threads());
 }
 
 }  // namespace fsdp
@@ -127,7 +128,7 @@ using fsdp::kBlock;
 // Many accumulations of one dtype pair in one launch, each as `accumulate_<name>` computes it,
 // on blocks of its own.
 #define FSDP_ACCUMULATE_MANY(name, S, D)                                                   \
-  extern "C" __global__ void __launch_bounds__(kBlock) accumulate_many_##name(             \
+  extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm) accumulate_many_##name( \
       const fsdp::SpanBatch batch, float scale, uint32_t add) {                            \
     const fsdp::SpanPart part = fsdp::span_part(batch);                                    \
     fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(part.span.src),                \
@@ -150,7 +151,7 @@ FSDP_ACCUMULATE(f16_bf16, fsdp::F16, fsdp::Bf16)
 FSDP_ACCUMULATE(f32_bf16, fsdp::F32, fsdp::Bf16)
 
 #define FSDP_REDUCE_SUM(name, T)                                                             \
-  extern "C" __global__ void __launch_bounds__(kBlock) reduce_sum_##name(                    \
+  extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm) reduce_sum_##name(     \
       const T::Bits* const* srcs, uint32_t count, T::Bits* dst, uint64_t n, float scale) {   \
     fsdp::reduce_sum<T>(srcs, static_cast<int>(count), dst, n, scale);                       \
   }

@@ -453,7 +453,7 @@ impl Kernels {
                 stream,
                 self.move_many[dtype_index(dtype)],
                 spans,
-                round_elements(MOVE_ROUND, dtype.size()),
+                MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
                 &[],
             )
         }
@@ -477,7 +477,7 @@ impl Kernels {
                 stream,
                 self.move_many[dtype_index(dtype)],
                 spans,
-                round_elements(MOVE_ROUND, dtype.size()),
+                MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
                 &[],
             )
         }
@@ -530,7 +530,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                elementwise_grid(n, round_elements(ROUND, dtype.size())),
+                elementwise_grid(n, round_elements(SUM_ROUND, dtype.size())),
                 &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64), arg(&scale)],
             )
         }

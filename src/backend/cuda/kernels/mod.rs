@@ -93,8 +93,12 @@ const CHUNK_BYTES: usize = 16;
 /// kernels/common.cuh.
 const MOVE_ROUND: usize = 1;
 
-/// Chunks a thread of a cast or a sum takes in its round: `kRound`.
+/// Chunks a thread of a cast takes in its round: `kRound`.
 const ROUND: usize = 2;
+
+/// Rounds a thread of a pack or an unpack runs, one after the other (why: beside `SpanBatch` in
+/// kernels/common.cuh).
+const MOVE_SPAN_ROUNDS: usize = 2;
 
 /// Chunks a thread of an arithmetic op that loads `loaded` operands takes in its round:
 /// `arithmetic_round` in kernels/common.cuh.
@@ -104,6 +108,9 @@ const fn arithmetic_round(loaded: usize, converts_16_bit: bool) -> usize {
 
 /// Chunks a thread of an optimizer takes in its round: `kOptimizerRound` in kernels/optim.cu.
 const OPTIMIZER_ROUND: usize = arithmetic_round(2, true);
+
+/// Chunks a thread of a sum takes in its round: it loads two sources or more (`fsdp::reduce_sum`).
+const SUM_ROUND: usize = arithmetic_round(2, true);
 
 /// Elements in a round of `chunks` chunks of an op whose widest operand is `widest` bytes.
 fn round_elements(chunks: usize, widest: usize) -> usize {
