@@ -15,8 +15,8 @@ constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
 // op; the host launches one round per thread (`elementwise_grid`). A copy or a fill takes
-// one (`kMoveRound`), the casts two (`kRound`), the accumulations, the sums and the optimizers
-// as many as `arithmetic_round` gives. On an H200 at 1 GiB, against `cudaMemcpyAsync` in the same
+// one (`kMoveRound`), the casts two (`kRound`), the accumulations and the optimizers as many as
+// `arithmetic_round` gives, the sums as many as `kSumRound` (kernels/grad.cu). On an H200 at 1 GiB, against `cudaMemcpyAsync` in the same
 // program: a copy at 0.98 with one, 0.94 with two; a cast from bf16 into f32 at 0.965 with two,
 // 0.936 with one, 0.946 with four; `f32 = bf16` likewise, and `bf16 = bf16` at 0.941 with two,
 // 0.895 with one; but `f32 += bf16` at 0.990 with one, 0.946 with two; `f32 = f32` at 0.978 with
@@ -38,8 +38,8 @@ __host__ __device__ constexpr int arithmetic_round(int loaded, bool converts_16_
 
 // The blocks of kBlock threads an SM holds when each thread has at most 32 registers: a kernel
 // launched with `__launch_bounds__(kBlock, kFullSm)` is compiled to fit. The batched
-// accumulations (38-40 registers otherwise, 6 blocks an SM) and the sums (41-45, 5 blocks) ran
-// 2-3% nearer the copy at 1 GiB with it, without spilling; AdamW, which needs more, lost 4-10%.
+// accumulations (38-40 registers otherwise, 6 blocks an SM) and the f32 sum (41, 5 blocks) ran
+// 3% nearer the copy at 1 GiB with it; AdamW, which needs more, lost 4-10%, and the bf16 sum 7%.
 constexpr int kFullSm = 8;
 
 // One element per step when the operands cannot be vectorized together; several steps in flight

@@ -530,7 +530,7 @@ impl Kernels {
             self.launch(
                 stream,
                 kernel,
-                elementwise_grid(n, round_elements(SUM_ROUND, dtype.size())),
+                elementwise_grid(n, round_elements(sum_round(dtype), dtype.size())),
                 &mut [arg(&srcs), arg(&count32), arg(&dst), arg(&n64), arg(&scale)],
             )
         }

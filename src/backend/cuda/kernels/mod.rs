@@ -109,8 +109,14 @@ const fn arithmetic_round(loaded: usize, converts_16_bit: bool) -> usize {
 /// Chunks a thread of an optimizer takes in its round: `kOptimizerRound` in kernels/optim.cu.
 const OPTIMIZER_ROUND: usize = arithmetic_round(2, true);
 
-/// Chunks a thread of a sum takes in its round: it loads two sources or more (`fsdp::reduce_sum`).
-const SUM_ROUND: usize = arithmetic_round(2, true);
+/// Chunks a thread of a sum of `dtype` takes in its round: `kSumRound` in kernels/grad.cu.
+fn sum_round(dtype: DType) -> usize {
+    if dtype.size() == 4 {
+        arithmetic_round(2, false)
+    } else {
+        ROUND
+    }
+}
 
 /// Elements in a round of `chunks` chunks of an op whose widest operand is `widest` bytes.
 fn round_elements(chunks: usize, widest: usize) -> usize {

@@ -61,7 +61,8 @@ fn rounds_are_the_kernels_own() {
     assert_eq!(accumulate_round_elements((Bf16, Bf16), false), 16);
     assert_eq!(accumulate_round_elements((F16, Bf16), true), 8);
     assert_eq!(OPTIMIZER_ROUND, 1);
-    assert_eq!(SUM_ROUND, 1);
+    assert_eq!(sum_round(F32), 1);
+    assert_eq!(sum_round(Bf16), 2);
     assert_eq!(round_elements(MOVE_ROUND, 1), 16);
     // Pack and unpack: two rounds of one chunk, one after the other.
     assert_eq!(MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, 2), 16);
