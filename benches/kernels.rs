@@ -12,9 +12,10 @@
 //! bandwidth counts the bytes the kernel must read plus those it writes, and the last column is
 //! that bandwidth over the copy's. Repetitions rotate over buffer sets that together far exceed
 //! the L2 cache, so that the 16 MiB figures measure memory, not cache, as in training. Every
-//! measurement carves its buffers from one allocation made at the start: on an H200, buffers
-//! freshly allocated after others of different sizes were freed ran the same kernel at 0.87 of
-//! the copy where it ran at 0.97 on memory allocated once.
+//! measurement carves its buffers from one allocation made at the start, so that every kernel
+//! runs on the same memory: on an H200, with buffers allocated for each measurement after others
+//! of different sizes were freed, one kernel ran at 0.87 of the copy in one measurement and at
+//! 0.97 in another of the same run.
 //! Without a GPU (or without kernels in the build) it says so and exits 0.
 
 use std::error::Error as StdError;
