@@ -33,6 +33,8 @@ type OnSet = Box<dyn Fn(&Gpu, &[u64]) -> Outcome<()>>;
 
 const MIB: usize = 1 << 20;
 const GIB: usize = 1 << 30;
+/// The output sizes every kernel is measured at.
+const SIZES: [usize; 2] = [GIB, 16 * MIB];
 /// The buffer sets of one measurement add up to at least this: several times an H200's L2.
 const ROTATION_BYTES: usize = 512 * MIB;
 /// The figure every kernel should reach at 1 GiB, as a fraction of the copy.
@@ -49,11 +51,14 @@ struct Settings {
     only: Option<String>,
 }
 
+/// The device and what the bench holds on it. Its drop waits for the stream first, so that no
+/// queued work outlives the memory it uses, on an error path too.
 struct Gpu {
-    /// First, so that they are freed while the context is still alive.
+    /// The gate and the pool come first, so that they are freed while the context is alive.
     gate: Device,
-    /// The memory every measurement's buffer sets are carved from.
-    arena: Device,
+    /// The memory every measurement's buffer sets are carved from, `pool_bytes` long.
+    pool: Device,
+    pool_bytes: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -113,19 +118,20 @@ fn open() -> Outcome<Option<Gpu>> {
     };
     let stream = ctx.new_stream()?;
     let gate = Device::alloc(&stream, GATE_BYTES)?;
-    let arena_bytes = [GIB, 16 * MIB]
+    let pool_bytes = SIZES
         .into_iter()
         .flat_map(|size| items(size).into_iter().chain([memcpy(size)]))
         .map(|item| sets_bytes(&item))
         .max()
         .unwrap_or(0);
-    let arena = Device::alloc(&stream, arena_bytes)?;
+    let pool = Device::alloc(&stream, pool_bytes)?;
     Ok(Some(Gpu {
         ctx,
         stream,
         kernels,
         gate,
-        arena,
+        pool,
+        pool_bytes,
     }))
 }
 
@@ -142,7 +148,7 @@ fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
         "kernel", "dtype", "size", "ms", "GB/s", "of copy"
     );
     let mut short = Vec::new();
-    for size in [GIB, 16 * MIB] {
+    for size in SIZES {
         let label = if size >= GIB {
             format!("{} GiB", size / GIB)
         } else {
@@ -192,8 +198,8 @@ fn print_row(kernel: &str, dtype: &str, size: &str, figure: Figure, fraction: f6
     );
 }
 
-/// One call to time. Each buffer set holds `operands` (bytes each, allocated and filled with
-/// finite values); `setup` writes a set's tables once, `call` launches on one set.
+/// One call to time. Each buffer set holds `operands` (bytes each, carved from the pool and filled
+/// with finite values); `setup` writes a set's tables once, `call` launches on one set.
 struct Item {
     kernel: &'static str,
     dtype: String,
@@ -240,9 +246,16 @@ impl Device {
     }
 }
 
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // Drop cannot report an error; the memory is freed after the wait either way.
+        let _ = self.stream.synchronize();
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
-        // SAFETY: allocated by `alloc`, freed once; the bench synchronizes before dropping.
+        // SAFETY: allocated by `alloc`, freed once; the `Gpu` holding it waited for its stream.
         let _ = unsafe { result::free_sync(self.ptr) };
     }
 }
@@ -254,7 +267,7 @@ fn upload(gpu: &Gpu, ptr: u64, bytes: &[u8]) -> Outcome<()> {
     Ok(())
 }
 
-/// Bytes an operand takes in the arena: its own, rounded up so that the next one starts at 256.
+/// Bytes an operand takes in the pool: its own, rounded up so that the next one starts at 256.
 fn carved(bytes: usize) -> usize {
     bytes.max(1).div_ceil(256) * 256
 }
@@ -265,20 +278,27 @@ fn set_count(item: &Item) -> usize {
     ROTATION_BYTES.div_ceil(set_bytes).clamp(1, 64)
 }
 
-/// The arena bytes `item`'s buffer sets take.
+/// The pool bytes `item`'s buffer sets take.
 fn sets_bytes(item: &Item) -> usize {
     set_count(item) * item.operands.iter().map(|&b| carved(b)).sum::<usize>()
 }
 
-/// Carves enough buffer sets to defeat the L2 out of the arena, fills them, and times `item` on
+/// Carves enough buffer sets to defeat the L2 out of the pool, fills them, and times `item` on
 /// them in rotation.
 fn measure(gpu: &Gpu, settings: &Settings, item: &Item) -> Outcome<Figure> {
-    let mut at = gpu.arena.ptr;
+    if sets_bytes(item) > gpu.pool_bytes {
+        return Err(format!(
+            "{} {}: its buffer sets outgrow the pool",
+            item.kernel, item.dtype
+        )
+        .into());
+    }
+    let mut at = gpu.pool.ptr;
     let mut sets = Vec::new();
     for _ in 0..set_count(item) {
         let mut addresses = Vec::new();
         for &bytes in &item.operands {
-            // SAFETY: the arena holds every set of the largest item (`sets_bytes`).
+            // SAFETY: the pool holds the item's sets (checked above), carved in `sets_bytes`' order.
             unsafe { result::memset_d8_async(at, 0x3F, bytes, gpu.stream.cu_stream()) }?;
             addresses.push(at);
             at += carved(bytes) as u64;

@@ -14,7 +14,8 @@ namespace fsdp {
 constexpr int kBlock = 256;
 
 // Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
-// op; the host launches one round per thread (`elementwise_grid`). A copy or a fill takes one
+// op; the host launches one round per thread (`elementwise_grid`; pack and unpack two, see
+// `SpanBatch`). A copy or a fill takes one
 // (`kMoveRound`), the casts two (`kRound`), the accumulations and the optimizers as many as
 // `arithmetic_round` gives, the sums as many as `kSumRound` (kernels/grad.cu). On an H200 at 1
 // GiB, against `cudaMemcpyAsync` in the same program: a copy at 0.98 with one, 0.94 with two; a
@@ -38,8 +39,9 @@ __host__ __device__ constexpr int arithmetic_round(int loaded, bool converts_16_
 
 // The blocks of kBlock threads an SM holds when each thread has at most 32 registers: a kernel
 // launched with `__launch_bounds__(kBlock, kFullSm)` is compiled to fit. The batched
-// accumulations (38-40 registers otherwise, 6 blocks an SM) and the f32 sum (41, 5 blocks) ran
-// 3% nearer the copy at 1 GiB with it; AdamW, which needs more, lost 4-10%, and the bf16 sum 7%.
+// accumulations (38-40 registers otherwise, 6 blocks an SM) ran at 0.972 of the copy at 1 GiB
+// with it against 0.938; the f32 sum at one chunk a round at 0.952 with it against 0.718 without.
+// AdamW, which needs more registers, lost 4-10% when capped for 4 or 6 blocks.
 constexpr int kFullSm = 8;
 
 // One element per step when the operands cannot be vectorized together; several steps in flight

@@ -148,8 +148,9 @@ impl Kernels {
     }
 
     /// Launches `kernel` over the spans `spans()` gives, in batches of [`BATCH_SPANS`], each span
-    /// on blocks of its own, as many as its length asks for at `round` elements a thread; the
-    /// batch by value, then `args`, are the kernel's parameters. Every span is checked before
+    /// on blocks of its own, as many as its length asks for at `per_thread` elements a thread (a
+    /// round's, or for pack and unpack two rounds'); the batch by value, then `args`, are the
+    /// kernel's parameters. Every span is checked before
     /// the first launch: a span that is an error launches nothing.
     ///
     /// # Safety
@@ -159,7 +160,7 @@ impl Kernels {
         stream: &CudaStream,
         kernel: Kernel,
         spans: impl Fn() -> I,
-        round: usize,
+        per_thread: usize,
         args: &[*mut c_void],
     ) -> Result<()> {
         spans().try_for_each(|span| span.map(drop))?;
@@ -169,7 +170,7 @@ impl Kernels {
         let most_blocks = MAX_GRID / BATCH_SPANS as u32;
         let blocks = |n: u64| {
             let n = usize::try_from(n).unwrap_or(usize::MAX);
-            elementwise_grid(n, round).min(most_blocks)
+            elementwise_grid(n, per_thread).min(most_blocks)
         };
         let mut params = [std::ptr::null_mut(); 3];
         let Some(count) = args.len().checked_add(1).filter(|&c| c <= params.len()) else {
