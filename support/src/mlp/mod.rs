@@ -30,9 +30,11 @@ use fsdp_fusion::{
 /// The process group of the example model's expert parameters.
 pub const EXPERT_GROUP: &str = "experts";
 
+mod pass;
 mod reference;
 mod training;
 
+pub use pass::{PassRunner, PassState, Stage};
 pub use reference::Reference;
 pub use training::{
     Checkpoints, Comparison, RankStep, RankSummary, Training, assemble, assemble_copy,
@@ -313,107 +315,66 @@ impl Mlp {
     }
 
     fn layer(&self, params: &mut impl Params, i: usize, h: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (b, w) = (self.config.batch, self.config.width);
         let weight = params.value(self.ids.weight(i))?;
         let bias = params.value(self.ids.bias(i))?;
         let gain = params.value(self.ids.gain(i))?;
-        let mut a = matmul(h, false, &weight, false, b, w, w);
-        for row in a.chunks_exact_mut(w) {
-            for (z, bj) in row.iter_mut().zip(&bias) {
-                *z = (*z + bj).tanh();
-            }
-        }
-        let mut out = h.to_vec();
-        for (row_out, row_a) in out.chunks_exact_mut(w).zip(a.chunks_exact(w)) {
-            for j in 0..w {
-                row_out[j] += gain[j] * row_a[j];
-            }
-        }
-        Ok((a, out))
+        Ok(layer_values(self.shape(), h, [&weight, &bias, &gain]))
     }
 
     fn head(&self, params: &mut impl Params, embed: &[f32], h: &[f32]) -> Result<Vec<f32>> {
-        let c = &self.config;
         let bias = params.value(self.ids.head_bias())?;
-        let mut out = matmul(h, false, embed, true, c.batch, c.width, c.inputs);
-        for row in out.chunks_exact_mut(c.inputs) {
-            for (o, bj) in row.iter_mut().zip(&bias) {
-                *o += bj;
-            }
-        }
-        Ok(out)
+        Ok(head_values(self.shape(), h, embed, &bias))
     }
 
-    /// One forward and backward pass on a micro-batch, with every hook; returns the loss.
-    pub fn pass(&self, params: &mut impl Params, x: &[f32], y: &[f32]) -> Result<f32> {
+    /// The sizes its math needs.
+    fn shape(&self) -> Shape {
         let c = &self.config;
-        let (b, n, w, ids) = (c.batch, c.inputs, c.width, self.ids);
-
-        params.hook(Hook::PreForward, Unit::Root)?;
-        let embed = params.value(ids.embed())?;
-        let mut hs = vec![matmul(x, false, &embed, false, b, n, w)];
-        params.hook(Hook::PostForward, Unit::Root)?;
-        let mut acts = Vec::with_capacity(c.layers);
-        for i in 0..c.layers {
-            params.hook(Hook::PreForward, Unit::Layer(i as u32))?;
-            let (a, h) = self.layer(params, i, &hs[i])?;
-            params.hook(Hook::PostForward, Unit::Layer(i as u32))?;
-            acts.push(a);
-            hs.push(h);
+        Shape {
+            batch: c.batch,
+            inputs: c.inputs,
+            width: c.width,
+            layers: c.layers,
         }
-        params.hook(Hook::PreForward, Unit::Root)?;
-        let embed = params.value(ids.embed())?;
-        let out = self.head(params, &embed, &hs[c.layers])?;
-        params.hook(Hook::PostForward, Unit::Root)?;
-
-        let count = (b * n) as f32;
-        let mut loss = 0f32;
-        let dout: Vec<f32> = out
-            .iter()
-            .zip(y)
-            .map(|(o, t)| {
-                let d = o - t;
-                loss += d * d;
-                d / count
-            })
-            .collect();
-        let loss = 0.5 * loss / count;
-
-        params.hook(Hook::PreBackward, Unit::Root)?;
-        let embed = params.value(ids.embed())?;
-        params.grad(ids.head_bias(), &sum_rows(&dout, n))?;
-        let mut d_embed = matmul(&dout, true, &hs[c.layers], false, n, b, w);
-        let mut dh = matmul(&dout, false, &embed, false, b, n, w);
-        params.hook(Hook::PostBackward, Unit::Root)?;
-        for i in (0..c.layers).rev() {
-            let unit = Unit::Layer(i as u32);
-            params.hook(Hook::PreBackward, unit)?;
-            let weight = params.value(ids.weight(i))?;
-            let gain = params.value(ids.gain(i))?;
-            let mut dz = vec![0f32; b * w];
-            for (r, dz_row) in dz.chunks_exact_mut(w).enumerate() {
-                for j in 0..w {
-                    let a = acts[i][r * w + j];
-                    dz_row[j] = dh[r * w + j] * gain[j] * (1.0 - a * a);
-                }
-            }
-            // A layer's gradients in one call: an engine takes them as a batch.
-            let weight_grad = matmul(&hs[i], true, &dz, false, w, b, w);
-            let bias_grad = sum_rows(&dz, w);
-            params.grads(&[(ids.weight(i), &weight_grad), (ids.bias(i), &bias_grad)])?;
-            let back = matmul(&dz, false, &weight, true, b, w, w);
-            for (d, v) in dh.iter_mut().zip(back) {
-                *d += v;
-            }
-            params.hook(Hook::PostBackward, unit)?;
-        }
-        let from_input = matmul(x, true, &dh, false, n, b, w);
-        for (d, v) in d_embed.iter_mut().zip(from_input) {
-            *d += v;
-        }
-        params.grad(ids.embed(), &d_embed)?;
-        Ok(loss)
     }
+}
+
+/// The sizes of the example model's math.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    batch: usize,
+    inputs: usize,
+    width: usize,
+    layers: usize,
+}
+
+/// A layer's activation `tanh(h W + b)` and its output `h + gain * activation`, from `h` and
+/// the layer's weight, bias and gain.
+fn layer_values(s: Shape, h: &[f32], [weight, bias, gain]: [&[f32]; 3]) -> (Vec<f32>, Vec<f32>) {
+    let (b, w) = (s.batch, s.width);
+    let mut a = matmul(h, false, weight, false, b, w, w);
+    for row in a.chunks_exact_mut(w) {
+        for (z, bj) in row.iter_mut().zip(bias) {
+            *z = (*z + bj).tanh();
+        }
+    }
+    let mut out = h.to_vec();
+    for (row_out, row_a) in out.chunks_exact_mut(w).zip(a.chunks_exact(w)) {
+        for j in 0..w {
+            row_out[j] += gain[j] * row_a[j];
+        }
+    }
+    (a, out)
+}
+
+/// The model's output `h E^T + c`.
+fn head_values(s: Shape, h: &[f32], embed: &[f32], bias: &[f32]) -> Vec<f32> {
+    let mut out = matmul(h, false, embed, true, s.batch, s.width, s.inputs);
+    for row in out.chunks_exact_mut(s.inputs) {
+        for (o, bj) in row.iter_mut().zip(bias) {
+            *o += bj;
+        }
+    }
+    out
 }
 
 /// The teacher's parameters: values only.
