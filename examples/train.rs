@@ -7,6 +7,7 @@
 //! cargo run --release --example train -- --backend cuda --comm nccl       # one GPU per rank
 //! cargo run --release --example train -- --ranks 8 --replicas 2   # hybrid: 2 replicas of 4
 //! cargo run --release --example train -- --ranks 8 --experts 2    # expert groups of 2 ranks
+//! cargo run --release --example train -- --capture   # one step captured, replayed for the rest
 //! cargo run --release --example train -- --steps 10 --save run        # then:
 //! cargo run --release --example train -- --steps 20 --resume run --export model.safetensors
 
@@ -162,6 +163,12 @@ struct Args {
     /// pass a step, no clipping: the grad norm column is then NaN).
     #[arg(long)]
     step_in_backward: bool,
+    /// Capture the step after the first once and replay it for every later step, with the
+    /// model's math queued on each rank's compute stream (CPU ranks whose streams run apart, as
+    /// a GPU's do). The grad norm column is NaN for the replayed steps: clipping reads the norm
+    /// on the device.
+    #[arg(long)]
+    capture: bool,
 }
 
 /// Runs longer than this show a progress bar and print a line every few steps.
@@ -355,6 +362,33 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
             .or(export_dir.as_ref().map(|(dir, _)| dir.as_path())),
     };
     let summaries = match (setup, args.experts) {
+        (Setup::CpuLocal, Some(size)) if args.capture => {
+            let ranks = expert_ranks(args.ranks, size, fsdp_fusion::LocalComm::group, |rank| {
+                fsdp_fusion::CpuBackend::asynchronous(rank as u64)
+            })?;
+            training.compare_captured(ranks, checkpoints, on_step)?
+        }
+        (Setup::CpuLocal, None) if args.capture => {
+            let ranks = Hybrid::grid(args.replicas, shard_size, fsdp_fusion::LocalComm::group)?
+                .into_iter()
+                .enumerate()
+                .map(|(rank, c)| {
+                    let backend = fsdp_fusion::CpuBackend::asynchronous(rank as u64)?;
+                    Ok((backend, c, Vec::new()))
+                })
+                .collect::<fsdp_fusion::Result<Vec<_>>>()?;
+            training.compare_captured(ranks, checkpoints, on_step)?
+        }
+        (_, _) if args.capture => {
+            return Err(fsdp_fusion::Error::InvalidConfig {
+                field: "capture",
+                reason:
+                    "needs the model's math queued on a stream, and the example model computes \
+                         on the host, which only the CPU backend's streams can run: use \
+                         --backend cpu"
+                        .into(),
+            });
+        }
         (Setup::CpuLocal, Some(size)) => {
             let ranks = expert_ranks(args.ranks, size, fsdp_fusion::LocalComm::group, |_| {
                 Ok(fsdp_fusion::CpuBackend::new())

@@ -1,5 +1,6 @@
 //! Sharded training on CPU ranks equals the unsharded reference, parameter by parameter, after
-//! every step, on the eager CPU backend and on asynchronous ones.
+//! every step, on the eager CPU backend and on asynchronous ones; steps captured once and
+//! replayed on asynchronous ones equal the eager steps bit for bit.
 
 use std::sync::Arc;
 
@@ -8,7 +9,7 @@ use fsdp_fusion::{
     Accumulation, DType, EngineConfig, GradReduction, GradShardMemory, LocalComm, OptimizerConfig,
     ParamStorage, Plan, Policy,
 };
-use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, Reference, Training};
+use fsdp_fusion_support::mlp::{Checkpoints, Mlp, MlpConfig, Recipe, Reference, Training};
 use fsdp_fusion_support::ranks::{Mode, for_each_case_and_mode_of_a_long_suite, within_deadline};
 use fsdp_fusion_support::values::max_relative_difference;
 
@@ -68,8 +69,9 @@ fn assert_parity(cases: &[Case]) {
     }
 }
 
-fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
-    let model = Mlp::new(MlpConfig {
+/// The model every case trains.
+fn model(dtype: DType) -> Mlp {
+    Mlp::new(MlpConfig {
         layers: 3,
         width: 24,
         inputs: 12,
@@ -77,20 +79,49 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recip
         dtype,
         seed: 11,
         embed_lr_scale: 0.5,
-    });
+    })
+}
+
+/// Runs `f` on the training of [`model`] at `world` ranks, [`STEPS`] steps of [`PASSES`]
+/// micro-batches (one where the engine steps in the backward, which takes one pass a step).
+fn with_training<R>(
+    world: usize,
+    dtype: DType,
+    config: &EngineConfig,
+    recipe: Recipe,
+    f: impl FnOnce(&Training<'_>) -> R,
+) -> R {
+    let model = model(dtype);
     let plan = Arc::new(Plan::new(&model.spec().unwrap(), world).unwrap());
     let init = model.init(3);
-    // An engine that steps in the backward takes one backward pass a step.
-    let passes = if config.step_in_backward { 1 } else { PASSES };
-    let training = Training {
+    f(&Training {
         model: &model,
         plan: &plan,
-        config: &config,
+        config,
         init: &init,
         steps: STEPS,
+        passes: if config.step_in_backward { 1 } else { PASSES },
+        recipe,
+    })
+}
+
+fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recipe: Recipe) -> f32 {
+    with_training(world, dtype, &config, recipe, |t| parity_of(mode, t))
+}
+
+/// The largest relative parameter difference between `training` on ranks of `mode` and the
+/// reference, over every step, after checking the run's memory, losses and norms.
+fn parity_of(mode: Mode, training: &Training<'_>) -> f32 {
+    let Training {
+        model,
+        plan,
+        config,
+        init,
         passes,
         recipe,
-    };
+        ..
+    } = *training;
+    let world = plan.world_size();
     let mut steps = Vec::new();
     let ranks = LocalComm::group(world)
         .unwrap()
@@ -109,9 +140,9 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recip
     // for the model added (each counted); between steps only per-step gradient shards are gone.
     // Where the optimizer steps in the backward, the plan bounds the per-step shards held at
     // once, and the step holds fewer than all of them.
-    let predicted = Policy::new(&plan, &config).unwrap().memory;
+    let predicted = Policy::new(plan, config).unwrap().memory;
     let all_shards = Policy::new(
-        &plan,
+        plan,
         &EngineConfig {
             step_in_backward: false,
             ..config.clone()
@@ -162,7 +193,7 @@ fn parity_in(mode: Mode, world: usize, dtype: DType, config: EngineConfig, recip
         }
     }
     // Training moved the parameters: a run that did nothing would also "agree".
-    let mut reference = Reference::new(model.clone(), &init, world, &config, recipe).unwrap();
+    let mut reference = Reference::new(model.clone(), init, world, config, recipe).unwrap();
     let start = reference.values().to_vec();
     reference.step(0, passes).unwrap();
     let moved = max_relative_difference(reference.values(), &start);
@@ -516,4 +547,109 @@ fn master_only_storage_holds_no_shard_for_its_groups() {
             assert_eq!(a.gathered_slots, b.gathered_slots);
         }
     }
+}
+
+/// Trains every case eagerly on eager ranks and, in every asynchronous mode, with the model's
+/// work on the compute stream, its second step captured and the rest replays
+/// ([`Training::compare_captured`]): the two agree bit for bit at every step (the mean loss and
+/// the parameters' difference from the reference, which is at most 1e-6); the gradient norm,
+/// which stays on the device in the replays, is the eager one at the first step.
+fn assert_captured_parity(cases: &[Case]) {
+    for_each_case_and_mode_of_a_long_suite(cases, |case, mode| {
+        // Only streams that run apart capture.
+        let Mode::Async(_) = mode else { return };
+        let what = format!("{case:?} ({mode:?}, {:?}) captured", case.recipe);
+        let (world, dtype, config, recipe) =
+            (case.world, case.dtype, case.config.clone(), case.recipe);
+        within_deadline(&what.clone(), move || {
+            with_training(world, dtype, &config, recipe, |training| {
+                let comms = || LocalComm::group(world).unwrap().into_iter().enumerate();
+                let mut eager = Vec::new();
+                let ranks = comms().map(|(r, c)| (Mode::Eager.backend(r), c)).collect();
+                training
+                    .compare(ranks, |_, c| {
+                        eager.push(*c);
+                        Ok(())
+                    })
+                    .unwrap();
+                let mut captured = Vec::new();
+                let ranks = comms()
+                    .map(|(r, c)| (mode.backend(r), c, Vec::new()))
+                    .collect();
+                let checkpoints = Checkpoints::default();
+                training
+                    .compare_captured(ranks, checkpoints, |_, c| {
+                        captured.push(*c);
+                        Ok(())
+                    })
+                    .unwrap();
+                assert_eq!(eager.len() as u64, STEPS, "{what}");
+                assert_eq!(captured.len() as u64, STEPS, "{what}");
+                for (step, (e, c)) in eager.iter().zip(&captured).enumerate() {
+                    assert!(e.difference <= 1e-6, "{what}: {eager:?}");
+                    assert_eq!(e.loss.to_bits(), c.loss.to_bits(), "{what}: step {step}");
+                    assert_eq!(
+                        e.difference.to_bits(),
+                        c.difference.to_bits(),
+                        "{what}: step {step}: {eager:?} {captured:?}"
+                    );
+                    match step {
+                        0 => assert_eq!(e.grad_norm.to_bits(), c.grad_norm.to_bits(), "{what}"),
+                        _ => assert!(c.grad_norm.is_nan(), "{what}: {captured:?}"),
+                    }
+                }
+            })
+        })
+    });
+}
+
+#[test]
+fn steps_captured_and_replayed_train_as_eager_steps_do() {
+    let mut cases = at_worlds(
+        "f32",
+        &[1, 2, 3, 4],
+        DType::F32,
+        &config(true),
+        full_recipe(),
+    );
+    let bf16_no_sync = EngineConfig {
+        accumulation: Accumulation::NoSync,
+        reduce_dtype: DType::Bf16,
+        ..config(false)
+    };
+    let keep_gathered = EngineConfig {
+        accumulation: Accumulation::KeepGathered,
+        optimizer: OptimizerConfig::sgd(0.5),
+        ..config(true)
+    };
+    let in_backward = EngineConfig {
+        step_in_backward: true,
+        ..config(true)
+    };
+    let no_clip = Recipe {
+        clip: None,
+        ..full_recipe()
+    };
+    cases.extend(at_worlds(
+        "bf16 no-sync",
+        &[3],
+        DType::Bf16,
+        &bf16_no_sync,
+        full_recipe(),
+    ));
+    cases.extend(at_worlds(
+        "keep gathered SGD",
+        &[2],
+        DType::F32,
+        &keep_gathered,
+        full_recipe(),
+    ));
+    cases.extend(at_worlds(
+        "in the backward",
+        &[2],
+        DType::Bf16,
+        &in_backward,
+        no_clip,
+    ));
+    assert_captured_parity(&cases);
 }

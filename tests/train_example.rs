@@ -1,10 +1,21 @@
 //! The main job's checkpoints as a user runs them: a 4-rank run saved after 3 steps, resumed at 3
 //! ranks (no step left) and exported, writes the 4-rank run's own export bit for bit; a save
-//! into a folder that holds a checkpoint is refused before training.
+//! into a folder that holds a checkpoint is refused before training; a run with `--capture` prints
+//! the eager run's losses.
 
 use std::process::Command;
 
 use fsdp_fusion_support::scratch::Scratch;
+
+/// Runs the main job `train` with `args`: whether it succeeded, its output and its errors.
+fn run(train: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(train)
+        .args(args)
+        .output()
+        .expect("run the example");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
 
 #[test]
 fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
@@ -16,12 +27,8 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
         scratch.join("three.safetensors"),
     );
     let run = |args: &[&str]| {
-        let out = Command::new(&train)
-            .args(args)
-            .output()
-            .expect("run the example");
-        let text = String::from_utf8_lossy(&out.stderr).into_owned();
-        (out.status.success(), text)
+        let (ok, _, err) = run(&train, args);
+        (ok, err)
     };
     let path = |p: &std::path::Path| p.to_str().unwrap().to_string();
     let (ok, err) = run(&[
@@ -63,14 +70,7 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
 #[test]
 fn the_optimizer_stepping_in_the_backward_agrees_with_the_reference_and_refuses_what_it_cannot() {
     let train = fsdp_fusion_support::examples::build("train");
-    let run = |args: &[&str]| {
-        let out = Command::new(&train)
-            .args(args)
-            .output()
-            .expect("run the example");
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.success(), text(&out.stdout), text(&out.stderr))
-    };
+    let run = |args: &[&str]| run(&train, args);
     let (ok, out, err) = run(&[
         "--step-in-backward",
         "--passes",
@@ -94,4 +94,49 @@ fn the_optimizer_stepping_in_the_backward_agrees_with_the_reference_and_refuses_
         "1",
     ]);
     assert!(!ok && err.contains("step_in_backward"), "{err}");
+}
+
+#[test]
+fn a_captured_run_prints_the_eager_run_s_losses_and_refuses_the_cuda_backend() {
+    let train = fsdp_fusion_support::examples::build("train");
+    let run = |args: &[&str]| run(&train, args);
+    let recipe = [
+        "--steps",
+        "4",
+        "--lr-schedule",
+        "warmup-cosine",
+        "--warmup-steps",
+        "2",
+        "--clip",
+        "0.1",
+    ];
+    let (ok, eager, err) = run(&recipe);
+    assert!(ok, "{err}");
+    let (ok, captured, err) = run(&[&recipe[..], &["--capture"]].concat());
+    assert!(ok, "{err}");
+    // Each step's line: step, sharded loss, reference loss, norm, reference norm, difference.
+    let steps = |out: &str| -> Vec<Vec<String>> {
+        out.lines()
+            .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+            .filter(|f| f.len() == 6 && f[0].parse::<u64>().is_ok())
+            .collect()
+    };
+    let (eager, captured) = (steps(&eager), steps(&captured));
+    assert_eq!(eager.len(), 4, "{eager:?}");
+    assert_eq!(captured.len(), 4, "{captured:?}");
+    for (step, (e, c)) in eager.iter().zip(&captured).enumerate() {
+        let same = [0, 1, 2, 4, 5];
+        assert!(
+            same.iter().all(|&i| e[i] == c[i]),
+            "step {step}: {e:?} {c:?}"
+        );
+        assert_eq!(c[5], "0.000e0", "step {step}: {c:?}");
+        // The replayed steps' norm stays on the device.
+        assert!(
+            (step == 0) == (c[3] == e[3]) && (step == 0 || c[3] == "NaN"),
+            "{c:?}"
+        );
+    }
+    let (ok, _, err) = run(&["--capture", "--backend", "cuda", "--steps", "1"]);
+    assert!(!ok && err.contains("--backend cpu"), "{err}");
 }

@@ -30,14 +30,16 @@ use fsdp_fusion::{
 /// The process group of the example model's expert parameters.
 pub const EXPERT_GROUP: &str = "experts";
 
+mod captured;
 mod pass;
 mod reference;
 mod training;
 
+pub use captured::CapturedSteps;
 pub use pass::{PassRunner, PassState, Stage};
 pub use reference::Reference;
 pub use training::{
-    Checkpoints, Comparison, RankStep, RankSummary, Training, assemble, assemble_copy,
+    Checkpoints, Comparison, RankStep, RankSteps, RankSummary, Training, assemble, assemble_copy,
 };
 
 use crate::rng::Rng;
@@ -474,17 +476,26 @@ pub fn sharded_step<B: Backend, C: Communicator<B>>(
         loss += model.pass(&mut EngineParams(engine), &x, &y)?;
     }
     engine.finish_grad_sync()?;
-    let norm = match (recipe.clip, engine.config().step_in_backward) {
-        (Some(max), _) => engine.clip_grad_norm(max)?,
-        (None, true) => GradNorm {
-            l2: f32::NAN,
-            max: f32::NAN,
-        },
-        (None, false) => engine.grad_norm()?,
-    };
+    let norm = step_norm(engine, recipe)?;
     engine.optimizer_step()?;
     engine.end_step()?;
     Ok((loss / passes as f32, norm))
+}
+
+/// The synced gradients' norm before clipping, clipped under the recipe (NaN where the engine
+/// steps in the backward, which refuses the norm).
+fn step_norm<B: Backend, C: Communicator<B>>(
+    engine: &mut Engine<B, C>,
+    recipe: Recipe,
+) -> Result<GradNorm> {
+    match (recipe.clip, engine.config().step_in_backward) {
+        (Some(max), _) => engine.clip_grad_norm(max),
+        (None, true) => Ok(GradNorm {
+            l2: f32::NAN,
+            max: f32::NAN,
+        }),
+        (None, false) => engine.grad_norm(),
+    }
 }
 
 /// The arithmetic of the engine's gradient path, element by element: each rank's gradient in

@@ -24,6 +24,17 @@ pub struct PassState {
     pub loss: f32,
 }
 
+impl PassState {
+    /// A pass's state before its first stage: its micro-batch.
+    pub fn new(x: Vec<f32>, y: Vec<f32>) -> PassState {
+        PassState {
+            x,
+            y,
+            ..PassState::default()
+        }
+    }
+}
+
 /// A stage: from the pass's state and the values of the parameters it reads (in order, widened
 /// to f32), the gradients it gives (in order).
 pub type Stage = Arc<dyn Fn(&mut PassState, &[Vec<f32>]) -> Vec<Vec<f32>> + Send + Sync>;
@@ -40,11 +51,7 @@ pub trait PassRunner {
 impl Mlp {
     /// One forward and backward pass on a micro-batch, with every hook; returns the loss.
     pub fn pass(&self, params: &mut impl Params, x: &[f32], y: &[f32]) -> Result<f32> {
-        let state = PassState {
-            x: x.to_vec(),
-            y: y.to_vec(),
-            ..PassState::default()
-        };
+        let state = PassState::new(x.to_vec(), y.to_vec());
         let mut runner = HostRunner { params, state };
         self.run_pass(&mut runner)?;
         Ok(runner.state.loss)

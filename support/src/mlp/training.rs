@@ -19,6 +19,28 @@ pub struct RankSummary {
     pub counters: Counters,
 }
 
+/// How a rank runs its steps on its engine.
+pub trait RankSteps<B: Backend, C: Communicator<B>> {
+    /// Runs step `step`: the mean loss of the rank's micro-batches and the gradient norm before
+    /// clipping (NaN where the host does not see it).
+    fn step(&mut self, engine: &mut Engine<B, C>, step: u64) -> Result<(f32, GradNorm)>;
+}
+
+/// Every step eager, the model's math on the host ([`sharded_step`]).
+struct EagerSteps<'a> {
+    model: &'a Mlp,
+    passes: u64,
+    base_lr: f32,
+    recipe: Recipe,
+}
+
+impl<B: Backend, C: Communicator<B>> RankSteps<B, C> for EagerSteps<'_> {
+    fn step(&mut self, engine: &mut Engine<B, C>, step: u64) -> Result<(f32, GradNorm)> {
+        let (model, recipe) = (self.model, self.recipe);
+        sharded_step(model, engine, (step, self.passes), self.base_lr, recipe)
+    }
+}
+
 /// Every parameter's values, assembled from each rank's shards after a step (the first copy,
 /// with experts).
 pub fn assemble(plan: &Plan, ranks: &[RankStep]) -> Result<Vec<Vec<f32>>> {
@@ -132,6 +154,45 @@ impl Training<'_> {
         &self,
         ranks: Vec<(B, C, Vec<C>)>,
         checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.compare_by(ranks, checkpoints, &|_| Ok(self.eager_steps()), on_step)
+    }
+
+    /// As [`Training::compare_in_process_groups`] on CPU ranks whose backends are asynchronous
+    /// ([`CpuBackend::asynchronous`]), with the model's work queued on each rank's compute
+    /// stream: the first step eager, the second captured, the rest replays of it
+    /// ([`CapturedSteps`]). The gradient norm is NaN for the replayed steps (it stays on the
+    /// device, where clipping reads it).
+    pub fn compare_captured<C: Communicator<CpuBackend>>(
+        &self,
+        ranks: Vec<(CpuBackend, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &Comparison) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        let steps = |engine: &Engine<CpuBackend, C>| {
+            CapturedSteps::new(self.model, engine, self.passes, self.recipe)
+        };
+        self.compare_by(ranks, checkpoints, &steps, on_step)
+    }
+
+    /// Every step eager, the model's math on the host.
+    fn eager_steps(&self) -> EagerSteps<'_> {
+        EagerSteps {
+            model: self.model,
+            passes: self.passes,
+            base_lr: self.config.optimizer.lr(),
+            recipe: self.recipe,
+        }
+    }
+
+    /// As [`Training::compare_in_process_groups`], each rank's steps run by what `steps` makes
+    /// for its engine.
+    fn compare_by<B: Backend, C: Communicator<B>, S: RankSteps<B, C>>(
+        &self,
+        ranks: Vec<(B, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
+        steps: &(dyn Fn(&Engine<B, C>) -> Result<S> + Sync),
         mut on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let (replicas, world) = (self.plan.replicas(), self.plan.world_size());
@@ -145,7 +206,7 @@ impl Training<'_> {
         for step in 0..checkpoints.start()? {
             reference.step(step, self.passes)?;
         }
-        self.on_ranks_in_process_groups(ranks, checkpoints, |step, ranks| {
+        self.on_ranks_by(ranks, checkpoints, steps, |step, ranks| {
             let (reference_loss, reference_norm) = reference.step(step, self.passes)?;
             let comparison = Comparison {
                 loss: ranks.iter().map(|r| r.loss).sum::<f32>() / ranks.len() as f32,
@@ -204,6 +265,18 @@ impl Training<'_> {
         &self,
         ranks: Vec<(B, C, Vec<C>)>,
         checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.on_ranks_by(ranks, checkpoints, &|_| Ok(self.eager_steps()), on_step)
+    }
+
+    /// As [`Training::on_ranks_in_process_groups`], each rank's steps run by what `steps` makes
+    /// for its engine.
+    fn on_ranks_by<B: Backend, C: Communicator<B>, S: RankSteps<B, C>>(
+        &self,
+        ranks: Vec<(B, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
+        steps: &(dyn Fn(&Engine<B, C>) -> Result<S> + Sync),
         mut on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
         let start = checkpoints.start()?;
@@ -212,9 +285,8 @@ impl Training<'_> {
             plan,
             config,
             init,
-            steps,
-            passes,
-            recipe,
+            steps: last,
+            ..
         } = *self;
         // Every rank of the grid, replica by replica.
         let shard_size = plan.world_size();
@@ -244,10 +316,9 @@ impl Training<'_> {
                             Some(dir) => engine.load(dir)?,
                             None => load(&mut engine, &model.copy_init(init, model.copy_of(rank)))?,
                         }
-                        let base_lr = config.optimizer.lr();
-                        for step in start..steps {
-                            let (loss, grad_norm) =
-                                sharded_step(model, &mut engine, (step, passes), base_lr, recipe)?;
+                        let mut rank_steps = steps(&engine)?;
+                        for step in start..last {
+                            let (loss, grad_norm) = rank_steps.step(&mut engine, step)?;
                             let shards = (0..plan.groups().len())
                                 .map(|g| engine.param_shard(g))
                                 .collect::<Result<Vec<_>>>()?;
@@ -272,7 +343,7 @@ impl Training<'_> {
                 .collect();
             drop(tx);
             let mut outcome = Ok(());
-            'steps: for step in start..steps {
+            'steps: for step in start..last {
                 let mut ranks: Vec<Option<RankStep>> = vec![None; world];
                 for _ in 0..world {
                     match rx.recv() {
