@@ -272,6 +272,9 @@ typedef struct fsdp_grad_norm {
   float max;
 } fsdp_grad_norm;
 
+// A function the engine queues on its compute stream, called with the caller's data.
+typedef void (*fsdp_host_func)(void *user_data);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -317,6 +320,32 @@ enum fsdp_status fsdp_engine_before_replay(struct fsdp_engine *engine);
 // count and counters on as the captured step did; no host wait. `FSDP_MISUSE` without
 // `fsdp_engine_before_replay` first.
 enum fsdp_status fsdp_engine_replayed(struct fsdp_engine *engine);
+
+// Between steps, after at least one whole step: the engine begins capturing its compute stream
+// itself (on a CPU engine of an asynchronous group, `fsdp_local_group_create_async`; on a CUDA
+// engine, in thread-local mode). The next step's calls, and the caller's work queued on the
+// compute stream meanwhile (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that
+// stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
+// `fsdp_engine_end_step` ends it. Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
+// nothing changed), and `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture.
+// During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
+// load, a host gradient) is `FSDP_MISUSE`: read with `fsdp_engine_param_device`, hand gradients
+// over with `fsdp_engine_grad_device`, clip with `fsdp_engine_clip_grad_norm_on_device`.
+enum fsdp_status fsdp_engine_begin_capture(struct fsdp_engine *engine);
+
+// After the captured step's `fsdp_engine_end_step`: ends the engine's capture. The engine is
+// again where it was when the capture began (nothing ran), and its handle keeps the step for
+// `fsdp_engine_replay`, in place of the one it kept. `FSDP_MISUSE` with no capture of the
+// engine's own under way and mid-step; a capture that failed poisons the engine.
+enum fsdp_status fsdp_engine_end_capture(struct fsdp_engine *engine);
+
+// Between steps, replays the step the engine captured last (`fsdp_engine_end_capture`): writes
+// the step's values (step count, learning rate now: `fsdp_engine_set_lr` between replays takes
+// effect) on the compute stream, queues the captured work there, and moves the engine's step
+// count and counters on as the step did; no host wait. The caller writes the next inputs where
+// the captured work reads them first, in stream order (a host function queued before the
+// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step and mid-step.
+enum fsdp_status fsdp_engine_replay(struct fsdp_engine *engine);
 
 // Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
 // (a trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
@@ -872,6 +901,51 @@ uint32_t fsdp_abi_version(void);
 // The calling thread's message for its last failed call; never NULL. The string stays valid
 // until the thread's next failed call.
 const char *fsdp_last_error(void);
+
+// Queues `func(user_data)` on the engine's compute stream, after the work queued there so far;
+// the engine's later work on that stream waits for it to return. CPU engine: the compute
+// stream's worker thread calls it on an asynchronous group (`fsdp_local_group_create_async`),
+// and the call itself does on an eager one. CUDA engine: `cuLaunchHostFunc` on the compute
+// stream, so `func` makes no CUDA call and reads no device memory. Queued during a capture it
+// is captured, and called at each replay instead. Does not block the host.
+//
+// # Safety
+// `func` may be called with `user_data` on another thread, once now or once per replay of a
+// capture that holds it; what `user_data` points to stays valid until the last such call
+// returned.
+enum fsdp_status fsdp_engine_launch_host_func(struct fsdp_engine *engine,
+                                              fsdp_host_func func,
+                                              void *user_data);
+
+// The address of `param`'s gathered values and their count and dtype, for work queued on the
+// compute stream: a host function on a CPU engine (`fsdp_engine_launch_host_func`; the address
+// is host memory), a kernel on a CUDA engine (as `fsdp_engine_param`'s). Valid in that work
+// while one of the parameter's unit's hooks is open; read only. Does not block, and is allowed
+// during a capture, where `fsdp_engine_param` is not (on a CPU engine it waits for the stream).
+//
+// # Safety
+// Each out-pointer is NULL or valid for a write.
+enum fsdp_status fsdp_engine_param_device(struct fsdp_engine *engine,
+                                          size_t param,
+                                          const void **data,
+                                          size_t *numel,
+                                          uint32_t *dtype);
+
+// Hands over `param`'s gradient for this backward pass as `fsdp_engine_grad` does, read on the
+// compute stream after the work queued there so far, on either backend: on a CPU engine, host
+// memory that a host function queued before this call writes; on a CUDA engine, a device address
+// (as for `fsdp_engine_grad`). Does not block, and is allowed during a capture.
+//
+// # Safety
+// `data` is NULL (with `numel` 0) or valid for `numel` elements of `dtype` until the compute
+// stream read them, and nothing writes them before then; handed over during a capture, it is
+// read again at each replay, so it stays valid, and is written only in stream order, while the
+// captured step may be replayed.
+enum fsdp_status fsdp_engine_grad_device(struct fsdp_engine *engine,
+                                         size_t param,
+                                         const void *data,
+                                         size_t numel,
+                                         uint32_t dtype);
 
 // Fills `out` with the defaults: limit 2, 2 reductions in flight, overlap on, mean (scale 1),
 // AdamW with PyTorch's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), a

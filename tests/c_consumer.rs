@@ -1,5 +1,7 @@
 //! The C consumer, `examples/c/train.c`, compiled with the system C compiler against the static
-//! library and the checked-in header, trains the example model and matches the Rust trainer.
+//! library and the checked-in header, trains the example model and matches the Rust trainer; in
+//! its captured mode (the model's math as host functions on the streams, one step captured and
+//! replayed) it prints its eager losses bit for bit.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -116,7 +118,13 @@ fn the_c_consumer_trains_like_the_rust_trainer() {
             if let Mode::Async(seed) = mode {
                 args.push(seed.to_string());
             }
-            check_c_losses(&exe, &args, world, steps);
+            let losses = check_c_losses(&exe, &args, world, steps);
+            if let Mode::Async(_) = mode {
+                // The model's math on the streams, the second step captured and replayed.
+                args.push("captured".into());
+                let captured = check_c_losses(&exe, &args, world, steps);
+                assert_eq!(captured, losses, "captured ({args:?}) against eager");
+            }
         }
     });
 }
@@ -139,8 +147,9 @@ fn run_within_deadline(command: &mut Command) -> Output {
     child.wait_with_output().expect("the C consumer's output")
 }
 
-/// Runs the C consumer with `args` and compares its losses with the Rust trainer's.
-fn check_c_losses(exe: &Path, args: &[String], world: usize, steps: u64) {
+/// Runs the C consumer with `args` and compares its losses with the Rust trainer's; returns its
+/// output.
+fn check_c_losses(exe: &Path, args: &[String], world: usize, steps: u64) -> String {
     {
         let out = run_within_deadline(Command::new(exe).args(args));
         assert!(
@@ -167,5 +176,6 @@ fn check_c_losses(exe: &Path, args: &[String], world: usize, steps: u64) {
             );
         }
         assert!(rust.last() < rust.first(), "no training happened: {rust:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 }

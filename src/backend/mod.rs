@@ -52,6 +52,10 @@ impl Region {
 
 /// A caller's tensor handed to the engine: host memory, or device memory read on the compute
 /// stream.
+/// A host function queued on a stream ([`Backend::launch_host_func`]), called with its user
+/// data.
+pub type HostFunc = unsafe extern "C" fn(*mut std::ffi::c_void);
+
 #[derive(Clone, Copy, Debug)]
 pub struct Input<'a>(pub(crate) Source<'a>);
 
@@ -227,6 +231,23 @@ pub trait Backend: Send {
     /// the replay completed; work on another stream that uses them is ordered against it with
     /// events, as for the data operations.
     unsafe fn replay(&self, graph: &Self::Graph) -> Result<()>;
+
+    /// Queues `func(user_data)` on `stream` after the work queued there so far, as a host
+    /// function of that stream (`cuLaunchHostFunc` on a GPU, where it must make no CUDA call; a
+    /// job of the stream's worker on the asynchronous CPU backend; at once on the eager one).
+    /// The stream's later work waits for it to return. Queued during a capture, it is captured
+    /// and runs at each replay instead.
+    ///
+    /// # Safety
+    /// `func` may be called with `user_data` on another thread, once for this call or once per
+    /// replay of a capture that holds it; `user_data` stays valid for that until the last call
+    /// returned.
+    unsafe fn launch_host_func(
+        &self,
+        stream: Stream,
+        func: HostFunc,
+        user_data: *mut std::ffi::c_void,
+    ) -> Result<()>;
 
     /// Allocates `bytes` bytes, zero-filled; `Error::OutOfMemory` when the device has too little.
     fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;

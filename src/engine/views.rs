@@ -109,6 +109,28 @@ impl<C: Communicator<CpuBackend>> Engine<CpuBackend, C> {
     }
 }
 
+impl<B: Backend, C: Communicator<B>> Engine<B, C> {
+    /// Queues `func(user_data)` on the compute stream after the work queued there so far
+    /// ([`Backend::launch_host_func`]): the caller's host work in stream order, such as a CPU
+    /// model's math between the hooks, which reads [`Engine::param_device`]'s addresses and
+    /// writes gradients handed over with [`crate::Input::device`]. During a capture it is
+    /// captured with the step and runs at each replay.
+    ///
+    /// # Safety
+    /// As [`Backend::launch_host_func`]: `func` may be called with `user_data` on another thread,
+    /// once now or once per replay of a capture that holds it, while `user_data` stays valid.
+    pub unsafe fn launch_host_func(
+        &self,
+        func: crate::backend::HostFunc,
+        user_data: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        self.healthy()?;
+        // SAFETY: the caller's contract.
+        let queued = unsafe { (self.backend).launch_host_func(Stream::Compute, func, user_data) };
+        self.observe(queued)
+    }
+}
+
 impl<B: RawAddress, C: Communicator<B>> Engine<B, C> {
     /// The gathered values of `param` on the device (host memory on the CPU), while one of its
     /// unit's hooks is open (`Error::NotGathered` otherwise).

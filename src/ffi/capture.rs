@@ -1,8 +1,8 @@
-//! A step the caller captures itself on the engine's compute stream (its own CUDA stream
-//! capture, or `torch.cuda.graph` given that stream), and its replays, from C. The engine's
-//! handle keeps the captured step, so that each replay's calls name the engine alone.
+//! A step captured on the engine's compute stream, by the engine itself or by the caller (its own
+//! CUDA stream capture, or `torch.cuda.graph` given that stream), and its replays, from C. The
+//! engine's handle keeps the captured step, so that each replay's calls name the engine alone.
 
-use super::handles::{on_engine, on_engine_replay, with_engine};
+use super::handles::{AnyCapturedStep, AnyEngine, on_engine, on_engine_captures, with_engine};
 use super::status::{boundary, fsdp_status};
 use super::types::fsdp_engine;
 use crate::error::Error;
@@ -31,8 +31,8 @@ pub extern "C" fn fsdp_engine_join_capture(engine: *mut fsdp_engine) -> fsdp_sta
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_leave_capture(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
-        on_engine_replay(engine, |any, replay| {
-            *replay = Some(with_engine!(any, e => e.leave_capture())?);
+        on_engine_captures(engine, |any, captures| {
+            captures.by_caller = Some(with_engine!(any, e => e.leave_capture())?);
             Ok(())
         })
     })
@@ -62,8 +62,8 @@ pub extern "C" fn fsdp_engine_abandon_capture(engine: *mut fsdp_engine) -> fsdp_
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
-        on_engine_replay(engine, |any, replay| {
-            let replay = replay.as_ref().ok_or_else(no_captured_step)?;
+        on_engine_captures(engine, |any, captures| {
+            let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.before_replay(replay))?)
         })
     })
@@ -76,8 +76,8 @@ pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_st
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_replayed(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
-        on_engine_replay(engine, |any, replay| {
-            let replay = replay.as_ref().ok_or_else(no_captured_step)?;
+        on_engine_captures(engine, |any, captures| {
+            let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.replayed(replay))?)
         })
     })
@@ -87,4 +87,63 @@ fn no_captured_step() -> Error {
     Error::Capture {
         what: "a replay with no captured step (fsdp_engine_leave_capture keeps it)".into(),
     }
+}
+
+/// Between steps, after at least one whole step: the engine begins capturing its compute stream
+/// itself (on a CPU engine of an asynchronous group, `fsdp_local_group_create_async`; on a CUDA
+/// engine, in thread-local mode). The next step's calls, and the caller's work queued on the
+/// compute stream meanwhile (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that
+/// stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
+/// `fsdp_engine_end_step` ends it. Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
+/// nothing changed), and `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture.
+/// During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
+/// load, a host gradient) is `FSDP_MISUSE`: read with `fsdp_engine_param_device`, hand gradients
+/// over with `fsdp_engine_grad_device`, clip with `fsdp_engine_clip_grad_norm_on_device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_begin_capture(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.begin_capture())?)))
+}
+
+/// After the captured step's `fsdp_engine_end_step`: ends the engine's capture. The engine is
+/// again where it was when the capture began (nothing ran), and its handle keeps the step for
+/// `fsdp_engine_replay`, in place of the one it kept. `FSDP_MISUSE` with no capture of the
+/// engine's own under way and mid-step; a capture that failed poisons the engine.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_end_capture(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine_captures(engine, |any, captures| {
+            captures.by_engine = Some(match any {
+                AnyEngine::Cpu(e) => AnyCapturedStep::Cpu(e.end_capture()?),
+                AnyEngine::CudaNccl(e) => AnyCapturedStep::Cuda(e.end_capture()?),
+                AnyEngine::CudaLoopback(e) => AnyCapturedStep::Cuda(e.end_capture()?),
+            });
+            Ok(())
+        })
+    })
+}
+
+/// Between steps, replays the step the engine captured last (`fsdp_engine_end_capture`): writes
+/// the step's values (step count, learning rate now: `fsdp_engine_set_lr` between replays takes
+/// effect) on the compute stream, queues the captured work there, and moves the engine's step
+/// count and counters on as the step did; no host wait. The caller writes the next inputs where
+/// the captured work reads them first, in stream order (a host function queued before the
+/// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step and mid-step.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_replay(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine_captures(engine, |any, captures| {
+            let no_step = || Error::Capture {
+                what:
+                    "a replay with no step the engine captured (fsdp_engine_end_capture keeps it)"
+                        .into(),
+            };
+            match (any, captures.by_engine.as_ref().ok_or_else(no_step)?) {
+                (AnyEngine::Cpu(e), AnyCapturedStep::Cpu(step)) => Ok(e.replay(step)?),
+                (AnyEngine::CudaNccl(e), AnyCapturedStep::Cuda(step)) => Ok(e.replay(step)?),
+                (AnyEngine::CudaLoopback(e), AnyCapturedStep::Cuda(step)) => Ok(e.replay(step)?),
+                // A handle keeps only its own engine's steps.
+                _ => Err(no_step().into()),
+            }
+        })
+    })
 }

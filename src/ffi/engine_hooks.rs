@@ -91,19 +91,34 @@ pub unsafe extern "C" fn fsdp_engine_param(
         if data.is_null() || numel.is_null() || dtype.is_null() {
             return Err(null("data, numel or dtype"));
         }
-        let (address, layout) = on_engine(engine, |any| {
+        let view = on_engine(engine, |any| {
             with_engine!(any, e => {
                 let address = e.param_address(ParamId(param))?;
-                Ok((address, e.plan().param(ParamId(param))?.clone()))
+                let layout = e.plan().param(ParamId(param))?;
+                Ok((address, layout.numel, layout.dtype))
             })
         })?;
         // SAFETY: checked non-null; the caller's contract.
-        unsafe {
-            put(data, "data", address as *const c_void)?;
-            put(numel, "numel", layout.numel)?;
-            put(dtype, "dtype", dtype_code(layout.dtype))
-        }
+        unsafe { put_view(view, data, numel, dtype) }
     })
+}
+
+/// Writes a view's address, count and dtype to the caller's out-pointers.
+///
+/// # Safety
+/// Each pointer is non-null and valid for a write.
+pub(super) unsafe fn put_view(
+    (address, count, kind): (u64, usize, DType),
+    data: *mut *const c_void,
+    numel: *mut usize,
+    dtype: *mut u32,
+) -> Outcome {
+    // SAFETY: as the caller promises.
+    unsafe {
+        put(data, "data", address as *const c_void)?;
+        put(numel, "numel", count)?;
+        put(dtype, "dtype", dtype_code(kind))
+    }
 }
 
 /// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the
@@ -248,14 +263,25 @@ unsafe fn caller_input<'a>(
             let bytes = unsafe { host_bytes(data, numel, dtype, "data") }?;
             Ok(Input::host_bytes(bytes, dtype))
         }
-        TensorMemory::Device => {
-            if data.is_null() && numel > 0 {
-                return Err(null("data"));
-            }
-            // SAFETY: the caller's contract, which is `Input::device`'s.
-            Ok(unsafe { Input::device(data as u64, numel, dtype) })
-        }
+        // SAFETY: the caller's contract.
+        TensorMemory::Device => unsafe { device_input(data, numel, dtype) },
     }
+}
+
+/// `numel` elements of `dtype` at `data`, read on the compute stream.
+///
+/// # Safety
+/// As [`Input::device`].
+pub(super) unsafe fn device_input(
+    data: *const c_void,
+    numel: usize,
+    dtype: DType,
+) -> Outcome<Input<'static>> {
+    if data.is_null() && numel > 0 {
+        return Err(null("data"));
+    }
+    // SAFETY: the caller's contract, which is `Input::device`'s.
+    Ok(unsafe { Input::device(data as u64, numel, dtype) })
 }
 
 /// Opens `param`'s fp32 place in its gradient slot (`numel` floats at `*out`) for the caller to

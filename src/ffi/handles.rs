@@ -9,13 +9,15 @@ use super::comms::Comms;
 use super::registry::{Object, Registry, lock};
 use super::status::{Failure, Outcome, fsdp_status, null, panic_message, put};
 use super::types::{fsdp_counters, fsdp_engine, fsdp_plan};
+use crate::backend::Backend;
 use crate::backend::MemoryUsage;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::CpuGraph;
 use crate::backend::cuda::CudaBackend;
 use crate::comm::local::LocalComm;
 use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::NcclComm;
-use crate::engine::{Engine, StepReplay};
+use crate::engine::{CapturedStep, Engine, StepReplay};
 use crate::error::Error;
 use crate::plan::Plan;
 use crate::watch::AbortHandle;
@@ -64,8 +66,23 @@ pub(crate) struct EngineEntry {
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
     report: Mutex<(fsdp_counters, MemoryUsage)>,
-    /// The step the caller captured last, for its replays.
-    replay: Mutex<Option<StepReplay>>,
+    /// The steps captured last, for their replays.
+    captures: Mutex<Captures>,
+}
+
+/// The steps an engine's handle keeps for their replays.
+#[derive(Default)]
+pub(crate) struct Captures {
+    /// The step the caller captured last ([`Engine::leave_capture`]).
+    pub(crate) by_caller: Option<StepReplay>,
+    /// The step the engine captured last ([`Engine::end_capture`]).
+    pub(crate) by_engine: Option<AnyCapturedStep>,
+}
+
+/// A step an engine captured itself, of either backend.
+pub(crate) enum AnyCapturedStep {
+    Cpu(CapturedStep<CpuGraph>),
+    Cuda(CapturedStep<<CudaBackend as Backend>::Graph>),
 }
 
 /// What a live handle names.
@@ -107,7 +124,7 @@ pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Out
         report: Mutex::new(report(&engine)),
         engine: Mutex::new(engine),
         abort,
-        replay: Mutex::new(None),
+        captures: Mutex::new(Captures::default()),
     };
     let handle = handles()?.insert(Object::Engine(entry))?;
     // SAFETY: the caller checked `out` and guarantees it is valid for a write.
@@ -163,15 +180,14 @@ pub(crate) fn on_engine_with<P, T>(
     outcome
 }
 
-/// As [`on_engine`], with the step the caller captured last on `engine`
-/// ([`Engine::leave_capture`]), kept with its handle.
-pub(crate) fn on_engine_replay<T>(
+/// As [`on_engine`], with the steps captured last on `engine`, kept with its handle.
+pub(crate) fn on_engine_captures<T>(
     engine: *mut fsdp_engine,
-    f: impl FnOnce(&mut AnyEngine, &mut Option<StepReplay>) -> Outcome<T>,
+    f: impl FnOnce(&mut AnyEngine, &mut Captures) -> Outcome<T>,
 ) -> Outcome<T> {
     let object = object(engine as u64, "engine")?;
-    let mut replay = lock(&entry_of(&object)?.replay)?;
-    on_engine(engine, |any| f(any, &mut replay))
+    let mut captures = lock(&entry_of(&object)?.captures)?;
+    on_engine(engine, |any| f(any, &mut captures))
 }
 
 /// The counters and memory of `engine` as of the end of its last call; never waits for a call

@@ -30,6 +30,7 @@ mod plan;
 mod recipe;
 mod registry;
 mod status;
+mod stream;
 mod types;
 
 pub use allocator::fsdp_device_allocator;
@@ -44,4 +45,5 @@ pub use group::*;
 pub use plan::*;
 pub use recipe::*;
 pub use status::{FSDP_ABI_VERSION, fsdp_abi_version, fsdp_last_error, fsdp_status};
+pub use stream::*;
 pub use types::*;

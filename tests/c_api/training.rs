@@ -476,3 +476,274 @@ fn a_callers_capture_through_the_c_api_refuses_and_gives_up_cleanly() {
         }
     });
 }
+
+/// What a host function of the test computes on the compute stream: `grad = 0.5 * values +
+/// offset`, from the gathered values of `w` and an offset the host writes between steps.
+struct GradJob {
+    values: *const f32,
+    grad: *mut f32,
+    offset: *const f32,
+    numel: usize,
+}
+
+unsafe extern "C" fn gradient_of_w(job: *mut c_void) {
+    // SAFETY: a `GradJob` the test keeps alive until the engine is gone; its addresses are valid
+    // in the compute stream's order (the gathered values between their unit's hooks).
+    unsafe {
+        let job = &*job.cast::<GradJob>();
+        for i in 0..job.numel {
+            *job.grad.add(i) = 0.5 * *job.values.add(i) + *job.offset;
+        }
+    }
+}
+
+/// One step whose gradient of `w` a host function computes on the compute stream from its
+/// gathered values (`fsdp_engine_param_device`) and the engine reads there
+/// (`fsdp_engine_grad_device`). `memory` holds the gradient's 9 floats, then the offset; each
+/// queued job is kept in `jobs`, where it does not move.
+///
+/// # Safety
+/// `memory` is valid for 10 floats until the engine is gone.
+unsafe fn step_on_the_stream(
+    engine: *mut fsdp_engine,
+    memory: *mut f32,
+    jobs: &mut Vec<std::pin::Pin<Box<GradJob>>>,
+) {
+    let (mut values, mut numel, mut dtype) = (null(), 0usize, 0u32);
+    // SAFETY: valid pointers; the job outlives every call of it (kept in `jobs`).
+    unsafe {
+        ok(fsdp_engine_pre_backward(engine, 0));
+        ok(fsdp_engine_param_device(
+            engine,
+            1,
+            &mut values,
+            &mut numel,
+            &mut dtype,
+        ));
+        assert_eq!((numel, dtype), (9, FSDP_F32));
+        jobs.push(Box::pin(GradJob {
+            values: values.cast(),
+            grad: memory,
+            offset: memory.add(9),
+            numel,
+        }));
+        let job: *mut GradJob = &mut **jobs.last_mut().unwrap();
+        ok(fsdp_engine_launch_host_func(
+            engine,
+            Some(gradient_of_w),
+            job.cast(),
+        ));
+        ok(fsdp_engine_grad_device(
+            engine,
+            1,
+            memory.cast(),
+            9,
+            FSDP_F32,
+        ));
+        ok(fsdp_engine_post_backward(engine, 0));
+        ok(fsdp_engine_finish_grad_sync(engine));
+        ok(fsdp_engine_optimizer_step(engine));
+        ok(fsdp_engine_end_step(engine));
+    }
+}
+
+/// The engine's own capture through the C API, the model's work a host function on the compute
+/// stream: on an asynchronous group the replays of the second step train as the same steps run
+/// eagerly, bit for bit, under a learning rate changed every step; an eager group runs the host
+/// function at once and cannot capture; a capture is refused before a whole step, a replay
+/// without a captured step, a host read during the capture.
+#[test]
+fn an_engines_own_capture_through_the_c_api_replays_host_functions_as_eager_steps() {
+    const STEPS: usize = 5;
+    for_each_mode(|mode| {
+        let train = |captured: bool| -> Vec<Vec<f32>> {
+            let (plan, group, engine) = engine_with(mode, &sgd_config());
+            let memory = Box::into_raw(vec![0f32; 10].into_boxed_slice()).cast::<f32>();
+            let mut jobs = Vec::new();
+            let mut shards = Vec::new();
+            // SAFETY: valid pointers throughout; `memory` and the jobs outlive the engine.
+            unsafe {
+                load_values(engine, &initial_values());
+                let misuse = fsdp_status::FSDP_MISUSE;
+                expect(
+                    fsdp_engine_replay(engine),
+                    misuse,
+                    "no step the engine captured",
+                );
+                expect(fsdp_engine_begin_capture(engine), misuse, "warm-up");
+                expect(
+                    fsdp_engine_launch_host_func(engine, None, null_mut()),
+                    NULL,
+                    "func",
+                );
+                for step in 0..STEPS {
+                    memory.add(9).write(0.25 * step as f32 - 0.5);
+                    ok(fsdp_engine_set_lr(engine, 0.5 / (1.0 + step as f32)));
+                    match (captured, step) {
+                        (true, 1) => {
+                            ok(fsdp_engine_begin_capture(engine));
+                            ok(fsdp_engine_pre_forward(engine, 0));
+                            let (mut data, mut n, mut d) = (null(), 0usize, 0u32);
+                            expect(
+                                fsdp_engine_param(engine, 1, &mut data, &mut n, &mut d),
+                                misuse,
+                                "captur",
+                            );
+                            ok(fsdp_engine_post_forward(engine, 0));
+                            step_on_the_stream(engine, memory, &mut jobs);
+                            ok(fsdp_engine_end_capture(engine));
+                            ok(fsdp_engine_replay(engine));
+                        }
+                        (true, 2..) => ok(fsdp_engine_replay(engine)),
+                        _ => {
+                            ok(fsdp_engine_pre_forward(engine, 0));
+                            ok(fsdp_engine_post_forward(engine, 0));
+                            step_on_the_stream(engine, memory, &mut jobs);
+                        }
+                    }
+                    // A read of the shard waits for the stream: the host writes the next offset
+                    // after the step's work.
+                    shards.push(shard_values(engine, plan, 1));
+                }
+                ok(fsdp_engine_destroy(engine));
+                drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                    memory, 10,
+                )));
+            }
+            ok(fsdp_local_group_destroy(group));
+            ok(fsdp_plan_destroy(plan));
+            shards
+        };
+        let eager = train(false);
+        for pair in eager.windows(2) {
+            assert_ne!(pair[0], pair[1], "every step moves w");
+        }
+        match mode {
+            Mode::Async(_) => assert_eq!(train(true), eager, "replays against eager steps"),
+            Mode::Eager => {
+                let (plan, group, engine) = engine_with(mode, &sgd_config());
+                let mut memory = [0f32; 10];
+                let mut jobs = Vec::new();
+                // SAFETY: valid pointers; the engine is gone before `memory` and the jobs.
+                unsafe {
+                    load_values(engine, &initial_values());
+                    ok(fsdp_engine_pre_forward(engine, 0));
+                    ok(fsdp_engine_post_forward(engine, 0));
+                    step_on_the_stream(engine, memory.as_mut_ptr(), &mut jobs);
+                    // The eager group ran the host function within its call.
+                    let w = &initial_values()[1];
+                    let want: Vec<f32> = w.iter().map(|v| 0.5 * v).collect();
+                    assert_eq!(&memory[..9], &want[..]);
+                    expect(fsdp_engine_begin_capture(engine), UNAVAILABLE, "capture");
+                    ok(fsdp_engine_destroy(engine));
+                }
+                ok(fsdp_local_group_destroy(group));
+                ok(fsdp_plan_destroy(plan));
+            }
+        }
+    });
+}
+
+unsafe extern "C" fn count_a_call(counter: *mut c_void) {
+    // SAFETY: an `AtomicUsize` the test keeps alive until its engine is gone.
+    unsafe { &*counter.cast::<std::sync::atomic::AtomicUsize>() }
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// A CUDA engine's own capture through the C API: a host function queued on its compute stream
+/// (`cuLaunchHostFunc`) is called once a step, eager or replayed, and the replays train as the
+/// same steps run eagerly, bit for bit, under a learning rate changed every step (the gradient a
+/// device buffer holds, handed over with `fsdp_engine_grad_device`, the values read with
+/// `fsdp_engine_param_device`).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cuda_engines_own_capture_through_the_c_api_replays_its_host_functions() {
+    const STEPS: usize = 5;
+    let _ctx = device::context();
+    let train = |captured: bool| -> (Vec<Vec<f32>>, usize) {
+        let plan = plan(1);
+        let stream = device::stream();
+        let gradient = device::upload(stream, &(0..9).map(|i| 0.1 * i as f32).collect::<Vec<_>>());
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let counter = (&calls as *const std::sync::atomic::AtomicUsize)
+            .cast_mut()
+            .cast();
+        let mut id = [0u8; 128];
+        let mut engine = null_mut();
+        let mut shards = Vec::new();
+        // SAFETY: valid pointers throughout; the gradient buffer and the counter outlive the
+        // engine.
+        unsafe {
+            ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
+            ok(fsdp_engine_create_cuda_nccl(
+                plan,
+                &sgd_config(),
+                0,
+                id.as_ptr(),
+                id.len(),
+                0,
+                1,
+                stream,
+                null(),
+                &mut engine,
+            ));
+            load_values(engine, &initial_values());
+            let step = |engine| {
+                let (mut values, mut numel, mut dtype) = (null(), 0usize, 0u32);
+                ok(fsdp_engine_pre_forward(engine, 0));
+                ok(fsdp_engine_post_forward(engine, 0));
+                ok(fsdp_engine_pre_backward(engine, 0));
+                ok(fsdp_engine_param_device(
+                    engine,
+                    1,
+                    &mut values,
+                    &mut numel,
+                    &mut dtype,
+                ));
+                assert_eq!((numel, dtype), (9, FSDP_F32));
+                ok(fsdp_engine_launch_host_func(
+                    engine,
+                    Some(count_a_call),
+                    counter,
+                ));
+                ok(fsdp_engine_grad_device(
+                    engine,
+                    1,
+                    gradient as *const c_void,
+                    9,
+                    FSDP_F32,
+                ));
+                ok(fsdp_engine_post_backward(engine, 0));
+                ok(fsdp_engine_finish_grad_sync(engine));
+                ok(fsdp_engine_optimizer_step(engine));
+                ok(fsdp_engine_end_step(engine));
+            };
+            for s in 0..STEPS {
+                ok(fsdp_engine_set_lr(engine, 0.5 / (1.0 + s as f32)));
+                match (captured, s) {
+                    (true, 1) => {
+                        ok(fsdp_engine_begin_capture(engine));
+                        step(engine);
+                        ok(fsdp_engine_end_capture(engine));
+                        ok(fsdp_engine_replay(engine));
+                    }
+                    (true, 2..) => ok(fsdp_engine_replay(engine)),
+                    _ => step(engine),
+                }
+                shards.push(shard_values(engine, plan, 1));
+            }
+            ok(fsdp_engine_destroy(engine));
+        }
+        device::free(stream, gradient);
+        device::destroy_stream(stream);
+        ok(fsdp_plan_destroy(plan));
+        (shards, calls.into_inner())
+    };
+    let (eager, eager_calls) = train(false);
+    let (replayed, replayed_calls) = train(true);
+    assert_eq!((eager_calls, replayed_calls), (STEPS, STEPS));
+    for pair in eager.windows(2) {
+        assert_ne!(pair[0], pair[1], "every step moves w");
+    }
+    assert_eq!(replayed, eager, "replays against eager steps");
+}

@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate, Tracker,
+    Backend, HostFunc, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate,
+    Tracker,
 };
 use crate::error::{Error, Result};
 use crate::optim::{MomentStorage, STEP_VALUES_BYTES, StepValues, moment_seed};
@@ -49,6 +50,30 @@ enum Point {
     Reached(Instant),
     /// Reached when its stream's worker gets there.
     Queued(Arc<Marker>),
+}
+
+/// A host function and its data, which its queuer lets any thread call it with
+/// ([`Backend::launch_host_func`]).
+#[derive(Clone, Copy)]
+struct HostCall {
+    func: HostFunc,
+    user_data: *mut std::ffi::c_void,
+}
+
+// SAFETY: `Backend::launch_host_func`'s caller lets `func` be called with `user_data` on
+// another thread.
+unsafe impl Send for HostCall {}
+// SAFETY: as above; a call reads the two fields only.
+unsafe impl Sync for HostCall {}
+
+impl HostCall {
+    /// # Safety
+    /// As [`Backend::launch_host_func`] requires of its caller.
+    unsafe fn call(&self) -> Result<()> {
+        // SAFETY: as the caller promises.
+        unsafe { (self.func)(self.user_data) };
+        Ok(())
+    }
 }
 
 /// The CPU backend of one rank.
@@ -319,6 +344,18 @@ impl Backend for CpuBackend {
 
     unsafe fn replay(&self, graph: &CpuGraph) -> Result<()> {
         self.asynchronous_streams("a replay")?.replay(graph)
+    }
+
+    unsafe fn launch_host_func(
+        &self,
+        stream: Stream,
+        func: HostFunc,
+        user_data: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        let call = HostCall { func, user_data };
+        // SAFETY: the caller's contract: `func` may be called with its data on the stream's
+        // thread, once per run of the job.
+        self.run(stream, move || unsafe { call.call() })
     }
 
     fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {

@@ -33,7 +33,8 @@ use events::EventPool;
 pub(crate) use events::PooledEvent;
 
 use crate::backend::{
-    Backend, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate, Tracker,
+    Backend, HostFunc, Input, MemoryUsage, OptimizerShard, RawAddress, Region, Source, StepUpdate,
+    Tracker,
 };
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerKind, STEP_VALUES_BYTES, StepValues};
@@ -212,6 +213,26 @@ impl Backend for CudaBackend {
 
     unsafe fn replay(&self, graph: &CudaGraph) -> Result<()> {
         lock(&graph.0).launch().map_err(cuda("cuGraphLaunch"))
+    }
+
+    unsafe fn launch_host_func(
+        &self,
+        stream: Stream,
+        func: HostFunc,
+        user_data: *mut std::ffi::c_void,
+    ) -> Result<()> {
+        bind(&self.ctx)?;
+        // SAFETY: a live stream of this backend; the caller's contract covers the function and
+        // its data.
+        unsafe {
+            cudarc::driver::sys::cuLaunchHostFunc(
+                self.stream_handle(stream).cu_stream(),
+                Some(func),
+                user_data,
+            )
+        }
+        .result()
+        .map_err(cuda("cuLaunchHostFunc"))
     }
 
     /// Allocates with `cuMemAlloc` (or the caller's allocator) and zero-fills on the compute stream; the gather and reduce
