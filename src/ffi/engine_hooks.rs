@@ -87,38 +87,48 @@ pub unsafe extern "C" fn fsdp_engine_param(
     numel: *mut usize,
     dtype: *mut u32,
 ) -> fsdp_status {
+    // SAFETY: the caller's contract.
+    unsafe { param_view(engine, ParamId(param), (data, numel, dtype), ViewFor::Host) }
+}
+
+/// Who reads a parameter's view: the host, or work on the compute stream.
+#[derive(Clone, Copy)]
+pub(super) enum ViewFor {
+    Host,
+    Stream,
+}
+
+/// Writes the address of `param`'s gathered values, for `reader`, and their count and dtype to
+/// the caller's out-pointers.
+///
+/// # Safety
+/// Each out-pointer is NULL or valid for a write.
+pub(super) unsafe fn param_view(
+    engine: *mut fsdp_engine,
+    param: ParamId,
+    (data, numel, dtype): (*mut *const c_void, *mut usize, *mut u32),
+    reader: ViewFor,
+) -> fsdp_status {
     boundary(|| {
         if data.is_null() || numel.is_null() || dtype.is_null() {
             return Err(null("data, numel or dtype"));
         }
-        let view = on_engine(engine, |any| {
+        let (address, layout) = on_engine(engine, |any| {
             with_engine!(any, e => {
-                let address = e.param_address(ParamId(param))?;
-                let layout = e.plan().param(ParamId(param))?;
-                Ok((address, layout.numel, layout.dtype))
+                let address = match reader {
+                    ViewFor::Host => e.param_address(param)?,
+                    ViewFor::Stream => e.param_device(param)?.ptr,
+                };
+                Ok((address, e.plan().param(param)?.clone()))
             })
         })?;
         // SAFETY: checked non-null; the caller's contract.
-        unsafe { put_view(view, data, numel, dtype) }
+        unsafe {
+            put(data, "data", address as *const c_void)?;
+            put(numel, "numel", layout.numel)?;
+            put(dtype, "dtype", dtype_code(layout.dtype))
+        }
     })
-}
-
-/// Writes a view's address, count and dtype to the caller's out-pointers.
-///
-/// # Safety
-/// Each pointer is non-null and valid for a write.
-pub(super) unsafe fn put_view(
-    (address, count, kind): (u64, usize, DType),
-    data: *mut *const c_void,
-    numel: *mut usize,
-    dtype: *mut u32,
-) -> Outcome {
-    // SAFETY: as the caller promises.
-    unsafe {
-        put(data, "data", address as *const c_void)?;
-        put(numel, "numel", count)?;
-        put(dtype, "dtype", dtype_code(kind))
-    }
 }
 
 /// Hands over `param`'s gradient for this backward pass: `numel` elements of `dtype` (the

@@ -5,7 +5,7 @@
 
 use std::ffi::c_void;
 
-use super::engine_hooks::{device_input, put_view};
+use super::engine_hooks::{ViewFor, device_input, param_view};
 use super::handles::{on_engine, with_engine};
 use super::status::{Outcome, boundary, fsdp_status, null};
 use super::types::{dtype_of, fsdp_engine};
@@ -56,19 +56,15 @@ pub unsafe extern "C" fn fsdp_engine_param_device(
     numel: *mut usize,
     dtype: *mut u32,
 ) -> fsdp_status {
-    boundary(|| {
-        if data.is_null() || numel.is_null() || dtype.is_null() {
-            return Err(null("data, numel or dtype"));
-        }
-        let view = on_engine(engine, |any| {
-            with_engine!(any, e => {
-                let tensor = e.param_device(ParamId(param))?;
-                Ok((tensor.ptr, tensor.numel, tensor.dtype))
-            })
-        })?;
-        // SAFETY: checked non-null; the caller's contract.
-        unsafe { put_view(view, data, numel, dtype) }
-    })
+    // SAFETY: the caller's contract.
+    unsafe {
+        param_view(
+            engine,
+            ParamId(param),
+            (data, numel, dtype),
+            ViewFor::Stream,
+        )
+    }
 }
 
 /// Hands over `param`'s gradient for this backward pass as `fsdp_engine_grad` does, read on the

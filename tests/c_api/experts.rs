@@ -64,9 +64,7 @@ fn expert_step(engine: *mut fsdp_engine, rank: usize, memory: &impl CallerMemory
             ));
         }
         ok(fsdp_engine_post_backward(engine, 0));
-        ok(fsdp_engine_finish_grad_sync(engine));
-        ok(fsdp_engine_optimizer_step(engine));
-        ok(fsdp_engine_end_step(engine));
+        end_the_step(engine);
         view
     };
     let [w, e] = [0, 1].map(|group| gathered(engine, group)[..8].to_vec());
@@ -236,25 +234,9 @@ fn cuda_nccl_engine_splits_its_communicators_for_an_expert_group_through_the_c_a
     let _ctx = device::context();
     let json = CString::new(EXPERT_MODEL.replace("\"size\": 2", "\"size\": 1")).unwrap();
     let mut plan = null_mut();
-    let mut id = [0u8; 128];
-    let mut engine = null_mut();
     // SAFETY: valid pointers.
-    unsafe {
-        ok(fsdp_plan_from_json(json.as_ptr(), 1, &mut plan));
-        ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
-        ok(fsdp_engine_create_cuda_nccl(
-            plan,
-            &sgd_config(),
-            0,
-            id.as_ptr(),
-            id.len(),
-            0,
-            1,
-            0,
-            null(),
-            &mut engine,
-        ));
-    }
+    ok(unsafe { fsdp_plan_from_json(json.as_ptr(), 1, &mut plan) });
+    let engine = cuda_nccl_engine(plan, &sgd_config(), 0);
     let [view, w, e] = expert_step(engine, 0, &Device::on(0));
     assert_close(&view, &[1.0; 8]);
     assert_close(&w, &[0.5; 8]);

@@ -45,6 +45,36 @@ fn ok(status: fsdp_status) {
     assert_eq!(status, fsdp_status::FSDP_OK, "{}", last_error());
 }
 
+/// Ends a step's backward, steps the optimizer and ends the step.
+fn end_the_step(engine: *mut fsdp_engine) {
+    ok(fsdp_engine_finish_grad_sync(engine));
+    ok(fsdp_engine_optimizer_step(engine));
+    ok(fsdp_engine_end_step(engine));
+}
+
+/// A CUDA engine on device 0 with NCCL at world size 1, `stream` its compute stream.
+fn cuda_nccl_engine(plan: *mut fsdp_plan, config: &fsdp_config, stream: u64) -> *mut fsdp_engine {
+    let mut id = [0u8; 128];
+    let mut engine = null_mut();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
+        ok(fsdp_engine_create_cuda_nccl(
+            plan,
+            config,
+            0,
+            id.as_ptr(),
+            id.len(),
+            0,
+            1,
+            stream,
+            null(),
+            &mut engine,
+        ));
+    }
+    engine
+}
+
 fn plan(world: usize) -> *mut fsdp_plan {
     let json = CString::new(MODEL).unwrap();
     let mut plan = null_mut();

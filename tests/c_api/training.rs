@@ -8,25 +8,7 @@ use super::*;
 fn cuda_nccl_engine_at_world_size_1_trains_a_step_through_the_c_api() {
     let _ctx = device::context();
     let plan = plan(1);
-    let config = sgd_config();
-    let mut id = [0u8; 128];
-    let mut engine = null_mut();
-    // SAFETY: valid pointers.
-    unsafe {
-        ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
-        ok(fsdp_engine_create_cuda_nccl(
-            plan,
-            &config,
-            0,
-            id.as_ptr(),
-            id.len(),
-            0,
-            1,
-            0,
-            null(),
-            &mut engine,
-        ));
-    }
+    let engine = cuda_nccl_engine(plan, &sgd_config(), 0);
     check_world_size_1_step(engine, plan, &Device::on(0));
     ok(fsdp_plan_destroy(plan));
 }
@@ -182,9 +164,7 @@ fn a_gradient_slot_holds_what_an_earlier_gradient_left_as_the_header_says() {
         unsafe {
             ok(fsdp_engine_pre_backward(engine, 0));
             ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
-            ok(fsdp_engine_finish_grad_sync(engine));
-            ok(fsdp_engine_optimizer_step(engine));
-            ok(fsdp_engine_end_step(engine));
+            end_the_step(engine);
             // At world size 1 the step's gradient of `w` went into its gradient shard, which is
             // the next step's slot for `w`: it is not zero-filled.
             ok(fsdp_engine_pre_backward(engine, 0));
@@ -432,9 +412,7 @@ fn a_callers_capture_through_the_c_api_refuses_and_gives_up_cleanly() {
             // SAFETY: valid pointers.
             unsafe {
                 ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
-                ok(fsdp_engine_finish_grad_sync(engine));
-                ok(fsdp_engine_optimizer_step(engine));
-                ok(fsdp_engine_end_step(engine));
+                end_the_step(engine);
             }
         };
         // SAFETY: valid pointers throughout.
@@ -497,6 +475,16 @@ unsafe extern "C" fn gradient_of_w(job: *mut c_void) {
     }
 }
 
+/// Opens unit 0's backward: the address of `w`'s gathered values for the compute stream's work.
+fn backward_of_w(engine: *mut fsdp_engine) -> *const f32 {
+    let (mut values, mut numel, mut dtype) = (null(), 0usize, 0u32);
+    ok(fsdp_engine_pre_backward(engine, 0));
+    // SAFETY: valid pointers.
+    ok(unsafe { fsdp_engine_param_device(engine, 1, &mut values, &mut numel, &mut dtype) });
+    assert_eq!((numel, dtype), (9, FSDP_F32));
+    values.cast()
+}
+
 /// One step whose gradient of `w` a host function computes on the compute stream from its
 /// gathered values (`fsdp_engine_param_device`) and the engine reads there
 /// (`fsdp_engine_grad_device`). `memory` holds the gradient's 9 floats, then the offset; each
@@ -509,23 +497,13 @@ unsafe fn step_on_the_stream(
     memory: *mut f32,
     jobs: &mut Vec<std::pin::Pin<Box<GradJob>>>,
 ) {
-    let (mut values, mut numel, mut dtype) = (null(), 0usize, 0u32);
     // SAFETY: valid pointers; the job outlives every call of it (kept in `jobs`).
     unsafe {
-        ok(fsdp_engine_pre_backward(engine, 0));
-        ok(fsdp_engine_param_device(
-            engine,
-            1,
-            &mut values,
-            &mut numel,
-            &mut dtype,
-        ));
-        assert_eq!((numel, dtype), (9, FSDP_F32));
         jobs.push(Box::pin(GradJob {
-            values: values.cast(),
+            values: backward_of_w(engine),
             grad: memory,
             offset: memory.add(9),
-            numel,
+            numel: 9,
         }));
         let job: *mut GradJob = &mut **jobs.last_mut().unwrap();
         ok(fsdp_engine_launch_host_func(
@@ -541,9 +519,7 @@ unsafe fn step_on_the_stream(
             FSDP_F32,
         ));
         ok(fsdp_engine_post_backward(engine, 0));
-        ok(fsdp_engine_finish_grad_sync(engine));
-        ok(fsdp_engine_optimizer_step(engine));
-        ok(fsdp_engine_end_step(engine));
+        end_the_step(engine);
     }
 }
 
@@ -668,39 +644,16 @@ fn a_cuda_engines_own_capture_through_the_c_api_replays_its_host_functions() {
         let counter = (&calls as *const std::sync::atomic::AtomicUsize)
             .cast_mut()
             .cast();
-        let mut id = [0u8; 128];
-        let mut engine = null_mut();
+        let engine = cuda_nccl_engine(plan, &sgd_config(), stream);
         let mut shards = Vec::new();
         // SAFETY: valid pointers throughout; the gradient buffer and the counter outlive the
         // engine.
         unsafe {
-            ok(fsdp_nccl_unique_id(id.as_mut_ptr(), id.len()));
-            ok(fsdp_engine_create_cuda_nccl(
-                plan,
-                &sgd_config(),
-                0,
-                id.as_ptr(),
-                id.len(),
-                0,
-                1,
-                stream,
-                null(),
-                &mut engine,
-            ));
             load_values(engine, &initial_values());
             let step = |engine| {
-                let (mut values, mut numel, mut dtype) = (null(), 0usize, 0u32);
                 ok(fsdp_engine_pre_forward(engine, 0));
                 ok(fsdp_engine_post_forward(engine, 0));
-                ok(fsdp_engine_pre_backward(engine, 0));
-                ok(fsdp_engine_param_device(
-                    engine,
-                    1,
-                    &mut values,
-                    &mut numel,
-                    &mut dtype,
-                ));
-                assert_eq!((numel, dtype), (9, FSDP_F32));
+                backward_of_w(engine);
                 ok(fsdp_engine_launch_host_func(
                     engine,
                     Some(count_a_call),
@@ -714,9 +667,7 @@ fn a_cuda_engines_own_capture_through_the_c_api_replays_its_host_functions() {
                     FSDP_F32,
                 ));
                 ok(fsdp_engine_post_backward(engine, 0));
-                ok(fsdp_engine_finish_grad_sync(engine));
-                ok(fsdp_engine_optimizer_step(engine));
-                ok(fsdp_engine_end_step(engine));
+                end_the_step(engine);
             };
             for s in 0..STEPS {
                 ok(fsdp_engine_set_lr(engine, 0.5 / (1.0 + s as f32)));

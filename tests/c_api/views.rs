@@ -193,9 +193,7 @@ fn batched_views_and_gradients_act_as_the_single_calls_and_a_refused_batch_takes
                 "already received",
             );
             ok(fsdp_engine_post_backward(engine, 0));
-            ok(fsdp_engine_finish_grad_sync(engine));
-            ok(fsdp_engine_optimizer_step(engine));
-            ok(fsdp_engine_end_step(engine));
+            end_the_step(engine);
             let sgd = |v: &[f32], g: &[f32]| -> Vec<f32> {
                 v.iter().zip(g).map(|(v, g)| v - 0.5 * g).collect()
             };
