@@ -50,12 +50,12 @@ impl Region {
     }
 }
 
-/// A caller's tensor handed to the engine: host memory, or device memory read on the compute
-/// stream.
 /// A host function queued on a stream ([`Backend::launch_host_func`]), called with its user
 /// data.
 pub type HostFunc = unsafe extern "C" fn(*mut std::ffi::c_void);
 
+/// A caller's tensor handed to the engine: host memory, or device memory read on the compute
+/// stream.
 #[derive(Clone, Copy, Debug)]
 pub struct Input<'a>(pub(crate) Source<'a>);
 
@@ -90,7 +90,8 @@ impl<'a> Input<'a> {
     /// # Safety
     /// `ptr` is a device address of the engine's device, valid for `numel` elements of `dtype`
     /// until the compute stream has read them (after the work queued on it when the input is
-    /// handed over); nothing writes them before then. Handed over during a capture
+    /// handed over); after the hand-over nothing writes them before then, but work queued on
+    /// the compute stream after that read. Handed over during a capture
     /// ([`crate::Engine::begin_capture`]), it is read again at every replay: it stays valid, and
     /// written only in stream order, while the captured step may be replayed.
     pub unsafe fn device(ptr: u64, numel: usize, dtype: DType) -> Input<'static> {

@@ -142,7 +142,10 @@ pub extern "C" fn fsdp_engine_replay(engine: *mut fsdp_engine) -> fsdp_status {
                 (AnyEngine::CudaNccl(e), AnyCapturedStep::Cuda(step)) => Ok(e.replay(step)?),
                 (AnyEngine::CudaLoopback(e), AnyCapturedStep::Cuda(step)) => Ok(e.replay(step)?),
                 // A handle keeps only its own engine's steps.
-                _ => Err(no_step().into()),
+                _ => Err(Error::Capture {
+                    what: "a replay of a step another kind of engine captured".into(),
+                }
+                .into()),
             }
         })
     })

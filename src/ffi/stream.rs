@@ -19,7 +19,8 @@ pub type fsdp_host_func = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
 /// stream's worker thread calls it on an asynchronous group (`fsdp_local_group_create_async`),
 /// and the call itself does on an eager one. CUDA engine: `cuLaunchHostFunc` on the compute
 /// stream, so `func` makes no CUDA call and reads no device memory. Queued during a capture it
-/// is captured, and called at each replay instead. Does not block the host.
+/// is captured, and called at each replay instead. Never waits for the stream (on an eager
+/// group the call runs `func` itself before it returns).
 ///
 /// # Safety
 /// `func` may be called with `user_data` on another thread, once now or once per replay of a
@@ -44,7 +45,8 @@ pub unsafe extern "C" fn fsdp_engine_launch_host_func(
 /// compute stream: a host function on a CPU engine (`fsdp_engine_launch_host_func`; the address
 /// is host memory), a kernel on a CUDA engine (as `fsdp_engine_param`'s). Valid in that work
 /// while one of the parameter's unit's hooks is open; read only. Does not block, and is allowed
-/// during a capture, where `fsdp_engine_param` is not (on a CPU engine it waits for the stream).
+/// during a capture. (`fsdp_engine_param` is refused there: on a CPU engine it waits for the
+/// stream, so that the host may read the values.)
 ///
 /// # Safety
 /// Each out-pointer is NULL or valid for a write.
@@ -74,9 +76,9 @@ pub unsafe extern "C" fn fsdp_engine_param_device(
 ///
 /// # Safety
 /// `data` is NULL (with `numel` 0) or valid for `numel` elements of `dtype` until the compute
-/// stream read them, and nothing writes them before then; handed over during a capture, it is
-/// read again at each replay, so it stays valid, and is written only in stream order, while the
-/// captured step may be replayed.
+/// stream read them; after this call nothing writes them before then but work queued on the
+/// compute stream after it. Handed over during a capture, it is read again at each replay, so it
+/// stays valid, and is written only in stream order, while the captured step may be replayed.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_grad_device(
     engine: *mut fsdp_engine,

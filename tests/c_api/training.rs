@@ -698,3 +698,94 @@ fn a_cuda_engines_own_capture_through_the_c_api_replays_its_host_functions() {
     }
     assert_eq!(replayed, eager, "replays against eager steps");
 }
+
+/// The calls for work on the stream and the engine's own capture refuse what they cannot do,
+/// with a status and a message: NULL pointers, a view outside its unit's hooks, an end with no
+/// capture of the engine's, mid-step or of the caller's capture, a replay mid-step; a capture
+/// given up mid-step poisons the engine (its abandon says so), and a poisoned or aborted engine
+/// queues nothing.
+#[test]
+fn stream_work_and_the_engines_capture_refuse_with_a_status() {
+    let misuse = fsdp_status::FSDP_MISUSE;
+    let g = [1.0f32; 9];
+    let counter = std::sync::atomic::AtomicUsize::new(0);
+    let count = (&counter as *const std::sync::atomic::AtomicUsize)
+        .cast_mut()
+        .cast();
+    // An engine of an asynchronous group after one whole step.
+    let stepped = || {
+        let (plan, group, engine) = engine_with(Mode::Async(0), &sgd_config());
+        load_values(engine, &initial_values());
+        // SAFETY: `g` holds 9 floats.
+        ok(unsafe { fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32) });
+        end_the_step(engine);
+        (plan, group, engine)
+    };
+    let (mut data, mut numel, mut dtype) = (null(), 0usize, 0u32);
+    let (plan, group, engine) = stepped();
+    // SAFETY: valid pointers, or NULL on purpose; `g` outlives the engine.
+    unsafe {
+        let view = |d, n, t| fsdp_engine_param_device(engine, 1, d, n, t);
+        expect(view(null_mut(), &mut numel, &mut dtype), NULL, "data");
+        expect(view(&mut data, null_mut(), &mut dtype), NULL, "numel");
+        expect(view(&mut data, &mut numel, &mut dtype), misuse, "gathered");
+        expect(
+            fsdp_engine_grad_device(engine, 1, null(), 9, FSDP_F32),
+            NULL,
+            "data",
+        );
+        expect(fsdp_engine_end_capture(engine), misuse, "capture");
+        ok(fsdp_engine_begin_capture(engine));
+        ok(fsdp_engine_grad_device(
+            engine,
+            1,
+            g.as_ptr().cast(),
+            9,
+            FSDP_F32,
+        ));
+        end_the_step(engine);
+        ok(fsdp_engine_end_capture(engine));
+        ok(fsdp_engine_pre_forward(engine, 0));
+        expect(fsdp_engine_replay(engine), misuse, "a step is under way");
+        ok(fsdp_engine_post_forward(engine, 0));
+        ok(fsdp_engine_abort(engine));
+        // An aborted engine is poisoned by its abort.
+        expect(
+            fsdp_engine_launch_host_func(engine, Some(count_a_call), count),
+            fsdp_status::FSDP_POISONED,
+            "aborted",
+        );
+        ok(fsdp_engine_destroy(engine));
+    }
+    ok(fsdp_local_group_destroy(group));
+    ok(fsdp_plan_destroy(plan));
+    let (plan, group, engine) = stepped();
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_engine_join_capture(engine));
+        expect(fsdp_engine_end_capture(engine), misuse, "caller");
+        ok(fsdp_engine_abandon_capture(engine));
+        ok(fsdp_engine_begin_capture(engine));
+        ok(fsdp_engine_pre_forward(engine, 0));
+        expect(
+            fsdp_engine_end_capture(engine),
+            misuse,
+            "a step is under way",
+        );
+        let poisoned = fsdp_status::FSDP_POISONED;
+        expect(fsdp_engine_abandon_capture(engine), poisoned, "abandoned");
+        expect(
+            fsdp_engine_launch_host_func(engine, Some(count_a_call), count),
+            poisoned,
+            "abandoned",
+        );
+        ok(fsdp_engine_destroy(engine));
+    }
+    assert_eq!(
+        counter.into_inner(),
+        0,
+        "a failed engine queued the function"
+    );
+    ok(fsdp_local_group_destroy(group));
+    ok(fsdp_plan_destroy(plan));
+}

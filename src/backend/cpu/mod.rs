@@ -67,12 +67,14 @@ unsafe impl Send for HostCall {}
 unsafe impl Sync for HostCall {}
 
 impl HostCall {
+    /// A method, so that a closure calling it holds the whole call, which is `Send`, not its
+    /// two fields apart.
+    ///
     /// # Safety
     /// As [`Backend::launch_host_func`] requires of its caller.
-    unsafe fn call(&self) -> Result<()> {
+    unsafe fn call(&self) {
         // SAFETY: as the caller promises.
-        unsafe { (self.func)(self.user_data) };
-        Ok(())
+        unsafe { (self.func)(self.user_data) }
     }
 }
 
@@ -353,9 +355,12 @@ impl Backend for CpuBackend {
         user_data: *mut std::ffi::c_void,
     ) -> Result<()> {
         let call = HostCall { func, user_data };
-        // SAFETY: the caller's contract: `func` may be called with its data on the stream's
-        // thread, once per run of the job.
-        self.run(stream, move || unsafe { call.call() })
+        self.run(stream, move || {
+            // SAFETY: the caller's contract: `func` may be called with its data on the stream's
+            // thread, once per run of the job.
+            unsafe { call.call() };
+            Ok(())
+        })
     }
 
     fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {

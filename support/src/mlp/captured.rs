@@ -5,9 +5,9 @@
 //! rate set ([`Engine::set_lr`]).
 //!
 //! The model's buffers (each pass's micro-batch and loss, each parameter's gradient) are host
-//! memory the stream's jobs reach by address. Every job that touches them holds them, and so does
-//! every job queued after the engine's reads of them, so they live as long as any queued or
-//! captured work may use them.
+//! memory the stream's jobs reach by address. Every job of the model holds them, and a job of
+//! the model follows every hand-over of a gradient to the engine, whose reads hold nothing, so
+//! they live as long as any queued or captured work may use them, on the error paths too.
 
 use std::sync::Mutex;
 
@@ -15,7 +15,7 @@ use fsdp_fusion::backend::cpu::{CpuBuffer, CpuGraph};
 use fsdp_fusion::backend::{RawAddress, Region};
 use fsdp_fusion::{CapturedStep, CpuBackend, Stream};
 
-use super::pass::{PassRunner, PassState, Stage};
+use super::pass::{PassRunner, PassState, Stage, check_gradients};
 use super::training::RankSteps;
 use super::*;
 
@@ -305,6 +305,7 @@ impl<C: Communicator<CpuBackend>> PassRunner for StreamRunner<'_, C> {
                 .map(|t| unsafe { read(t.ptr, t.numel, t.dtype) })
                 .collect();
             let given = stage(&mut *lock(&state)?, &values);
+            check_gradients(given.len(), targets.len())?;
             for ((at, numel, name), grad) in targets.iter().zip(&given) {
                 if grad.len() != *numel {
                     return Err(Error::GradientLength {
@@ -326,10 +327,18 @@ impl<C: Communicator<CpuBackend>> PassRunner for StreamRunner<'_, C> {
             .iter()
             .map(|&(param, at, numel, _)| (param, unsafe { Input::device(at, numel, DType::F32) }))
             .collect();
-        match inputs.as_slice() {
+        let handed = match inputs.as_slice() {
             [] => Ok(()),
             [(param, input)] => self.engine.grad(*param, *input),
             _ => self.engine.grads(&inputs),
-        }
+        };
+        // The engine's reads of the buffers, queued or not, come before this job, which holds
+        // them.
+        let buffers = Arc::clone(self.buffers);
+        let held = self.engine.backend().run(Stream::Compute, move || {
+            let _held = &buffers;
+            Ok(())
+        });
+        handed.and(held)
     }
 }

@@ -162,6 +162,17 @@ fn layer_backward(
     vec![weight_grad, bias_grad]
 }
 
+/// Refuses a stage that gave `given` gradients for `expected` parameters.
+pub(super) fn check_gradients(given: usize, expected: usize) -> Result<()> {
+    match given == expected {
+        true => Ok(()),
+        false => Err(Error::InvalidConfig {
+            field: "stage",
+            reason: format!("gave {given} gradients for {expected} parameters"),
+        }),
+    }
+}
+
 /// Runs the stages at once, with the values and gradients of a [`Params`].
 struct HostRunner<'a, P: Params> {
     params: &'a mut P,
@@ -179,6 +190,7 @@ impl<P: Params> PassRunner for HostRunner<'_, P> {
             .map(|&param| self.params.value(param))
             .collect::<Result<Vec<_>>>()?;
         let given = stage(&mut self.state, &values);
+        check_gradients(given.len(), grads.len())?;
         match (grads, given.as_slice()) {
             ([], _) => Ok(()),
             ([param], [grad]) => self.params.grad(*param, grad),

@@ -170,10 +170,26 @@ impl Training<'_> {
         checkpoints: Checkpoints<'_>,
         on_step: impl FnMut(u64, &Comparison) -> Result<()>,
     ) -> Result<Vec<RankSummary>> {
-        let steps = |engine: &Engine<CpuBackend, C>| {
-            CapturedSteps::new(self.model, engine, self.passes, self.recipe)
-        };
-        self.compare_by(ranks, checkpoints, &steps, on_step)
+        self.compare_by(ranks, checkpoints, &|e| self.captured_steps(e), on_step)
+    }
+
+    /// As [`Training::on_ranks_in_process_groups`], with the steps of
+    /// [`Training::compare_captured`].
+    pub fn on_ranks_captured<C: Communicator<CpuBackend>>(
+        &self,
+        ranks: Vec<(CpuBackend, C, Vec<C>)>,
+        checkpoints: Checkpoints<'_>,
+        on_step: impl FnMut(u64, &[RankStep]) -> Result<()>,
+    ) -> Result<Vec<RankSummary>> {
+        self.on_ranks_by(ranks, checkpoints, &|e| self.captured_steps(e), on_step)
+    }
+
+    /// The model's work on `engine`'s compute stream, the steps after the first replayed.
+    fn captured_steps<C: Communicator<CpuBackend>>(
+        &self,
+        engine: &Engine<CpuBackend, C>,
+    ) -> Result<CapturedSteps> {
+        CapturedSteps::new(self.model, engine, self.passes, self.recipe)
     }
 
     /// Every step eager, the model's math on the host.
