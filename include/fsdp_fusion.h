@@ -734,6 +734,16 @@ enum fsdp_status fsdp_engine_gather_group(struct fsdp_engine *engine,
 // `out` is NULL or valid for a write.
 enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_t *out);
 
+// Writes to `out` the steps the device skipped (`fsdp_engine_skip_nonfinite_on_device`) since
+// the host last read them, and counts them on the host: the optimizer's steps (AdamW's bias
+// correction, the step a checkpoint saves) less them, the counters' `skipped_steps` plus them.
+// Between steps, not during a capture (`FSDP_MISUSE` otherwise); blocks the host for the count
+// where a decision was queued since the last read (0 at once otherwise).
+//
+// # Safety
+// `out` is NULL or valid for a write.
+enum fsdp_status fsdp_engine_read_device_skips(struct fsdp_engine *engine, uint64_t *out);
+
 #if defined(FSDP_FUSION_FAULT_INJECTION)
 // Makes collective number `at` the engine issues from now (0: the next, counted over every
 // kind) hang on its stream once queued, as one whose peer is stuck does on the device, until the
@@ -894,6 +904,18 @@ enum fsdp_status fsdp_engine_clip_grad_norm(struct fsdp_engine *engine,
 // device, where `fsdp_engine_optimizer_step` reads it; the host never sees the norms. A
 // collective (every rank calls it). `max_norm` must be finite and > 0.
 enum fsdp_status fsdp_engine_clip_grad_norm_on_device(struct fsdp_engine *engine, float max_norm);
+
+// Skips this step's update on the device where any rank's gradient holds an infinite or NaN
+// element, with no host wait: the shards, masters and moments stay, and the step counts neither
+// for AdamW's bias correction nor for the optimizer's steps, as a step whose caller saw a norm
+// that is not finite and called no `fsdp_engine_optimizer_step`. Each rank's part of the norms
+// is summed and gathered across the ranks as for `fsdp_engine_clip_grad_norm_on_device` (once
+// for both), so every rank decides alike; `fsdp_engine_optimizer_step` follows as usual. The
+// host counts the skipped steps when it reads them (`fsdp_engine_read_device_skips`, which a save
+// does first). A collective (every rank calls it), from `fsdp_engine_finish_grad_sync` to
+// `fsdp_engine_optimizer_step`; allowed during a capture, whose replays decide each on their own
+// gradients. `FSDP_MISUSE` where the optimizer steps in the backward.
+enum fsdp_status fsdp_engine_skip_nonfinite_on_device(struct fsdp_engine *engine);
 
 // The library's `FSDP_ABI_VERSION`.
 uint32_t fsdp_abi_version(void);

@@ -21,7 +21,8 @@ struct StepValues {
   float eps;
   float sqrt_bias2;
   float grad_scale;
-  uint32_t padding;
+  // Nonzero where the device skipped the step: every update leaves its memory as it is.
+  uint32_t skip;
 };
 static_assert(sizeof(StepValues) == 48 && offsetof(StepValues, step) == 8 &&
                   offsetof(StepValues, lr) == 16 && offsetof(StepValues, eps) == 32 &&
@@ -255,7 +256,9 @@ template <class P>
 __device__ __forceinline__ void adamw(float* master, float* m, float* v, const float* grad,
                                       typename P::Bits* param, uint64_t n,
                                       const StepValues* values, GroupUpdate group) {
-  const AdamwCoefficients c = adamw_coefficients(*values, group);
+  const StepValues s = *values;
+  if (s.skip) return;
+  const AdamwCoefficients c = adamw_coefficients(s, group);
   Phase phase;
   phase.add(master);
   phase.add(m);
@@ -274,6 +277,7 @@ __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m,
                                                    GroupUpdate group, uint32_t group_index,
                                                    uint64_t first_index) {
   const StepValues s = *values;
+  if (s.skip) return;
   const AdamwCoefficients c = adamw_coefficients(s, group);
   const uint32_t seed = moment_seed(s.step, group_index);
   Phase phase;
@@ -293,6 +297,7 @@ template <class P>
 __device__ __forceinline__ void sgd(float* master, const float* grad, typename P::Bits* param,
                                     uint64_t n, const StepValues* values, GroupUpdate group) {
   const StepValues s = *values;
+  if (s.skip) return;
   const float lr = __fmul_rn(s.lr, group.lr_scale);
   const float weight_decay = group.decay ? s.weight_decay : 0.0f;
   const float grad_scale = s.grad_scale;
@@ -357,4 +362,49 @@ extern "C" __global__ void __launch_bounds__(kBlock)
   const float l2 = __double2float_rn(__dsqrt_rn(sum));
   const float coefficient = __fdiv_rn(max_norm, __fadd_rn(l2, 1e-6f));
   values->grad_scale = isnan(coefficient) ? coefficient : fminf(coefficient, 1.0f);
+}
+
+// `crate::backend::Backend::skip_nonfinite_step`, by one thread: the step is skipped where the
+// largest magnitude of any rank's part (the u32 bits at byte 8; NaN's bits are above infinity's)
+// is infinite or NaN, and then counted.
+extern "C" __global__ void __launch_bounds__(kBlock)
+    skip_nonfinite_step(const uint8_t* parts, uint32_t ranks, unsigned long long* skipped,
+                        fsdp::StepValues* values) {
+  if (fsdp::grid_thread() != 0) return;
+  uint32_t top = 0;
+  for (uint32_t r = 0; r < ranks; ++r) {
+    top = max(top, *reinterpret_cast<const uint32_t*>(parts + 16u * r + 8u));
+  }
+  const bool skip = top >= 0x7f800000u;
+  values->skip = skip ? 1u : 0u;
+  if (skip) *skipped += 1ull;
+}
+
+// `x^n` as `crate::optim::powi` computes it: by repeated squaring, the same multiplications in
+// the same order.
+static __device__ double powi_by_squaring(double x, uint32_t n) {
+  double r = 1.0;
+  for (;;) {
+    if (n & 1u) r = __dmul_rn(r, x);
+    n /= 2u;
+    if (n == 0u) return r;
+    x = __dmul_rn(x, x);
+  }
+}
+
+// `crate::backend::Backend::correct_step_values`, by one thread: the host's values of update
+// `step` become update `step - k`'s, `k` the steps skipped on the device, with
+// `crate::optim::bias_corrections` operation for operation.
+extern "C" __global__ void __launch_bounds__(kBlock)
+    correct_step_values(const unsigned long long* skipped, fsdp::StepValues* values) {
+  if (fsdp::grid_thread() != 0) return;
+  const unsigned long long k = *skipped;
+  if (k == 0ull) return;
+  fsdp::StepValues s = *values;
+  s.step = s.step > k ? s.step - k : 0u;
+  const uint32_t t = s.step < 0x7fffffffull ? static_cast<uint32_t>(s.step) : 0x7fffffffu;
+  s.bias1 = __dsub_rn(1.0, powi_by_squaring(static_cast<double>(s.beta1), t));
+  const double bias2 = __dsub_rn(1.0, powi_by_squaring(static_cast<double>(s.beta2), t));
+  s.sqrt_bias2 = __double2float_rn(__dsqrt_rn(bias2));
+  *values = s;
 }

@@ -163,21 +163,43 @@ impl OptimizerConfig {
             eps: 0.0,
             sqrt_bias2: 1.0,
             grad_scale,
-            padding: 0,
+            skip: 0,
         };
         if let OptimizerConfig::AdamW {
             beta1, beta2, eps, ..
         } = *self
         {
-            let t = step.min(i32::MAX as u64) as i32;
-            let bias2 = 1.0 - f64::from(beta2).powi(t);
-            values.bias1 = 1.0 - f64::from(beta1).powi(t);
             values.beta1 = beta1;
             values.beta2 = beta2;
             values.eps = eps;
-            values.sqrt_bias2 = bias2.sqrt() as f32;
+            (values.bias1, values.sqrt_bias2) = bias_corrections(beta1, beta2, step);
         }
         values
+    }
+}
+
+/// AdamW's `1 - beta1^t` and `sqrt(1 - beta2^t)` (as f32) at update `t`: for SGD, whose betas
+/// are 0, 1 and 1 from `t = 1`. What a backend recomputes on the device where steps were skipped
+/// there ([`crate::Backend::correct_step_values`]), operation for operation.
+pub fn bias_corrections(beta1: f32, beta2: f32, t: u64) -> (f64, f32) {
+    let t = t.min(i32::MAX as u64) as u32;
+    let bias2 = 1.0 - powi(f64::from(beta2), t);
+    (1.0 - powi(f64::from(beta1), t), bias2.sqrt() as f32)
+}
+
+/// `x^n` by repeated squaring, the multiplications in the order of `f64::powi` (compiler-rt's
+/// `__powidf2`): spelled out, so that a kernel can repeat it bit for bit.
+fn powi(mut x: f64, mut n: u32) -> f64 {
+    let mut r = 1.0;
+    loop {
+        if n & 1 == 1 {
+            r *= x;
+        }
+        n /= 2;
+        if n == 0 {
+            return r;
+        }
+        x *= x;
     }
 }
 
@@ -209,7 +231,10 @@ pub struct StepValues {
     pub sqrt_bias2: f32,
     /// Gradients are multiplied by this first (the clipping coefficient, else 1).
     pub grad_scale: f32,
-    pub padding: u32,
+    /// Nonzero where the device decided to skip the step
+    /// ([`crate::Engine::skip_nonfinite_on_device`]): every update leaves its shard, master and
+    /// moments as they are.
+    pub skip: u32,
 }
 
 // SAFETY: `repr(C)`, every field plain data of any bit pattern, and no padding: 8 + 8 + 8 * 4
@@ -448,6 +473,21 @@ pub fn accumulate_element(dst: f32, src: f32, scale: f32, add: bool) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn powers_by_squaring_are_the_standard_library_s_bit_for_bit() {
+        for beta in [0.9f32, 0.95, 0.98, 0.99, 0.999, 0.9999, 0.5, 0.1, 0.0] {
+            let x = f64::from(beta);
+            for n in (0..5000).chain([65_535, 65_536, 1 << 20, 1 << 20 | 1, i32::MAX as u32]) {
+                let n = std::hint::black_box(n);
+                assert_eq!(
+                    powi(x, n).to_bits(),
+                    x.powi(n as i32).to_bits(),
+                    "{beta}^{n}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn stochastic_bf16_rounding_is_unbiased_and_one_step_wide() {

@@ -82,6 +82,20 @@ struct Batch<B: Backend> {
     into_slots: Option<StreamCopy<B>>,
     /// Where set, the replays are of a capture the caller makes ([`Engine::join_capture`]).
     by_caller: Option<CallerCapture<B>>,
+    /// How a step whose gradient is not finite is skipped.
+    skip: Skipping,
+    /// The rank and step whose target holds a NaN, making a gradient of the step NaN.
+    nonfinite_at: Option<(usize, usize)>,
+}
+
+/// How a step whose gradient is not finite is skipped, if it is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Skipping {
+    No,
+    /// By the host: no optimizer step after a norm that is not finite ([`Engine::grad_norm`]).
+    OnHost,
+    /// On the device ([`Engine::skip_nonfinite_on_device`]).
+    OnDevice,
 }
 
 /// A capture of the compute stream made by the caller, outside the engine's backend
@@ -152,12 +166,17 @@ impl<B: Backend> Batch<B> {
             clip: Clipping::No,
             into_slots: None,
             by_caller: None,
+            skip: Skipping::No,
+            nonfinite_at: None,
         })
     }
 
     fn fill<C: Communicator<B>>(&mut self, e: &Engine<B, C>, step: usize) -> Result<()> {
         for (i, p) in e.plan().params().iter().enumerate() {
-            let values = target(e.rank(), step, i, p.numel);
+            let mut values = target(e.rank(), step, i, p.numel);
+            if self.nonfinite_at == Some((e.rank(), step)) && i == 1 {
+                values[0] = f32::NAN;
+            }
             let region = Region::new(0, p.numel, DType::F32);
             let bytes: &[u8] = bytemuck::cast_slice(&values);
             e.backend().upload(&mut self.targets[i], region, bytes)?;
@@ -235,7 +254,18 @@ fn step<B: RawAddress, C: Communicator<B>>(
         Clipping::OnHost(max_norm) => drop(e.clip_grad_norm(max_norm)?),
         Clipping::OnDevice(max_norm) => e.clip_grad_norm_on_device(max_norm)?,
     }
-    e.optimizer_step()?;
+    match batch.skip {
+        Skipping::No => e.optimizer_step()?,
+        Skipping::OnHost => {
+            if e.grad_norm()?.is_finite() {
+                e.optimizer_step()?;
+            }
+        }
+        Skipping::OnDevice => {
+            e.skip_nonfinite_on_device()?;
+            e.optimizer_step()?;
+        }
+    }
     e.end_step()
 }
 
@@ -295,9 +325,11 @@ fn train_batch<B: RawAddress, C: Communicator<B>>(
             let groups = 0..e.plan().groups().len();
             shards.push(groups.map(|g| e.param_shard(g).unwrap()).collect());
         }
+        e.read_device_skips().unwrap();
         Trained {
             shards,
             steps: e.counters().steps,
+            skipped_steps: e.counters().skipped_steps,
             reduce_scatters: e.counters().reduce_scatters,
             all_gathers: e.counters().all_gathers,
         }
@@ -341,6 +373,7 @@ fn assert_trained_alike(eager: &Trained, replayed: &Trained, what: &str) {
 struct Trained {
     shards: Vec<Vec<Vec<u8>>>,
     steps: u64,
+    skipped_steps: u64,
     reduce_scatters: u64,
     all_gathers: u64,
 }
@@ -464,6 +497,70 @@ fn clipping_on_the_device_equals_the_host_s_and_replays_with_it() {
                         let what = format!("{what}, rank {rank}");
                         assert_trained_alike(&host[rank], &device[rank], &what);
                         assert_trained_alike(&host[rank], &replayed[rank], &what);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`train`] on CPU ranks, skipping as `skip` says, the gradient of rank and step `nonfinite_at`
+/// not finite.
+fn train_cpu_skipping(
+    mode: Mode,
+    world: usize,
+    config: &EngineConfig,
+    (captured, skip): (bool, Skipping),
+    nonfinite_at: (usize, usize),
+) -> Vec<Trained> {
+    let plan = Arc::new(Plan::new(&model(), world).unwrap());
+    on_engines(&plan, config, mode, move |e| {
+        train_batch(e, captured, |b| {
+            b.skip = skip;
+            b.nonfinite_at = Some(nonfinite_at);
+        })
+    })
+}
+
+/// A step whose gradient is not finite on one rank, skipped on the device
+/// ([`Engine::skip_nonfinite_on_device`]), trains as the same step skipped by the host after a
+/// norm that is not finite: eagerly and replayed, and so do the steps after it (AdamW's bias
+/// correction leaves the skipped step out, bf16 moments round with its count), at world sizes
+/// 1 to 4, the skipped step a replay or the eager step after the replays. The host reads the
+/// skipped step back ([`Engine::read_device_skips`]).
+#[test]
+fn steps_skipped_on_the_device_train_as_steps_the_host_skips() {
+    let configs = configs();
+    let chosen = [&configs[0], &configs[3]];
+    for world in 1..=4 {
+        for (name, config) in chosen {
+            for at in [2, STEPS - 1] {
+                let runs = for_each_mode_of_a_long_suite(|mode| {
+                    let train = |how| train_cpu_skipping(mode, world, config, how, (world - 1, at));
+                    let captured = matches!(mode, Mode::Async(_));
+                    [
+                        train((false, Skipping::OnHost)),
+                        train((false, Skipping::OnDevice)),
+                        train((captured, Skipping::OnDevice)),
+                    ]
+                });
+                for [host, device, replayed] in runs {
+                    let what = format!("world {world}, {name}, skipped at {at}");
+                    // The step before moved the parameters; the skipped one left them.
+                    assert!(
+                        host.iter().any(|t| t.shards[at - 1] != t.shards[at - 2]),
+                        "{what}"
+                    );
+                    for (rank, trained) in host.iter().enumerate() {
+                        let what = format!("{what}, rank {rank}");
+                        assert_eq!(trained.skipped_steps, 1, "{what}");
+                        assert_eq!(
+                            trained.shards[at],
+                            trained.shards[at - 1],
+                            "{what}: skipped"
+                        );
+                        assert_trained_alike(trained, &device[rank], &what);
+                        assert_trained_alike(trained, &replayed[rank], &what);
                     }
                 }
             }
@@ -614,43 +711,59 @@ fn replays_follow_the_work_left_on_every_stream() {
     });
 }
 
-/// A checkpoint saved between replays holds the replayed steps: engines that load it and take an
-/// eager step end where eager steps all along do.
+/// A checkpoint saved between replays holds the replayed steps, a replay the device skipped on a
+/// gradient that is not finite left out of its step count: engines that load it and take an
+/// eager step end where eager steps all along do, the host skipping that step (AdamW's bias
+/// correction of the step after the load shows the step count came through).
 #[test]
 fn a_checkpoint_between_replays_holds_what_they_trained() {
+    const SKIPPED: usize = 2;
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
     let config = EngineConfig::default();
     let mode = Mode::Async(1);
     let dir = Arc::new(Scratch::new("captured-steps-checkpoint"));
     let saved = Arc::clone(&dir);
     let replayed = on_engines(&plan, &config, mode, move |e| {
-        with_batch(e, |e, batch| -> Result<()> {
+        with_batch(e, |e, batch| -> Result<u64> {
+            (batch.skip, batch.nonfinite_at) = (Skipping::OnDevice, Some((1, SKIPPED)));
             batch.fill(e, 0)?;
             e.set_lr(lr(0))?;
             step(e, batch)?;
+            batch.fill(e, 1)?;
             e.begin_capture()?;
             step(e, batch)?;
             let capture = e.end_capture()?;
-            for s in 1..3 {
+            for s in 1..4 {
+                batch.fill(e, s)?;
                 e.set_lr(lr(s))?;
                 e.replay(&capture)?;
             }
-            e.save(saved.path())
+            e.save(saved.path())?;
+            Ok(e.counters().skipped_steps)
         })
     });
-    replayed.into_iter().for_each(|r| r.unwrap());
+    for (rank, skipped) in replayed.into_iter().enumerate() {
+        assert_eq!(
+            skipped.unwrap(),
+            1,
+            "rank {rank}: the skip read by the save"
+        );
+    }
+    let manifest = fsdp_fusion::checkpoint::read_manifest(dir.path(), 0).unwrap();
+    assert_eq!(manifest.optimizer_steps, 3, "four steps, one skipped");
     let resume = move |e: Engine<_, _>, load: bool| {
         let dir = Arc::clone(&dir);
         with_batch(e, move |e, batch| -> Result<Vec<Vec<u8>>> {
-            batch.fill(e, 0)?;
+            (batch.skip, batch.nonfinite_at) = (Skipping::OnHost, Some((1, SKIPPED)));
             let steps = match load {
                 true => {
                     e.load(dir.path())?;
-                    3..4
+                    4..5
                 }
-                false => 0..4,
+                false => 0..5,
             };
             for s in steps {
+                batch.fill(e, s)?;
                 e.set_lr(lr(s))?;
                 step(e, batch)?;
             }
@@ -663,8 +776,6 @@ fn a_checkpoint_between_replays_holds_what_they_trained() {
     let again = Arc::clone(&resume);
     let loaded = on_engines(&plan, &config, mode, move |e| resume(e, true));
     let eager = on_engines(&plan, &config, mode, move |e| again(e, false));
-    // AdamW's bias correction of the step after the load shows the replays' step count came
-    // through too.
     for (rank, (loaded, eager)) in loaded.into_iter().zip(eager).enumerate() {
         assert_eq!(loaded.unwrap(), eager.unwrap(), "rank {rank}");
     }
@@ -975,6 +1086,24 @@ fn replays_of_a_captured_step_train_as_eager_steps_do_on_the_gpu() {
         assert_trained_alike(&host, &device, name);
         assert_trained_alike(&host, &replayed, name);
         assert!(eager.shards.windows(2).all(|w| w[0] != w[1]), "{name}");
+        // A step whose gradient is not finite, skipped on the device, eagerly and in a replay
+        // and in the eager step after the replays, as by the host.
+        for at in [2, STEPS - 1] {
+            let skipping = |captured, skip| {
+                train_batch(nccl_engine(&plan, &config), captured, |b| {
+                    (b.skip, b.nonfinite_at) = (skip, Some((0, at)));
+                })
+            };
+            let host = skipping(false, Skipping::OnHost);
+            assert_eq!(
+                host.shards[at],
+                host.shards[at - 1],
+                "{name}: the skip at {at}"
+            );
+            let what = format!("{name}, skipped at {at}");
+            assert_trained_alike(&host, &skipping(false, Skipping::OnDevice), &what);
+            assert_trained_alike(&host, &skipping(true, Skipping::OnDevice), &what);
+        }
     }
     // The loopback's ranks meet on the host: refused before anything is queued.
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());

@@ -187,6 +187,8 @@ _SIGNATURES = {
     "fsdp_engine_grad_norm": ([_HANDLE, POINTER(GradNorm)], c_int),
     "fsdp_engine_clip_grad_norm": ([_HANDLE, ctypes.c_float, POINTER(GradNorm)], c_int),
     "fsdp_engine_clip_grad_norm_on_device": ([_HANDLE, ctypes.c_float], c_int),
+    "fsdp_engine_skip_nonfinite_on_device": ([_HANDLE], c_int),
+    "fsdp_engine_read_device_skips": ([_HANDLE, POINTER(c_uint64)], c_int),
     "fsdp_engine_join_capture": ([_HANDLE], c_int),
     "fsdp_engine_leave_capture": ([_HANDLE], c_int),
     "fsdp_engine_abandon_capture": ([_HANDLE], c_int),

@@ -70,12 +70,13 @@ def _refuse_compiled_in_place(module: torch.nn.Module, units: list[torch.nn.Modu
 class StepReport:
     """What `FusedFSDP.step` found: the gradient norms before clipping (when asked for, or when
     clipping or skipping needed them), the non-finite count (when asked for), and whether the
-    optimizer step was skipped."""
+    optimizer step was skipped (None where the device decided: `read_device_skips` counts
+    those)."""
 
     grad_norm: float | None = None
     grad_max: float | None = None
     nonfinite: int | None = None
-    skipped: bool = False
+    skipped: bool | None = False
 
 
 class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Module):
@@ -311,14 +312,18 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         `found_inf`); `grad_norm` only reports the norm. Each of these, and `count_nonfinite`
         (the infinite or NaN values in this rank's gradient shards), is a collective or a read
         that waits for the device; without them the step does not block the host on a GPU.
-        `clip_on_device` clips the same, bit for bit, without that wait: the norm stays on the
-        device and is not reported (so `grad_norm` and `skip_nonfinite` are refused with it).
-        Where the optimizer steps in the backward, each of them is refused (`MisuseError`)
-        before anything changes: the updates ran before the whole gradient existed."""
-        if clip_on_device and (max_grad_norm is None or grad_norm or skip_nonfinite):
-            raise MisuseError("clip_on_device clips by max_grad_norm with the norm kept on the "
-                              "device: give max_grad_norm, and no grad_norm or skip_nonfinite, "
-                              "which need the norm on the host")
+        `clip_on_device` clips and skips the same, bit for bit, without that wait: the norm
+        stays on the device, which clips by it and skips a step that is not finite, and is not
+        reported (so `grad_norm` is refused with it, and the report's `skipped` is None: the
+        step count leaves a skipped step out as the host's skip does, and `read_device_skips`
+        counts such steps). Where the optimizer steps in the backward, each of them is refused
+        (`MisuseError`) before anything changes: the updates ran before the whole gradient
+        existed."""
+        if clip_on_device and (grad_norm or (max_grad_norm is None and not skip_nonfinite)):
+            raise MisuseError("clip_on_device keeps the norm on the device, which clips by "
+                              "max_grad_norm and skips a step that is not finite "
+                              "(skip_nonfinite): give one of them, and no grad_norm, which "
+                              "needs the norm on the host")
         if self._step_in_backward and (max_grad_norm is not None or grad_norm or skip_nonfinite
                                        or count_nonfinite):
             raise MisuseError("step_in_backward updated each group as its gradient became "
@@ -333,7 +338,10 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
         if clip_on_device:
-            self._call("fsdp_engine_clip_grad_norm_on_device", self._engine, max_grad_norm)
+            if max_grad_norm is not None:
+                self._call("fsdp_engine_clip_grad_norm_on_device", self._engine, max_grad_norm)
+            if skip_nonfinite:
+                self._call("fsdp_engine_skip_nonfinite_on_device", self._engine)
         elif max_grad_norm is not None:
             norm = GradNorm()
             self._call("fsdp_engine_clip_grad_norm", self._engine, max_grad_norm,
@@ -346,13 +354,23 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
             found = c_uint64()
             self._call("fsdp_engine_nonfinite_grads", self._engine, byref(found))
             nonfinite = found.value
-        skipped = skip_nonfinite and not (math.isfinite(norm.l2) and math.isfinite(norm.max))
+        skipped = (None if clip_on_device and skip_nonfinite else
+                   skip_nonfinite and not (math.isfinite(norm.l2) and math.isfinite(norm.max)))
         if not skipped:
             self._call("fsdp_engine_optimizer_step", self._engine)
         self._call("fsdp_engine_end_step", self._engine)
         self._forwards, self._gradients = False, False
         return StepReport(norm.l2 if norm else None, norm.max if norm else None, nonfinite,
                           skipped)
+
+    def read_device_skips(self) -> int:
+        """The steps the device skipped (`step(skip_nonfinite=True, clip_on_device=True)`)
+        since the last read, now counted by the engine: its optimizer steps less them, its
+        counters' `skipped_steps` plus them (a save reads them first). Between steps, not during
+        a capture; waits for the device where a decision was made since the last read."""
+        found = c_uint64()
+        self._call("fsdp_engine_read_device_skips", self._engine, byref(found))
+        return found.value
 
     @contextlib.contextmanager
     def capture(self, graph: torch.cuda.CUDAGraph, pool=None):

@@ -504,6 +504,35 @@ pub trait Backend: Send {
         values: &mut Self::Buffer,
     ) -> Result<()>;
 
+    /// Decides on the device whether the step is skipped: where the largest magnitude of any of
+    /// `ranks` norm parts at the start of `parts` (the u32 bits at byte 8 of each) is infinite
+    /// or NaN, sets the `skip` of the [`StepValues`] at the start of `values` to 1 and adds 1 to
+    /// the u64 at the start of `skipped`; else sets `skip` to 0.
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for the three buffers.
+    unsafe fn skip_nonfinite_step(
+        &self,
+        stream: Stream,
+        parts: (&Self::Buffer, usize),
+        skipped: &mut Self::Buffer,
+        values: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// Counts out the steps skipped on the device from the [`StepValues`] at the start of
+    /// `values`, written for update `step` by the host: where the u64 at the start of `skipped`
+    /// is `k > 0`, the values become update `step - k`'s (`step`, and `bias1` and `sqrt_bias2`
+    /// as [`crate::optim::bias_corrections`] computes them from the values' betas).
+    ///
+    /// # Safety
+    /// As [`Backend::zero`], for both buffers.
+    unsafe fn correct_step_values(
+        &self,
+        stream: Stream,
+        skipped: &Self::Buffer,
+        values: &mut Self::Buffer,
+    ) -> Result<()>;
+
     /// Copies `src_region` of `src` to `dst_region` of `dst` (the same length), converting
     /// between their dtypes: exact when widening, rounding to nearest even when narrowing (as
     /// the `half` crate does, NaN payloads included).

@@ -66,6 +66,8 @@ impl std::fmt::Debug for StepReplay {
 pub(super) struct HostCounts {
     counters: Counters,
     optimizer_steps: u64,
+    /// Skip decisions queued on the device ([`Engine::skip_nonfinite_on_device`]).
+    device_decisions: u64,
 }
 
 impl HostCounts {
@@ -86,6 +88,7 @@ impl HostCounts {
                 skipped_steps: moved(now.skipped_steps, then.skipped_steps),
             },
             optimizer_steps: moved(self.optimizer_steps, earlier.optimizer_steps),
+            device_decisions: moved(self.device_decisions, earlier.device_decisions),
         }
     }
 
@@ -105,6 +108,7 @@ impl HostCounts {
                 skipped_steps: now.skipped_steps.saturating_add(by.skipped_steps),
             },
             optimizer_steps: self.optimizer_steps.saturating_add(moved.optimizer_steps),
+            device_decisions: (self.device_decisions).saturating_add(moved.device_decisions),
         }
     }
 }
@@ -511,12 +515,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         HostCounts {
             counters: self.counters,
             optimizer_steps: self.optimizer.steps,
+            device_decisions: self.optimizer.device_decisions,
         }
     }
 
     fn set_host_counts(&mut self, counts: HostCounts) {
         self.counters = counts.counters;
         self.optimizer.steps = counts.optimizer_steps;
+        self.optimizer.device_decisions = counts.device_decisions;
     }
 
     /// Orders every stream's later work after every stream's work so far, and forgets the

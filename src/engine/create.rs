@@ -86,6 +86,7 @@ impl<B: Backend> Parts<B> {
                 norm_parts: scratch(s.norm_parts, "every rank's part of the gradient norms")?,
                 nonfinite_count: scratch(s.nonfinite_count, "the non-finite count")?,
                 step_values: scratch(s.step_values, "the step's values")?,
+                skipped_steps: scratch(s.skipped_steps, "the steps skipped on the device")?,
             })
         });
         let limit = policy.limits.gathered;

@@ -80,7 +80,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let memory = host.as_mut().map_err(|e| e.clone())?;
             self.effects(|e| {
                 e.upload_parts(&parts, memory, total)?;
-                e.values_from_masters()
+                e.values_from_masters()?;
+                // The loaded step count is the whole count: no skip of the device's before it.
+                e.forget_device_skips()
             })?;
             self.config.optimizer = optimizer;
             self.optimizer.steps = steps;

@@ -183,8 +183,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// for bit, with no host wait: each rank's part of the norms is summed, gathered across the
     /// ranks (on the gather stream) and turned into the clipping coefficient on the device,
     /// where the optimizer step reads it. The host never sees the norms
-    /// ([`Engine::clip_grad_norm`] returns them, at a host wait). A collective (every rank calls it); allowed during a capture, whose replays
-    /// clip by each replay's own gradients. `max_norm` must be finite and > 0.
+    /// ([`Engine::clip_grad_norm`] returns them, at a host wait). A collective (every rank calls
+    /// it); allowed during a capture, whose replays clip by each replay's own gradients.
+    /// `max_norm` must be finite and > 0.
     pub fn clip_grad_norm_on_device(&mut self, max_norm: f32) -> Result<()> {
         self.refuse_in_backward_updates("clipping by the global norm")?;
         check_max_norm(max_norm)?;
@@ -192,53 +193,82 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.check_synced("clipping by the global norm")?;
         self.effects(|e| {
             e.optimizer.clip = Some(Clip::OnDevice { max_norm });
-            if e.optimizer.checks.is_none() {
-                // Nothing trains: no update reads a coefficient.
-                return Ok(());
-            }
-            let world = e.plan.world_size();
-            let record = Region::new(0, NORM_PART_BYTES / 4, DType::F32);
-            let fingerprint = |tag| Fingerprint::all_gather(tag, record);
-            let tag = (world > 1).then(|| e.next_tag(Purpose::GradNorm, fingerprint));
-            let Some(checks) = e.optimizer.checks.as_mut() else {
-                return Ok(());
-            };
-            let groups = &e.reducing.groups;
-            let part = &mut checks.norm_part;
-            queue_sum_over_grad_shards(
-                &e.backend,
-                &e.plan,
-                groups,
-                (part, record),
-                ShardSum::Norms,
-            )?;
-            let Some(tag) = tag else {
-                // At world size 1 the rank's part is the whole.
-                return Ok(());
-            };
-            let summed = e.backend.record(Stream::Compute)?;
-            e.backend.wait(Stream::Gather, &summed)?;
-            let gathered = Region::new(0, record.len * world, DType::F32);
-            // SAFETY: both buffers are the engine's, used on the compute stream otherwise: the
-            // part was summed there before the event the gather stream waits for, and the
-            // compute stream waits for the gather below before the update reads the parts. An
-            // all-gather goes on the gather stream, as the gathers' communicator's collectives
-            // all do.
-            unsafe {
-                e.comm.all_gather(
-                    &e.backend,
-                    Stream::Gather,
-                    tag,
-                    &checks.norm_part,
-                    record,
-                    &mut checks.norm_parts,
-                    gathered,
-                )
-            }?;
-            let collective = (fingerprint(tag), (e.rank, world));
-            let done = e.record_collective(Stream::Gather, Some(collective))?;
-            e.backend.wait(Stream::Compute, &done)
+            e.gather_norm_parts_on_device()
         })
+    }
+
+    /// Skips this step's update on the device where any rank's gradient holds an infinite or
+    /// NaN element, with no host wait: the shards, masters and moments stay as they are, and the
+    /// step counts neither for AdamW's bias correction nor for the optimizer's steps (as after
+    /// [`Engine::nonfinite_grads`] and no [`Engine::optimizer_step`]: later updates equal that
+    /// run's bit for bit). Each rank's part of the norms is summed and gathered across the ranks
+    /// as for [`Engine::clip_grad_norm_on_device`] (once for both), so every rank decides alike;
+    /// [`Engine::optimizer_step`] follows as usual. The host learns of the skipped steps when it
+    /// reads them ([`Engine::read_device_skips`], which a save does first): until then
+    /// [`Counters::skipped_steps`](crate::Counters) leaves them out. A collective (every rank
+    /// calls it); allowed during a capture, whose replays decide each on their own gradients.
+    /// Refused where the optimizer steps in the backward.
+    pub fn skip_nonfinite_on_device(&mut self) -> Result<()> {
+        self.refuse_in_backward_updates("skipping a non-finite step")?;
+        self.healthy()?;
+        self.check_synced("skipping a non-finite step")?;
+        self.effects(|e| {
+            e.optimizer.skip_nonfinite = true;
+            e.gather_norm_parts_on_device()
+        })
+    }
+
+    /// Sums this rank's part of the norms and gathers every rank's (above world size 1) on the
+    /// device, once a step, for the step's clipping and skip decision there.
+    fn gather_norm_parts_on_device(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.optimizer.parts_on_device, true) {
+            return Ok(());
+        }
+        if self.optimizer.checks.is_none() {
+            // Nothing trains: no update reads a coefficient or a decision.
+            return Ok(());
+        }
+        let world = self.plan.world_size();
+        let record = Region::new(0, NORM_PART_BYTES / 4, DType::F32);
+        let fingerprint = |tag| Fingerprint::all_gather(tag, record);
+        let tag = (world > 1).then(|| self.next_tag(Purpose::GradNorm, fingerprint));
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            return Ok(());
+        };
+        let groups = &self.reducing.groups;
+        let part = &mut checks.norm_part;
+        queue_sum_over_grad_shards(
+            &self.backend,
+            &self.plan,
+            groups,
+            (part, record),
+            ShardSum::Norms,
+        )?;
+        let Some(tag) = tag else {
+            // At world size 1 the rank's part is the whole.
+            return Ok(());
+        };
+        let summed = self.backend.record(Stream::Compute)?;
+        self.backend.wait(Stream::Gather, &summed)?;
+        let gathered = Region::new(0, record.len * world, DType::F32);
+        // SAFETY: both buffers are the engine's, used on the compute stream otherwise: the part
+        // was summed there before the event the gather stream waits for, and the compute stream
+        // waits for the gather below before the update reads the parts. An all-gather goes on
+        // the gather stream, as the gathers' communicator's collectives all do.
+        unsafe {
+            self.comm.all_gather(
+                &self.backend,
+                Stream::Gather,
+                tag,
+                &checks.norm_part,
+                record,
+                &mut checks.norm_parts,
+                gathered,
+            )
+        }?;
+        let collective = (fingerprint(tag), (self.rank, world));
+        let done = self.record_collective(Stream::Gather, Some(collective))?;
+        self.backend.wait(Stream::Compute, &done)
     }
 
     /// Refuses what needs the step's gradients synced and not yet stepped on.

@@ -260,6 +260,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 true => checkpoint::check_free(dir),
                 false => Ok(()),
             })
+            // The saved step count leaves out the steps the device skipped.
+            .and_then(|()| self.read_device_skips().map(drop))
             .and_then(|()| prepare(self))
             .map(|prepared| (prepared, SaveId::fresh().0));
         let (prepared, proposals) = self.agree(dir, checked)?;

@@ -9,7 +9,7 @@ use crate::config::GradShardMemory;
 use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::optim::{GroupUpdate, MomentStorage};
-use crate::plan::NONFINITE_COUNT_BYTES;
+use crate::plan::{NONFINITE_COUNT_BYTES, SKIPPED_STEPS_BYTES};
 use crate::trace::SpanKind;
 use crate::types::{BufferState, DType, ParamId, Stream};
 
@@ -26,6 +26,14 @@ pub(super) struct OptimizerState<Buf> {
     pub(super) updating: bool,
     /// How this step's optimizer clips its gradients, if it does.
     pub(super) clip: Option<Clip>,
+    /// Whether the device decides to skip this step ([`Engine::skip_nonfinite_on_device`]).
+    pub(super) skip_nonfinite: bool,
+    /// Whether this step's norm parts are gathered on the device.
+    pub(super) parts_on_device: bool,
+    /// Skip decisions queued on the device since the host last read the steps skipped there
+    /// ([`Engine::read_device_skips`]): while any is, each step's values are counted out of
+    /// them on the device.
+    pub(super) device_decisions: u64,
     /// Where the step's checks of its gradients add up, and the step's values its updates read;
     /// `None` where nothing trains.
     pub(super) checks: Option<StepChecks<Buf>>,
@@ -42,6 +50,20 @@ pub(super) struct StepChecks<Buf> {
     pub(super) nonfinite_count: Buf,
     /// The [`crate::optim::StepValues`] the step's updates read.
     pub(super) step_values: Buf,
+    /// The steps skipped on the device since the host last read them (a u64).
+    pub(super) skipped_steps: Buf,
+}
+
+impl<Buf> StepChecks<Buf> {
+    /// The norm parts gathered on the device for `ranks` ranks (this rank's alone at world size
+    /// 1), the count of steps skipped there, and the step's values.
+    fn gathered(&mut self, ranks: usize) -> (&Buf, &mut Buf, &mut Buf) {
+        let parts = match ranks {
+            1 => &self.norm_part,
+            _ => &self.norm_parts,
+        };
+        (parts, &mut self.skipped_steps, &mut self.step_values)
+    }
 }
 
 /// One group's optimizer state.
@@ -63,6 +85,9 @@ impl<Buf> OptimizerState<Buf> {
             stepped: false,
             updating: false,
             clip: None,
+            skip_nonfinite: false,
+            parts_on_device: false,
+            device_decisions: 0,
             checks,
         }
     }
@@ -130,8 +155,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 _ => 1.0,
             };
             self.write_step_values(grad_scale)?;
+            // A step that decides on the device counts out the skips before it too: its replays
+            // follow skips of their own.
+            if self.optimizer.device_decisions > 0 || self.optimizer.skip_nonfinite {
+                self.count_out_device_skips()?;
+            }
             if let Some(Clip::OnDevice { max_norm }) = clip {
                 self.clip_on_device(max_norm)?;
+            }
+            if self.optimizer.skip_nonfinite {
+                self.decide_skip_on_device()?;
             }
             for g in 0..self.plan.groups().len() {
                 if self.plan.groups()[g].trainable {
@@ -182,21 +215,49 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let Some(checks) = self.optimizer.checks.as_mut() else {
             return Ok(());
         };
-        let StepChecks {
-            norm_part,
-            norm_parts,
-            step_values,
-            ..
-        } = checks;
-        let parts = match ranks {
-            1 => &*norm_part,
-            _ => &*norm_parts,
-        };
+        let (parts, _, step_values) = checks.gathered(ranks);
         // SAFETY: the parts and the values are used on the compute stream only, but for the
         // gather of the parts, which the compute stream waited for.
         unsafe {
             (self.backend).clip_step_values(Stream::Compute, (parts, ranks), max_norm, step_values)
         }
+    }
+
+    /// Makes the step's values, written by the host for its count of updates, those of the
+    /// count less the steps skipped on the device so far, on the compute stream.
+    fn count_out_device_skips(&mut self) -> Result<()> {
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            return Ok(());
+        };
+        let StepChecks {
+            skipped_steps,
+            step_values,
+            ..
+        } = checks;
+        // SAFETY: the count and the values are used on the compute stream only.
+        unsafe { (self.backend).correct_step_values(Stream::Compute, skipped_steps, step_values) }
+    }
+
+    /// Sets the step values' skip decision from the norm parts gathered on the device, and
+    /// counts a skipped step there, on the compute stream.
+    fn decide_skip_on_device(&mut self) -> Result<()> {
+        let ranks = self.plan.world_size();
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            return Ok(());
+        };
+        let (parts, skipped, step_values) = checks.gathered(ranks);
+        // SAFETY: the parts, the count and the values are used on the compute stream only, but
+        // for the gather of the parts, which the compute stream waited for.
+        unsafe {
+            (self.backend).skip_nonfinite_step(
+                Stream::Compute,
+                (parts, ranks),
+                skipped,
+                step_values,
+            )
+        }?;
+        self.optimizer.device_decisions += 1;
+        Ok(())
     }
 
     /// Updates group `i`'s shard from its gradient shard with the values
@@ -325,6 +386,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.optimizer.stepped = false;
                 e.optimizer.updating = false;
                 e.optimizer.clip = None;
+                e.optimizer.skip_nonfinite = false;
+                e.optimizer.parts_on_device = false;
                 e.counters.steps += 1;
                 e.collectives.in_step = 0;
                 e.collectives.issued.clear();
@@ -461,6 +524,47 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             sum_over_grad_shards(&e.backend, &e.plan, groups, counter, sum, &mut bytes)?;
             Ok(u64::from_le_bytes(bytes))
         })
+    }
+
+    /// The steps the device skipped ([`Engine::skip_nonfinite_on_device`]) since the host last
+    /// read them, now counted on the host: the optimizer's steps (AdamW's bias correction, the
+    /// step a checkpoint saves) less them, [`crate::Counters::skipped_steps`] plus them. Between
+    /// steps, not during a capture; blocks the host for the count where a decision was queued
+    /// since the last read (0 at once otherwise). Every rank reads the same count: the ranks
+    /// decide alike.
+    pub fn read_device_skips(&mut self) -> Result<u64> {
+        let action = "reading the steps skipped on the device";
+        self.healthy()?;
+        self.check_step_boundary(action)?;
+        if self.optimizer.device_decisions == 0 {
+            return Ok(0);
+        }
+        self.effects(|e| {
+            let Some(checks) = e.optimizer.checks.as_ref() else {
+                return Ok(0);
+            };
+            let mut bytes = [0u8; SKIPPED_STEPS_BYTES];
+            let region = Region::new(0, SKIPPED_STEPS_BYTES / 4, DType::F32);
+            e.backend
+                .download(&checks.skipped_steps, region, &mut bytes)?;
+            let skipped = u64::from_le_bytes(bytes);
+            e.forget_device_skips()?;
+            e.optimizer.steps = e.optimizer.steps.saturating_sub(skipped);
+            e.counters.skipped_steps = e.counters.skipped_steps.saturating_add(skipped);
+            Ok(skipped)
+        })
+    }
+
+    /// Zeroes the device's count of skipped steps, on the compute stream: the host's counts
+    /// hold every skip from here.
+    pub(super) fn forget_device_skips(&mut self) -> Result<()> {
+        self.optimizer.device_decisions = 0;
+        let Some(checks) = self.optimizer.checks.as_mut() else {
+            return Ok(());
+        };
+        let region = Region::new(0, SKIPPED_STEPS_BYTES / 4, DType::F32);
+        // SAFETY: the count is used on the compute stream only.
+        unsafe { (self.backend).zero(Stream::Compute, &mut checks.skipped_steps, region) }
     }
 
     /// This rank's parameter shard of `group`, as bytes in the group's dtype (of a master-only

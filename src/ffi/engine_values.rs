@@ -4,7 +4,7 @@
 use std::ffi::c_void;
 
 use super::handles::engine_report;
-use super::handles::{on_engine, with_engine};
+use super::handles::{AnyEngine, on_engine, with_engine};
 use super::status::{Outcome, boundary, fsdp_status, invalid, null, put};
 use super::types::{dtype_of, fsdp_counters, fsdp_engine};
 use crate::backend::Input;
@@ -196,14 +196,50 @@ pub unsafe extern "C" fn fsdp_engine_nonfinite_grads(
     engine: *mut fsdp_engine,
     out: *mut u64,
 ) -> fsdp_status {
+    // SAFETY: the caller's contract.
+    unsafe {
+        put_count(engine, out, |any| {
+            Ok(with_engine!(any, e => e.nonfinite_grads())?)
+        })
+    }
+}
+
+/// Writes to `out`, checked for NULL first, what `count` gives of the engine.
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+unsafe fn put_count(
+    engine: *mut fsdp_engine,
+    out: *mut u64,
+    count: impl FnOnce(&mut AnyEngine) -> Outcome<u64>,
+) -> fsdp_status {
     boundary(|| {
         if out.is_null() {
             return Err(null("out"));
         }
-        let count = on_engine(engine, |any| {
-            Ok(with_engine!(any, e => e.nonfinite_grads())?)
-        })?;
+        let value = on_engine(engine, count)?;
         // SAFETY: the caller's contract.
-        unsafe { put(out, "out", count) }
+        unsafe { put(out, "out", value) }
     })
+}
+
+/// Writes to `out` the steps the device skipped (`fsdp_engine_skip_nonfinite_on_device`) since
+/// the host last read them, and counts them on the host: the optimizer's steps (AdamW's bias
+/// correction, the step a checkpoint saves) less them, the counters' `skipped_steps` plus them.
+/// Between steps, not during a capture (`FSDP_MISUSE` otherwise); blocks the host for the count
+/// where a decision was queued since the last read (0 at once otherwise).
+///
+/// # Safety
+/// `out` is NULL or valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn fsdp_engine_read_device_skips(
+    engine: *mut fsdp_engine,
+    out: *mut u64,
+) -> fsdp_status {
+    // SAFETY: the caller's contract.
+    unsafe {
+        put_count(engine, out, |any| {
+            Ok(with_engine!(any, e => e.read_device_skips())?)
+        })
+    }
 }

@@ -100,3 +100,22 @@ pub extern "C" fn fsdp_engine_clip_grad_norm_on_device(
         })
     })
 }
+
+/// Skips this step's update on the device where any rank's gradient holds an infinite or NaN
+/// element, with no host wait: the shards, masters and moments stay, and the step counts neither
+/// for AdamW's bias correction nor for the optimizer's steps, as a step whose caller saw a norm
+/// that is not finite and called no `fsdp_engine_optimizer_step`. Each rank's part of the norms
+/// is summed and gathered across the ranks as for `fsdp_engine_clip_grad_norm_on_device` (once
+/// for both), so every rank decides alike; `fsdp_engine_optimizer_step` follows as usual. The
+/// host counts the skipped steps when it reads them (`fsdp_engine_read_device_skips`, which a save
+/// does first). A collective (every rank calls it), from `fsdp_engine_finish_grad_sync` to
+/// `fsdp_engine_optimizer_step`; allowed during a capture, whose replays decide each on their own
+/// gradients. `FSDP_MISUSE` where the optimizer steps in the backward.
+#[unsafe(no_mangle)]
+pub extern "C" fn fsdp_engine_skip_nonfinite_on_device(engine: *mut fsdp_engine) -> fsdp_status {
+    boundary(|| {
+        on_engine(engine, |any| {
+            Ok(with_engine!(any, e => e.skip_nonfinite_on_device())?)
+        })
+    })
+}

@@ -30,9 +30,12 @@ pub const NORM_PART_BYTES: usize = 16;
 /// Bytes of a rank's count of non-finite gradient elements: a u64.
 pub const NONFINITE_COUNT_BYTES: usize = 8;
 
+/// Bytes of the count of steps skipped on the device that the host has not read yet: a u64.
+pub const SKIPPED_STEPS_BYTES: usize = 8;
+
 /// A step's few bytes on the device, made with the engine when anything trains: where the checks
-/// of its gradients add up (the norms' part and the non-finite count), and the
-/// [`crate::optim::StepValues`] its updates read.
+/// of its gradients add up (the norms' part and the non-finite count), the
+/// [`crate::optim::StepValues`] its updates read, and the steps skipped on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepScratch {
     pub norm_part: usize,
@@ -40,11 +43,18 @@ pub struct StepScratch {
     pub norm_parts: usize,
     pub nonfinite_count: usize,
     pub step_values: usize,
+    /// Steps skipped on the device ([`crate::Engine::skip_nonfinite_on_device`]) that the host
+    /// has not read yet.
+    pub skipped_steps: usize,
 }
 
 impl StepScratch {
     pub fn bytes(&self) -> usize {
-        self.norm_part + self.norm_parts + self.nonfinite_count + self.step_values
+        self.norm_part
+            + self.norm_parts
+            + self.nonfinite_count
+            + self.step_values
+            + self.skipped_steps
     }
 }
 
@@ -118,6 +128,7 @@ pub(super) fn layout(
             },
             nonfinite_count: NONFINITE_COUNT_BYTES,
             step_values: crate::optim::STEP_VALUES_BYTES,
+            skipped_steps: SKIPPED_STEPS_BYTES,
         }),
         gather_slots,
         gather_slot_bytes: plan.gather_slot_bytes(),

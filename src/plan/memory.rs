@@ -16,7 +16,8 @@ pub struct MemoryPerRank {
     pub grad_shards: usize,
     /// fp32 masters, AdamW's moments, and (where anything trains) the
     /// [`super::StepScratch`]: where the gradient norms and the non-finite count add up, every
-    /// rank's norm part above world size 1, and the step's values the updates read.
+    /// rank's norm part above world size 1, the step's values the updates read and the count of
+    /// steps skipped on the device.
     pub optimizer_state: usize,
     pub gathered_slots: usize,
     pub grad_slots: usize,
@@ -110,14 +111,14 @@ impl Policy {
                 what: "optimizer state",
                 count: masters
                     + moments
-                    + layout.step_scratch.map_or(0, |s| 3 + usize::from(s.norm_parts > 0)),
+                    + layout.step_scratch.map_or(0, |s| 4 + usize::from(s.norm_parts > 0)),
                 bytes: m.optimizer_state,
                 why: match layout.step_scratch {
                     Some(_) => "fp32 masters of bf16/f16 groups, AdamW's two moments, where \
                         the gradient norms and the non-finite count add up (16 and 8 bytes), \
                         every rank's norm part for clipping on the device (16 bytes a rank, \
-                        none at world size 1), and the step's values that the updates read \
-                        (48 bytes)"
+                        none at world size 1), the step's values that the updates read \
+                        (48 bytes), and the count of steps skipped on the device (8 bytes)"
                         .into(),
                     None => "none: nothing trains".into(),
                 },
@@ -229,8 +230,9 @@ mod tests {
         assert_eq!(mem.param_shards, 256 * 2 + 64 * 4);
         assert_eq!(mem.grad_shards, 256 * 4);
         // AdamW on bf16: fp32 master plus two moments; where the norms and the non-finite
-        // count add up, the 4 ranks' norm parts, and the step's values.
-        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 4 * 16 + 8 + 48);
+        // count add up, the 4 ranks' norm parts, the step's values and the count of steps
+        // skipped on the device.
+        assert_eq!(mem.optimizer_state, 256 * 12 + 16 + 4 * 16 + 8 + 48 + 8);
         assert_eq!(mem.gathered_slots, 2 * 2048);
         // Two reductions in flight are allowed but one trainable group binds: one in flight, one
         // being filled.

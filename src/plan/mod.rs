@@ -16,7 +16,8 @@ mod memory;
 mod policy;
 
 pub use buffers::{
-    BufferLayout, GroupBuffers, NONFINITE_COUNT_BYTES, NORM_PART_BYTES, StepScratch,
+    BufferLayout, GroupBuffers, NONFINITE_COUNT_BYTES, NORM_PART_BYTES, SKIPPED_STEPS_BYTES,
+    StepScratch,
 };
 pub use memory::{BufferReport, MemoryPerRank};
 pub use policy::{Limits, Policy};

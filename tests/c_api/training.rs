@@ -203,6 +203,68 @@ fn non_finite_gradients_are_counted_through_the_c_api() {
     });
 }
 
+/// A step whose gradient holds a NaN, skipped on the device through the C API, leaves the
+/// shards as they were; the host counts it once it reads it, and the next step trains. Refused:
+/// a read mid-step, a NULL out-pointer, the decision before the gradients are synced.
+#[test]
+fn a_step_with_a_nan_gradient_is_skipped_on_the_device_through_the_c_api() {
+    for_each_mode(|mode| {
+        let (plan, group, engine) = engine_with(mode, &sgd_config());
+        let mut g = [1.0f32; 9];
+        g[4] = f32::NAN;
+        let (mut skipped, mut counters) = (0u64, fsdp_counters::default());
+        let misuse = fsdp_status::FSDP_MISUSE;
+        // SAFETY: valid pointers, or NULL on purpose.
+        unsafe {
+            load_values(engine, &initial_values());
+            let before = shard_values(engine, plan, 1);
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            expect(
+                fsdp_engine_skip_nonfinite_on_device(engine),
+                misuse,
+                "finish_grad_sync",
+            );
+            expect(
+                fsdp_engine_read_device_skips(engine, &mut skipped),
+                misuse,
+                "step",
+            );
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_skip_nonfinite_on_device(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            assert_eq!(shard_values(engine, plan, 1), before, "the skipped step");
+            ok(fsdp_engine_counters(engine, &mut counters));
+            assert_eq!(counters.skipped_steps, 0, "not read yet");
+            expect(
+                fsdp_engine_read_device_skips(engine, null_mut()),
+                NULL,
+                "out",
+            );
+            ok(fsdp_engine_read_device_skips(engine, &mut skipped));
+            assert_eq!(skipped, 1);
+            ok(fsdp_engine_read_device_skips(engine, &mut skipped));
+            assert_eq!(skipped, 0, "read once");
+            ok(fsdp_engine_counters(engine, &mut counters));
+            assert_eq!(counters.skipped_steps, 1);
+            g[4] = 1.0;
+            ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_skip_nonfinite_on_device(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+            assert_ne!(
+                shard_values(engine, plan, 1),
+                before,
+                "a finite step trains"
+            );
+            ok(fsdp_engine_destroy(engine));
+        }
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+    });
+}
+
 #[test]
 fn rates_norms_clipping_and_skipped_steps_through_the_c_api() {
     for_each_mode(|mode| {

@@ -200,6 +200,21 @@ impl CpuBackend {
     }
 }
 
+/// The `ranks` norm parts at the start of `parts`.
+fn norm_parts(parts: &CpuBuffer, ranks: usize) -> Result<(Arc<Memory>, Range<usize>)> {
+    let all = ranks
+        .checked_mul(crate::plan::NORM_PART_BYTES)
+        .ok_or(Error::SizeOverflow {
+            what: "the ranks' norm parts",
+        })?;
+    byte_part(parts, 0, all)
+}
+
+/// The norms of the parts in `bytes`, as the host combines them.
+fn norm_of(bytes: &[u8]) -> crate::engine::GradNorm {
+    crate::engine::GradNorm::of_parts(bytes.chunks_exact(crate::plan::NORM_PART_BYTES))
+}
+
 /// The `bytes` bytes of `buf` from `at`, checked to lie inside it.
 fn byte_part(buf: &CpuBuffer, at: usize, bytes: usize) -> Result<(Arc<Memory>, Range<usize>)> {
     let end = at.checked_add(bytes).filter(|&end| end <= buf.len());
@@ -699,6 +714,10 @@ impl Backend for CpuBackend {
             // SAFETY: the caller ordered the write of the values before this update.
             let values: StepValues =
                 bytemuck::pod_read_unaligned(unsafe { values.0.bytes(values.1.clone()) });
+            if values.skip != 0 {
+                // The device skipped the step: every shard, master and moment stays.
+                return Ok(());
+            }
             let seed = |storage| match storage {
                 MomentStorage::Bf16Stochastic { group, .. } => {
                     moment_seed(values.step, group as usize)
@@ -737,11 +756,7 @@ impl Backend for CpuBackend {
         max_norm: f32,
         values: &mut CpuBuffer,
     ) -> Result<()> {
-        let part_bytes = crate::plan::NORM_PART_BYTES;
-        let all = ranks.checked_mul(part_bytes).ok_or(Error::SizeOverflow {
-            what: "the ranks' norm parts",
-        })?;
-        let parts = byte_part(parts, 0, all)?;
+        let parts = norm_parts(parts, ranks)?;
         let values = byte_part(values, 0, STEP_VALUES_BYTES)?;
         self.run(stream, move || {
             // SAFETY: distinct buffers; the caller ordered every other use of both.
@@ -751,10 +766,67 @@ impl Backend for CpuBackend {
                     values.0.bytes_mut(values.1.clone()),
                 )
             };
-            let norm = crate::engine::GradNorm::of_parts(parts.chunks_exact(part_bytes));
+            let norm = norm_of(parts);
             let mut step: StepValues = bytemuck::pod_read_unaligned(values);
             step.grad_scale = norm.clip_coefficient(max_norm);
             values.copy_from_slice(bytemuck::bytes_of(&step));
+            Ok(())
+        })
+    }
+
+    unsafe fn skip_nonfinite_step(
+        &self,
+        stream: Stream,
+        (parts, ranks): (&CpuBuffer, usize),
+        skipped: &mut CpuBuffer,
+        values: &mut CpuBuffer,
+    ) -> Result<()> {
+        let parts = norm_parts(parts, ranks)?;
+        let skipped = byte_part(skipped, 0, crate::plan::SKIPPED_STEPS_BYTES)?;
+        let values = byte_part(values, 0, STEP_VALUES_BYTES)?;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of the three.
+            let (parts, skipped, values) = unsafe {
+                (
+                    parts.0.bytes(parts.1.clone()),
+                    skipped.0.bytes_mut(skipped.1.clone()),
+                    values.0.bytes_mut(values.1.clone()),
+                )
+            };
+            let skip = !norm_of(parts).max.is_finite();
+            let mut step: StepValues = bytemuck::pod_read_unaligned(values);
+            step.skip = u32::from(skip);
+            values.copy_from_slice(bytemuck::bytes_of(&step));
+            let count: u64 = bytemuck::pod_read_unaligned(skipped);
+            skipped.copy_from_slice(&(count + u64::from(skip)).to_le_bytes());
+            Ok(())
+        })
+    }
+
+    unsafe fn correct_step_values(
+        &self,
+        stream: Stream,
+        skipped: &CpuBuffer,
+        values: &mut CpuBuffer,
+    ) -> Result<()> {
+        let skipped = byte_part(skipped, 0, crate::plan::SKIPPED_STEPS_BYTES)?;
+        let values = byte_part(values, 0, STEP_VALUES_BYTES)?;
+        self.run(stream, move || {
+            // SAFETY: distinct buffers; the caller ordered every other use of both.
+            let (skipped, values) = unsafe {
+                (
+                    skipped.0.bytes(skipped.1.clone()),
+                    values.0.bytes_mut(values.1.clone()),
+                )
+            };
+            let count: u64 = bytemuck::pod_read_unaligned(skipped);
+            if count > 0 {
+                let mut step: StepValues = bytemuck::pod_read_unaligned(values);
+                step.step = step.step.saturating_sub(count);
+                (step.bias1, step.sqrt_bias2) =
+                    crate::optim::bias_corrections(step.beta1, step.beta2, step.step);
+                values.copy_from_slice(bytemuck::bytes_of(&step));
+            }
             Ok(())
         })
     }

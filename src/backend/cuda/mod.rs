@@ -127,6 +127,27 @@ fn length_mismatch(len: usize, capacity: usize) -> Error {
     }
 }
 
+/// The address of the `ranks` norm parts at the start of `parts`.
+fn norm_parts(parts: &CudaBuffer, ranks: usize) -> Result<u64> {
+    let words = ranks
+        .checked_mul(crate::plan::NORM_PART_BYTES / 4)
+        .ok_or(Error::SizeOverflow {
+            what: "the ranks' norm parts",
+        })?;
+    parts.addr(Region::new(0, words, DType::F32))
+}
+
+/// The address of the [`StepValues`] at the start of `values`.
+fn step_values(values: &CudaBuffer) -> Result<u64> {
+    values.addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))
+}
+
+/// The address of the count of skipped steps at the start of `skipped`.
+fn skipped_steps(skipped: &CudaBuffer) -> Result<u64> {
+    let words = crate::plan::SKIPPED_STEPS_BYTES / 4;
+    skipped.addr(Region::new(0, words, DType::F32))
+}
+
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Event = CudaBackendEvent;
@@ -650,7 +671,7 @@ impl Backend for CudaBackend {
         dst: &mut CudaBuffer,
         values: &StepValues,
     ) -> Result<()> {
-        let dst = dst.addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
+        let dst = step_values(dst)?;
         bind(&self.ctx)?;
         // SAFETY: `dst` is checked to hold the values, of a buffer borrowed for this call; the
         // caller orders other uses.
@@ -670,9 +691,7 @@ impl Backend for CudaBackend {
         let whole = Region::new(0, n, DType::F32);
         let param = shard.param.addr(Region::new(0, n, shard.dtype))?;
         let grad = shard.grad.addr(whole)?;
-        let values = update
-            .values
-            .addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
+        let values = step_values(update.values)?;
         let master = match (shard.master, shard.dtype) {
             (Some(master), _) => master.addr(whole)?,
             // An f32 shard is its own master copy.
@@ -720,14 +739,8 @@ impl Backend for CudaBackend {
         max_norm: f32,
         values: &mut CudaBuffer,
     ) -> Result<()> {
-        let words =
-            ranks
-                .checked_mul(crate::plan::NORM_PART_BYTES / 4)
-                .ok_or(Error::SizeOverflow {
-                    what: "the ranks' norm parts",
-                })?;
-        let parts = parts.addr(Region::new(0, words, DType::F32))?;
-        let values = values.addr(Region::new(0, STEP_VALUES_BYTES / 4, DType::F32))?;
+        let parts = norm_parts(parts, ranks)?;
+        let values = step_values(values)?;
         bind(&self.ctx)?;
         // SAFETY: both addresses are checked to hold the parts and the values, of buffers
         // borrowed for this call; the caller orders other uses.
@@ -739,6 +752,43 @@ impl Backend for CudaBackend {
                 values,
             )
         }
+    }
+
+    unsafe fn skip_nonfinite_step(
+        &self,
+        stream: Stream,
+        (parts, ranks): (&CudaBuffer, usize),
+        skipped: &mut CudaBuffer,
+        values: &mut CudaBuffer,
+    ) -> Result<()> {
+        let parts = norm_parts(parts, ranks)?;
+        let skipped = skipped_steps(skipped)?;
+        let values = step_values(values)?;
+        bind(&self.ctx)?;
+        // SAFETY: the three addresses are checked to hold what the kernel reads and writes, of
+        // buffers borrowed for this call; the caller orders other uses.
+        unsafe {
+            self.kernels.skip_nonfinite_step(
+                self.stream_handle(stream),
+                (parts, ranks),
+                skipped,
+                values,
+            )
+        }
+    }
+
+    unsafe fn correct_step_values(
+        &self,
+        stream: Stream,
+        skipped: &CudaBuffer,
+        values: &mut CudaBuffer,
+    ) -> Result<()> {
+        let skipped = skipped_steps(skipped)?;
+        let values = step_values(values)?;
+        bind(&self.ctx)?;
+        // SAFETY: both addresses are checked to hold what the kernel reads and writes, of
+        // buffers borrowed for this call; the caller orders other uses.
+        unsafe { (self.kernels).correct_step_values(self.stream_handle(stream), skipped, values) }
     }
 
     unsafe fn norm_partials(

@@ -283,11 +283,7 @@ impl Kernels {
         max_norm: f32,
         values: u64,
     ) -> Result<()> {
-        check_aligned(parts, std::mem::align_of::<f64>())?;
-        check_aligned(values, std::mem::align_of::<StepValues>())?;
-        let ranks = u32::try_from(ranks).map_err(|_| Error::SizeOverflow {
-            what: "the ranks' norm parts",
-        })?;
+        let ranks = checked_parts((parts, ranks), values)?;
         // SAFETY: clip_step_values(const uint8_t* parts, uint32_t ranks, float max_norm,
         // StepValues* values); the caller's contract.
         unsafe {
@@ -296,6 +292,58 @@ impl Kernels {
                 self.clip_step_values,
                 1,
                 &mut [arg(&parts), arg(&ranks), arg(&max_norm), arg(&values)],
+            )
+        }
+    }
+
+    /// Decides whether the step is skipped from the `ranks` norm parts at `parts`, as
+    /// [`crate::backend::Backend::skip_nonfinite_step`] says.
+    ///
+    /// # Safety
+    /// `parts` is valid for `ranks` parts, `skipped` for a u64, `values` for a [`StepValues`],
+    /// on `stream`.
+    pub unsafe fn skip_nonfinite_step(
+        &self,
+        stream: &CudaStream,
+        (parts, ranks): (u64, usize),
+        skipped: u64,
+        values: u64,
+    ) -> Result<()> {
+        check_aligned(skipped, std::mem::align_of::<u64>())?;
+        let ranks = checked_parts((parts, ranks), values)?;
+        // SAFETY: skip_nonfinite_step(const uint8_t* parts, uint32_t ranks,
+        // unsigned long long* skipped, StepValues* values); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                self.skip_nonfinite_step,
+                1,
+                &mut [arg(&parts), arg(&ranks), arg(&skipped), arg(&values)],
+            )
+        }
+    }
+
+    /// Counts out the steps skipped on the device from the [`StepValues`] at `values`, as
+    /// [`crate::backend::Backend::correct_step_values`] says.
+    ///
+    /// # Safety
+    /// `skipped` is valid for a u64 and `values` for a [`StepValues`], on `stream`.
+    pub unsafe fn correct_step_values(
+        &self,
+        stream: &CudaStream,
+        skipped: u64,
+        values: u64,
+    ) -> Result<()> {
+        check_aligned(skipped, std::mem::align_of::<u64>())?;
+        check_aligned(values, std::mem::align_of::<StepValues>())?;
+        // SAFETY: correct_step_values(const unsigned long long* skipped, StepValues* values);
+        // the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                self.correct_step_values,
+                1,
+                &mut [arg(&skipped), arg(&values)],
             )
         }
     }
@@ -689,4 +737,14 @@ fn present(address: u64, n: u64, what: &'static str) -> Result<()> {
         }),
         false => Ok(()),
     }
+}
+
+/// The number of norm parts at `parts` as the kernels take it, the parts and the
+/// [`StepValues`] at `values` checked to be aligned.
+fn checked_parts((parts, ranks): (u64, usize), values: u64) -> Result<u32> {
+    check_aligned(parts, std::mem::align_of::<f64>())?;
+    check_aligned(values, std::mem::align_of::<StepValues>())?;
+    u32::try_from(ranks).map_err(|_| Error::SizeOverflow {
+        what: "the ranks' norm parts",
+    })
 }
