@@ -365,17 +365,20 @@ extern "C" __global__ void __launch_bounds__(kBlock)
 }
 
 // `crate::backend::Backend::skip_nonfinite_step`, by one thread: the step is skipped where the
-// largest magnitude of any rank's part (the u32 bits at byte 8; NaN's bits are above infinity's)
-// is infinite or NaN, and then counted.
+// 2-norm, combined as `clip_step_values` combines it, or the largest magnitude of any rank's part
+// (the u32 bits at byte 8; NaN's bits are above infinity's) is infinite or NaN, and then counted.
 extern "C" __global__ void __launch_bounds__(kBlock)
     skip_nonfinite_step(const uint8_t* parts, uint32_t ranks, unsigned long long* skipped,
                         fsdp::StepValues* values) {
   if (fsdp::grid_thread() != 0) return;
+  double sum = 0.0;
   uint32_t top = 0;
   for (uint32_t r = 0; r < ranks; ++r) {
+    sum = __dadd_rn(sum, *reinterpret_cast<const double*>(parts + 16u * r));
     top = max(top, *reinterpret_cast<const uint32_t*>(parts + 16u * r + 8u));
   }
-  const bool skip = top >= 0x7f800000u;
+  const float l2 = __double2float_rn(__dsqrt_rn(sum));
+  const bool skip = top >= 0x7f800000u || !isfinite(l2);
   values->skip = skip ? 1u : 0u;
   if (skip) *skipped += 1ull;
 }

@@ -711,6 +711,93 @@ fn replays_follow_the_work_left_on_every_stream() {
     });
 }
 
+/// Replays of a step captured before any step was skipped on the device, and that decides
+/// nothing itself, count out a skip the device makes after the capture (an eager step between
+/// the replays): they train as eager steps do around a step the host skips, at world sizes 1
+/// and 2, AdamW's bias correction and bf16 moments' rounding counting the skip out.
+#[test]
+fn replays_of_a_step_captured_before_a_skip_on_the_device_count_it_out() {
+    const SKIPPED: usize = 2;
+    let config = EngineConfig {
+        moment_dtype: DType::Bf16,
+        ..EngineConfig::default()
+    };
+    for world in [1, 2] {
+        let plan = Arc::new(Plan::new(&model(), world).unwrap());
+        let run = |device: bool| {
+            on_engines(&plan, &config, Mode::Async(3), move |e| {
+                with_batch(e, move |e, batch| -> Result<Vec<Vec<Vec<u8>>>> {
+                    batch.nonfinite_at = Some((world - 1, SKIPPED));
+                    let mut capture = None;
+                    let mut shards = Vec::new();
+                    for s in 0..STEPS {
+                        batch.fill(e, s)?;
+                        e.set_lr(lr(s))?;
+                        batch.skip = match (s, device) {
+                            (SKIPPED, true) => Skipping::OnDevice,
+                            (SKIPPED, false) => Skipping::OnHost,
+                            _ => Skipping::No,
+                        };
+                        match (&capture, device && s != SKIPPED && s > 0) {
+                            (Some(captured), true) => e.replay(captured)?,
+                            (None, true) => {
+                                e.begin_capture()?;
+                                step(e, batch)?;
+                                let captured = capture.insert(e.end_capture()?);
+                                e.replay(captured)?;
+                            }
+                            (_, false) => step(e, batch)?,
+                        }
+                        let groups = 0..e.plan().groups().len();
+                        shards.push(groups.map(|g| e.param_shard(g)).collect::<Result<_>>()?);
+                    }
+                    assert_eq!(e.read_device_skips()?, u64::from(device));
+                    Ok(shards)
+                })
+            })
+        };
+        let (host, device) = (run(false), run(true));
+        for (rank, (host, device)) in host.into_iter().zip(device).enumerate() {
+            let (host, device) = (host.unwrap(), device.unwrap());
+            assert_eq!(
+                host[SKIPPED],
+                host[SKIPPED - 1],
+                "world {world}, rank {rank}: skipped"
+            );
+            assert_eq!(host, device, "world {world}, rank {rank}");
+        }
+    }
+}
+
+/// A load after a step the device skipped counts the skip before it takes the checkpoint's step
+/// count: nothing the device decided goes uncounted.
+#[test]
+fn a_load_counts_the_skips_the_host_has_not_read() {
+    let plan = Arc::new(Plan::new(&model(), 1).unwrap());
+    let dir = Arc::new(Scratch::new("captured-steps-load-counts"));
+    let counted = on_engines(&plan, &EngineConfig::default(), Mode::Async(2), move |e| {
+        let dir = Arc::clone(&dir);
+        with_batch(e, move |e, batch| -> Result<(u64, u64)> {
+            batch.fill(e, 0)?;
+            step(e, batch)?;
+            e.save(dir.path())?;
+            (batch.skip, batch.nonfinite_at) = (Skipping::OnDevice, Some((0, 1)));
+            batch.fill(e, 1)?;
+            step(e, batch)?;
+            let unread = e.counters().skipped_steps;
+            e.load(dir.path())?;
+            Ok((unread, e.counters().skipped_steps))
+        })
+    });
+    for outcome in counted {
+        assert_eq!(
+            outcome.unwrap(),
+            (0, 1),
+            "skipped steps before and after the load"
+        );
+    }
+}
+
 /// A checkpoint saved between replays holds the replayed steps, a replay the device skipped on a
 /// gradient that is not finite left out of its step count: engines that load it and take an
 /// eager step end where eager steps all along do, the host skipping that step (AdamW's bias

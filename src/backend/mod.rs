@@ -504,10 +504,11 @@ pub trait Backend: Send {
         values: &mut Self::Buffer,
     ) -> Result<()>;
 
-    /// Decides on the device whether the step is skipped: where the largest magnitude of any of
-    /// `ranks` norm parts at the start of `parts` (the u32 bits at byte 8 of each) is infinite
-    /// or NaN, sets the `skip` of the [`StepValues`] at the start of `values` to 1 and adds 1 to
-    /// the u64 at the start of `skipped`; else sets `skip` to 0.
+    /// Decides on the device whether the step is skipped: where the norms of the `ranks` norm
+    /// parts at the start of `parts` are not finite ([`crate::engine::GradNorm::is_finite`] of
+    /// the parts combined as [`Backend::clip_step_values`] combines them: the f32 2-norm or the
+    /// largest magnitude infinite or NaN), sets the `skip` of the [`StepValues`] at the start of
+    /// `values` to 1 and adds 1 to the u64 at the start of `skipped`; else sets `skip` to 0.
     ///
     /// # Safety
     /// As [`Backend::zero`], for the three buffers.

@@ -81,8 +81,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             self.effects(|e| {
                 e.upload_parts(&parts, memory, total)?;
                 e.values_from_masters()?;
-                // The loaded step count is the whole count: no skip of the device's before it.
-                e.forget_device_skips()
+                // The loaded step count is the whole count: the device's skips before it are
+                // only counted.
+                e.take_device_skips().map(drop)
             })?;
             self.config.optimizer = optimizer;
             self.optimizer.steps = steps;

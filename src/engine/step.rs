@@ -155,9 +155,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 _ => 1.0,
             };
             self.write_step_values(grad_scale)?;
-            // A step that decides on the device counts out the skips before it too: its replays
-            // follow skips of their own.
-            if self.optimizer.device_decisions > 0 || self.optimizer.skip_nonfinite {
+            // A captured step counts out the skips before each replay, whatever the count when
+            // it was captured: its replays follow skips of their own or of other steps.
+            if self.optimizer.device_decisions > 0 || self.capture.is_some() {
                 self.count_out_device_skips()?;
             }
             if let Some(Clip::OnDevice { max_norm }) = clip {
@@ -536,35 +536,32 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let action = "reading the steps skipped on the device";
         self.healthy()?;
         self.check_step_boundary(action)?;
-        if self.optimizer.device_decisions == 0 {
-            return Ok(0);
-        }
         self.effects(|e| {
-            let Some(checks) = e.optimizer.checks.as_ref() else {
-                return Ok(0);
-            };
-            let mut bytes = [0u8; SKIPPED_STEPS_BYTES];
-            let region = Region::new(0, SKIPPED_STEPS_BYTES / 4, DType::F32);
-            e.backend
-                .download(&checks.skipped_steps, region, &mut bytes)?;
-            let skipped = u64::from_le_bytes(bytes);
-            e.forget_device_skips()?;
+            let skipped = e.take_device_skips()?;
             e.optimizer.steps = e.optimizer.steps.saturating_sub(skipped);
-            e.counters.skipped_steps = e.counters.skipped_steps.saturating_add(skipped);
             Ok(skipped)
         })
     }
 
-    /// Zeroes the device's count of skipped steps, on the compute stream: the host's counts
-    /// hold every skip from here.
-    pub(super) fn forget_device_skips(&mut self) -> Result<()> {
-        self.optimizer.device_decisions = 0;
+    /// The steps skipped on the device since the host last read them (a host wait where a
+    /// decision was queued since), added to [`crate::Counters::skipped_steps`], the device's
+    /// count zeroed on the compute stream: the host's counts hold every skip from here.
+    pub(super) fn take_device_skips(&mut self) -> Result<u64> {
+        if std::mem::take(&mut self.optimizer.device_decisions) == 0 {
+            return Ok(0);
+        }
         let Some(checks) = self.optimizer.checks.as_mut() else {
-            return Ok(());
+            return Ok(0);
         };
+        let mut bytes = [0u8; SKIPPED_STEPS_BYTES];
         let region = Region::new(0, SKIPPED_STEPS_BYTES / 4, DType::F32);
+        self.backend
+            .download(&checks.skipped_steps, region, &mut bytes)?;
         // SAFETY: the count is used on the compute stream only.
-        unsafe { (self.backend).zero(Stream::Compute, &mut checks.skipped_steps, region) }
+        unsafe { (self.backend).zero(Stream::Compute, &mut checks.skipped_steps, region) }?;
+        let skipped = u64::from_le_bytes(bytes);
+        self.counters.skipped_steps = self.counters.skipped_steps.saturating_add(skipped);
+        Ok(skipped)
     }
 
     /// This rank's parameter shard of `group`, as bytes in the group's dtype (of a master-only

@@ -793,7 +793,7 @@ impl Backend for CpuBackend {
                     values.0.bytes_mut(values.1.clone()),
                 )
             };
-            let skip = !norm_of(parts).max.is_finite();
+            let skip = !norm_of(parts).is_finite();
             let mut step: StepValues = bytemuck::pod_read_unaligned(values);
             step.skip = u32::from(skip);
             values.copy_from_slice(bytemuck::bytes_of(&step));
