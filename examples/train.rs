@@ -163,10 +163,10 @@ struct Args {
     /// pass a step, no clipping: the grad norm column is then NaN).
     #[arg(long)]
     step_in_backward: bool,
-    /// Capture the step after the first once and replay it for every later step, with the
-    /// model's math queued on each rank's compute stream (CPU ranks whose streams run apart, as
-    /// a GPU's do). The grad norm column is NaN for the replayed steps: clipping reads the norm
-    /// on the device.
+    /// Capture the second step once (which runs nothing) and replay it for that step and every
+    /// later one, with the model's math queued on each rank's compute stream (CPU ranks whose
+    /// streams run apart, as a GPU's do). The grad norm column is NaN for the replayed steps:
+    /// the host does not compute their norm (with --clip it stays on the device).
     #[arg(long)]
     capture: bool,
 }

@@ -9,8 +9,8 @@
  * A seed runs the ranks' streams apart (fsdp_local_group_create_async), as a test of order.
  * "captured" (with a seed) queues the model's math on each rank's compute stream as host
  * functions (fsdp_engine_launch_host_func), as a GPU model's kernels are queued, runs the first
- * step so, captures the second (fsdp_engine_begin_capture) and replays it for every later one
- * (fsdp_engine_replay): the same losses as without it.
+ * step so, captures the second (fsdp_engine_begin_capture; nothing runs) and replays it for that
+ * step and every later one (fsdp_engine_replay): the same losses as without it.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>

@@ -197,11 +197,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         })
     }
 
-    /// Skips this step's update on the device where any rank's gradient holds an infinite or
-    /// NaN element, with no host wait: the shards, masters and moments stay as they are, and the
-    /// step counts neither for AdamW's bias correction nor for the optimizer's steps (as after
-    /// [`Engine::nonfinite_grads`] and no [`Engine::optimizer_step`]: later updates equal that
-    /// run's bit for bit). Each rank's part of the norms is summed and gathered across the ranks
+    /// Skips this step's update on the device where the whole gradient's norm is not finite
+    /// ([`GradNorm::is_finite`]: the f32 2-norm or the largest magnitude infinite or NaN, as
+    /// any infinite or NaN element makes it), with no host wait: the shards, masters and moments
+    /// stay as they are, and the step counts neither for AdamW's bias correction nor for the
+    /// optimizer's steps (as where the host saw that norm, [`Engine::grad_norm`], and called no
+    /// [`Engine::optimizer_step`]: later updates equal that run's bit for bit). Each rank's part of the norms is summed and gathered across the ranks
     /// as for [`Engine::clip_grad_norm_on_device`] (once for both), so every rank decides alike;
     /// [`Engine::optimizer_step`] follows as usual. The host learns of the skipped steps when it
     /// reads them ([`Engine::read_device_skips`], which a save does first): until then

@@ -1,8 +1,8 @@
 //! The example model trained with its math queued on the compute stream of the asynchronous CPU
 //! backend, as a GPU model's kernels are, so that a step can be captured
-//! ([`Engine::begin_capture`]) and replayed: the first step eager, the second captured, every
-//! later one a replay of it with that step's micro-batches written before it and its learning
-//! rate set ([`Engine::set_lr`]).
+//! ([`Engine::begin_capture`]) and replayed: the first step eager, the second captured (which
+//! runs nothing) and replayed, every later one a replay of it with that step's micro-batches
+//! written before it and its learning rate set ([`Engine::set_lr`]).
 //!
 //! The model's buffers (each pass's micro-batch and loss, each parameter's gradient) are host
 //! memory the stream's jobs reach by address. Every job of the model holds them, and a job of

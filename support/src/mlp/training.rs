@@ -161,9 +161,9 @@ impl Training<'_> {
 
     /// As [`Training::compare_in_process_groups`] on CPU ranks whose backends are asynchronous
     /// ([`CpuBackend::asynchronous`]), with the model's work queued on each rank's compute
-    /// stream: the first step eager, the second captured, the rest replays of it
-    /// ([`CapturedSteps`]). The gradient norm is NaN for the replayed steps (it stays on the
-    /// device, where clipping reads it).
+    /// stream: the first step eager, the second captured and replayed, every later one a replay
+    /// of it ([`CapturedSteps`]). The gradient norm is NaN for the replayed steps: the host does
+    /// not compute it (clipping, where the recipe clips, reads it on the device).
     pub fn compare_captured<C: Communicator<CpuBackend>>(
         &self,
         ranks: Vec<(CpuBackend, C, Vec<C>)>,
