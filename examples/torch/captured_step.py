@@ -5,7 +5,8 @@ schedule, the gradient's 2-norm clipped), at world size 1 on NCCL.
 - fsdp-fusion: `FusedFSDP` with persistent gradient shards; the captured trainer runs its first
   step eagerly (the warm-up), captures the second with `FusedFSDP.capture` and replays it for
   every later step (`FusedFSDP.replay`), the learning rate set before each; both clip on the
-  device (`step(max_grad_norm=..., clip_on_device=True)`).
+  device (`step(max_grad_norm=..., clip_on_device=True)`), and with `--skip-nonfinite` skip a
+  step whose gradient is not finite there too.
 - plain PyTorch: bf16 parameters for compute and an fp32 master copy that `torch.optim.AdamW`
   (foreach; `capturable=True` with the learning rate a device tensor when captured) steps, the
   gradients clipped by `clip_grad_norm_`; the captured trainer captures its whole step (the bf16
@@ -58,6 +59,9 @@ def arguments():
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the times")
     parser.add_argument("--warmup-steps", type=int, default=10, help="of the schedule")
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--skip-nonfinite", action="store_true",
+                        help="fsdp-fusion also skips a step whose gradient is not finite, "
+                             "decided on the device (plain PyTorch does not check)")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--deterministic", action="store_true",
@@ -130,7 +134,8 @@ class Fusion:
     def eager_step(self, tokens: torch.Tensor) -> torch.Tensor:
         loss = self.fused(tokens)
         loss.backward()
-        self.fused.step(max_grad_norm=self.args.clip, clip_on_device=True)
+        self.fused.step(max_grad_norm=self.args.clip, clip_on_device=True,
+                        skip_nonfinite=self.args.skip_nonfinite)
         return loss
 
     def step(self, s: int, tokens: torch.Tensor) -> torch.Tensor:
