@@ -569,7 +569,7 @@ fn steps_skipped_on_the_device_train_as_steps_the_host_skips() {
 }
 
 #[test]
-fn clipping_on_the_device_refuses_what_clipping_on_the_host_refuses() {
+fn clipping_and_skipping_on_the_device_refuse_what_the_host_s_refuse() {
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
     let in_backward = EngineConfig {
         step_in_backward: true,
@@ -588,16 +588,20 @@ fn clipping_on_the_device_refuses_what_clipping_on_the_host_refuses() {
                 ) || matches!(r, Err(Error::StepInBackward { .. }))
             });
             let unsynced = e.clip_grad_norm_on_device(1.0);
-            (refusals, unsynced, e.config().step_in_backward)
+            let skip_unsynced = e.skip_nonfinite_on_device();
+            let step = e.config().step_in_backward;
+            (refusals, [unsynced, skip_unsynced], step)
         });
         for (refusals, unsynced, in_backward) in outcomes {
             assert_eq!(refusals, [true; 4]);
-            match in_backward {
-                true => assert!(matches!(unsynced, Err(Error::StepInBackward { .. }))),
-                false => assert!(
-                    matches!(unsynced, Err(Error::GradsNotSynced { .. })),
-                    "{unsynced:?}"
-                ),
+            for unsynced in unsynced {
+                match in_backward {
+                    true => assert!(matches!(unsynced, Err(Error::StepInBackward { .. }))),
+                    false => assert!(
+                        matches!(unsynced, Err(Error::GradsNotSynced { .. })),
+                        "{unsynced:?}"
+                    ),
+                }
             }
         }
     }
