@@ -909,9 +909,9 @@ enum fsdp_status fsdp_engine_clip_grad_norm_on_device(struct fsdp_engine *engine
 // 2-norm or the largest magnitude infinite or NaN, as any infinite or NaN element makes it),
 // with no host wait: the shards, masters and moments stay, and the step counts neither for
 // AdamW's bias correction nor for the optimizer's steps, as a step whose caller saw that norm
-// (`fsdp_engine_grad_norm`) and called no `fsdp_engine_optimizer_step`. Each rank's part of the norms
-// is summed and gathered across the ranks as for `fsdp_engine_clip_grad_norm_on_device` (once
-// for both), so every rank decides alike; `fsdp_engine_optimizer_step` follows as usual. The
+// (`fsdp_engine_grad_norm`) and called no `fsdp_engine_optimizer_step`. Each rank's part of the
+// norms is summed and gathered across the ranks as for `fsdp_engine_clip_grad_norm_on_device`
+// (once for both), so every rank decides alike; `fsdp_engine_optimizer_step` follows as usual. The
 // host counts the skipped steps when it reads them (`fsdp_engine_read_device_skips`, which a save
 // does first). A collective (every rank calls it), from `fsdp_engine_finish_grad_sync` to
 // `fsdp_engine_optimizer_step`; allowed during a capture, whose replays decide each on their own

@@ -202,8 +202,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// any infinite or NaN element makes it), with no host wait: the shards, masters and moments
     /// stay as they are, and the step counts neither for AdamW's bias correction nor for the
     /// optimizer's steps (as where the host saw that norm, [`Engine::grad_norm`], and called no
-    /// [`Engine::optimizer_step`]: later updates equal that run's bit for bit). Each rank's part of the norms is summed and gathered across the ranks
-    /// as for [`Engine::clip_grad_norm_on_device`] (once for both), so every rank decides alike;
+    /// [`Engine::optimizer_step`]: later updates equal that run's bit for bit). Each rank's part
+    /// of the norms is summed and gathered across the ranks as for
+    /// [`Engine::clip_grad_norm_on_device`] (once for both), so every rank decides alike;
     /// [`Engine::optimizer_step`] follows as usual. The host learns of the skipped steps when it
     /// reads them ([`Engine::read_device_skips`], which a save does first): until then
     /// [`Counters::skipped_steps`](crate::Counters) leaves them out. A collective (every rank

@@ -214,6 +214,13 @@ fn a_step_with_a_nan_gradient_is_skipped_on_the_device_through_the_c_api() {
         g[4] = f32::NAN;
         let (mut skipped, mut counters) = (0u64, fsdp_counters::default());
         let misuse = fsdp_status::FSDP_MISUSE;
+        // The step's end, its update decided on the device.
+        let skipping_on_the_device = |engine| {
+            ok(fsdp_engine_finish_grad_sync(engine));
+            ok(fsdp_engine_skip_nonfinite_on_device(engine));
+            ok(fsdp_engine_optimizer_step(engine));
+            ok(fsdp_engine_end_step(engine));
+        };
         // SAFETY: valid pointers, or NULL on purpose.
         unsafe {
             load_values(engine, &initial_values());
@@ -229,10 +236,7 @@ fn a_step_with_a_nan_gradient_is_skipped_on_the_device_through_the_c_api() {
                 misuse,
                 "step",
             );
-            ok(fsdp_engine_finish_grad_sync(engine));
-            ok(fsdp_engine_skip_nonfinite_on_device(engine));
-            ok(fsdp_engine_optimizer_step(engine));
-            ok(fsdp_engine_end_step(engine));
+            skipping_on_the_device(engine);
             assert_eq!(shard_values(engine, plan, 1), before, "the skipped step");
             ok(fsdp_engine_counters(engine, &mut counters));
             assert_eq!(counters.skipped_steps, 0, "not read yet");
@@ -249,10 +253,7 @@ fn a_step_with_a_nan_gradient_is_skipped_on_the_device_through_the_c_api() {
             assert_eq!(counters.skipped_steps, 1);
             g[4] = 1.0;
             ok(fsdp_engine_grad(engine, 1, g.as_ptr().cast(), 9, FSDP_F32));
-            ok(fsdp_engine_finish_grad_sync(engine));
-            ok(fsdp_engine_skip_nonfinite_on_device(engine));
-            ok(fsdp_engine_optimizer_step(engine));
-            ok(fsdp_engine_end_step(engine));
+            skipping_on_the_device(engine);
             assert_ne!(
                 shard_values(engine, plan, 1),
                 before,
