@@ -10,7 +10,10 @@
 //! f32 destination for accumulate and reduce_sum, the param for the optimizers. Each figure is
 //! the median of its repetitions, each timed alone between two CUDA events after a warm-up;
 //! bandwidth counts the bytes the kernel must read plus those it writes, and the last column is
-//! that bandwidth over the copy's. Repetitions rotate over buffer sets that together far exceed
+//! that bandwidth over the copy's. At 16 MiB, where a launch's fixed cost is a fifth of the copy's
+//! time, a kernel that moves fewer or more bytes than the copy pays that cost on fewer or more:
+//! the last column there is the bandwidth over a copy's that moves the kernel's own bytes (half
+//! read, half written), timed in the same run. Repetitions rotate over buffer sets that together far exceed
 //! the L2 cache, so that the 16 MiB figures measure memory, not cache, as in training. Every
 //! measurement carves its buffers from one allocation made at the start, so that every kernel
 //! runs on the same memory: on an H200, with buffers allocated for each measurement after others
@@ -18,6 +21,7 @@
 //! 0.97 in another of the same run.
 //! Without a GPU (or without kernels in the build) it says so and exits 0.
 
+use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -120,7 +124,15 @@ fn open() -> Outcome<Option<Gpu>> {
     let gate = Device::alloc(&stream, GATE_BYTES)?;
     let pool_bytes = SIZES
         .into_iter()
-        .flat_map(|size| items(size).into_iter().chain([memcpy(size)]))
+        .flat_map(|size| {
+            let items = items(size);
+            let same_bytes: Vec<Item> = if size < GIB {
+                items.iter().map(|item| memcpy(item.moved / 2)).collect()
+            } else {
+                Vec::new()
+            };
+            items.into_iter().chain(same_bytes).chain([memcpy(size)])
+        })
         .map(|item| sets_bytes(&item))
         .max()
         .unwrap_or(0);
@@ -144,10 +156,12 @@ fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
         settings.warmup
     );
     println!(
-        "{:<12} {:<14} {:>8} {:>9} {:>9} {:>8}",
-        "kernel", "dtype", "size", "ms", "GB/s", "of copy"
+        "{:<12} {:<14} {:>8} {:>9} {:>9} {:>8} {:>10}",
+        "kernel", "dtype", "size", "ms", "GB/s", "of copy", "same bytes"
     );
     let mut short = Vec::new();
+    // The copies that move each kernel's bytes, by bytes moved.
+    let mut same_bytes: HashMap<usize, Figure> = HashMap::new();
     for size in SIZES {
         let label = if size >= GIB {
             format!("{} GiB", size / GIB)
@@ -155,7 +169,7 @@ fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
             format!("{} MiB", size / MIB)
         };
         let copy = measure(gpu, settings, &memcpy(size))?;
-        print_row("cuMemcpyDtoD", "bytes", &label, copy, 1.0);
+        print_row("cuMemcpyDtoD", "bytes", &label, copy, 1.0, None);
         let wanted = |item: &Item| {
             settings.only.as_ref().is_none_or(|word| {
                 item.kernel.contains(word.as_str()) || item.dtype.contains(word.as_str())
@@ -164,7 +178,27 @@ fn run(gpu: &Gpu, settings: &Settings) -> Outcome<()> {
         for item in items(size).into_iter().filter(wanted) {
             let figure = measure(gpu, settings, &item)?;
             let fraction = figure.gb_per_s / copy.gb_per_s;
-            print_row(item.kernel, &item.dtype, &label, figure, fraction);
+            let of_same_bytes = if size < GIB {
+                let peer = match same_bytes.get(&item.moved) {
+                    Some(&peer) => peer,
+                    None => {
+                        let peer = measure(gpu, settings, &memcpy(item.moved / 2))?;
+                        same_bytes.insert(item.moved, peer);
+                        peer
+                    }
+                };
+                Some(figure.gb_per_s / peer.gb_per_s)
+            } else {
+                None
+            };
+            print_row(
+                item.kernel,
+                &item.dtype,
+                &label,
+                figure,
+                fraction,
+                of_same_bytes,
+            );
             if size >= GIB && fraction < TARGET {
                 short.push(format!("{} {}", item.kernel, item.dtype));
             }
@@ -191,9 +225,17 @@ struct Figure {
     gb_per_s: f64,
 }
 
-fn print_row(kernel: &str, dtype: &str, size: &str, figure: Figure, fraction: f64) {
+fn print_row(
+    kernel: &str,
+    dtype: &str,
+    size: &str,
+    figure: Figure,
+    fraction: f64,
+    of_same_bytes: Option<f64>,
+) {
+    let same_bytes = of_same_bytes.map_or_else(|| "-".to_owned(), |f| format!("{f:.3}"));
     println!(
-        "{kernel:<12} {dtype:<14} {size:>8} {:>9.4} {:>9.1} {:>8.3}",
+        "{kernel:<12} {dtype:<14} {size:>8} {:>9.4} {:>9.1} {:>8.3} {same_bytes:>10}",
         figure.ms, figure.gb_per_s, fraction
     );
 }
