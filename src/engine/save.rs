@@ -254,14 +254,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.healthy()?;
         self.check_step_boundary("saving a checkpoint")?;
         let writes = self.comm.replica().index == 0;
-        let checked = checkpoint::check_path(dir, "the checkpoint directory")
+        // The saved step count leaves out the steps the device skipped. Read before this rank's
+        // own checks, so that a save another rank's checks fail leaves every rank's counts alike.
+        let checked = self
+            .read_device_skips()
+            .map(drop)
+            .and_then(|()| checkpoint::check_path(dir, "the checkpoint directory"))
             .and_then(|()| self.check_pending(dir, pending))
             .and_then(|()| match writes {
                 true => checkpoint::check_free(dir),
                 false => Ok(()),
             })
-            // The saved step count leaves out the steps the device skipped.
-            .and_then(|()| self.read_device_skips().map(drop))
             .and_then(|()| prepare(self))
             .map(|prepared| (prepared, SaveId::fresh().0));
         let (prepared, proposals) = self.agree(dir, checked)?;
