@@ -26,7 +26,8 @@ struct StepValues {
 };
 static_assert(sizeof(StepValues) == 48 && offsetof(StepValues, step) == 8 &&
                   offsetof(StepValues, lr) == 16 && offsetof(StepValues, eps) == 32 &&
-                  offsetof(StepValues, grad_scale) == 40,
+                  offsetof(StepValues, sqrt_bias2) == 36 &&
+                  offsetof(StepValues, grad_scale) == 40 && offsetof(StepValues, skip) == 44,
               "StepValues is laid out as crate::optim::StepValues");
 
 // `crate::optim::AdamwCoefficients`, field for field.

@@ -252,7 +252,9 @@ const _: () = assert!(
         && std::mem::offset_of!(StepValues, step) == 8
         && std::mem::offset_of!(StepValues, lr) == 16
         && std::mem::offset_of!(StepValues, eps) == 32
+        && std::mem::offset_of!(StepValues, sqrt_bias2) == 36
         && std::mem::offset_of!(StepValues, grad_scale) == 40
+        && std::mem::offset_of!(StepValues, skip) == 44
 );
 
 /// What sets one group's update apart, the same every step: its learning-rate scale and whether

@@ -362,6 +362,63 @@ fn sgd_case(
     });
 }
 
+/// An update of `param` (`aliased`: an f32 param that is its own master copy) by AdamW with
+/// `moments`, or by SGD where `None`, on a step the device skipped: every operand as it was.
+fn skipped_update_case(
+    gpu: &Gpu,
+    (param, aliased, moments): (DType, bool, Option<MomentStorage>),
+    pattern: &[u64],
+    n: u64,
+) {
+    let optimizer = match moments {
+        Some(_) => OptimizerConfig::default(),
+        None => OptimizerConfig::sgd(0.5),
+    };
+    let values = skipped_step_values(gpu, optimizer, 7);
+    let f32_in = (DType::F32, Some(Fill::Finite));
+    let mut specs = vec![f32_in];
+    if let Some(moments) = moments {
+        let moment = moments.dtype();
+        specs.extend([(moment, Some(Fill::Finite)), (moment, Some(Fill::Positive))]);
+    }
+    specs.push(f32_in);
+    if !aliased {
+        specs.push((param, None));
+    }
+    let case = Case {
+        what: format!(
+            "a skipped step of {param} (aliased: {aliased}, AdamW moments {moments:?}) at \
+             offsets {pattern:?}"
+        ),
+        n,
+        operands: Case::operands(gpu, pattern, &specs),
+        expect: &|_, _| {},
+    };
+    run_case(gpu, &case, |s| {
+        let param_ptr = if aliased { s[0] } else { s[s.len() - 1] };
+        let step = (values.ptr, SCALED_LR);
+        // SAFETY: every operand holds `n` elements of its dtype, `values` the step's values.
+        unsafe {
+            match moments {
+                Some(moments) => gpu.kernels.adamw(
+                    &gpu.stream,
+                    param,
+                    s[0],
+                    (s[1], s[2], moments),
+                    s[3],
+                    param_ptr,
+                    n as usize,
+                    step,
+                ),
+                None => {
+                    gpu.kernels
+                        .sgd(&gpu.stream, param, s[0], s[1], param_ptr, n as usize, step)
+                }
+            }
+        }
+    });
+}
+
 /// `count` sources of `dtype`, each scaled by `scale`, summed in f32 into a destination of
 /// their own, or into source `into`, rounded once.
 #[allow(clippy::too_many_arguments)]
@@ -585,6 +642,26 @@ fn sgd_matches_the_host() {
         for_small_cases(|pattern, n| sgd_case(&gpu, (param, false), SCALED_LR, pattern, n));
     }
     for_small_cases(|pattern, n| sgd_case(&gpu, (DType::F32, true), NO_DECAY, pattern, n));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_step_skipped_on_the_device_leaves_every_update_s_memory_as_it_is() {
+    let gpu = gpu();
+    let bf16 = MomentStorage::Bf16Stochastic {
+        group: 1,
+        first_index: 0,
+    };
+    for moments in [Some(MomentStorage::F32), Some(bf16), None] {
+        for param in DTYPES {
+            for_small_cases(|pattern, n| {
+                skipped_update_case(&gpu, (param, false, moments), pattern, n)
+            });
+        }
+        for_small_cases(|pattern, n| {
+            skipped_update_case(&gpu, (DType::F32, true, moments), pattern, n)
+        });
+    }
 }
 
 #[test]

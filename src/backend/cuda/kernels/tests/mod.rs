@@ -514,16 +514,22 @@ fn step_values_come_back_as_written() {
     }
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn the_clipping_coefficient_is_the_host_s() {
-    let gpu = gpu();
-    let part = |sum: f64, max: f32| {
+/// Norm parts of ranks as the device keeps them, 16 bytes a rank: the f64 sum of squares, the
+/// u32 bits of the largest magnitude, 4 bytes unused.
+fn norm_part_bytes(parts: &[(f64, f32)]) -> Vec<u8> {
+    let part = |&(sum, max): &(f64, f32)| {
         let mut p = sum.to_le_bytes().to_vec();
         p.extend(max.to_bits().to_le_bytes());
         p.extend([0u8; 4]);
         p
     };
+    parts.iter().flat_map(part).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_clipping_coefficient_is_the_host_s() {
+    let gpu = gpu();
     let cases: [&[(f64, f32)]; 4] = [
         &[(0.1, 0.3)],
         &[(9.0, 2.0), (16.0, 3.5), (1e-9, 1e-5)],
@@ -531,7 +537,7 @@ fn the_clipping_coefficient_is_the_host_s() {
         &[(f64::NAN, f32::NAN), (1.0, 1.0)],
     ];
     for parts in cases {
-        let bytes: Vec<u8> = parts.iter().flat_map(|&(s, m)| part(s, m)).collect();
+        let bytes = norm_part_bytes(parts);
         let buf = DeviceBuffer::poisoned(&gpu, bytes.len() as u64);
         gpu.upload(buf.ptr, &bytes);
         let norm = crate::engine::GradNorm::of_parts(bytes.chunks_exact(16));
@@ -560,6 +566,97 @@ fn the_clipping_coefficient_is_the_host_s() {
             assert_eq!(
                 bytemuck::bytes_of(&got)[..40],
                 bytemuck::bytes_of(&values)[..40]
+            );
+        }
+    }
+}
+
+/// Launches `skip_nonfinite_step` on the step's values in `values`, deciding from the norm parts
+/// `bytes` of `ranks` ranks, with `count` skips before; the count it leaves.
+fn decide(gpu: &Gpu, values: &DeviceBuffer, (bytes, ranks): (&[u8], usize), count: u64) -> u64 {
+    let parts = DeviceBuffer::poisoned(gpu, bytes.len() as u64);
+    gpu.upload(parts.ptr, bytes);
+    let skipped = DeviceBuffer::poisoned(gpu, 8);
+    gpu.upload(skipped.ptr, &count.to_le_bytes());
+    // SAFETY: the parts, the count and the values are in live buffers of their sizes.
+    unsafe {
+        gpu.kernels
+            .skip_nonfinite_step(&gpu.stream, (parts.ptr, ranks), skipped.ptr, values.ptr)
+    }
+    .expect("skip_nonfinite_step");
+    let mut back = [0u8; 8];
+    gpu.download(skipped.ptr, &mut back);
+    u64::from_le_bytes(back)
+}
+
+/// `optimizer`'s values of step `step`, the step skipped on the device (a rank's gradients hold
+/// a NaN).
+fn skipped_step_values(gpu: &Gpu, optimizer: OptimizerConfig, step: u64) -> DeviceBuffer {
+    let (_, values) = step_values(gpu, optimizer, step);
+    let nan = norm_part_bytes(&[(1.0, 1.0), (f64::NAN, f32::NAN)]);
+    assert_eq!(decide(gpu, &values, (&nan, 2), 0), 1, "the skip counted");
+    values
+}
+
+/// The device skips a step where the host would ([`crate::engine::GradNorm::is_finite`] of the
+/// combined parts), counts it, and leaves the rest of the step's values as written.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_skip_decision_is_the_host_s() {
+    let gpu = gpu();
+    let cases: [&[(f64, f32)]; 7] = [
+        &[(0.1, 0.3)],
+        &[(9.0, 2.0), (16.0, 3.5), (1e-9, 1e-5)],
+        &[(f64::NAN, f32::NAN), (1.0, 1.0)],
+        &[(1.0, 1.0), (2.0, f32::INFINITY)],
+        // Finite values whose 2-norm overflows f32.
+        &[(1e77, 1e38), (1e77, 1e38)],
+        &[(0.0, 0.0)],
+        &[(1.0, 1.0), (f64::INFINITY, 1.0)],
+    ];
+    for parts in cases {
+        let bytes = norm_part_bytes(parts);
+        let skip = !crate::engine::GradNorm::of_parts(bytes.chunks_exact(16)).is_finite();
+        let (mut written, values) = step_values(&gpu, OptimizerConfig::default(), 7);
+        let count = decide(&gpu, &values, (&bytes, parts.len()), 5);
+        let mut back = [0u8; STEP_VALUES_BYTES];
+        gpu.download(values.ptr, &mut back);
+        let got: StepValues = bytemuck::pod_read_unaligned(&back);
+        written.skip = u32::from(skip);
+        assert_eq!(
+            bytemuck::bytes_of(&got),
+            bytemuck::bytes_of(&written),
+            "{parts:?}: the step's values"
+        );
+        assert_eq!(count, 5 + u64::from(skip), "{parts:?}: the skip count");
+    }
+}
+
+/// Counting `k` skipped steps out of step `s`'s values gives the host's values of step `s - k`,
+/// bias corrections bit for bit, for AdamW and SGD; no skip leaves them as written.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn counting_skips_out_gives_the_host_s_step_values() {
+    let gpu = gpu();
+    let adamw = OptimizerConfig::default();
+    for optimizer in [adamw, OptimizerConfig::sgd(0.5)] {
+        for (step, skipped) in [(7, 0), (7, 1), (7, 6), (1000, 3), ((3 << 32) + 7, 5 << 32)] {
+            let (_, device) = step_values(&gpu, optimizer, step);
+            let count = DeviceBuffer::poisoned(&gpu, 8);
+            gpu.upload(count.ptr, &u64::to_le_bytes(skipped));
+            // SAFETY: the count and the values are in live buffers of their sizes.
+            unsafe {
+                gpu.kernels
+                    .correct_step_values(&gpu.stream, count.ptr, device.ptr)
+            }
+            .expect("correct_step_values");
+            let mut back = [0u8; STEP_VALUES_BYTES];
+            gpu.download(device.ptr, &mut back);
+            let want = optimizer.step_values(step - skipped, 0.75);
+            assert_eq!(
+                back,
+                bytemuck::bytes_of(&want),
+                "{optimizer:?}: step {step}, {skipped} skipped"
             );
         }
     }
