@@ -228,15 +228,20 @@ fn accumulate_case(
 }
 
 /// `aliased`: an f32 param that is its own master copy; `moments` as the kernel stores them;
-/// step `step` of the default AdamW for `group`.
+/// step `step` of the default AdamW for `group`; `skipped`: the device skipped the step, and
+/// every operand stays as it was.
 fn adamw_case(
     gpu: &Gpu,
     (param, aliased, moments): (DType, bool, MomentStorage),
     (group, step): (GroupUpdate, u64),
     pattern: &[u64],
     n: u64,
+    skipped: bool,
 ) {
     let (values, device_values) = step_values(gpu, OptimizerConfig::default(), step);
+    if skipped {
+        skip_on_device(gpu, &device_values);
+    }
     let Update::AdamW(c) = group.coefficients(OptimizerKind::AdamW, &values) else {
         unreachable!("AdamW's coefficients")
     };
@@ -252,6 +257,9 @@ fn adamw_case(
         specs.push((param, None));
     }
     let expect = move |i: u64, v: &mut [u32]| {
+        if skipped {
+            return;
+        }
         let widen = |bits: u32| match moment {
             DType::Bf16 => half::bf16::from_bits(bits as u16).to_f32(),
             _ => f32::from_bits(bits),
@@ -283,7 +291,8 @@ fn adamw_case(
     };
     let case = Case {
         what: format!(
-            "adamw {param} (aliased: {aliased}, moments {moments:?}) at offsets {pattern:?}"
+            "adamw {param} (aliased: {aliased}, moments {moments:?}, skipped: {skipped}) at \
+             offsets {pattern:?}"
         ),
         n,
         operands: Case::operands(gpu, pattern, &specs),
@@ -306,19 +315,23 @@ fn adamw_case(
     });
 }
 
-/// Step 7 of SGD at 0.01 with weight decay 0.1, for `group`.
+/// Step 7 of SGD at 0.01 with weight decay 0.1, for `group`; `skipped` as for AdamW.
 fn sgd_case(
     gpu: &Gpu,
     (param, aliased): (DType, bool),
     group: GroupUpdate,
     pattern: &[u64],
     n: u64,
+    skipped: bool,
 ) {
     let sgd = OptimizerConfig::Sgd {
         lr: 0.01,
         weight_decay: 0.1,
     };
     let (values, device_values) = step_values(gpu, sgd, 7);
+    if skipped {
+        skip_on_device(gpu, &device_values);
+    }
     let Update::Sgd {
         lr,
         weight_decay,
@@ -333,6 +346,9 @@ fn sgd_case(
         specs.push((param, None));
     }
     let expect = move |_: u64, v: &mut [u32]| {
+        if skipped {
+            return;
+        }
         let g = f32::from_bits(v[1]);
         let p = sgd_element(f32::from_bits(v[0]), g, lr, weight_decay, grad_scale);
         v[0] = p.to_bits();
@@ -341,7 +357,9 @@ fn sgd_case(
         }
     };
     let case = Case {
-        what: format!("sgd {param} (aliased: {aliased}) at offsets {pattern:?}"),
+        what: format!(
+            "sgd {param} (aliased: {aliased}, skipped: {skipped}) at offsets {pattern:?}"
+        ),
         n,
         operands: Case::operands(gpu, pattern, &specs),
         expect: &expect,
@@ -358,63 +376,6 @@ fn sgd_case(
                 n as usize,
                 (device_values.ptr, group),
             )
-        }
-    });
-}
-
-/// An update of `param` (`aliased`: an f32 param that is its own master copy) by AdamW with
-/// `moments`, or by SGD where `None`, on a step the device skipped: every operand as it was.
-fn skipped_update_case(
-    gpu: &Gpu,
-    (param, aliased, moments): (DType, bool, Option<MomentStorage>),
-    pattern: &[u64],
-    n: u64,
-) {
-    let optimizer = match moments {
-        Some(_) => OptimizerConfig::default(),
-        None => OptimizerConfig::sgd(0.5),
-    };
-    let values = skipped_step_values(gpu, optimizer, 7);
-    let f32_in = (DType::F32, Some(Fill::Finite));
-    let mut specs = vec![f32_in];
-    if let Some(moments) = moments {
-        let moment = moments.dtype();
-        specs.extend([(moment, Some(Fill::Finite)), (moment, Some(Fill::Positive))]);
-    }
-    specs.push(f32_in);
-    if !aliased {
-        specs.push((param, None));
-    }
-    let case = Case {
-        what: format!(
-            "a skipped step of {param} (aliased: {aliased}, AdamW moments {moments:?}) at \
-             offsets {pattern:?}"
-        ),
-        n,
-        operands: Case::operands(gpu, pattern, &specs),
-        expect: &|_, _| {},
-    };
-    run_case(gpu, &case, |s| {
-        let param_ptr = if aliased { s[0] } else { s[s.len() - 1] };
-        let step = (values.ptr, SCALED_LR);
-        // SAFETY: every operand holds `n` elements of its dtype, `values` the step's values.
-        unsafe {
-            match moments {
-                Some(moments) => gpu.kernels.adamw(
-                    &gpu.stream,
-                    param,
-                    s[0],
-                    (s[1], s[2], moments),
-                    s[3],
-                    param_ptr,
-                    n as usize,
-                    step,
-                ),
-                None => {
-                    gpu.kernels
-                        .sgd(&gpu.stream, param, s[0], s[1], param_ptr, n as usize, step)
-                }
-            }
         }
     });
 }
@@ -597,11 +558,11 @@ fn adamw_matches_the_host() {
     for (moments, step) in cases {
         for param in DTYPES {
             for_small_cases(|pattern, n| {
-                adamw_case(&gpu, (param, false, moments), step, pattern, n)
+                adamw_case(&gpu, (param, false, moments), step, pattern, n, false)
             });
         }
         for_small_cases(|pattern, n| {
-            adamw_case(&gpu, (DType::F32, true, moments), step, pattern, n)
+            adamw_case(&gpu, (DType::F32, true, moments), step, pattern, n, false)
         });
     }
 }
@@ -622,6 +583,7 @@ fn adamw_one_gib() {
                 (SCALED_LR, 7),
                 &[3],
                 gib_of(param),
+                false,
             );
         }
         adamw_case(
@@ -630,6 +592,7 @@ fn adamw_one_gib() {
             (SCALED_LR, 7),
             &[3],
             gib_of(DType::F32),
+            false,
         );
     }
 }
@@ -639,10 +602,18 @@ fn adamw_one_gib() {
 fn sgd_matches_the_host() {
     let gpu = gpu();
     for param in DTYPES {
-        for_small_cases(|pattern, n| sgd_case(&gpu, (param, false), SCALED_LR, pattern, n));
+        for_small_cases(|pattern, n| sgd_case(&gpu, (param, false), SCALED_LR, pattern, n, false));
     }
-    for_small_cases(|pattern, n| sgd_case(&gpu, (DType::F32, true), NO_DECAY, pattern, n));
+    for_small_cases(|pattern, n| sgd_case(&gpu, (DType::F32, true), NO_DECAY, pattern, n, false));
 }
+
+/// The params an update writes: of each dtype beside its master, and an f32 param that is its own.
+const UPDATED: [(DType, bool); 4] = [
+    (DType::Bf16, false),
+    (DType::F16, false),
+    (DType::F32, false),
+    (DType::F32, true),
+];
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -652,15 +623,22 @@ fn a_step_skipped_on_the_device_leaves_every_update_s_memory_as_it_is() {
         group: 1,
         first_index: 0,
     };
-    for moments in [Some(MomentStorage::F32), Some(bf16), None] {
-        for param in DTYPES {
+    for moments in [MomentStorage::F32, bf16] {
+        for (param, aliased) in UPDATED {
             for_small_cases(|pattern, n| {
-                skipped_update_case(&gpu, (param, false, moments), pattern, n)
+                adamw_case(
+                    &gpu,
+                    (param, aliased, moments),
+                    (SCALED_LR, 7),
+                    pattern,
+                    n,
+                    true,
+                )
             });
         }
-        for_small_cases(|pattern, n| {
-            skipped_update_case(&gpu, (DType::F32, true, moments), pattern, n)
-        });
+    }
+    for (param, aliased) in UPDATED {
+        for_small_cases(|pattern, n| sgd_case(&gpu, (param, aliased), SCALED_LR, pattern, n, true));
     }
 }
 
@@ -669,7 +647,7 @@ fn a_step_skipped_on_the_device_leaves_every_update_s_memory_as_it_is() {
 fn sgd_one_gib() {
     let gpu = gpu();
     for param in DTYPES {
-        sgd_case(&gpu, (param, false), SCALED_LR, &[3], gib_of(param));
+        sgd_case(&gpu, (param, false), SCALED_LR, &[3], gib_of(param), false);
     }
     sgd_case(
         &gpu,
@@ -677,6 +655,7 @@ fn sgd_one_gib() {
         SCALED_LR,
         &[3],
         gib_of(DType::F32),
+        false,
     );
 }
 
