@@ -276,6 +276,11 @@ impl CpuBackend {
         })?;
         let dst_dtype = dst_region.dtype;
         let (memory, range) = part(dst, dst_region)?;
+        // An input of no elements may have no address (C's NULL with 0), which no slice may
+        // start at: there is nothing to add.
+        if len == 0 {
+            return Ok(());
+        }
         self.run(stream, move || {
             // SAFETY: the caller's contract: the elements are there until this work read them;
             // the caller ordered every other use of the region (the trait's contract).

@@ -132,6 +132,32 @@ fn accumulate_input_widens_and_scales() {
     }
 }
 
+/// A device input of no elements (a zero-size parameter's gradient) may come with no address:
+/// it adds nothing and reads nothing.
+#[test]
+fn a_device_input_of_no_elements_needs_no_address() {
+    for b in backends() {
+        let mut dst = b.alloc(8).unwrap();
+        b.upload(&mut dst, f32_region(2), bytemuck::cast_slice(&[1.5f32, -2.0]))
+            .unwrap();
+        for add in [false, true] {
+            // SAFETY: no element is read; nothing else uses the buffer.
+            unsafe {
+                b.accumulate_input(
+                    Stream::Compute,
+                    Input::device(0, 0, DType::Bf16),
+                    &mut dst,
+                    Region::new(1, 0, DType::F32),
+                    1.0,
+                    add,
+                )
+            }
+            .unwrap();
+        }
+        assert_eq!(download_f32(&b, &dst, 2), [1.5, -2.0]);
+    }
+}
+
 #[test]
 fn accumulation_rounds_into_bf16_once_and_refuses_f16() {
     for b in backends() {
