@@ -13,7 +13,7 @@ use fsdp_fusion::{DType, EngineConfig, Error, Input, Plan};
 use fsdp_fusion_support::mlp::{Mlp, MlpConfig, Recipe, load, sharded_step};
 use fsdp_fusion_support::ranks::{CpuEngine, Mode, for_each_mode, modes, on_engines};
 use fsdp_fusion_support::scratch::Scratch;
-use fsdp_fusion_support::values::narrow;
+use fsdp_fusion_support::values::{narrow, widen};
 
 fn model(dtype: DType) -> Mlp {
     model_of(dtype, 24)
@@ -318,6 +318,41 @@ fn a_manifest_changed_in_any_field_is_refused_on_every_rank_by_file_and_field() 
         let e = exported.expect_err(what);
         assert!(names_file(&e, &file), "{what}: the export: {e}");
         assert!(!out.exists(), "{what}: an export was written");
+    }
+}
+
+/// A checkpoint at the largest step count (a manifest under a valid checksum) loads, and the steps
+/// after it keep that count rather than wrapping to step 0, whose bias correction is 0.
+#[test]
+fn steps_after_a_checkpoint_at_the_largest_step_count_keep_it() {
+    let scratch = Scratch::new("largest-step");
+    let (mlp, plan) = saved_three(scratch.path());
+    for rank in 0..plan.world_size() {
+        rewrite(scratch.path(), rank, |m| m.optimizer_steps = u64::MAX);
+    }
+    let (from, to) = (scratch.path().to_path_buf(), scratch.join("after"));
+    let lr = EngineConfig::default().optimizer.lr();
+    let stepping = mlp.clone();
+    let stepped = trained(&mlp, &plan, Mode::Async(1), 0, move |e| {
+        e.load(&from)?;
+        for step in 0..2 {
+            sharded_step(&stepping, e, (step, 2), lr, Recipe::default())?;
+        }
+        e.save(&to)?;
+        let dtypes = e.plan().groups().iter().map(|g| g.dtype);
+        Ok::<_, Error>(dtypes.zip(shards(e)).collect::<Vec<_>>())
+    });
+    for (rank, outcome) in stepped.into_iter().enumerate() {
+        let shards = outcome.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        for (dtype, shard) in shards {
+            let values = widen(dtype, &shard);
+            assert!(
+                values.iter().all(|v| v.is_finite()),
+                "rank {rank}: {values:?}"
+            );
+        }
+        let m = checkpoint::read_manifest(&scratch.join("after"), rank).unwrap();
+        assert_eq!(m.optimizer_steps, u64::MAX, "rank {rank}");
     }
 }
 

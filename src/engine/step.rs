@@ -39,6 +39,14 @@ pub(super) struct OptimizerState<Buf> {
     pub(super) checks: Option<StepChecks<Buf>>,
 }
 
+impl<Buf> OptimizerState<Buf> {
+    /// Counts an optimizer step. The count can come from a checkpoint: at its largest it stays
+    /// there, as a replay's does, rather than wrapping to a step 0 (whose bias correction is 0).
+    fn count_step(&mut self) {
+        self.steps = self.steps.saturating_add(1);
+    }
+}
+
 /// The buffers of the plan's [`crate::plan::StepScratch`].
 pub(super) struct StepChecks<Buf> {
     /// Where [`Engine::grad_norm`] sums this rank's part.
@@ -144,11 +152,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             // Every group was updated as its gradient became final; a step that trained nothing
             // counts as the ordinary one does.
             if !self.optimizer.updating {
-                self.optimizer.steps += 1;
+                self.optimizer.count_step();
             }
         } else {
             self.order_after_gathers()?;
-            self.optimizer.steps += 1;
+            self.optimizer.count_step();
             let clip = self.optimizer.clip.take();
             let grad_scale = match clip {
                 Some(Clip::OnHost { coefficient }) => coefficient,
@@ -324,7 +332,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.order_after_gathers()?;
         let start = self.mark(Stream::Compute)?;
         if !std::mem::replace(&mut self.optimizer.updating, true) {
-            self.optimizer.steps += 1;
+            self.optimizer.count_step();
             self.write_step_values(1.0)?;
         }
         self.update_group(group)?;

@@ -138,8 +138,12 @@ fn accumulate_input_widens_and_scales() {
 fn a_device_input_of_no_elements_needs_no_address() {
     for b in backends() {
         let mut dst = b.alloc(8).unwrap();
-        b.upload(&mut dst, f32_region(2), bytemuck::cast_slice(&[1.5f32, -2.0]))
-            .unwrap();
+        b.upload(
+            &mut dst,
+            f32_region(2),
+            bytemuck::cast_slice(&[1.5f32, -2.0]),
+        )
+        .unwrap();
         for add in [false, true] {
             // SAFETY: no element is read; nothing else uses the buffer.
             unsafe {
