@@ -312,7 +312,8 @@ enum fsdp_status fsdp_engine_abandon_capture(struct fsdp_engine *engine);
 // stream. The caller then launches its graph on the compute stream and calls
 // `fsdp_engine_replayed`; between them a step's call, a capture, a save, a load and a read of
 // the state are `FSDP_MISUSE`. `FSDP_MISUSE` with no captured step, twice in a row, or
-// mid-step.
+// mid-step. Where the caller's launch fails, abort the engine (`fsdp_engine_abort`): whether
+// the graph's work was queued is not known, and its state would be a guess.
 enum fsdp_status fsdp_engine_before_replay(struct fsdp_engine *engine);
 
 // After the caller launched its replay on the compute stream: holds the step's collectives to
@@ -326,7 +327,9 @@ enum fsdp_status fsdp_engine_replayed(struct fsdp_engine *engine);
 // engine, in thread-local mode). The next step's calls, and the caller's work queued on the
 // compute stream meanwhile (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that
 // stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
-// `fsdp_engine_end_step` ends it. Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
+// `fsdp_engine_end_step` ends it, on the thread that began it (`FSDP_MISUSE` on another, as
+// for `fsdp_engine_abandon_capture`, with nothing changed: a CUDA capture in thread-local mode
+// ends on its own thread). Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
 // nothing changed), and `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture.
 // During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
 // load, a host gradient) is `FSDP_MISUSE`: read with `fsdp_engine_param_device`, hand gradients
@@ -344,7 +347,8 @@ enum fsdp_status fsdp_engine_end_capture(struct fsdp_engine *engine);
 // effect) on the compute stream, queues the captured work there, and moves the engine's step
 // count and counters on as the step did; no host wait. The caller writes the next inputs where
 // the captured work reads them first, in stream order (a host function queued before the
-// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step and mid-step.
+// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step, mid-step,
+// during a capture, and between `fsdp_engine_before_replay` and `fsdp_engine_replayed`.
 enum fsdp_status fsdp_engine_replay(struct fsdp_engine *engine);
 
 // Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
@@ -535,7 +539,8 @@ enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
                                                   struct fsdp_engine **out);
 
 // Releases an engine and everything it allocated; NULL is accepted. Never waits for another
-// handle. A call still running on the engine in another thread (blocked in a collective, say) is
+// handle. A capture still under way is given up first, as `fsdp_engine_abandon_capture` does
+// (the engine's own capture only on the thread that began it). A call still running on the engine in another thread (blocked in a collective, say) is
 // aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
 // the work it queued first (on a GPU, the device work still using its memory; memory from an
 // allocator goes back to it in stream order instead). CPU and loopback

@@ -983,6 +983,30 @@ fn a_capture_given_up_or_ended_early_changes_nothing_or_poisons() {
         assert_refused(e.backend().end_capture(), "no capture under way");
         Ok(())
     });
+    // The engine's own, ended or given up on another thread: refused with nothing changed (a
+    // CUDA capture in thread-local mode ends on its own thread), then ended on its own.
+    warmed(|e, batch| {
+        let steps = e.counters().steps;
+        e.begin_capture()?;
+        step(e, batch)?;
+        let before = e.counters();
+        let elsewhere = std::thread::scope(|s| {
+            s.spawn(|| (e.end_capture().err(), e.abandon_capture().err()))
+                .join()
+                .expect("the other thread")
+        });
+        for refusal in [elsewhere.0, elsewhere.1] {
+            assert!(
+                matches!(&refusal, Some(Error::Capture { what }) if what.contains("another thread")),
+                "{refusal:?}"
+            );
+        }
+        assert_eq!(e.counters(), before);
+        let captured = e.end_capture()?;
+        e.replay(&captured)?;
+        assert_eq!(e.counters().steps, steps + 1);
+        Ok(())
+    });
     // The caller ended its capture before the engine left it.
     warmed(|e, batch| {
         e.join_capture()?;
@@ -1084,9 +1108,16 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             step(e, batch)?;
             let replay = e.leave_capture()?;
             let graph = e.backend().end_capture()?;
+            // A second step captured: `replayed` must name `before_replay`'s.
+            e.join_capture()?;
+            e.backend().begin_capture(Stream::Compute)?;
+            step(e, batch)?;
+            let other = e.leave_capture()?;
+            drop(e.backend().end_capture()?);
             assert_refused(e.replayed(&replay), "without before_replay");
             e.before_replay(&replay)?;
             assert_refused(e.before_replay(&replay), "twice");
+            assert_refused(e.replayed(&other), "another step than before_replay's");
             let between = "between before_replay and replayed";
             assert_refused(e.pre_forward(Unit::Root), between);
             assert_refused(e.join_capture(), between);

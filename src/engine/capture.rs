@@ -26,6 +26,9 @@ pub(super) fn next_engine_id() -> u64 {
     ENGINES.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Each captured step's identity, so that `replayed` names the step `before_replay` did.
+static STEPS: AtomicU64 = AtomicU64::new(0);
+
 /// A step captured by [`Engine::end_capture`], for [`Engine::replay`] on the same engine.
 pub struct CapturedStep<G> {
     graph: G,
@@ -45,6 +48,7 @@ impl<G> std::fmt::Debug for CapturedStep<G> {
 /// for a step the caller captured, for [`Engine::before_replay`] and [`Engine::replayed`].
 pub struct StepReplay {
     engine: u64,
+    id: u64,
     /// What the step did to the host's counts: each replay adds it.
     moved: HostCounts,
     /// The step's collectives, each with this rank's place among its ranks and their number:
@@ -113,10 +117,11 @@ impl HostCounts {
     }
 }
 
-/// A capture under way: who began it, the host's counts when it began, which its end restores
-/// (nothing ran), and the collectives it holds.
+/// A capture under way: who began it, on which thread, the host's counts when it began, which
+/// its end restores (nothing ran), and the collectives it holds.
 pub(super) struct Capturing {
     by: CaptureBy,
+    thread: std::thread::ThreadId,
     began: HostCounts,
     collectives: Vec<(Fingerprint, (usize, usize))>,
 }
@@ -154,7 +159,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Begins capturing a step on the compute stream, between steps and after at least one
     /// whole step (the warm-up, which records the units' order the captured step's prefetches
     /// follow): the step's hooks, `finish_grad_sync`, `optimizer_step` and `end_step` then queue
-    /// work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`].
+    /// work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`] (or give
+    /// it up with [`Engine::abandon_capture`]) on the thread that began it: both refuse on
+    /// another, with nothing changed, as a CUDA stream capture in thread-local mode ends on its
+    /// own thread.
     ///
     /// Refused, with nothing changed, where a step would do what a capture cannot hold: per-step
     /// gradient shards (allocated and freed), [`crate::EngineConfig::verify_collectives`] and a
@@ -170,6 +178,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.backend.begin_capture(Stream::Compute)?;
         self.capture = Some(Capturing {
             by: CaptureBy::Engine,
+            thread: std::thread::current().id(),
             began,
             collectives: Vec::new(),
         });
@@ -189,6 +198,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let began = self.check_step_capturable()?;
         self.capture = Some(Capturing {
             by: CaptureBy::CallerNotJoined,
+            thread: std::thread::current().id(),
             began,
             collectives: Vec::new(),
         });
@@ -298,6 +308,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// (its host state is a step's that never ran), its communicators left as they are, as no
     /// collective of the step ran. No capture under way: nothing happens.
     pub fn abandon_capture(&mut self) -> Result<()> {
+        self.check_capture_thread()?;
         let Some(by) = self.capture.as_ref().map(|c| c.by) else {
             return Ok(());
         };
@@ -341,6 +352,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
     }
 
+    /// Refuses, with nothing changed, to end or give up the engine's own capture on another
+    /// thread than the one that began it: a CUDA stream capture in thread-local mode ends on its
+    /// own thread, and the driver's refusal there would leave the stream capturing.
+    fn check_capture_thread(&self) -> Result<()> {
+        match &self.capture {
+            Some(c) if c.by == CaptureBy::Engine && c.thread != std::thread::current().id() => {
+                Err(refused(
+                    "an end of the engine's capture on another thread than the one that began it",
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Ends the capture that `by` began, by `end` on the backend, once the captured step ended.
     fn end_any_capture<T>(
         &mut self,
@@ -348,6 +373,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         end: impl FnOnce(&B) -> Result<T>,
     ) -> Result<(T, StepReplay)> {
         self.healthy()?;
+        self.check_capture_thread()?;
         let Some(capturing) = self.capture.as_ref() else {
             return Err(refused("an end with no capture under way"));
         };
@@ -386,6 +412,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             ended,
             StepReplay {
                 engine: self.id,
+                id: STEPS.fetch_add(1, Ordering::Relaxed),
                 moved,
                 collectives,
             },
@@ -408,7 +435,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         match self.observe(launched) {
             Ok(()) => self.replayed(&step.replay),
             Err(e) => {
-                self.replay_pending = false;
+                self.replay_pending = None;
                 Err(e)
             }
         }
@@ -421,7 +448,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// step's call, a capture, a save, a load and a read of the state are `Error::Capture`.
     pub fn before_replay(&mut self, step: &StepReplay) -> Result<()> {
         self.check_replay_of_own(step)?;
-        if self.replay_pending {
+        if self.replay_pending.is_some() {
             return Err(refused(
                 "before_replay twice (replayed comes after the caller's replay)",
             ));
@@ -440,18 +467,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             Ok(())
         })?;
-        self.replay_pending = true;
+        self.replay_pending = Some(step.id);
         Ok(())
     }
 
     /// After the caller launched its replay of `step` on the compute stream
     /// ([`Engine::before_replay`]): holds the step's collectives to the deadline, orders every
     /// stream's later work after the replay, and moves the engine's step count and counters on
-    /// as the captured step did. The host does not wait.
+    /// as the captured step did. The host does not wait. Refused, with nothing changed, without
+    /// [`Engine::before_replay`] of the same `step` first.
     pub fn replayed(&mut self, step: &StepReplay) -> Result<()> {
         self.check_replay_of_own(step)?;
-        if !self.replay_pending {
-            return Err(refused("replayed without before_replay"));
+        match self.replay_pending {
+            None => return Err(refused("replayed without before_replay")),
+            Some(id) if id != step.id => {
+                return Err(refused(
+                    "replayed of another step than before_replay's (which wrote that step's \
+                     values)",
+                ));
+            }
+            Some(_) => {}
         }
         let counts = self.host_counts();
         self.effects(|e| {
@@ -461,7 +496,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             }
             e.fence()
         })?;
-        self.replay_pending = false;
+        self.replay_pending = None;
         self.set_host_counts(counts.plus(&step.moved));
         Ok(())
     }
@@ -483,7 +518,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::Capture` once the captured step ended: a capture holds one step, whose replays
     /// write one step's values.
     pub(super) fn check_captured_step_open(&self) -> Result<()> {
-        if self.replay_pending {
+        if self.replay_pending.is_some() {
             return Err(refused(
                 "a step between before_replay and replayed (the caller's replay goes there)",
             ));
@@ -500,7 +535,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::Capture` naming `action` while a capture is under way, or a caller's replay is
     /// due ([`Engine::before_replay`]).
     pub(super) fn check_not_capturing(&self, action: &str) -> Result<()> {
-        if self.replay_pending {
+        if self.replay_pending.is_some() {
             return Err(refused(&format!(
                 "{action}, between before_replay and replayed (the caller's replay goes there)"
             )));

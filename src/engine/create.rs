@@ -264,7 +264,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             },
             id: capture::next_engine_id(),
             capture: None,
-            replay_pending: false,
+            replay_pending: None,
             poisoned: OnceLock::new(),
             watch,
             deadlines,

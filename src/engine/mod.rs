@@ -123,8 +123,9 @@ pub struct Engine<B: Backend, C: Communicator<B>> {
     id: u64,
     /// The capture under way ([`Engine::begin_capture`]).
     capture: Option<capture::Capturing>,
-    /// Between [`Engine::before_replay`] and [`Engine::replayed`]: the caller's replay is due.
-    replay_pending: bool,
+    /// Between [`Engine::before_replay`] and [`Engine::replayed`]: the caller's replay of this
+    /// captured step is due.
+    replay_pending: Option<u64>,
 }
 
 /// The units whose forward, and whose backward, is open.
@@ -249,7 +250,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// `Err(Error::Poisoned)` once a failure poisoned the engine or it was aborted (naming that
     /// as its cause); a failure its communicator or watch found since poisons it.
-    fn healthy(&self) -> Result<()> {
+    pub(crate) fn healthy(&self) -> Result<()> {
         if let Some(cause) = self.poisoned.get() {
             return Err(Error::Poisoned {
                 cause: Box::new(cause.clone()),

@@ -187,9 +187,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// it); allowed during a capture, whose replays clip by each replay's own gradients.
     /// `max_norm` must be finite and > 0.
     pub fn clip_grad_norm_on_device(&mut self, max_norm: f32) -> Result<()> {
+        self.healthy()?;
         self.refuse_in_backward_updates("clipping by the global norm")?;
         check_max_norm(max_norm)?;
-        self.healthy()?;
         self.check_synced("clipping by the global norm")?;
         self.effects(|e| {
             e.optimizer.clip = Some(Clip::OnDevice { max_norm });
@@ -211,8 +211,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// calls it); allowed during a capture, whose replays decide each on their own gradients.
     /// Refused where the optimizer steps in the backward.
     pub fn skip_nonfinite_on_device(&mut self) -> Result<()> {
-        self.refuse_in_backward_updates("skipping a non-finite step")?;
         self.healthy()?;
+        self.refuse_in_backward_updates("skipping a non-finite step")?;
         self.check_synced("skipping a non-finite step")?;
         self.effects(|e| {
             e.optimizer.skip_nonfinite = true;

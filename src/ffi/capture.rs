@@ -58,11 +58,13 @@ pub extern "C" fn fsdp_engine_abandon_capture(engine: *mut fsdp_engine) -> fsdp_
 /// stream. The caller then launches its graph on the compute stream and calls
 /// `fsdp_engine_replayed`; between them a step's call, a capture, a save, a load and a read of
 /// the state are `FSDP_MISUSE`. `FSDP_MISUSE` with no captured step, twice in a row, or
-/// mid-step.
+/// mid-step. Where the caller's launch fails, abort the engine (`fsdp_engine_abort`): whether
+/// the graph's work was queued is not known, and its state would be a guess.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
+            with_engine!(&*any, e => e.healthy())?;
             let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.before_replay(replay))?)
         })
@@ -77,6 +79,7 @@ pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_st
 pub extern "C" fn fsdp_engine_replayed(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
+            with_engine!(&*any, e => e.healthy())?;
             let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.replayed(replay))?)
         })
@@ -94,7 +97,9 @@ fn no_captured_step() -> Error {
 /// engine, in thread-local mode). The next step's calls, and the caller's work queued on the
 /// compute stream meanwhile (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that
 /// stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
-/// `fsdp_engine_end_step` ends it. Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
+/// `fsdp_engine_end_step` ends it, on the thread that began it (`FSDP_MISUSE` on another, as
+/// for `fsdp_engine_abandon_capture`, with nothing changed: a CUDA capture in thread-local mode
+/// ends on its own thread). Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
 /// nothing changed), and `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture.
 /// During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
 /// load, a host gradient) is `FSDP_MISUSE`: read with `fsdp_engine_param_device`, hand gradients
@@ -127,11 +132,13 @@ pub extern "C" fn fsdp_engine_end_capture(engine: *mut fsdp_engine) -> fsdp_stat
 /// effect) on the compute stream, queues the captured work there, and moves the engine's step
 /// count and counters on as the step did; no host wait. The caller writes the next inputs where
 /// the captured work reads them first, in stream order (a host function queued before the
-/// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step and mid-step.
+/// replay, or after a wait for the stream). `FSDP_MISUSE` with no captured step, mid-step,
+/// during a capture, and between `fsdp_engine_before_replay` and `fsdp_engine_replayed`.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
+            with_engine!(&*any, e => e.healthy())?;
             let no_step = || Error::Capture {
                 what:
                     "a replay with no step the engine captured (fsdp_engine_end_capture keeps it)"

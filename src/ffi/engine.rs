@@ -300,7 +300,8 @@ unsafe fn cuda_backend(
 }
 
 /// Releases an engine and everything it allocated; NULL is accepted. Never waits for another
-/// handle. A call still running on the engine in another thread (blocked in a collective, say) is
+/// handle. A capture still under way is given up first, as `fsdp_engine_abandon_capture` does
+/// (the engine's own capture only on the thread that began it). A call still running on the engine in another thread (blocked in a collective, say) is
 /// aborted and returns `FSDP_ABORTED`; the engine goes when it returns. An idle engine finishes
 /// the work it queued first (on a GPU, the device work still using its memory; memory from an
 /// allocator goes back to it in stream order instead). CPU and loopback

@@ -70,6 +70,17 @@ pub(crate) struct EngineEntry {
     captures: Mutex<Captures>,
 }
 
+impl Drop for EngineEntry {
+    /// Gives up a capture still under way first (a CUDA stream capture would otherwise stay
+    /// open on the caller's compute stream, and the engine's memory could not be freed inside
+    /// it); a capture begun on another thread stays, as the driver would refuse its end.
+    fn drop(&mut self) {
+        if let Ok(engine) = self.engine.get_mut() {
+            let _ = with_engine!(engine, e => e.abandon_capture());
+        }
+    }
+}
+
 /// The steps an engine's handle keeps for their replays.
 #[derive(Default)]
 pub(crate) struct Captures {

@@ -189,6 +189,13 @@ mod device {
         s as u64
     }
 
+    /// Whether a capture of `stream` is under way (active or invalidated).
+    pub fn capturing(stream: u64) -> bool {
+        // SAFETY: a live stream of the current context.
+        let status = unsafe { result::stream::is_capturing(stream as CUstream) }.unwrap();
+        status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+    }
+
     pub fn destroy_stream(stream: u64) {
         sync(stream);
         // SAFETY: made by `stream`, idle after the sync.

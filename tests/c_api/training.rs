@@ -760,6 +760,43 @@ fn a_cuda_engines_own_capture_through_the_c_api_replays_its_host_functions() {
         assert_ne!(pair[0], pair[1], "every step moves w");
     }
     assert_eq!(replayed, eager, "replays against eager steps");
+    // An engine destroyed during its capture, between steps and mid-step, gives the capture up:
+    // the caller's stream is not left capturing.
+    for mid_step in [false, true] {
+        let plan = plan(1);
+        let stream = device::stream();
+        let gradient = device::upload(stream, &[0.25; 9]);
+        let engine = cuda_nccl_engine(plan, &sgd_config(), stream);
+        load_values(engine, &initial_values());
+        let step = |engine| {
+            ok(fsdp_engine_pre_forward(engine, 0));
+            ok(fsdp_engine_post_forward(engine, 0));
+            backward_of_w(engine);
+            // SAFETY: the gradient holds 9 floats and outlives the engine.
+            let g = gradient as *const c_void;
+            ok(unsafe { fsdp_engine_grad_device(engine, 1, g, 9, FSDP_F32) });
+            ok(fsdp_engine_post_backward(engine, 0));
+            end_the_step(engine);
+        };
+        step(engine);
+        ok(fsdp_engine_begin_capture(engine));
+        match mid_step {
+            true => ok(fsdp_engine_pre_forward(engine, 0)),
+            false => step(engine),
+        }
+        assert!(
+            device::capturing(stream),
+            "mid-step {mid_step}: the capture began"
+        );
+        ok(fsdp_engine_destroy(engine));
+        assert!(
+            !device::capturing(stream),
+            "mid-step {mid_step}: left capturing"
+        );
+        device::free(stream, gradient);
+        device::destroy_stream(stream);
+        ok(fsdp_plan_destroy(plan));
+    }
 }
 
 /// The calls for work on the stream and the engine's own capture refuse what they cannot do,
@@ -842,6 +879,17 @@ fn stream_work_and_the_engines_capture_refuse_with_a_status() {
             poisoned,
             "abandoned",
         );
+        // A poisoned engine says so before anything else is checked: it keeps no step, and
+        // steps in the backward are not asked about.
+        for refused in [
+            fsdp_engine_replay(engine),
+            fsdp_engine_before_replay(engine),
+            fsdp_engine_replayed(engine),
+            fsdp_engine_skip_nonfinite_on_device(engine),
+            fsdp_engine_clip_grad_norm_on_device(engine, -1.0),
+        ] {
+            expect(refused, poisoned, "abandoned");
+        }
         ok(fsdp_engine_destroy(engine));
     }
     assert_eq!(
