@@ -100,7 +100,9 @@ fn no_captured_step() -> Error {
 /// `fsdp_engine_end_step` ends it, on the thread that began it (`FSDP_MISUSE` on another, as
 /// for `fsdp_engine_abandon_capture`, with nothing changed: a CUDA capture in thread-local mode
 /// ends on its own thread). Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
-/// nothing changed), and `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture.
+/// nothing changed), `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture,
+/// and `FSDP_DEVICE_ERROR` where the driver refuses to begin it (the legacy default stream
+/// cannot be captured): that refusal changes nothing and does not poison the engine.
 /// During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
 /// load, a host gradient) is `FSDP_MISUSE`: read with `fsdp_engine_param_device`, hand gradients
 /// over with `fsdp_engine_grad_device`, clip with `fsdp_engine_clip_grad_norm_on_device`.

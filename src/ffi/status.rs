@@ -23,7 +23,7 @@ pub enum fsdp_status {
     FSDP_MISUSE = 4,
     /// CUDA, its kernels or NCCL are not available.
     FSDP_UNAVAILABLE = 5,
-    /// The device failed (the engine is poisoned).
+    /// The device failed (the engine is poisoned, unless the call says otherwise).
     FSDP_DEVICE_ERROR = 6,
     /// A collective failed: ranks that issued different collectives, a peer that left (the engine
     /// is poisoned); or the unique id exchange of a launch from the environment failed.
