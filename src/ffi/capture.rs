@@ -64,7 +64,6 @@ pub extern "C" fn fsdp_engine_abandon_capture(engine: *mut fsdp_engine) -> fsdp_
 pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
-            with_engine!(&*any, e => e.healthy())?;
             let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.before_replay(replay))?)
         })
@@ -79,7 +78,6 @@ pub extern "C" fn fsdp_engine_before_replay(engine: *mut fsdp_engine) -> fsdp_st
 pub extern "C" fn fsdp_engine_replayed(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
-            with_engine!(&*any, e => e.healthy())?;
             let replay = captures.by_caller.as_ref().ok_or_else(no_captured_step)?;
             Ok(with_engine!(any, e => e.replayed(replay))?)
         })
@@ -140,7 +138,6 @@ pub extern "C" fn fsdp_engine_end_capture(engine: *mut fsdp_engine) -> fsdp_stat
 pub extern "C" fn fsdp_engine_replay(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| {
         on_engine_captures(engine, |any, captures| {
-            with_engine!(&*any, e => e.healthy())?;
             let no_step = || Error::Capture {
                 what:
                     "a replay with no step the engine captured (fsdp_engine_end_capture keeps it)"

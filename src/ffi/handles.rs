@@ -191,14 +191,18 @@ pub(crate) fn on_engine_with<P, T>(
     outcome
 }
 
-/// As [`on_engine`], with the steps captured last on `engine`, kept with its handle.
+/// As [`on_engine`], with the steps captured last on `engine`, kept with its handle: a
+/// poisoned engine says so before `f` looks for a step.
 pub(crate) fn on_engine_captures<T>(
     engine: *mut fsdp_engine,
     f: impl FnOnce(&mut AnyEngine, &mut Captures) -> Outcome<T>,
 ) -> Outcome<T> {
     let object = object(engine as u64, "engine")?;
     let mut captures = lock(&entry_of(&object)?.captures)?;
-    on_engine(engine, |any| f(any, &mut captures))
+    on_engine(engine, |any| {
+        with_engine!(&*any, e => e.healthy())?;
+        f(any, &mut captures)
+    })
 }
 
 /// The counters and memory of `engine` as of the end of its last call; never waits for a call
