@@ -807,48 +807,53 @@ fn a_load_counts_the_skips_the_host_has_not_read() {
 #[test]
 fn a_save_refused_on_one_rank_reads_the_skips_on_every_rank() {
     let plan = Arc::new(Plan::new(&model(), 2).unwrap());
-    let dir = Arc::new(Scratch::new("captured-steps-refused-save"));
-    let saving = Arc::clone(&dir);
-    let counted = on_engines(&plan, &EngineConfig::default(), Mode::Async(2), move |e| {
-        let dir = Arc::clone(&saving);
-        with_batch(e, move |e, batch| -> Result<(u64, u64)> {
-            (batch.skip, batch.nonfinite_at) = (Skipping::OnDevice, Some((1, 1)));
-            for s in 0..3 {
-                batch.fill(e, s)?;
-                step(e, batch)?;
-                if s == 0 {
-                    e.save(&dir.path().join("taken"))?;
+    for_each_mode(|mode| {
+        let dir = Arc::new(Scratch::new("captured-steps-refused-save"));
+        let saving = Arc::clone(&dir);
+        let counted = on_engines(&plan, &EngineConfig::default(), mode, move |e| {
+            let dir = Arc::clone(&saving);
+            with_batch(e, move |e, batch| -> Result<(u64, u64)> {
+                (batch.skip, batch.nonfinite_at) = (Skipping::OnDevice, Some((1, 1)));
+                for s in 0..3 {
+                    batch.fill(e, s)?;
+                    step(e, batch)?;
+                    if s == 0 {
+                        e.save(&dir.path().join("taken"))?;
+                    }
                 }
-            }
-            let mine = match e.rank() {
-                1 => dir.path().join("taken"),
-                _ => dir.path().join("free"),
-            };
-            // Rank 1's own refusal, and rank 0's report of it.
-            let refused = match e.save(&mine).err() {
-                Some(Error::PeerRefused { rank: 1, cause }) if e.rank() == 0 => Some(*cause),
-                other => other,
-            };
-            assert!(
-                matches!(refused, Some(Error::CheckpointExists { .. })),
-                "rank {}: {refused:?}",
-                e.rank()
+                let mine = match e.rank() {
+                    1 => dir.path().join("taken"),
+                    _ => dir.path().join("free"),
+                };
+                // Rank 1's own refusal, and rank 0's report of it.
+                let refused = match e.save(&mine).err() {
+                    Some(Error::PeerRefused { rank: 1, cause }) if e.rank() == 0 => Some(*cause),
+                    other => other,
+                };
+                assert!(
+                    matches!(refused, Some(Error::CheckpointExists { .. })),
+                    "rank {}: {refused:?}",
+                    e.rank()
+                );
+                let after_refusal = e.counters().skipped_steps;
+                e.save(&dir.path().join("saved"))?;
+                Ok((after_refusal, e.counters().skipped_steps))
+            })
+        });
+        for (rank, outcome) in counted.into_iter().enumerate() {
+            assert_eq!(
+                outcome.unwrap(),
+                (1, 1),
+                "{mode:?}, rank {rank}: skips after the refused save, then the saved one"
             );
-            let after_refusal = e.counters().skipped_steps;
-            e.save(&dir.path().join("saved"))?;
-            Ok((after_refusal, e.counters().skipped_steps))
-        })
-    });
-    for (rank, outcome) in counted.into_iter().enumerate() {
+        }
+        let saved = dir.path().join("saved");
+        let manifest = fsdp_fusion::checkpoint::read_manifest(&saved, 0).unwrap();
         assert_eq!(
-            outcome.unwrap(),
-            (1, 1),
-            "rank {rank}: skips after the refused save, then the saved one"
+            manifest.optimizer_steps, 2,
+            "{mode:?}: three steps, one skipped"
         );
-    }
-    let manifest =
-        fsdp_fusion::checkpoint::read_manifest(dir.path().join("saved").as_path(), 0).unwrap();
-    assert_eq!(manifest.optimizer_steps, 2, "three steps, one skipped");
+    });
 }
 
 /// A checkpoint saved between replays holds the replayed steps, a replay the device skipped on a

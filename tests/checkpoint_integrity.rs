@@ -330,29 +330,34 @@ fn steps_after_a_checkpoint_at_the_largest_step_count_keep_it() {
     for rank in 0..plan.world_size() {
         rewrite(scratch.path(), rank, |m| m.optimizer_steps = u64::MAX);
     }
-    let (from, to) = (scratch.path().to_path_buf(), scratch.join("after"));
     let lr = EngineConfig::default().optimizer.lr();
-    let stepping = mlp.clone();
-    let stepped = trained(&mlp, &plan, Mode::Async(1), 0, move |e| {
-        e.load(&from)?;
-        for step in 0..2 {
-            sharded_step(&stepping, e, (step, 2), lr, Recipe::default())?;
+    for (i, mode) in modes().into_iter().enumerate() {
+        let (from, to) = (
+            scratch.path().to_path_buf(),
+            scratch.join(&format!("after-{i}")),
+        );
+        let (stepping, saved) = (mlp.clone(), to.clone());
+        let stepped = trained(&mlp, &plan, mode, 0, move |e| {
+            e.load(&from)?;
+            for step in 0..2 {
+                sharded_step(&stepping, e, (step, 2), lr, Recipe::default())?;
+            }
+            e.save(&to)?;
+            let dtypes = e.plan().groups().iter().map(|g| g.dtype);
+            Ok::<_, Error>(dtypes.zip(shards(e)).collect::<Vec<_>>())
+        });
+        for (rank, outcome) in stepped.into_iter().enumerate() {
+            let shards = outcome.unwrap_or_else(|e| panic!("{mode:?}, rank {rank}: {e}"));
+            for (dtype, shard) in shards {
+                let values = widen(dtype, &shard);
+                assert!(
+                    values.iter().all(|v| v.is_finite()),
+                    "{mode:?}, rank {rank}: {values:?}"
+                );
+            }
+            let m = checkpoint::read_manifest(&saved, rank).unwrap();
+            assert_eq!(m.optimizer_steps, u64::MAX, "{mode:?}, rank {rank}");
         }
-        e.save(&to)?;
-        let dtypes = e.plan().groups().iter().map(|g| g.dtype);
-        Ok::<_, Error>(dtypes.zip(shards(e)).collect::<Vec<_>>())
-    });
-    for (rank, outcome) in stepped.into_iter().enumerate() {
-        let shards = outcome.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-        for (dtype, shard) in shards {
-            let values = widen(dtype, &shard);
-            assert!(
-                values.iter().all(|v| v.is_finite()),
-                "rank {rank}: {values:?}"
-            );
-        }
-        let m = checkpoint::read_manifest(&scratch.join("after"), rank).unwrap();
-        assert_eq!(m.optimizer_steps, u64::MAX, "rank {rank}");
     }
 }
 
