@@ -279,12 +279,13 @@ typedef void (*fsdp_host_func)(void *user_data);
 extern "C" {
 #endif // __cplusplus
 
-// Between steps, after at least one whole step and before the caller begins its capture of
-// the engine's compute stream, in thread-local or relaxed mode (the engine's watchdog queries
-// events from a thread of its own, which a global-mode capture forbids): the next step's first
-// call that queues work joins that capture.
+// Between steps, right after a training step (the warm-up: one that entered a backward pass,
+// or replays since it; an empty or forward-only step is none), and before the caller begins
+// its capture of the engine's compute stream, in thread-local or relaxed mode (the engine's
+// watchdog queries events from a thread of its own, which a global-mode capture forbids): the
+// next step's first call that queues work joins that capture.
 // `FSDP_MISUSE`, with nothing changed, where a step could not be captured (per-step gradient
-// shards, `verify_collectives`, a trace, the loopback communicator, before the first step or
+// shards, `verify_collectives`, a trace, the loopback communicator, with no warm-up or
 // mid-step), and for that first call where no capture of the compute stream is under way.
 // During the capture a host read (the gradient norm on the host, a save, a load, a host
 // gradient) is `FSDP_MISUSE`; clip with `fsdp_engine_clip_grad_norm_on_device`.
@@ -322,11 +323,11 @@ enum fsdp_status fsdp_engine_before_replay(struct fsdp_engine *engine);
 // `fsdp_engine_before_replay` first.
 enum fsdp_status fsdp_engine_replayed(struct fsdp_engine *engine);
 
-// Between steps, after at least one whole step: the engine begins capturing its compute stream
-// itself (on a CPU engine of an asynchronous group, `fsdp_local_group_create_async`; on a CUDA
-// engine, in thread-local mode). The next step's calls, and the caller's work queued on the
-// compute stream meanwhile (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that
-// stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
+// Between steps, after the warm-up (as for `fsdp_engine_join_capture`): the engine begins
+// capturing its compute stream itself (on a CPU engine of an asynchronous group,
+// `fsdp_local_group_create_async`; on a CUDA engine, in thread-local mode). The next step's
+// calls, and the caller's work queued on the compute stream meanwhile
+// (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
 // `fsdp_engine_end_step` ends it, on the thread that began it (`FSDP_MISUSE` on another, as
 // for `fsdp_engine_abandon_capture`, with nothing changed: a CUDA capture in thread-local mode
 // ends on its own thread). Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,

@@ -30,6 +30,10 @@ pub struct Schedule {
     last: [Vec<usize>; 2],
     current: [Vec<usize>; 2],
     phase: Option<Phase>,
+    /// Whether the step in progress entered a backward pass.
+    backward_in_step: bool,
+    /// Whether the last step ended entered one: a training step, whose passes are recorded.
+    last_step_trained: bool,
 }
 
 impl Schedule {
@@ -40,11 +44,19 @@ impl Schedule {
             last: [Vec::new(), Vec::new()],
             current: [Vec::new(), Vec::new()],
             phase: None,
+            backward_in_step: false,
+            last_step_trained: false,
         }
     }
 
     pub fn phase(&self) -> Option<Phase> {
         self.phase
+    }
+
+    /// Whether the last step ended entered a backward pass (an empty or forward-only step did
+    /// not): the passes predicted from now on are a training step's.
+    pub fn last_step_trained(&self) -> bool {
+        self.last_step_trained
     }
 
     /// Enters `phase`. Returns the phase left, if any: a new pass of `phase` begins, and the
@@ -54,6 +66,7 @@ impl Schedule {
             return None;
         }
         let left = self.phase.replace(phase);
+        self.backward_in_step |= phase == Phase::Backward;
         let current = &mut self.current[phase.index()];
         if !current.is_empty() {
             self.last[phase.index()] = std::mem::take(current);
@@ -106,6 +119,7 @@ impl Schedule {
             }
         }
         self.phase = None;
+        self.last_step_trained = std::mem::take(&mut self.backward_in_step);
     }
 }
 
@@ -182,6 +196,30 @@ mod tests {
             }
             assert_eq!(s.current[0].len(), pass.len());
         }
+    }
+
+    #[test]
+    fn a_step_trained_is_one_that_entered_a_backward_pass() {
+        let mut s = Schedule::new(2);
+        assert!(!s.last_step_trained());
+        s.enter(Phase::Forward);
+        s.record(0);
+        s.enter(Phase::Backward);
+        assert!(!s.last_step_trained(), "the step has not ended");
+        s.end_step();
+        assert!(s.last_step_trained());
+        // An evaluation step: forward only.
+        s.enter(Phase::Forward);
+        s.record(0);
+        s.end_step();
+        assert!(!s.last_step_trained());
+        // Gradients with no backward hook enter the backward pass too.
+        s.enter(Phase::Backward);
+        s.end_step();
+        assert!(s.last_step_trained());
+        // An empty step.
+        s.end_step();
+        assert!(!s.last_step_trained());
     }
 
     #[test]

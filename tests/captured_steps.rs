@@ -1054,8 +1054,15 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
                 e.pre_forward(unit)?;
                 e.post_forward(unit)?;
             }
-            // A forward with no backward: the step ends as usual.
+            // A forward with no backward: the step ends as usual, and is no warm-up (its
+            // record replaced the training step's forward order); nor is an empty step.
             e.end_step()?;
+            assert_refused(e.begin_capture(), "warm-up");
+            step(e, batch)?;
+            e.end_step()?;
+            assert_refused(e.begin_capture(), "warm-up");
+            assert_refused(e.join_capture(), "warm-up");
+            step(e, batch)?;
             e.set_tracing(true).unwrap();
             assert_refused(e.begin_capture(), "a trace");
             e.set_tracing(false).unwrap();

@@ -377,7 +377,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         """Captures one training step into `graph` for `replay`: forward, backward and `step()`
         go inside, as `torch.cuda.graph(graph, pool, stream=<the engine's compute stream>,
         capture_error_mode="thread_local")` captures them, the engine's own streams and
-        collectives joining the capture. After at least one whole step (the warm-up), on a
+        collectives joining the capture. Right after a training step (the warm-up: an
+        evaluation step between them is none), on a
         wrapper made under a stream other than the default one (CUDA captures no work of the
         default stream), with `grad_shards="persistent"` (a step with per-step shards allocates
         them) and no `verify_collectives`. Inside, a host read is refused (`MisuseError`): clip

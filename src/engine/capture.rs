@@ -156,9 +156,10 @@ fn refused(what: &str) -> Error {
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
-    /// Begins capturing a step on the compute stream, between steps and after at least one
-    /// whole step (the warm-up, which records the units' order the captured step's prefetches
-    /// follow): the step's hooks, `finish_grad_sync`, `optimizer_step` and `end_step` then queue
+    /// Begins capturing a step on the compute stream, between steps, right after a training
+    /// step (one that entered a backward pass, or replays since it): that step is the warm-up,
+    /// whose recorded units' order the captured step's prefetches follow and whose gather slots
+    /// it reuses (an empty or forward-only step is none). The step's hooks, `finish_grad_sync`, `optimizer_step` and `end_step` then queue
     /// work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`] (or give
     /// it up with [`Engine::abandon_capture`]) on the thread that began it: both refuse on
     /// another, with nothing changed, as a CUDA stream capture in thread-local mode ends on its
@@ -229,10 +230,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(refused("a capture inside another"));
         }
         self.check_step_boundary("a capture")?;
-        if self.counters.steps == 0 {
+        if !self.gathering.schedule.last_step_trained() {
             return Err(refused(
-                "a step before a whole step ran (the warm-up records the units' order that the \
-                 captured step's prefetches follow)",
+                "a step that does not follow a training step (the warm-up, whose recorded units' \
+                 order the captured step's prefetches follow, and whose gather slots it reuses): \
+                 the last step ended was empty or forward-only",
             ));
         }
         if self.config.grad_shard_memory == GradShardMemory::PerStep {
