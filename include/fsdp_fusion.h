@@ -398,13 +398,15 @@ enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 // rank's manifest absent), truncated, corrupted (a chunk's checksum), changed (a manifest's
 // own checksum, or fields that disagree with the layout they describe) or made of two saves'
 // files (their save ids); `FSDP_INVALID_ARGUMENT` listing the differences for one of another
-// model or optimizer, or for an empty `dir`; `FSDP_OUT_OF_MEMORY` when the host cannot hold
+// model or optimizer, for an empty `dir`, and on every rank where ranks read directories (a
+// node-local copy each) of two saves, naming both saves' ids; `FSDP_OUT_OF_MEMORY` when the host cannot hold
 // this rank's state (it is read whole before anything changes); `FSDP_MISUSE` inside a step.
 // Blocks until the state is loaded.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
-enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine, const char *dir);
+enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine,
+                                  const char *dir);
 
 // Writes the full model into the safetensors file `path`: every parameter under its name,
 // shape and dtype, readable by the Python `safetensors` package and loadable into a PyTorch

@@ -582,14 +582,38 @@ fn an_import_of_another_model_lists_every_difference_and_loads_nothing() {
             assert!(!elsewhere.exists());
         });
     }
-    // A file that is not safetensors, and a missing one, are refused by name.
+    // A file that is not safetensors, a missing one, and one whose header's tensors tile more
+    // than 2^64 - 8 bytes after it, are refused by name.
     let garbage = scratch.path().join("garbage.safetensors");
     std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    let huge = scratch.path().join("huge.safetensors");
+    let n = (u64::MAX - 7) / 8;
+    let tensors: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "\"t{i}\":{{\"dtype\":\"U8\",\"shape\":[{n}],\"data_offsets\":[{},{}]}}",
+                i * n,
+                (i + 1) * n
+            )
+        })
+        .collect();
+    let header = format!("{{{}}}", tensors.join(","));
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(header.as_bytes());
+    std::fs::write(&huge, bytes).unwrap();
     on_engines(&plan, &config, Mode::Eager, move |mut e| {
-        for path in [garbage.clone(), garbage.with_extension("missing")] {
+        for path in [
+            huge.clone(),
+            garbage.clone(),
+            garbage.with_extension("missing"),
+        ] {
             match e.import_safetensors(&path) {
-                Err(Error::CheckpointUnreadable { path: named, .. }) => {
+                Err(Error::CheckpointUnreadable {
+                    path: named,
+                    reason,
+                }) => {
                     assert_eq!(named, path.display().to_string());
+                    assert!(path != huge || reason.contains("over 2^64"), "{reason}");
                 }
                 other => panic!("{other:?}"),
             }

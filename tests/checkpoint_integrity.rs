@@ -526,6 +526,57 @@ fn rank_files_of_two_saves_never_load_as_one() {
     assert!(e.is_err_and(|e| e.to_string().contains("save_id")));
 }
 
+/// Each rank loading its own directory (node-local copies): copies of one save load as the
+/// checkpoint itself does; two saves, though every rank's files check out, are refused on
+/// every rank alike, naming both saves' ids, and change nothing.
+#[test]
+fn ranks_loading_node_local_copies_of_two_saves_refuse_alike() {
+    let mlp = model(DType::Bf16);
+    let plan = plan(&mlp, 2);
+    let scratch = Scratch::new("node-local");
+    let (a, b, copy) = (scratch.join("a"), scratch.join("b"), scratch.join("copy"));
+    let (to_a, to_b) = (a.clone(), b.clone());
+    trained(&mlp, &plan, Mode::Eager, 1, move |e| e.save(&to_a).unwrap());
+    trained(&mlp, &plan, Mode::Eager, 2, move |e| e.save(&to_b).unwrap());
+    std::fs::create_dir_all(&copy).unwrap();
+    for entry in std::fs::read_dir(&a).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), copy.join(entry.file_name())).unwrap();
+    }
+    let id = |dir: &Path| checkpoint::read_manifest(dir, 0).unwrap().save_id;
+    let (id_a, id_b) = (id(&a), id(&b));
+    for_each_mode(|mode| {
+        let from_a = loaded_from(&plan, mode, &a);
+        let (a, copy) = (a.clone(), copy.clone());
+        let copies = trained(&mlp, &plan, mode, 0, move |e| {
+            let dir = if e.rank() == 0 { &a } else { &copy };
+            e.load(dir).unwrap();
+            shards(e)
+        });
+        assert_eq!(copies, from_a, "{mode:?}");
+        let (a, b) = (scratch.join("a"), b.clone());
+        let outcomes = trained(&mlp, &plan, mode, 0, move |e| {
+            let dir = if e.rank() == 0 { &a } else { &b };
+            let before = shards(e);
+            let outcome = e.load(dir);
+            (outcome, shards(e) == before)
+        });
+        for (r, (outcome, unchanged)) in outcomes.into_iter().enumerate() {
+            assert!(unchanged, "{mode:?}, rank {r}");
+            match outcome {
+                Err(Error::CheckpointMismatch { differences }) => assert_eq!(
+                    differences,
+                    [format!(
+                        "the ranks read different saves: rank 0 {id_a}, rank 1 {id_b}"
+                    )],
+                    "{mode:?}, rank {r}"
+                ),
+                other => panic!("{mode:?}, rank {r}: {other:?}"),
+            }
+        }
+    });
+}
+
 #[test]
 fn an_empty_path_or_a_folder_holding_a_checkpoint_is_refused_before_anything_is_written() {
     let mlp = model(DType::F32);

@@ -60,8 +60,9 @@ class _StateCopies:
         A collective: nothing changes on any rank unless every rank's part checked out. A
         missing, incomplete, truncated, corrupted or changed checkpoint, or rank files of two
         saves, raise `IoError` naming the file and field; one of another model
-        `InvalidArgumentError` listing the differences; a rank whose own part was fine raises
-        the failing rank's error, naming it."""
+        `InvalidArgumentError` listing the differences, as do ranks that read node-local copies
+        of two saves (on every rank, naming both); a rank whose own part was fine raises the
+        failing rank's error, naming it."""
         self._end_evaluation()
         self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 

@@ -46,6 +46,19 @@ impl SaveId {
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
+
+    /// The id a manifest records as [`SaveId::to_hex`] wrote it; `None` for other text.
+    pub fn from_hex(text: &str) -> Option<SaveId> {
+        if text.len() != 32 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        for (byte, digits) in out.iter_mut().zip(text.as_bytes().chunks_exact(2)) {
+            let digits = std::str::from_utf8(digits).ok()?;
+            *byte = u8::from_str_radix(digits, 16).ok()?;
+        }
+        Some(SaveId(out))
+    }
 }
 
 /// A group as the save laid it out.

@@ -338,4 +338,21 @@ mod tests {
             assert!(!is_rank_file(name), "{name}");
         }
     }
+
+    #[test]
+    fn a_save_id_reads_back_from_its_hex_and_from_nothing_else() {
+        let id = SaveId::fresh();
+        assert_eq!(SaveId::from_hex(&id.to_hex()), Some(id));
+        let upper = id.to_hex().to_uppercase();
+        assert_eq!(SaveId::from_hex(&upper), Some(id));
+        let hex = id.to_hex();
+        for text in [
+            &hex[1..],
+            &format!("{hex}0"),
+            &format!("+{}", &hex[1..]),
+            "",
+        ] {
+            assert_eq!(SaveId::from_hex(text), None, "{text:?}");
+        }
+    }
 }

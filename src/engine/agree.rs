@@ -67,6 +67,39 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 }
 
+/// Refuses, alike on every rank, `proposals` (every rank's, in rank order) that are not all
+/// the first rank's: the ranks read different sources (`what`, e.g. "saves": node-local copies
+/// of two checkpoints), each named by its proposal's hex digits.
+pub(super) fn check_one_source(proposals: &[Proposal], what: &str) -> Result<()> {
+    /// Ranks named before the rest are counted.
+    const NAMED: usize = 4;
+    let Some(first) = proposals.first() else {
+        return Ok(());
+    };
+    let hex = |p: &Proposal| p.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let others: Vec<usize> = (0..proposals.len())
+        .filter(|&r| proposals[r] != *first)
+        .collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    let mut differences: Vec<String> = others
+        .iter()
+        .take(NAMED)
+        .map(|&r| {
+            format!(
+                "the ranks read different {what}: rank 0 {}, rank {r} {}",
+                hex(first),
+                hex(&proposals[r])
+            )
+        })
+        .collect();
+    if others.len() > NAMED {
+        differences.push(format!("and {} more ranks", others.len() - NAMED));
+    }
+    Err(Error::CheckpointMismatch { differences })
+}
+
 /// What kind of error a message carries, as its first byte.
 const UNREADABLE: u8 = 1;
 const MISMATCH: u8 = 2;
@@ -188,6 +221,33 @@ mod tests {
                 if path == "ckpt" && reason == "the engine was aborted"),
             "{other:?}"
         );
+    }
+
+    #[test]
+    fn ranks_of_different_sources_are_each_named_and_counted_past_a_few() {
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        assert!(check_one_source(&[a, a, a], "saves").is_ok());
+        assert!(check_one_source(&[], "saves").is_ok());
+        let Err(Error::CheckpointMismatch { differences }) = check_one_source(&[a, b, a], "saves")
+        else {
+            panic!("not refused");
+        };
+        let (ha, hb) = ("01".repeat(16), "02".repeat(16));
+        assert_eq!(
+            differences,
+            [format!(
+                "the ranks read different saves: rank 0 {ha}, rank 1 {hb}"
+            )]
+        );
+        let mut many = vec![a];
+        many.extend([b; 7]);
+        let Err(Error::CheckpointMismatch { differences }) = check_one_source(&many, "files")
+        else {
+            panic!("not refused");
+        };
+        assert_eq!(differences.len(), 5);
+        assert!(differences[3].ends_with(&format!("rank 4 {hb}")));
+        assert_eq!(differences[4], "and 3 more ranks");
     }
 
     #[test]

@@ -162,13 +162,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let metadata: Metadata = serde_json::from_slice(&header)
             .map_err(|e| file_error(path, format!("not safetensors: {e}")))?;
         let data_start = 8 + header_bytes;
-        if data_start + metadata.data_len() as u64 != length {
+        let data_end = u64::try_from(metadata.data_len())
+            .ok()
+            .and_then(|data| data_start.checked_add(data));
+        if data_end != Some(length) {
+            let says = data_end.map_or_else(|| "over 2^64".into(), |end| end.to_string());
             return Err(file_error(
                 path,
-                format!(
-                    "truncated or grown: {length} bytes, the header says {}",
-                    data_start + metadata.data_len() as u64
-                ),
+                format!("truncated or grown: {length} bytes, the header says {says}"),
             ));
         }
         let mut differences = Vec::new();

@@ -5,10 +5,10 @@
 use std::path::Path;
 
 use super::Engine;
-use super::agree::Proposal;
+use super::agree::check_one_source;
 use super::parts::{Part, bytes_of, optimizer_name, state_buffer_mut};
 use crate::backend::{Backend, Region};
-use crate::checkpoint::{self, FileRange, Saved};
+use crate::checkpoint::{self, FileRange, SaveId, Saved};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
@@ -61,7 +61,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// manifest present, unchanged (its own checksum) and of one save (one save id), its
     /// fields consistent with the layout they describe; each chunk of data read of its
     /// manifest's checksum; the parameters equal to the plan's (`Error::CheckpointMismatch`
-    /// lists what differs). A rank whose part failed returns its error, the others
+    /// lists what differs). Ranks may read different directories (node-local copies of one
+    /// checkpoint); copies of two saves are `Error::CheckpointMismatch` on every rank, naming
+    /// both saves' ids. A rank whose part failed returns its error, the others
     /// `Error::PeerRefused` naming it. The optimizer continues from the saved step with the
     /// saved learning rate and weight decay. Allowed at a step boundary only; holds this rank's
     /// state in host memory while it reads; blocks until the state is on the device.
@@ -75,8 +77,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             Ok(host) => self.read_checkpoint(dir, &parts, host.bytes_mut(total)),
             Err(e) => Err(e.clone()),
         };
-        let agreed = self.agree(dir, read.map(|settings| (settings, Proposal::default())));
-        let loaded = agreed.and_then(|((optimizer, steps), _)| {
+        let agreed = self.agree(dir, read.map(|(settings, id)| (settings, id.0)));
+        let loaded = agreed.and_then(|((optimizer, steps), ids)| {
+            check_one_source(&ids, "saves")?;
             let memory = host.as_mut().map_err(|e| e.clone())?;
             self.effects(|e| {
                 e.upload_parts(&parts, memory, total)?;
@@ -115,15 +118,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Reads and checks this rank's `parts` of the checkpoint in `dir` into `bytes` (see
-    /// [`Engine::load`]), with the optimizer settings and step count to take; nothing changes.
+    /// [`Engine::load`]), with the optimizer settings and step count to take and the save's id;
+    /// nothing changes.
     fn read_checkpoint(
         &self,
         dir: &Path,
         parts: &[Part],
         bytes: &mut [u8],
-    ) -> Result<(OptimizerConfig, u64)> {
+    ) -> Result<((OptimizerConfig, u64), SaveId)> {
         let saved = checkpoint::read_saved(dir)?;
         let first = &saved.manifests[0];
+        let id = SaveId::from_hex(&first.save_id).ok_or_else(|| {
+            checkpoint::unreadable(&checkpoint::manifest_path(dir, 0), "field `save_id`")
+        })?;
         let mut differences = Vec::new();
         if first.optimizer != optimizer_name(&self.config.optimizer) {
             differences.push(format!(
@@ -152,7 +159,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .optimizer
             .with_lr_and_decay(first.lr, first.weight_decay)?;
         checkpoint::read_ranges(&saved, &self.saved_ranges(&saved, parts)?, bytes)?;
-        Ok((optimizer, first.optimizer_steps))
+        Ok(((optimizer, first.optimizer_steps), id))
     }
 
     /// Where each element of this rank's `parts` (one after another) lies in the saved ranks'
