@@ -171,10 +171,20 @@ impl Watch {
         &self,
         pause: Duration,
         op: impl Fn() -> String,
+        done: impl FnMut() -> Result<bool>,
+    ) -> Result<()> {
+        self.poll_within(self.timeout(), pause, op, done)
+    }
+
+    /// As [`Watch::poll`], with the deadline `timeout` after the call instead of the rank's.
+    pub(crate) fn poll_within(
+        &self,
+        timeout: Duration,
+        pause: Duration,
+        op: impl Fn() -> String,
         mut done: impl FnMut() -> Result<bool>,
     ) -> Result<()> {
         let start = Instant::now();
-        let timeout = self.timeout();
         loop {
             if done()? {
                 return Ok(());

@@ -577,6 +577,75 @@ fn ranks_loading_node_local_copies_of_two_saves_refuse_alike() {
     });
 }
 
+/// A directory under `base` whose path a directory can take and its files cannot: a file's
+/// temporary name in it passes the system's limit on a path (4096 bytes), so that a write
+/// there fails after the ranks agreed to it, even for a user whom no permission stops.
+fn too_deep_for_files(base: &Path) -> PathBuf {
+    const LENGTH: usize = 4080;
+    let mut dir = base.to_path_buf();
+    while dir.as_os_str().len() < LENGTH {
+        let room = LENGTH - dir.as_os_str().len() - 1;
+        dir.push("d".repeat(room.clamp(1, 200)));
+    }
+    dir
+}
+
+/// The rank files in `dir`, if it exists.
+fn rank_files(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("rank-") || name.ends_with(".partial"))
+        .collect()
+}
+
+/// A save that fails on one rank after the ranks agreed to it fails on every rank (that rank's
+/// error there, `PeerRefused` naming it on the others) and leaves no file of it, blocking or
+/// asynchronous (at `wait_save`); the directory then takes the next save.
+#[test]
+fn a_save_failing_on_one_rank_fails_on_every_rank_and_leaves_no_file() {
+    let mlp = model(DType::Bf16);
+    let plan = plan(&mlp, 2);
+    let scratch = Scratch::new("one-rank-fails");
+    for_each_mode(|mode| {
+        for asynchronous in [false, true] {
+            // Each mode's own, as the modes run side by side.
+            let name = format!("{mode:?}-{asynchronous}");
+            let good = scratch.join(&format!("good-{name}"));
+            let deep = too_deep_for_files(&scratch.join(&format!("deep-{name}")));
+            let (to_good, deep) = (good.clone(), deep.clone());
+            let outcomes = trained(&mlp, &plan, mode, 1, move |e| {
+                let good = &to_good;
+                let dir = if e.rank() == 0 { good } else { &deep };
+                let outcome = match asynchronous {
+                    false => e.save(dir),
+                    true => e.save_async(dir).and_then(|()| e.wait_save()),
+                };
+                let files = rank_files(dir);
+                // The directory is free for the next save, which every rank makes there.
+                let next = e.save(good);
+                (outcome, files, next, e.save_pending())
+            });
+            let what = format!("{mode:?}, asynchronous {asynchronous}");
+            for (r, (outcome, files, next, pending)) in outcomes.into_iter().enumerate() {
+                match (r, outcome) {
+                    (1, Err(Error::Write { .. })) => {}
+                    (0, Err(Error::PeerRefused { rank: 1, cause })) => {
+                        assert!(matches!(*cause, Error::Write { .. }), "{what}: {cause}")
+                    }
+                    (r, other) => panic!("{what}, rank {r}: {other:?}"),
+                }
+                assert!(files.is_empty(), "{what}, rank {r} left {files:?}");
+                next.unwrap();
+                assert!(!pending, "{what}, rank {r}");
+            }
+            assert_eq!(checkpoint::read_saved(&good).unwrap().world_size(), 2);
+        }
+    });
+}
+
 #[test]
 fn an_empty_path_or_a_folder_holding_a_checkpoint_is_refused_before_anything_is_written() {
     let mlp = model(DType::F32);

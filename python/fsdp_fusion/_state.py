@@ -41,17 +41,21 @@ class _StateCopies:
         calls it with the same directory; the ranks first agree on the save's id and that the
         directory holds no checkpoint (else every rank raises `InvalidArgumentError` and nothing
         is written). Each file is written under a unique temporary name, flushed to disk and
-        linked into place, never over an existing file. Between steps only (forward passes with
-        no gradient since the last step, an evaluation, end their step first). `wait=False`
-        copies the state into host memory and returns while a thread writes the files;
-        `wait_save()` gives the outcome (one save at a time)."""
+        linked into place, never over an existing file. Then the ranks agree on the outcome: a
+        rank that could not write raises `IoError`, and so does every other rank, naming it,
+        with no rank's file of the save left. Between steps only (forward passes with no
+        gradient since the last step, an evaluation, end their step first). `wait=False` copies
+        the state into host memory and returns while a thread writes the files; `wait_save()`
+        gives the outcome (one save pending at a time, until then)."""
         self._end_evaluation()
         name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
         self._call(name, self._engine, os.fsencode(directory))
 
     def wait_save(self):
-        """Waits for the files of `save(wait=False)` and raises what failed (`IoError`, ...);
-        returns at once when no save is pending."""
+        """The outcome of `save(wait=False)`, a collective: every rank calls it. Each rank waits
+        for its files within half the engine's timeout, then the ranks agree: every rank
+        raises what failed on any (`IoError`, `FsdpTimeoutError`, ...), with no rank's file of the
+        save left. Returns when no save is pending on any rank."""
         self._call("fsdp_engine_wait_save", self._engine)
 
     def load(self, directory: str | os.PathLike):

@@ -194,9 +194,9 @@ impl<'f> Writeback<'f> {
             self.written += now.len() as u64;
             bytes = later;
             if self.written == self.window + WINDOW_BYTES {
-                self.start_writeback(self.window, WINDOW_BYTES);
+                self.start_writeback(self.window, WINDOW_BYTES)?;
                 if let Some(older) = self.window.checked_sub(2 * WINDOW_BYTES) {
-                    self.wait_writeback(older, WINDOW_BYTES);
+                    self.wait_writeback(older, WINDOW_BYTES)?;
                 }
                 self.window += WINDOW_BYTES;
             }
@@ -211,44 +211,64 @@ impl<'f> Writeback<'f> {
 
     /// Starts writing the pages of `bytes` at `offset` to disk.
     #[cfg(target_os = "linux")]
-    fn start_writeback(&self, offset: u64, bytes: u64) {
-        self.sync_range(offset, bytes, libc::SYNC_FILE_RANGE_WRITE);
+    fn start_writeback(&self, offset: u64, bytes: u64) -> std::io::Result<()> {
+        sync_range(self.file, offset, bytes, libc::SYNC_FILE_RANGE_WRITE)
     }
 
     /// Waits until the pages of `bytes` at `offset` are on disk.
     #[cfg(target_os = "linux")]
-    fn wait_writeback(&self, offset: u64, bytes: u64) {
+    fn wait_writeback(&self, offset: u64, bytes: u64) -> std::io::Result<()> {
         let wait = libc::SYNC_FILE_RANGE_WAIT_BEFORE
             | libc::SYNC_FILE_RANGE_WRITE
             | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-        self.sync_range(offset, bytes, wait);
-    }
-
-    /// `sync_file_range` on the file: a hint; where it fails, the final flush writes the pages.
-    #[cfg(target_os = "linux")]
-    fn sync_range(&self, offset: u64, bytes: u64, flags: libc::c_uint) {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a plain call on an open file descriptor.
-        unsafe {
-            libc::sync_file_range(
-                self.file.as_raw_fd(),
-                offset as libc::off64_t,
-                bytes as libc::off64_t,
-                flags,
-            )
-        };
+        sync_range(self.file, offset, bytes, wait)
     }
 
     #[cfg(not(target_os = "linux"))]
-    fn start_writeback(&self, _offset: u64, _bytes: u64) {}
+    fn start_writeback(&self, _offset: u64, _bytes: u64) -> std::io::Result<()> {
+        Ok(())
+    }
 
     #[cfg(not(target_os = "linux"))]
-    fn wait_writeback(&self, _offset: u64, _bytes: u64) {}
+    fn wait_writeback(&self, _offset: u64, _bytes: u64) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// `sync_file_range` on `file`. Where the file cannot take it, it is skipped: the final flush
+/// writes the pages. Any other failure is the write's: a wait takes the file's writeback error
+/// (a page the disk refused), which the final flush would then no longer report.
+#[cfg(target_os = "linux")]
+fn sync_range(file: &File, offset: u64, bytes: u64, flags: libc::c_uint) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(bytes)) = (i64::try_from(offset), i64::try_from(bytes)) else {
+        return Ok(());
+    };
+    // SAFETY: a plain call on an open file descriptor.
+    let done = unsafe { libc::sync_file_range(file.as_raw_fd(), offset, bytes, flags) };
+    match done {
+        0 => Ok(()),
+        _ => match std::io::Error::last_os_error() {
+            e if cannot_sync_range(&e) => Ok(()),
+            e => Err(e),
+        },
+    }
+}
+
+/// Whether `e`, of `sync_file_range`, says that the file cannot take it (a pipe, a file system
+/// without it), rather than that a write failed.
+#[cfg(target_os = "linux")]
+fn cannot_sync_range(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL | libc::ESPIPE | libc::ENOSYS | libc::EOPNOTSUPP)
+    )
 }
 
 /// Writes rank `manifest.rank`'s data (the sections `write_sections` writes, in order) and then
 /// its manifest into `dir` (made if missing), each with [`write_new`]; fills in the data's length
-/// and chunk digests.
+/// and chunk digests. A failure leaves neither file: a data file whose manifest failed is
+/// removed (left, it would refuse every later save into `dir`).
 pub(crate) fn write_rank(
     dir: &Path,
     mut manifest: RankManifest,
@@ -270,10 +290,35 @@ pub(crate) fn write_rank(
     manifest.chunk_bytes = super::CHUNK_BYTES;
     manifest.chunk_xxh3 = chunks;
     let path = manifest_path(dir, manifest.rank);
-    let text = manifest.encode()?;
-    write_new(&path, |file| {
-        file.write_all(&text).map_err(write_error(&path))
-    })
+    let written = manifest.encode().and_then(|text| {
+        write_new(&path, |file| {
+            file.write_all(&text).map_err(write_error(&path))
+        })
+    });
+    if written.is_err() {
+        // Best effort: the manifest's failure is the error to report.
+        let _ = remove_files(&[data]);
+    }
+    written
+}
+
+/// Removes rank `rank`'s files in `dir`, of a save that failed on another rank after this one
+/// wrote them: its manifest first, so that an interruption leaves a part without a manifest,
+/// never taken for a whole one; a file already gone is no error.
+pub(crate) fn remove_rank(dir: &Path, rank: usize) -> Result<()> {
+    remove_files(&[manifest_path(dir, rank), data_path(dir, rank)])
+}
+
+/// Removes `paths` in order, then flushes their directories' entries.
+fn remove_files(paths: &[PathBuf]) -> Result<()> {
+    for path in paths {
+        match fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(write_error(path)(e)),
+        }
+    }
+    paths.iter().try_for_each(|p| sync_parent(p))
 }
 
 /// Rank `rank`'s manifest of the checkpoint in `dir`: of this format, its text unchanged since
@@ -313,4 +358,105 @@ pub fn read_saved(dir: &Path) -> Result<Saved> {
         manifests.push(read_manifest(dir, rank)?);
     }
     Saved::check(dir, manifests)
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use std::io::Error as IoError;
+
+    /// A fresh directory of this process for `what`.
+    fn fresh_dir(what: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("fsdp-{what}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn manifest() -> RankManifest {
+        RankManifest {
+            save_id: "0".repeat(32),
+            rank: 0,
+            world_size: 1,
+            optimizer_steps: 0,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            optimizer: "sgd".into(),
+            moment_dtype: "f32".into(),
+            params: Vec::new(),
+            process_groups: Vec::new(),
+            sections: Vec::new(),
+            data_bytes: 0,
+            chunk_bytes: 0,
+            chunk_xxh3: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_rank_whose_manifest_fails_leaves_no_data_and_a_removed_rank_nothing() {
+        let dir = fresh_dir("write-rank");
+        // Another writer's manifest in the way: this one's link refuses, and its data goes.
+        fs::write(manifest_path(&dir, 0), b"another's").unwrap();
+        let written = write_rank(&dir, manifest(), |write| write(&[1, 2, 3]));
+        assert!(
+            matches!(written, Err(Error::CheckpointExists { .. })),
+            "{written:?}"
+        );
+        assert_eq!(names(&dir), ["rank-00000.json"]);
+        assert_eq!(fs::read(manifest_path(&dir, 0)).unwrap(), b"another's");
+        fs::remove_file(manifest_path(&dir, 0)).unwrap();
+        write_rank(&dir, manifest(), |write| write(&[1, 2, 3])).unwrap();
+        assert_eq!(names(&dir), ["rank-00000.bin", "rank-00000.json"]);
+        remove_rank(&dir, 0).unwrap();
+        assert!(names(&dir).is_empty());
+        remove_rank(&dir, 0).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_sync_of_a_range_is_the_write_s_unless_the_file_cannot_take_one() {
+        for errno in [libc::EIO, libc::ENOSPC, libc::EDQUOT, libc::EBADF] {
+            assert!(
+                !cannot_sync_range(&IoError::from_raw_os_error(errno)),
+                "{errno}"
+            );
+        }
+        for errno in [libc::EINVAL, libc::ESPIPE, libc::ENOSYS, libc::EOPNOTSUPP] {
+            assert!(
+                cannot_sync_range(&IoError::from_raw_os_error(errno)),
+                "{errno}"
+            );
+        }
+        // A pipe cannot take one (ESPIPE): skipped, the write goes on.
+        let mut fds = [0; 2];
+        // SAFETY: a plain call filling `fds`.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just opened, and each is owned once.
+        let (reader, writer) = unsafe {
+            use std::os::fd::FromRawFd;
+            (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]))
+        };
+        assert!(sync_range(&writer, 0, 4096, libc::SYNC_FILE_RANGE_WRITE).is_ok());
+        drop((reader, writer));
+        // A descriptor that cannot write (EBADF) fails the write.
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = std::env::temp_dir().join(format!("sync-range-{}", std::process::id()));
+        drop(File::create(&path).unwrap());
+        let opened = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(&path);
+        let _ = fs::remove_file(&path);
+        let refused = sync_range(&opened.unwrap(), 0, 4096, libc::SYNC_FILE_RANGE_WRITE);
+        assert_eq!(refused.unwrap_err().raw_os_error(), Some(libc::EBADF));
+    }
 }

@@ -28,10 +28,10 @@ use crate::spec::ProcessGroupSpec;
 
 pub(crate) use data::ChunkDigests;
 pub use data::{CHUNK_BYTES, DataReader, FileRange, read_ranges};
-pub(crate) use files::write_rank;
 pub use files::{
     check_free, check_path, make_dir, read_manifest, read_saved, sync_parent, write_new,
 };
+pub(crate) use files::{remove_rank, write_rank};
 pub use layout::{Run, SaveId, Saved, SavedGroup};
 
 /// The version of the layout below; a manifest of another is refused.

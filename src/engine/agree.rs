@@ -28,6 +28,18 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         dir: &Path,
         outcome: Result<(T, Proposal)>,
     ) -> Result<(T, Vec<Proposal>)> {
+        self.agree_undoing(dir, outcome, || {})
+    }
+
+    /// As [`Engine::agree`], with `undo` run on a rank that succeeded where another failed,
+    /// before the ranks exchange the failure's message: every rank's `undo` is done when any
+    /// rank returns.
+    pub(super) fn agree_undoing<T>(
+        &mut self,
+        dir: &Path,
+        outcome: Result<(T, Proposal)>,
+        undo: impl FnOnce(),
+    ) -> Result<(T, Vec<Proposal>)> {
         if self.comm.grid_size() == 1 {
             return outcome.map(|(value, proposal)| (value, vec![proposal]));
         }
@@ -53,7 +65,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         };
         let message = match &outcome {
             Err(e) => encode(e),
-            Ok(_) => vec![0; MESSAGE_BYTES],
+            Ok(_) => {
+                undo();
+                vec![0; MESSAGE_BYTES]
+            }
         };
         let exchanged = self.exchange(Purpose::Agreement, &message, true);
         let messages = self.observe(exchanged)?;

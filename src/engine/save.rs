@@ -1,11 +1,14 @@
 //! Saving this rank's part of a sharded checkpoint at a step boundary, a collective
 //! ([`super::agree`]): before anything is written, the ranks agree on the save's id and that
-//! every writer's directory is free. A blocking save streams the state through two host pieces;
-//! an asynchronous one copies it into page-locked memory and writes it on a thread.
+//! every writer's directory is free; once written, on its outcome, so that every rank reports
+//! a save that failed anywhere, and the ranks that wrote remove their files. A blocking save
+//! streams the state through two host pieces; an asynchronous one copies it into page-locked
+//! memory and writes it on a thread.
 
 use std::path::Path;
 
 use super::Engine;
+use super::agree::Proposal;
 use super::parts::{Part, bytes_of, optimizer_name};
 use crate::backend::{Backend, Region};
 use crate::checkpoint::{self, RankManifest, SaveId, Section};
@@ -29,7 +32,11 @@ pub(super) struct Saving<H> {
 
 pub(super) struct PendingSave<H> {
     dir: std::path::PathBuf,
+    rank: usize,
     thread: Option<std::thread::JoinHandle<Written<H>>>,
+    /// The save failed on some rank while this rank's writer still ran: its files are
+    /// removed once it ends.
+    failed: bool,
 }
 
 /// What the writer of an asynchronous save ends with: its outcome, and the staging area (with
@@ -41,16 +48,11 @@ impl<H> Drop for PendingSave<H> {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        if self.failed {
+            // Best effort: the save's failure was reported.
+            let _ = checkpoint::remove_rank(&self.dir, self.rank);
+        }
     }
-}
-
-/// Which pending asynchronous save refuses a new one.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Pending {
-    /// Any: one asynchronous save is written at a time.
-    Refused,
-    /// One into the same directory, whose temporary files the new one's would meet.
-    SameDirRefused,
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
@@ -62,22 +64,45 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// checkpoint (`Error::CheckpointExists` on every rank, nothing written, otherwise). Each
     /// rank then writes its data and its manifest, each under a unique temporary name, flushed
     /// and linked into place, and the directory flushed: a part that a crash interrupts is never
-    /// taken for a whole one, and no existing file is replaced. Refused between a step's first
-    /// hook and its `end_step` (`Error::MidStep`). Blocks until every byte is on disk. Under
-    /// hybrid sharding only the first replica's ranks write: every replica holds the same state.
+    /// taken for a whole one, and no existing file is replaced. Then the ranks agree on the
+    /// outcome: `Ok` on every rank once every rank's files are on disk; where a rank's write
+    /// failed, its error there, `Error::PeerRefused` naming it on the others, and no rank's
+    /// file of the save left (a rank that wrote removes its files). The ranks' writes end
+    /// within the engine's timeout of each other. Refused between a step's first hook and its
+    /// `end_step` (`Error::MidStep`), and while an asynchronous save is pending
+    /// (`Error::SavePending`). Blocks until every byte is on disk. Under hybrid sharding only
+    /// the first replica's ranks write: every replica holds the same state.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
         let piece = total.clamp(1, checkpoint::CHUNK_BYTES as usize);
-        let started = self.begin_save(dir, Pending::SameDirRefused, |e| {
+        let started = self.begin_save(dir, |e| {
             Ok([e.backend.alloc_host(piece)?, e.backend.alloc_host(piece)?])
         })?;
-        let Some((manifest, pieces)) = started else {
-            return Ok(());
+        let written = match started {
+            None => Ok(false),
+            Some((manifest, pieces)) => checkpoint::write_rank(dir, manifest, |write| {
+                self.stream_parts(&parts, (pieces, piece), write)
+            })
+            .map(|()| true),
         };
-        checkpoint::write_rank(dir, manifest, |write| {
-            self.stream_parts(&parts, (pieces, piece), write)
-        })
+        self.agree_on_written(dir, written)
+    }
+
+    /// The ranks' agreement on a save's outcome, after this rank wrote its files (`Ok(true)`),
+    /// wrote none (`Ok(false)`: a later replica's rank, or no save pending) or failed. Where the
+    /// save failed on another rank, this rank's files are removed.
+    fn agree_on_written(&mut self, dir: &Path, written: Result<bool>) -> Result<()> {
+        let wrote = matches!(written, Ok(true));
+        let rank = self.rank;
+        let outcome = written.map(|_| ((), Proposal::default()));
+        let undo = || {
+            if wrote {
+                // Best effort: the peer's failure is the error to report.
+                let _ = checkpoint::remove_rank(dir, rank);
+            }
+        };
+        self.agree_undoing(dir, outcome, undo).map(drop)
     }
 
     /// Hands `parts` to `write` in order, piece by piece through the two host buffers `pieces`
@@ -176,16 +201,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// goes on: this rank's state is first copied on the compute stream into host memory
     /// (page-locked on a GPU; made at the first such save, the size of the rank's state, and
     /// kept for the next ones), the call returning once the copy is done. [`Engine::wait_save`]
-    /// gives the save's outcome; one save is written at a time (`Error::SavePending` on every
-    /// rank while one rank's is). Dropping the engine waits for the files.
+    /// gives the save's outcome; one save is pending at a time, until `wait_save` gave its
+    /// outcome (`Error::SavePending` on every rank while one rank's is). Dropping the engine
+    /// waits for the files.
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
-        let started =
-            self.begin_save(dir, Pending::Refused, |e| match e.saving.staging.take() {
-                Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
-                _ => Ok((e.backend.alloc_host(total)?, total)),
-            })?;
+        let started = self.begin_save(dir, |e| match e.saving.staging.take() {
+            Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
+            _ => Ok((e.backend.alloc_host(total)?, total)),
+        })?;
         let Some((manifest, mut staging)) = started else {
             return Ok(());
         };
@@ -235,7 +260,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             })?;
         self.saving.pending = Some(PendingSave {
             dir: dir.to_path_buf(),
+            rank: self.rank,
             thread: Some(thread),
+            failed: false,
         });
         Ok(())
     }
@@ -248,7 +275,6 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     fn begin_save<T>(
         &mut self,
         dir: &Path,
-        pending: Pending,
         prepare: impl FnOnce(&mut Self) -> Result<T>,
     ) -> Result<Option<(RankManifest, T)>> {
         self.healthy()?;
@@ -260,7 +286,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .read_device_skips()
             .map(drop)
             .and_then(|()| checkpoint::check_path(dir, "the checkpoint directory"))
-            .and_then(|()| self.check_pending(dir, pending))
+            .and_then(|()| self.check_no_pending())
             .and_then(|()| match writes {
                 true => checkpoint::check_free(dir),
                 false => Ok(()),
@@ -275,31 +301,59 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(Some((self.manifest(&self.parts(), id), prepared)))
     }
 
-    /// Waits for the files of [`Engine::save_async`] (within the engine's timeout:
-    /// `Error::Timeout` leaves the save pending) and returns its outcome; `Ok` when no save is
-    /// pending.
+    /// Gives the outcome of [`Engine::save_async`], a collective: every rank calls it. Each
+    /// rank waits for its files within half the engine's timeout (so that the ranks' agreement
+    /// after it meets within the timeout), then the ranks agree on the outcome, as
+    /// [`Engine::save`]'s: `Ok` on every rank once every rank's files are on disk, and an error
+    /// on every rank otherwise, no rank's file of the save left (a writer still running removes
+    /// its files when it ends). A rank whose writer is still running (`Error::Timeout` there)
+    /// keeps the save pending, failed, until a later `wait_save` or the engine's drop waits for
+    /// it. `Ok` when no save is pending on any rank.
     pub fn wait_save(&mut self) -> Result<()> {
         self.healthy()?;
+        let dir = self.saving.pending.as_ref().map(|p| p.dir.clone());
+        let dir = dir.unwrap_or_default();
+        let written = self.wait_own_files();
+        let agreed = self.agree_on_written(&dir, written);
+        if agreed.is_err()
+            && let Some(pending) = self.saving.pending.as_mut()
+        {
+            pending.failed = true;
+        }
+        agreed
+    }
+
+    /// Waits for this rank's files of [`Engine::save_async`] within half the engine's timeout:
+    /// whether it wrote them, `Ok(false)` with none pending or a failed save's; a save whose
+    /// writer is still running stays pending.
+    fn wait_own_files(&mut self) -> Result<bool> {
         let Some(mut pending) = self.saving.pending.take() else {
-            return Ok(());
+            return Ok(false);
         };
         let what = || format!("the save into {}", pending.dir.display());
-        let waited = self.watch.poll(SAVE_POLL, what, || {
-            Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
-        });
+        let waited = self
+            .watch
+            .poll_within(self.watch.timeout() / 2, SAVE_POLL, what, || {
+                Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
+            });
         if let Err(e) = waited {
             self.saving.pending = Some(pending);
             return Err(e);
         }
-        match pending.thread.take().map(std::thread::JoinHandle::join) {
-            None => Ok(()),
+        let written = match pending.thread.take().map(std::thread::JoinHandle::join) {
+            None => Ok(false),
             Some(Ok((written, staging))) => {
                 self.saving.staging = Some(staging);
-                written
+                written.map(|()| true)
             }
             Some(Err(_)) => Err(Error::Panicked {
                 message: what() + " panicked",
             }),
+        };
+        // A failed save's files go with it (its drop); its failure was reported.
+        match pending.failed {
+            true => Ok(false),
+            false => written,
         }
     }
 
@@ -311,13 +365,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .is_some_and(|p| p.thread.as_ref().is_some_and(|t| !t.is_finished()))
     }
 
-    /// Refuses a save that this rank's asynchronous save, not yet waited for, is in the way of.
-    fn check_pending(&self, dir: &Path, refused: Pending) -> Result<()> {
+    /// Refuses a save while this rank's asynchronous one has not had its outcome given.
+    fn check_no_pending(&self) -> Result<()> {
         match &self.saving.pending {
-            Some(p) if refused == Pending::Refused || p.dir == dir => Err(Error::SavePending {
+            Some(p) => Err(Error::SavePending {
                 dir: p.dir.display().to_string(),
             }),
-            _ => Ok(()),
+            None => Ok(()),
         }
     }
 

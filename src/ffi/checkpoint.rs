@@ -16,9 +16,13 @@ use super::types::fsdp_engine;
 /// rank then writes its data and then its manifest, each under a unique temporary name (created
 /// new: no existing file or symlink is written through), flushed to disk, linked into place
 /// (never over an existing file) and the directory flushed: an interrupted save never looks
-/// complete, and a failed one leaves no temporary file. `FSDP_INVALID_ARGUMENT` for an empty
-/// `dir`; `FSDP_MISUSE` between a step's first hook and `fsdp_engine_end_step`; `FSDP_IO_ERROR`
-/// when a file cannot be written. Blocks until every byte is on disk.
+/// complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
+/// files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
+/// others naming that rank), and no rank's file of the save left (the ranks that wrote remove
+/// theirs). The ranks' writes end within the engine's timeout of each other.
+/// `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
+/// `fsdp_engine_end_step`, and while an asynchronous save's outcome was not given
+/// (`fsdp_engine_wait_save`). Blocks until every byte is on disk.
 ///
 /// # Safety
 /// `dir` is NULL or NUL-terminated.
@@ -35,8 +39,9 @@ pub unsafe extern "C" fn fsdp_engine_save(
 /// on a thread of the library's while training goes on: the call copies this rank's state on
 /// the compute stream into host memory that the engine keeps for its next asynchronous save
 /// (page-locked on a GPU; the size of the rank's state) and returns once the copy is done;
-/// `fsdp_engine_wait_save` gives the save's outcome. One save is written at a time:
-/// `FSDP_MISUSE` on every rank while one rank's is. Destroying the engine waits for the files.
+/// `fsdp_engine_wait_save` gives the save's outcome. One save is pending at a time, until
+/// `fsdp_engine_wait_save` gave its outcome: `FSDP_MISUSE` on every rank while one rank's is.
+/// Destroying the engine waits for the files.
 ///
 /// # Safety
 /// `dir` is NULL or NUL-terminated.
@@ -49,10 +54,15 @@ pub unsafe extern "C" fn fsdp_engine_save_async(
     unsafe { at_path(engine, dir, "dir", PathOp::SaveAsync) }
 }
 
-/// Waits (within the engine's timeout: `FSDP_TIMEOUT` leaves it pending) for the files of
-/// `fsdp_engine_save_async` and returns the save's status (`FSDP_IO_ERROR` naming a file it could
-/// not write); `FSDP_OK` when no save is pending. `FSDP_POISONED` on a poisoned or aborted
-/// engine (destroying it still waits for the files).
+/// The outcome of `fsdp_engine_save_async`, a collective: every rank calls it. Each rank waits
+/// for its files within half the engine's timeout, then the ranks agree on the outcome as
+/// `fsdp_engine_save`'s: `FSDP_OK` on every rank once every rank's files are on disk; else
+/// the same status on every rank (`FSDP_IO_ERROR` naming a file a rank could not write,
+/// `FSDP_TIMEOUT` for a rank whose files were still being written, the others naming that
+/// rank) and no rank's file of the save left (a writer still running removes its files when it
+/// ends; until then a new save is `FSDP_MISUSE` there, and the next `fsdp_engine_wait_save`
+/// waits for it). `FSDP_OK` when no save is pending on any rank. `FSDP_POISONED` on a poisoned
+/// or aborted engine (destroying it still waits for the files).
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status {
     boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.wait_save())?)))
