@@ -109,6 +109,11 @@ impl Meeting<'_> {
                 if round.channels[c].generation != generation {
                     return Ok(false);
                 }
+                // An abort (which leaves too) is the rank's own error to give.
+                self.watch.check()?;
+                if self.watch.has_left() {
+                    return Err(self.gone(rank));
+                }
                 if let Some(r) = round.gone(rank) {
                     return Err(self.gone(r));
                 }

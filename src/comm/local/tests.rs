@@ -407,3 +407,37 @@ fn a_rank_whose_watch_left_fails_its_peers_at_once() {
         );
     }
 }
+
+#[test]
+fn a_rank_that_leaves_ends_its_own_collective_at_once() {
+    let runs = run(2, |mut c, b| {
+        if c.rank() == 1 {
+            // Stays in the group without taking part.
+            std::thread::sleep(Duration::from_millis(300));
+            return Ok(());
+        }
+        let watch = Watch::new(Duration::from_secs(30));
+        c.set_watch(&watch);
+        let leaver = watch.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            leaver.leave();
+        });
+        let start = std::time::Instant::now();
+        let mut buf = b.alloc(8).unwrap();
+        // SAFETY: the buffer is used on the reduce stream only.
+        let issued =
+            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
+        let r = outcome(&b, issued);
+        t.join().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10), "{r:?}");
+        r
+    });
+    for out in runs {
+        let gone = out[0].as_ref().map_err(|e| &**e);
+        assert!(
+            matches!(gone, Err(Error::PeerGone { rank: 0, .. })),
+            "{out:?}"
+        );
+    }
+}

@@ -86,7 +86,7 @@ impl<T: Clone> Rendezvous<T> {
             state.generation += 1;
             self.changed.notify_all();
         }
-        let state = watch.wait_while(
+        let waited = watch.wait_while(
             state,
             &self.changed,
             || op.to_string(),
@@ -94,12 +94,30 @@ impl<T: Clone> Rendezvous<T> {
                 if state.generation != generation {
                     return Ok(false);
                 }
+                // An abort (which leaves too) is the rank's own error to give.
+                watch.check()?;
+                if watch.has_left() {
+                    return Err(gone(rank));
+                }
                 match state.gone(rank) {
                     Some(r) => Err(gone(r)),
                     None => Ok(true),
                 }
             },
-        )?;
+        );
+        let state = match waited {
+            Ok(state) => state,
+            Err(e) => {
+                // This rank leaves the exchange it never completed, its value with it, so that
+                // a later one (a retried engine creation) starts from no arrival.
+                let mut state = self.lock();
+                if state.generation == generation {
+                    state.arrived = state.arrived.saturating_sub(1);
+                    state.deposits[half][rank] = None;
+                }
+                return Err(e);
+            }
+        };
         let deposits = &state.deposits[half];
         deposits
             .iter()
@@ -164,6 +182,41 @@ mod tests {
                 assert!(matches!(r, Err(Error::PeerGone { rank: 2, .. })), "{r:?}");
             }
         });
+    }
+
+    #[test]
+    fn a_rank_that_failed_an_exchange_takes_its_value_back() {
+        let rv = Arc::new(Rendezvous::<u8>::new(2).unwrap());
+        let short = Watch::new(std::time::Duration::from_millis(20));
+        let r = rv.exchange(0, &short, "x", 7);
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        // The next exchange is the retry's and its peer's, not the failed one's.
+        let watch = Watch::new(std::time::Duration::from_secs(10));
+        std::thread::scope(|s| {
+            let other = {
+                let (rv, watch) = (Arc::clone(&rv), watch.clone());
+                s.spawn(move || rv.exchange(1, &watch, "x", 1))
+            };
+            assert_eq!(rv.exchange(0, &watch, "x", 0).unwrap(), vec![0, 1]);
+            assert_eq!(other.join().unwrap().unwrap(), vec![0, 1]);
+        });
+    }
+
+    #[test]
+    fn a_rank_that_leaves_ends_its_own_wait_at_once() {
+        let rv = Rendezvous::<u8>::new(2).unwrap();
+        let watch = Watch::new(std::time::Duration::from_secs(30));
+        let start = std::time::Instant::now();
+        let r = std::thread::scope(|s| {
+            let leaver = watch.clone();
+            s.spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(30));
+                leaver.leave();
+            });
+            rv.exchange(0, &watch, "x", 0)
+        });
+        assert!(matches!(r, Err(Error::PeerGone { rank: 0, .. })), "{r:?}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
     }
 
     #[test]
