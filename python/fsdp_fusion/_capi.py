@@ -163,6 +163,10 @@ _SIGNATURES = {
     "fsdp_engine_post_backward": ([_HANDLE, c_int64], c_int),
     "fsdp_engine_load_param": ([_HANDLE, c_size_t, c_void_p, c_size_t, c_uint32], c_int),
     "fsdp_engine_params": ([_HANDLE, POINTER(c_size_t), c_size_t, POINTER(c_void_p)], c_int),
+    "fsdp_engine_param_device": (
+        [_HANDLE, c_size_t, POINTER(c_void_p), POINTER(c_size_t), POINTER(c_uint32)],
+        c_int,
+    ),
     "fsdp_engine_grad": ([_HANDLE, c_size_t, c_void_p, c_size_t, c_uint32], c_int),
     "fsdp_engine_grads": ([_HANDLE, POINTER(Grad), c_size_t], c_int),
     "fsdp_engine_finish_grad_sync": ([_HANDLE], c_int),

@@ -4,7 +4,7 @@ over, and keep autograd's saved tensors right when the views move."""
 
 from __future__ import annotations
 
-from ctypes import c_size_t, c_uint64, c_void_p, sizeof
+from ctypes import byref, c_size_t, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
 import torch
@@ -307,8 +307,11 @@ class _Hooks:
 
     def _map_views(self, u: _Unit):
         """Points the unit's parameters at their gathered views (made once per slot)."""
-        self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params), u.addresses),
-                    "fsdp_engine_params")
+        if self._capturing:
+            self._stream_addresses(u)
+        else:
+            self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params),
+                                                     u.addresses), "fsdp_engine_params")
         key = tuple(u.addresses)
         views = u.cache.get(key)
         if views is None:
@@ -324,6 +327,17 @@ class _Hooks:
         if self._views_move:
             self._open_units.append(u)
 
+    def _stream_addresses(self, u: _Unit):
+        """The unit's gathered addresses during a capture, where `fsdp_engine_params` is refused
+        (on a CPU engine it waits for the stream): a CUDA engine's, for its compute stream's
+        work, are the same."""
+        data, numel, dtype = c_void_p(), c_size_t(), c_uint32()
+        for i, param in enumerate(u.ids):
+            self._check(self._lib.fsdp_engine_param_device(self._engine, param, byref(data),
+                                                          byref(numel), byref(dtype)),
+                        "fsdp_engine_param_device")
+            u.addresses[i] = data.value
+
     def _close(self, u: _Unit, hook):
         """Runs the engine's post hook for the unit; its parameters go back to placeholders once
         none of its hooks is open. At world size 1 they stay views: the views are the shards,
@@ -338,7 +352,9 @@ class _Hooks:
 
     def _unmap_views(self, u: _Unit):
         for p in u.params:
-            p.tensor.data = p.placeholder
+            # None where the construction failed before the placeholders were made.
+            if p.placeholder is not None:
+                p.tensor.data = p.placeholder
         u.views = None
         if u in self._open_units:
             self._open_units.remove(u)

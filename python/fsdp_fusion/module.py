@@ -269,6 +269,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         # stay right without the saved-tensor hooks below. Without shards (master storage) they
         # are gather slots, at every world size.
         self._views_move = self._world > 1 or param_storage == "master"
+        # Inside `capture`, and the graph it captured last (the one step the engine keeps).
+        self._capturing, self._captured = False, None
         # Whether each unit's gradients go to the engine when its backward ends, rather than the
         # whole model's when the next forward or the step begins.
         self._per_unit = self._views_move or step_in_backward
@@ -378,9 +380,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         go inside, as `torch.cuda.graph(graph, pool, stream=<the engine's compute stream>,
         capture_error_mode="thread_local")` captures them, the engine's own streams and
         collectives joining the capture. Right after a training step (the warm-up: an
-        evaluation step between them is none), on a
-        wrapper made under a stream other than the default one (CUDA captures no work of the
-        default stream), with `grad_shards="persistent"` (a step with per-step shards allocates
+        evaluation step between them is none), on a wrapper made under a stream other than the
+        default one (CUDA captures no work of the default stream), with `grad_shards="persistent"` (a step with per-step shards allocates
         them) and no `verify_collectives`. Inside, a host read is refused (`MisuseError`): clip
         with `step(max_grad_norm=m, clip_on_device=True)`. Replays read their inputs from the
         tensors the captured step read: copy each step's batch into them. An error inside gives
@@ -391,27 +392,39 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                               "the default one (torch.cuda.stream(s)): the engine's compute "
                               "stream is that stream, and CUDA captures no default stream")
         self._call("fsdp_engine_join_capture", self._engine)
+        self._capturing = True
         try:
             with torch.cuda.graph(graph, pool=pool, stream=self._stream,
                                   capture_error_mode="thread_local"):
                 try:
                     yield
+                    # Refused (mid-step: the step did not end inside) with the capture still
+                    # under way: given up below, before the capture ends.
+                    self._call("fsdp_engine_leave_capture", self._engine)
+                    # The engine keeps this step now, whether or not the capture then ends.
+                    self._captured = graph
                 except BaseException:
                     # Inside the capture, so that the engine's streams join back before it ends.
                     # The step's own error is the one to see: a step given up mid-way poisons
                     # the engine (it never ran), one that never began changes nothing.
                     self._lib.fsdp_engine_abandon_capture(self._engine)
                     raise
-                self._call("fsdp_engine_leave_capture", self._engine)
         except BaseException:
             # The capture did not begin, or did not end: the engine gives it up too.
             self._lib.fsdp_engine_abandon_capture(self._engine)
             raise
+        finally:
+            self._capturing = False
 
     def replay(self, graph: torch.cuda.CUDAGraph):
         """Replays the step `capture` captured into `graph`: the learning rate set now and the
         next step count take effect, and the engine's step and counters move on as the captured
-        step's did. No host wait."""
+        step's did. No host wait. Only the graph of the last capture (the engine keeps its
+        step alone): another is refused (`MisuseError`), with nothing changed."""
+        if graph is not self._captured:
+            raise MisuseError("replay of a graph other than the last capture's: the engine "
+                              "keeps the last captured step only, whose counts and "
+                              "collectives another graph's replay would not move")
         self._call("fsdp_engine_before_replay", self._engine)
         try:
             with torch.cuda.stream(self._stream):
@@ -467,13 +480,16 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
 
     def close(self):
         """Releases the engine, its group and the plan; the module's parameters become
-        placeholders (they never point at released memory)."""
-        for u in getattr(self, "_unit_of", {}).values():
-            self._unmap_views(u)
-        for name, attr in (("fsdp_engine_destroy", "_engine"),
-                           ("fsdp_local_group_destroy", "_group"),
-                           ("fsdp_plan_destroy", "_plan")):
-            handle = getattr(self, attr, None)
-            if handle is not None and handle.value:
-                self._lib.call(name, handle)
+        placeholders (they never point at released memory). Also after a construction that
+        failed part way (each handle made is released)."""
+        try:
+            for u in getattr(self, "_unit_of", {}).values():
+                self._unmap_views(u)
+        finally:
+            for name, attr in (("fsdp_engine_destroy", "_engine"),
+                               ("fsdp_local_group_destroy", "_group"),
+                               ("fsdp_plan_destroy", "_plan")):
+                handle = getattr(self, attr, None)
+                if handle is not None and handle.value:
+                    self._lib.call(name, handle)
                 setattr(self, attr, None)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fsdp_fusion import FusedFSDP
-from fsdp_fusion.errors import MisuseError
+from fsdp_fusion.errors import MisuseError, PoisonedError
 
 STEPS = 6
 WIDTH = 64
@@ -26,7 +26,8 @@ def loss_of(fused: FusedFSDP, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(fused(x), y)
 
 
-def train(captured: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+def train(captured: bool, param_storage: str = "shard") -> tuple[list[float],
+                                                                  dict[str, torch.Tensor], int]:
     """STEPS steps (the second to the one before last replayed when `captured`): the losses, the
     parameters at the end and the engine's step count."""
     torch.manual_seed(0)
@@ -35,7 +36,7 @@ def train(captured: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
         module = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU(),
                                      torch.nn.Linear(WIDTH, WIDTH)).cuda()
         fused = FusedFSDP(module, [module[0], module[2]], lr=1e-2, weight_decay=0.01,
-                          grad_shards="persistent")
+                          grad_shards="persistent", param_storage=param_storage)
         x = torch.zeros(16, WIDTH, device="cuda")
         y = torch.zeros(16, WIDTH, device="cuda")
         graph, losses = None, []
@@ -66,9 +67,12 @@ def train(captured: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
 
 
 @needs_gpu
-def test_replays_of_a_captured_step_train_as_eager_steps_do():
-    eager_losses, eager_state, eager_steps = train(captured=False)
-    losses, state, steps = train(captured=True)
+@pytest.mark.parametrize("param_storage", ["shard", "master"])
+def test_replays_of_a_captured_step_train_as_eager_steps_do(param_storage):
+    """Also where the views move (gather slots, not the shards: master storage), so that the
+    captured step maps its units' views anew."""
+    eager_losses, eager_state, eager_steps = train(False, param_storage)
+    losses, state, steps = train(True, param_storage)
     assert losses == eager_losses
     assert steps == eager_steps == STEPS
     for name, value in eager_state.items():
@@ -99,4 +103,37 @@ def test_a_capture_refuses_host_reads_and_the_default_stream():
             with fused.capture(torch.cuda.CUDAGraph()):
                 fused(x).sum().backward()
                 fused.step(max_grad_norm=1.0)
+        fused.close()
+
+
+@needs_gpu
+def test_only_the_last_captured_graph_replays():
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        module = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH)).cuda()
+        fused = FusedFSDP(module, [module[0]], grad_shards="persistent")
+        x = torch.randn(4, WIDTH, device="cuda")
+
+        def step():
+            fused(x).sum().backward()
+            fused.step()
+
+        step()
+        graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+        for graph in graphs:
+            with fused.capture(graph):
+                step()
+        before = fused.counters().steps
+        with pytest.raises(MisuseError, match="last capture"):
+            fused.replay(graphs[0])
+        assert fused.counters().steps == before
+        fused.replay(graphs[1])
+        assert fused.counters().steps == before + 1
+        # A step left open inside the capture is given up before the capture ends: the
+        # engine's error, not CUDA's, and the engine poisoned (its step never ran).
+        with pytest.raises(MisuseError):
+            with fused.capture(torch.cuda.CUDAGraph()):
+                fused(x).sum().backward()
+        with pytest.raises(PoisonedError):
+            step()
         fused.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 
@@ -143,3 +144,35 @@ def test_a_rank_whose_peer_never_comes_times_out():
         fused[0](torch.zeros(2, 8, dtype=torch.long))
     with pytest.raises(fsdp_fusion.PoisonedError, match="FSDP_POISONED"):
         fused[0](torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_a_construction_that_fails_part_way_releases_what_it_made(monkeypatch):
+    """A load interrupted mid-way (a Ctrl-C, say) leaves some placeholders unmade: the wrapper
+    still releases its engine, group and plan when it goes."""
+    gc.collect()  # the earlier tests' wrappers go first, so that only this one's releases count
+    loads, released = [0], []
+    call = FusedFSDP._call
+
+    def interrupted(self, name, *args):
+        if name == "fsdp_engine_load_param":
+            loads[0] += 1
+            if loads[0] == 2:
+                raise KeyboardInterrupt("while loading")
+        return call(self, name, *args)
+
+    library = _capi.library()
+    library_call = library.call
+
+    def recorded(name, *args):
+        if name.endswith("_destroy"):
+            released.append(name)
+        return library_call(name, *args)
+
+    monkeypatch.setattr(FusedFSDP, "_call", interrupted)
+    monkeypatch.setattr(library, "call", recorded)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(KeyboardInterrupt):
+        FusedFSDP(module, [module[0], module[1]])
+    gc.collect()
+    assert sorted(released) == ["fsdp_engine_destroy", "fsdp_local_group_destroy",
+                                "fsdp_plan_destroy"]
