@@ -45,6 +45,9 @@ class _Unit:
         self.forward_opens = 0
         self.views: _Views | None = None
         self.backward_open = False
+        # Calls of the unit in the forward passes since its backward last ended whose inputs'
+        # gradients have not all come back: its backward ends when the last one's do.
+        self.calls_pending = 0
         trainable = [p for p in params if p.tensor.requires_grad]
         self.trainable = [p.tensor for p in trainable]
         # The hand-over's batch when every trainable parameter has a contiguous gradient of its
@@ -93,7 +96,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.wrapper._post_backward(ctx.unit)
+        ctx.wrapper._call_backward_done(ctx.unit)
         return (None, None, *grads)
 
 
@@ -194,6 +197,10 @@ class _Hooks:
             return args, kwargs
         outs = _PostBackward.apply(self, unit, *[args[i] for i in slots],
                                    *[kwargs[k] for k in keys])
+        # A recompute in the backward (checkpointing) is not a call of its own: its inputs'
+        # gradients come back for the call it recomputes, or never (non-reentrant).
+        if not self._backward_began:
+            self._unit_of[unit].calls_pending += 1
         args = list(args)
         for i, out in zip(slots, outs):
             args[i] = out
@@ -217,6 +224,14 @@ class _Hooks:
         if not u.backward_open:
             self._open(u, self._lib.fsdp_engine_pre_backward)
             u.backward_open = True
+
+    def _call_backward_done(self, unit: int):
+        """The gradients of one call's inputs came back: the unit's backward ends once every
+        call's did (a unit called twice, a model run twice before one backward)."""
+        u = self._unit_of[unit]
+        u.calls_pending = max(u.calls_pending - 1, 0)
+        if u.calls_pending == 0:
+            self._post_backward(unit)
 
     def _post_backward(self, unit: int):
         u = self._unit_of[unit]
@@ -247,6 +262,8 @@ class _Hooks:
         where the whole model's go over at once."""
         for u in self._unit_of.values():
             if u.backward_open:
+                # Calls whose inputs' gradients never came back (an output left unused).
+                u.calls_pending = 0
                 self._post_backward(u.index)
         if not self._per_unit:
             self._hand_over(self._whole_model)

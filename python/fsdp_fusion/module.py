@@ -337,6 +337,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                               "which fixed the parameters that train: set it back (or wrap "
                               "again); the step is left to take")
         self._close_backwards()
+        for u in self._unit_of.values():
+            # Calls of a forward that no backward followed (a loss only logged).
+            u.calls_pending = 0
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
         if clip_on_device:

@@ -805,7 +805,7 @@ def test_at_world_size_1_a_pass_calls_the_engine_for_the_roots_hooks_and_one_han
 
 
 def test_a_unit_whose_gradients_are_refused_still_ends_its_backward():
-    """Two forwards, then two backwards of the same pass at world size 2: the second's
+    """Two backwards of one forward (the graph retained) at world size 2: the second's
     gradients are refused as duplicates, but every unit's backward ends, its views go back, and
     the later steps' forwards read each unit's gathered memory."""
     world = 2
@@ -819,12 +819,11 @@ def test_a_unit_whose_gradients_are_refused_still_ends_its_backward():
 
     def run(rank):
         f = fused[rank]
-        first, second = (steps[k][0][rank] for k in (0, 1))
-        l1 = loss_of(f(first[:, :-1]), first[:, 1:])
-        l2 = loss_of(f(second[:, :-1]), second[:, 1:])
-        l1.backward()
+        first = steps[0][0][rank]
+        loss = loss_of(f(first[:, :-1]), first[:, 1:])
+        loss.backward(retain_graph=True)
         with pytest.raises(fsdp_fusion.MisuseError, match="already received a gradient"):
-            l2.backward()
+            loss.backward()
         assert [u.opens for u in f._units] == [0] * len(f._units)
         f.step()
         elsewhere = []
@@ -946,3 +945,61 @@ def test_a_save_between_backward_and_step_is_refused_as_a_save_and_changes_nothi
     assert losses == attempt_losses
     for name, value in state.items():
         assert torch.equal(value, attempt_state[name]), name
+
+
+class CalledTwice(torch.nn.Module):
+    """A block run twice in each forward: its weights shared by two places of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.shared = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.first(x))
+        return torch.tanh(self.shared(torch.tanh(self.shared(x))))
+
+
+def test_a_unit_called_twice_and_a_model_run_twice_before_one_backward_train_at_every_size():
+    """A unit called twice in a forward, and the whole model run on two batches before one
+    backward: the unit's backward ends once both calls' gradients came back, so that every
+    gradient of the pass goes over. At world size 2 on the same batches the parameters end as
+    at world size 1, bit for bit, and as plain PyTorch's AdamW leaves them."""
+    torch.manual_seed(0)
+    model = CalledTwice()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def passes():
+        g = torch.Generator().manual_seed(1)
+        return [(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))
+                for _ in range(3)]
+
+    for a, b in passes():
+        (reference(a).square().mean() + reference(b).square().mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    runs = {}
+    for world in (1, 2):
+        modules = [copy.deepcopy(model) for _ in range(world)]
+        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+        fused = on_ranks(world, lambda rank: FusedFSDP(
+            modules[rank], [modules[rank].first, modules[rank].shared], local_group=group,
+            rank=rank, lr=1e-2, weight_decay=0.01))
+
+        def train(rank):
+            for a, b in passes():
+                f = fused[rank]
+                (f(a).square().mean() + f(b).square().mean()).backward()
+                f.step()
+            return fused[rank].full_state_dict()
+
+        runs[world] = on_ranks(world, train)
+        for f in fused:
+            f.close()
+    for state in runs[2]:
+        for name, value in runs[1][0].items():
+            assert torch.equal(state[name], value), name
+    for name, value in reference.state_dict().items():
+        difference = (runs[1][0][name] - value).abs().max().item()
+        assert difference <= 1e-5, f"{name} differs by {difference}"
