@@ -23,10 +23,19 @@ def _choice(what: str, value, codes: dict) -> int:
 
 
 def _membership(device: torch.device) -> tuple[int, int]:
-    """This process's rank and the world size: torch.distributed's when initialized."""
+    """This process's rank and the world size: torch.distributed's when initialized. A CPU
+    model among several processes is refused: the CPU engine's ranks are threads of one process
+    (`local_group`), and alone each process would train a model of its own."""
     dist = torch.distributed
-    if device.type == "cuda" and dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    if device.type == "cuda":
         return dist.get_rank(), dist.get_world_size()
+    if dist.get_world_size() > 1:
+        raise InvalidArgumentError(
+            f"a CPU model in a torch.distributed group of {dist.get_world_size()} processes: "
+            "CPU ranks are threads of one process (local_group=LocalGroup(n), rank=r); each "
+            "process alone would train a model of its own")
     return 0, 1
 
 

@@ -176,3 +176,17 @@ def test_a_construction_that_fails_part_way_releases_what_it_made(monkeypatch):
     gc.collect()
     assert sorted(released) == ["fsdp_engine_destroy", "fsdp_local_group_destroy",
                                 "fsdp_plan_destroy"]
+
+
+def test_a_cpu_model_among_several_processes_is_refused(monkeypatch):
+    """Under torch.distributed of several processes a CPU model would train alone in each."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match="of 4 processes"):
+        FusedFSDP(module, [module[0]])
+    # With its ranks as threads of a local group it is a world of that group.
+    fused = FusedFSDP(module, [module[0]], local_group=LocalGroup(1), rank=0)
+    assert fused.counters().steps == 0
+    fused.close()
