@@ -100,6 +100,17 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _refuse_loading_parameters(module, state_dict, prefix, *_):
+    """A wrapped module's `load_state_dict` would write its parameters' views (at world size
+    1 the bf16 shards without their fp32 masters, which the next step rounds back from) or
+    placeholders: refused, for `FusedFSDP.load_full_state_dict`."""
+    names = [prefix + name for name, _ in module.named_parameters(recurse=False)]
+    if any(name in state_dict for name in names):
+        raise MisuseError("load_state_dict of a module wrapped by FusedFSDP would write the "
+                          "engine's views, not its state: load with "
+                          "FusedFSDP.load_full_state_dict (whole values, every rank)")
+
+
 class _Hooks:
     """`FusedFSDP`'s hooks on the module, its units and their parameters."""
 
@@ -111,6 +122,9 @@ class _Hooks:
                 unit.register_forward_hook(self._post_forward_hook(index), always_call=True)]
         self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
         self.module.register_forward_hook(self._root_post_forward, always_call=True)
+        for module in self.module.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_load_state_dict_pre_hook(_refuse_loading_parameters)
 
     def _drop_unit_hooks_once_mapped(self):
         """Removes the units' hooks once they have nothing left to do: where the views do not

@@ -10,7 +10,7 @@ import torch
 
 from . import _capi
 from ._capi import ParamInfo
-from ._params import _Param
+from ._params import DTYPE_CODES, _Param
 from .errors import InvalidArgumentError, MisuseError
 
 
@@ -115,6 +115,38 @@ class _StateCopies:
             for p, i in members:
                 state[p.name] = _value(p, i, whole)
         return state
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]):
+        """Loads every parameter's whole value from `state`, under the module's names (as
+        `full_state_dict` gives them, or a plain copy's `state_dict()`), into the engine: its
+        shards and fp32 masters, so that the next step trains from them. Every rank loads every
+        parameter, between steps. Names missing from `state` or not the module's parameters,
+        and values of another shape, raise `InvalidArgumentError` before anything is loaded;
+        a value of another float dtype is converted as `Tensor.to` converts it. The optimizer's
+        state is unchanged. (The module's own `load_state_dict` is refused: it would write the
+        engine's views or placeholders, not its state.)"""
+        self._end_evaluation()
+        names = {p.name for p in self._params}
+        buffers = dict(self.module.named_buffers())
+        missing = sorted(names - state.keys())
+        unknown = sorted(state.keys() - names - buffers.keys())
+        wrong = [f"{p.name} {tuple(state[p.name].shape)}, the module's {tuple(p.tensor.shape)}"
+                 for p in self._params
+                 if p.name in state and state[p.name].shape != p.tensor.shape]
+        problems = [f"{what}: {', '.join(items)}" for what, items in (
+            ("missing", missing), ("neither parameters nor buffers", unknown),
+            ("other shapes", wrong)) if items]
+        if problems:
+            raise InvalidArgumentError("load_full_state_dict: " + "; ".join(problems))
+        for p in self._params:
+            host = state[p.name].detach().to("cpu", p.tensor.dtype).contiguous()
+            self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
+                       host.numel(), DTYPE_CODES[host.dtype])
+        # Buffers are the module's own: they load as in plain PyTorch.
+        with torch.no_grad():
+            for name, buffer in buffers.items():
+                if name in state:
+                    buffer.copy_(state[name])
 
     def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
         """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies

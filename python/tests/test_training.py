@@ -1003,3 +1003,54 @@ def test_a_unit_called_twice_and_a_model_run_twice_before_one_backward_train_at_
     for name, value in reference.state_dict().items():
         difference = (runs[1][0][name] - value).abs().max().item()
         assert difference <= 1e-5, f"{name} differs by {difference}"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_full_state_dict_loads_into_the_engine_and_the_module_s_own_load_is_refused(world):
+    """bf16 parameters (an fp32 master behind each): values loaded with `load_full_state_dict`
+    are what the engine holds and trains from, on every rank, as plain PyTorch would train
+    from them; the wrapped module's own `load_state_dict`, which would write the engine's views
+    (at world size 1 the bf16 shards without their masters, which the next step rounds back
+    from), is refused with nothing changed, and so is a state of other names or shapes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
+    loaded = {name: torch.full_like(p, 0.25) for name, p in model.named_parameters()}
+    modules = [copy.deepcopy(model) for _ in range(world)]
+    group = fsdp_fusion.LocalGroup(world) if world > 1 else None
+    fused = on_ranks(world, lambda rank: FusedFSDP(
+        modules[rank], list(modules[rank]), local_group=group, rank=rank, optimizer="sgd",
+        lr=0.5))
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+
+    def run(rank):
+        f = fused[rank]
+        before = f.full_state_dict()
+        with pytest.raises(fsdp_fusion.MisuseError, match="load_full_state_dict"):
+            modules[rank].load_state_dict(loaded)
+        for bad, what in ((dict(loaded, extra=torch.zeros(1)), "neither"),
+                          ({k: v for k, v in loaded.items() if k != "0.bias"}, "missing: 0.bias"),
+                          (dict(loaded, **{"1.weight": torch.zeros(8, 4)}), "other shapes")):
+            with pytest.raises(fsdp_fusion.InvalidArgumentError, match=what):
+                f.load_full_state_dict(bad)
+        unchanged = all(torch.equal(v, before[k]) for k, v in f.full_state_dict().items())
+        f.load_full_state_dict({k: v.float() for k, v in loaded.items()})
+        held = f.full_state_dict()
+        f(x).float().sum().backward()
+        f.step()
+        return unchanged, held, f.full_state_dict()
+
+    outcomes = on_ranks(world, run)
+    for f in fused:
+        f.close()
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(loaded)
+    plain(x).float().sum().backward()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p -= 0.5 * p.grad
+    for unchanged, held, trained in outcomes:
+        assert unchanged
+        for name, value in loaded.items():
+            assert torch.equal(held[name], value), name
+        for name, value in plain.state_dict().items():
+            assert torch.equal(trained[name], value), name
