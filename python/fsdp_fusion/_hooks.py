@@ -297,26 +297,32 @@ class _Hooks:
         if all(g is None for g in grads):
             return
         self._gradients = True
-        if all(g is not None and g.dtype == dtype and g.is_contiguous()
+        device = self._device
+        if all(g is not None and g.dtype == dtype and g.is_contiguous() and g.device == device
                for g, dtype in zip(grads, u.dtypes)):
             words = u.full_batch_words
             for i, grad in enumerate(grads):
                 words[i * _GRAD_WORDS + 1] = grad.data_ptr()
             batch, count = u.full_batch, len(grads)
         else:
-            batch, count = self._batch_of(u, grads)
+            batch, count = self._batch_of(u, grads, device)
         for t in u.trainable:
             t.grad = None
         self._check(self._lib.fsdp_engine_grads(self._engine, batch, count), "fsdp_engine_grads")
 
     @staticmethod
-    def _batch_of(u: _Unit, grads: list) -> tuple:
+    def _batch_of(u: _Unit, grads: list, device: torch.device) -> tuple:
         """The batch of the gradients present, each made contiguous (in place in `grads`, which
-        holds them through the call), in its own dtype."""
+        holds them through the call), in its own dtype; one on another device than the engine's
+        memory is refused (the engine would read its address as its own device's)."""
         batch, count = u.batch, 0
         for i, grad in enumerate(grads):
             if grad is None:
                 continue
+            if grad.device != device:
+                raise MisuseError(f"a gradient on {grad.device}, the engine's memory on {device}: "
+                                  "the wrapped module's parameters were moved (a `to()` of the "
+                                  "module), which the engine does not follow")
             if not grad.is_contiguous():
                 grads[i] = grad = grad.contiguous()
             entry = batch[count]

@@ -476,6 +476,18 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._lib.call("fsdp_plan_memory", self._plan, byref(self._config_struct), byref(memory))
         return memory
 
+    def _apply(self, fn, recurse=True):
+        """A move or cast of the wrapper (`to`, `cuda`, `half`, ...) that would change a
+        parameter is refused (`MisuseError`): the engine holds the parameters' memory on its
+        device in their dtypes, and a copy would train nothing. One that changes no parameter
+        (to the device and dtypes they have) applies to the buffers alone, as in PyTorch."""
+        for p in getattr(self, "_params", ()):
+            if fn(p.tensor) is not p.tensor:
+                raise MisuseError(f"moving or casting {p.name} would leave the engine's memory "
+                                  f"({p.tensor.dtype} on {p.tensor.device}): the wrapper's "
+                                  "parameters stay where the engine holds them")
+        return super()._apply(fn, recurse)
+
     def abort(self):
         """Makes every wait of the engine end with `AbortedError`, now and later (from any
         thread): a rank that must give up without hanging its peers' collectives."""

@@ -190,3 +190,25 @@ def test_a_cpu_model_among_several_processes_is_refused(monkeypatch):
     fused = FusedFSDP(module, [module[0]], local_group=LocalGroup(1), rank=0)
     assert fused.counters().steps == 0
     fused.close()
+
+
+def test_a_move_or_cast_of_the_wrapper_that_changes_a_parameter_is_refused():
+    """The engine holds the parameters' memory: `half()` or `to(float64)` would train a copy.
+    One that changes nothing goes through; a refused one changes nothing, and training goes
+    on. A gradient on another device than the engine's memory is refused before the engine
+    reads its address."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fused = FusedFSDP(module, [module[0]], optimizer="sgd", lr=0.1)
+    assert fused.to("cpu") is fused and fused.float() is fused
+    weight = module[0].weight
+    for move in (fused.half, lambda: fused.to(torch.float64)):
+        with pytest.raises(fsdp_fusion.MisuseError, match="0.weight"):
+            move()
+        assert module[0].weight is weight and weight.dtype == torch.float32
+    fused(torch.ones(2, 4)).sum().backward()
+    fused.step()
+    assert fused.counters().steps == 1
+    unit = fused._unit_of[0]
+    with pytest.raises(fsdp_fusion.MisuseError, match="a gradient on meta"):
+        fused._batch_of(unit, [torch.zeros(4, 4, device="meta")], torch.device("cpu"))
+    fused.close()
