@@ -38,7 +38,7 @@ use calls::{
     reduce_scatter_call,
 };
 use group::NcclGroup;
-use handle::{Handle, Probe};
+use handle::{Handle, Pin, Probe};
 use library::{NCCL_IN_PROGRESS, NCCL_SCALAR_HOST_IMMEDIATE, NCCL_SUM, Nccl, NcclRedOp};
 
 /// How often the watchdog looks for NCCL's asynchronous error.
@@ -98,8 +98,9 @@ pub struct NcclComm {
     device: usize,
     watch: Watch,
     watchdog: Option<Watchdog>,
-    /// The group [`Communicator::begin_batch`] started: the collectives wait for its end.
-    batch: Option<NcclGroup>,
+    /// The group [`Communicator::begin_batch`] started, the collectives waiting for its end,
+    /// and both communicators pinned until then (NCCL reads them at the group's end).
+    batch: Option<(NcclGroup, [Pin; 2])>,
     /// Whether a collective of the batch under way failed: both communicators are aborted
     /// once the group ended.
     batch_failed: Cell<bool>,
@@ -206,11 +207,13 @@ impl NcclComm {
             Kind::ReduceScatter { .. } => "ncclReduceScatter",
             Kind::AllReduce { .. } => "ncclAllReduce",
         };
-        let comm = handle.raw(name).inspect_err(|_| {
+        // Held until the call returned; a group's handles stay pinned until the group ended.
+        let use_ = handle.pin(name).inspect_err(|_| {
             if self.batch.is_some() {
                 self.batch_failed.set(true);
             }
         })?;
+        let comm = use_.raw();
         let s = stream.cu_stream() as cudaStream_t;
         let (send, recv) = (call.send as *const c_void, call.recv as *mut c_void);
         let dtype = nccl_dtype(call.dtype);
@@ -237,6 +240,7 @@ impl NcclComm {
             }
             return recorded;
         }
+        drop(use_);
         match queued {
             Ok(status) => handle.settle(name, status, &self.watch, || {
                 format!("NCCL's queueing of {name}")
@@ -266,7 +270,8 @@ fn scaled_sum(
     if let Some(&(_, _, op)) = made.borrow().iter().find(|(s, d, _)| (*s, *d) == key) {
         return Ok(op);
     }
-    let comm = handle.raw("ncclRedOpCreatePreMulSum")?;
+    let use_ = handle.pin("ncclRedOpCreatePreMulSum")?;
+    let comm = use_.raw();
     // The scalar is passed in the data's dtype, as NCCL requires (rounded for bf16).
     let mut scalar = [0u8; 4];
     store_f32(&mut scalar, dtype, 0, scale);
@@ -282,6 +287,7 @@ fn scaled_sum(
             comm,
         )
     };
+    drop(use_);
     handle.status("ncclRedOpCreatePreMulSum", status)?;
     made.borrow_mut().push((key.0, key.1, op));
     Ok(op)
@@ -299,10 +305,10 @@ impl Drop for NcclComm {
         // Errors cannot be reported here; the process keeps running without the communicator.
         let _ = bind(&self.ctx);
         // The operators end before their communicator (none of its calls is still queueing).
-        if let Ok(comm) = self.reductions.raw("ncclRedOpDestroy") {
+        if let Ok(use_) = self.reductions.pin("ncclRedOpDestroy") {
             for &(_, _, op) in self.sums.borrow().iter() {
                 // SAFETY: made for this communicator, destroyed once; an error only leaks it.
-                let _ = unsafe { (self.reductions.nccl().red_op_destroy)(op, comm) };
+                let _ = unsafe { (self.reductions.nccl().red_op_destroy)(op, use_.raw()) };
             }
         }
         self.reductions.close(&self.watch);
@@ -350,12 +356,16 @@ impl Communicator<CudaBackend> for NcclComm {
                 what: "a batch of collectives inside another",
             });
         }
-        self.batch = Some(NcclGroup::start(self.gathers.nccl())?);
+        let pins = [
+            self.gathers.pin("ncclGroupStart")?,
+            self.reductions.pin("ncclGroupStart")?,
+        ];
+        self.batch = Some((NcclGroup::start(self.gathers.nccl())?, pins));
         Ok(())
     }
 
     fn end_batch(&mut self, backend: &CudaBackend) -> Result<()> {
-        let Some(group) = self.batch.take() else {
+        let Some((group, pins)) = self.batch.take() else {
             return Ok(());
         };
         // NCCL takes the group's end on the thread's current device; the group ends whatever
@@ -373,6 +383,8 @@ impl Communicator<CudaBackend> for NcclComm {
             self.gathers.abort();
             self.reductions.abort();
         }
+        // The aborts asked above, or from another thread during the group, happen here.
+        drop(pins);
         result
     }
 

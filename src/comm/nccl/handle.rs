@@ -1,6 +1,8 @@
 //! One NCCL communicator, nonblocking: every call that NCCL leaves in progress is polled to its
 //! end under the rank's watch, so no wait lacks a deadline, and a communicator that failed or
-//! whose wait ran out is aborted, never destroyed (destroying waits for peers).
+//! whose wait ran out is aborted, never destroyed (destroying waits for peers). Every use of
+//! the handle pins it ([`Pin`]): an abort from another thread (the watchdog, the caller's abort)
+//! never frees it under a use, and never waits for one.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -21,11 +23,10 @@ pub(super) struct Handle {
     shared: Arc<Shared>,
 }
 
-/// The raw handle, and whether it is still live (not aborted or destroyed): the lock orders an
-/// abort against a watchdog's look from another thread.
+/// The raw handle, and its uses and end.
 struct Shared {
     raw: ncclComm_t,
-    live: Mutex<bool>,
+    uses: Mutex<Uses>,
     /// Where NCCL wrote the handle: a nonblocking init or split writes it again when it ends,
     /// from NCCL's own thread, so the place lives as long as the handle.
     _slot: Slot,
@@ -39,16 +40,102 @@ fn slot() -> Slot {
 }
 
 // SAFETY: NCCL allows `ncclCommGetAsyncError` and `ncclCommAbort` from any thread while another
-// uses the communicator; `live`'s lock keeps a look from racing the handle's end.
+// uses the communicator; `uses` keeps every use from meeting the handle's end.
 unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
-    fn live(&self) -> MutexGuard<'_, bool> {
-        self.live
+    fn uses(&self) -> MutexGuard<'_, Uses> {
+        self.uses
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// Who uses a communicator's handle now, and whether it ended: a use pins it; an abort, from
+/// any thread, ends it at once for new uses and is carried out by whoever is last, the aborter
+/// (no use under way) or the last use's end. So no use meets a freed handle, and no abort
+/// waits for a use.
+#[derive(Debug)]
+struct Uses {
+    ended: bool,
+    pins: usize,
+    /// An abort asked during a use, for the last use's end.
+    abort_due: bool,
+}
+
+impl Uses {
+    fn new(live: bool) -> Uses {
+        Uses {
+            ended: !live,
+            pins: 0,
+            abort_due: false,
+        }
+    }
+
+    /// A use begins; refused once the handle ended.
+    fn pin(&mut self) -> bool {
+        if self.ended {
+            return false;
+        }
+        self.pins += 1;
+        true
+    }
+
+    /// A use ends: whether an abort is now the caller's to carry out.
+    fn unpin(&mut self) -> bool {
+        self.pins = self.pins.saturating_sub(1);
+        self.pins == 0 && std::mem::take(&mut self.abort_due)
+    }
+
+    /// An abort is asked: whether it is the caller's to carry out now; with a use under way,
+    /// that use's end carries it out; nothing where the handle already ended.
+    fn abort(&mut self) -> bool {
+        if std::mem::replace(&mut self.ended, true) {
+            return false;
+        }
+        self.abort_due = self.pins > 0;
+        !self.abort_due
+    }
+
+    /// The owner's orderly end (a destroy), with no use under way: whether it is the caller's.
+    fn end(&mut self) -> bool {
+        if self.ended || self.pins > 0 {
+            return false;
+        }
+        self.ended = true;
+        true
+    }
+}
+
+/// A use of a communicator's handle under way: the handle is not freed until it ends, and an
+/// abort asked meanwhile is carried out at its end.
+pub(super) struct Pin {
+    nccl: &'static Nccl,
+    shared: Arc<Shared>,
+}
+
+impl Pin {
+    pub(super) fn raw(&self) -> ncclComm_t {
+        self.shared.raw
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        if self.shared.uses().unpin() {
+            // SAFETY: the handle ended for every other use, and no use is under way; aborted once.
+            let _ = unsafe { (self.nccl.comm_abort)(self.shared.raw) };
+        }
+    }
+}
+
+/// A use of `shared`, unless its handle ended.
+fn pin(nccl: &'static Nccl, shared: &Arc<Shared>) -> Option<Pin> {
+    shared.uses().pin().then(|| Pin {
+        nccl,
+        shared: Arc::clone(shared),
+    })
 }
 
 /// A split under way: the place NCCL writes the new handle into, and the call's status.
@@ -120,30 +207,28 @@ pub(super) struct Probe {
 
 impl Probe {
     /// Ends the communicator at once (`ncclCommAbort`), as [`Handle::abort`] does, from any
-    /// thread.
+    /// thread: no use begins after it, and a use under way carries it out when it ends.
     pub(super) fn abort(&self) {
-        let mut live = self.shared.live();
-        if std::mem::replace(&mut *live, false) {
-            // SAFETY: the handle is live and is aborted once; an error here leaves nothing to do.
+        let now = self.shared.uses().abort();
+        if now {
+            // SAFETY: the handle ended for every use, none is under way, and it is aborted once;
+            // an error here leaves nothing to do.
             let _ = unsafe { (self.nccl.comm_abort)(self.shared.raw) };
         }
     }
 
     /// The communicator's asynchronous error, if it has one; `None` once it is gone.
     pub(super) fn failure(&self) -> Option<Error> {
-        let live = self.shared.live();
-        if !*live {
-            return None;
-        }
+        let use_ = pin(self.nccl, &self.shared)?;
         let mut state: NcclStatus = 0;
-        // SAFETY: the handle is live while the lock is held; writes one status.
-        let status = unsafe { (self.nccl.comm_get_async_error)(self.shared.raw, &mut state) };
+        // SAFETY: the handle is pinned; writes one status.
+        let status = unsafe { (self.nccl.comm_get_async_error)(use_.raw(), &mut state) };
         let state = if status != 0 { status } else { state };
         if state == 0 || state == NCCL_IN_PROGRESS {
             return None;
         }
         self.nccl
-            .check("ncclCommGetAsyncError", state, self.shared.raw)
+            .check("ncclCommGetAsyncError", state, use_.raw())
             .err()
     }
 }
@@ -169,13 +254,13 @@ impl Handle {
     /// Starts a communicator of the ranks that give the same `color`, ordered by `key`
     /// (`ncclCommSplit`), a collective of every rank; [`Split::wait`] waits for it.
     pub(super) fn start_split(&self, color: c_int, key: c_int) -> Result<Split> {
-        let parent = self.raw("ncclCommSplit")?;
+        let parent = self.pin("ncclCommSplit")?;
         let mut config = NcclConfig::nonblocking();
         let slot = slot();
-        // SAFETY: the parent is live; NCCL writes one handle into the slot when the split ends
+        // SAFETY: the parent is pinned; NCCL writes one handle into the slot when the split ends
         // (a slot that outlives the split: `Split::wait`) and copies the config.
         let status =
-            unsafe { (self.nccl.comm_split)(parent, color, key, slot.as_ptr(), &mut config) };
+            unsafe { (self.nccl.comm_split)(parent.raw(), color, key, slot.as_ptr(), &mut config) };
         Ok(Split {
             slot: Some(slot),
             status,
@@ -194,13 +279,13 @@ impl Handle {
 
     /// The communicator's rank and number of ranks, as NCCL counts them.
     pub(super) fn place(&self) -> Result<(usize, usize)> {
-        let raw = self.raw("ncclCommUserRank")?;
+        let use_ = self.pin("ncclCommUserRank")?;
         let (mut rank, mut count): (c_int, c_int) = (0, 0);
-        // SAFETY: the handle is live and ready; each call writes one int.
-        let status = unsafe { (self.nccl.comm_user_rank)(raw, &mut rank) };
+        // SAFETY: the handle is pinned and ready; each call writes one int.
+        let status = unsafe { (self.nccl.comm_user_rank)(use_.raw(), &mut rank) };
         self.check("ncclCommUserRank", status)?;
         // SAFETY: as above.
-        let status = unsafe { (self.nccl.comm_count)(raw, &mut count) };
+        let status = unsafe { (self.nccl.comm_count)(use_.raw(), &mut count) };
         self.check("ncclCommCount", status)?;
         match (usize::try_from(rank), usize::try_from(count)) {
             (Ok(rank), Ok(count)) if rank < count => Ok((rank, count)),
@@ -228,7 +313,7 @@ impl Handle {
             nccl,
             shared: Arc::new(Shared {
                 raw,
-                live: Mutex::new(!raw.is_null()),
+                uses: Mutex::new(Uses::new(!raw.is_null())),
                 _slot: slot,
             }),
         };
@@ -254,25 +339,24 @@ impl Handle {
         }
     }
 
-    /// The raw handle for `call`, unless it was aborted.
-    pub(super) fn raw(&self, call: &'static str) -> Result<ncclComm_t> {
-        match *self.shared.live() {
-            true => Ok(self.shared.raw),
-            false => Err(Error::Nccl {
-                call,
-                code: NCCL_INVALID_USAGE,
-                message: "the communicator was aborted after a failure".into(),
-            }),
-        }
+    /// A use of the handle for `call`, unless it was aborted: hold it while NCCL may read the
+    /// handle (a call, or a group of calls until the group ended).
+    pub(super) fn pin(&self, call: &'static str) -> Result<Pin> {
+        pin(self.nccl, &self.shared).ok_or(Error::Nccl {
+            call,
+            code: NCCL_INVALID_USAGE,
+            message: "the communicator was aborted after a failure".into(),
+        })
     }
 
     /// NCCL's asynchronous state of the communicator: `Ok(true)` while a call is in progress,
     /// `Ok(false)` when idle and healthy, the error once it failed.
     pub(super) fn in_progress(&self, call: &'static str) -> Result<bool> {
-        let raw = self.raw(call)?;
+        let use_ = self.pin(call)?;
         let mut state: NcclStatus = 0;
-        // SAFETY: the handle is live; writes one status.
-        let status = unsafe { (self.nccl.comm_get_async_error)(raw, &mut state) };
+        // SAFETY: the handle is pinned; writes one status.
+        let status = unsafe { (self.nccl.comm_get_async_error)(use_.raw(), &mut state) };
+        drop(use_);
         self.check("ncclCommGetAsyncError", status)?;
         if state == NCCL_IN_PROGRESS {
             return Ok(true);
@@ -312,7 +396,8 @@ impl Handle {
     /// As [`Handle::check`], leaving the handle as it is: for a call inside an NCCL group, whose
     /// communicators are aborted only once the group ended.
     pub(super) fn status(&self, call: &'static str, status: NcclStatus) -> Result<()> {
-        let comm = self.raw(call).unwrap_or(std::ptr::null_mut());
+        let use_ = self.pin(call).ok();
+        let comm = use_.as_ref().map_or(std::ptr::null_mut(), Pin::raw);
         self.nccl.check(call, status, comm)
     }
 
@@ -325,18 +410,19 @@ impl Handle {
     /// Ends the communicator in order (`ncclCommFinalize`, then `ncclCommDestroy`), waiting for
     /// its work under `watch`; aborts it when that fails.
     pub(super) fn close(&self, watch: &Watch) {
-        let Ok(raw) = self.raw("ncclCommFinalize") else {
+        let Ok(use_) = self.pin("ncclCommFinalize") else {
             return;
         };
-        // SAFETY: the handle is live.
-        let status = unsafe { (self.nccl.comm_finalize)(raw) };
+        // SAFETY: the handle is pinned.
+        let status = unsafe { (self.nccl.comm_finalize)(use_.raw()) };
+        drop(use_);
         let finalized = self.settle("ncclCommFinalize", status, watch, || {
             "NCCL's finalize of the communicator".into()
         });
-        let mut live = self.shared.live();
-        if finalized.is_ok() && std::mem::replace(&mut *live, false) {
-            // SAFETY: the handle is live, finalized, and destroyed once.
-            let _ = unsafe { (self.nccl.comm_destroy)(raw) };
+        if finalized.is_ok() && self.shared.uses().end() {
+            // SAFETY: the handle ended for every use, none is under way; finalized, destroyed
+            // once.
+            let _ = unsafe { (self.nccl.comm_destroy)(self.shared.raw) };
         }
     }
 }
@@ -353,3 +439,43 @@ const NCCL_INTERNAL_ERROR: i32 = 3;
 
 /// `ncclInvalidUsage`.
 const NCCL_INVALID_USAGE: i32 = 5;
+
+#[cfg(test)]
+mod tests {
+    use super::Uses;
+
+    #[test]
+    fn an_abort_during_a_use_is_carried_out_by_the_last_use_s_end_and_once() {
+        let mut uses = Uses::new(true);
+        assert!(uses.pin() && uses.pin());
+        // Asked from another thread: no use begins after it, and the aborter frees nothing.
+        assert!(!uses.abort());
+        assert!(!uses.pin());
+        assert!(!uses.abort(), "a second abort is nobody's");
+        assert!(!uses.unpin(), "a use is still under way");
+        assert!(uses.unpin(), "the last use's end carries the abort out");
+        assert!(!uses.unpin() && !uses.end());
+    }
+
+    #[test]
+    fn an_abort_with_no_use_under_way_is_the_aborter_s_and_ends_every_use() {
+        let mut uses = Uses::new(true);
+        assert!(uses.pin());
+        assert!(!uses.unpin(), "no abort was asked");
+        assert!(uses.abort());
+        assert!(!uses.pin() && !uses.abort() && !uses.end());
+        // A handle NCCL never made has no use and no end to carry out.
+        let mut none = Uses::new(false);
+        assert!(!none.pin() && !none.abort() && !none.end());
+    }
+
+    #[test]
+    fn the_owner_s_orderly_end_waits_for_no_use_and_is_refused_during_one() {
+        let mut uses = Uses::new(true);
+        assert!(uses.pin());
+        assert!(!uses.end(), "a use is under way");
+        assert!(!uses.unpin());
+        assert!(uses.end());
+        assert!(!uses.pin() && !uses.abort());
+    }
+}
