@@ -408,7 +408,9 @@ impl Handle {
     }
 
     /// Ends the communicator in order (`ncclCommFinalize`, then `ncclCommDestroy`), waiting for
-    /// its work under `watch`; aborts it when that fails.
+    /// its work under `watch`; aborts it when that fails, and fails `watch` with the cause, so
+    /// that the rank's other communicators closing under it abort at once rather than each
+    /// waiting out the deadline again (a finalize waits for the node's peers).
     pub(super) fn close(&self, watch: &Watch) {
         let Ok(use_) = self.pin("ncclCommFinalize") else {
             return;
@@ -419,10 +421,14 @@ impl Handle {
         let finalized = self.settle("ncclCommFinalize", status, watch, || {
             "NCCL's finalize of the communicator".into()
         });
-        if finalized.is_ok() && self.shared.uses().end() {
-            // SAFETY: the handle ended for every use, none is under way; finalized, destroyed
-            // once.
-            let _ = unsafe { (self.nccl.comm_destroy)(self.shared.raw) };
+        match finalized {
+            Ok(()) if self.shared.uses().end() => {
+                // SAFETY: the handle ended for every use, none is under way; finalized,
+                // destroyed once.
+                let _ = unsafe { (self.nccl.comm_destroy)(self.shared.raw) };
+            }
+            Ok(()) => {}
+            Err(cause) => watch.fail(cause),
         }
     }
 }
