@@ -124,26 +124,62 @@ fn create_temporary(path: &Path) -> Result<(Temporary, File)> {
 
 /// Puts the flushed file `from` at `path`, refusing (`Error::CheckpointExists`) an existing file
 /// or symlink there: a hard link never replaces one. Where the file system has no hard links,
-/// a rename after a check that `path` is free.
+/// a rename that replaces nothing.
 fn link_new(from: &Path, path: &Path) -> Result<()> {
-    let exists = || Error::CheckpointExists {
-        path: path.display().to_string(),
-    };
     match fs::hard_link(from, path) {
         Ok(()) => Ok(()),
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => Err(exists()),
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => Err(Error::CheckpointExists {
+            path: path.display().to_string(),
+        }),
         Err(e)
             if matches!(
                 e.kind(),
                 ErrorKind::Unsupported | ErrorKind::PermissionDenied
             ) || e.raw_os_error() == Some(95) =>
         {
-            match fs::symlink_metadata(path) {
-                Ok(_) => Err(exists()),
-                Err(_) => fs::rename(from, path).map_err(write_error(path)),
-            }
+            rename_new(from, path)
         }
         Err(e) => Err(write_error(path)(e)),
+    }
+}
+
+/// Renames `from` to `path`, refusing (`Error::CheckpointExists`) an existing file or symlink
+/// there: in one step where the file system can (`RENAME_NOREPLACE`), else after a check.
+fn rename_new(from: &Path, path: &Path) -> Result<()> {
+    let exists = || Error::CheckpointExists {
+        path: path.display().to_string(),
+    };
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes());
+        let (Ok(c_from), Ok(c_path)) = (c(from), c(path)) else {
+            return Err(write_error(path)(ErrorKind::InvalidInput.into()));
+        };
+        // SAFETY: two NUL-terminated paths, read during the call.
+        let renamed = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                c_from.as_ptr(),
+                libc::AT_FDCWD,
+                c_path.as_ptr(),
+                libc::RENAME_NOREPLACE,
+            )
+        };
+        if renamed == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EEXIST) => return Err(exists()),
+            // The file system has no such rename: the check below.
+            Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => {}
+            _ => return Err(write_error(path)(e)),
+        }
+    }
+    match fs::symlink_metadata(path) {
+        Ok(_) => Err(exists()),
+        Err(_) => fs::rename(from, path).map_err(write_error(path)),
     }
 }
 
@@ -419,6 +455,29 @@ mod tests {
         remove_rank(&dir, 0).unwrap();
         assert!(names(&dir).is_empty());
         remove_rank(&dir, 0).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_rename_into_place_replaces_no_file_nor_symlink() {
+        let dir = fresh_dir("rename-new");
+        let (from, taken, link, free) = (
+            dir.join("from"),
+            dir.join("taken"),
+            dir.join("link"),
+            dir.join("free"),
+        );
+        fs::write(&from, b"new").unwrap();
+        fs::write(&taken, b"old").unwrap();
+        std::os::unix::fs::symlink(&taken, &link).unwrap();
+        for existing in [&taken, &link] {
+            let r = rename_new(&from, existing);
+            assert!(matches!(r, Err(Error::CheckpointExists { .. })), "{r:?}");
+        }
+        assert_eq!(fs::read(&taken).unwrap(), b"old");
+        rename_new(&from, &free).unwrap();
+        assert_eq!(fs::read(&free).unwrap(), b"new");
+        assert!(!from.exists());
         fs::remove_dir_all(&dir).unwrap();
     }
 
