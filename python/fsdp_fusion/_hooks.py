@@ -398,7 +398,20 @@ class _Hooks:
 
     def _view(self, p: _Param, address: int | None) -> torch.Tensor:
         numel = p.tensor.numel()
-        return tensor_at(address or 0, numel, p.tensor.dtype, self._device).view(p.tensor.shape)
+        view = tensor_at(address or 0, numel, p.tensor.dtype, self._device)
+        if address and numel:
+            # Kept to see, at `close`, whether a tensor outside still holds the memory.
+            self._storages.append((p.name, view.untyped_storage()))
+        return view.view(p.tensor.shape)
+
+    def _views_held_elsewhere(self) -> list[str]:
+        """The parameters whose engine memory a tensor outside the wrapper still holds (a
+        `state_dict()`'s tensor, a detached parameter, an autograd graph not run backward):
+        releasing the engine would leave it reading freed memory. Counts the uses of each view's
+        storage: the one left is the wrapper's own record."""
+        held = {name for name, storage in getattr(self, "_storages", ())
+                if torch._C._storage_Use_Count(storage._cdata) > 1}
+        return sorted(held)
 
     # -- saved tensors ---------------------------------------------------------------------
     # Autograd keeps tensors of the forward for backward, among them parameters and views of

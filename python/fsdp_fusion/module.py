@@ -271,6 +271,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._views_move = self._world > 1 or param_storage == "master"
         # Inside `capture`, and the graph it captured last (the one step the engine keeps).
         self._capturing, self._captured = False, None
+        # Each view's parameter and storage, for `close`.
+        self._storages: list[tuple[str, torch.UntypedStorage]] = []
         # Whether each unit's gradients go to the engine when its backward ends, rather than the
         # whole model's when the next forward or the step begins.
         self._per_unit = self._views_move or step_in_backward
@@ -496,11 +498,23 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     def close(self):
         """Releases the engine, its group and the plan; the module's parameters become
         placeholders (they never point at released memory). Also after a construction that
-        failed part way (each handle made is released)."""
+        failed part way (each handle made is released). Refused (`MisuseError`, nothing
+        released) while a tensor outside the wrapper still holds the engine's memory: a
+        `state_dict()`'s tensor at world size 1, a detached parameter, an autograd graph not
+        run backward (copies, such as `full_state_dict()`'s, are the caller's); drop them and
+        close again. Garbage-collected with such a tensor alive, the wrapper keeps its engine."""
         try:
             for u in getattr(self, "_unit_of", {}).values():
                 self._unmap_views(u)
+                u.cache.clear()
         finally:
+            held = self._views_held_elsewhere()
+            if held:
+                raise MisuseError(f"close while tensors outside the wrapper hold the engine's "
+                                  f"memory of {', '.join(held)} (a state_dict(), a detached "
+                                  "parameter, a graph not run backward): drop them first, or "
+                                  "copy with full_state_dict()")
+            self._storages = []
             for name, attr in (("fsdp_engine_destroy", "_engine"),
                                ("fsdp_local_group_destroy", "_group"),
                                ("fsdp_plan_destroy", "_plan")):

@@ -212,3 +212,24 @@ def test_a_move_or_cast_of_the_wrapper_that_changes_a_parameter_is_refused():
     with pytest.raises(fsdp_fusion.MisuseError, match="a gradient on meta"):
         fused._batch_of(unit, [torch.zeros(4, 4, device="meta")], torch.device("cpu"))
     fused.close()
+
+
+def test_close_is_refused_while_a_tensor_outside_holds_the_engine_s_memory():
+    """At world size 1 the parameters are views of the shards: a `state_dict()` kept past
+    `close` would read freed memory, so `close` refuses (nothing released, training goes on)
+    until it is dropped; a copy is the caller's."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1)
+    fused(torch.ones(2, 4)).sum().backward()
+    fused.step()
+    held = module.state_dict()
+    copied = {k: v.clone() for k, v in held.items()}
+    with pytest.raises(fsdp_fusion.MisuseError, match=r"0\.weight.*state_dict"):
+        fused.close()
+    fused(torch.ones(2, 4)).sum().backward()
+    fused.step()
+    assert fused.counters().steps == 2
+    assert not torch.equal(held["0.weight"], copied["0.weight"]), "the views follow the engine"
+    del held
+    fused.close()
+    assert torch.isnan(module[0].weight).all(), "placeholders once released"
