@@ -170,28 +170,40 @@ def test_a_loss_on_a_value_a_unit_kept_aside_trains_as_at_world_size_1():
     batches the parameters end as at world size 1, bit for bit."""
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*(Aside() for _ in range(3)))
+
+    def train(fused, module):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            fused(torch.randn(4, 8, generator=g))
+            sum(block.aux for block in module).backward()
+            fused.step()
+
+    state = trained_at_sizes_1_and_2(blocks, list, train, lr=1e-2)
+    assert not torch.equal(state["0.gate.weight"], blocks[0].gate.weight.detach())
+
+
+def trained_at_sizes_1_and_2(model, units, train, **settings) -> dict[str, torch.Tensor]:
+    """`train(wrapper, module)` on wrappers of copies of `model` (of units `units(copy)`) at
+    world sizes 1 and 2, every rank on the same batches: the whole parameters at size 1, once
+    every rank's at size 2 are checked equal to them, bit for bit."""
     runs = {}
     for world in (1, 2):
-        modules = [copy.deepcopy(blocks) for _ in range(world)]
+        modules = [copy.deepcopy(model) for _ in range(world)]
         group = fsdp_fusion.LocalGroup(world) if world > 1 else None
         fused = on_ranks(world, lambda rank: FusedFSDP(
-            modules[rank], list(modules[rank]), local_group=group, rank=rank, lr=1e-2))
+            modules[rank], units(modules[rank]), local_group=group, rank=rank, **settings))
 
-        def train(rank):
-            g = torch.Generator().manual_seed(1)
-            for _ in range(3):
-                fused[rank](torch.randn(4, 8, generator=g))
-                sum(block.aux for block in modules[rank]).backward()
-                fused[rank].step()
+        def run(rank):
+            train(fused[rank], modules[rank])
             return fused[rank].full_state_dict()
 
-        runs[world] = on_ranks(world, train)
+        runs[world] = on_ranks(world, run)
         for f in fused:
             f.close()
     for state in runs[2]:
         for name, value in runs[1][0].items():
             assert torch.equal(state[name], value), name
-    assert not torch.equal(runs[1][0]["0.gate.weight"], blocks[0].gate.weight.detach())
+    return runs[1][0]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -979,29 +991,15 @@ def test_a_unit_called_twice_and_a_model_run_twice_before_one_backward_train_at_
         (reference(a).square().mean() + reference(b).square().mean()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    runs = {}
-    for world in (1, 2):
-        modules = [copy.deepcopy(model) for _ in range(world)]
-        group = fsdp_fusion.LocalGroup(world) if world > 1 else None
-        fused = on_ranks(world, lambda rank: FusedFSDP(
-            modules[rank], [modules[rank].first, modules[rank].shared], local_group=group,
-            rank=rank, lr=1e-2, weight_decay=0.01))
+    def train(fused, _module):
+        for a, b in passes():
+            (fused(a).square().mean() + fused(b).square().mean()).backward()
+            fused.step()
 
-        def train(rank):
-            for a, b in passes():
-                f = fused[rank]
-                (f(a).square().mean() + f(b).square().mean()).backward()
-                f.step()
-            return fused[rank].full_state_dict()
-
-        runs[world] = on_ranks(world, train)
-        for f in fused:
-            f.close()
-    for state in runs[2]:
-        for name, value in runs[1][0].items():
-            assert torch.equal(state[name], value), name
+    state = trained_at_sizes_1_and_2(model, lambda m: [m.first, m.shared], train, lr=1e-2,
+                                     weight_decay=0.01)
     for name, value in reference.state_dict().items():
-        difference = (runs[1][0][name] - value).abs().max().item()
+        difference = (state[name] - value).abs().max().item()
         assert difference <= 1e-5, f"{name} differs by {difference}"
 
 
