@@ -4,6 +4,7 @@ over, and keep autograd's saved tensors right when the views move."""
 
 from __future__ import annotations
 
+import weakref
 from ctypes import byref, c_size_t, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
@@ -45,9 +46,10 @@ class _Unit:
         self.forward_opens = 0
         self.views: _Views | None = None
         self.backward_open = False
-        # Calls of the unit in the forward passes since its backward last ended whose inputs'
-        # gradients have not all come back: its backward ends when the last one's do.
-        self.calls_pending = 0
+        # Calls of the unit since its backward last ended whose inputs' gradients have not
+        # come back, by their autograd node: its backward ends when the last one's do. A call
+        # whose graph was dropped (a forward never run backward) leaves the set with it.
+        self.calls_pending: weakref.WeakSet = weakref.WeakSet()
         trainable = [p for p in params if p.tensor.requires_grad]
         self.trainable = [p.tensor for p in trainable]
         # The hand-over's batch when every trainable parameter has a contiguous gradient of its
@@ -96,7 +98,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.wrapper._call_backward_done(ctx.unit)
+        ctx.wrapper._call_backward_done(ctx.unit, ctx)
         return (None, None, *grads)
 
 
@@ -214,7 +216,7 @@ class _Hooks:
         # A recompute in the backward (checkpointing) is not a call of its own: its inputs'
         # gradients come back for the call it recomputes, or never (non-reentrant).
         if not self._backward_began:
-            self._unit_of[unit].calls_pending += 1
+            self._unit_of[unit].calls_pending.add(outs[0].grad_fn)
         args = list(args)
         for i, out in zip(slots, outs):
             args[i] = out
@@ -239,12 +241,13 @@ class _Hooks:
             self._open(u, self._lib.fsdp_engine_pre_backward)
             u.backward_open = True
 
-    def _call_backward_done(self, unit: int):
-        """The gradients of one call's inputs came back: the unit's backward ends once every
-        call's did (a unit called twice, a model run twice before one backward)."""
+    def _call_backward_done(self, unit: int, call):
+        """The gradients of one call's inputs came back (`call`, its autograd node): the unit's
+        backward ends once every pending call's did (a unit called twice, a model run twice
+        before one backward)."""
         u = self._unit_of[unit]
-        u.calls_pending = max(u.calls_pending - 1, 0)
-        if u.calls_pending == 0:
+        u.calls_pending.discard(call)
+        if not u.calls_pending:
             self._post_backward(unit)
 
     def _post_backward(self, unit: int):
@@ -277,7 +280,7 @@ class _Hooks:
         for u in self._unit_of.values():
             if u.backward_open:
                 # Calls whose inputs' gradients never came back (an output left unused).
-                u.calls_pending = 0
+                u.calls_pending.clear()
                 self._post_backward(u.index)
         if not self._per_unit:
             self._hand_over(self._whole_model)

@@ -118,31 +118,46 @@ class _StateCopies:
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]):
         """Loads every parameter's whole value from `state`, under the module's names (as
-        `full_state_dict` gives them, or a plain copy's `state_dict()`), into the engine: its
-        shards and fp32 masters, so that the next step trains from them. Every rank loads every
-        parameter, between steps. Names missing from `state` or not the module's parameters,
-        and values of another shape, raise `InvalidArgumentError` before anything is loaded;
-        a value of another float dtype is converted as `Tensor.to` converts it. The optimizer's
-        state is unchanged. (The module's own `load_state_dict` is refused: it would write the
-        engine's views or placeholders, not its state.)"""
+        `full_state_dict` gives them, or a plain copy's `state_dict()`, a tied parameter under
+        any of its names), into the engine: its shards and fp32 masters, so that the next step
+        trains from them; the module's buffers in `state` load as in PyTorch. Every rank loads
+        every parameter, between steps. Names missing from `state` or not the module's, values
+        of another shape, and a tied parameter's names holding different values raise
+        `InvalidArgumentError` before anything is loaded; a value of another float dtype is
+        converted as `Tensor.to` converts it. The optimizer's state is unchanged. (The module's
+        own `load_state_dict` is refused: it would write the engine's views or placeholders,
+        not its state.)"""
         self._end_evaluation()
-        names = {p.name for p in self._params}
         buffers = dict(self.module.named_buffers())
-        missing = sorted(names - state.keys())
-        unknown = sorted(state.keys() - names - buffers.keys())
-        wrong = [f"{p.name} {tuple(state[p.name].shape)}, the module's {tuple(p.tensor.shape)}"
-                 for p in self._params
-                 if p.name in state and state[p.name].shape != p.tensor.shape]
-        problems = [f"{what}: {', '.join(items)}" for what, items in (
-            ("missing", missing), ("neither parameters nor buffers", unknown),
-            ("other shapes", wrong)) if items]
-        if problems:
-            raise InvalidArgumentError("load_full_state_dict: " + "; ".join(problems))
+        primary = {id(p.tensor): p.name for p in self._params}
+        names = {p.name: [p.name] for p in self._params}
+        for name, t in self.module.named_parameters(remove_duplicate=False):
+            if name != primary.get(id(t), name):
+                names[primary[id(t)]].append(name)
+        values, problems = {}, {"missing": [], "other shapes": [], "tied names differ": []}
         for p in self._params:
-            host = state[p.name].detach().to("cpu", p.tensor.dtype).contiguous()
+            given = [n for n in names[p.name] if n in state]
+            if not given:
+                problems["missing"].append(p.name)
+                continue
+            value = values[p.name] = state[given[0]]
+            if any(not torch.equal(state[n], value) for n in given[1:]):
+                problems["tied names differ"].append(", ".join(given))
+        expected = {**{p.name: p.tensor.shape for p in self._params},
+                    **{name: b.shape for name, b in buffers.items()}}
+        for name, value in [*values.items(), *((n, state[n]) for n in buffers if n in state)]:
+            if value.shape != expected[name]:
+                problems["other shapes"].append(
+                    f"{name} {tuple(value.shape)}, the module's {tuple(expected[name])}")
+        known = {n for aliases in names.values() for n in aliases} | buffers.keys()
+        problems["neither parameters nor buffers"] = sorted(state.keys() - known)
+        found = [f"{what}: {', '.join(items)}" for what, items in problems.items() if items]
+        if found:
+            raise InvalidArgumentError("load_full_state_dict: " + "; ".join(found))
+        for p in self._params:
+            host = values[p.name].detach().to("cpu", p.tensor.dtype).contiguous()
             self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
                        host.numel(), DTYPE_CODES[host.dtype])
-        # Buffers are the module's own: they load as in plain PyTorch.
         with torch.no_grad():
             for name, buffer in buffers.items():
                 if name in state:

@@ -340,8 +340,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                               "again); the step is left to take")
         self._close_backwards()
         for u in self._unit_of.values():
-            # Calls of a forward that no backward followed (a loss only logged).
-            u.calls_pending = 0
+            # Calls of a forward whose graph is still held with no backward run.
+            u.calls_pending.clear()
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
         if clip_on_device:
@@ -514,7 +514,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                                   f"memory of {', '.join(held)} (a state_dict(), a detached "
                                   "parameter, a graph not run backward): drop them first, or "
                                   "copy with full_state_dict()")
-            self._storages = []
+            self._storages, self._captured = [], None
             for name, attr in (("fsdp_engine_destroy", "_engine"),
                                ("fsdp_local_group_destroy", "_group"),
                                ("fsdp_plan_destroy", "_plan")):

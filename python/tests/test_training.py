@@ -1052,3 +1052,70 @@ def test_a_full_state_dict_loads_into_the_engine_and_the_module_s_own_load_is_re
             assert torch.equal(held[name], value), name
         for name, value in plain.state_dict().items():
             assert torch.equal(trained[name], value), name
+
+
+def test_a_forward_never_run_backward_leaves_the_next_backward_unit_by_unit():
+    """A forward with gradients whose graph is dropped unused (a loss only logged) is no call
+    the next backward waits for: at world size 2 each unit's gradients still go over, and are
+    reduced, as its own backward ends, not at the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    group = fsdp_fusion.LocalGroup(2)
+    modules = [copy.deepcopy(model) for _ in range(2)]
+    fused = on_ranks(2, lambda rank: FusedFSDP(modules[rank], list(modules[rank]),
+                                                local_group=group, rank=rank))
+
+    def run(rank):
+        f, x = fused[rank], torch.ones(2, 8)
+        during = []
+        for logged in (False, True):
+            if logged:
+                f(x).sum().item()  # the graph goes with the value
+            loss = f(x).sum()
+            before = f.counters().reduce_scatters
+            loss.backward()
+            during.append(f.counters().reduce_scatters - before)
+            f.step()
+        return during
+
+    # The first unit's inputs need no gradient: its backward ends at the step.
+    assert on_ranks(2, run) == [[3, 3], [3, 3]]
+    for f in fused:
+        f.close()
+
+
+def test_a_tied_model_s_plain_state_dict_loads_under_either_name():
+    """A head tied to the embedding: a plain copy's `state_dict()` names the one parameter
+    twice, and loads; names of one tied parameter holding different values are refused, and so
+    is a buffer of another shape, before anything is loaded."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 8)
+            self.head = torch.nn.Linear(8, 16, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, tokens):
+            return self.head(self.embed(tokens) * self.scale)
+
+    torch.manual_seed(0)
+    model = Tied()
+    fused = FusedFSDP(model, [], lr=0.1)
+    plain = Tied()
+    with torch.no_grad():
+        plain.embed.weight.fill_(0.5)
+        plain.scale.fill_(2.0)
+    before = fused.full_state_dict()
+    changed = dict(plain.state_dict(), **{"head.weight": torch.zeros(16, 8)})
+    for bad, what in ((changed, "tied names differ: embed.weight, head.weight"),
+                      (dict(plain.state_dict(), scale=torch.ones(4)), "other shapes: scale")):
+        with pytest.raises(fsdp_fusion.InvalidArgumentError, match=what):
+            fused.load_full_state_dict(bad)
+        assert torch.equal(fused.full_state_dict()["embed.weight"], before["embed.weight"])
+        assert torch.equal(model.scale, torch.ones(8))
+    fused.load_full_state_dict(plain.state_dict())
+    assert torch.equal(fused.full_state_dict()["embed.weight"], plain.embed.weight)
+    assert torch.equal(model.scale, plain.scale)
+    fused.close()
