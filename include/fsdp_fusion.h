@@ -381,21 +381,24 @@ enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 // (page-locked on a GPU; the size of the rank's state) and returns once the copy is done;
 // `fsdp_engine_wait_save` gives the save's outcome. One save is pending at a time, until
 // `fsdp_engine_wait_save` gave its outcome: `FSDP_MISUSE` on every rank while one rank's is.
+// A failure on this rank after the ranks agreed to the save (its copy, its writer's start) is
+// its status here and stays pending, for every rank's `fsdp_engine_wait_save` to report.
 // Destroying the engine waits for the files.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
 enum fsdp_status fsdp_engine_save_async(struct fsdp_engine *engine, const char *dir);
 
-// The outcome of `fsdp_engine_save_async`, a collective: every rank calls it. Each rank waits
-// for its files within half the engine's timeout, then the ranks agree on the outcome as
-// `fsdp_engine_save`'s: `FSDP_OK` on every rank once every rank's files are on disk; else
-// the same status on every rank (`FSDP_IO_ERROR` naming a file a rank could not write,
-// `FSDP_TIMEOUT` for a rank whose files were still being written, the others naming that
-// rank) and no rank's file of the save left (a writer still running removes its files when it
-// ends; until then a new save is `FSDP_MISUSE` there, and the next `fsdp_engine_wait_save`
-// waits for it). `FSDP_OK` when no save is pending on any rank. `FSDP_POISONED` on a poisoned
-// or aborted engine (destroying it still waits for the files).
+// The outcome of `fsdp_engine_save_async`, a collective: every rank calls it, between steps.
+// Each rank waits for its files (within half the engine's timeout above world size 1), then
+// the ranks agree on the outcome as `fsdp_engine_save`'s: `FSDP_OK` on every rank once every
+// rank's files are on disk; `FSDP_TIMEOUT` on every rank while a rank's files are still being
+// written, the save still pending and nothing removed (call again); where a rank's write
+// failed, the same status on every rank (`FSDP_IO_ERROR` naming the file, the others naming
+// that rank) and each rank's files of the save removed (a writer still running removes its
+// own when it ends). `FSDP_OK` when no save is pending on any rank. `FSDP_MISUSE` during a
+// capture and mid-step; `FSDP_POISONED` on a poisoned or aborted engine (destroying it still
+// waits for the files).
 enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 
 // Restores this rank's part of the checkpoint in `dir`, saved by engines of the same model

@@ -819,6 +819,50 @@ fn an_asynchronous_save_writes_the_state_of_its_call_while_training_goes_on() {
     });
 }
 
+/// A `wait_save` that runs out of time while the files are still being written fails, the
+/// save still pending and nothing removed: a later `wait_save` gives its outcome, the whole
+/// checkpoint, which loads.
+#[test]
+fn a_wait_for_files_still_being_written_leaves_the_save_pending_and_whole() {
+    let mlp = model(DType::F32, 256);
+    let plan = Arc::new(Plan::new(&mlp.spec().unwrap(), 1).unwrap());
+    // Shorter than any write of the state and its flush to disk: the first wait runs out.
+    let config = EngineConfig {
+        timeout: std::time::Duration::from_nanos(1),
+        ..EngineConfig::default()
+    };
+    let scratch = Scratch::new("checkpoint");
+    let dir = scratch.path().join("slow");
+    let to = dir.clone();
+    let init = mlp.init(3);
+    let shards = on_engines(&plan, &config, Mode::Eager, move |mut e| {
+        load(&mut e, &init).unwrap();
+        e.save_async(&to).unwrap();
+        let waited = e.wait_save();
+        assert!(
+            matches!(&waited, Err(Error::Timeout { op, .. }) if op.contains("stays pending")),
+            "{waited:?}"
+        );
+        assert!(matches!(e.save(&to), Err(Error::SavePending { .. })));
+        while e.save_pending() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        e.wait_save().unwrap();
+        e.wait_save().unwrap();
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect::<Vec<_>>()
+    });
+    let config = EngineConfig::default();
+    let loaded = on_engines(&plan, &config, Mode::Eager, move |mut e| {
+        e.load(&dir).unwrap();
+        (0..e.plan().groups().len())
+            .map(|g| e.param_shard(g).unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(loaded, shards);
+}
+
 fn scratch_other(dir: &Path) -> PathBuf {
     dir.with_extension("other")
 }

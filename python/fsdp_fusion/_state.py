@@ -52,10 +52,12 @@ class _StateCopies:
         self._call(name, self._engine, os.fsencode(directory))
 
     def wait_save(self):
-        """The outcome of `save(wait=False)`, a collective: every rank calls it. Each rank waits
-        for its files within half the engine's timeout, then the ranks agree: every rank
-        raises what failed on any (`IoError`, `FsdpTimeoutError`, ...), with no rank's file of the
-        save left. Returns when no save is pending on any rank."""
+        """The outcome of `save(wait=False)`, a collective: every rank calls it, between steps.
+        Each rank waits for its files (within half the engine's timeout above world size 1),
+        then the ranks agree: every rank raises `FsdpTimeoutError` while a rank's files are
+        still being written (the save stays pending: call again), and what failed on any rank
+        (`IoError`, ...) where a write failed, with no rank's file of the save left. Returns
+        once every rank's files are on disk, or when no save is pending on any rank."""
         self._call("fsdp_engine_wait_save", self._engine)
 
     def load(self, directory: str | os.PathLike):

@@ -123,6 +123,8 @@ const OUT_OF_MEMORY: u8 = 4;
 const WRITE: u8 = 5;
 const EMPTY_PATH: u8 = 6;
 const SAVE_PENDING: u8 = 7;
+const TIMEOUT: u8 = 8;
+const PANICKED: u8 = 9;
 const OTHER: u8 = 255;
 
 /// `e` as [`MESSAGE_BYTES`] bytes: its kind, then its fields, each ended by a NUL (cut at the
@@ -140,6 +142,8 @@ fn encode(e: &Error) -> Vec<u8> {
         Error::Write { path, source } => (WRITE, vec![path.clone(), source.to_string()]),
         Error::EmptyPath { what } => (EMPTY_PATH, vec![what.clone()]),
         Error::SavePending { dir } => (SAVE_PENDING, vec![dir.clone()]),
+        Error::Timeout { op, waited } => (TIMEOUT, vec![op.clone(), waited.as_nanos().to_string()]),
+        Error::Panicked { message } => (PANICKED, vec![message.clone()]),
         other => (OTHER, vec![other.to_string()]),
     };
     let mut out = vec![0u8; MESSAGE_BYTES];
@@ -190,6 +194,11 @@ fn decode(bytes: &[u8], dir: &Path) -> Error {
         },
         EMPTY_PATH => Error::EmptyPath { what: field(0) },
         SAVE_PENDING => Error::SavePending { dir: field(0) },
+        TIMEOUT => Error::Timeout {
+            op: field(0),
+            waited: std::time::Duration::from_nanos(field(1).parse().unwrap_or(0)),
+        },
+        PANICKED => Error::Panicked { message: field(0) },
         _ => Error::CheckpointUnreadable {
             path: dir.display().to_string(),
             reason: field(0),
@@ -221,6 +230,13 @@ mod tests {
             },
             Error::EmptyPath { what: "dir".into() },
             Error::SavePending { dir: "ckpt".into() },
+            Error::Timeout {
+                op: "the save into ckpt".into(),
+                waited: std::time::Duration::from_millis(1500),
+            },
+            Error::Panicked {
+                message: "the save into ckpt panicked".into(),
+            },
         ];
         for e in cases {
             assert_eq!(decode(&encode(&e), dir).to_string(), e.to_string());

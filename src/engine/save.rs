@@ -34,9 +34,40 @@ pub(super) struct PendingSave<H> {
     dir: std::path::PathBuf,
     rank: usize,
     thread: Option<std::thread::JoinHandle<Written<H>>>,
-    /// The save failed on some rank while this rank's writer still ran: its files are
-    /// removed once it ends.
+    /// The writer's outcome, once it ended, until the ranks agreed on the save's.
+    written: Option<Result<()>>,
+    /// The save failed on some rank while this rank's writer still ran: the files it wrote
+    /// are removed once it ends.
     failed: bool,
+}
+
+impl<H> PendingSave<H> {
+    /// The writer's outcome, waiting for it; its staging area goes back through `staging`.
+    fn join(&mut self, staging: &mut Option<(H, usize)>) -> Option<&Result<()>> {
+        if let Some(thread) = self.thread.take() {
+            self.written = Some(match thread.join() {
+                Ok((written, area)) => {
+                    *staging = Some(area);
+                    written
+                }
+                Err(_) => Err(Error::Panicked {
+                    message: format!("the save into {} panicked", self.dir.display()),
+                }),
+            });
+        }
+        self.written.as_ref()
+    }
+}
+
+/// This rank's part of an asynchronous save, as [`Engine::wait_save`]'s ranks agree on it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OwnFiles {
+    /// No save pending.
+    None = 0,
+    /// Written, on disk.
+    Written = 1,
+    /// The writer still runs.
+    Writing = 2,
 }
 
 /// What the writer of an asynchronous save ends with: its outcome, and the staging area (with
@@ -45,10 +76,8 @@ type Written<H> = (Result<()>, (H, usize));
 
 impl<H> Drop for PendingSave<H> {
     fn drop(&mut self) {
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-        if self.failed {
+        let wrote = matches!(self.join(&mut None), Some(Ok(())));
+        if self.failed && wrote {
             // Best effort: the save's failure was reported.
             let _ = checkpoint::remove_rank(&self.dir, self.rank);
         }
@@ -202,8 +231,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// (page-locked on a GPU; made at the first such save, the size of the rank's state, and
     /// kept for the next ones), the call returning once the copy is done. [`Engine::wait_save`]
     /// gives the save's outcome; one save is pending at a time, until `wait_save` gave its
-    /// outcome (`Error::SavePending` on every rank while one rank's is). Dropping the engine
-    /// waits for the files.
+    /// outcome (`Error::SavePending` on every rank while one rank's is). A failure on this rank
+    /// after the ranks agreed to the save (its copy, its writer's start) is its error here and
+    /// stays pending, for every rank's `wait_save` to report. Dropping the engine waits for the
+    /// files.
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
@@ -238,7 +269,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if let Err(e) = queued.and(self.observe(copied)) {
             // Copies queued before the failure may still be writing the staging area.
             self.settle(staging.0);
-            return Err(e);
+            return self.pending_failure(dir, e);
         }
         let target = dir.to_path_buf();
         let sections = manifest.sections.clone();
@@ -257,14 +288,37 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             .map_err(|e| Error::Spawn {
                 what: "the checkpoint writer",
                 source: std::sync::Arc::new(e),
-            })?;
-        self.saving.pending = Some(PendingSave {
+            });
+        match thread {
+            Ok(thread) => {
+                self.saving.pending = Some(self.pending(dir, Some(thread), None));
+                Ok(())
+            }
+            Err(e) => self.pending_failure(dir, e),
+        }
+    }
+
+    /// A save into `dir` pending on this rank: its writer, or its outcome.
+    fn pending(
+        &self,
+        dir: &Path,
+        thread: Option<std::thread::JoinHandle<Written<B::HostBuffer>>>,
+        written: Option<Result<()>>,
+    ) -> PendingSave<B::HostBuffer> {
+        PendingSave {
             dir: dir.to_path_buf(),
             rank: self.rank,
-            thread: Some(thread),
+            thread,
+            written,
             failed: false,
-        });
-        Ok(())
+        }
+    }
+
+    /// `e`, a failure of this rank's asynchronous save after the ranks agreed to it: the save
+    /// stays pending with it, so that every rank's [`Engine::wait_save`] reports it.
+    fn pending_failure(&mut self, dir: &Path, e: Error) -> Result<()> {
+        self.saving.pending = Some(self.pending(dir, None, Some(Err(e.clone()))));
+        Err(e)
     }
 
     /// The start of a save on every rank: the checks (this rank writes into a free directory,
@@ -301,60 +355,105 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(Some((self.manifest(&self.parts(), id), prepared)))
     }
 
-    /// Gives the outcome of [`Engine::save_async`], a collective: every rank calls it. Each
-    /// rank waits for its files within half the engine's timeout (so that the ranks' agreement
-    /// after it meets within the timeout), then the ranks agree on the outcome, as
-    /// [`Engine::save`]'s: `Ok` on every rank once every rank's files are on disk, and an error
-    /// on every rank otherwise, no rank's file of the save left (a writer still running removes
-    /// its files when it ends). A rank whose writer is still running (`Error::Timeout` there)
-    /// keeps the save pending, failed, until a later `wait_save` or the engine's drop waits for
-    /// it. `Ok` when no save is pending on any rank.
+    /// Gives the outcome of [`Engine::save_async`], a collective: every rank calls it, between
+    /// steps. Each rank waits for its files (within half the engine's timeout above world size
+    /// 1, so that the ranks' agreement after it meets within the timeout), then the ranks agree
+    /// on the outcome: `Ok` on every rank once every rank's files are on disk, the save no
+    /// longer pending; `Error::Timeout` on every rank, the save still pending and nothing
+    /// removed, while a rank's files are still being written (call again); and where a rank's
+    /// write failed, its error there and `Error::PeerRefused` naming it on the others, each
+    /// rank's files of the save removed (a writer still running removes its own when it ends,
+    /// at the next `wait_save` or the engine's drop; a failure of the agreement itself, which
+    /// poisons the engine, removes nothing). `Ok` when no save is pending on any rank. Refused during a
+    /// capture and mid-step, before any exchange.
     pub fn wait_save(&mut self) -> Result<()> {
         self.healthy()?;
-        let dir = self.saving.pending.as_ref().map(|p| p.dir.clone());
-        let dir = dir.unwrap_or_default();
-        let written = self.wait_own_files();
-        let agreed = self.agree_on_written(&dir, written);
-        if agreed.is_err()
-            && let Some(pending) = self.saving.pending.as_mut()
-        {
-            pending.failed = true;
+        self.check_not_capturing("waiting for a save")?;
+        self.check_step_boundary("waiting for a save")?;
+        let dir = (self.saving.pending.as_ref()).map_or_else(Default::default, |p| p.dir.clone());
+        let own = self.wait_own_files();
+        let (wrote, writing) = (
+            matches!(own, Ok(OwnFiles::Written)),
+            matches!(own, Ok(OwnFiles::Writing)),
+        );
+        // This rank's writer ended in failure: nothing of it is left to wait for or remove.
+        let own_failed =
+            (self.saving.pending.as_ref()).is_some_and(|p| matches!(p.written, Some(Err(_))));
+        let rank = self.rank;
+        let undo = || {
+            if wrote {
+                // Best effort: the peer's failure is the error to report.
+                let _ = checkpoint::remove_rank(&dir, rank);
+            }
+        };
+        let outcome = own.map(|files| ((), [files as u8; 16]));
+        match self.agree_undoing(&dir, outcome, undo) {
+            Ok(((), every)) => match every.iter().position(|p| p[0] == OwnFiles::Writing as u8) {
+                Some(writing) => Err(Error::Timeout {
+                    op: format!(
+                        "the save into {}: rank {writing}'s files still being written (it stays \
+                         pending)",
+                        dir.display()
+                    ),
+                    waited: self.own_files_wait(),
+                }),
+                None => {
+                    self.saving.pending = None;
+                    Ok(())
+                }
+            },
+            Err(e) => {
+                match &e {
+                    // A peer's write failed: this rank's files went (the undo), or go when its
+                    // writer ends.
+                    Error::PeerRefused { .. } if writing => {
+                        if let Some(p) = self.saving.pending.as_mut() {
+                            p.failed = true;
+                        }
+                    }
+                    Error::PeerRefused { .. } => self.saving.pending = None,
+                    // The exchange itself failed (the engine is poisoned): the outcome is not
+                    // known, and the files stay.
+                    _ if own_failed => self.saving.pending = None,
+                    _ => {}
+                }
+                Err(e)
+            }
         }
-        agreed
     }
 
-    /// Waits for this rank's files of [`Engine::save_async`] within half the engine's timeout:
-    /// whether it wrote them, `Ok(false)` with none pending or a failed save's; a save whose
-    /// writer is still running stays pending.
-    fn wait_own_files(&mut self) -> Result<bool> {
+    /// How long [`Engine::wait_save`] waits for this rank's files.
+    fn own_files_wait(&self) -> std::time::Duration {
+        match self.comm.grid_size() {
+            1 => self.watch.timeout(),
+            _ => self.watch.timeout() / 2,
+        }
+    }
+
+    /// Waits for this rank's files of [`Engine::save_async`], as [`Engine::wait_save`] does:
+    /// where they are. A failed save's writer that ended is done with (its files removed).
+    fn wait_own_files(&mut self) -> Result<OwnFiles> {
+        let within = self.own_files_wait();
         let Some(mut pending) = self.saving.pending.take() else {
-            return Ok(false);
+            return Ok(OwnFiles::None);
         };
         let what = || format!("the save into {}", pending.dir.display());
-        let waited = self
-            .watch
-            .poll_within(self.watch.timeout() / 2, SAVE_POLL, what, || {
-                Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
-            });
-        if let Err(e) = waited {
-            self.saving.pending = Some(pending);
-            return Err(e);
-        }
-        let written = match pending.thread.take().map(std::thread::JoinHandle::join) {
-            None => Ok(false),
-            Some(Ok((written, staging))) => {
-                self.saving.staging = Some(staging);
-                written.map(|()| true)
+        let ended = self.watch.poll_within(within, SAVE_POLL, what, || {
+            Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
+        });
+        let own = match ended {
+            Err(Error::Timeout { .. }) => Ok(OwnFiles::Writing),
+            Err(e) => Err(e),
+            Ok(()) => {
+                let written = pending.join(&mut self.saving.staging).cloned();
+                if pending.failed {
+                    return Ok(OwnFiles::None);
+                }
+                written.unwrap_or(Ok(())).map(|()| OwnFiles::Written)
             }
-            Some(Err(_)) => Err(Error::Panicked {
-                message: what() + " panicked",
-            }),
         };
-        // A failed save's files go with it (its drop); its failure was reported.
-        match pending.failed {
-            true => Ok(false),
-            false => written,
-        }
+        self.saving.pending = Some(pending);
+        own
     }
 
     /// Whether [`Engine::save_async`]'s files are still being written.
