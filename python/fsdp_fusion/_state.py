@@ -58,6 +58,7 @@ class _StateCopies:
         still being written (the save stays pending: call again), and what failed on any rank
         (`IoError`, ...) where a write failed, with no rank's file of the save left. Returns
         once every rank's files are on disk, or when no save is pending on any rank."""
+        self._end_evaluation()
         self._call("fsdp_engine_wait_save", self._engine)
 
     def load(self, directory: str | os.PathLike):
