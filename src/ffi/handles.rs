@@ -3,6 +3,7 @@
 //! need while one of its calls blocks: its abort handle and its last counters.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 use super::comms::Comms;
@@ -62,7 +63,10 @@ impl AnyEngine {
 pub(crate) struct EngineEntry {
     /// Known without the engine's lock, so that a call converts its inputs before taking it.
     tensors: TensorMemory,
-    engine: Mutex<AnyEngine>,
+    /// Taken, and dropped, by `fsdp_engine_destroy` or by the call it found running.
+    engine: Mutex<Option<AnyEngine>>,
+    /// Set by `fsdp_engine_destroy`: no call runs on the engine after it.
+    destroyed: AtomicBool,
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
     report: Mutex<(fsdp_counters, MemoryUsage)>,
@@ -70,13 +74,23 @@ pub(crate) struct EngineEntry {
     captures: Mutex<Captures>,
 }
 
-impl Drop for EngineEntry {
-    /// Gives up a capture still under way first (a CUDA stream capture would otherwise stay
-    /// open on the caller's compute stream, and the engine's memory could not be freed inside
-    /// it); a capture begun on another thread stays, as the driver would refuse its end.
-    fn drop(&mut self) {
-        if let Ok(engine) = self.engine.get_mut() {
-            let _ = with_engine!(engine, e => e.abandon_capture());
+impl EngineEntry {
+    /// Drops the engine once destroyed, unless a call holds it (which does, once it returns):
+    /// so that the engine goes on the thread of `fsdp_engine_destroy` or of the call it found
+    /// running, never later on a thread that only read its counters or aborted it. A capture
+    /// still under way is given up first (a CUDA stream capture would otherwise stay open on
+    /// the caller's compute stream, and the engine's memory could not be freed inside it); one
+    /// begun on another thread stays, as the driver would refuse its end.
+    fn drop_if_destroyed(&self) {
+        if !self.destroyed.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut held) = self.engine.try_lock() else {
+            return;
+        };
+        if let Some(mut engine) = held.take() {
+            drop(held);
+            let _ = with_engine!(&mut engine, e => e.abandon_capture());
         }
     }
 }
@@ -133,7 +147,8 @@ pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Out
     let entry = EngineEntry {
         tensors: engine.tensor_memory(),
         report: Mutex::new(report(&engine)),
-        engine: Mutex::new(engine),
+        engine: Mutex::new(Some(engine)),
+        destroyed: AtomicBool::new(false),
         abort,
         captures: Mutex::new(Captures::default()),
     };
@@ -173,8 +188,26 @@ pub(crate) fn on_engine_with<P, T>(
     let object = object(engine as u64, "engine")?;
     let entry = entry_of(&object)?;
     let prepared = prepare(entry.tensors)?;
-    let mut any = lock(&entry.engine)?;
-    let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut any, prepared)));
+    let outcome = run_on(entry, |any| f(any, prepared));
+    // The last call running when the engine was destroyed drops it.
+    entry.drop_if_destroyed();
+    outcome
+}
+
+/// Runs `f` on `entry`'s engine under its lock, as [`on_engine_with`] describes;
+/// `FSDP_INVALID_HANDLE` once the engine was destroyed (a call that found the handle before).
+fn run_on<T>(entry: &EngineEntry, f: impl FnOnce(&mut AnyEngine) -> Outcome<T>) -> Outcome<T> {
+    let mut held = lock(&entry.engine)?;
+    let any = match held.as_mut() {
+        Some(any) if !entry.destroyed.load(Ordering::SeqCst) => any,
+        _ => {
+            return Err(Failure::new(
+                fsdp_status::FSDP_INVALID_HANDLE,
+                "engine was destroyed while this call began".to_string(),
+            ));
+        }
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut *any)));
     let outcome = outcome.unwrap_or_else(|payload| {
         let message = format!("panic inside fsdp-fusion: {}", panic_message(&*payload));
         let cause = Error::Panicked {
@@ -187,7 +220,7 @@ pub(crate) fn on_engine_with<P, T>(
             format!("{message}; the engine is poisoned and has left its group"),
         ))
     });
-    *lock(&entry.report)? = report(&any);
+    *lock(&entry.report)? = report(any);
     outcome
 }
 
@@ -235,10 +268,16 @@ pub(crate) fn destroy(
         }
         handles.remove(handle)?
     };
-    // A call still running on the engine (blocked in a collective, say) is aborted, so that it
-    // returns and the engine can go; an idle engine finishes its queued work as it drops.
+    // No call runs on the engine after this; one still running (blocked in a collective, say)
+    // is aborted, so that it returns and drops the engine; an idle engine finishes its queued
+    // work as it drops, here.
     match &*removed {
-        Object::Engine(entry) if entry.engine.try_lock().is_err() => entry.abort.abort(),
+        Object::Engine(entry) => {
+            entry.destroyed.store(true, Ordering::SeqCst);
+            if entry.engine.try_lock().is_err() {
+                entry.abort.abort();
+            }
+        }
         // A rank inside its creation holds the group until it returns: its peers that no
         // engine took go now, so that it fails at once instead of at its deadline.
         Object::Group(comms) => comms.release(),
@@ -246,6 +285,9 @@ pub(crate) fn destroy(
     }
     // Dropped after the registry is unlocked: an engine's drop waits for its queued work, whose
     // collectives need the other ranks, whose calls need the registry.
+    if let Object::Engine(entry) = &*removed {
+        entry.drop_if_destroyed();
+    }
     drop(removed);
     Ok(())
 }
