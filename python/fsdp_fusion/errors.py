@@ -62,7 +62,8 @@ class OutOfMemoryError(FsdpError, MemoryError):
 
 class FsdpTimeoutError(FsdpError, TimeoutError):
     """FSDP_TIMEOUT: a wait ran past the engine's timeout (a peer that never came, a stalled
-    device); the engine is poisoned."""
+    device); the engine is poisoned, except from `wait_save` while a rank's files are still
+    being written (the save stays pending: call again)."""
 
 
 class AbortedError(FsdpError):

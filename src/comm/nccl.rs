@@ -311,8 +311,13 @@ impl Drop for NcclComm {
                 let _ = unsafe { (self.reductions.nccl().red_op_destroy)(op, use_.raw()) };
             }
         }
-        self.reductions.close(&self.watch);
-        self.gathers.close(&self.watch);
+        // A finalize that failed (a peer on the node stuck) would make the next one wait out
+        // the deadline again: the other communicator is aborted instead.
+        if self.reductions.close(&self.watch) {
+            self.gathers.close(&self.watch);
+        } else {
+            self.gathers.abort();
+        }
     }
 }
 
@@ -372,6 +377,9 @@ impl Communicator<CudaBackend> for NcclComm {
         // happened, or later collectives of the thread would wait in it.
         let bound = bind(backend.context_handle());
         let status = group.end();
+        // NCCL reads the communicators until the group's end returned; its settling below pins
+        // each look, so that an abort asked meanwhile ends the poll at once.
+        drop(pins);
         let mut result = bound;
         for handle in [&self.gathers, &self.reductions] {
             let settled = handle.settle("ncclGroupEnd", status, &self.watch, || {
@@ -383,8 +391,6 @@ impl Communicator<CudaBackend> for NcclComm {
             self.gathers.abort();
             self.reductions.abort();
         }
-        // The aborts asked above, or from another thread during the group, happen here.
-        drop(pins);
         result
     }
 

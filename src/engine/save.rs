@@ -232,9 +232,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// kept for the next ones), the call returning once the copy is done. [`Engine::wait_save`]
     /// gives the save's outcome; one save is pending at a time, until `wait_save` gave its
     /// outcome (`Error::SavePending` on every rank while one rank's is). A failure on this rank
-    /// after the ranks agreed to the save (its copy, its writer's start) is its error here and
-    /// stays pending, for every rank's `wait_save` to report. Dropping the engine waits for the
-    /// files.
+    /// after the ranks agreed to the save is its error here; its writer's start failing stays
+    /// pending, for every rank's `wait_save` to report; its copy failing poisons the engine
+    /// (the device failed), and the other ranks' `wait_save` fail at their deadline. Dropping
+    /// the engine waits for the files.
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
@@ -345,12 +346,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 true => checkpoint::check_free(dir),
                 false => Ok(()),
             })
-            .and_then(|()| prepare(self))
+            // What the writing needs, on a rank that writes only.
+            .and_then(|()| writes.then(|| prepare(self)).transpose())
             .map(|prepared| (prepared, SaveId::fresh().0));
         let (prepared, proposals) = self.agree(dir, checked)?;
-        if !writes {
+        let Some(prepared) = prepared else {
             return Ok(None);
-        }
+        };
         let id = SaveId(proposals.first().copied().unwrap_or_default());
         Ok(Some((self.manifest(&self.parts(), id), prepared)))
     }
@@ -364,13 +366,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// write failed, its error there and `Error::PeerRefused` naming it on the others, each
     /// rank's files of the save removed (a writer still running removes its own when it ends,
     /// at the next `wait_save` or the engine's drop; a failure of the agreement itself, which
-    /// poisons the engine, removes nothing). `Ok` when no save is pending on any rank. Refused during a
-    /// capture and mid-step, before any exchange.
+    /// poisons the engine, before a peer's failure was seen removes nothing). `Ok` when no save
+    /// is pending on any rank. Refused (`Error::MidStep`, `Error::Capture`) on a rank mid-step
+    /// or capturing, before the exchange: every rank calls it between steps.
     pub fn wait_save(&mut self) -> Result<()> {
         self.healthy()?;
-        self.check_not_capturing("waiting for a save")?;
         self.check_step_boundary("waiting for a save")?;
-        let dir = (self.saving.pending.as_ref()).map_or_else(Default::default, |p| p.dir.clone());
+        let dir = (self.saving.pending.as_ref()).map_or_else(
+            || std::path::PathBuf::from("the asynchronous save"),
+            |p| p.dir.clone(),
+        );
         let own = self.wait_own_files();
         let (wrote, writing) = (
             matches!(own, Ok(OwnFiles::Written)),
@@ -380,14 +385,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let own_failed =
             (self.saving.pending.as_ref()).is_some_and(|p| matches!(p.written, Some(Err(_))));
         let rank = self.rank;
+        // Whether a peer's write failed (seen before the failure's message is exchanged).
+        let peer_failed = std::cell::Cell::new(false);
         let undo = || {
+            peer_failed.set(true);
             if wrote {
                 // Best effort: the peer's failure is the error to report.
                 let _ = checkpoint::remove_rank(&dir, rank);
             }
         };
         let outcome = own.map(|files| ((), [files as u8; 16]));
-        match self.agree_undoing(&dir, outcome, undo) {
+        let agreed = self.agree_undoing(&dir, outcome, undo);
+        if peer_failed.get()
+            && writing
+            && let Some(p) = self.saving.pending.as_mut()
+        {
+            // This rank's writer removes its files when it ends, whatever the rest of the
+            // exchange did.
+            p.failed = true;
+        }
+        match agreed {
             Ok(((), every)) => match every.iter().position(|p| p[0] == OwnFiles::Writing as u8) {
                 Some(writing) => Err(Error::Timeout {
                     op: format!(
@@ -403,19 +420,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 }
             },
             Err(e) => {
-                match &e {
-                    // A peer's write failed: this rank's files went (the undo), or go when its
-                    // writer ends.
-                    Error::PeerRefused { .. } if writing => {
-                        if let Some(p) = self.saving.pending.as_mut() {
-                            p.failed = true;
-                        }
-                    }
-                    Error::PeerRefused { .. } => self.saving.pending = None,
-                    // The exchange itself failed (the engine is poisoned): the outcome is not
-                    // known, and the files stay.
-                    _ if own_failed => self.saving.pending = None,
-                    _ => {}
+                // This rank's files went (the undo) or go when its writer ends; a failure of the
+                // exchange before any peer's failure was seen leaves them (the outcome is not
+                // known, and the engine is poisoned).
+                if (peer_failed.get() && !writing) || own_failed {
+                    self.saving.pending = None;
                 }
                 Err(e)
             }
@@ -442,7 +451,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             Ok(pending.thread.as_ref().is_none_or(|t| t.is_finished()))
         });
         let own = match ended {
-            Err(Error::Timeout { .. }) => Ok(OwnFiles::Writing),
+            // The wait's own deadline, not a failure of the rank.
+            Err(Error::Timeout { .. }) if self.watch.check().is_ok() => Ok(OwnFiles::Writing),
             Err(e) => Err(e),
             Ok(()) => {
                 let written = pending.join(&mut self.saving.staging).cloned();

@@ -41,8 +41,10 @@ pub unsafe extern "C" fn fsdp_engine_save(
 /// (page-locked on a GPU; the size of the rank's state) and returns once the copy is done;
 /// `fsdp_engine_wait_save` gives the save's outcome. One save is pending at a time, until
 /// `fsdp_engine_wait_save` gave its outcome: `FSDP_MISUSE` on every rank while one rank's is.
-/// A failure on this rank after the ranks agreed to the save (its copy, its writer's start) is
-/// its status here and stays pending, for every rank's `fsdp_engine_wait_save` to report.
+/// A failure on this rank after the ranks agreed to the save is its status here: its writer's
+/// start failing stays pending, for every rank's `fsdp_engine_wait_save` to report; its copy
+/// failing poisons the engine (the device failed), and the other ranks'
+/// `fsdp_engine_wait_save` fail at their deadline.
 /// Destroying the engine waits for the files.
 ///
 /// # Safety
@@ -60,7 +62,9 @@ pub unsafe extern "C" fn fsdp_engine_save_async(
 /// Each rank waits for its files (within half the engine's timeout above world size 1), then
 /// the ranks agree on the outcome as `fsdp_engine_save`'s: `FSDP_OK` on every rank once every
 /// rank's files are on disk; `FSDP_TIMEOUT` on every rank while a rank's files are still being
-/// written, the save still pending and nothing removed (call again); where a rank's write
+/// written, the save still pending, nothing removed and the engine not poisoned (call again;
+/// a peer that never calls makes the agreement's own wait pass the deadline, which poisons);
+/// where a rank's write
 /// failed, the same status on every rank (`FSDP_IO_ERROR` naming the file, the others naming
 /// that rank) and each rank's files of the save removed (a writer still running removes its
 /// own when it ends). `FSDP_OK` when no save is pending on any rank. `FSDP_MISUSE` during a

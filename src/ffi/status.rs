@@ -19,7 +19,8 @@ pub enum fsdp_status {
     /// A bad value: size, dtype, name, shape, configuration, model file contents, a launch
     /// environment variable; or ranks whose plans differ.
     FSDP_INVALID_ARGUMENT = 3,
-    /// A call out of order: hooks, gradients, steps. Nothing changed.
+    /// A call out of order: hooks, gradients, steps. Nothing changed, unless the call says
+    /// otherwise.
     FSDP_MISUSE = 4,
     /// CUDA, its kernels or NCCL are not available.
     FSDP_UNAVAILABLE = 5,
@@ -36,7 +37,8 @@ pub enum fsdp_status {
     /// (making an engine); a per-step gradient shard refused inside a step poisons the engine.
     FSDP_OUT_OF_MEMORY = 10,
     /// A wait passed the engine's deadline (`fsdp_config.timeout_seconds`); the engine is
-    /// poisoned.
+    /// poisoned, unless the call says otherwise (`fsdp_engine_wait_save` while a rank's files
+    /// are still being written).
     FSDP_TIMEOUT = 11,
     /// The engine was aborted (`fsdp_engine_abort`, or `fsdp_engine_destroy` from another
     /// thread).

@@ -408,12 +408,10 @@ impl Handle {
     }
 
     /// Ends the communicator in order (`ncclCommFinalize`, then `ncclCommDestroy`), waiting for
-    /// its work under `watch`; aborts it when that fails, and fails `watch` with the cause, so
-    /// that the rank's other communicators closing under it abort at once rather than each
-    /// waiting out the deadline again (a finalize waits for the node's peers).
-    pub(super) fn close(&self, watch: &Watch) {
+    /// its work under `watch`; aborts it when that fails. Whether it ended in order.
+    pub(super) fn close(&self, watch: &Watch) -> bool {
         let Ok(use_) = self.pin("ncclCommFinalize") else {
-            return;
+            return false;
         };
         // SAFETY: the handle is pinned.
         let status = unsafe { (self.nccl.comm_finalize)(use_.raw()) };
@@ -421,15 +419,18 @@ impl Handle {
         let finalized = self.settle("ncclCommFinalize", status, watch, || {
             "NCCL's finalize of the communicator".into()
         });
-        match finalized {
-            Ok(()) if self.shared.uses().end() => {
-                // SAFETY: the handle ended for every use, none is under way; finalized,
-                // destroyed once.
-                let _ = unsafe { (self.nccl.comm_destroy)(self.shared.raw) };
-            }
-            Ok(()) => {}
-            Err(cause) => watch.fail(cause),
+        if finalized.is_err() {
+            return false;
         }
+        if self.shared.uses().end() {
+            // SAFETY: the handle ended for every use, none is under way; finalized, destroyed
+            // once.
+            let _ = unsafe { (self.nccl.comm_destroy)(self.shared.raw) };
+            return true;
+        }
+        // A use still under way (none is, from the owner's drop): it aborts the handle.
+        self.abort();
+        false
     }
 }
 
