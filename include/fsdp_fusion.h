@@ -734,7 +734,8 @@ enum fsdp_status fsdp_engine_memory(struct fsdp_engine *engine, size_t *current,
 
 // Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
 // host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
-// done (on a GPU, after the work already queued on the engine's streams).
+// done (on a GPU, after the work already queued on the engine's streams). A `capacity` below
+// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched.
 //
 // # Safety
 // `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -747,8 +748,10 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
 // Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
 // shard (of a process group's group, from the shards of this rank's copy), into `out`, host
 // memory of `capacity` bytes; `*written` gets its size. A collective: every rank calls it for
-// the same groups in the same order, between steps (`FSDP_MISUSE` inside one). Blocks until the
-// bytes are there.
+// the same groups in the same order, between steps (`FSDP_MISUSE` inside one), and with a
+// non-NULL `out` (one rank's NULL leaves the others to their deadline). Blocks until the bytes
+// are there. A `capacity` below the size is `FSDP_INVALID_ARGUMENT` after the gather, with
+// `*written` the size needed and `out` untouched.
 //
 // # Safety
 // `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -904,11 +907,14 @@ enum fsdp_status fsdp_plan_memory(const struct fsdp_plan *plan,
 
 // Sets the learning rate of the next optimizer steps (call it before each step for a
 // schedule); every parameter's is this times its `lr_scale`. Every rank must set the same.
-// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing;
-// `FSDP_POISONED` on a poisoned or aborted engine.
+// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, and `FSDP_MISUSE` once the step's
+// gradients began where the optimizer steps in the backward (an update may have run), both
+// changing nothing; `FSDP_POISONED` on a poisoned or aborted engine.
 enum fsdp_status fsdp_engine_set_lr(struct fsdp_engine *engine, float lr);
 
 // Sets the weight decay of the next optimizer steps, for the parameters that take it.
+// `FSDP_INVALID_ARGUMENT` for a negative or non-finite decay, and `FSDP_MISUSE` once the step's
+// gradients began where the optimizer steps in the backward, both changing nothing;
 // `FSDP_POISONED` on a poisoned or aborted engine.
 enum fsdp_status fsdp_engine_set_weight_decay(struct fsdp_engine *engine, float weight_decay);
 
@@ -965,6 +971,10 @@ const char *fsdp_last_error(void);
 // stream, so `func` makes no CUDA call and reads no device memory. Queued during a capture it
 // is captured, and called at each replay instead. Never waits for the stream (on an eager
 // group the call runs `func` itself before it returns).
+//
+// `func` calls no `fsdp_engine_*` function of this engine but `fsdp_engine_counters`,
+// `fsdp_engine_memory` and `fsdp_engine_abort`: the engine's lock is held around an eager
+// group's call, and an asynchronous group's engine may wait for the stream that runs `func`.
 //
 // # Safety
 // `func` may be called with `user_data` on another thread, once now or once per replay of a

@@ -1,10 +1,9 @@
 //! Sharded checkpoints from C: each rank saves and loads its own part, the ranks agreeing first.
 
 use std::ffi::c_char;
-use std::path::Path;
 
 use super::handles::{AnyEngine, on_engine, with_engine};
-use super::status::{boundary, fsdp_status, text};
+use super::status::{boundary, file_path, fsdp_status};
 use super::types::fsdp_engine;
 
 /// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
@@ -158,9 +157,9 @@ pub unsafe extern "C" fn fsdp_checkpoint_export_safetensors(
 ) -> fsdp_status {
     boundary(|| {
         // SAFETY: the caller's contract.
-        let dir = Path::new(unsafe { text(dir, "dir") }?);
+        let dir = unsafe { file_path(dir, "dir") }?;
         // SAFETY: the caller's contract.
-        let path = Path::new(unsafe { text(path, "path") }?);
+        let path = unsafe { file_path(path, "path") }?;
         Ok(crate::export::export_checkpoint(dir, path)?)
     })
 }
@@ -187,7 +186,7 @@ unsafe fn at_path(
 ) -> fsdp_status {
     boundary(|| {
         // SAFETY: the caller's contract.
-        let path = Path::new(unsafe { text(path, what) }?);
+        let path = unsafe { file_path(path, what) }?;
         on_engine(engine, |any: &mut AnyEngine| {
             Ok(with_engine!(any, e => match op {
                 PathOp::Save => e.save(path),

@@ -100,7 +100,8 @@ pub unsafe extern "C" fn fsdp_engine_memory(
 
 /// Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
 /// host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
-/// done (on a GPU, after the work already queued on the engine's streams).
+/// done (on a GPU, after the work already queued on the engine's streams). A `capacity` below
+/// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched.
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -119,8 +120,10 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
 /// Copies group `group`'s whole padded buffer (bytes in its dtype), gathered from every rank's
 /// shard (of a process group's group, from the shards of this rank's copy), into `out`, host
 /// memory of `capacity` bytes; `*written` gets its size. A collective: every rank calls it for
-/// the same groups in the same order, between steps (`FSDP_MISUSE` inside one). Blocks until the
-/// bytes are there.
+/// the same groups in the same order, between steps (`FSDP_MISUSE` inside one), and with a
+/// non-NULL `out` (one rank's NULL leaves the others to their deadline). Blocks until the bytes
+/// are there. A `capacity` below the size is `FSDP_INVALID_ARGUMENT` after the gather, with
+/// `*written` the size needed and `out` untouched.
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -173,6 +176,9 @@ unsafe fn copy_out(
     written: *mut usize,
 ) -> Outcome {
     if bytes.len() > capacity {
+        // The size needed, for the caller's next try.
+        // SAFETY: the caller's contract.
+        unsafe { put(written, "written", bytes.len()) }?;
         return Err(invalid(format!(
             "the copy has {} bytes, out holds {capacity}",
             bytes.len()

@@ -1,12 +1,11 @@
 //! Plans from C: made from a model file, its text or declarations; queried by parameter.
 
 use std::ffi::c_char;
-use std::path::Path;
 use std::sync::Arc;
 
 use super::handles::{destroy, handles, plan_of};
 use super::registry::Object;
-use super::status::{Outcome, boundary, fsdp_status, invalid, null, put, text};
+use super::status::{Outcome, boundary, file_path, fsdp_status, invalid, null, put, text};
 use super::types::{
     FSDP_ROOT, config_of, dtype_code, dtype_of, flag, fsdp_config, fsdp_memory, fsdp_param_info,
     fsdp_param_spec, fsdp_plan, unit_of,
@@ -65,11 +64,11 @@ pub unsafe extern "C" fn fsdp_plan_from_file(
 ) -> fsdp_status {
     boundary(|| {
         // SAFETY: the caller's contract.
-        let path = unsafe { text(path, "path") }?;
+        let path = unsafe { file_path(path, "path") }?;
         if out.is_null() {
             return Err(null("out"));
         }
-        new_plan(&ModelSpec::from_path(Path::new(path))?, world_size, out)
+        new_plan(&ModelSpec::from_path(path)?, world_size, out)
     })
 }
 

@@ -17,14 +17,17 @@ impl From<GradNorm> for fsdp_grad_norm {
 
 /// Sets the learning rate of the next optimizer steps (call it before each step for a
 /// schedule); every parameter's is this times its `lr_scale`. Every rank must set the same.
-/// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, which changes nothing;
-/// `FSDP_POISONED` on a poisoned or aborted engine.
+/// `FSDP_INVALID_ARGUMENT` for a negative or non-finite rate, and `FSDP_MISUSE` once the step's
+/// gradients began where the optimizer steps in the backward (an update may have run), both
+/// changing nothing; `FSDP_POISONED` on a poisoned or aborted engine.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_set_lr(engine: *mut fsdp_engine, lr: f32) -> fsdp_status {
     boundary(|| on_engine(engine, |any| Ok(with_engine!(any, e => e.set_lr(lr))?)))
 }
 
 /// Sets the weight decay of the next optimizer steps, for the parameters that take it.
+/// `FSDP_INVALID_ARGUMENT` for a negative or non-finite decay, and `FSDP_MISUSE` once the step's
+/// gradients began where the optimizer steps in the backward, both changing nothing;
 /// `FSDP_POISONED` on a poisoned or aborted engine.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_set_weight_decay(

@@ -166,7 +166,8 @@ fn remember(message: String) {
         let end = e.nul_position();
         CString::new(&e.into_vec()[..end]).unwrap_or_default()
     });
-    LAST_ERROR.with(|m| *m.borrow_mut() = message);
+    // Gone at the thread's exit (a destructor's call then): the message is dropped.
+    let _ = LAST_ERROR.try_with(|m| *m.borrow_mut() = message);
 }
 
 /// What a caught panic said.
@@ -229,6 +230,21 @@ pub(crate) unsafe fn text<'a>(s: *const c_char, what: &str) -> Outcome<&'a str> 
         .map_err(|_| invalid(format!("{what} is not UTF-8")))
 }
 
+/// A path from C: its bytes as they are (a file name need not be UTF-8).
+///
+/// # Safety
+/// `s` is NULL or a NUL-terminated string.
+pub(crate) unsafe fn file_path<'a>(s: *const c_char, what: &str) -> Outcome<&'a std::path::Path> {
+    if s.is_null() {
+        return Err(null(what));
+    }
+    // SAFETY: non-null and NUL-terminated by the caller's contract.
+    let bytes = unsafe { CStr::from_ptr(s) }.to_bytes();
+    Ok(std::path::Path::new(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(bytes),
+    ))
+}
+
 /// The version of the C ABI this header describes: the layout of every struct and the
 /// parameters of every function. It changes with each of them; a caller compares it with its
 /// own `FSDP_ABI_VERSION` before any other call, so that a library and a caller of different
@@ -245,7 +261,9 @@ pub extern "C" fn fsdp_abi_version() -> u32 {
 /// until the thread's next failed call.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_last_error() -> *const c_char {
-    LAST_ERROR.with(|m| m.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|m| m.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 #[cfg(test)]

@@ -22,6 +22,10 @@ pub type fsdp_host_func = Option<unsafe extern "C" fn(user_data: *mut c_void)>;
 /// is captured, and called at each replay instead. Never waits for the stream (on an eager
 /// group the call runs `func` itself before it returns).
 ///
+/// `func` calls no `fsdp_engine_*` function of this engine but `fsdp_engine_counters`,
+/// `fsdp_engine_memory` and `fsdp_engine_abort`: the engine's lock is held around an eager
+/// group's call, and an asynchronous group's engine may wait for the stream that runs `func`.
+///
 /// # Safety
 /// `func` may be called with `user_data` on another thread, once now or once per replay of a
 /// capture that holds it; what `user_data` points to stays valid until the last such call

@@ -191,3 +191,26 @@ fn a_model_exported_through_the_c_api_imports_into_a_fresh_engine() {
         let _ = std::fs::remove_dir_all(&dir);
     });
 }
+
+/// A path is its bytes: a directory whose name is not UTF-8 (as Python's `os.fsencode` gives
+/// for such a name) saves and loads.
+#[test]
+fn a_checkpoint_directory_whose_name_is_not_utf8_saves_and_loads() {
+    use std::os::unix::ffi::OsStrExt;
+    let base = std::env::temp_dir().join(format!("fsdp-fusion-c-bytes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let dir = base.join(std::ffi::OsStr::from_bytes(b"ckpt-\xff"));
+    let path = CString::new(dir.as_os_str().as_bytes()).unwrap();
+    let (plan, group, engine) = engine(Mode::Eager);
+    sgd_step(engine, plan, 0, &Host::default());
+    // SAFETY: valid pointers.
+    unsafe {
+        ok(fsdp_engine_save(engine, path.as_ptr()));
+        ok(fsdp_engine_load(engine, path.as_ptr()));
+    }
+    assert!(dir.join("rank-00000.json").exists());
+    ok(fsdp_engine_destroy(engine));
+    ok(fsdp_local_group_destroy(group));
+    ok(fsdp_plan_destroy(plan));
+    std::fs::remove_dir_all(&base).unwrap();
+}

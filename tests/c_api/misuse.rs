@@ -197,6 +197,24 @@ fn null_for_every_pointer_argument() {
                 NULL,
                 "written",
             );
+            // Too small: the size needed comes back, `out` untouched.
+            let mut needed = 0usize;
+            let mut small = [7u8; 1];
+            expect(
+                fsdp_engine_param_shard(engine, 0, small.as_mut_ptr().cast(), 1, &mut needed),
+                fsdp_status::FSDP_INVALID_ARGUMENT,
+                "out holds 1",
+            );
+            assert_eq!(small, [7]);
+            let mut whole = vec![0u8; needed];
+            ok(fsdp_engine_param_shard(
+                engine,
+                0,
+                whole.as_mut_ptr().cast(),
+                whole.len(),
+                &mut size,
+            ));
+            assert_eq!(size, needed);
             // Destroying NULL is allowed.
             ok(fsdp_engine_destroy(null_mut()));
             ok(fsdp_local_group_destroy(null_mut()));
