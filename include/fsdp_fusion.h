@@ -329,11 +329,14 @@ enum fsdp_status fsdp_engine_replayed(struct fsdp_engine *engine);
 // capturing its compute stream itself (on a CPU engine of an asynchronous group,
 // `fsdp_local_group_create_async`; on a CUDA engine, in thread-local mode). The next step's
 // calls, and the caller's work queued on the compute stream meanwhile
-// (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that stream), are captured and do not run; `fsdp_engine_end_capture` after the step's
-// `fsdp_engine_end_step` ends it, on the thread that began it (`FSDP_MISUSE` on another, as
-// for `fsdp_engine_abandon_capture`, with nothing changed: a CUDA capture in thread-local mode
-// ends on its own thread). Refused as `fsdp_engine_join_capture` is (`FSDP_MISUSE`,
-// nothing changed), `FSDP_UNAVAILABLE` on an eager CPU group, whose streams cannot capture,
+// (`fsdp_engine_launch_host_func`, a CUDA engine's kernels on that stream), are captured and
+// do not run; `fsdp_engine_end_capture` after the step's `fsdp_engine_end_step` ends it, on
+// the thread that began it (`FSDP_MISUSE` on another, as for `fsdp_engine_abandon_capture`,
+// with nothing changed: a CUDA capture in thread-local mode ends on its own thread; an engine
+// poisoned on another thread leaves the capture to that one too, for
+// `fsdp_engine_abandon_capture` or `fsdp_engine_destroy` there). Refused as
+// `fsdp_engine_join_capture` is (`FSDP_MISUSE`, nothing changed), `FSDP_UNAVAILABLE` on an
+// eager CPU group, whose streams cannot capture,
 // and `FSDP_DEVICE_ERROR` where the driver refuses to begin it (the legacy default stream
 // cannot be captured): that refusal changes nothing and does not poison the engine.
 // During the capture a host read (`fsdp_engine_param`, the gradient norm on the host, a save, a
@@ -418,14 +421,13 @@ enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 // own checksum, or fields that disagree with the layout they describe) or made of two saves'
 // files (their save ids); `FSDP_INVALID_ARGUMENT` listing the differences for one of another
 // model or optimizer, for an empty `dir`, and on every rank where ranks read directories (a
-// node-local copy each) of two saves, naming both saves' ids; `FSDP_OUT_OF_MEMORY` when the host cannot hold
-// this rank's state (it is read whole before anything changes); `FSDP_MISUSE` inside a step.
-// Blocks until the state is loaded.
+// node-local copy each) of two saves, naming both saves' ids; `FSDP_OUT_OF_MEMORY` when the
+// host cannot hold this rank's state (it is read whole before anything changes);
+// `FSDP_MISUSE` inside a step. Blocks until the state is loaded.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
-enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine,
-                                  const char *dir);
+enum fsdp_status fsdp_engine_load(struct fsdp_engine *engine, const char *dir);
 
 // Writes the full model into the safetensors file `path`: every parameter under its name,
 // shape and dtype, readable by the Python `safetensors` package and loadable into a PyTorch

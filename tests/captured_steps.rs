@@ -1012,6 +1012,33 @@ fn a_capture_given_up_or_ended_early_changes_nothing_or_poisons() {
         assert_eq!(e.counters().steps, steps + 1);
         Ok(())
     });
+    // The engine's own, poisoned on another thread (an abort seen by a hook there): the
+    // capture is left to the thread that began it (a CUDA capture ends on its own thread),
+    // which ends it as it gives the capture up.
+    warmed(|e, _| {
+        e.begin_capture()?;
+        e.pre_forward(Unit::Root)?;
+        let abort = e.abort_handle();
+        let seen = std::thread::scope(|s| {
+            s.spawn(|| {
+                abort.abort();
+                e.post_forward(Unit::Root).err()
+            })
+            .join()
+            .expect("the other thread")
+        });
+        assert!(matches!(seen, Some(Error::Poisoned { .. })), "{seen:?}");
+        assert!(
+            e.backend().alloc(8).is_err(),
+            "the capture was ended elsewhere"
+        );
+        assert!(matches!(e.abandon_capture(), Err(Error::Poisoned { .. })));
+        assert!(
+            e.backend().alloc(8).is_ok(),
+            "the capture is still under way"
+        );
+        Ok(())
+    });
     // The caller ended its capture before the engine left it.
     warmed(|e, batch| {
         e.join_capture()?;

@@ -159,11 +159,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Begins capturing a step on the compute stream, between steps, right after a training
     /// step (one that entered a backward pass, or replays since it): that step is the warm-up,
     /// whose recorded units' order the captured step's prefetches follow and whose gather slots
-    /// it reuses (an empty or forward-only step is none). The step's hooks, `finish_grad_sync`, `optimizer_step` and `end_step` then queue
-    /// work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`] (or give
+    /// it reuses (an empty or forward-only step is none). The step's hooks, `finish_grad_sync`,
+    /// `optimizer_step` and `end_step` then queue work that runs only at [`Engine::replay`]. End it with [`Engine::end_capture`] (or give
     /// it up with [`Engine::abandon_capture`]) on the thread that began it: both refuse on
     /// another, with nothing changed, as a CUDA stream capture in thread-local mode ends on its
-    /// own thread.
+    /// own thread (an engine poisoned on another thread leaves it to that one too).
     ///
     /// Refused, with nothing changed, where a step would do what a capture cannot hold: per-step
     /// gradient shards (allocated and freed), [`crate::EngineConfig::verify_collectives`] and a
@@ -340,11 +340,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Ends the backend's part of the capture under way, best effort, for a capture given up:
     /// the other streams join back into the compute stream (so that a caller's capture can
     /// end), then the engine's own capture ends or the caller's is left (the caller ends it).
+    /// The engine's own capture is left to the thread that began it (a poisoning on another
+    /// thread: the driver would refuse its end there, and the backend forget it), which ends
+    /// it at its `abandon_capture` or the engine's drop.
     pub(super) fn drop_backend_capture(&self) {
-        let Some(by) = self.capture.as_ref().map(|c| c.by) else {
+        let Some(capture) = self.capture.as_ref() else {
             return;
         };
-        if by == CaptureBy::CallerNotJoined {
+        let by = capture.by;
+        let elsewhere = capture.thread != std::thread::current().id();
+        if by == CaptureBy::CallerNotJoined || (by == CaptureBy::Engine && elsewhere) {
             return;
         }
         let _ = self.join_streams_on_compute();

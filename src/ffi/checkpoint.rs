@@ -85,9 +85,9 @@ pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status
 /// own checksum, or fields that disagree with the layout they describe) or made of two saves'
 /// files (their save ids); `FSDP_INVALID_ARGUMENT` listing the differences for one of another
 /// model or optimizer, for an empty `dir`, and on every rank where ranks read directories (a
-/// node-local copy each) of two saves, naming both saves' ids; `FSDP_OUT_OF_MEMORY` when the host cannot hold
-/// this rank's state (it is read whole before anything changes); `FSDP_MISUSE` inside a step.
-/// Blocks until the state is loaded.
+/// node-local copy each) of two saves, naming both saves' ids; `FSDP_OUT_OF_MEMORY` when the
+/// host cannot hold this rank's state (it is read whole before anything changes);
+/// `FSDP_MISUSE` inside a step. Blocks until the state is loaded.
 ///
 /// # Safety
 /// `dir` is NULL or NUL-terminated.
