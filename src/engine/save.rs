@@ -239,12 +239,20 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn save_async(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();
-        let started = self.begin_save(dir, |e| match e.saving.staging.take() {
-            Some((staging, bytes)) if bytes >= total => Ok((staging, bytes)),
-            _ => Ok((e.backend.alloc_host(total)?, total)),
+        // New host memory only where the kept one is too small; the kept one is taken once the
+        // ranks agreed, so that a refused save leaves it for the next.
+        let started = self.begin_save(dir, |e| match &e.saving.staging {
+            Some((_, bytes)) if *bytes >= total => Ok(None),
+            _ => Ok(Some((e.backend.alloc_host(total)?, total))),
         })?;
-        let Some((manifest, mut staging)) = started else {
+        let Some((manifest, made)) = started else {
             return Ok(());
+        };
+        let Some(mut staging) = made.or_else(|| self.saving.staging.take()) else {
+            return Err(Error::Panicked {
+                message: "the asynchronous save's host memory went between its check and use"
+                    .into(),
+            });
         };
         let queued = self.effects(|e| {
             // After every stream's work so far, in the compute stream's order (before the next
