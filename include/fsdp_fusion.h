@@ -566,14 +566,15 @@ enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
 
 // Releases an engine and everything it allocated; NULL is accepted. Never waits for another
 // handle. A capture still under way is given up first, as `fsdp_engine_abandon_capture` does
-// (the engine's own capture only on the thread that began it). A call still running on the
-// engine in another thread (blocked in a collective, say) is aborted and returns
-// `FSDP_ABORTED`; the engine goes when it returns, on that thread. Otherwise the engine goes
-// before this returns, here (never on a thread that only reads its counters or aborts it): an
-// idle engine finishes the work it queued first (on a GPU, the device work still using its
-// memory; memory from an allocator goes back to it in stream order instead) and waits for an
-// asynchronous save's files. A call that found the handle before it went, and had not begun,
-// returns `FSDP_INVALID_HANDLE`. CPU and loopback ranks still in a collective with it fail
+// (the engine's own capture only on the thread that began it: give it up there first, as a
+// call on another thread may be the one that drops the engine). Calls still running on the
+// engine in other threads (blocked in a collective, say) are aborted and return
+// `FSDP_ABORTED`; the engine goes when the last of them returns, on its thread. Otherwise the
+// engine goes before this returns, here (never on a thread that only reads its counters or
+// aborts it): an idle engine finishes the work it queued first (on a GPU, the device work
+// still using its memory; memory from an allocator goes back to it in stream order instead)
+// and waits for an asynchronous save's files. A call that found the handle before it went,
+// and had not begun, returns `FSDP_INVALID_HANDLE`. CPU and loopback ranks still in a collective with it fail
 // with `FSDP_COMM_ERROR` instead of waiting; NCCL ranks must all destroy their engines at the
 // same point of the training.
 enum fsdp_status fsdp_engine_destroy(struct fsdp_engine *engine);

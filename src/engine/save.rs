@@ -249,10 +249,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Ok(());
         };
         let Some(mut staging) = made.or_else(|| self.saving.staging.take()) else {
-            return Err(Error::Panicked {
+            let lost = Error::Panicked {
                 message: "the asynchronous save's host memory went between its check and use"
                     .into(),
-            });
+            };
+            return self.pending_failure(dir, lost);
         };
         let queued = self.effects(|e| {
             // After every stream's work so far, in the compute stream's order (before the next

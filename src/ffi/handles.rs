@@ -3,8 +3,7 @@
 //! need while one of its calls blocks: its abort handle and its last counters.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
 use super::comms::Comms;
 use super::registry::{Object, Registry, lock};
@@ -63,35 +62,85 @@ impl AnyEngine {
 pub(crate) struct EngineEntry {
     /// Known without the engine's lock, so that a call converts its inputs before taking it.
     tensors: TensorMemory,
-    /// Taken, and dropped, by `fsdp_engine_destroy` or by the call it found running.
+    /// Taken, and dropped, by `fsdp_engine_destroy` or by the last call it found running.
     engine: Mutex<Option<AnyEngine>>,
-    /// Set by `fsdp_engine_destroy`: no call runs on the engine after it.
-    destroyed: AtomicBool,
+    /// The calls on the engine and its destruction, which decides who drops it.
+    gate: Mutex<Gate>,
     abort: AbortHandle,
     /// Counters and memory as of the end of the engine's last call.
     report: Mutex<(fsdp_counters, MemoryUsage)>,
-    /// The steps captured last, for their replays.
+    /// The steps captured last, for their replays; they go with the engine.
     captures: Mutex<Captures>,
 }
 
+/// The calls that entered an engine and have not left, and whether it was destroyed: no call
+/// enters after that, and the last one to leave, or the destroy that found none, drops it.
+#[derive(Default)]
+struct Gate {
+    calls: usize,
+    destroyed: bool,
+}
+
+/// `m`'s value, also where a panic left its lock poisoned (the gate's and the engine's slot
+/// hold no state a panic can leave half-changed).
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl EngineEntry {
-    /// Drops the engine once destroyed, unless a call holds it (which does, once it returns):
-    /// so that the engine goes on the thread of `fsdp_engine_destroy` or of the call it found
-    /// running, never later on a thread that only read its counters or aborted it. A capture
-    /// still under way is given up first (a CUDA stream capture would otherwise stay open on
-    /// the caller's compute stream, and the engine's memory could not be freed inside it); one
-    /// begun on another thread stays, as the driver would refuse its end.
-    fn drop_if_destroyed(&self) {
-        if !self.destroyed.load(Ordering::SeqCst) {
-            return;
+    /// A call enters the engine; `FSDP_INVALID_HANDLE` once it was destroyed (a call that
+    /// found the handle before).
+    fn enter(&self) -> Outcome {
+        let mut gate = locked(&self.gate);
+        if gate.destroyed {
+            return Err(Failure::new(
+                fsdp_status::FSDP_INVALID_HANDLE,
+                "engine was destroyed as this call began".to_string(),
+            ));
         }
-        let Ok(mut held) = self.engine.try_lock() else {
-            return;
+        gate.calls += 1;
+        Ok(())
+    }
+
+    /// A call leaves the engine; the last one after its destruction drops it.
+    fn leave(&self) {
+        let last = {
+            let mut gate = locked(&self.gate);
+            gate.calls = gate.calls.saturating_sub(1);
+            gate.destroyed && gate.calls == 0
         };
-        if let Some(mut engine) = held.take() {
-            drop(held);
-            let _ = with_engine!(&mut engine, e => e.abandon_capture());
+        if last {
+            self.drop_engine();
         }
+    }
+
+    /// Marks the engine destroyed: dropped here where no call is in it; else the calls in it
+    /// are aborted, so that they return, and the last drops it.
+    fn destroy(&self) {
+        let idle = {
+            let mut gate = locked(&self.gate);
+            gate.destroyed = true;
+            gate.calls == 0
+        };
+        match idle {
+            true => self.drop_engine(),
+            false => self.abort.abort(),
+        }
+    }
+
+    /// Drops the engine and the steps captured on it, by the thread that destroyed it or the
+    /// last call in it, never later on a thread that only read its counters or aborted it. A
+    /// capture still under way is given up first (a CUDA stream capture would otherwise stay
+    /// open on the caller's compute stream, and the engine's memory could not be freed inside
+    /// it); one begun on another thread stays, as the driver would refuse its end.
+    fn drop_engine(&self) {
+        let engine = locked(&self.engine).take();
+        if let Some(mut engine) = engine {
+            let _ = with_engine!(&mut engine, e => e.abandon_capture());
+            drop(engine);
+        }
+        let captures = std::mem::take(&mut *locked(&self.captures));
+        drop(captures);
     }
 }
 
@@ -148,7 +197,7 @@ pub(crate) fn store_engine(engine: AnyEngine, out: *mut *mut fsdp_engine) -> Out
         tensors: engine.tensor_memory(),
         report: Mutex::new(report(&engine)),
         engine: Mutex::new(Some(engine)),
-        destroyed: AtomicBool::new(false),
+        gate: Mutex::new(Gate::default()),
         abort,
         captures: Mutex::new(Captures::default()),
     };
@@ -188,24 +237,20 @@ pub(crate) fn on_engine_with<P, T>(
     let object = object(engine as u64, "engine")?;
     let entry = entry_of(&object)?;
     let prepared = prepare(entry.tensors)?;
+    entry.enter()?;
     let outcome = run_on(entry, |any| f(any, prepared));
-    // The last call running when the engine was destroyed drops it.
-    entry.drop_if_destroyed();
+    entry.leave();
     outcome
 }
 
-/// Runs `f` on `entry`'s engine under its lock, as [`on_engine_with`] describes;
-/// `FSDP_INVALID_HANDLE` once the engine was destroyed (a call that found the handle before).
+/// Runs `f` on `entry`'s engine under its lock, for a call that entered it.
 fn run_on<T>(entry: &EngineEntry, f: impl FnOnce(&mut AnyEngine) -> Outcome<T>) -> Outcome<T> {
     let mut held = lock(&entry.engine)?;
-    let any = match held.as_mut() {
-        Some(any) if !entry.destroyed.load(Ordering::SeqCst) => any,
-        _ => {
-            return Err(Failure::new(
-                fsdp_status::FSDP_INVALID_HANDLE,
-                "engine was destroyed while this call began".to_string(),
-            ));
-        }
+    let Some(any) = held.as_mut() else {
+        return Err(Failure::new(
+            fsdp_status::FSDP_INVALID_HANDLE,
+            "engine was destroyed as this call began".to_string(),
+        ));
     };
     let outcome = catch_unwind(AssertUnwindSafe(|| f(&mut *any)));
     let outcome = outcome.unwrap_or_else(|payload| {
@@ -231,10 +276,12 @@ pub(crate) fn on_engine_captures<T>(
     f: impl FnOnce(&mut AnyEngine, &mut Captures) -> Outcome<T>,
 ) -> Outcome<T> {
     let object = object(engine as u64, "engine")?;
-    let mut captures = lock(&entry_of(&object)?.captures)?;
+    let entry = entry_of(&object)?;
+    // Taken inside the engine's lock, so that the call's leave, which may drop the engine and
+    // its steps, finds it free.
     on_engine(engine, |any| {
         with_engine!(&*any, e => e.healthy())?;
-        f(any, &mut captures)
+        f(any, &mut *lock(&entry.captures)?)
     })
 }
 
@@ -268,25 +315,16 @@ pub(crate) fn destroy(
         }
         handles.remove(handle)?
     };
-    // No call runs on the engine after this; one still running (blocked in a collective, say)
-    // is aborted, so that it returns and drops the engine; an idle engine finishes its queued
-    // work as it drops, here.
+    // After the registry is unlocked: an engine's drop waits for its queued work, whose
+    // collectives need the other ranks, whose calls need the registry. No call enters the
+    // engine after this; calls in it (blocked in a collective, say) are aborted, so that they
+    // return and the last drops it; an idle engine finishes its queued work as it drops, here.
     match &*removed {
-        Object::Engine(entry) => {
-            entry.destroyed.store(true, Ordering::SeqCst);
-            if entry.engine.try_lock().is_err() {
-                entry.abort.abort();
-            }
-        }
+        Object::Engine(entry) => entry.destroy(),
         // A rank inside its creation holds the group until it returns: its peers that no
         // engine took go now, so that it fails at once instead of at its deadline.
         Object::Group(comms) => comms.release(),
         _ => {}
-    }
-    // Dropped after the registry is unlocked: an engine's drop waits for its queued work, whose
-    // collectives need the other ranks, whose calls need the registry.
-    if let Object::Engine(entry) = &*removed {
-        entry.drop_if_destroyed();
     }
     drop(removed);
     Ok(())
