@@ -81,6 +81,15 @@ struct Gate {
     destroyed: bool,
 }
 
+/// A call in an engine: it leaves as this goes, on every path out.
+struct Entered<'a>(&'a EngineEntry);
+
+impl Drop for Entered<'_> {
+    fn drop(&mut self) {
+        self.0.leave();
+    }
+}
+
 /// `m`'s value, also where a panic left its lock poisoned (the gate's and the engine's slot
 /// hold no state a panic can leave half-changed).
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -88,9 +97,9 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl EngineEntry {
-    /// A call enters the engine; `FSDP_INVALID_HANDLE` once it was destroyed (a call that
-    /// found the handle before).
-    fn enter(&self) -> Outcome {
+    /// A call enters the engine until the guard goes; `FSDP_INVALID_HANDLE` once it was
+    /// destroyed (a call that found the handle before).
+    fn enter(&self) -> Outcome<Entered<'_>> {
         let mut gate = locked(&self.gate);
         if gate.destroyed {
             return Err(Failure::new(
@@ -99,7 +108,7 @@ impl EngineEntry {
             ));
         }
         gate.calls += 1;
-        Ok(())
+        Ok(Entered(self))
     }
 
     /// A call leaves the engine; the last one after its destruction drops it.
@@ -237,10 +246,8 @@ pub(crate) fn on_engine_with<P, T>(
     let object = object(engine as u64, "engine")?;
     let entry = entry_of(&object)?;
     let prepared = prepare(entry.tensors)?;
-    entry.enter()?;
-    let outcome = run_on(entry, |any| f(any, prepared));
-    entry.leave();
-    outcome
+    let _entered = entry.enter()?;
+    run_on(entry, |any| f(any, prepared))
 }
 
 /// Runs `f` on `entry`'s engine under its lock, for a call that entered it.
