@@ -105,6 +105,12 @@ fn step<C: Communicator<CpuBackend>>(
     e.finish_grad_sync()?;
     e.optimizer_step()?;
     e.end_step()?;
+    values_of(e)
+}
+
+/// Every parameter's whole value.
+fn values_of<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<Vec<Vec<f32>>> {
+    let plan = e.plan().clone();
     let mut values = vec![Vec::new(); plan.params().len()];
     for g in plan.groups() {
         let whole = e.gather_group(g.index)?;
@@ -303,4 +309,50 @@ fn only_the_hooks_begin_and_end_a_pass_so_ranks_without_gradients_keep_in_step()
         assert_eq!(counts[0], [5, 5, 15], "{mode:?}");
         assert_eq!(counts[0], counts[1], "{mode:?}");
     });
+}
+
+/// A second backward pass after the step's first sync (a further micro-batch) adds to the
+/// passes before it in every accumulation: with rank 0's gradients in both passes and none on
+/// rank 1, every parameter ends as SGD on the mean of the two passes' sums, bit for bit.
+#[test]
+fn a_pass_after_a_sync_adds_to_the_passes_before_in_every_accumulation() {
+    let plan = Arc::new(Plan::new(&model(), 2).unwrap());
+    let no_sync = EngineConfig {
+        accumulation: Accumulation::NoSync,
+        ..sgd()
+    };
+    let want: Vec<Vec<f32>> = plan
+        .params()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let (id, g) = (ParamId(i), gradient(0, ParamId(i), p.numel));
+            let initial = initial(id, p.numel);
+            // Two passes of `g` from rank 0, none from rank 1: their mean is `g`.
+            initial.iter().zip(g).map(|(v, g)| v - LR * g).collect()
+        })
+        .collect();
+    for (what, config) in [("every pass reduces", sgd()), ("no-sync", no_sync)] {
+        for_each_mode(|mode| {
+            let values = on_engines(&plan, &config, mode, |mut e| -> Result<Vec<Vec<f32>>> {
+                let plan = e.plan().clone();
+                for p in plan.params() {
+                    let id = plan.param_id(&p.name)?;
+                    e.load_param(id, Input::host(&initial(id, p.numel)))?;
+                }
+                forward(&mut e)?;
+                backward_of_rank_0(&mut e)?;
+                e.finish_grad_sync()?;
+                backward_of_rank_0(&mut e)?;
+                e.finish_grad_sync()?;
+                e.optimizer_step()?;
+                e.end_step()?;
+                values_of(&mut e)
+            });
+            for (rank, values) in values.into_iter().enumerate() {
+                let values = values.unwrap_or_else(|e| panic!("{what}, {mode:?}: {e}"));
+                assert_eq!(values, want, "{what}, {mode:?}, rank {rank}");
+            }
+        });
+    }
 }

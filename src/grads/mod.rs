@@ -419,10 +419,11 @@ impl GradPipeline {
                 effects.push(GradEffect::Stage { group, slot });
                 self.reduce_slot(group, slot, true, effects);
             } else {
+                // A sync earlier in the step wrote the shard: this one adds to it.
                 effects.push(GradEffect::Reduce {
                     group,
                     place: GradTarget::Accumulator(group),
-                    overwrite: true,
+                    overwrite: !self.written[group],
                 });
                 self.written[group] = true;
             }
