@@ -933,7 +933,9 @@ enum fsdp_status fsdp_engine_grad_norm(struct fsdp_engine *engine, struct fsdp_g
 // `min(1, max_norm / (l2 + 1e-6))` inside its update, as `torch.nn.utils.clip_grad_norm_`
 // would before the step; `*out` gets the norms before clipping. A step with non-finite norms
 // can be skipped: end it with `fsdp_engine_end_step` without `fsdp_engine_optimizer_step` (the
-// counters count it). `max_norm` must be finite and > 0.
+// counters count it). `max_norm` must be finite and > 0. The step takes no gradient and no
+// backward hook after it (`FSDP_MISUSE`, nothing changed): the coefficient would not see them;
+// so for `fsdp_engine_clip_grad_norm_on_device` and `fsdp_engine_skip_nonfinite_on_device`.
 //
 // # Safety
 // `out` is NULL or valid for a write.

@@ -161,6 +161,10 @@ pub enum Error {
     #[error("the optimizer stepped: end the step before {action}")]
     OptimizerStepped { action: &'static str },
     #[error(
+        "{action} after the step's clipping or non-finite skip was decided over its gradients so far: clip and skip once the step's last backward pass was synced"
+    )]
+    GradientsDecided { action: &'static str },
+    #[error(
         "{what} is refused with step_in_backward: each group is updated as soon as its gradient is final, before the whole gradient exists"
     )]
     StepInBackward { what: &'static str },

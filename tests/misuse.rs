@@ -565,6 +565,44 @@ fn optimizer_before_sync_and_twice_in_a_step() {
     );
 }
 
+/// A step's gradients synced, and its clipping and skip decided on the device over them.
+fn decided(e: &mut CpuEngine) {
+    forward_and_layer_backward(e);
+    for name in ["head", "embed"] {
+        grad(e, name).unwrap();
+    }
+    e.finish_grad_sync().unwrap();
+    e.clip_grad_norm_on_device(0.5).unwrap();
+    e.skip_nonfinite_on_device().unwrap();
+}
+
+/// The optimizer's step and the end of a step left by [`decided`]; returns every shard.
+fn step_decided(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    e.optimizer_step().unwrap();
+    e.end_step().unwrap();
+    shards(e)
+}
+
+/// Once the step's clipping or skip was decided over its gradients, more of them (a further
+/// backward pass, which that decision would not see) are refused with nothing changed.
+#[test]
+fn gradients_after_the_step_s_clipping_or_skip_was_decided_are_refused() {
+    let refused = |err: &Error| matches!(err, Error::GradientsDecided { .. });
+    assert_harmless(
+        decided,
+        |e| e.pre_backward(Unit::Layer(0)),
+        refused,
+        step_decided,
+    );
+    assert_harmless(decided, |e| grad(e, "head"), refused, step_decided);
+    let on_host = |e: &mut CpuEngine| {
+        forward_and_layer_backward(e);
+        e.finish_grad_sync().unwrap();
+        e.clip_grad_norm(0.5).unwrap();
+    };
+    assert_harmless(on_host, |e| grad(e, "embed"), refused, step_decided);
+}
+
 /// A step's hooks and gradients, its sync and its optimizer step: all but the end of the step.
 fn stepped(e: &mut CpuEngine) {
     step(e);

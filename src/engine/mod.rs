@@ -305,6 +305,16 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(())
     }
 
+    /// Refuses more gradients once the step's clipping or skip was decided over those so far:
+    /// the decision (a host coefficient, the device's norm parts) would not see them.
+    fn check_undecided(&self, action: &'static str) -> Result<()> {
+        let o = &self.optimizer;
+        if o.clip.is_some() || o.skip_nonfinite || o.parts_on_device {
+            return Err(Error::GradientsDecided { action });
+        }
+        Ok(())
+    }
+
     fn unit_index(&self, unit: Unit) -> Result<usize> {
         self.plan
             .unit_index(unit)
@@ -414,6 +424,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("pre_backward", unit);
         self.healthy()?;
         self.check_not_stepped("a backward")?;
+        self.check_undecided("a backward")?;
         self.check_captured_step_open()?;
         let u = self.unit_index(unit)?;
         if self.open.backward.contains(&u) {

@@ -168,7 +168,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// [`Engine::grad_norm`], and this step's optimizer multiplies every gradient by
     /// [`GradNorm::clip_coefficient`] of `max_norm` inside its update (no pass over memory of its
     /// own), as `torch.nn.utils.clip_grad_norm_` would before the step. Returns the norms before
-    /// clipping. `max_norm` must be finite and > 0.
+    /// clipping. `max_norm` must be finite and > 0. The step takes no gradient and no backward
+    /// hook after it (`Error::GradientsDecided`): the coefficient would not see them; so for
+    /// [`Engine::clip_grad_norm_on_device`] and [`Engine::skip_nonfinite_on_device`].
     pub fn clip_grad_norm(&mut self, max_norm: f32) -> Result<GradNorm> {
         self.refuse_in_backward_updates("clipping by the global norm")?;
         check_max_norm(max_norm)?;

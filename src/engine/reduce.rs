@@ -259,6 +259,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Checks a gradient for `param` before anything changes; returns its group.
     fn check_grad(&self, param: ParamId, dtype: DType, numel: usize) -> Result<usize> {
         self.check_not_stepped("a gradient")?;
+        self.check_undecided("a gradient")?;
         self.check_captured_step_open()?;
         let layout = self.plan.param(param)?;
         let name = || layout.name.clone();

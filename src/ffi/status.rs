@@ -118,6 +118,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::Gathered { .. }
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
+        | Error::GradientsDecided { .. }
         | Error::StepInBackward { .. }
         | Error::GradientAfterItsUnit { .. }
         | Error::MidStep { .. }
