@@ -41,14 +41,21 @@ enum LoadMemory<B: Backend> {
 }
 
 impl<B: Backend> LoadMemory<B> {
-    fn bytes_mut(&mut self, total: usize) -> &mut [u8] {
+    /// The first `total` bytes, all zero: the read fills the parameters' elements, and the
+    /// padding stays zero (page-locked memory comes uninitialised, or with a save's bytes).
+    fn zeroed(&mut self, total: usize) -> &mut [u8] {
+        let staged = matches!(self, LoadMemory::Staging(..));
         let all = match self {
             // SAFETY: no copy is queued into the staging area: an asynchronous save's copies
             // completed before it went to the writer, which gave it back.
             LoadMemory::Staging(staging, _) => unsafe { B::host_bytes_mut(staging) },
             LoadMemory::Owned(owned, _) => owned,
         };
-        &mut all[..total]
+        let bytes = &mut all[..total];
+        if staged {
+            bytes.fill(0);
+        }
+        bytes
     }
 }
 
@@ -74,7 +81,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let total = parts.iter().map(bytes_of).sum();
         let mut host = self.load_memory(total);
         let read = match &mut host {
-            Ok(host) => self.read_checkpoint(dir, &parts, host.bytes_mut(total)),
+            Ok(host) => self.read_checkpoint(dir, &parts, host.zeroed(total)),
             Err(e) => Err(e.clone()),
         };
         let agreed = self.agree(dir, read.map(|(settings, id)| (settings, id.0)));
@@ -203,7 +210,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     ) -> Result<()> {
         let (bytes, bounce) = match memory {
             LoadMemory::Staging(staging, _) => {
-                // SAFETY: as in `LoadMemory::bytes_mut`.
+                // SAFETY: as in `LoadMemory::zeroed`.
                 let bytes = unsafe { B::host_bytes(staging) };
                 let mut at = 0;
                 for p in parts {
