@@ -55,6 +55,8 @@ pub enum Error {
     EmptyModel,
     #[error("parameter #{index} has an empty name")]
     EmptyName { index: usize },
+    #[error("parameter {index}'s name holds a NUL character, which no C string can name")]
+    NulInName { index: usize },
     #[error("parameter name {name:?} is declared twice (#{first} and #{second})")]
     DuplicateName {
         name: String,

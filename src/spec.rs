@@ -177,14 +177,27 @@ impl ModelSpec {
         params: Vec<ParamSpec>,
         process_groups: Vec<ProcessGroupSpec>,
     ) -> Result<ModelSpec> {
-        for (index, g) in process_groups.iter().enumerate() {
+        let model = ModelSpec {
+            params,
+            process_groups,
+        };
+        model.check()?;
+        Ok(model)
+    }
+
+    /// The checks of [`ModelSpec::with_process_groups`], for a model whose fields were changed
+    /// since (they are public): a plan makes them again.
+    pub fn check(&self) -> Result<()> {
+        let (params, process_groups) = (&self.params, &self.process_groups);
+        let mut group_names = std::collections::HashSet::with_capacity(process_groups.len());
+        for g in process_groups {
             if g.name.is_empty() || g.size == 0 {
                 return Err(Error::InvalidProcessGroup {
                     name: g.name.clone(),
                     reason: "needs a name and at least one rank".into(),
                 });
             }
-            if process_groups[..index].iter().any(|h| h.name == g.name) {
+            if !group_names.insert(g.name.as_str()) {
                 return Err(Error::InvalidProcessGroup {
                     name: g.name.clone(),
                     reason: "is declared twice".into(),
@@ -198,6 +211,9 @@ impl ModelSpec {
         for (index, p) in params.iter().enumerate() {
             if p.name.is_empty() {
                 return Err(Error::EmptyName { index });
+            }
+            if p.name.contains('\0') {
+                return Err(Error::NulInName { index });
             }
             if p.name == crate::export::RESERVED_NAME {
                 return Err(Error::ReservedName {
@@ -225,7 +241,7 @@ impl ModelSpec {
                 });
             }
             if let Some(group) = &p.process_group
-                && !process_groups.iter().any(|g| &g.name == group)
+                && !group_names.contains(group.as_str())
             {
                 return Err(Error::UnknownProcessGroup {
                     name: p.name.clone(),
@@ -233,10 +249,7 @@ impl ModelSpec {
                 });
             }
         }
-        Ok(ModelSpec {
-            params,
-            process_groups,
-        })
+        Ok(())
     }
 
     /// The process group of `param`: its index in [`ModelSpec::process_groups`], `None` for

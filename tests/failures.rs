@@ -162,6 +162,21 @@ fn ranks_with_different_models_of_equal_sizes_refuse_to_start() {
             ParamSpec::new("b", &[64], DType::F32).in_unit(1),
         ])
         .unwrap(),
+        // The same layout, trained at another rate, or without weight decay.
+        ModelSpec::new(vec![
+            ParamSpec::new("a", &[64], DType::F32)
+                .in_unit(0)
+                .with_lr_scale(0.5),
+            ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+        ])
+        .unwrap(),
+        ModelSpec::new(vec![
+            ParamSpec::new("a", &[64], DType::F32)
+                .in_unit(0)
+                .no_weight_decay(),
+            ParamSpec::new("b", &[64], DType::F32).in_unit(1),
+        ])
+        .unwrap(),
     ];
     for other in 1..models.len() {
         let plans = [plan(&models[0], 2), plan(&models[other], 2)];
@@ -676,6 +691,22 @@ fn ranks_whose_settings_shape_other_collectives_refuse_to_start() {
             "reduce_dtype",
             EngineConfig {
                 reduce_dtype: DType::Bf16,
+                ..sgd()
+            },
+        ),
+        // Settings that shape no collective but the result, which replicas and shards must
+        // share.
+        (
+            "grad_reduction",
+            EngineConfig {
+                grad_reduction: fsdp_fusion::GradReduction::Sum,
+                ..sgd()
+            },
+        ),
+        (
+            "optimizer",
+            EngineConfig {
+                optimizer: OptimizerConfig::sgd(0.25),
                 ..sgd()
             },
         ),

@@ -116,14 +116,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let limits = self.policy.limits;
         format!(
             "settings: {} gathered and {} reductions in flight at most, overlap {}, {:?}, \
-             gradients travelling in {}, {:?}, collectives verified {}",
+             gradients travelling in {}, {:?}, collectives verified {}, {:?}, moments in {}, \
+             {:?}, the optimizer in the backward {}",
             limits.gathered,
             limits.reduces_in_flight,
             c.overlap,
             c.accumulation,
             c.reduce_dtype,
             c.param_storage,
-            c.verify_collectives
+            c.verify_collectives,
+            c.optimizer,
+            c.moment_dtype,
+            c.grad_reduction,
+            c.step_in_backward
         )
     }
 

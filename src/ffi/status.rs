@@ -72,6 +72,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::Json { .. }
         | Error::EmptyModel
         | Error::EmptyName { .. }
+        | Error::NulInName { .. }
         | Error::DuplicateName { .. }
         | Error::NumelOverflow { .. }
         | Error::UnknownDtype { .. }

@@ -49,12 +49,16 @@ pub struct StepScratch {
 }
 
 impl StepScratch {
-    pub fn bytes(&self) -> usize {
-        self.norm_part
-            + self.norm_parts
-            + self.nonfinite_count
-            + self.step_values
-            + self.skipped_steps
+    /// Their bytes together; `None` past `usize` (a world of size near `usize::MAX / 16`).
+    pub fn bytes(&self) -> Option<usize> {
+        [
+            self.norm_parts,
+            self.nonfinite_count,
+            self.step_values,
+            self.skipped_steps,
+        ]
+        .into_iter()
+        .try_fold(self.norm_part, usize::checked_add)
     }
 }
 

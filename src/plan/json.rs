@@ -8,12 +8,24 @@ impl Plan {
         match self.params.get(index) {
             None => "no parameter".to_string(),
             Some(p) => format!(
-                "{:?} ({}, shape {:?}, {}, {}, group {} at offset {} of {} elements{})",
+                "{:?} ({}, shape {:?}, {}, {}{}{}, lr scale {}, group {} at offset {} of {} \
+                 elements{})",
                 p.name,
                 p.dtype,
                 p.shape,
                 p.unit,
                 if p.trainable { "trainable" } else { "frozen" },
+                if self.groups[p.group].weight_decay {
+                    ""
+                } else {
+                    ", no weight decay"
+                },
+                if self.groups[p.group].tied {
+                    ", tied"
+                } else {
+                    ""
+                },
+                self.groups[p.group].lr_scale,
                 p.group,
                 p.offset,
                 p.padded_numel,

@@ -174,8 +174,8 @@ pub(super) fn memory_of(layout: &BufferLayout) -> Result<MemoryPerRank> {
     if let Some(held) = layout.grad_shards_in_flight {
         m.grad_shards = held;
     }
-    let scratch = layout.step_scratch.map_or(0, |s| s.bytes());
-    m.optimizer_state = add(m.optimizer_state, Some(scratch), "optimizer state")?;
+    let scratch = layout.step_scratch.map_or(Some(0), |s| s.bytes());
+    m.optimizer_state = add(m.optimizer_state, scratch, "optimizer state")?;
     m.gathered_slots = layout
         .gather_slots
         .checked_mul(layout.gather_slot_bytes)

@@ -116,6 +116,7 @@ impl Plan {
         if world_size == 0 || replicas == 0 {
             return Err(Error::ZeroWorldSize);
         }
+        model.check()?;
         for g in &model.process_groups {
             if replicas > 1 {
                 return Err(Error::InvalidProcessGroup {
@@ -136,7 +137,8 @@ impl Plan {
                 unit: Unit::from(p.unit),
                 tied: p.tied,
                 weight_decay: p.weight_decay,
-                lr_scale: p.lr_scale.to_bits(),
+                // -0.0 and 0.0 are one scale.
+                lr_scale: (p.lr_scale + 0.0).to_bits(),
                 process_group: match (&p.process_group, model.process_group_of(p)) {
                     (Some(group), None) => {
                         return Err(Error::UnknownProcessGroup {
@@ -473,6 +475,40 @@ mod tests {
     fn zero_world_size_is_an_error() {
         let m = model(vec![ParamSpec::new("a", &[1], DType::F32)]);
         assert!(matches!(Plan::new(&m, 0), Err(Error::ZeroWorldSize)));
+    }
+
+    #[test]
+    fn a_model_changed_after_its_checks_is_checked_again_by_its_plan() {
+        let mut duplicate = model(vec![ParamSpec::new("a", &[4], DType::F32)]);
+        duplicate.params.push(ParamSpec::new("a", &[4], DType::F32));
+        assert!(matches!(
+            Plan::new(&duplicate, 2),
+            Err(Error::DuplicateName {
+                first: 0,
+                second: 1,
+                ..
+            })
+        ));
+        let mut nan = model(vec![ParamSpec::new("w", &[4], DType::F32)]);
+        nan.params[0].lr_scale = f32::NAN;
+        assert!(matches!(
+            Plan::new(&nan, 1),
+            Err(Error::InvalidLrScale { .. })
+        ));
+        let mut empty = model(vec![ParamSpec::new("w", &[4], DType::F32)]);
+        empty.params.clear();
+        assert!(matches!(Plan::new(&empty, 1), Err(Error::EmptyModel)));
+        let named = ModelSpec::new(vec![ParamSpec::new("w\0", &[4], DType::F32)]);
+        assert!(matches!(named, Err(Error::NulInName { index: 0 })));
+    }
+
+    #[test]
+    fn a_negative_zero_learning_rate_scale_is_zero() {
+        let m = model(vec![
+            ParamSpec::new("a", &[4], DType::F32).with_lr_scale(0.0),
+            ParamSpec::new("b", &[4], DType::F32).with_lr_scale(-0.0),
+        ]);
+        assert_eq!(Plan::new(&m, 1).unwrap().groups().len(), 1);
     }
 
     #[test]
