@@ -230,7 +230,10 @@ typedef struct fsdp_param_spec {
   int64_t unit;
   // 1: takes gradients and is optimized; 0: frozen. Other values are refused.
   uint8_t trainable;
-  // 1: used by several units (kept gathered with the root); 0: not. Other values are refused.
+  // 1: used under several names (a tied embedding and head), grouped apart from untied
+  // parameters; 0: not. Other values are refused. Tying keeps nothing gathered: a parameter
+  // that several units use belongs to the root (`FSDP_ROOT`), gathered through the whole
+  // forward and backward.
   uint8_t tied;
   // 1: exempt from weight decay (biases, norms and embeddings in LLM recipes); 0: decayed.
   // Other values are refused.
