@@ -768,13 +768,15 @@ enum fsdp_status fsdp_engine_gather_group(struct fsdp_engine *engine,
                                           size_t *written);
 
 // Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
-// this step (a non-finite gradient on any rank shows on the rank holding its element). Allowed
+// this step (a non-finite gradient on any rank shows on the rank holding its element; under
+// hybrid sharding every replica holds the same shards, so a total sums one replica's ranks). Allowed
 // from `fsdp_engine_finish_grad_sync` to `fsdp_engine_end_step` (`FSDP_MISUSE` otherwise);
 // blocks the host for the count.
 //
 // # Safety
 // `out` is NULL or valid for a write.
-enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine, uint64_t *out);
+enum fsdp_status fsdp_engine_nonfinite_grads(struct fsdp_engine *engine,
+                                             uint64_t *out);
 
 // Writes to `out` the steps the device skipped (`fsdp_engine_skip_nonfinite_on_device`) since
 // the host last read them, and counts them on the host: the optimizer's steps (AdamW's bias

@@ -191,7 +191,8 @@ unsafe fn copy_out(
 }
 
 /// Writes to `out` the number of infinite or NaN values in this rank's gradient shards as synced
-/// this step (a non-finite gradient on any rank shows on the rank holding its element). Allowed
+/// this step (a non-finite gradient on any rank shows on the rank holding its element; under
+/// hybrid sharding every replica holds the same shards, so a total sums one replica's ranks). Allowed
 /// from `fsdp_engine_finish_grad_sync` to `fsdp_engine_end_step` (`FSDP_MISUSE` otherwise);
 /// blocks the host for the count.
 ///
