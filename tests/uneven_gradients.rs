@@ -71,10 +71,7 @@ fn step<C: Communicator<CpuBackend>>(
     drive: Drive,
 ) -> Result<Vec<Vec<f32>>> {
     let plan = e.plan().clone();
-    for p in plan.params() {
-        let id = plan.param_id(&p.name)?;
-        e.load_param(id, Input::host(&initial(id, p.numel)))?;
-    }
+    load_initial(e)?;
     forward(e)?;
     let rank = e.rank();
     let gradients: Vec<(ParamId, Vec<f32>)> = handed_over(rank)
@@ -261,6 +258,29 @@ fn backward_of_rank_0<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>
     Ok(())
 }
 
+/// A step of two backward passes of rank 0's gradients, each synced, then the update.
+fn two_synced_passes_of_rank_0<C: Communicator<CpuBackend>>(
+    e: &mut Engine<CpuBackend, C>,
+) -> Result<()> {
+    forward(e)?;
+    backward_of_rank_0(e)?;
+    e.finish_grad_sync()?;
+    backward_of_rank_0(e)?;
+    e.finish_grad_sync()?;
+    e.optimizer_step()?;
+    e.end_step()
+}
+
+/// Every parameter's initial value.
+fn load_initial<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
+    let plan = e.plan().clone();
+    for p in plan.params() {
+        let id = plan.param_id(&p.name)?;
+        e.load_param(id, Input::host(&initial(id, p.numel)))?;
+    }
+    Ok(())
+}
+
 fn forward<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
     for unit in [Unit::Root, Unit::Layer(0), Unit::Layer(1)] {
         e.pre_forward(unit)?;
@@ -291,13 +311,7 @@ fn only_the_hooks_begin_and_end_a_pass_so_ranks_without_gradients_keep_in_step()
             e.optimizer_step()?;
             e.end_step()?;
             counts.push(e.counters().reduce_scatters);
-            forward(&mut e)?;
-            backward_of_rank_0(&mut e)?;
-            e.finish_grad_sync()?;
-            backward_of_rank_0(&mut e)?;
-            e.finish_grad_sync()?;
-            e.optimizer_step()?;
-            e.end_step()?;
+            two_synced_passes_of_rank_0(&mut e)?;
             counts.push(e.counters().reduce_scatters);
             Ok(counts)
         });
@@ -335,18 +349,8 @@ fn a_pass_after_a_sync_adds_to_the_passes_before_in_every_accumulation() {
     for (what, config) in [("every pass reduces", sgd()), ("no-sync", no_sync)] {
         for_each_mode(|mode| {
             let values = on_engines(&plan, &config, mode, |mut e| -> Result<Vec<Vec<f32>>> {
-                let plan = e.plan().clone();
-                for p in plan.params() {
-                    let id = plan.param_id(&p.name)?;
-                    e.load_param(id, Input::host(&initial(id, p.numel)))?;
-                }
-                forward(&mut e)?;
-                backward_of_rank_0(&mut e)?;
-                e.finish_grad_sync()?;
-                backward_of_rank_0(&mut e)?;
-                e.finish_grad_sync()?;
-                e.optimizer_step()?;
-                e.end_step()?;
+                load_initial(&mut e)?;
+                two_synced_passes_of_rank_0(&mut e)?;
                 values_of(&mut e)
             });
             for (rank, values) in values.into_iter().enumerate() {
