@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::Engine;
 use crate::backend::Backend;
+use crate::checkpoint::SaveId;
 use crate::comm::{Communicator, Purpose};
 use crate::error::{Error, Result};
 
@@ -91,7 +92,7 @@ pub(super) fn check_one_source(proposals: &[Proposal], what: &str) -> Result<()>
     let Some(first) = proposals.first() else {
         return Ok(());
     };
-    let hex = |p: &Proposal| p.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let hex = |p: &Proposal| SaveId(*p).to_hex();
     let others: Vec<usize> = (0..proposals.len())
         .filter(|&r| proposals[r] != *first)
         .collect();

@@ -344,12 +344,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// thread: the driver would refuse its end there, and the backend forget it), which ends
     /// it at its `abandon_capture` or the engine's drop.
     pub(super) fn drop_backend_capture(&self) {
-        let Some(capture) = self.capture.as_ref() else {
+        let Some(by) = self.capture.as_ref().map(|c| c.by) else {
             return;
         };
-        let by = capture.by;
-        let elsewhere = capture.thread != std::thread::current().id();
-        if by == CaptureBy::CallerNotJoined || (by == CaptureBy::Engine && elsewhere) {
+        if by == CaptureBy::CallerNotJoined || self.own_capture_elsewhere() {
             return;
         }
         let _ = self.join_streams_on_compute();
@@ -363,14 +361,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// thread than the one that began it: a CUDA stream capture in thread-local mode ends on its
     /// own thread, and the driver's refusal there would leave the stream capturing.
     fn check_capture_thread(&self) -> Result<()> {
-        match &self.capture {
-            Some(c) if c.by == CaptureBy::Engine && c.thread != std::thread::current().id() => {
-                Err(refused(
-                    "an end of the engine's capture on another thread than the one that began it",
-                ))
-            }
-            _ => Ok(()),
+        match self.own_capture_elsewhere() {
+            true => Err(refused(
+                "an end of the engine's capture on another thread than the one that began it",
+            )),
+            false => Ok(()),
         }
+    }
+
+    /// Whether the engine's own capture is under way and began on another thread than this.
+    fn own_capture_elsewhere(&self) -> bool {
+        self.capture
+            .as_ref()
+            .is_some_and(|c| c.by == CaptureBy::Engine && c.thread != std::thread::current().id())
     }
 
     /// Ends the capture that `by` began, by `end` on the backend, once the captured step ended.
