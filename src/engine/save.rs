@@ -19,8 +19,6 @@ use crate::types::Stream;
 /// How often [`Engine::wait_save`] looks at the writer.
 const SAVE_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
-/// The writer of an asynchronous save, which gives its staging area back; dropping it waits for
-/// the files.
 /// What saving owns: the files of an asynchronous save being written, and the host memory the
 /// last one copied into.
 pub(super) struct Saving<H> {
@@ -30,6 +28,8 @@ pub(super) struct Saving<H> {
     pub(super) staging: Option<(H, usize)>,
 }
 
+/// An asynchronous save of this rank: its writer, which gives its staging area back, or its
+/// outcome; dropping it waits for the files.
 pub(super) struct PendingSave<H> {
     dir: std::path::PathBuf,
     rank: usize,
