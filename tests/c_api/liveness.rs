@@ -241,42 +241,47 @@ fn destroy_the_group_under_a_creation(mode: Mode) {
 /// are on disk then, as it promises), and the reader's later calls name a handle that is gone.
 #[test]
 fn an_engine_destroyed_while_another_thread_reads_it_goes_before_destroy_returns() {
-    for_each_mode(|mode| {
-        for round in 0..20 {
-            let dir = std::env::temp_dir().join(format!(
-                "fsdp-fusion-c-destroy-{}-{mode:?}-{round}",
-                std::process::id()
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
-            let path = CString::new(dir.to_str().unwrap()).unwrap();
-            let (plan, group, engine) = engine(mode);
-            sgd_step(engine, plan, 0, &Host::default());
-            // SAFETY: valid pointers.
-            ok(unsafe { fsdp_engine_save_async(engine, path.as_ptr()) });
-            let reader = {
-                let engine = engine as usize;
-                std::thread::spawn(move || {
-                    let mut counters = fsdp_counters::default();
-                    loop {
-                        // SAFETY: valid pointers; the handle goes while this reads.
-                        let read = unsafe { fsdp_engine_counters(handle(engine), &mut counters) };
-                        if read != fsdp_status::FSDP_OK {
-                            return read;
-                        }
-                    }
-                })
-            };
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            ok(fsdp_engine_destroy(engine));
-            let written = dir.join("rank-00000.json").exists();
-            assert_eq!(reader.join().unwrap(), fsdp_status::FSDP_INVALID_HANDLE);
-            assert!(
-                written,
-                "{mode:?}: destroy returned before the save's files"
-            );
-            ok(fsdp_local_group_destroy(group));
-            ok(fsdp_plan_destroy(plan));
-            let _ = std::fs::remove_dir_all(&dir);
-        }
+    within_deadline("a destroy beside a reader", || {
+        for_each_mode(destroy_beside_a_reader)
     });
+}
+
+/// Twenty rounds in `mode` of a destroy while another thread reads the engine's counters.
+fn destroy_beside_a_reader(mode: Mode) {
+    for round in 0..20 {
+        let dir = std::env::temp_dir().join(format!(
+            "fsdp-fusion-c-destroy-{}-{mode:?}-{round}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = CString::new(dir.to_str().unwrap()).unwrap();
+        let (plan, group, engine) = engine(mode);
+        sgd_step(engine, plan, 0, &Host::default());
+        // SAFETY: valid pointers.
+        ok(unsafe { fsdp_engine_save_async(engine, path.as_ptr()) });
+        let reader = {
+            let engine = engine as usize;
+            std::thread::spawn(move || {
+                let mut counters = fsdp_counters::default();
+                loop {
+                    // SAFETY: valid pointers; the handle goes while this reads.
+                    let read = unsafe { fsdp_engine_counters(handle(engine), &mut counters) };
+                    if read != fsdp_status::FSDP_OK {
+                        return read;
+                    }
+                }
+            })
+        };
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        ok(fsdp_engine_destroy(engine));
+        let written = dir.join("rank-00000.json").exists();
+        assert_eq!(reader.join().unwrap(), fsdp_status::FSDP_INVALID_HANDLE);
+        assert!(
+            written,
+            "{mode:?}: destroy returned before the save's files"
+        );
+        ok(fsdp_local_group_destroy(group));
+        ok(fsdp_plan_destroy(plan));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
