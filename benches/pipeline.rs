@@ -116,8 +116,8 @@ fn run_rank<C: Communicator<CudaBackend>>(
     let reduced_bytes = if plan.world_size() > 1 {
         plan.groups()
             .iter()
-            .filter(|g| g.trainable)
-            .map(|g| g.padded_numel * reduce_dtype.size())
+            .filter(|g| g.trainable())
+            .map(|g| g.padded_numel() * reduce_dtype.size())
             .sum()
     } else {
         0

@@ -60,10 +60,10 @@ fn full_model<C: Communicator<CudaBackend>>(
         .map(|i| {
             let id = ParamId(i);
             let layout = plan.param(id)?;
-            let group = &groups[layout.group];
-            let part = group.len() / plan.group(layout.group)?.shards;
+            let group = &groups[layout.group()];
+            let part = group.len() / plan.group(layout.group())?.shards();
             let shards: Vec<Vec<u8>> = group.chunks(part.max(1)).map(<[u8]>::to_vec).collect();
-            Ok(widen(layout.dtype, &plan.assemble_param(id, &shards)?))
+            Ok(widen(layout.dtype(), &plan.assemble_param(id, &shards)?))
         })
         .collect()
 }

@@ -157,28 +157,28 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
     )?;
     let (mut numel_all, mut padded_all) = (0usize, 0usize);
     for g in plan.groups() {
-        let numel: usize = g.params.iter().map(|&p| plan.params()[p.0].numel).sum();
+        let numel: usize = g.params().iter().map(|&p| plan.params()[p.0].numel()).sum();
         numel_all += numel;
-        padded_all += g.padded_numel;
+        padded_all += g.padded_numel();
         writeln!(
             out,
             "{:>5}  {:<5}  {:<9}  {:<5}  {:<4}  {:<14}  {:>6}  {:>12}  {:>12}  {:>12}  {:>7.1}%",
-            g.index,
-            g.dtype.name(),
-            if g.trainable { "yes" } else { "frozen" },
-            g.unit.layer().map_or("-".to_string(), |u| u.to_string()),
-            if g.tied { "yes" } else { "" },
-            match g.process_group {
-                Some(pg) => format!("{} {}", g.shards, plan.process_groups()[pg].name),
-                None => format!("{} (world)", g.shards),
+            g.index(),
+            g.dtype().name(),
+            if g.trainable() { "yes" } else { "frozen" },
+            g.unit().layer().map_or("-".to_string(), |u| u.to_string()),
+            if g.tied() { "yes" } else { "" },
+            match g.process_group() {
+                Some(pg) => format!("{} {}", g.shards(), plan.process_groups()[pg].name),
+                None => format!("{} (world)", g.shards()),
             }
             .escape_debug()
             .to_string(),
-            g.params.len(),
+            g.params().len(),
             numel,
-            g.padded_numel,
-            g.shard_numel,
-            overhead(numel, g.padded_numel)
+            g.padded_numel(),
+            g.shard_numel(),
+            overhead(numel, g.padded_numel())
         )?;
     }
     writeln!(out)?;
@@ -188,18 +188,18 @@ fn run(args: &Args, out: &mut impl Write) -> Result<(), Stop> {
         "group", "param", "shape", "numel", "offset", "padded"
     )?;
     for g in plan.groups() {
-        for &id in &g.params {
+        for &id in g.params() {
             let p = &plan.params()[id.0];
             writeln!(
                 out,
                 "{:>5}  {:<28}  {:<14}  {:>12}  {:>12}  {:>12}",
-                g.index,
+                g.index(),
                 // Names are the caller's text: control characters are shown escaped.
-                p.name.escape_debug().to_string(),
-                format!("{:?}", p.shape),
-                p.numel,
-                p.offset,
-                p.padded_numel
+                p.name().escape_debug().to_string(),
+                format!("{:?}", p.shape()),
+                p.numel(),
+                p.offset(),
+                p.padded_numel()
             )?;
         }
     }

@@ -158,7 +158,7 @@ enum Clipping {
 
 impl<B: Backend> Batch<B> {
     fn new<C: Communicator<B>>(e: &Engine<B, C>) -> Result<Batch<B>> {
-        let numels: Vec<usize> = e.plan().params().iter().map(|p| p.numel).collect();
+        let numels: Vec<usize> = e.plan().params().iter().map(|p| p.numel()).collect();
         let scratch = |n: usize| e.backend().alloc_scratch(n * 4);
         Ok(Batch {
             targets: numels.iter().map(|&n| scratch(n)).collect::<Result<_>>()?,
@@ -173,11 +173,11 @@ impl<B: Backend> Batch<B> {
 
     fn fill<C: Communicator<B>>(&mut self, e: &Engine<B, C>, step: usize) -> Result<()> {
         for (i, p) in e.plan().params().iter().enumerate() {
-            let mut values = target(e.rank(), step, i, p.numel);
+            let mut values = target(e.rank(), step, i, p.numel());
             if self.nonfinite_at == Some((e.rank(), step)) && i == 1 {
                 values[0] = f32::NAN;
             }
-            let region = Region::new(0, p.numel, DType::F32);
+            let region = Region::new(0, p.numel(), DType::F32);
             let bytes: &[u8] = bytemuck::cast_slice(&values);
             e.backend().upload(&mut self.targets[i], region, bytes)?;
         }
@@ -211,12 +211,12 @@ fn step<B: RawAddress, C: Communicator<B>>(
     for unit in [Unit::Layer(1), Unit::Layer(0), Unit::Root] {
         e.pre_backward(unit)?;
         for (i, p) in plan.params().iter().enumerate() {
-            if p.unit != unit {
+            if p.unit() != unit {
                 continue;
             }
             let id = ParamId(i);
             let values = e.param_device(id)?;
-            let f32s = Region::new(0, p.numel, DType::F32);
+            let f32s = Region::new(0, p.numel(), DType::F32);
             let gradient = &mut batch.gradients[i];
             // SAFETY: on the compute stream, after the hook that gathered the values (valid
             // until the unit's hooks close); the batch's buffers are used on the compute stream
@@ -238,13 +238,13 @@ fn step<B: RawAddress, C: Communicator<B>>(
             let address = e.backend().stream_address(&batch.gradients[i], f32s)?;
             if let Some(copy) = batch.into_slots {
                 let slot = e.grad_slot_device(id)?;
-                copy(e.backend(), address, slot.ptr, p.numel * 4)?;
+                copy(e.backend(), address, slot.ptr, p.numel() * 4)?;
                 e.commit_grad(id)?;
                 continue;
             }
             // SAFETY: the gradient buffer holds `numel` f32, written above on the compute
             // stream, where the engine reads it; the next write is the next step's.
-            e.grad(id, unsafe { Input::device(address, p.numel, DType::F32) })?;
+            e.grad(id, unsafe { Input::device(address, p.numel(), DType::F32) })?;
         }
         e.post_backward(unit)?;
     }
@@ -1098,7 +1098,7 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             assert_refused(e.param_shard(0), "during a capture");
             assert_refused(e.save(std::path::Path::new("unused")), "during a capture");
             assert_refused(e.set_tracing(true), "a trace");
-            let zeros = vec![0f32; e.plan().params()[0].numel];
+            let zeros = vec![0f32; e.plan().params()[0].numel()];
             assert_refused(
                 e.load_param(ParamId(0), Input::host(&zeros)),
                 "during a capture",
@@ -1114,7 +1114,7 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
                 e.pre_backward(unit)?;
                 if unit == Unit::Layer(1) {
                     // A replay would take the bytes of the capture again.
-                    let g = vec![0.5f32; e.plan().params()[3].numel];
+                    let g = vec![0.5f32; e.plan().params()[3].numel()];
                     assert_refused(e.grad(ParamId(3), Input::host(&g)), "host memory");
                 }
                 e.post_backward(unit)?;

@@ -364,7 +364,7 @@ fn a_save_never_overwrites_and_never_runs_mid_step() {
 fn values(plan: &Plan, ranks: &[Vec<Vec<u8>>]) -> Vec<Vec<u8>> {
     (0..plan.params().len())
         .map(|i| {
-            let group = plan.params()[i].group;
+            let group = plan.params()[i].group();
             let shards: Vec<Vec<u8>> = ranks.iter().map(|r| r[group].clone()).collect();
             plan.assemble_param(fsdp_fusion::ParamId(i), &shards)
                 .unwrap()
@@ -506,10 +506,10 @@ fn export_and_import(mode: Mode, dtype: DType, storage: ParamStorage) {
     let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(read.len(), one.params().len());
     for (p, values) in one.params().iter().zip(&exported) {
-        let t = read.tensor(&p.name).unwrap();
+        let t = read.tensor(p.name()).unwrap();
         let shape: Vec<u64> = t.shape().iter().map(|&d| d as u64).collect();
-        assert_eq!(shape, p.shape, "{}", p.name);
-        assert_eq!(t.data(), &values[..], "{}", p.name);
+        assert_eq!(shape, p.shape(), "{}", p.name());
+        assert_eq!(t.data(), &values[..], "{}", p.name());
     }
     for world in [1, 2, 3, 4, 8] {
         let path = file.clone();
@@ -661,7 +661,7 @@ fn a_checkpoint_of_any_world_size_exports_what_the_engines_hold() {
             let bytes = std::fs::read(&file).unwrap();
             let read = safetensors::SafeTensors::deserialize(&bytes).unwrap();
             for (p, values) in plan.params().iter().zip(values(&plan, &trained)) {
-                assert_eq!(read.tensor(&p.name).unwrap().data(), &values[..], "{what}");
+                assert_eq!(read.tensor(p.name()).unwrap().data(), &values[..], "{what}");
             }
             if world == 1 {
                 assert_eq!(
@@ -896,10 +896,10 @@ fn every_rank_gathers_the_whole_groups_it_holds_a_part_of() {
                 });
                 let shards: Vec<Vec<Vec<u8>>> = ranks.iter().map(|r| r.0.clone()).collect();
                 for (p, values) in plan.params().iter().zip(values(&plan, &shards)) {
-                    let size = p.dtype.size();
+                    let size = p.dtype().size();
                     for (rank, (_, groups)) in ranks.iter().enumerate() {
-                        let whole = &groups[p.group];
-                        let mine = &whole[p.offset * size..(p.offset + p.numel) * size];
+                        let whole = &groups[p.group()];
+                        let mine = &whole[p.offset() * size..(p.offset() + p.numel()) * size];
                         assert_eq!(
                             mine,
                             &values[..],

@@ -343,7 +343,7 @@ fn steps_after_a_checkpoint_at_the_largest_step_count_keep_it() {
                 sharded_step(&stepping, e, (step, 2), lr, Recipe::default())?;
             }
             e.save(&to)?;
-            let dtypes = e.plan().groups().iter().map(|g| g.dtype);
+            let dtypes = e.plan().groups().iter().map(|g| g.dtype());
             Ok::<_, Error>(dtypes.zip(shards(e)).collect::<Vec<_>>())
         });
         for (rank, outcome) in stepped.into_iter().enumerate() {

@@ -486,9 +486,9 @@ impl Training {
             .unwrap_or_else(|e| panic!("engine on rank {rank}: {e}"));
         let params = self.plan.params().to_vec();
         for (i, p) in params.iter().enumerate() {
-            let init = narrow(p.dtype, &Rng::new(1000 + i as u64).wide_values(p.numel));
-            let input = Input::host_bytes(&init, p.dtype);
-            e.load_param(e.plan().param_id(&p.name).unwrap(), input)
+            let init = narrow(p.dtype(), &Rng::new(1000 + i as u64).wide_values(p.numel()));
+            let input = Input::host_bytes(&init, p.dtype());
+            e.load_param(e.plan().param_id(p.name()).unwrap(), input)
                 .unwrap();
         }
         let units = [Unit::Layer(0), Unit::Layer(1), Unit::Layer(2)];
@@ -502,13 +502,13 @@ impl Training {
                 for &u in units.iter().rev() {
                     e.pre_backward(u).unwrap();
                     for (i, p) in params.iter().enumerate() {
-                        if p.unit != u || !p.trainable {
+                        if p.unit() != u || !p.trainable() {
                             continue;
                         }
                         let seed = ((step * 2 + pass) * 64 + rank as u64) * 64 + i as u64;
-                        let grad = Rng::new(seed).wide_values(p.numel);
+                        let grad = Rng::new(seed).wide_values(p.numel());
                         let grad: Vec<f32> = grad.iter().map(|g| g * 1e-9).collect();
-                        let id = e.plan().param_id(&p.name).unwrap();
+                        let id = e.plan().param_id(p.name()).unwrap();
                         e.grad(id, Input::host(&grad)).unwrap();
                     }
                     e.post_backward(u).unwrap();

@@ -54,7 +54,7 @@ fn no_overlap() -> EngineConfig {
 
 fn groups_of(e: &CpuEngine, unit: Unit) -> Vec<usize> {
     let u = e.plan().unit_index(unit).unwrap();
-    e.plan().unit_groups(u).to_vec()
+    e.plan().unit_groups(u).unwrap().to_vec()
 }
 
 #[test]
@@ -154,7 +154,7 @@ fn keeping_groups_gathered_gathers_each_once_a_step_however_many_passes() {
 fn no_sync_reduces_each_trainable_group_once_a_step() {
     for_each_mode(|mode| {
         let plan = Plan::new(&stack(4, true), 2).unwrap();
-        let trainable = plan.groups().iter().filter(|g| g.trainable).count() as u64;
+        let trainable = plan.groups().iter().filter(|g| g.trainable()).count() as u64;
         let no_sync = three_passes_a_step(mode, Accumulation::NoSync);
         let every_pass = three_passes_a_step(mode, Accumulation::ReduceEveryPass);
         for (once, each) in no_sync.iter().zip(&every_pass) {
@@ -477,7 +477,7 @@ fn checkpointed_step(mode: Mode, recompute: bool) -> (u64, Vec<u8>) {
             .iter()
             .map(|n| e.plan().param_id(n).unwrap())
             .collect();
-        let numel = |e: &CpuEngine, id| e.plan().param(id).unwrap().numel;
+        let numel = |e: &CpuEngine, id| e.plan().param(id).unwrap().numel();
         for &id in &ids {
             e.load_param(id, Input::host(&vec![1.0f32; numel(&e, id)]))
                 .unwrap();
@@ -510,7 +510,7 @@ fn checkpointed_step(mode: Mode, recompute: bool) -> (u64, Vec<u8>) {
         e.finish_grad_sync().unwrap();
         e.optimizer_step().unwrap();
         e.end_step().unwrap();
-        let group = e.plan().param(ids[0]).unwrap().group;
+        let group = e.plan().param(ids[0]).unwrap().group();
         (e.counters().reduce_scatters, e.param_shard(group).unwrap())
     });
     ranks.swap_remove(0)

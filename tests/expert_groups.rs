@@ -135,11 +135,11 @@ fn expert_groups_with_bf16_gradients_and_without_sync_between_passes() {
 fn a_plan_places_expert_groups_on_blocks_of_consecutive_ranks() {
     let model = model(2);
     let plan = Plan::new(&model.spec().unwrap(), 6).unwrap();
-    let expert = plan.param(model.ids.weight(1)).unwrap().group;
-    let dense = plan.param(model.ids.weight(0)).unwrap().group;
+    let expert = plan.param(model.ids.weight(1)).unwrap().group();
+    let dense = plan.param(model.ids.weight(0)).unwrap().group();
     let (expert, dense) = (&plan.groups()[expert], &plan.groups()[dense]);
-    assert_eq!((expert.shards, dense.shards), (2, 6));
-    assert_eq!(expert.process_group, Some(0));
+    assert_eq!((expert.shards(), dense.shards()), (2, 6));
+    assert_eq!(expert.process_group(), Some(0));
     assert_eq!(plan.process_groups()[0].name, EXPERT_GROUP);
     assert_eq!((plan.copies(expert), plan.copies(dense)), (3, 1));
     for rank in 0..6 {
@@ -147,14 +147,14 @@ fn a_plan_places_expert_groups_on_blocks_of_consecutive_ranks() {
         assert_eq!(plan.copy(expert, rank), rank / 2);
         assert_eq!(
             plan.shard_range(expert, rank),
-            expert.shard_numel * (rank % 2)..expert.shard_numel * (rank % 2 + 1)
+            expert.shard_numel() * (rank % 2)..expert.shard_numel() * (rank % 2 + 1)
         );
         assert_eq!(plan.shard_index(dense, rank), rank);
     }
     // The expert's buffer splits into 2 shards of 256-byte multiples, the dense one into 6.
-    assert_eq!(expert.padded_numel % (2 * 128), 0);
-    assert_eq!(expert.shard_numel * 2, expert.padded_numel);
-    assert_eq!(dense.padded_numel % (6 * 128), 0);
+    assert_eq!(expert.padded_numel() % (2 * 128), 0);
+    assert_eq!(expert.shard_numel() * 2, expert.padded_numel());
+    assert_eq!(dense.padded_numel() % (6 * 128), 0);
 }
 
 #[test]

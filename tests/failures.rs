@@ -75,7 +75,7 @@ fn units_backward_in_order<C: Communicator<CpuBackend>>(
 ) -> Result<()> {
     for name in names {
         let id = e.plan().param_id(name)?;
-        let unit = e.plan().param(id)?.unit;
+        let unit = e.plan().param(id)?.unit();
         e.pre_backward(unit)?;
         e.grad(id, Input::host(&[1f32; 64]))?;
         e.post_backward(unit)?;
@@ -377,7 +377,7 @@ fn zero_sized_parameters_train_at_every_world_size() {
                 e.finish_grad_sync().unwrap();
                 e.optimizer_step().unwrap();
                 e.end_step().unwrap();
-                let group = e.plan().param(ids[1]).unwrap().group;
+                let group = e.plan().param(ids[1]).unwrap().group();
                 e.param_shard(group).unwrap()
             });
             let p = plan(&model, world);
@@ -475,7 +475,7 @@ fn non_finite_gradients_are_counted_and_the_mean_does_not_overflow() {
             e.grad(b, Input::host(&[3e38f32; 64])).unwrap();
             e.finish_grad_sync().unwrap();
             let count = e.nonfinite_grads().unwrap();
-            let b_group = e.plan().param(b).unwrap().group;
+            let b_group = e.plan().param(b).unwrap().group();
             let b_shard = e.grad_shard(b_group).unwrap();
             e.optimizer_step().unwrap();
             e.end_step().unwrap();

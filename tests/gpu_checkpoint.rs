@@ -124,7 +124,7 @@ fn loopback_ranks_gather_whole_groups_and_save_in_the_background() {
             for (rank, (_, groups)) in ranks.iter().enumerate() {
                 assert_eq!(groups[g], whole, "world {world} group {g} on rank {rank}");
             }
-            assert_eq!(whole.len(), group.padded_numel * group.dtype.size());
+            assert_eq!(whole.len(), group.padded_numel() * group.dtype().size());
         }
         for rank in 0..world {
             let read =

@@ -66,7 +66,7 @@ fn backward_in_order(e: &mut GpuEngine, names: [&str; 2], g: &[f32; 64]) -> Resu
 fn units_backward_in_order(e: &mut GpuEngine, names: [&str; 2]) -> Result<()> {
     for name in names {
         let id = e.plan().param_id(name)?;
-        let unit = e.plan().param(id)?.unit;
+        let unit = e.plan().param(id)?.unit();
         e.pre_backward(unit)?;
         e.grad(id, Input::host(&[1.0; 64]))?;
         e.post_backward(unit)?;

@@ -462,7 +462,7 @@ fn per_step_gradient_shards_from_a_caller_s_allocator_equal_the_reference() {
             // Every buffer came from the allocator and went back to it; the gradient shards
             // came anew each step, in blocks that the steps before used.
             let plan = Plan::new(&model(DType::Bf16).spec().unwrap(), world).unwrap();
-            let trainable = plan.groups().iter().filter(|g| g.trainable).count();
+            let trainable = plan.groups().iter().filter(|g| g.trainable()).count();
             for a in &allocators {
                 let allocations = a.allocations.load(Ordering::SeqCst);
                 assert!(

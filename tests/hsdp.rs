@@ -202,11 +202,11 @@ fn only_the_first_replica_saves_and_its_checkpoint_loads_at_another_world_size()
         let loaded: Vec<Vec<f32>> = (0..one_plan.params().len())
             .map(|i| {
                 let id = fsdp_fusion::ParamId(i);
-                let group = one_plan.param(id).unwrap().group;
+                let group = one_plan.param(id).unwrap().group();
                 let bytes = one_plan
                     .assemble_param(id, std::slice::from_ref(&shards[group]))
                     .unwrap();
-                widen(one_plan.param(id).unwrap().dtype, &bytes)
+                widen(one_plan.param(id).unwrap().dtype(), &bytes)
             })
             .collect();
         assert_eq!(loaded, last);

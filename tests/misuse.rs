@@ -79,7 +79,7 @@ fn id(e: &CpuEngine, name: &str) -> ParamId {
 
 fn grad(e: &mut CpuEngine, name: &str) -> fsdp_fusion::Result<()> {
     let p = id(e, name);
-    let numel = e.plan().param(p).unwrap().numel;
+    let numel = e.plan().param(p).unwrap().numel();
     e.grad(p, Input::host(&grad_values(numel)))
 }
 
@@ -279,7 +279,7 @@ fn stepping_in_the_backward_takes_a_batch_unit_after_unit_the_open_one_first() {
                         let (a, b) = (grad_values(4), [0.25f32; 4]);
                         e.grads(&[(w1, Input::host(&a))]).unwrap();
                         // A shard read while gradients arrive would show unwritten elements.
-                        let group = e.plan().param(w1).unwrap().group;
+                        let group = e.plan().param(w1).unwrap().group();
                         assert!(matches!(
                             e.grad_shard(group),
                             Err(Error::GradsNotSynced { .. })

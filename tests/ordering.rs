@@ -51,7 +51,7 @@ fn two_steps<B: Backend, C: Communicator<B>>(
     e.finish_grad_sync().unwrap();
     e.optimizer_step().unwrap();
     e.end_step().unwrap();
-    let group = e.plan().param(w).unwrap().group;
+    let group = e.plan().param(w).unwrap().group();
     bytemuck::cast_slice(&e.param_shard(group).unwrap()).to_vec()
 }
 

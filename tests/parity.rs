@@ -535,8 +535,8 @@ fn master_only_storage_holds_no_shard_for_its_groups() {
         let trainable: usize = plan
             .groups()
             .iter()
-            .filter(|g| g.trainable)
-            .map(|g| g.shard_numel * 2)
+            .filter(|g| g.trainable())
+            .map(|g| g.shard_numel() * 2)
             .sum();
         assert_eq!(a.param_shards - b.param_shards, trainable, "world {world}");
         if world == 1 {

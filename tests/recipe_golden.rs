@@ -168,7 +168,7 @@ fn norms_clipping_and_decay_groups_are_torch_s_at_every_world_size() {
                     let layout = plan.param(ParamId(id)).unwrap();
                     let shards: Vec<Vec<u8>> = ranks
                         .iter()
-                        .map(|r| r[step].1[layout.group].clone())
+                        .map(|r| r[step].1[layout.group()].clone())
                         .collect();
                     let got = widen(
                         DType::F32,

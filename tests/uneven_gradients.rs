@@ -78,14 +78,14 @@ fn step<C: Communicator<CpuBackend>>(
         .iter()
         .map(|name| {
             let id = plan.param_id(name)?;
-            Ok((id, gradient(rank, id, plan.param(id)?.numel)))
+            Ok((id, gradient(rank, id, plan.param(id)?.numel())))
         })
         .collect::<Result<_>>()?;
     for unit in [Unit::Layer(1), Unit::Layer(0), Unit::Root] {
         e.pre_backward(unit)?;
         let mut batch = Vec::new();
         for (id, g) in &gradients {
-            if plan.param(*id)?.unit == unit {
+            if plan.param(*id)?.unit() == unit {
                 batch.push((*id, Input::host(g)));
             }
         }
@@ -110,10 +110,10 @@ fn values_of<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Resu
     let plan = e.plan().clone();
     let mut values = vec![Vec::new(); plan.params().len()];
     for g in plan.groups() {
-        let whole = e.gather_group(g.index)?;
-        for id in &g.params {
+        let whole = e.gather_group(g.index())?;
+        for id in g.params() {
             let p = plan.param(*id)?;
-            values[id.0] = whole[p.offset * 4..(p.offset + p.numel) * 4]
+            values[id.0] = whole[p.offset() * 4..(p.offset() + p.numel()) * 4]
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect();
@@ -129,15 +129,15 @@ fn expected(plan: &Plan, world: usize) -> Vec<Vec<f32>> {
         .enumerate()
         .map(|(i, p)| {
             let id = ParamId(i);
-            let mut mean = vec![0f32; p.numel];
+            let mut mean = vec![0f32; p.numel()];
             for rank in 0..world {
-                if handed_over(rank).contains(&p.name.as_str()) {
-                    for (m, g) in mean.iter_mut().zip(gradient(rank, id, p.numel)) {
+                if handed_over(rank).contains(&p.name()) {
+                    for (m, g) in mean.iter_mut().zip(gradient(rank, id, p.numel())) {
                         *m += g;
                     }
                 }
             }
-            (initial(id, p.numel).iter().zip(mean))
+            (initial(id, p.numel()).iter().zip(mean))
                 .map(|(v, m)| v - LR * (m / world as f32))
                 .collect()
         })
@@ -201,7 +201,7 @@ fn ranks_handing_over_different_gradients_in_different_orders_train_on_their_mea
                                     (x - y).abs() <= 1e-6 * y.abs().max(1.0),
                                     "world {world}, {name}, {drive:?}, {mode:?}, rank {rank}, \
                                      {}: {g:?} against {w:?}",
-                                    plan.params()[i].name
+                                    plan.params()[i].name()
                                 );
                             }
                         }
@@ -219,7 +219,7 @@ fn a_gradient_after_its_units_backward_ended_is_refused_and_the_pass_goes_on() {
     for_each_mode(|mode| {
         let outcomes = on_engines(&plan, &config, mode, |mut e| -> Result<Error> {
             let a = e.plan().param_id("a")?;
-            let numel = e.plan().param(a)?.numel;
+            let numel = e.plan().param(a)?.numel();
             forward(&mut e)?;
             e.pre_backward(Unit::Layer(0))?;
             e.post_backward(Unit::Layer(0))?;
@@ -248,9 +248,9 @@ fn backward_of_rank_0<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>
     for unit in [Unit::Layer(1), Unit::Layer(0), Unit::Root] {
         e.pre_backward(unit)?;
         if e.rank() == 0 {
-            for p in plan.params().iter().filter(|p| p.unit == unit) {
-                let id = plan.param_id(&p.name)?;
-                e.grad(id, Input::host(&gradient(0, id, p.numel)))?;
+            for p in plan.params().iter().filter(|p| p.unit() == unit) {
+                let id = plan.param_id(p.name())?;
+                e.grad(id, Input::host(&gradient(0, id, p.numel())))?;
             }
         }
         e.post_backward(unit)?;
@@ -275,8 +275,8 @@ fn two_synced_passes_of_rank_0<C: Communicator<CpuBackend>>(
 fn load_initial<C: Communicator<CpuBackend>>(e: &mut Engine<CpuBackend, C>) -> Result<()> {
     let plan = e.plan().clone();
     for p in plan.params() {
-        let id = plan.param_id(&p.name)?;
-        e.load_param(id, Input::host(&initial(id, p.numel)))?;
+        let id = plan.param_id(p.name())?;
+        e.load_param(id, Input::host(&initial(id, p.numel())))?;
     }
     Ok(())
 }
@@ -340,8 +340,8 @@ fn a_pass_after_a_sync_adds_to_the_passes_before_in_every_accumulation() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            let (id, g) = (ParamId(i), gradient(0, ParamId(i), p.numel));
-            let initial = initial(id, p.numel);
+            let (id, g) = (ParamId(i), gradient(0, ParamId(i), p.numel()));
+            let initial = initial(id, p.numel());
             // Two passes of `g` from rank 0, none from rank 1: their mean is `g`.
             initial.iter().zip(g).map(|(v, g)| v - LR * g).collect()
         })

@@ -124,7 +124,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         fx.clear();
         let plan = Arc::clone(&self.plan);
         let mut result = Ok(());
-        for &g in plan.unit_groups(u) {
+        for &g in plan.unit_groups(u).unwrap_or_default() {
             if self.gathering.machine.state(g) == BufferState::Ready {
                 self.counters.reuses += 1;
             }
@@ -135,7 +135,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         if result.is_ok() && self.config.overlap {
             if let Some(next) = self.gathering.schedule.predict_next() {
-                for &g in plan.unit_groups(next) {
+                for &g in plan.unit_groups(next).unwrap_or_default() {
                     let before = fx.len();
                     match self.gathering.machine.prefetch(g, &mut fx) {
                         Ok(true) => self.counters.prefetches += (fx.len() > before) as u64,
@@ -156,7 +156,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// One use of unit `u`'s groups ended on the compute stream.
     pub(super) fn release_unit(&mut self, u: usize) -> Result<()> {
         let plan = Arc::clone(&self.plan);
-        let groups = plan.unit_groups(u);
+        let groups = plan.unit_groups(u).unwrap_or_default();
         // Compute's last use matters to the next gather into a group's slot only: a group whose
         // view is its shard (world size 1) is written next by the optimizer, on compute itself.
         let in_slot = groups

@@ -25,47 +25,143 @@ pub use policy::{Limits, Policy};
 /// Every parameter starts this many bytes after the start of its group's buffer, times an integer.
 pub const ALIGNMENT_BYTES: usize = 256;
 
-/// Where one parameter lives in its group's flat buffer.
+/// Where one parameter lives in its group's flat buffer. Made by [`Plan`] alone, so that what
+/// its methods compute from it holds; read through its accessors.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamLayout {
-    pub name: String,
-    pub shape: Vec<u64>,
-    pub dtype: DType,
-    pub trainable: bool,
-    pub unit: Unit,
-    pub numel: usize,
-    pub group: usize,
+    pub(crate) name: String,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) dtype: DType,
+    pub(crate) trainable: bool,
+    pub(crate) unit: Unit,
+    pub(crate) numel: usize,
+    pub(crate) group: usize,
+    pub(crate) offset: usize,
+    pub(crate) padded_numel: usize,
+}
+
+impl ParamLayout {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn trainable(&self) -> bool {
+        self.trainable
+    }
+
+    pub fn unit(&self) -> Unit {
+        self.unit
+    }
+
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
     /// First element in the group's buffer.
-    pub offset: usize,
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
     /// Elements reserved: `numel` rounded up to the group's alignment.
-    pub padded_numel: usize,
+    pub fn padded_numel(&self) -> usize {
+        self.padded_numel
+    }
 }
 
 /// Parameters that share dtype, trainability, unit, tying and optimizer settings (weight decay
-/// on or off, learning-rate scale), packed into one flat buffer.
+/// on or off, learning-rate scale), packed into one flat buffer. Made by [`Plan`] alone (a group
+/// with no shards would divide by zero in its shard arithmetic); read through its accessors.
+///
+/// ```compile_fail
+/// fn no_shards(plan: &fsdp_fusion::Plan) -> usize {
+///     let mut group = plan.groups()[0].clone();
+///     group.shards = 0;
+///     plan.shard_index(&group, 1)
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Group {
-    pub index: usize,
-    pub dtype: DType,
-    pub trainable: bool,
-    pub unit: Unit,
-    pub tied: bool,
-    pub weight_decay: bool,
-    pub lr_scale: f32,
-    /// The process group ([`Plan::process_groups`]) whose ranks shard the group; `None` for
-    /// the data-parallel world.
-    pub process_group: Option<usize>,
-    /// The ranks the buffer is sharded over: the world size, or the process group's size.
-    pub shards: usize,
-    /// Buffer length: a multiple of `shards`.
-    pub padded_numel: usize,
-    /// Elements each rank holds: `padded_numel / shards`.
-    pub shard_numel: usize,
-    /// Members in model order.
-    pub params: Vec<ParamId>,
+    pub(crate) index: usize,
+    pub(crate) dtype: DType,
+    pub(crate) trainable: bool,
+    pub(crate) unit: Unit,
+    pub(crate) tied: bool,
+    pub(crate) weight_decay: bool,
+    pub(crate) lr_scale: f32,
+    pub(crate) process_group: Option<usize>,
+    pub(crate) shards: usize,
+    pub(crate) padded_numel: usize,
+    pub(crate) shard_numel: usize,
+    pub(crate) params: Vec<ParamId>,
 }
 
 impl Group {
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn trainable(&self) -> bool {
+        self.trainable
+    }
+
+    pub fn unit(&self) -> Unit {
+        self.unit
+    }
+
+    pub fn tied(&self) -> bool {
+        self.tied
+    }
+
+    pub fn weight_decay(&self) -> bool {
+        self.weight_decay
+    }
+
+    pub fn lr_scale(&self) -> f32 {
+        self.lr_scale
+    }
+
+    /// The process group ([`Plan::process_groups`]) whose ranks shard the group; `None` for
+    /// the data-parallel world.
+    pub fn process_group(&self) -> Option<usize> {
+        self.process_group
+    }
+
+    /// The ranks the buffer is sharded over: the world size, or the process group's size.
+    pub fn shards(&self) -> usize {
+        self.shards
+    }
+
+    /// Buffer length: a multiple of `shards`.
+    pub fn padded_numel(&self) -> usize {
+        self.padded_numel
+    }
+
+    /// Elements each rank holds: `padded_numel / shards`.
+    pub fn shard_numel(&self) -> usize {
+        self.shard_numel
+    }
+
+    /// Members in model order.
+    pub fn params(&self) -> &[ParamId] {
+        &self.params
+    }
+
     /// Bytes of the gathered buffer.
     pub fn padded_bytes(&self) -> usize {
         self.padded_numel * self.dtype.size()
@@ -321,9 +417,9 @@ impl Plan {
         self.unit_index.get(&unit).copied()
     }
 
-    /// The groups of the unit at `unit_index` in [`Plan::units`].
-    pub fn unit_groups(&self, unit_index: usize) -> &[usize] {
-        &self.unit_groups[unit_index]
+    /// The groups of the unit at `unit_index` in [`Plan::units`]; none for an index past the end.
+    pub fn unit_groups(&self, unit_index: usize) -> Option<&[usize]> {
+        self.unit_groups.get(unit_index).map(Vec::as_slice)
     }
 
     /// Looks a parameter up by name.
@@ -448,7 +544,8 @@ mod tests {
             ]
         );
         assert_eq!(plan.units(), &[Unit::Root, Unit::Layer(1), Unit::Layer(0)]);
-        assert_eq!(plan.unit_groups(0), &[0, 2, 5]);
+        assert_eq!(plan.unit_groups(0), Some(&[0, 2, 5][..]));
+        assert_eq!(plan.unit_groups(plan.units().len()), None);
     }
 
     #[test]

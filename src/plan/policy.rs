@@ -141,7 +141,7 @@ impl Policy {
 fn groups_taking_gradients_at_once(plan: &Plan) -> (usize, usize) {
     let (mut root, mut most) = (0, 0);
     for (u, &unit) in plan.units().iter().enumerate() {
-        let trainable = (plan.unit_groups(u).iter())
+        let trainable = (plan.unit_groups(u).unwrap_or_default().iter())
             .filter(|&&g| plan.groups()[g].trainable)
             .count();
         match unit {
@@ -179,7 +179,7 @@ fn grad_shards_in_flight(
     };
     let (mut root, mut largest_unit) = (0usize, 0usize);
     for (u, &unit) in plan.units().iter().enumerate() {
-        let bytes = sum(plan.unit_groups(u)).ok_or_else(overflow)?;
+        let bytes = sum(plan.unit_groups(u).unwrap_or_default()).ok_or_else(overflow)?;
         match unit {
             Unit::Root => root = bytes,
             _ => largest_unit = largest_unit.max(bytes),

@@ -132,7 +132,7 @@ impl CapturedSteps {
             .plan()
             .params()
             .iter()
-            .map(|p| floats(p.numel))
+            .map(|p| floats(p.numel()))
             .collect::<Result<Vec<_>>>()?;
         Ok(CapturedSteps {
             model: model.clone(),
@@ -285,15 +285,15 @@ impl<C: Communicator<CpuBackend>> PassRunner for StreamRunner<'_, C> {
                 let buffer = &self.buffers.grads[param.0];
                 Ok((
                     param,
-                    address(backend, buffer, layout.numel)?,
-                    layout.numel,
-                    &layout.name,
+                    address(backend, buffer, layout.numel())?,
+                    layout.numel(),
+                    layout.name(),
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
         let targets: Vec<(u64, usize, String)> = outs
             .iter()
-            .map(|&(_, at, numel, name)| (at, numel, name.clone()))
+            .map(|&(_, at, numel, name)| (at, numel, name.to_string()))
             .collect();
         let (state, buffers) = (Arc::clone(self.state), Arc::clone(self.buffers));
         backend.run(Stream::Compute, move || {

@@ -407,7 +407,7 @@ impl<B: Backend, C: Communicator<B>> Params for EngineParams<'_, B, C> {
         }
     }
     fn value(&mut self, param: ParamId) -> Result<Vec<f32>> {
-        let dtype = self.0.plan().param(param)?.dtype;
+        let dtype = self.0.plan().param(param)?.dtype();
         Ok(widen(dtype, &self.0.param_bytes(param)?))
     }
     fn grad(&mut self, param: ParamId, grad: &[f32]) -> Result<()> {
@@ -431,7 +431,7 @@ pub fn load<B: Backend, C: Communicator<B>>(
 ) -> Result<()> {
     for (i, v) in values.iter().enumerate() {
         let id = ParamId(i);
-        let dtype = engine.plan().param(id)?.dtype;
+        let dtype = engine.plan().param(id)?.dtype();
         let bytes = narrow(dtype, v);
         engine.load_param(id, Input::host_bytes(&bytes, dtype))?;
     }

@@ -95,7 +95,11 @@ impl Reference {
             })
             .collect();
         Ok(Reference {
-            layout: plan.params().iter().map(|p| (p.group, p.offset)).collect(),
+            layout: plan
+                .params()
+                .iter()
+                .map(|p| (p.group(), p.offset()))
+                .collect(),
             moment_dtype: config.moment_dtype,
             trainable: spec.params.iter().map(|p| p.trainable).collect(),
             settings: spec

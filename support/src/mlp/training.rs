@@ -54,15 +54,15 @@ pub fn assemble_copy(plan: &Plan, ranks: &[RankStep], copy: usize) -> Result<Vec
         .map(|i| {
             let id = ParamId(i);
             let layout = plan.param(id)?;
-            let group = plan.group(layout.group)?;
-            let first = copy.min(plan.copies(group) - 1) * group.shards;
+            let group = plan.group(layout.group())?;
+            let first = copy.min(plan.copies(group) - 1) * group.shards();
             let shards: Vec<Vec<u8>> = ranks
                 .iter()
                 .skip(first)
-                .take(group.shards)
-                .map(|r| r.shards[layout.group].clone())
+                .take(group.shards())
+                .map(|r| r.shards[layout.group()].clone())
                 .collect();
-            Ok(widen(layout.dtype, &plan.assemble_param(id, &shards)?))
+            Ok(widen(layout.dtype(), &plan.assemble_param(id, &shards)?))
         })
         .collect()
 }
