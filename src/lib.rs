@@ -86,6 +86,7 @@ pub mod plan;
 mod schedule;
 pub mod spec;
 mod state;
+mod sync;
 pub mod trace;
 pub mod types;
 pub mod watch;

@@ -95,10 +95,7 @@ impl Watch {
 
     fn hooks(&self) -> MutexGuard<'_, (bool, Vec<EndHook>)> {
         // A hook runs outside the lock: a panic in one leaves the list whole.
-        self.0
-            .on_end
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.0.on_end)
     }
 
     /// Marks the rank as gone for its peers (its thread ended, or it was aborted).

@@ -41,6 +41,6 @@ impl Release {
     }
 
     fn words(&self) -> std::sync::MutexGuard<'_, Vec<usize>> {
-        self.words.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.words)
     }
 }

@@ -7,11 +7,12 @@
 //! watchdog looks every [`period`] and never at a collective younger than the timeout.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::comm::Fingerprint;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::watch::Watch;
 use crate::watchdog::Watchdog;
 
@@ -27,13 +28,6 @@ struct InFlight<E> {
 }
 
 type Queue<E> = Arc<Mutex<VecDeque<InFlight<E>>>>;
-
-fn lock<T>(queue: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section leaves the queue whole.
-    queue
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// How often the watchdog looks, for `timeout`: often enough to fail a collective soon after its
 /// deadline, rarely enough to cost nothing.

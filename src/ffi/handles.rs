@@ -3,7 +3,7 @@
 //! need while one of its calls blocks: its abort handle and its last counters.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use super::comms::Comms;
 use super::registry::{Object, Registry, lock};
@@ -19,7 +19,9 @@ use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::NcclComm;
 use crate::engine::{CapturedStep, Engine, StepReplay};
 use crate::error::Error;
+// The gate and the engine's slot hold no state a panic can leave half-changed.
 use crate::plan::Plan;
+use crate::sync::lock as locked;
 use crate::watch::AbortHandle;
 
 /// The engines the C API can create.
@@ -88,12 +90,6 @@ impl Drop for Entered<'_> {
     fn drop(&mut self) {
         self.0.leave();
     }
-}
-
-/// `m`'s value, also where a panic left its lock poisoned (the gate's and the engine's slot
-/// hold no state a panic can leave half-changed).
-fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl EngineEntry {

@@ -16,11 +16,12 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::types::Stream;
 use crate::watch::Watch;
 
@@ -46,13 +47,6 @@ pub(crate) struct Marker {
     reached: Mutex<Option<Instant>>,
     changed: Condvar,
     captured: std::sync::atomic::AtomicBool,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section here leaves its data whole: a panic elsewhere changes nothing.
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Marker {

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::driver::cuda;
 use crate::error::Result;
+use crate::sync::lock;
 
 /// At most this many events wait in a pool; more are destroyed. A step holds a few per group in
 /// flight, so this covers any pipeline's depth without keeping many events past a burst.
@@ -30,11 +31,8 @@ impl EventPool {
         ctx: &Arc<CudaContext>,
         stream: &CudaStream,
     ) -> Result<PooledEvent> {
-        let reused = match self.0.lock() {
-            Ok(mut free) => free.pop(),
-            // A panic while the lock was held left at worst an event too few: make one.
-            Err(poisoned) => poisoned.into_inner().pop(),
-        };
+        // A panic while the lock was held left at worst an event too few: make one.
+        let reused = lock(&self.0).pop();
         let event = match reused {
             Some(event) => event,
             None => ctx.new_event(None).map_err(cuda("cuEventCreate"))?,
@@ -48,10 +46,7 @@ impl EventPool {
     }
 
     fn give_back(&self, event: CudaEvent) {
-        let mut free = match self.0.lock() {
-            Ok(free) => free,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut free = lock(&self.0);
         if free.len() < KEPT {
             free.push(event);
         }

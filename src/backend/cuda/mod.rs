@@ -38,6 +38,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerKind, STEP_VALUES_BYTES, StepValues};
+use crate::sync::lock;
 use crate::types::{DType, Stream};
 use crate::watch::Watch;
 
@@ -48,7 +49,7 @@ pub(crate) use memory::DeviceMemory;
 use memory::{BufferMemory, LentMemory};
 pub use memory::{CudaBuffer, DeviceAllocator, PinnedHost};
 use staging::Staging;
-use streams::{lock, wait_for};
+use streams::wait_for;
 
 const NAME: &str = "cuda";
 

@@ -242,7 +242,7 @@ impl CudaBackend {
 
     pub(super) fn staging(&self) -> MutexGuard<'_, Staging> {
         // A panic while staging leaves at worst an area whose readers are waited on: keep going.
-        self.staging.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.staging)
     }
 
     /// `Error::Capture` naming `what` while a capture is under way: `what` would fail it.
@@ -264,11 +264,6 @@ impl CudaBackend {
             }),
         }
     }
-}
-
-/// `mutex`'s guard: every critical section of the backend leaves its data whole.
-pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// `Error::Capture` naming `what` where `capture` is under way.

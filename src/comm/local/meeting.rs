@@ -75,10 +75,7 @@ pub(super) struct Meeting<'a> {
 impl Meeting<'_> {
     pub(super) fn lock(&self) -> MutexGuard<'_, Round> {
         // A rank that panicked while holding the lock left the round as it was: keep going.
-        self.shared
-            .round
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.shared.round)
     }
 
     /// Waits until every rank arrived at this barrier of the channel; fails if a rank is gone

@@ -88,10 +88,7 @@ impl LocalComm {
     }
 
     fn lock(&self) -> MutexGuard<'_, Round> {
-        self.shared
-            .round
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.shared.round)
     }
 }
 

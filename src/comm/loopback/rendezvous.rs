@@ -56,7 +56,7 @@ impl<T: Clone> Rendezvous<T> {
 
     fn lock(&self) -> MutexGuard<'_, State<T>> {
         // A rank that panicked while holding the lock left the state consistent: keep going.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// Deposits `value` as `rank`'s, waits until every rank deposited, and returns the values in

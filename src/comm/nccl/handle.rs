@@ -46,9 +46,8 @@ unsafe impl Sync for Shared {}
 
 impl Shared {
     fn uses(&self) -> MutexGuard<'_, Uses> {
-        self.uses
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        // `Uses`' methods change a few fields and call nothing that panics.
+        crate::sync::lock(&self.uses)
     }
 }
 
