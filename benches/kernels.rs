@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, result, sys};
 use fsdp_fusion::backend::cuda::kernels::{AccumulateEntry, Kernels, PackEntry};
-use fsdp_fusion::optim::{GroupUpdate, MomentStorage, STEP_VALUES_BYTES};
+use fsdp_fusion::optim::{GroupUpdate, MomentStorage, STEP_VALUES_BYTES, StepValues};
 use fsdp_fusion::{DType, Error};
 
 type Outcome<T> = Result<T, Box<dyn StdError>>;
@@ -538,9 +538,9 @@ fn accumulate_layer(size: usize) -> Item {
     )
 }
 
-/// Optimizer operands: the step's values (their bytes, 0x3F each, make finite coefficients, and
-/// any finite ones time the same; their 48 bytes are not counted), f32 master (the param itself
-/// for f32), the f32 state, then a bf16/f16 param; the dtype column says which.
+/// Optimizer operands: the step's values ([`updating`] writes them; their 48 bytes are not
+/// counted), f32 master (the param itself for f32), the f32 state, then a bf16/f16 param; the
+/// dtype column says which.
 fn optimizer_operands(
     size: usize,
     param: DType,
@@ -569,7 +569,7 @@ const GROUP: GroupUpdate = GroupUpdate {
 fn adamw(size: usize, param: DType) -> Item {
     // Reads master, m, v, grad; writes master, m, v and, apart from an f32 param, the param.
     let (n, operands, moved, what) = optimizer_operands(size, param, 3);
-    Item::new("adamw", what, operands, moved, move |gpu, a| {
+    let item = Item::new("adamw", what, operands, moved, move |gpu, a| {
         let param_ptr = a.get(5).copied().unwrap_or(a[1]);
         // SAFETY: every operand holds `n` elements of its dtype, the first the step's values.
         Ok(unsafe {
@@ -584,20 +584,41 @@ fn adamw(size: usize, param: DType) -> Item {
                 (a[0], GROUP),
             )
         }?)
-    })
+    });
+    updating(item)
 }
 
 fn sgd(size: usize, param: DType) -> Item {
     // Reads master and grad; writes master and, apart from an f32 param, the param.
     let (n, operands, moved, what) = optimizer_operands(size, param, 1);
-    Item::new("sgd", what, operands, moved, move |gpu, a| {
+    let item = Item::new("sgd", what, operands, moved, move |gpu, a| {
         let param_ptr = a.get(3).copied().unwrap_or(a[1]);
         // SAFETY: every operand holds `n` elements of its dtype, the first the step's values.
         Ok(unsafe {
             gpu.kernels
                 .sgd(&gpu.stream, param, a[1], a[2], param_ptr, n, (a[0], GROUP))
         }?)
-    })
+    });
+    updating(item)
+}
+
+/// `item` (an optimizer's) with the values of a step that updates written into its first
+/// operand: the pool's fill bytes would read as a step the device skips, which moves nothing.
+fn updating(mut item: Item) -> Item {
+    let values = StepValues {
+        bias1: 0.1,
+        step: 10,
+        lr: 1e-4,
+        weight_decay: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        sqrt_bias2: 0.1,
+        grad_scale: 1.0,
+        skip: 0,
+    };
+    item.setup = Box::new(move |gpu, a| upload(gpu, a[0], bytemuck::bytes_of(&values)));
+    item
 }
 
 /// A transformer layer's params in about `n` elements: four d x d attention weights, two
