@@ -577,6 +577,62 @@ fn ranks_loading_node_local_copies_of_two_saves_refuse_alike() {
     });
 }
 
+/// Each rank importing its own file (node-local copies): copies of one export import as the
+/// export itself does; two exports of the model with other weights, though each file checks
+/// out against the plan, are refused on every rank alike and change nothing.
+#[test]
+fn ranks_importing_node_local_copies_of_two_models_refuse_alike() {
+    let mlp = model(DType::Bf16);
+    let plan = plan(&mlp, 2);
+    let scratch = Scratch::new("node-local-import");
+    std::fs::create_dir_all(scratch.path()).unwrap();
+    let (a, b, copy) = (
+        scratch.join("a.safetensors"),
+        scratch.join("b.safetensors"),
+        scratch.join("copy.safetensors"),
+    );
+    let (to_a, to_b, whole) = (a.clone(), b.clone(), self::plan(&mlp, 1));
+    trained(&mlp, &whole, Mode::Eager, 1, move |e| {
+        e.export_safetensors(&to_a).unwrap()
+    });
+    trained(&mlp, &whole, Mode::Eager, 2, move |e| {
+        e.export_safetensors(&to_b).unwrap()
+    });
+    std::fs::copy(&a, &copy).unwrap();
+    for_each_mode(|mode| {
+        let imported = |files: [PathBuf; 2]| {
+            trained(&mlp, &plan, mode, 0, move |e| {
+                let before = shards(e);
+                let outcome = e.import_safetensors(&files[e.rank()]);
+                let after = shards(e);
+                (outcome, after == before, after)
+            })
+        };
+        let from_a = imported([a.clone(), a.clone()]);
+        let copies = imported([a.clone(), copy.clone()]);
+        for (r, ((outcome, _, shards), (expected, _, from_a))) in
+            copies.into_iter().zip(from_a).enumerate()
+        {
+            assert!(outcome.is_ok() && expected.is_ok(), "{mode:?}, rank {r}");
+            assert_eq!(shards, from_a, "{mode:?}, rank {r}");
+        }
+        for (r, (outcome, unchanged, _)) in imported([a.clone(), b.clone()]).into_iter().enumerate()
+        {
+            assert!(unchanged, "{mode:?}, rank {r}");
+            match outcome {
+                Err(Error::CheckpointMismatch { differences }) => {
+                    assert_eq!(differences.len(), 1, "{mode:?}, rank {r}");
+                    assert!(
+                        differences[0].starts_with("the ranks read different files: rank 0 "),
+                        "{mode:?}, rank {r}: {differences:?}"
+                    );
+                }
+                other => panic!("{mode:?}, rank {r}: {other:?}"),
+            }
+        }
+    });
+}
+
 /// A directory under `base` whose path a directory can take and its files cannot: a file's
 /// temporary name in it passes the system's limit on a path (4096 bytes), so that a write
 /// there fails after the ranks agreed to it, even for a user whom no permission stops.

@@ -6,9 +6,10 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use safetensors::tensor::Metadata;
+use xxhash_rust::xxh3::Xxh3;
 
 use super::Engine;
-use super::agree::Proposal;
+use super::agree::{Proposal, check_one_source};
 use crate::backend::{Backend, Region};
 use crate::comm::{Communicator, Fingerprint, Purpose};
 use crate::error::{Error, Result};
@@ -123,17 +124,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// must hold exactly the model's parameters, by name, shape and dtype; otherwise
     /// `Error::CheckpointMismatch` lists every difference. A collective: every rank calls it,
     /// and nothing changes on any rank unless every rank read its part (a rank that failed
-    /// returns its error, the others `Error::PeerRefused` naming it). A parameter of a process
+    /// returns its error, the others `Error::PeerRefused` naming it). Ranks that read different
+    /// files (node-local copies of two models, say) are refused alike, nothing changed
+    /// (`Error::CheckpointMismatch` naming each file's digest): the ranks compare each file's
+    /// length, header and the first 4 KiB of each tensor. A parameter of a process
     /// group takes the file's values in every copy. Between steps only. The optimizer's state
     /// is left as it is (a fresh engine's: zero moments, step 0). Holds this rank's shard of
     /// the values in host memory while it reads.
     pub fn import_safetensors(&mut self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("importing a model")?;
-        let read = self
-            .read_import(path)
-            .map(|held| (held, Proposal::default()));
-        let (held, _) = self.agree(path, read)?;
+        let read = self.read_import(path);
+        let (held, identities) = self.agree(path, read)?;
+        check_one_source(&identities, "files")?;
         for (i, values) in held.into_iter().enumerate() {
             self.store_held(ParamId(i), &values)?;
         }
@@ -141,8 +144,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// The elements of every parameter that this rank holds, read from the safetensors file
-    /// `path` once its header is checked against the plan.
-    fn read_import(&self, path: &Path) -> Result<Vec<Vec<u8>>> {
+    /// `path` once its header is checked against the plan, and what identifies the file to the
+    /// other ranks.
+    fn read_import(&self, path: &Path) -> Result<(Vec<Vec<u8>>, Proposal)> {
         crate::checkpoint::check_path(path, "the imported file")?;
         let file = File::open(path).map_err(|e| file_error(path, e))?;
         let length = file.metadata().map_err(|e| file_error(path, e))?.len();
@@ -190,7 +194,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                             p.name, t.dtype, p.dtype
                         ));
                     } else {
-                        offsets.push(data_start + t.data_offsets.0 as u64);
+                        let (start, end) = t.data_offsets;
+                        let bytes = end.saturating_sub(start) as u64;
+                        offsets.push((data_start + start as u64, bytes));
                     }
                 }
             }
@@ -209,8 +215,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if !differences.is_empty() {
             return Err(Error::CheckpointMismatch { differences });
         }
+        let identity = import_identity(path, &file, (length, &header), &offsets)?;
         let mut held = crate::fallible::with_capacity(offsets.len(), "the imported values")?;
-        for (i, start) in offsets.into_iter().enumerate() {
+        for (i, (start, _)) in offsets.into_iter().enumerate() {
             let elements = self.held_elements(ParamId(i))?;
             let size = self.plan.params()[i].dtype.size();
             let mut values =
@@ -220,6 +227,34 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 .map_err(|e| file_error(path, e))?;
             held.push(values);
         }
-        Ok(held)
+        Ok((held, identity))
     }
+}
+
+/// Bytes at the start of each tensor that, with its length and header, identify an imported
+/// file to the ranks: two files of one architecture with other weights differ there.
+const IMPORT_IDENTITY_BYTES: u64 = 4096;
+
+/// The digest of the file `path` (open as `file`) of `length` bytes with `header`: its length,
+/// its header and the first [`IMPORT_IDENTITY_BYTES`] of each of `tensors` (where it starts,
+/// its bytes).
+fn import_identity(
+    path: &Path,
+    file: &File,
+    (length, header): (u64, &[u8]),
+    tensors: &[(u64, u64)],
+) -> Result<Proposal> {
+    let mut hasher = Xxh3::new();
+    hasher.update(&length.to_le_bytes());
+    hasher.update(header);
+    let mut start =
+        crate::fallible::filled(IMPORT_IDENTITY_BYTES as usize, 0u8, "a tensor's start")?;
+    for &(at, bytes) in tensors {
+        let read = &mut start[..bytes.min(IMPORT_IDENTITY_BYTES) as usize];
+        // Within the file: the header's tensors tile its data, whose length was checked.
+        file.read_exact_at(read, at)
+            .map_err(|e| file_error(path, e))?;
+        hasher.update(read);
+    }
+    Ok(hasher.digest128().to_le_bytes())
 }
