@@ -637,9 +637,11 @@ enum fsdp_status fsdp_engine_param(struct fsdp_engine *engine,
 // (above world size 1, or with replicas) no gradient launches a reduce-scatter: the end of the
 // unit's backward (`fsdp_engine_post_backward`) or of the pass does, in the plan's order, so the
 // ranks may hand over different gradients (one with none counts as zero) as long as they issue
-// the same hooks in the same order; a gradient of a unit whose backward ended in this pass is
-// refused (`FSDP_MISUSE`). The caller keeps ownership of
-// `data`.
+// the same hooks in the same order. Where no backward hook marks a pass (gradients handed over
+// with no `fsdp_engine_pre_backward`), a rank's first gradient begins the pass: each rank then
+// hands over at least one gradient in every pass, or the ranks' collectives differ and fail, at
+// the latest at the engine's deadline. A gradient of a unit whose backward ended in this pass is refused
+// (`FSDP_MISUSE`). The caller keeps ownership of `data`.
 //
 // CPU engine: `data` is host memory, read before the call returns. CUDA engine: `data` is a
 // device address, read on the compute stream (the caller's stream) after the work already queued
@@ -866,7 +868,8 @@ enum fsdp_status fsdp_loopback_group_destroy(struct fsdp_loopback_group *group);
 // `json` is NULL or NUL-terminated; `out` is NULL or valid for a write.
 enum fsdp_status fsdp_plan_from_json(const char *json, size_t world_size, struct fsdp_plan **out);
 
-// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file.
+// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file: a
+// regular file of at most 1 GiB (`FSDP_IO_ERROR` otherwise, as for a file that cannot be read).
 //
 // # Safety
 // `path` is NULL or NUL-terminated; `out` is NULL or valid for a write.

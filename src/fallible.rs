@@ -76,6 +76,43 @@ pub(crate) fn refill(v: &mut Vec<u8>, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The bytes of the regular file at `path`, at most `limit` of them. A file that is not regular
+/// (a FIFO, which would block, or a device such as `/dev/zero`, which never ends) or is larger
+/// is an error, as is too little memory, rather than a wait or an abort. The file is opened
+/// without blocking, so a FIFO is refused without waiting for a writer.
+pub(crate) fn read_file(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error as IoError, ErrorKind, Read};
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let metadata = file.metadata()?;
+    if !metadata.is_file() {
+        return Err(IoError::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    if metadata.len() > limit {
+        let message = format!(
+            "{} bytes, more than the {limit} a file of this kind may hold",
+            metadata.len()
+        );
+        return Err(IoError::new(ErrorKind::InvalidData, message));
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(metadata.len() as usize)
+        .map_err(|_| IoError::new(ErrorKind::OutOfMemory, "too little memory for the file"))?;
+    // The file may have grown since: read no more than the limit and one byte past it.
+    file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(IoError::new(
+            ErrorKind::InvalidData,
+            format!("more than the {limit} bytes a file of this kind may hold"),
+        ));
+    }
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,5 +134,44 @@ mod tests {
         let mut v = vec![1u8; 3];
         refill(&mut v, 4, "x").unwrap();
         assert_eq!(v, vec![0; 4]);
+    }
+
+    /// A FIFO with no writer, a device that never ends, a directory and a (sparse) file past
+    /// the limit are refused, the FIFO without waiting for a writer; a regular file within the
+    /// limit is read.
+    #[test]
+    fn only_regular_files_within_the_limit_are_read() {
+        let dir = std::env::temp_dir().join(format!("fsdp-read-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (fifo, large, small) = (dir.join("fifo"), dir.join("large"), dir.join("small"));
+        let c_fifo = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o600) }, 0);
+        std::fs::File::create(&large)
+            .unwrap()
+            .set_len(1 << 40)
+            .unwrap();
+        std::fs::write(&small, b"0123456789").unwrap();
+        let (done, outcome) = std::sync::mpsc::channel();
+        let paths = [fifo, "/dev/zero".into(), dir.clone(), large.clone()];
+        std::thread::spawn(move || {
+            for path in paths {
+                let _ = done.send(read_file(&path, 10).map_err(|e| e.to_string()));
+            }
+        });
+        let expected = ["not a regular file"; 3]
+            .into_iter()
+            .map(String::from)
+            .chain([format!(
+                "{} bytes, more than the 10 a file of this kind may hold",
+                1u64 << 40
+            )]);
+        for (i, expected) in expected.enumerate() {
+            let got = outcome.recv_timeout(std::time::Duration::from_secs(10));
+            assert_eq!(got, Ok(Err(expected)), "path {i}");
+        }
+        assert_eq!(read_file(&small, 10).unwrap(), b"0123456789");
+        assert!(read_file(&small, 9).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

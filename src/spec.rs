@@ -9,6 +9,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::types::DType;
 
+/// The largest model file [`ModelSpec::from_path`] reads: far above a model of a million
+/// parameters, far below what a file passed by mistake (a checkpoint's data) holds.
+pub const MAX_MODEL_FILE_BYTES: u64 = 1 << 30;
+
 /// One parameter as a caller declares it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamSpec {
@@ -302,11 +306,13 @@ impl ModelSpec {
         ModelSpec::with_process_groups(params, file.process_groups)
     }
 
-    /// Reads and parses a model file.
+    /// Reads and parses a model file: a regular file of at most [`MAX_MODEL_FILE_BYTES`].
     pub fn from_path(path: &Path) -> Result<ModelSpec> {
-        let bytes = std::fs::read(path).map_err(|source| Error::ModelFile {
-            path: path.display().to_string(),
-            source: Arc::new(source),
+        let bytes = crate::fallible::read_file(path, MAX_MODEL_FILE_BYTES).map_err(|source| {
+            Error::ModelFile {
+                path: path.display().to_string(),
+                source: Arc::new(source),
+            }
         })?;
         let text = std::str::from_utf8(&bytes).map_err(|e| Error::NotUtf8 {
             path: path.display().to_string(),
@@ -381,6 +387,13 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(matches!(&err, Error::NotUtf8 { offset: 25, .. }), "{err:?}");
         assert!(err.to_string().contains("is not UTF-8"), "{err}");
+    }
+
+    #[test]
+    fn a_model_file_that_never_ends_is_refused_before_it_is_read() {
+        let err = ModelSpec::from_path(Path::new("/dev/zero")).unwrap_err();
+        assert!(matches!(&err, Error::ModelFile { .. }), "{err:?}");
+        assert!(err.to_string().contains("not a regular file"), "{err}");
     }
 
     #[test]

@@ -357,12 +357,16 @@ fn remove_files(paths: &[PathBuf]) -> Result<()> {
     paths.iter().try_for_each(|p| sync_parent(p))
 }
 
+/// The largest manifest [`read_manifest`] reads: far above one of a million parameters and a
+/// digest for every chunk of a terabyte.
+const MAX_MANIFEST_BYTES: u64 = 1 << 30;
+
 /// Rank `rank`'s manifest of the checkpoint in `dir`: of this format, its text unchanged since
 /// it was written, and its own.
 pub fn read_manifest(dir: &Path, rank: usize) -> Result<RankManifest> {
     check_path(dir, "a checkpoint directory")?;
     let path = manifest_path(dir, rank);
-    let bytes = match fs::read(&path) {
+    let bytes = match crate::fallible::read_file(&path, MAX_MANIFEST_BYTES) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == ErrorKind::NotFound => {
             let reason = if dir.is_dir() {
@@ -517,5 +521,19 @@ mod tests {
         let _ = fs::remove_file(&path);
         let refused = sync_range(&opened.unwrap(), 0, 4096, libc::SYNC_FILE_RANGE_WRITE);
         assert_eq!(refused.unwrap_err().raw_os_error(), Some(libc::EBADF));
+    }
+
+    /// A manifest that is not a regular file (a device that never ends) is refused by name
+    /// instead of read until memory runs out.
+    #[test]
+    fn a_manifest_that_is_not_a_regular_file_is_refused() {
+        let dir = fresh_dir("manifest-device");
+        std::os::unix::fs::symlink("/dev/zero", manifest_path(&dir, 0)).unwrap();
+        let refused = read_manifest(&dir, 0).unwrap_err();
+        fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            matches!(&refused, Error::CheckpointUnreadable { reason, .. } if reason.contains("not a regular file")),
+            "{refused:?}"
+        );
     }
 }

@@ -95,8 +95,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// travel (above world size 1, or with replicas) no gradient launches a reduce-scatter: the
     /// end of the unit's backward ([`Engine::post_backward`]) or of the pass does, in the plan's
     /// order, so the ranks may hand over different gradients
-    /// (one with none counts as zero) as long as they issue the same hooks in the same order;
-    /// a gradient of a unit whose backward ended in this pass is
+    /// (one with none counts as zero) as long as they issue the same hooks in the same order.
+    /// Where no backward hook marks a pass (gradients handed over with no
+    /// [`Engine::pre_backward`]), a rank's first gradient begins the pass: each rank then hands
+    /// over at least one gradient in every pass, or the ranks' collectives differ and fail, at
+    /// the latest at the engine's deadline. A gradient of a unit whose backward ended in this pass is
     /// `Error::GradientAfterItsUnit`. Host input is read before this returns.
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;

@@ -52,7 +52,8 @@ pub unsafe extern "C" fn fsdp_plan_from_json(
     })
 }
 
-/// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file.
+/// Creates a plan from a model file at `path`; as `fsdp_plan_from_json`. Reads the file: a
+/// regular file of at most 1 GiB (`FSDP_IO_ERROR` otherwise, as for a file that cannot be read).
 ///
 /// # Safety
 /// `path` is NULL or NUL-terminated; `out` is NULL or valid for a write.
