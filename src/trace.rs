@@ -157,10 +157,11 @@ pub fn svg(spans: &[TimedSpan], title: &str) -> String {
     let end = spans
         .iter()
         .map(|s| s.start_ms + s.duration_ms)
-        .fold(0.0f64, f64::max)
-        .max(1e-3);
+        .fold(0.0f64, f64::max);
     let start = spans.iter().map(|s| s.start_ms).fold(end, f64::min);
-    let scale = (WIDTH - LEFT - 20.0) / (end - start);
+    // No span, or spans of no length at one time, still give an axis.
+    let span_ms = (end - start).max(1e-3);
+    let scale = (WIDTH - LEFT - 20.0) / span_ms;
     let x = |ms: f64| LEFT + (ms - start) * scale;
     let height = TOP + LANE * 3.0 + 40.0;
     let mut out = String::new();
@@ -203,7 +204,7 @@ pub fn svg(spans: &[TimedSpan], title: &str) -> String {
     }
     let ticks = 10;
     for i in 0..=ticks {
-        let ms = start + (end - start) * f64::from(i) / f64::from(ticks);
+        let ms = start + span_ms * f64::from(i) / f64::from(ticks);
         let _ = writeln!(
             out,
             r#"<text x="{:.1}" y="{}" text-anchor="middle">{:.2} ms</text>"#,
@@ -272,6 +273,24 @@ mod tests {
         assert!(picture.contains("a &lt;step&gt;"));
         assert!(picture.contains("reduce-scatter g0 1.000 ms"));
         assert!(picture.trim_end().ends_with("</svg>"));
+    }
+
+    #[test]
+    fn svg_of_no_span_or_spans_of_no_length_has_finite_coordinates() {
+        let instant = [span(
+            Stream::Gather,
+            SpanKind::AllGather { group: 1 },
+            2.0,
+            0.0,
+        )];
+        for spans in [&[][..], &instant[..]] {
+            let picture = svg(spans, "t");
+            assert!(
+                !picture.contains("NaN") && !picture.contains("inf"),
+                "{picture}"
+            );
+            assert!(picture.contains(r#"x="80.0""#), "{picture}");
+        }
     }
 
     #[test]

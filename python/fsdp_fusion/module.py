@@ -316,7 +316,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         `found_inf`); `grad_norm` only reports the norm. Each of these, and `count_nonfinite`
         (the infinite or NaN values in this rank's gradient shards), is a collective or a read
         that waits for the device; without them the step does not block the host on a GPU.
-        `clip_on_device` clips and skips the same, bit for bit, without that wait: the norm
+        `clip_on_device` clips and skips the same (from the same norm bit for bit; on a GPU
+        the sum of squares, added as the device's threads finish, can differ in its last bits
+        from one computation to the next), without that wait: the norm
         stays on the device, which clips by it and skips a step that is not finite, and is not
         reported (so `grad_norm` is refused with it, and the report's `skipped` is None: the
         step count leaves a skipped step out as the host's skip does, and `read_device_skips`

@@ -181,8 +181,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(norm)
     }
 
-    /// Clips this step's gradients by the global norm as [`Engine::clip_grad_norm`] does, bit
-    /// for bit, with no host wait: each rank's part of the norms is summed, gathered across the
+    /// Clips this step's gradients by the global norm as [`Engine::clip_grad_norm`] does (its
+    /// coefficient from the same norms bit for bit; on a GPU a rank's sum of squares adds its
+    /// threads' parts in the order they finish, so two computations of it can differ in the
+    /// last bits), with no host wait: each rank's part of the norms is summed, gathered across the
     /// ranks (on the gather stream) and turned into the clipping coefficient on the device,
     /// where the optimizer step reads it. The host never sees the norms
     /// ([`Engine::clip_grad_norm`] returns them, at a host wait). A collective (every rank calls

@@ -90,7 +90,9 @@ pub unsafe extern "C" fn fsdp_engine_clip_grad_norm(
     })
 }
 
-/// As `fsdp_engine_clip_grad_norm`, bit for bit, with no host wait: each rank's part of the
+/// As `fsdp_engine_clip_grad_norm` (its coefficient from the same norms bit for bit; on a GPU a
+/// rank's sum of squares adds its threads' parts in the order they finish, so two computations
+/// of it can differ in the last bits), with no host wait: each rank's part of the
 /// norms is summed, gathered across the ranks and turned into the clipping coefficient on the
 /// device, where `fsdp_engine_optimizer_step` reads it; the host never sees the norms. A
 /// collective (every rank calls it). `max_norm` must be finite and > 0.
