@@ -5,7 +5,9 @@
 //! The exchange: a rank connects to rank 0 (retrying until rank 0 listens) and sends the bytes
 //! `FSDPID01`, its world size and its rank; rank 0 answers a hello that agrees with its own world
 //! size, from a rank not served yet, with status 0 and the id, and any other with status 1 and
-//! the reason, which both sides report. Rank 0 returns once every other rank was served.
+//! the reason, which both sides report (rank 0 names the last refusal if its deadline passes).
+//! Rank 0 returns once every other rank was served. Every exchange ends by its side's deadline,
+//! however slowly the other side sends.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -201,32 +203,120 @@ pub fn serve_id(
     listener
         .set_nonblocking(true)
         .map_err(|e| serving(e.to_string()))?;
+    // Why the last exchange or connection failed, for the timeout's message.
+    let mut last_failure = None;
     while served.iter().any(|s| !s) {
+        if Instant::now() >= deadline {
+            let missing: Vec<String> = (0..world)
+                .filter(|&r| !served[r])
+                .map(|r| r.to_string())
+                .collect();
+            let failure =
+                last_failure.map_or_else(String::new, |f| format!("; the last refused: {f}"));
+            return Err(Error::Timeout {
+                op: format!(
+                    "rank 0 serving the NCCL unique id (ranks {} never came{failure})",
+                    missing.join(", ")
+                ),
+                waited: started.elapsed(),
+            });
+        }
         match listener.accept() {
             Ok((stream, _)) => {
                 // A refused or broken exchange is the peer's to report (it may try again);
                 // rank 0 goes on serving.
-                if let Ok(rank) = answer(stream, world, &served, id, deadline) {
-                    served[rank] = true;
+                match answer(stream, world, &served, id, deadline) {
+                    Ok(rank) => served[rank] = true,
+                    Err(e) => last_failure = Some(e.to_string()),
                 }
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<String> = (0..world)
-                        .filter(|&r| !served[r])
-                        .map(|r| r.to_string())
-                        .collect();
-                    return Err(Error::Timeout {
-                        op: format!(
-                            "rank 0 serving the NCCL unique id (ranks {} never came)",
-                            missing.join(", ")
-                        ),
-                        waited: started.elapsed(),
-                    });
+            Err(e) => {
+                // Other than no connection waiting, a connection that broke before it was
+                // taken, or a host short of descriptors or buffers for now: try again.
+                if e.kind() != ErrorKind::WouldBlock {
+                    last_failure = Some(format!("accepting a connection: {e}"));
                 }
                 std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())));
             }
-            Err(e) => return Err(serving(e.to_string())),
+        }
+    }
+    Ok(())
+}
+
+/// `stream`'s next bytes into `buf` (how many; 0 at its end), waiting no later than `until`.
+fn read_by(stream: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<usize> {
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                "the peer's bytes came too late",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(buf) {
+            // Interrupted, or the timeout (EAGAIN on Linux): the deadline decides.
+            Err(e) if is_retry(&e) => {}
+            read => return read,
+        }
+    }
+}
+
+/// Whether a socket call that failed with `e` may be made again: it was interrupted, or its
+/// timeout passed (which Linux reports as EAGAIN).
+fn is_retry(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut
+    )
+}
+
+/// Exactly `buf.len()` bytes of `stream`, by `until`.
+fn read_exact_by(stream: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        match read_by(stream, &mut buf[at..], until)? {
+            0 => return Err(ErrorKind::UnexpectedEof.into()),
+            n => at += n,
+        }
+    }
+    Ok(())
+}
+
+/// `stream`'s bytes until its end, at most `limit` of them, by `until`.
+fn read_to_end_by(
+    stream: &mut TcpStream,
+    limit: usize,
+    until: Instant,
+) -> std::io::Result<Vec<u8>> {
+    let mut out = vec![0u8; limit];
+    let mut at = 0;
+    while at < limit {
+        match read_by(stream, &mut out[at..], until)? {
+            0 => break,
+            n => at += n,
+        }
+    }
+    out.truncate(at);
+    Ok(out)
+}
+
+/// All of `bytes` onto `stream`, by `until`.
+fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], until: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                "the peer took the bytes too late",
+            ));
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if is_retry(&e) => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -249,13 +339,9 @@ fn answer(
 ) -> Result<usize> {
     let io = |e: std::io::Error| serving(e.to_string());
     stream.set_nonblocking(false).map_err(io)?;
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .clamp(RETRY, HELLO_TIMEOUT);
-    stream.set_read_timeout(Some(left)).map_err(io)?;
-    stream.set_write_timeout(Some(left)).map_err(io)?;
+    let until = deadline.min(deadline_after(HELLO_TIMEOUT));
     let mut hello = [0u8; HELLO_BYTES];
-    stream.read_exact(&mut hello).map_err(io)?;
+    read_exact_by(&mut stream, &mut hello, until).map_err(io)?;
     let word = |i: usize| u32::from_le_bytes([hello[i], hello[i + 1], hello[i + 2], hello[i + 3]]);
     let (their_world, rank) = (word(8) as usize, word(12) as usize);
     let refusal = if hello[..8] != HELLO_MAGIC {
@@ -280,13 +366,14 @@ fn answer(
         None => {
             let mut reply = [0u8; 1 + ID_BYTES];
             reply[1..].copy_from_slice(id);
-            stream.write_all(&reply).map_err(io)?;
+            write_all_by(&mut stream, &reply, until).map_err(io)?;
             Ok(rank)
         }
         Some(reason) => {
             let mut reply = vec![1u8];
             reply.extend_from_slice(reason.as_bytes());
-            let _ = stream.write_all(&reply);
+            // Best effort: the refusal is rank 0's to report too.
+            let _ = write_all_by(&mut stream, &reply, until);
             Err(serving(reason))
         }
     }
@@ -336,16 +423,9 @@ pub fn fetch_id(
         // Rank 0 may not listen yet: then try again.
         if let Some(mut stream) = connected {
             let io = |e: std::io::Error| failed(e.to_string());
-            stream.set_read_timeout(Some(left.max(RETRY))).map_err(io)?;
-            stream
-                .set_write_timeout(Some(left.max(RETRY)))
-                .map_err(io)?;
-            stream.write_all(&hello).map_err(io)?;
-            let mut reply = Vec::new();
-            stream
-                .take((1 + ID_BYTES.max(MAX_REASON)) as u64)
-                .read_to_end(&mut reply)
-                .map_err(io)?;
+            write_all_by(&mut stream, &hello, deadline).map_err(io)?;
+            let reply =
+                read_to_end_by(&mut stream, 1 + ID_BYTES.max(MAX_REASON), deadline).map_err(io)?;
             return match reply.split_first() {
                 Some((0, id)) if id.len() == ID_BYTES => {
                     let mut out = [0u8; ID_BYTES];
@@ -507,9 +587,56 @@ mod tests {
             "the world sizes named"
         );
         assert!(reason(twice).contains("two ranks have RANK 1"));
-        // Rank 2 never came: rank 0 names it at its deadline.
+        // Rank 2 never came: rank 0 names it at its deadline, and the last refusal.
         match server {
-            Err(Error::Timeout { op, .. }) => assert!(op.contains("ranks 2 never came"), "{op}"),
+            Err(Error::Timeout { op, .. }) => {
+                assert!(op.contains("ranks 2 never came"), "{op}");
+                assert!(op.contains("two ranks have RANK 1"), "{op}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A peer that sends (or, as rank 0, answers) a byte every 200 ms holds neither side past
+    /// its deadline: each exchange ends by it, not by a timeout that restarts at every byte.
+    #[test]
+    fn a_peer_sending_a_byte_at_a_time_holds_no_side_past_its_deadline() {
+        let drip = |mut peer: TcpStream, bytes: usize| {
+            for _ in 0..bytes {
+                if peer.write_all(&[1]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        };
+        let within = Duration::from_millis(500);
+        let (listener, addr) = local_listener();
+        let (served, fetched) = std::thread::scope(|s| {
+            s.spawn(move || drip(TcpStream::connect(addr).unwrap(), HELLO_BYTES));
+            let started = Instant::now();
+            let served = serve_id(&listener, 2, &[5u8; ID_BYTES], started + within);
+            let served = (served, started.elapsed());
+            s.spawn(|| {
+                listener.set_nonblocking(false).unwrap();
+                let (peer, _) = listener.accept().unwrap();
+                drip(peer, 1 + ID_BYTES);
+            });
+            let started = Instant::now();
+            let fetched = fetch_id(&[addr], 1, 2, started + within);
+            (served, (fetched, started.elapsed()))
+        });
+        match served {
+            (Err(Error::Timeout { op, .. }), took) => {
+                assert!(op.contains("too late"), "{op}");
+                assert!(took < Duration::from_millis(1500), "{took:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match fetched {
+            (Err(Error::Rendezvous { reason, .. }), took) => {
+                assert!(reason.contains("too late"), "{reason}");
+                assert!(took < Duration::from_millis(1500), "{took:?}");
+            }
             other => panic!("{other:?}"),
         }
     }
