@@ -102,7 +102,9 @@ pub struct EngineConfig {
     pub moment_dtype: DType,
     pub optimizer: OptimizerConfig,
     /// How long any blocking wait (a collective's meeting, a host wait for the device) lasts
-    /// before it fails with `Error::Timeout`, poisoning the engine; and how long a collective
+    /// before it fails with `Error::Timeout`, poisoning the engine (a wait for the asynchronous
+    /// CPU backend's own streams: four times this, as [`crate::CpuBackend::asynchronous`] says);
+    /// and how long a collective
     /// may stay in flight on its stream before the engine's watchdog fails the rank with
     /// `Error::CollectiveTimedOut` and aborts its communicators. Positive.
     pub timeout: Duration,

@@ -95,9 +95,11 @@ impl CpuBackend {
 
     /// A backend whose three streams run apart, each on a worker thread that sleeps before every
     /// operation for a delay drawn from `seed` (mostly none, sometimes tens of microseconds, now
-    /// and then milliseconds). A wait of a worker or of the host fails with [`Error::Timeout`]
-    /// past its engine's deadline (`EngineConfig::timeout`) and with [`Error::Aborted`] once the
-    /// engine is aborted. Dropping the backend lets the workers finish their queues.
+    /// and then milliseconds). A wait of a worker or of the host for the streams fails with
+    /// [`Error::Timeout`] past four times its engine's deadline (`EngineConfig::timeout`: the
+    /// work it waits for has deadlines of its own, and the one that fails first names what it
+    /// waited for), at once when a stream failed, and with [`Error::Aborted`] once the engine is
+    /// aborted. Dropping the backend lets the workers finish their queues.
     pub fn asynchronous(seed: u64) -> Result<CpuBackend> {
         Ok(CpuBackend {
             streams: Some(Streams::start(seed)?),

@@ -9,7 +9,8 @@
 //! capture began on takes part from the start; another joins by waiting for a point recorded in
 //! the capture, and must be joined back (the first stream waits for its last point) before the
 //! end. Work on a stream that did not join, a wait on a point outside the capture, a host wait
-//! and a query of a captured point are errors, as they are for CUDA's global capture mode. A
+//! and a query of a captured point are errors, as they are for CUDA's global capture mode; so is
+//! a stream's wait for a captured point outside its capture, which only a replay reaches. A
 //! replay ([`Streams::replay`]) is one operation of the first stream: each joined stream's work
 //! runs on a thread of its own, ordered only by the captured points, and the first stream's later
 //! work follows all of it; the other streams' later work does not.
@@ -352,6 +353,10 @@ impl Streams {
             },
             None => task,
         };
+        if let Task::Wait(marker) = &task {
+            // Only a replay reaches a captured point: a stream waiting for it would wait for good.
+            marker.check_not_captured("a wait for a point recorded in a capture, outside it")?;
+        }
         self.queues[index(stream)]
             .send(task)
             .map_err(|_| Error::StreamFailed {

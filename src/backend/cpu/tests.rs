@@ -546,6 +546,11 @@ fn what_a_capture_cannot_hold_is_an_error() {
             .unwrap();
         assert_eq!(download_f32(&b, &x, 1), [2.5]);
         assert!(CpuBackend::reached(&outside).unwrap());
+        // A point of the capture, waited for after it: refused, and the stream goes on.
+        assert_capture_error(b.wait(Stream::Reduce, &point), "outside it");
+        // SAFETY: as above.
+        unsafe { b.zero(Stream::Reduce, &mut x, f32_region(1)) }.unwrap();
+        assert_eq!(download_f32(&b, &x, 1), [0.0]);
     }
     let eager = CpuBackend::new();
     assert!(matches!(

@@ -400,8 +400,8 @@ impl Backend for CudaBackend {
         let mut host: *mut std::ffi::c_void = std::ptr::null_mut();
         let mut device: sys::CUdeviceptr = 0;
         // SAFETY: a fresh page-locked word mapped into the device, 0 before the stream waits on
-        // it and never freed: the release writes it whenever it comes, the stream reads it until
-        // then.
+        // it and never freed: the release writes it whenever it comes (holding the context, so
+        // that its memory stays mapped), the stream reads it until then.
         unsafe {
             check(
                 "cuMemHostAlloc",
@@ -412,7 +412,7 @@ impl Backend for CudaBackend {
                 "cuMemHostGetDevicePointer",
                 sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0),
             )?;
-            release.add_word(host.cast());
+            release.add_word(host.cast(), Arc::clone(&self.ctx) as _);
         }
         // SAFETY: the stream is live; the word outlives the wait.
         unsafe {
