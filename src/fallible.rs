@@ -76,12 +76,11 @@ pub(crate) fn refill(v: &mut Vec<u8>, n: usize, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// The bytes of the regular file at `path`, at most `limit` of them. A file that is not regular
-/// (a FIFO, which would block, or a device such as `/dev/zero`, which never ends) or is larger
-/// is an error, as is too little memory, rather than a wait or an abort. The file is opened
-/// without blocking, so a FIFO is refused without waiting for a writer.
-pub(crate) fn read_file(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::{Error as IoError, ErrorKind, Read};
+/// The regular file at `path`, open for reading, and its length. A file that is not regular (a
+/// FIFO, whose open or read would block, or a device such as `/dev/zero`, which never ends) is
+/// an error; the file is opened without blocking, so a FIFO is refused without waiting for a
+/// writer.
+pub(crate) fn open_regular(path: &std::path::Path) -> std::io::Result<(std::fs::File, u64)> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -89,18 +88,24 @@ pub(crate) fn read_file(path: &std::path::Path, limit: u64) -> std::io::Result<V
         .open(path)?;
     let metadata = file.metadata()?;
     if !metadata.is_file() {
-        return Err(IoError::new(ErrorKind::InvalidInput, "not a regular file"));
+        let refused = std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file");
+        return Err(refused);
     }
-    if metadata.len() > limit {
-        let message = format!(
-            "{} bytes, more than the {limit} a file of this kind may hold",
-            metadata.len()
-        );
+    Ok((file, metadata.len()))
+}
+
+/// The bytes of the regular file at `path` ([`open_regular`]), at most `limit` of them: a
+/// larger file is an error, as is too little memory, rather than an abort.
+pub(crate) fn read_file(path: &std::path::Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::{Error as IoError, ErrorKind, Read};
+    let (file, length) = open_regular(path)?;
+    if length > limit {
+        let message = format!("{length} bytes, more than the {limit} a file of this kind may hold");
         return Err(IoError::new(ErrorKind::InvalidData, message));
     }
     let mut bytes = Vec::new();
     bytes
-        .try_reserve_exact(metadata.len() as usize)
+        .try_reserve_exact(length as usize)
         .map_err(|_| IoError::new(ErrorKind::OutOfMemory, "too little memory for the file"))?;
     // The file may have grown since: read no more than the limit and one byte past it.
     file.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
@@ -136,21 +141,28 @@ mod tests {
         assert_eq!(v, vec![0; 4]);
     }
 
-    /// A FIFO with no writer, a device that never ends, a directory and a (sparse) file past
-    /// the limit are refused, the FIFO without waiting for a writer; a regular file within the
+    /// A FIFO with no writer, a device that never ends, a directory and a file past the limit
+    /// are refused, the FIFO without waiting for a writer; a regular file within the
     /// limit is read.
     #[test]
     fn only_regular_files_within_the_limit_are_read() {
-        let dir = std::env::temp_dir().join(format!("fsdp-read-file-{}", std::process::id()));
+        /// The test's directory, removed however the test ends.
+        struct Scratch(std::path::PathBuf);
+        impl Drop for Scratch {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let scratch =
+            Scratch(std::env::temp_dir().join(format!("fsdp-read-file-{}", std::process::id())));
+        let dir = scratch.0.clone();
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let (fifo, large, small) = (dir.join("fifo"), dir.join("large"), dir.join("small"));
         let c_fifo = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o600) }, 0);
-        std::fs::File::create(&large)
-            .unwrap()
-            .set_len(1 << 40)
-            .unwrap();
+        std::fs::write(&large, b"0123456789a").unwrap();
         std::fs::write(&small, b"0123456789").unwrap();
         let (done, outcome) = std::sync::mpsc::channel();
         let paths = [fifo, "/dev/zero".into(), dir.clone(), large.clone()];
@@ -162,16 +174,12 @@ mod tests {
         let expected = ["not a regular file"; 3]
             .into_iter()
             .map(String::from)
-            .chain([format!(
-                "{} bytes, more than the 10 a file of this kind may hold",
-                1u64 << 40
-            )]);
+            .chain(["11 bytes, more than the 10 a file of this kind may hold".into()]);
         for (i, expected) in expected.enumerate() {
             let got = outcome.recv_timeout(std::time::Duration::from_secs(10));
             assert_eq!(got, Ok(Err(expected)), "path {i}");
         }
         assert_eq!(read_file(&small, 10).unwrap(), b"0123456789");
         assert!(read_file(&small, 9).is_err());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

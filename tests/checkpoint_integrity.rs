@@ -91,9 +91,16 @@ fn saved_params(dir: &Path) -> Vec<Vec<u8>> {
 /// Whether `e`, the error of a collective call on one rank, is the refusal of the file whose
 /// path ends with `file`: the rank's own, or a peer's.
 fn names_file(e: &Error, file: &str) -> bool {
+    names_file_with(e, file, "")
+}
+
+/// As [`names_file`], for a refusal whose reason holds `reason`.
+fn names_file_with(e: &Error, file: &str, reason_part: &str) -> bool {
     match e {
-        Error::CheckpointUnreadable { path, .. } => path.ends_with(file),
-        Error::PeerRefused { cause, .. } => names_file(cause, file),
+        Error::CheckpointUnreadable { path, reason } => {
+            path.ends_with(file) && reason.contains(reason_part)
+        }
+        Error::PeerRefused { cause, .. } => names_file_with(cause, file, reason_part),
         _ => false,
     }
 }
@@ -700,6 +707,51 @@ fn a_save_failing_on_one_rank_fails_on_every_rank_and_leaves_no_file() {
             assert_eq!(checkpoint::read_saved(&good).unwrap().world_size(), 2);
         }
     });
+}
+
+/// Makes a FIFO at `path`, which no process writes.
+fn fifo(path: &Path) {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(
+        unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) },
+        0,
+        "{path:?}"
+    );
+}
+
+/// A FIFO in place of the imported file or of a checkpoint's data file, which would block its
+/// open until some process wrote it, is refused by name at once, on every rank.
+#[test]
+fn a_fifo_in_place_of_an_imported_or_saved_file_is_refused_without_waiting() {
+    let mlp = model(DType::Bf16);
+    let plan = plan(&mlp, 2);
+    let scratch = Scratch::new("fifo");
+    let (file, dir) = (scratch.join("model.safetensors"), scratch.join("saved"));
+    std::fs::create_dir_all(scratch.path()).unwrap();
+    fifo(&file);
+    let to = dir.clone();
+    trained(&mlp, &plan, Mode::Eager, 1, move |e| e.save(&to).unwrap());
+    let data = checkpoint::data_path(&dir, 1);
+    std::fs::remove_file(&data).unwrap();
+    fifo(&data);
+    let outcomes = trained(&mlp, &plan, Mode::Eager, 0, move |e| {
+        (e.import_safetensors(&file), e.load(&dir))
+    });
+    for (r, (imported, loaded)) in outcomes.into_iter().enumerate() {
+        for (what, outcome, name) in [
+            ("import", imported, "model.safetensors"),
+            ("load", loaded, "rank-00001.bin"),
+        ] {
+            match outcome {
+                Err(e) => assert!(
+                    names_file_with(&e, name, "not a regular file"),
+                    "rank {r}, {what}: {e:?}"
+                ),
+                Ok(()) => panic!("rank {r}, {what}: loaded"),
+            }
+        }
+    }
 }
 
 #[test]

@@ -86,8 +86,8 @@ class _StateCopies:
         pretrained model's with the same names, shapes and dtypes), each rank reading only its
         shard's part; a file of another model raises `InvalidArgumentError` listing every
         difference. A collective: nothing is loaded on any rank unless every rank read its
-        part, and ranks that read different files (node-local copies of two models) raise
-        `InvalidArgumentError` alike. The optimizer's state is unchanged. Between steps."""
+        part, and ranks whose files differ (node-local copies of two models) in their length,
+        header or the first 4 KiB of a tensor raise `InvalidArgumentError` alike. The optimizer's state is unchanged. Between steps."""
         self._end_evaluation()
         self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
 

@@ -47,6 +47,7 @@ impl Release {
     }
 
     fn words(&self) -> std::sync::MutexGuard<'_, Vec<(usize, Keeper)>> {
+        // Each critical section pushes or reads: a panic leaves the list whole.
         crate::sync::lock(&self.words)
     }
 }

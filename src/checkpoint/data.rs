@@ -83,11 +83,8 @@ impl<'a> DataReader<'a> {
         let (Some(m), Some(digests)) = (saved.manifests.get(rank), saved.chunks.get(rank)) else {
             return Err(unreadable(&path, format!("rank {rank} is not in the save")));
         };
-        let file = File::open(&path).map_err(|e| unreadable(&path, e.to_string()))?;
-        let length = file
-            .metadata()
-            .map_err(|e| unreadable(&path, e.to_string()))?
-            .len();
+        let (file, length) =
+            crate::fallible::open_regular(&path).map_err(|e| unreadable(&path, e.to_string()))?;
         if length != m.data_bytes {
             return Err(unreadable(
                 &path,

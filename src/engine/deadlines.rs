@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::Fingerprint;
 use crate::error::{Error, Result};
+// Every critical section leaves the queue whole.
 use crate::sync::lock;
 use crate::watch::Watch;
 use crate::watchdog::Watchdog;

@@ -124,10 +124,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// must hold exactly the model's parameters, by name, shape and dtype; otherwise
     /// `Error::CheckpointMismatch` lists every difference. A collective: every rank calls it,
     /// and nothing changes on any rank unless every rank read its part (a rank that failed
-    /// returns its error, the others `Error::PeerRefused` naming it). Ranks that read different
-    /// files (node-local copies of two models, say) are refused alike, nothing changed
-    /// (`Error::CheckpointMismatch` naming each file's digest): the ranks compare each file's
-    /// length, header and the first 4 KiB of each tensor. A parameter of a process
+    /// returns its error, the others `Error::PeerRefused` naming it). Ranks whose files differ
+    /// (node-local copies of two models, say) in their length, header or the first 4 KiB of a
+    /// tensor are refused alike, nothing changed (`Error::CheckpointMismatch` naming the
+    /// differing ranks' digests of those bytes); files that differ only past those bytes are
+    /// not told apart. A parameter of a process
     /// group takes the file's values in every copy. Between steps only. The optimizer's state
     /// is left as it is (a fresh engine's: zero moments, step 0). Holds this rank's shard of
     /// the values in host memory while it reads.
@@ -148,8 +149,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// other ranks.
     fn read_import(&self, path: &Path) -> Result<(Vec<Vec<u8>>, Proposal)> {
         crate::checkpoint::check_path(path, "the imported file")?;
-        let file = File::open(path).map_err(|e| file_error(path, e))?;
-        let length = file.metadata().map_err(|e| file_error(path, e))?.len();
+        let (file, length) =
+            crate::fallible::open_regular(path).map_err(|e| file_error(path, e))?;
         let mut prefix = [0u8; 8];
         file.read_exact_at(&mut prefix, 0)
             .map_err(|e| file_error(path, format!("not safetensors: {e}")))?;

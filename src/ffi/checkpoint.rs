@@ -125,9 +125,10 @@ pub unsafe extern "C" fn fsdp_engine_export_safetensors(
 /// memory map: a file changed meanwhile gives an error or the bytes read, never a crash). A
 /// collective: every rank calls it, and nothing is loaded on any rank unless every rank read
 /// its part. The file must hold exactly the model's parameters by name, shape and dtype:
-/// `FSDP_INVALID_ARGUMENT` lists every difference. Ranks that read different files (node-local
-/// copies of two models, say) get `FSDP_INVALID_ARGUMENT` alike, nothing loaded: the ranks
-/// compare each file's length, header and the first 4 KiB of each tensor. `FSDP_IO_ERROR` for
+/// `FSDP_INVALID_ARGUMENT` lists every difference. Ranks whose files differ (node-local copies
+/// of two models, say) in their length, header or the first 4 KiB of a tensor get
+/// `FSDP_INVALID_ARGUMENT` alike, nothing loaded; files that differ only past those bytes are
+/// not told apart. `FSDP_IO_ERROR` for
 /// a file that is missing, truncated or not safetensors; `FSDP_MISUSE` inside a step. The
 /// optimizer's state is left as it is.
 ///

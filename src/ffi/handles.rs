@@ -19,8 +19,8 @@ use crate::comm::loopback::LoopbackComm;
 use crate::comm::nccl::NcclComm;
 use crate::engine::{CapturedStep, Engine, StepReplay};
 use crate::error::Error;
-// The gate and the engine's slot hold no state a panic can leave half-changed.
 use crate::plan::Plan;
+// The gate and the engine's slot hold no state a panic can leave half-changed.
 use crate::sync::lock as locked;
 use crate::watch::AbortHandle;
 

@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+// Every critical section here leaves its data whole: a panic elsewhere changes nothing.
 use crate::sync::lock;
 use crate::types::Stream;
 use crate::watch::Watch;

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::driver::cuda;
 use crate::error::Result;
+// A free list: a panic while it is held leaves at worst an event too few.
 use crate::sync::lock;
 
 /// At most this many events wait in a pool; more are destroyed. A step holds a few per group in

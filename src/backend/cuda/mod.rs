@@ -38,6 +38,7 @@ use crate::backend::{
 };
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerKind, STEP_VALUES_BYTES, StepValues};
+// Every critical section of the backend leaves its data whole.
 use crate::sync::lock;
 use crate::types::{DType, Stream};
 use crate::watch::Watch;

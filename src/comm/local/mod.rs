@@ -88,6 +88,7 @@ impl LocalComm {
     }
 
     fn lock(&self) -> MutexGuard<'_, Round> {
+        // A rank that panicked while holding the lock left the round as it was: keep going.
         crate::sync::lock(&self.shared.round)
     }
 }
