@@ -374,7 +374,10 @@ enum fsdp_status fsdp_engine_replay(struct fsdp_engine *engine);
 // complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
 // files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
 // others naming that rank), and no rank's file of the save left (the ranks that wrote remove
-// theirs). The ranks' writes end within the engine's timeout of each other.
+// theirs). The ranks' writes end within the engine's timeout of each other; under hybrid
+// sharding only the first replica's ranks write, and the others wait for their outcome within
+// the timeout, so a rank's whole write must take less (`fsdp_engine_save_async` has no such
+// bound: `fsdp_engine_wait_save` reports a write still under way).
 // `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
 // `fsdp_engine_end_step`, and while an asynchronous save's outcome was not given
 // (`fsdp_engine_wait_save`). Blocks until every byte is on disk.
@@ -418,7 +421,9 @@ enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 // rank reads only the bytes its shards need from the saved ranks' files, each once. The
 // optimizer continues from the saved step, learning rate and weight decay. A collective:
 // nothing changes on any rank unless every rank's part checked out, and every rank returns
-// the same status (a rank whose own part was fine names the failing rank in its message).
+// the same status for the failures named here (a rank whose own part was fine names the
+// failing rank in its message); a rank that failed otherwise (its device, say) returns its own
+// status, the others `FSDP_IO_ERROR` naming it.
 // `FSDP_IO_ERROR` naming the file and field for a checkpoint that is missing, incomplete (a
 // rank's manifest absent), truncated, corrupted (a chunk's checksum), changed (a manifest's
 // own checksum, or fields that disagree with the layout they describe) or made of two saves'
@@ -708,7 +713,8 @@ enum fsdp_status fsdp_engine_commit_grad(struct fsdp_engine *engine, size_t para
 // reductions. A collective. On a GPU it does not block the host.
 enum fsdp_status fsdp_engine_finish_grad_sync(struct fsdp_engine *engine);
 
-// Steps the optimizer on this rank's shards, once per step, after the gradient sync. On a GPU it
+// Steps the optimizer on this rank's shards, once per step, after the gradient sync, with no
+// unit's forward or backward open (`FSDP_MISUSE` otherwise, nothing changed). On a GPU it
 // runs on the compute stream and does not block the host.
 enum fsdp_status fsdp_engine_optimizer_step(struct fsdp_engine *engine);
 
@@ -718,7 +724,8 @@ enum fsdp_status fsdp_engine_end_step(struct fsdp_engine *engine);
 
 // Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
 // the rank's part is kept. `data` is host memory on every backend, read before the call returns.
-// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+// Every rank loads every parameter, between steps (`FSDP_MISUSE` inside a step, nothing
+// changed). Blocks: on a GPU, until the copy to the device
 // is done (after the work already queued on the engine's streams).
 //
 // # Safety

@@ -111,7 +111,9 @@ pub struct EngineConfig {
     /// Compare the ranks' collectives of every step in `finish_grad_sync` (one small all-gather
     /// and a host wait), failing every rank, with both versions named, where they differ. The
     /// CPU and loopback communicators compare every collective anyway; this is for NCCL, as
-    /// PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` is.
+    /// PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL` is. The record (48 bytes a collective) is
+    /// kept until `end_step`: an evaluation loop that never ends a step grows it with every
+    /// gather.
     pub verify_collectives: bool,
     /// Step the optimizer inside the backward pass: each trainable group's update is queued as
     /// soon as its gradient shard is final (at world size 1 once the group's gradients are all

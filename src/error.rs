@@ -136,6 +136,12 @@ pub enum Error {
         param: DType,
         got: DType,
     },
+    #[error("parameter {name:?}: {bytes} bytes are not a whole number of {dtype} elements")]
+    PartialElement {
+        name: String,
+        bytes: usize,
+        dtype: DType,
+    },
     #[error("parameter {name:?}: data has {got} elements, the parameter {expected}")]
     DataLength {
         name: String,
@@ -156,8 +162,6 @@ pub enum Error {
     GradSlotUnavailable { reason: &'static str },
     #[error("gradients are not synced: call finish_grad_sync before {action}")]
     GradsNotSynced { action: &'static str },
-    #[error("parameter {name:?} is gathered: load parameters between steps, outside every unit")]
-    Gathered { name: String },
     #[error("the optimizer already stepped in this step")]
     OptimizerAlreadyStepped,
     #[error("the optimizer stepped: end the step before {action}")]

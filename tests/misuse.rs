@@ -224,6 +224,15 @@ fn stepping_in_the_backward_refuses_what_needs_the_whole_gradient() {
         stepping_in_backward,
         stepped_and_ended,
     );
+    // A backward after the sync would reduce into gradient shards its updates were done with.
+    let backward_again = |e: &mut CpuEngine| e.pre_backward(Unit::Layer(0));
+    assert_harmless_with(
+        &config,
+        synced,
+        backward_again,
+        stepping_in_backward,
+        stepped_and_ended,
+    );
 }
 
 #[test]
@@ -658,6 +667,91 @@ fn after_the_optimizer_step_only_the_end_of_the_step_is_allowed() {
         refused,
         end_stepped,
     );
+    assert_harmless(stepped, |e| e.finish_grad_sync(), refused, end_stepped);
+}
+
+/// The step's sync, then a unit's forward or backward opened: the optimizer step would write
+/// shards the unit reads, and no call could then close the unit.
+#[test]
+fn the_optimizer_step_is_refused_while_a_unit_is_open() {
+    let synced = |e: &mut CpuEngine| {
+        step(e);
+        grad(e, "w").unwrap();
+        e.finish_grad_sync().unwrap();
+    };
+    let forward_open = move |e: &mut CpuEngine| {
+        synced(e);
+        e.pre_forward(Unit::Layer(0)).unwrap();
+    };
+    let backward_open = move |e: &mut CpuEngine| {
+        synced(e);
+        e.pre_backward(Unit::Layer(0)).unwrap();
+    };
+    let forward_closed = |e: &mut CpuEngine| {
+        e.post_forward(Unit::Layer(0)).unwrap();
+        end_step(e)
+    };
+    let backward_closed = |e: &mut CpuEngine| {
+        e.post_backward(Unit::Layer(0)).unwrap();
+        end_step(e)
+    };
+    let unit_0 = Unit::Layer(0);
+    assert_harmless(
+        forward_open,
+        |e| e.optimizer_step(),
+        move |err| matches!(err, Error::ForwardStillOpen { unit } if *unit == unit_0),
+        forward_closed,
+    );
+    assert_harmless(
+        backward_open,
+        |e| e.optimizer_step(),
+        move |err| matches!(err, Error::BackwardStillOpen { unit } if *unit == unit_0),
+        backward_closed,
+    );
+}
+
+/// A parameter loaded mid-step, even where its group is not gathered (the step's sync ended
+/// every unit), is refused: the step's update would apply gradients of the old values to it.
+#[test]
+fn a_parameter_is_loaded_between_steps_only() {
+    let synced = |e: &mut CpuEngine| {
+        forward_and_layer_backward(e);
+        for name in ["head", "embed"] {
+            grad(e, name).unwrap();
+        }
+        e.finish_grad_sync().unwrap();
+    };
+    let finish = |e: &mut CpuEngine| {
+        e.optimizer_step().unwrap();
+        e.end_step().unwrap();
+        step(e)
+    };
+    assert_harmless(
+        synced,
+        |e| e.load_param(id(e, "w"), Input::host(&[0f32; 9])),
+        |err| matches!(err, Error::MidStep { .. }),
+        finish,
+    );
+}
+
+/// Host bytes that are not a whole number of the gradient's elements are refused as the
+/// caller's mistake, alone or in a batch, before anything changes.
+#[test]
+fn a_gradient_of_a_partial_element_is_refused() {
+    let ragged = |e: &mut CpuEngine| {
+        let bytes = vec![0u8; 9 * 4 + 1];
+        e.grad(id(e, "w"), Input::host_bytes(&bytes, DType::F32))
+    };
+    let ragged_in_a_batch = |e: &mut CpuEngine| {
+        let (head, bytes) = (vec![0.5f32; 4], vec![0u8; 9 * 4 + 1]);
+        e.grads(&[
+            (id(e, "head"), Input::host(&head)),
+            (id(e, "w"), Input::host_bytes(&bytes, DType::F32)),
+        ])
+    };
+    let refused = |err: &Error| matches!(err, Error::PartialElement { name, bytes: 37, dtype: DType::F32 } if name == "w");
+    assert_harmless(nothing, ragged, refused, step);
+    assert_harmless(nothing, ragged_in_a_batch, refused, step);
 }
 
 #[test]
@@ -725,7 +819,7 @@ fn views_only_while_gathered_and_in_their_dtype() {
     assert_harmless(
         open,
         |e| e.load_param(id(e, "w"), Input::host(&[0f32; 9])),
-        |err| matches!(err, Error::Gathered { .. }),
+        |err| matches!(err, Error::MidStep { .. }),
         close_and_step,
     );
     // READY still holds the values but is not in use: no view.

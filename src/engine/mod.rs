@@ -62,8 +62,10 @@ pub struct Counters {
     pub reuses: u64,
     /// Gathered buffers given back.
     pub evictions: u64,
-    /// Reductions of a gradient slot into a shard (at world size 1 a step's first gradients are
-    /// written straight into the shards, with no reduction).
+    /// Reductions of a group's gradients from where they were taken (a slot, or the fp32
+    /// accumulator of no-sync accumulation) into its shard: a reduce-scatter where gradients
+    /// travel, a scaled copy on the rank where they do not. Gradients written straight into the
+    /// shards (at world size 1 with nothing to scale) take none.
     pub reduce_scatters: u64,
     /// Gather slots allocated beyond `double_buffer_limit` because a required gather found
     /// every gathered buffer in use.
@@ -431,6 +433,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return Err(Error::BackwardAlreadyOpen { unit });
         }
         self.check_no_open_slot()?;
+        if self.config.step_in_backward && self.reducing.pipeline.synced() {
+            // Its groups were updated, and their gradient shards may be freed.
+            return Err(Error::StepInBackward {
+                what: "a backward after the step's gradients were synced",
+            });
+        }
         self.effects(|e| {
             e.begin(Phase::Backward, u)?;
             // Each rank's hooks begin its pass, after the step's sync too (where the phase

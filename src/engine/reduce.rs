@@ -103,7 +103,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// `Error::GradientAfterItsUnit`. Host input is read before this returns.
     pub fn grad(&mut self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         self.healthy()?;
-        self.check_capturable(gradient)?;
+        self.check_input(param, gradient)?;
         let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
         self.take_grads(&[(param, group, gradient)])
     }
@@ -123,7 +123,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
         let mut named = crate::fallible::filled(self.plan.params().len(), false, "a batch's ids")?;
         for &(param, gradient) in gradients {
-            self.check_capturable(gradient)?;
+            self.check_input(param, gradient)?;
             let group = self.check_grad(param, gradient.dtype(), gradient.numel())?;
             let seen = named.get_mut(param.0).ok_or(Error::ParamIdOutOfRange {
                 id: param.0,
@@ -251,10 +251,21 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         self.apply_decided(|p, fx| p.end_unit(|g| groups[g].unit == unit, root, fx))
     }
 
-    /// Refuses host memory during a capture: a replay would take the bytes of the capture again.
-    fn check_capturable(&self, gradient: Input<'_>) -> Result<()> {
+    /// Refuses `param`'s gradient in host memory during a capture (a replay would take the
+    /// bytes of the capture again), or of bytes that are not a whole number of its elements.
+    fn check_input(&self, param: ParamId, gradient: Input<'_>) -> Result<()> {
         match gradient.0 {
-            Source::Host { .. } => self.check_not_capturing("a gradient in host memory"),
+            Source::Host { bytes, dtype } => {
+                self.check_not_capturing("a gradient in host memory")?;
+                if bytes.len() % dtype.size() != 0 {
+                    return Err(Error::PartialElement {
+                        name: self.plan.param(param)?.name.clone(),
+                        bytes: bytes.len(),
+                        dtype,
+                    });
+                }
+                Ok(())
+            }
             Source::Device { .. } => Ok(()),
         }
     }

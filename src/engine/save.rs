@@ -97,7 +97,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// outcome: `Ok` on every rank once every rank's files are on disk; where a rank's write
     /// failed, its error there, `Error::PeerRefused` naming it on the others, and no rank's
     /// file of the save left (a rank that wrote removes its files). The ranks' writes end
-    /// within the engine's timeout of each other. Refused between a step's first hook and its
+    /// within the engine's timeout of each other; under hybrid sharding the ranks of later
+    /// replicas write nothing and wait for the writers' outcome within the timeout, so a rank's
+    /// whole write must take less ([`Engine::save_async`] has no such bound: its
+    /// [`Engine::wait_save`] reports a write still under way). Refused between a step's first hook and its
     /// `end_step` (`Error::MidStep`), and while an asynchronous save is pending
     /// (`Error::SavePending`). Blocks until every byte is on disk. Under hybrid sharding only
     /// the first replica's ranks write: every replica holds the same state.

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::optim::{GroupUpdate, MomentStorage};
 use crate::plan::{NONFINITE_COUNT_BYTES, SKIPPED_STEPS_BYTES};
 use crate::trace::SpanKind;
-use crate::types::{BufferState, DType, ParamId, Stream};
+use crate::types::{DType, ParamId, Stream};
 
 /// What the optimizer owns: each group's masters and moments, the steps taken, and this step's
 /// decisions.
@@ -106,16 +106,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// (those whose last gradient never came too), and orders compute after the reductions. On a
     /// GPU it does not block the host: later compute-stream work waits for the reduce stream
     /// (with [`crate::EngineConfig::verify_collectives`] it blocks, to compare the ranks').
+    /// Refused once the optimizer stepped (`Error::OptimizerStepped`).
     pub fn finish_grad_sync(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("finish_grad_sync", "");
         self.healthy()?;
+        self.check_not_stepped("syncing gradients")?;
         self.check_captured_step_open()?;
         self.check_no_open_slot()?;
-        if let Some(u) = self.open.forward.first().copied() {
-            return Err(Error::ForwardStillOpen {
-                unit: self.plan.units()[u],
-            });
-        }
+        self.check_no_forward_open()?;
         self.effects(|e| {
             while let Some(u) = e.open.backward.pop_first() {
                 e.release_unit(u)?;
@@ -130,7 +128,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Updates every trainable shard from its gradient shard with the configured optimizer, once
-    /// per step, after [`Engine::finish_grad_sync`].
+    /// per step, after [`Engine::finish_grad_sync`], with no unit's forward or backward open
+    /// (`Error::ForwardStillOpen`, `Error::BackwardStillOpen`: the update would write shards an
+    /// open unit reads).
     pub fn optimizer_step(&mut self) -> Result<()> {
         let _range = crate::nvtx::range("optimizer_step", "");
         self.healthy()?;
@@ -143,7 +143,30 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         if self.optimizer.stepped {
             return Err(Error::OptimizerAlreadyStepped);
         }
+        // The update would write shards an open unit reads, and no later call could close it.
+        self.check_no_forward_open()?;
+        self.check_no_backward_open()?;
         self.effects(Engine::step_shards)
+    }
+
+    /// `Error::ForwardStillOpen` naming the first unit whose forward is open.
+    fn check_no_forward_open(&self) -> Result<()> {
+        match self.open.forward.first() {
+            Some(&u) => Err(Error::ForwardStillOpen {
+                unit: self.plan.units()[u],
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// `Error::BackwardStillOpen` naming the first unit whose backward is open.
+    fn check_no_backward_open(&self) -> Result<()> {
+        match self.open.backward.first() {
+            Some(&u) => Err(Error::BackwardStillOpen {
+                unit: self.plan.units()[u],
+            }),
+            None => Ok(()),
+        }
     }
 
     fn step_shards(&mut self) -> Result<()> {
@@ -357,16 +380,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let _range = crate::nvtx::range("end_step", "");
         self.healthy()?;
         self.check_captured_step_open()?;
-        if let Some(u) = self.open.forward.first().copied() {
-            return Err(Error::ForwardStillOpen {
-                unit: self.plan.units()[u],
-            });
-        }
-        if let Some(u) = self.open.backward.first().copied() {
-            return Err(Error::BackwardStillOpen {
-                unit: self.plan.units()[u],
-            });
-        }
+        self.check_no_forward_open()?;
+        self.check_no_backward_open()?;
         if self.reducing.pipeline.pending() {
             return Err(Error::GradsNotSynced {
                 action: "ending the step",
@@ -428,11 +443,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// Writes `data` (the whole parameter, in its dtype, on the host) into this rank's shard and
     /// its fp32 master (the value widened, as the optimizer's next step reads it): only the part
     /// the rank holds is kept, and no other parameter's state changes. Every rank loads every
-    /// parameter. Allowed between steps.
+    /// parameter. Allowed between steps (`Error::MidStep` otherwise).
     pub fn load_param(&mut self, param: ParamId, data: Input<'_>) -> Result<()> {
         self.healthy()?;
-        self.check_not_capturing("loading a parameter")?;
-        self.check_not_stepped("loading a parameter")?;
+        self.check_step_boundary("loading a parameter")?;
         let layout = self.plan.param(param)?;
         let Source::Host { bytes, dtype } = data.0 else {
             return Err(Error::Unsupported {
@@ -474,14 +488,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// Writes `values` (the elements [`Engine::held_elements`] names, in the parameter's dtype)
-    /// into this rank's shard and master. Refused while the parameter's group is gathered.
+    /// into this rank's shard and master; between steps, where no group is gathered.
     pub(super) fn store_held(&mut self, param: ParamId, values: &[u8]) -> Result<()> {
         let layout = self.plan.param(param)?;
-        if self.gathering.machine.state(layout.group) != BufferState::Freed {
-            return Err(Error::Gathered {
-                name: layout.name.clone(),
-            });
-        }
         let held = self.held_elements(param)?;
         if held.is_empty() {
             return Ok(());
@@ -490,19 +499,26 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let group = &self.plan.groups()[index];
         let at = layout.offset + held.start - self.plan.shard_range(group, self.rank).start;
         let master_only = self.policy.master_only(group.index);
+        // Exactly what the shard holds, widened: only this parameter's range, so the fp32
+        // progress of the group's other parameters stays. Made before anything changes, so
+        // too little memory for it changes nothing.
+        let wide = match self.optimizer.groups[index].master.is_some() {
+            true => {
+                let mut wide = crate::fallible::filled(held.len() * 4, 0u8, "a master")?;
+                convert((&mut wide, DType::F32), (values, dtype));
+                Some(wide)
+            }
+            false => None,
+        };
         self.effects(|e| {
             if !master_only {
                 let region = Region::new(at, held.len(), dtype);
                 e.backend
                     .upload(&mut e.param_shards[index], region, values)?;
             }
-            if let Some(master) = e.optimizer.groups[index].master.as_mut() {
-                // Exactly what the shard holds, widened: only this parameter's range, so the fp32
-                // progress of the group's other parameters stays.
-                let mut wide = crate::fallible::filled(held.len() * 4, 0u8, "a master")?;
-                convert((&mut wide, DType::F32), (values, dtype));
+            if let (Some(master), Some(wide)) = (e.optimizer.groups[index].master.as_mut(), &wide) {
                 e.backend
-                    .upload(master, Region::new(at, held.len(), DType::F32), &wide)?;
+                    .upload(master, Region::new(at, held.len(), DType::F32), wide)?;
             }
             Ok(())
         })

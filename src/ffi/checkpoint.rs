@@ -18,7 +18,10 @@ use super::types::fsdp_engine;
 /// complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
 /// files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
 /// others naming that rank), and no rank's file of the save left (the ranks that wrote remove
-/// theirs). The ranks' writes end within the engine's timeout of each other.
+/// theirs). The ranks' writes end within the engine's timeout of each other; under hybrid
+/// sharding only the first replica's ranks write, and the others wait for their outcome within
+/// the timeout, so a rank's whole write must take less (`fsdp_engine_save_async` has no such
+/// bound: `fsdp_engine_wait_save` reports a write still under way).
 /// `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
 /// `fsdp_engine_end_step`, and while an asynchronous save's outcome was not given
 /// (`fsdp_engine_wait_save`). Blocks until every byte is on disk.
@@ -79,7 +82,9 @@ pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status
 /// rank reads only the bytes its shards need from the saved ranks' files, each once. The
 /// optimizer continues from the saved step, learning rate and weight decay. A collective:
 /// nothing changes on any rank unless every rank's part checked out, and every rank returns
-/// the same status (a rank whose own part was fine names the failing rank in its message).
+/// the same status for the failures named here (a rank whose own part was fine names the
+/// failing rank in its message); a rank that failed otherwise (its device, say) returns its own
+/// status, the others `FSDP_IO_ERROR` naming it.
 /// `FSDP_IO_ERROR` naming the file and field for a checkpoint that is missing, incomplete (a
 /// rank's manifest absent), truncated, corrupted (a chunk's checksum), changed (a manifest's
 /// own checksum, or fields that disagree with the layout they describe) or made of two saves'

@@ -350,7 +350,8 @@ pub extern "C" fn fsdp_engine_finish_grad_sync(engine: *mut fsdp_engine) -> fsdp
     })
 }
 
-/// Steps the optimizer on this rank's shards, once per step, after the gradient sync. On a GPU it
+/// Steps the optimizer on this rank's shards, once per step, after the gradient sync, with no
+/// unit's forward or backward open (`FSDP_MISUSE` otherwise, nothing changed). On a GPU it
 /// runs on the compute stream and does not block the host.
 #[unsafe(no_mangle)]
 pub extern "C" fn fsdp_engine_optimizer_step(engine: *mut fsdp_engine) -> fsdp_status {

@@ -12,7 +12,8 @@ use crate::types::{DType, ParamId};
 
 /// Writes `numel` elements of `dtype` (the parameter's whole value) into this rank's shard; only
 /// the rank's part is kept. `data` is host memory on every backend, read before the call returns.
-/// Every rank loads every parameter, between steps. Blocks: on a GPU, until the copy to the device
+/// Every rank loads every parameter, between steps (`FSDP_MISUSE` inside a step, nothing
+/// changed). Blocks: on a GPU, until the copy to the device
 /// is done (after the work already queued on the engine's streams).
 ///
 /// # Safety

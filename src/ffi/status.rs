@@ -93,6 +93,7 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::InvalidLrScale { .. }
         | Error::GradientDtype { .. }
         | Error::DataLength { .. }
+        | Error::PartialElement { .. }
         | Error::DtypeMismatch { .. }
         | Error::PlanMismatch { .. }
         | Error::SettingsMismatch { .. }
@@ -116,7 +117,6 @@ pub(crate) fn status_of(e: &Error) -> fsdp_status {
         | Error::GradSlotUnavailable { .. }
         | Error::GradsNotSynced { .. }
         | Error::NotGathered { .. }
-        | Error::Gathered { .. }
         | Error::OptimizerAlreadyStepped
         | Error::OptimizerStepped { .. }
         | Error::GradientsDecided { .. }

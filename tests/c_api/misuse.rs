@@ -276,7 +276,18 @@ fn wrong_sizes_and_values() {
         let bad = fsdp_status::FSDP_INVALID_ARGUMENT;
         // SAFETY: valid pointers throughout.
         unsafe {
+            // Between steps: a load inside one is refused as such first.
+            expect(
+                fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 11, FSDP_F32),
+                bad,
+                "11 elements",
+            );
             ok(fsdp_engine_pre_backward(engine, 0));
+            expect(
+                fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 12, FSDP_F32),
+                fsdp_status::FSDP_MISUSE,
+                "between end_step and the next step's first hook",
+            );
             expect(
                 fsdp_engine_grad(engine, 1, values.as_ptr().cast(), 8, FSDP_F32),
                 bad,
@@ -291,11 +302,6 @@ fn wrong_sizes_and_values() {
                 fsdp_engine_grad(engine, 9, values.as_ptr().cast(), 9, FSDP_F32),
                 bad,
                 "out of range",
-            );
-            expect(
-                fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 11, FSDP_F32),
-                bad,
-                "11 elements",
             );
             expect(
                 fsdp_engine_param_shard(engine, 0, buf.as_mut_ptr().cast(), 8, &mut written),
