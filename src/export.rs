@@ -9,7 +9,7 @@ use std::sync::Arc;
 use safetensors::Dtype;
 use safetensors::tensor::{Metadata, TensorInfo};
 
-use crate::checkpoint::{self, DataReader, SectionKind};
+use crate::checkpoint::{self, RankReader, SectionKind};
 use crate::dtype::convert;
 use crate::error::{Error, Result};
 use crate::types::DType;
@@ -146,7 +146,9 @@ pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
             shape: p.shape.iter().map(|&d| d as usize).collect(),
         });
     }
-    let mut readers: Vec<Option<DataReader<'_>>> = (0..saved.world_size()).map(|_| None).collect();
+    // A group's parameters lie in its ranks' files in rank order: each file is opened once a
+    // group and section, and one at a time.
+    let mut reader = RankReader::new(&saved);
     let mut wide = Vec::new();
     write(&tensors, path, |k, out| {
         let i = order[k];
@@ -164,13 +166,9 @@ pub fn export_checkpoint(dir: &Path, path: &Path) -> Result<()> {
             &mut wide
         };
         for run in saved.runs(i, kind, 0, 0..numel)? {
-            let reader = match &mut readers[run.rank] {
-                Some(reader) => reader,
-                empty => empty.insert(DataReader::open(&saved, run.rank)?),
-            };
             let size = saved_dtype.size();
             let bytes = &mut target[run.elements.start * size..run.elements.end * size];
-            reader.read(run.offset, bytes)?;
+            reader.read(run.rank, run.offset, bytes)?;
         }
         if saved_dtype != group.dtype {
             convert((out, group.dtype), (&wide, saved_dtype));

@@ -1032,6 +1032,66 @@ fn a_save_killed_at_any_point_never_harms_the_last_checkpoint_nor_loads() {
     eprintln!("{} loads complete, {} refused", outcomes.0, outcomes.1);
 }
 
+/// A save of 20 ranks, loaded onto 1 and 3 and exported: each parameter's values are the ones
+/// each rank's file holds (read with a reader per rank), though the load and the export read
+/// the files one at a time, rank after rank.
+#[test]
+fn a_save_of_many_ranks_loads_and_exports_its_values_reading_one_file_at_a_time() {
+    let mlp = model(DType::F32);
+    let scratch = Scratch::new("many-ranks");
+    let dir = scratch.join("saved");
+    let to = dir.clone();
+    trained(&mlp, &plan(&mlp, 20), Mode::Eager, 1, move |e| {
+        e.save(&to).unwrap()
+    });
+    let expected = saved_params(&dir);
+    assert!(expected.iter().flatten().any(|&b| b != 0), "nothing saved");
+    let file = scratch.join("model.safetensors");
+    fsdp_fusion::export::export_checkpoint(&dir, &file).unwrap();
+    let whole = plan(&mlp, 1);
+    let exported = |e: &mut CpuEngine, file: &Path| {
+        e.export_safetensors(file).unwrap();
+        std::fs::read(file).unwrap()
+    };
+    for world in [1, 3] {
+        let (from, into) = (dir.clone(), scratch.join(&format!("loaded-{world}")));
+        std::fs::create_dir_all(&into).unwrap();
+        // Saved again from the world loaded into, and exported at world size 1.
+        let resaved = into.join("saved");
+        let resave = resaved.clone();
+        on_engines(
+            &plan(&mlp, world),
+            &EngineConfig::default(),
+            Mode::Eager,
+            move |mut e| {
+                e.load(&from).unwrap();
+                e.save(&resave).unwrap();
+            },
+        );
+        let again = into.join("model.safetensors");
+        let bytes = on_engines(
+            &whole,
+            &EngineConfig::default(),
+            Mode::Eager,
+            move |mut e| {
+                e.load(&resaved).unwrap();
+                exported(&mut e, &again)
+            },
+        );
+        assert_eq!(bytes[0], std::fs::read(&file).unwrap(), "world {world}");
+    }
+    let tensors = std::fs::read(&file).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&tensors).unwrap();
+    for (i, p) in mlp.spec().unwrap().params.iter().enumerate() {
+        assert_eq!(
+            tensors.tensor(&p.name).unwrap().data(),
+            &expected[i][..],
+            "{}",
+            p.name
+        );
+    }
+}
+
 #[test]
 fn a_state_of_many_pieces_and_chunks_saves_and_loads_exactly_on_several_threads() {
     use fsdp_fusion::{Engine, LocalComm, ModelSpec, OptimizerConfig, ParamSpec};

@@ -192,6 +192,29 @@ impl<'a> DataReader<'a> {
     }
 }
 
+/// The data file of one saved rank at a time, opened as reads reach it: reads taken rank after
+/// rank open each file once, and however many ranks a save has, one file and one chunk are
+/// held.
+pub(crate) struct RankReader<'a> {
+    saved: &'a Saved,
+    open: Option<(usize, DataReader<'a>)>,
+}
+
+impl<'a> RankReader<'a> {
+    pub(crate) fn new(saved: &'a Saved) -> RankReader<'a> {
+        RankReader { saved, open: None }
+    }
+
+    /// As [`DataReader::read`] on rank `rank`'s file, closing the file read before if another.
+    pub(crate) fn read(&mut self, rank: usize, offset: u64, out: &mut [u8]) -> Result<()> {
+        let reader = match &mut self.open {
+            Some((open, reader)) if *open == rank => reader,
+            other => &mut other.insert((rank, DataReader::open(self.saved, rank)?)).1,
+        };
+        reader.read(offset, out)
+    }
+}
+
 /// Bytes of a saved rank's data file to be read into `to .. to + bytes` of a destination.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FileRange {
@@ -264,16 +287,12 @@ pub fn read_ranges(saved: &Saved, ranges: &[FileRange], out: &mut [u8]) -> Resul
         done += p.bytes;
         runs[run].push((p, place));
     }
-    let read_run = |run: Vec<(FileRange, &mut [u8])>| -> Result<()> {
-        let mut readers: Vec<Option<DataReader<'_>>> =
-            (0..saved.world_size()).map(|_| None).collect();
+    let read_run = |mut run: Vec<(FileRange, &mut [u8])>| -> Result<()> {
+        // Rank after rank, each file in order: one file open at a time, each chunk read once.
+        run.sort_unstable_by_key(|(p, _)| (p.rank, p.from));
+        let mut reader = RankReader::new(saved);
         for (p, place) in run {
-            let reader = match readers.get_mut(p.rank) {
-                Some(Some(reader)) => reader,
-                Some(empty) => empty.insert(DataReader::open(saved, p.rank)?),
-                None => return Err(unreadable(&saved.dir, format!("no rank {}", p.rank))),
-            };
-            reader.read(p.from, place)?;
+            reader.read(p.rank, p.from, place)?;
         }
         Ok(())
     };

@@ -26,8 +26,8 @@ use crate::error::{Error, Result};
 use crate::plan::{Group, Plan};
 use crate::spec::ProcessGroupSpec;
 
-pub(crate) use data::ChunkDigests;
 pub use data::{CHUNK_BYTES, DataReader, FileRange, read_ranges};
+pub(crate) use data::{ChunkDigests, RankReader};
 pub use files::{
     check_free, check_path, make_dir, read_manifest, read_saved, sync_parent, write_new,
 };
