@@ -12,7 +12,7 @@ import torch
 
 from ._capi import ROOT, UNIQUE_ID_BYTES, Config, ParamSpec
 from ._dlpack import device_index
-from ._params import DTYPE_CODES, DTYPE_NAMES
+from ._params import _PLACEHOLDERS, DTYPE_CODES, DTYPE_NAMES
 from .errors import InvalidArgumentError
 
 
@@ -155,3 +155,4 @@ class _EngineCreation:
             t.data = p.placeholder
             # A gradient from before the wrapper is no gradient of its steps.
             t.grad = None
+        setattr(self.module, _PLACEHOLDERS, True)

@@ -12,7 +12,7 @@ import torch
 
 from ._capi import ROOT, Grad
 from ._dlpack import tensor_at
-from ._params import DTYPE_CODES, _Param
+from ._params import _PLACEHOLDERS, DTYPE_CODES, _Param
 from .errors import MisuseError
 
 
@@ -22,6 +22,7 @@ class _Views:
 
     def __init__(self, tensors: list[torch.Tensor], addresses: tuple):
         self.tensors = tensors
+        self.addresses = addresses
         self.position = {address: i for i, address in enumerate(addresses) if address}
 
 
@@ -113,6 +114,11 @@ def _refuse_loading_parameters(module, state_dict, prefix, *_):
                           "FusedFSDP.load_full_state_dict (whole values, every rank)")
 
 
+def _refuse_closed_forward(_module, _args):
+    raise MisuseError("the module's parameters are placeholders of a closed FusedFSDP: wrap a "
+                      "fresh copy of the model, or load its values into one")
+
+
 class _Hooks:
     """`FusedFSDP`'s hooks on the module, its units and their parameters."""
 
@@ -122,11 +128,21 @@ class _Hooks:
             self._unit_hooks += [
                 unit.register_forward_pre_hook(self._pre_forward_hook(index), with_kwargs=True),
                 unit.register_forward_hook(self._post_forward_hook(index), always_call=True)]
-        self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True)
-        self.module.register_forward_hook(self._root_post_forward, always_call=True)
+        self._root_hooks = [
+            self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
+            self.module.register_forward_hook(self._root_post_forward, always_call=True)]
         for module in self.module.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 module.register_load_state_dict_pre_hook(_refuse_loading_parameters)
+
+    def _close_hooks(self):
+        """The module's and its units' hooks go with the engine; a forward of the module, whose
+        parameters are placeholders, is then refused."""
+        for handle in getattr(self, "_unit_hooks", []) + getattr(self, "_root_hooks", []):
+            handle.remove()
+        self._unit_hooks, self._root_hooks = [], []
+        if getattr(self.module, _PLACEHOLDERS, False):
+            self.module.register_forward_pre_hook(_refuse_closed_forward)
 
     def _drop_unit_hooks_once_mapped(self):
         """Removes the units' hooks once they have nothing left to do: where the views do not
@@ -352,7 +368,10 @@ class _Hooks:
         else:
             self._check(self._lib.fsdp_engine_params(self._engine, u.ids, len(u.params),
                                                      u.addresses), "fsdp_engine_params")
-        key = tuple(u.addresses)
+        self._point_at(u, tuple(u.addresses))
+
+    def _point_at(self, u: _Unit, key: tuple):
+        """Points the unit's parameters at views of the gathered addresses `key`."""
         views = u.cache.get(key)
         if views is None:
             # Cached for every later forward: made as ordinary tensors even inside

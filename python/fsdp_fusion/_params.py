@@ -13,6 +13,10 @@ from ._capi import ROOT
 from .errors import InvalidArgumentError
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+# Set on a module once its parameters are a wrapper's placeholders, for good: wrapping it again
+# would load them (NaN) as its values.
+_PLACEHOLDERS = "_fsdp_fusion_placeholders"
 """The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}

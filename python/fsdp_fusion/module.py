@@ -31,6 +31,7 @@ from ._engine import _EngineCreation, _choice, _membership
 from ._hooks import _Hooks, _Unit
 from .errors import InvalidArgumentError, MisuseError
 from ._params import (
+    _PLACEHOLDERS,
     DTYPE_CODES,
     _check_placement,
     _exempt,
@@ -205,6 +206,10 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     ):
         super().__init__()
         units = list(units)
+        if getattr(module, _PLACEHOLDERS, False):
+            raise MisuseError("the module's parameters are placeholders of another FusedFSDP "
+                              "(it wraps the module, or was closed): wrap a fresh copy of the "
+                              "model")
         _refuse_compiled_in_place(module, units)
         self.module = module
         self._params = _owners(module, units)
@@ -338,8 +343,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         changed = [p.name for p in self._params if p.tensor.requires_grad != p.trains]
         if changed:
             raise MisuseError(f"requires_grad of {', '.join(changed)} changed since wrapping, "
-                              "which fixed the parameters that train: set it back (or wrap "
-                              "again); the step is left to take")
+                              "which fixed the parameters that train: set it back (or wrap a "
+                              "fresh copy of the model); the step is left to take")
         self._close_backwards()
         for u in self._unit_of.values():
             # Calls of a forward whose graph is still held with no backward run.
@@ -493,18 +498,27 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         return super()._apply(fn, recurse)
 
     def abort(self):
-        """Makes every wait of the engine end with `AbortedError`, now and later (from any
-        thread): a rank that must give up without hanging its peers' collectives."""
+        """Makes every wait of the engine under way end with `AbortedError` (from any thread),
+        and every later call raise `PoisonedError`: a rank that must give up without hanging
+        its peers' collectives."""
         self._call("fsdp_engine_abort", self._engine)
 
     def close(self):
         """Releases the engine, its group and the plan; the module's parameters become
-        placeholders (they never point at released memory). Also after a construction that
-        failed part way (each handle made is released). Refused (`MisuseError`, nothing
-        released) while a tensor outside the wrapper still holds the engine's memory: a
+        placeholders (they never point at released memory), the wrapper's hooks go, and a
+        forward of the module is then refused (`MisuseError`), as is wrapping it again: wrap a
+        fresh copy of the model (`full_state_dict()` gives its values). Also after a
+        construction that failed part way (each handle made is released). Refused
+        (`MisuseError`, nothing released or changed) while a tensor outside the wrapper still
+        holds the engine's memory: a
         `state_dict()`'s tensor at world size 1, a detached parameter, an autograd graph not
         run backward (copies, such as `full_state_dict()`'s, are the caller's); drop them and
         close again. Garbage-collected with such a tensor alive, the wrapper keeps its engine."""
+        # The views are let go first, so that only tensors outside hold their memory; a refusal
+        # points the units that had views at their addresses again (only numbers are kept
+        # meanwhile: a tensor kept would count as one outside).
+        mapped = [(u, u.views.addresses) for u in getattr(self, "_unit_of", {}).values()
+                  if u.views is not None]
         try:
             for u in getattr(self, "_unit_of", {}).values():
                 self._unmap_views(u)
@@ -512,11 +526,14 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         finally:
             held = self._views_held_elsewhere()
             if held:
+                for u, addresses in mapped:
+                    self._point_at(u, addresses)
                 raise MisuseError(f"close while tensors outside the wrapper hold the engine's "
                                   f"memory of {', '.join(held)} (a state_dict(), a detached "
                                   "parameter, a graph not run backward): drop them first, or "
                                   "copy with full_state_dict()")
             self._storages, self._captured = [], None
+            self._close_hooks()
             for name, attr in (("fsdp_engine_destroy", "_engine"),
                                ("fsdp_local_group_destroy", "_group"),
                                ("fsdp_plan_destroy", "_plan")):

@@ -226,10 +226,36 @@ def test_close_is_refused_while_a_tensor_outside_holds_the_engine_s_memory():
     copied = {k: v.clone() for k, v in held.items()}
     with pytest.raises(fsdp_fusion.MisuseError, match=r"0\.weight.*state_dict"):
         fused.close()
-    fused(torch.ones(2, 4)).sum().backward()
+    # The refusal changed nothing: the parameters are the engine's values still.
+    assert torch.equal(module[0].weight, held["0.weight"])
+    out = fused(torch.ones(2, 4))
+    assert torch.isfinite(out).all()
+    out.sum().backward()
     fused.step()
     assert fused.counters().steps == 2
     assert not torch.equal(held["0.weight"], copied["0.weight"]), "the views follow the engine"
+    assert torch.isfinite(held["0.weight"]).all()
     del held
     fused.close()
     assert torch.isnan(module[0].weight).all(), "placeholders once released"
+
+
+def test_a_closed_wrapper_s_module_refuses_a_forward_and_a_second_wrapper():
+    """Once closed, the module's parameters are placeholders: its forward is refused rather
+    than computed on NaN, and so is wrapping it again, which would take them as its values; as
+    is wrapping a module another wrapper still holds, whose hooks would drive both."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1)
+    values = fused.full_state_dict()
+    with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of another FusedFSDP"):
+        FusedFSDP(module, [module[0], module[1]])
+    fused.close()
+    with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of a closed FusedFSDP"):
+        module(torch.ones(2, 4))
+    with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of another FusedFSDP"):
+        FusedFSDP(module, [module[0], module[1]])
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fresh.load_state_dict(values)
+    again = FusedFSDP(fresh, [fresh[0], fresh[1]], optimizer="sgd", lr=0.1)
+    assert torch.isfinite(again(torch.ones(2, 4))).all()
+    again.close()
