@@ -119,6 +119,23 @@ def _refuse_closed_forward(_module, _args):
                       "fresh copy of the model, or load its values into one")
 
 
+def _refusing_placeholders(param_of: dict):
+    """A hook refusing a module's `state_dict()` where one of its own parameters is a
+    placeholder: the copy would hold NaN where the caller saves weights (above world size 1,
+    with master storage, before a first forward, or once closed)."""
+
+    def refuse(module, prefix, _keep_vars):
+        names = [prefix + name for name, t in module.named_parameters(recurse=False)
+                 if (p := param_of.get(id(t))) is not None and p.placeholder is not None
+                 and t.data_ptr() == p.placeholder.data_ptr()]
+        if names:
+            raise MisuseError(f"state_dict() of a module wrapped by FusedFSDP would hold NaN "
+                              f"placeholders for {', '.join(names)}, which the engine holds "
+                              "sharded: copy with FusedFSDP.full_state_dict(), or save()")
+
+    return refuse
+
+
 class _Hooks:
     """`FusedFSDP`'s hooks on the module, its units and their parameters."""
 
@@ -131,9 +148,11 @@ class _Hooks:
         self._root_hooks = [
             self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True),
             self.module.register_forward_hook(self._root_post_forward, always_call=True)]
+        placeholder_of = {id(p.tensor): p for p in self._params}
         for module in self.module.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 module.register_load_state_dict_pre_hook(_refuse_loading_parameters)
+                module.register_state_dict_pre_hook(_refusing_placeholders(placeholder_of))
 
     def _close_hooks(self):
         """The module's and its units' hooks go with the engine; a forward of the module, whose

@@ -109,7 +109,8 @@ class _StateCopies:
         """Every parameter's whole value as a host tensor under the module's names (what
         `load_state_dict` of a plain copy takes), gathered from every rank's shards: a
         collective, every rank calls it. Between steps (an evaluation's step is ended first).
-        The module's own `state_dict()` holds the engine's views or placeholders, not this."""
+        The module's own `state_dict()` holds the engine's views (at world size 1, after a
+        forward), and is refused (`MisuseError`) where a parameter is a placeholder."""
         self._end_evaluation()
         infos = [self._info(p.id) for p in self._params]
         state = {}

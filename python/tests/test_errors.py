@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from conftest import CHECKOUT
-from training import models
+from training import models, on_ranks
 
 import fsdp_fusion
 from fsdp_fusion import FusedFSDP, LocalGroup, LoopbackGroup, _capi
@@ -238,6 +238,36 @@ def test_close_is_refused_while_a_tensor_outside_holds_the_engine_s_memory():
     del held
     fused.close()
     assert torch.isnan(module[0].weight).all(), "placeholders once released"
+
+
+def test_a_state_dict_of_placeholders_is_refused():
+    """Above world size 1 (and before a first forward, or once closed) the module's parameters
+    are NaN placeholders: its `state_dict()`, the usual way to save weights, is refused rather
+    than saving NaN; `full_state_dict()` gives the values."""
+    world = 2
+    group = LocalGroup(world)
+    modules = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+               for _ in range(world)]
+    for m in modules[1:]:
+        m.load_state_dict(modules[0].state_dict())
+    expected = {k: v.clone() for k, v in modules[0].state_dict().items()}
+
+    def run(rank):
+        m = modules[rank]
+        fused = FusedFSDP(m, [m[0], m[1]], local_group=group, rank=rank)
+        with pytest.raises(fsdp_fusion.MisuseError, match=r"NaN placeholders for 0\.weight"):
+            m.state_dict()
+        values = fused.full_state_dict()
+        fused(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(fsdp_fusion.MisuseError, match=r"NaN placeholders for .*1\.weight"):
+            fused.state_dict()
+        fused.step()
+        fused.close()
+        return values
+
+    for values in on_ranks(world, run):
+        assert values.keys() == expected.keys()
+        assert all(torch.equal(values[k], expected[k]) for k in expected)
 
 
 def test_a_closed_wrapper_s_module_refuses_a_forward_and_a_second_wrapper():
