@@ -37,7 +37,9 @@ class _StateCopies:
 
     def save(self, directory: str | os.PathLike, *, wait: bool = True):
         """Writes this rank's part of a sharded checkpoint into `directory`: shards, fp32
-        masters, AdamW moments, the optimizer's step and settings. A collective: every rank
+        masters, AdamW moments, the optimizer's step and settings; not the module's buffers
+        (BatchNorm's running statistics, say), which the caller saves (`full_state_dict()`
+        holds them, and `load_full_state_dict` loads them). A collective: every rank
         calls it with the same directory; the ranks first agree on the save's id and that the
         directory holds no checkpoint (else every rank raises `InvalidArgumentError` and nothing
         is written). Each file is written under a unique temporary name, flushed to disk and
@@ -106,9 +108,11 @@ class _StateCopies:
         return _value(p, info, shard)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter's whole value as a host tensor under the module's names (what
-        `load_state_dict` of a plain copy takes), gathered from every rank's shards: a
-        collective, every rank calls it. Between steps (an evaluation's step is ended first).
+        """Every parameter's whole value as a host tensor under the module's names (a tied
+        one's under each of its names), gathered from every rank's shards, and the module's
+        persistent buffers (this rank's, copied to the host): what `load_state_dict` of a
+        plain copy takes, strictly. A collective, every rank calls it. Between steps (an
+        evaluation's step is ended first).
         The module's own `state_dict()` holds the engine's views (at world size 1, after a
         forward), and is refused (`MisuseError`) where a parameter is a placeholder."""
         self._end_evaluation()
@@ -119,6 +123,14 @@ class _StateCopies:
             whole = self._group_bytes("fsdp_engine_gather_group", group, members)
             for p, i in members:
                 state[p.name] = _value(p, i, whole)
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in state:
+                # A tied parameter's other names: the same tensor, as in `state_dict()`.
+                state[name] = next(state[q.name] for q in self._params if q.tensor is p)
+        for prefix, module in self.module.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    state[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu").clone()
         return state
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]):

@@ -289,3 +289,22 @@ def test_a_closed_wrapper_s_module_refuses_a_forward_and_a_second_wrapper():
     again = FusedFSDP(fresh, [fresh[0], fresh[1]], optimizer="sgd", lr=0.1)
     assert torch.isfinite(again(torch.ones(2, 4))).all()
     again.close()
+
+
+def test_a_full_state_dict_holds_the_persistent_buffers_and_loads_strictly():
+    """A model with buffers (BatchNorm's running statistics, one of them not persistent): the
+    full state holds what the plain model's `state_dict()` holds, this rank's buffers as they
+    are after a training forward, and a plain copy loads it strictly."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    module[1].register_buffer("scratch", torch.ones(2), persistent=False)
+    fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1)
+    fused(torch.randn(8, 4)).sum().backward()
+    fused.step()
+    state = fused.full_state_dict()
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    assert sorted(state) == sorted(plain.state_dict())
+    assert torch.equal(state["1.running_mean"], module[1].running_mean)
+    assert not torch.equal(state["1.running_mean"], torch.zeros(4)), "updated by the forward"
+    plain.load_state_dict(state)
+    assert torch.equal(plain[1].running_var, module[1].running_var)
+    fused.close()

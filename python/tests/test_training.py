@@ -720,13 +720,14 @@ def test_bf16_moments_halve_the_moments_and_train_close_to_f32_ones():
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_full_state_dict_is_every_parameter_whole_on_every_rank(world):
     """Gathered on every rank, each parameter's value equals the unsharded reference's (as the
-    training tests hold them), and a plain copy loads it."""
+    training tests hold them), under every name the plain model's `state_dict()` has (a tied
+    parameter's every name, the persistent buffers), and a plain copy loads it strictly."""
     run = train("adamw", world=world)
     states = on_ranks(world, lambda rank: run.ranks[rank].full_state_dict())
     names = [name for name, _ in run.reference.named_parameters()]
     for state in states:
-        assert sorted(state) == sorted(names)
-        for name in names:
+        assert sorted(state) == sorted(run.reference.state_dict())
+        for name in state:
             assert torch.equal(state[name], states[0][name]), name
     reference = dict(run.reference.named_parameters())
     for name in names:
@@ -735,8 +736,9 @@ def test_a_full_state_dict_is_every_parameter_whole_on_every_rank(world):
         for name in names:
             assert torch.equal(states[0][name], run.ranks[0].full_parameter(name)), name
     _, plain = models(False)
-    missing, unexpected = plain.load_state_dict(states[0], strict=False)
-    assert not unexpected and not set(missing) & set(names)
+    plain.load_state_dict(states[0])
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, states[0][name]), name
 
 
 def test_each_units_gradients_are_reduced_in_its_own_backward():
