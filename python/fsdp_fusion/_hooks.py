@@ -160,8 +160,9 @@ class _Hooks:
         for handle in getattr(self, "_unit_hooks", []) + getattr(self, "_root_hooks", []):
             handle.remove()
         self._unit_hooks, self._root_hooks = [], []
-        if getattr(self.module, _PLACEHOLDERS, False):
-            self.module.register_forward_pre_hook(_refuse_closed_forward)
+        module = getattr(self, "module", None)
+        if getattr(module, _PLACEHOLDERS, False) and getattr(self, "_closed_forward", None) is None:
+            self._closed_forward = module.register_forward_pre_hook(_refuse_closed_forward)
 
     def _drop_unit_hooks_once_mapped(self):
         """Removes the units' hooks once they have nothing left to do: where the views do not
