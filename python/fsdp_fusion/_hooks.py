@@ -51,6 +51,9 @@ class _Unit:
         # come back, by their autograd node: its backward ends when the last one's do. A call
         # whose graph was dropped (a forward never run backward) leaves the set with it.
         self.calls_pending: weakref.WeakSet = weakref.WeakSet()
+        # Whether a call since then had no input needing a gradient: no node tells when its
+        # backward ends, so the unit's ends with the pass (the next forward, or the step).
+        self.untracked_call = False
         trainable = [p for p in params if p.tensor.requires_grad]
         self.trainable = [p.tensor for p in trainable]
         # The hand-over's batch when every trainable parameter has a contiguous gradient of its
@@ -246,6 +249,8 @@ class _Hooks:
         keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
         if not keys and not slots:
+            if not self._backward_began:
+                self._unit_of[unit].untracked_call = True
             return args, kwargs
         outs = _PostBackward.apply(self, unit, *[args[i] for i in slots],
                                    *[kwargs[k] for k in keys])
@@ -283,11 +288,12 @@ class _Hooks:
         before one backward)."""
         u = self._unit_of[unit]
         u.calls_pending.discard(call)
-        if not u.calls_pending:
+        if not u.calls_pending and not u.untracked_call:
             self._post_backward(unit)
 
     def _post_backward(self, unit: int):
         u = self._unit_of[unit]
+        u.untracked_call = False
         if u.backward_open:
             u.backward_open = False
             # The unit's backward ends even where its gradients are refused (a duplicate): its

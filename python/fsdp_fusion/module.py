@@ -349,6 +349,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         for u in self._unit_of.values():
             # Calls of a forward whose graph is still held with no backward run.
             u.calls_pending.clear()
+            u.untracked_call = False
         self._call("fsdp_engine_finish_grad_sync", self._engine)
         norm = None
         if clip_on_device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import re
 import threading
@@ -308,3 +309,46 @@ def test_a_full_state_dict_holds_the_persistent_buffers_and_loads_strictly():
     plain.load_state_dict(state)
     assert torch.equal(plain[1].running_var, module[1].running_var)
     fused.close()
+
+
+def test_a_unit_called_twice_once_on_inputs_needing_no_gradient_ends_its_backward_once():
+    """Above world size 1, a block applied twice where the first call's input needs no
+    gradient (a frozen layer's output): its backward ends after both calls' gradients, not when
+    the one call the package can follow is done, and training equals plain PyTorch's."""
+    world = 2
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = torch.nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+            self.block = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.block(self.block(self.frozen(x)))
+
+    torch.manual_seed(0)
+    reference = Twice()
+    modules = [copy.deepcopy(reference) for _ in range(world)]
+    group = LocalGroup(world)
+    inputs = [torch.randn(3, 4) for _ in range(world)]
+    sgd = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        # The engine averages the ranks' gradients: the mean of their losses.
+        sum(reference(x).square().sum() for x in inputs).div(world).backward()
+        sgd.step()
+        sgd.zero_grad()
+
+    def run(rank):
+        m = modules[rank]
+        fused = FusedFSDP(m, [m.block], local_group=group, rank=rank, optimizer="sgd", lr=0.1)
+        for _ in range(2):
+            fused(inputs[rank]).square().sum().backward()
+            fused.step()
+        state = fused.full_state_dict()
+        fused.close()
+        return state
+
+    for state in on_ranks(world, run):
+        for name, value in reference.state_dict().items():
+            assert torch.allclose(state[name], value, atol=1e-6), name
