@@ -223,6 +223,8 @@ class _Hooks:
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
+        if getattr(self, "_root_forward_open", False):
+            self._end_interrupted_forward()
         # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
@@ -232,12 +234,28 @@ class _Hooks:
             self._saved_hooks.__enter__()
         self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
+        self._root_forward_open = True
         return self._wrap_inputs(ROOT, args, kwargs)
+
+    def _end_interrupted_forward(self):
+        """Ends a forward that a `BaseException` (a Ctrl-C) interrupted, which torch's
+        always-call hooks do not see: its saved-tensor hooks go, and the forwards of its units
+        and of the root end in the engine, as their post hooks would have ended them."""
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        self._root_forward_open = False
+        for u in self._units:
+            while u.forward_opens:
+                u.forward_opens -= 1
+                self._close(u, self._lib.fsdp_engine_post_forward)
+        self._close(self._root, self._lib.fsdp_engine_post_forward)
 
     def _root_post_forward(self, _module, _args, output):
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
+        self._root_forward_open = False
         self._close(self._root, self._lib.fsdp_engine_post_forward)
         self._hook_outputs(ROOT, output)
         self._drop_unit_hooks_once_mapped()

@@ -352,3 +352,40 @@ def test_a_unit_called_twice_once_on_inputs_needing_no_gradient_ends_its_backwar
     for state in on_ranks(world, run):
         for name, value in reference.state_dict().items():
             assert torch.allclose(state[name], value, atol=1e-6), name
+
+
+def test_a_forward_interrupted_by_a_ctrl_c_is_ended_by_the_next_forward():
+    """A KeyboardInterrupt inside a unit's forward, which torch's always-call hooks do not see
+    (they run on `Exception`): the next forward ends it, and training goes on as if the
+    interrupted forward had never run. Master storage at world size 1, where views move."""
+
+    class Interruptible(torch.nn.Linear):
+        interrupt = False
+
+        def forward(self, x):
+            if self.interrupt:
+                raise KeyboardInterrupt("Ctrl-C")
+            return super().forward(x)
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), Interruptible(4, 4))
+
+    x = torch.randn(3, 4)
+    states = []
+    for interrupted in (False, True):
+        module = model()
+        fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
+                          param_storage="master")
+        if interrupted:
+            module[1].interrupt = True
+            with pytest.raises(KeyboardInterrupt):
+                fused(x)
+            module[1].interrupt = False
+        for _ in range(2):
+            fused(x).square().sum().backward()
+            fused.step()
+        states.append(fused.full_state_dict())
+        fused.close()
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name
