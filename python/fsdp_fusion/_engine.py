@@ -155,4 +155,4 @@ class _EngineCreation:
             t.data = p.placeholder
             # A gradient from before the wrapper is no gradient of its steps.
             t.grad = None
-        setattr(self.module, _PLACEHOLDERS, True)
+            setattr(t, _PLACEHOLDERS, True)

@@ -12,7 +12,7 @@ import torch
 
 from ._capi import ROOT, Grad
 from ._dlpack import tensor_at
-from ._params import _PLACEHOLDERS, DTYPE_CODES, _Param
+from ._params import DTYPE_CODES, _holds_placeholders, _Param
 from .errors import MisuseError
 
 
@@ -164,7 +164,8 @@ class _Hooks:
             handle.remove()
         self._unit_hooks, self._root_hooks = [], []
         module = getattr(self, "module", None)
-        if getattr(module, _PLACEHOLDERS, False) and getattr(self, "_closed_forward", None) is None:
+        if (module is not None and _holds_placeholders(module)
+                and getattr(self, "_closed_forward", None) is None):
             self._closed_forward = module.register_forward_pre_hook(_refuse_closed_forward)
 
     def _drop_unit_hooks_once_mapped(self):
@@ -223,8 +224,6 @@ class _Hooks:
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
-        if getattr(self, "_root_forward_open", False):
-            self._end_interrupted_forward()
         # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
@@ -234,29 +233,31 @@ class _Hooks:
             self._saved_hooks.__enter__()
         self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
-        self._root_forward_open = True
+        self._root_forwards_open += 1
         return self._wrap_inputs(ROOT, args, kwargs)
 
     def _end_interrupted_forward(self):
-        """Ends a forward that a `BaseException` (a Ctrl-C) interrupted, which torch's
-        always-call hooks do not see: its saved-tensor hooks go, and the forwards of its units
-        and of the root end in the engine, as their post hooks would have ended them."""
+        """Ends a forward of the wrapper that a `BaseException` (a Ctrl-C) interrupted, which
+        torch's always-call hooks do not see: its saved-tensor hooks go, and the forwards of its
+        units and of the root end in the engine, as their post hooks would have ended them."""
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        self._root_forward_open = False
         for u in self._units:
             while u.forward_opens:
                 u.forward_opens -= 1
                 self._close(u, self._lib.fsdp_engine_post_forward)
-        self._close(self._root, self._lib.fsdp_engine_post_forward)
+        while self._root_forwards_open:
+            self._close(self._root, self._lib.fsdp_engine_post_forward)
+            self._root_forwards_open -= 1
 
     def _root_post_forward(self, _module, _args, output):
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        self._root_forward_open = False
         self._close(self._root, self._lib.fsdp_engine_post_forward)
+        # None where the pre hook failed before it opened the root (torch runs this all the same).
+        self._root_forwards_open = max(self._root_forwards_open - 1, 0)
         self._hook_outputs(ROOT, output)
         self._drop_unit_hooks_once_mapped()
 

@@ -13,11 +13,15 @@ from ._capi import ROOT
 from .errors import InvalidArgumentError
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-# Set on a module once its parameters are a wrapper's placeholders, for good: wrapping it again
-# would load them (NaN) as its values.
-_PLACEHOLDERS = "_fsdp_fusion_placeholders"
 """The engine's dtypes: `fsdp_dtype` codes of the torch dtypes it trains."""
+
+# Set on a parameter once it is a wrapper's placeholder, for good: a wrapper of a module
+# holding it (the same module, a parent, a child) would load it (NaN) as its value.
+_PLACEHOLDERS = "_fsdp_fusion_placeholder"
+
+
+def _holds_placeholders(module: torch.nn.Module) -> bool:
+    return any(getattr(p, _PLACEHOLDERS, False) for p in module.parameters())
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 """The engine's dtypes as a model file names them."""

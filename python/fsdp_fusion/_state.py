@@ -127,7 +127,8 @@ class _StateCopies:
             if name not in state:
                 # A tied parameter's other names: the same tensor, as in `state_dict()`.
                 state[name] = next(state[q.name] for q in self._params if q.tensor is p)
-        for prefix, module in self.module.named_modules():
+        # Every name, as `state_dict()` gives a module registered under two.
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
             for name, buffer in module._buffers.items():
                 if buffer is not None and name not in module._non_persistent_buffers_set:
                     state[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu").clone()
@@ -145,7 +146,7 @@ class _StateCopies:
         own `load_state_dict` is refused: it would write the engine's views or placeholders,
         not its state.)"""
         self._end_evaluation()
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
         primary = {id(p.tensor): p.name for p in self._params}
         names = {p.name: [p.name] for p in self._params}
         for name, t in self.module.named_parameters(remove_duplicate=False):

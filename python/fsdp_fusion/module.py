@@ -31,8 +31,8 @@ from ._engine import _EngineCreation, _choice, _membership
 from ._hooks import _Hooks, _Unit
 from .errors import InvalidArgumentError, MisuseError
 from ._params import (
-    _PLACEHOLDERS,
     DTYPE_CODES,
+    _holds_placeholders,
     _check_placement,
     _exempt,
     _owners,
@@ -206,10 +206,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     ):
         super().__init__()
         units = list(units)
-        if getattr(module, _PLACEHOLDERS, False):
+        if _holds_placeholders(module):
             raise MisuseError("the module's parameters are placeholders of another FusedFSDP "
-                              "(it wraps the module, or was closed): wrap a fresh copy of the "
-                              "model")
+                              "(it wraps them, or was closed): wrap a fresh copy of the model")
         _refuse_compiled_in_place(module, units)
         self.module = module
         self._params = _owners(module, units)
@@ -286,6 +285,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         # Whether a unit's backward began since the last forward of the whole module.
         self._backward_began = False
         self._saved_hooks = None
+        # The module's own forwards under way (a forward calling itself nests them).
+        self._root_forwards_open = 0
         # Whether the step so far had forward passes, and gradients: a step of forwards only
         # (an evaluation) is ended before a save or a load.
         self._forwards, self._gradients = False, False
@@ -309,7 +310,13 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
 
     def forward(self, *args, **kwargs):
         _refuse_compiling(torch.compiler.is_compiling())
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException as interrupted:
+            # Torch's always-call hooks end a forward on an `Exception` only.
+            if not isinstance(interrupted, Exception):
+                self._end_interrupted_forward()
+            raise
 
     def step(self, max_grad_norm: float | None = None, *, grad_norm: bool = False,
              skip_nonfinite: bool = False, count_nonfinite: bool = False,

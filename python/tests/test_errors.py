@@ -285,6 +285,12 @@ def test_a_closed_wrapper_s_module_refuses_a_forward_and_a_second_wrapper():
         module(torch.ones(2, 4))
     with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of another FusedFSDP"):
         FusedFSDP(module, [module[0], module[1]])
+    # A part of it, or a model holding it, holds the same placeholders.
+    with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of another FusedFSDP"):
+        FusedFSDP(module[0], [])
+    parent = torch.nn.Sequential(module, torch.nn.Linear(4, 4))
+    with pytest.raises(fsdp_fusion.MisuseError, match="placeholders of another FusedFSDP"):
+        FusedFSDP(parent, [parent[1]])
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     fresh.load_state_dict(values)
     again = FusedFSDP(fresh, [fresh[0], fresh[1]], optimizer="sgd", lr=0.1)
@@ -354,10 +360,11 @@ def test_a_unit_called_twice_once_on_inputs_needing_no_gradient_ends_its_backwar
             assert torch.allclose(state[name], value, atol=1e-6), name
 
 
-def test_a_forward_interrupted_by_a_ctrl_c_is_ended_by_the_next_forward():
+def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
     """A KeyboardInterrupt inside a unit's forward, which torch's always-call hooks do not see
-    (they run on `Exception`): the next forward ends it, and training goes on as if the
-    interrupted forward had never run. Master storage at world size 1, where views move."""
+    (they run on `Exception`): the wrapper ends the forward as the interrupt leaves it, so a
+    copy of the state, and training, go on as if the interrupted forward had never run. Master
+    storage at world size 1, where views move."""
 
     class Interruptible(torch.nn.Linear):
         interrupt = False
@@ -382,6 +389,7 @@ def test_a_forward_interrupted_by_a_ctrl_c_is_ended_by_the_next_forward():
             with pytest.raises(KeyboardInterrupt):
                 fused(x)
             module[1].interrupt = False
+            fused.full_state_dict()
         for _ in range(2):
             fused(x).square().sum().backward()
             fused.step()
