@@ -270,19 +270,20 @@ fn is_transient_accept(e: &std::io::Error) -> bool {
 /// `stream`'s next bytes into `buf` (how many; 0 at its end), waiting no later than `until`.
 fn read_by(stream: &mut TcpStream, buf: &mut [u8], until: Instant) -> std::io::Result<usize> {
     loop {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                ErrorKind::TimedOut,
-                "the peer's bytes came too late",
-            ));
-        }
-        stream.set_read_timeout(Some(left))?;
+        stream.set_read_timeout(Some(time_left(until, "the peer's bytes came too late")?))?;
         match stream.read(buf) {
             // Interrupted, or the timeout passed: the deadline decides.
             Err(e) if is_retry(&e) => {}
             read => return read,
         }
+    }
+}
+
+/// The time left until `until`, or `TimedOut` saying what came `late`.
+fn time_left(until: Instant, late: &'static str) -> std::io::Result<Duration> {
+    match until.saturating_duration_since(Instant::now()) {
+        left if left.is_zero() => Err(std::io::Error::new(ErrorKind::TimedOut, late)),
+        left => Ok(left),
     }
 }
 
@@ -325,14 +326,7 @@ fn read_to_end_by(
 /// All of `bytes` onto `stream`, by `until`.
 fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], until: Instant) -> std::io::Result<()> {
     while !bytes.is_empty() {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(
-                ErrorKind::TimedOut,
-                "the peer took the bytes too late",
-            ));
-        }
-        stream.set_write_timeout(Some(left))?;
+        stream.set_write_timeout(Some(time_left(until, "the peer took the bytes too late")?))?;
         match stream.write(bytes) {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
             Ok(n) => bytes = &bytes[n..],
