@@ -185,20 +185,24 @@ fn stepping_in_backward(error: &Error) -> bool {
     matches!(error, Error::StepInBackward { .. })
 }
 
+/// A whole step's hooks and gradients, and their sync.
+fn synced(e: &mut CpuEngine) {
+    forward_and_layer_backward(e);
+    for name in ["head", "embed"] {
+        grad(e, name).unwrap();
+    }
+    e.finish_grad_sync().unwrap();
+}
+
+/// The optimizer's step and the end of a step left synced; returns every shard.
+fn stepped_and_ended(e: &mut CpuEngine) -> Vec<Vec<u8>> {
+    e.optimizer_step().unwrap();
+    e.end_step().unwrap();
+    shards(e)
+}
+
 #[test]
 fn stepping_in_the_backward_refuses_what_needs_the_whole_gradient() {
-    fn synced(e: &mut CpuEngine) {
-        forward_and_layer_backward(e);
-        for name in ["head", "embed"] {
-            grad(e, name).unwrap();
-        }
-        e.finish_grad_sync().unwrap();
-    }
-    fn stepped_and_ended(e: &mut CpuEngine) -> Vec<Vec<u8>> {
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
-        shards(e)
-    }
     let config = in_backward();
     let norm = |e: &mut CpuEngine| e.grad_norm().map(|_| ());
     let clip = |e: &mut CpuEngine| e.clip_grad_norm(1.0).map(|_| ());
@@ -576,20 +580,9 @@ fn optimizer_before_sync_and_twice_in_a_step() {
 
 /// A step's gradients synced, and its clipping and skip decided on the device over them.
 fn decided(e: &mut CpuEngine) {
-    forward_and_layer_backward(e);
-    for name in ["head", "embed"] {
-        grad(e, name).unwrap();
-    }
-    e.finish_grad_sync().unwrap();
+    synced(e);
     e.clip_grad_norm_on_device(0.5).unwrap();
     e.skip_nonfinite_on_device().unwrap();
-}
-
-/// The optimizer's step and the end of a step left by [`decided`]; returns every shard.
-fn step_decided(e: &mut CpuEngine) -> Vec<Vec<u8>> {
-    e.optimizer_step().unwrap();
-    e.end_step().unwrap();
-    shards(e)
 }
 
 /// Once the step's clipping or skip was decided over its gradients, more of them (a further
@@ -601,15 +594,15 @@ fn gradients_after_the_step_s_clipping_or_skip_was_decided_are_refused() {
         decided,
         |e| e.pre_backward(Unit::Layer(0)),
         refused,
-        step_decided,
+        stepped_and_ended,
     );
-    assert_harmless(decided, |e| grad(e, "head"), refused, step_decided);
+    assert_harmless(decided, |e| grad(e, "head"), refused, stepped_and_ended);
     let on_host = |e: &mut CpuEngine| {
         forward_and_layer_backward(e);
         e.finish_grad_sync().unwrap();
         e.clip_grad_norm(0.5).unwrap();
     };
-    assert_harmless(on_host, |e| grad(e, "embed"), refused, step_decided);
+    assert_harmless(on_host, |e| grad(e, "embed"), refused, stepped_and_ended);
 }
 
 /// A step's hooks and gradients, its sync and its optimizer step: all but the end of the step.
@@ -714,16 +707,8 @@ fn the_optimizer_step_is_refused_while_a_unit_is_open() {
 /// every unit), is refused: the step's update would apply gradients of the old values to it.
 #[test]
 fn a_parameter_is_loaded_between_steps_only() {
-    let synced = |e: &mut CpuEngine| {
-        forward_and_layer_backward(e);
-        for name in ["head", "embed"] {
-            grad(e, name).unwrap();
-        }
-        e.finish_grad_sync().unwrap();
-    };
     let finish = |e: &mut CpuEngine| {
-        e.optimizer_step().unwrap();
-        e.end_step().unwrap();
+        stepped_and_ended(e);
         step(e)
     };
     assert_harmless(
