@@ -123,16 +123,25 @@ class _StateCopies:
             whole = self._group_bytes("fsdp_engine_gather_group", group, members)
             for p, i in members:
                 state[p.name] = _value(p, i, whole)
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if name not in state:
+        for name, aliases in self._names().items():
+            for alias in aliases[1:]:
                 # A tied parameter's other names: the same tensor, as in `state_dict()`.
-                state[name] = next(state[q.name] for q in self._params if q.tensor is p)
+                state[alias] = state[name]
         # Every name, as `state_dict()` gives a module registered under two.
         for prefix, module in self.module.named_modules(remove_duplicate=False):
             for name, buffer in module._buffers.items():
                 if buffer is not None and name not in module._non_persistent_buffers_set:
                     state[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu").clone()
         return state
+
+    def _names(self) -> dict[str, list[str]]:
+        """Each parameter's names in the module, its own first (a tied one has several)."""
+        primary = {id(p.tensor): p.name for p in self._params}
+        names = {p.name: [p.name] for p in self._params}
+        for name, t in self.module.named_parameters(remove_duplicate=False):
+            if name != primary.get(id(t), name):
+                names[primary[id(t)]].append(name)
+        return names
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]):
         """Loads every parameter's whole value from `state`, under the module's names (as
@@ -147,11 +156,7 @@ class _StateCopies:
         not its state.)"""
         self._end_evaluation()
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
-        primary = {id(p.tensor): p.name for p in self._params}
-        names = {p.name: [p.name] for p in self._params}
-        for name, t in self.module.named_parameters(remove_duplicate=False):
-            if name != primary.get(id(t), name):
-                names[primary[id(t)]].append(name)
+        names = self._names()
         values, problems = {}, {"missing": [], "other shapes": [], "tied names differ": []}
         for p in self._params:
             given = [n for n in names[p.name] if n in state]
