@@ -162,12 +162,58 @@ fn deadline_after(timeout: Duration) -> Instant {
 /// Rank 0's listener on `port` of every interface, IPv6 and IPv4 (else IPv4 alone): whatever
 /// address `MASTER_ADDR` gives the other ranks reaches it, and rank 0 need not resolve it.
 fn listen(port: u16) -> Result<TcpListener> {
-    TcpListener::bind(SocketAddr::from(([0u16; 8], port)))
+    dual_stack_listener(port)
         .or_else(|_| TcpListener::bind(SocketAddr::from(([0u8; 4], port))))
         .map_err(|e| Error::Rendezvous {
             peer: format!("rank 0 listening on port {port}"),
             reason: e.to_string(),
         })
+}
+
+/// A listener on `port` of every IPv6 interface that takes IPv4 connections too: the socket
+/// says so itself (`IPV6_V6ONLY` off) rather than rely on the host's default
+/// (`net.ipv6.bindv6only`), under which an IPv6 listener would never see an IPv4 peer.
+fn dual_stack_listener(port: u16) -> std::io::Result<TcpListener> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let check = |r: libc::c_int| match r {
+        -1 => Err(std::io::Error::last_os_error()),
+        _ => Ok(()),
+    };
+    // SAFETY: socket(2) takes no pointers; a descriptor it returns is ours alone.
+    let raw = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    check(raw)?;
+    // SAFETY: `raw` is a new descriptor nothing else owns; it is closed when `socket` drops.
+    let socket = unsafe { OwnedFd::from_raw_fd(raw) };
+    let set = |level, name, value: libc::c_int| {
+        // SAFETY: the option's value is a live c_int of the length passed.
+        check(unsafe {
+            libc::setsockopt(
+                raw,
+                level,
+                name,
+                std::ptr::from_ref(&value).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        })
+    };
+    // As `TcpListener::bind` does: a port a previous run's connections linger on is taken.
+    set(libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    set(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 0)?;
+    // SAFETY: all zeros is a valid sockaddr_in6 (the unspecified address).
+    let mut address: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    address.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    address.sin6_port = port.to_be();
+    // SAFETY: the address is a live sockaddr_in6 of the length passed.
+    check(unsafe {
+        libc::bind(
+            raw,
+            std::ptr::from_ref(&address).cast(),
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        )
+    })?;
+    // SAFETY: listen(2) takes no pointers.
+    check(unsafe { libc::listen(raw, libc::SOMAXCONN) })?;
+    Ok(TcpListener::from(socket))
 }
 
 /// Every address `host:port` names.
@@ -553,6 +599,40 @@ mod tests {
             .0,
             "MASTER_PORT"
         );
+    }
+
+    #[test]
+    fn rank_0_s_listener_takes_ipv4_peers_whatever_the_host_s_ipv6_default() {
+        use std::os::fd::AsRawFd;
+        let Ok(listener) = dual_stack_listener(0) else {
+            // A host without IPv6: `listen` falls back to IPv4 alone.
+            assert!(TcpListener::bind("0.0.0.0:0").is_ok());
+            return;
+        };
+        let mut v6only: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: the value and its length are live locals of the sizes passed.
+        let got = unsafe {
+            libc::getsockopt(
+                listener.as_raw_fd(),
+                libc::IPPROTO_IPV6,
+                libc::IPV6_V6ONLY,
+                std::ptr::from_mut(&mut v6only).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!((got, v6only), (0, 0), "IPV6_V6ONLY is set");
+        let port = listener.local_addr().unwrap().port();
+        let id = [5u8; ID_BYTES];
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let fetched = std::thread::scope(|s| {
+            let server = s.spawn(|| serve_id(&listener, 2, &id, deadline));
+            let v4 = SocketAddr::from(([127, 0, 0, 1], port));
+            let fetched = fetch_id(&[v4], 1, 2, deadline);
+            server.join().unwrap().unwrap();
+            fetched
+        });
+        assert_eq!(fetched.unwrap(), id);
     }
 
     fn local_listener() -> (TcpListener, SocketAddr) {
