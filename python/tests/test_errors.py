@@ -317,6 +317,53 @@ def test_a_full_state_dict_holds_the_persistent_buffers_and_loads_strictly():
     fused.close()
 
 
+class _Counted(torch.nn.Linear):
+    """A layer that keeps extra state: how many forwards it ran."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def test_a_full_state_dict_holds_extra_states_and_loads_them_back():
+    """A module's extra state (`get_extra_state`) is in the full state under the key
+    `state_dict()` gives it, a plain copy loads it strictly, `load_full_state_dict` gives it to
+    `set_extra_state`, and a full state without it is refused before anything loads."""
+    module = torch.nn.Sequential(_Counted(), torch.nn.ReLU(), _Counted())
+    fused = FusedFSDP(module, [module[0], module[2]], optimizer="sgd", lr=0.1)
+    for _ in range(3):
+        fused(torch.randn(8, 4)).sum().backward()
+        fused.step()
+    state = fused.full_state_dict()
+    plain = torch.nn.Sequential(_Counted(), torch.nn.ReLU(), _Counted())
+    assert sorted(state) == sorted(plain.state_dict())
+    assert state["0._extra_state"] == {"calls": 3}
+    plain.load_state_dict(state)
+    assert plain[2].calls == 3
+    module[0].calls = module[2].calls = 0
+    before = {name: value.clone() for name, value in fused.full_state_dict().items()
+              if isinstance(value, torch.Tensor)}
+    without = {k: v for k, v in state.items() if k != "2._extra_state"}
+    with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"missing: 2\._extra_state"):
+        fused.load_full_state_dict(without)
+    assert (module[0].calls, module[2].calls) == (0, 0), "nothing loaded"
+    after = fused.full_state_dict()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    fused.load_full_state_dict(state)
+    assert (module[0].calls, module[2].calls) == (3, 3)
+    fused.close()
+
+
 def test_a_unit_called_twice_once_on_inputs_needing_no_gradient_ends_its_backward_once():
     """Above world size 1, a block applied twice where the first call's input needs no
     gradient (a frozen layer's output): its backward ends after both calls' gradients, not when
