@@ -224,6 +224,7 @@ class _Hooks:
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
+        self._end_stale_unit_forwards()
         # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
@@ -243,13 +244,25 @@ class _Hooks:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
+        self._end_unit_forwards()
+        while self._root_forwards_open:
+            self._close(self._root, self._lib.fsdp_engine_post_forward)
+            self._root_forwards_open -= 1
+
+    def _end_stale_unit_forwards(self):
+        """Ends the units' forwards left open outside every forward of the wrapper: a recompute
+        in the backward (activation checkpointing), or a direct call of a unit, that a
+        `BaseException` (a Ctrl-C) interrupted, which torch's always-call hooks do not see.
+        Inside a forward of the wrapper (a module calling itself) an open unit is that
+        forward's own, and stays."""
+        if not self._root_forwards_open:
+            self._end_unit_forwards()
+
+    def _end_unit_forwards(self):
         for u in self._units:
             while u.forward_opens:
                 u.forward_opens -= 1
                 self._close(u, self._lib.fsdp_engine_post_forward)
-        while self._root_forwards_open:
-            self._close(self._root, self._lib.fsdp_engine_post_forward)
-            self._root_forwards_open -= 1
 
     def _root_post_forward(self, _module, _args, output):
         if self._saved_hooks is not None:

@@ -444,3 +444,53 @@ def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
         fused.close()
     for name, value in states[0].items():
         assert torch.equal(states[1][name], value), name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("then", ["forward", "step"])
+def test_a_recompute_interrupted_by_a_ctrl_c_in_the_backward_is_ended_by_the_next_call(
+        reentrant, then):
+    """A KeyboardInterrupt inside a checkpointed unit's recompute, which runs in the backward,
+    outside every forward of the wrapper: the next forward, or the step, ends that unit's
+    forward, and training goes on as if the interrupted pass had never run (it had handed over
+    no gradient yet)."""
+
+    class Interruptible(torch.nn.Linear):
+        interrupt = False
+
+        def forward(self, x):
+            if self.interrupt:
+                raise KeyboardInterrupt("Ctrl-C")
+            return super().forward(x)
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), Interruptible(4, 4)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+            return x
+
+    x = torch.randn(3, 4, requires_grad=True)
+    states = []
+    for interrupted in (False, True):
+        module = Checkpointed()
+        fused = FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.1)
+        if interrupted:
+            loss = fused(x).square().sum()
+            module.blocks[1].interrupt = True
+            with pytest.raises(KeyboardInterrupt):
+                loss.backward()
+            module.blocks[1].interrupt = False
+            if then == "step":
+                fused.step()
+        for _ in range(2):
+            fused(x).square().sum().backward()
+            fused.step()
+        states.append(fused.full_state_dict())
+        fused.close()
+    for name, value in states[0].items():
+        assert torch.equal(states[1][name], value), name
