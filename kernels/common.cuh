@@ -106,19 +106,32 @@ constexpr int kChunk = kPerVector<Wide>;
 // across them. The loads do not, so that values such as a source address stay in registers across
 // a round. The loads do not allocate in L1: no kernel reads a byte of an operand twice, and what is
 // read again (a sum's table of sources) then stays in L1 instead of being evicted by the stream.
+//
+// The loads carry an L2 policy of evict-last (the stores are evict-first). At 1 GiB, after a
+// launch that left other data in the L2, an H200 ran the casts between 16-bit types, from f32
+// and the accumulations into bf16 at 0.97-1.05 of a copy with it, 0.93-0.95 without; an H100
+// every kernel of the bench at 0.988-1.031 with it, 0.980-1.002 without. A kernel after one of
+// these finds its L2-resident data about 3% slower; after 512 MiB of other reads, no slower
+// (BENCHMARKS.md, "evict-last loads").
+__device__ __forceinline__ uint64_t evict_last_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 __device__ __forceinline__ uint4 load16(const void* p) {
   uint4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+               : "l"(p), "l"(evict_last_policy()));
   return v;
 }
 
 __device__ __forceinline__ uint2 load8(const void* p) {
   uint2 v;
-  asm volatile("ld.global.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
                : "=r"(v.x), "=r"(v.y)
-               : "l"(p));
+               : "l"(p), "l"(evict_last_policy()));
   return v;
 }
 
