@@ -31,6 +31,11 @@ _GRAD_WORDS = sizeof(Grad) // sizeof(c_uint64)
 assert _GRAD_WORDS * sizeof(c_uint64) == sizeof(Grad) and Grad.data.offset == sizeof(c_uint64)
 
 
+def _in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward (a recompute's forward does)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _Unit:
     """One unit's parameters as the hooks handle them."""
 
@@ -45,6 +50,9 @@ class _Unit:
         self.opens = 0
         # Of those, the forwards' (their post hook closes them).
         self.forward_opens = 0
+        # Of those, the ones opened inside a backward (a recompute); see
+        # `_end_interrupted_recomputes`.
+        self.recompute_opens = 0
         self.views: _Views | None = None
         self.backward_open = False
         # Calls of the unit since its backward last ended whose inputs' gradients have not
@@ -204,6 +212,7 @@ class _Hooks:
             if self._views_move or u.views is None or self._root.opens == 0:
                 self._open(u, self._lib.fsdp_engine_pre_forward)
                 u.forward_opens += 1
+                u.recompute_opens += _in_backward()
             if not self._per_unit:
                 return None
             return self._wrap_inputs(unit, args, kwargs)
@@ -215,6 +224,8 @@ class _Hooks:
             u = self._units[unit]
             if u.forward_opens:
                 u.forward_opens -= 1
+                if u.recompute_opens and _in_backward():
+                    u.recompute_opens -= 1
                 self._close(u, self._lib.fsdp_engine_post_forward)
                 self._hook_outputs(unit, output)
 
@@ -224,7 +235,7 @@ class _Hooks:
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
-        self._end_stale_unit_forwards()
+        self._end_interrupted_recomputes()
         # A backward left open (the root's, or a unit's whose inputs needed no gradient) ends
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
@@ -244,23 +255,24 @@ class _Hooks:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        self._end_unit_forwards()
+        for u in self._units:
+            while u.forward_opens:
+                u.forward_opens -= 1
+                self._close(u, self._lib.fsdp_engine_post_forward)
+            u.recompute_opens = 0
         while self._root_forwards_open:
             self._close(self._root, self._lib.fsdp_engine_post_forward)
             self._root_forwards_open -= 1
 
-    def _end_stale_unit_forwards(self):
-        """Ends the units' forwards left open outside every forward of the wrapper: a recompute
-        in the backward (activation checkpointing), or a direct call of a unit, that a
-        `BaseException` (a Ctrl-C) interrupted, which torch's always-call hooks do not see.
-        Inside a forward of the wrapper (a module calling itself) an open unit is that
-        forward's own, and stays."""
-        if not self._root_forwards_open:
-            self._end_unit_forwards()
-
-    def _end_unit_forwards(self):
+    def _end_interrupted_recomputes(self):
+        """Ends the units' forwards that a recompute in a backward (activation checkpointing)
+        opened and a `BaseException` (a Ctrl-C) interrupted, which torch's post hooks do not
+        see: once no backward runs, a forward opened inside one is over."""
+        if _in_backward():
+            return
         for u in self._units:
-            while u.forward_opens:
+            while u.recompute_opens:
+                u.recompute_opens -= 1
                 u.forward_opens -= 1
                 self._close(u, self._lib.fsdp_engine_post_forward)
 

@@ -113,8 +113,8 @@ class _StateCopies:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole value as a host tensor under the module's names (a tied
         one's under each of its names), gathered from every rank's shards, and the module's
-        persistent buffers (this rank's, copied to the host) and extra states
-        (`get_extra_state`, under `<module>._extra_state`): what `load_state_dict` of a
+        persistent buffers (this rank's, copied to the host) and extra states (what
+        `get_extra_state` returns, under `<module>._extra_state`): what `load_state_dict` of a
         plain copy takes, strictly. A collective, every rank calls it. Between steps (an
         evaluation's step is ended first).
         The module's own `state_dict()` holds the engine's views (at world size 1, after a
@@ -136,16 +136,17 @@ class _StateCopies:
             for name, buffer in module._buffers.items():
                 if buffer is not None and name not in module._non_persistent_buffers_set:
                     state[f"{prefix}.{name}" if prefix else name] = buffer.detach().to("cpu").clone()
-        for key, module in self._extra_states().items():
+        for key, module in self._extra_states("get_extra_state").items():
             state[key] = module.get_extra_state()
         return state
 
-    def _extra_states(self) -> dict[str, torch.nn.Module]:
-        """The modules that keep extra state (`get_extra_state` overridden), under the keys
-        `state_dict()` gives it: `<module's name>._extra_state`."""
+    def _extra_states(self, method: str) -> dict[str, torch.nn.Module]:
+        """The modules whose class overrides `method` (`get_extra_state`, which `state_dict()`
+        saves, or `set_extra_state`, which `load_state_dict()` requires), under the key of
+        their extra state: `<module's name>._extra_state`."""
         return {f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE: module
                 for prefix, module in self.module.named_modules(remove_duplicate=False)
-                if type(module).get_extra_state is not torch.nn.Module.get_extra_state}
+                if getattr(type(module), method) is not getattr(torch.nn.Module, method)}
 
     def _names(self) -> dict[str, list[str]]:
         """Each parameter's names in the module, its own first (a tied one has several)."""
@@ -160,9 +161,10 @@ class _StateCopies:
         """Loads every parameter's whole value from `state`, under the module's names (as
         `full_state_dict` gives them, or a plain copy's `state_dict()`, a tied parameter under
         any of its names), into the engine: its shards and fp32 masters, so that the next step
-        trains from them; the module's buffers in `state` load as in PyTorch, and so does a
-        module's extra state (`set_extra_state`; its key is required where the module keeps
-        one). Every rank loads
+        trains from them; the module's buffers in `state` load as in PyTorch, and so does each
+        module's extra state, through `set_extra_state` (its key required where the module's
+        class overrides it, as PyTorch's strict load requires it), before any parameter or
+        buffer: one that raises leaves them as they were. Every rank loads
         every parameter, between steps. Names missing from `state` or not the module's, values
         of another shape, and a tied parameter's names holding different values raise
         `InvalidArgumentError` before anything is loaded; a value of another float dtype is
@@ -187,13 +189,16 @@ class _StateCopies:
             if value.shape != expected[name]:
                 problems["other shapes"].append(
                     f"{name} {tuple(value.shape)}, the module's {tuple(expected[name])}")
-        extra = self._extra_states()
+        extra = self._extra_states("set_extra_state")
         problems["missing"] += sorted(extra.keys() - state.keys())
         known = {n for aliases in names.values() for n in aliases} | buffers.keys() | extra.keys()
         problems["neither parameters nor buffers"] = sorted(state.keys() - known)
         found = [f"{what}: {', '.join(items)}" for what, items in problems.items() if items]
         if found:
             raise InvalidArgumentError("load_full_state_dict: " + "; ".join(found))
+        # First, so that one refusing its state leaves the parameters and buffers as they were.
+        for key, module in extra.items():
+            module.set_extra_state(state[key])
         for p in self._params:
             host = values[p.name].detach().to("cpu", p.tensor.dtype).contiguous()
             self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
@@ -202,8 +207,6 @@ class _StateCopies:
             for name, buffer in buffers.items():
                 if name in state:
                     buffer.copy_(state[name])
-        for key, module in extra.items():
-            module.set_extra_state(state[key])
 
     def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
         """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies

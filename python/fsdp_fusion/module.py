@@ -352,7 +352,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
             raise MisuseError(f"requires_grad of {', '.join(changed)} changed since wrapping, "
                               "which fixed the parameters that train: set it back (or wrap a "
                               "fresh copy of the model); the step is left to take")
-        self._end_stale_unit_forwards()
+        self._end_interrupted_recomputes()
         self._close_backwards()
         for u in self._unit_of.values():
             # Calls of a forward whose graph is still held with no backward run.

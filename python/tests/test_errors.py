@@ -332,13 +332,16 @@ class _Counted(torch.nn.Linear):
         return {"calls": self.calls}
 
     def set_extra_state(self, state):
+        if not isinstance(state.get("calls"), int):
+            raise ValueError(f"not a count of calls: {state}")
         self.calls = state["calls"]
 
 
 def test_a_full_state_dict_holds_extra_states_and_loads_them_back():
     """A module's extra state (`get_extra_state`) is in the full state under the key
     `state_dict()` gives it, a plain copy loads it strictly, `load_full_state_dict` gives it to
-    `set_extra_state`, and a full state without it is refused before anything loads."""
+    `set_extra_state`, and a full state without it, or one that `set_extra_state` refuses, is
+    refused before any parameter or buffer loads."""
     module = torch.nn.Sequential(_Counted(), torch.nn.ReLU(), _Counted())
     fused = FusedFSDP(module, [module[0], module[2]], optimizer="sgd", lr=0.1)
     for _ in range(3):
@@ -353,10 +356,14 @@ def test_a_full_state_dict_holds_extra_states_and_loads_them_back():
     module[0].calls = module[2].calls = 0
     before = {name: value.clone() for name, value in fused.full_state_dict().items()
               if isinstance(value, torch.Tensor)}
-    without = {k: v for k, v in state.items() if k != "2._extra_state"}
+    zeros = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+             for k, v in state.items()}
+    without = {k: v for k, v in zeros.items() if k != "2._extra_state"}
     with pytest.raises(fsdp_fusion.InvalidArgumentError, match=r"missing: 2\._extra_state"):
         fused.load_full_state_dict(without)
-    assert (module[0].calls, module[2].calls) == (0, 0), "nothing loaded"
+    with pytest.raises(ValueError, match="not a count of calls"):
+        fused.load_full_state_dict({**zeros, "2._extra_state": {"calls": None}})
+    assert module[2].calls == 0, "refused"
     after = fused.full_state_dict()
     assert all(torch.equal(after[name], value) for name, value in before.items())
     fused.load_full_state_dict(state)
