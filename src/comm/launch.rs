@@ -159,15 +159,27 @@ fn deadline_after(timeout: Duration) -> Instant {
         .unwrap_or(now)
 }
 
-/// Rank 0's listener on `port` of every interface, IPv6 and IPv4 (else IPv4 alone): whatever
-/// address `MASTER_ADDR` gives the other ranks reaches it, and rank 0 need not resolve it.
+/// Rank 0's listener on `port` of every interface, IPv6 and IPv4 (IPv4 alone where the host has
+/// no IPv6): whatever address `MASTER_ADDR` gives the other ranks reaches it, and rank 0 need not
+/// resolve it.
 fn listen(port: u16) -> Result<TcpListener> {
     dual_stack_listener(port)
-        .or_else(|_| TcpListener::bind(SocketAddr::from(([0u8; 4], port))))
+        .or_else(|e| match no_ipv6(&e) {
+            true => TcpListener::bind(SocketAddr::from(([0u8; 4], port))),
+            false => Err(e),
+        })
         .map_err(|e| Error::Rendezvous {
             peer: format!("rank 0 listening on port {port}"),
             reason: e.to_string(),
         })
+}
+
+/// Whether `e` says the host has no IPv6 (none built in, or none configured).
+fn no_ipv6(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+    )
 }
 
 /// A listener on `port` of every IPv6 interface that takes IPv4 connections too: the socket
@@ -604,11 +616,17 @@ mod tests {
     #[test]
     fn rank_0_s_listener_takes_ipv4_peers_whatever_the_host_s_ipv6_default() {
         use std::os::fd::AsRawFd;
-        let Ok(listener) = dual_stack_listener(0) else {
+        // A port free now, in both bytes (so that a port in the wrong byte order shows).
+        let port = (0x9A00..0x9AFF)
+            .find(|p: &u16| p.to_be_bytes()[0] != p.to_be_bytes()[1] && free_port(*p))
+            .expect("a free port");
+        let listener = match dual_stack_listener(port) {
+            Ok(listener) => listener,
             // A host without IPv6: `listen` falls back to IPv4 alone.
-            assert!(TcpListener::bind("0.0.0.0:0").is_ok());
-            return;
+            Err(e) if no_ipv6(&e) => return,
+            Err(e) => panic!("{e}"),
         };
+        assert_eq!(listener.local_addr().unwrap().port(), port);
         let mut v6only: libc::c_int = -1;
         let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
         // SAFETY: the value and its length are live locals of the sizes passed.
@@ -621,8 +639,8 @@ mod tests {
                 &mut len,
             )
         };
+        // Holds where the host's default is IPv6 alone (net.ipv6.bindv6only = 1).
         assert_eq!((got, v6only), (0, 0), "IPV6_V6ONLY is set");
-        let port = listener.local_addr().unwrap().port();
         let id = [5u8; ID_BYTES];
         let deadline = Instant::now() + Duration::from_secs(30);
         let fetched = std::thread::scope(|s| {
@@ -633,6 +651,13 @@ mod tests {
             fetched
         });
         assert_eq!(fetched.unwrap(), id);
+    }
+
+    /// Whether `port` is free on IPv6 and on IPv4 (each listener gone before the next).
+    fn free_port(port: u16) -> bool {
+        let v6 = TcpListener::bind(SocketAddr::from(([0u16; 8], port))).is_ok();
+        let v4 = TcpListener::bind(SocketAddr::from(([0u8; 4], port))).is_ok();
+        v6 && v4
     }
 
     fn local_listener() -> (TcpListener, SocketAddr) {
