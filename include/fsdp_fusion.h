@@ -85,7 +85,10 @@ typedef enum fsdp_status {
   FSDP_COMM_ERROR = 7,
   // A file could not be read or written.
   FSDP_IO_ERROR = 8,
-  // The library panicked; the engine involved is poisoned and has left its group.
+  // The library panicked. A panic inside an engine's work poisons the engine, which leaves
+  // its group; one around it (checking the call's arguments, reporting its outcome) leaves
+  // the engine as it was, unless it held the engine's lock, after which every call on it
+  // returns `FSDP_PANIC`: destroy it.
   FSDP_PANIC = 9,
   // Too little host or device memory: nothing was half-built where a call allocates up front
   // (making an engine); a per-step gradient shard refused inside a step poisons the engine.
@@ -183,7 +186,9 @@ typedef struct fsdp_config {
 // a refused allocation inside a step poisons the engine. Memory whose last uses could not be
 // ordered before the compute stream's next work (a failed event) is never released.
 typedef struct fsdp_device_allocator {
-  // Passed to both functions as is; valid until the engine is destroyed.
+  // Passed to both functions as is; valid until the engine has gone: when
+  // `fsdp_engine_destroy` returns, or, where calls were still running on the engine, when
+  // the last of them returns (the engine goes on that thread).
   void *context;
   // Writes to `*out` the address of `bytes` (> 0) bytes of device memory on the engine's
   // device, 256-byte aligned, that nothing else uses until it is released; returns 0, or
@@ -502,7 +507,8 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 //
 // `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
 // e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
-// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
+// keeps it alive until the engine has gone (as `fsdp_device_allocator.context` says) and
+// launches the model's work on it: the engine
 // makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 // own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 // reductions, so that neither waits behind the other), and for each process group of the plan
@@ -526,7 +532,7 @@ enum fsdp_status fsdp_engine_create_cpu(const struct fsdp_plan *plan,
 // # Safety
 // `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
 // `id_len` bytes; `out` is NULL or valid for a write; an allocator keeps the contract of
-// `fsdp_device_allocator` until the engine is destroyed.
+// `fsdp_device_allocator` until the engine has gone.
 enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               const struct fsdp_config *config,
                                               int device,
@@ -565,7 +571,7 @@ enum fsdp_status fsdp_engine_create_cuda_nccl_env(const struct fsdp_plan *plan,
 //
 // # Safety
 // `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an
-// allocator keeps the contract of `fsdp_device_allocator` until the engine is destroyed.
+// allocator keeps the contract of `fsdp_device_allocator` until the engine has gone.
 enum fsdp_status fsdp_engine_create_cuda_loopback(const struct fsdp_plan *plan,
                                                   const struct fsdp_config *config,
                                                   int device,

@@ -1089,6 +1089,10 @@ fn what_a_captured_step_cannot_hold_is_refused_with_nothing_changed() {
             e.end_step()?;
             assert_refused(e.begin_capture(), "warm-up");
             assert_refused(e.join_capture(), "warm-up");
+            // Nor is a step whose one call was an empty gradient batch, which does nothing.
+            e.grads(&[])?;
+            e.end_step()?;
+            assert_refused(e.begin_capture(), "warm-up");
             step(e, batch)?;
             e.set_tracing(true).unwrap();
             assert_refused(e.begin_capture(), "a trace");

@@ -117,9 +117,13 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// order of their first gradient in the batch, as one call per unit would take them: where
     /// gradients stay on the rank each unit's gradients end the units before it but the root.
     /// Every entry is checked before any is taken (a parameter named twice is
-    /// `Error::DuplicateGradient`), so a refused batch changes nothing.
+    /// `Error::DuplicateGradient`), so a refused batch changes nothing. An empty batch does
+    /// nothing (it starts no backward).
     pub fn grads(&mut self, gradients: &[(ParamId, Input<'_>)]) -> Result<()> {
         self.healthy()?;
+        if gradients.is_empty() {
+            return Ok(());
+        }
         let mut batch = crate::fallible::with_capacity(gradients.len(), "a batch's gradients")?;
         let mut named = crate::fallible::filled(self.plan.params().len(), false, "a batch's ids")?;
         for &(param, gradient) in gradients {

@@ -23,7 +23,9 @@ use crate::error::{Error, Result};
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct fsdp_device_allocator {
-    /// Passed to both functions as is; valid until the engine is destroyed.
+    /// Passed to both functions as is; valid until the engine has gone: when
+    /// `fsdp_engine_destroy` returns, or, where calls were still running on the engine, when
+    /// the last of them returns (the engine goes on that thread).
     pub context: *mut c_void,
     /// Writes to `*out` the address of `bytes` (> 0) bytes of device memory on the engine's
     /// device, 256-byte aligned, that nothing else uses until it is released; returns 0, or

@@ -74,7 +74,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 ///
 /// `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
 /// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
-/// keeps it alive until the engine is destroyed and launches the model's work on it: the engine
+/// keeps it alive until the engine has gone (as `fsdp_device_allocator.context` says) and
+/// launches the model's work on it: the engine
 /// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
 /// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 /// reductions, so that neither waits behind the other), and for each process group of the plan
@@ -98,7 +99,7 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// # Safety
 /// `config` and `allocator` are NULL or valid for a read; `unique_id` is NULL or valid for
 /// `id_len` bytes; `out` is NULL or valid for a write; an allocator keeps the contract of
-/// `fsdp_device_allocator` until the engine is destroyed.
+/// `fsdp_device_allocator` until the engine has gone.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
     plan: *const fsdp_plan,
@@ -228,7 +229,7 @@ unsafe fn nccl_engine(
 ///
 /// # Safety
 /// `config` and `allocator` are NULL or valid for a read; `out` is NULL or valid for a write; an
-/// allocator keeps the contract of `fsdp_device_allocator` until the engine is destroyed.
+/// allocator keeps the contract of `fsdp_device_allocator` until the engine has gone.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn fsdp_engine_create_cuda_loopback(
     plan: *const fsdp_plan,

@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use super::engine_values::host_bytes;
 use super::handles::{TensorMemory, on_engine, on_engine_with, with_engine};
-use super::status::{Failure, Outcome, boundary, fsdp_status, invalid, null, put};
+use super::status::{Failure, Outcome, boundary, caller_slice, fsdp_status, invalid, null, put};
 use super::types::{dtype_code, dtype_of, fsdp_engine, fsdp_grad, unit_of};
 use crate::backend::Input;
 use crate::types::{DType, ParamId};
@@ -189,7 +189,7 @@ pub unsafe extern "C" fn fsdp_engine_grads(
 ) -> fsdp_status {
     boundary(|| {
         // SAFETY: the caller's contract.
-        let entries = unsafe { entries(grads, count, "grads") }?;
+        let entries = unsafe { caller_slice(grads, count, "grads") }?;
         let convert = |memory| {
             let mut batch = crate::fallible::with_capacity(entries.len(), "a gradient batch")?;
             for (i, g) in entries.iter().enumerate() {
@@ -223,7 +223,7 @@ pub unsafe extern "C" fn fsdp_engine_params(
 ) -> fsdp_status {
     boundary(|| {
         // SAFETY: the caller's contract.
-        let ids = unsafe { entries(params, count, "params") }?;
+        let ids = unsafe { caller_slice(params, count, "params") }?;
         if data.is_null() && count > 0 {
             return Err(null("data"));
         }
@@ -240,21 +240,6 @@ pub unsafe extern "C" fn fsdp_engine_params(
         }
         Ok(())
     })
-}
-
-/// `count` entries at `ptr`: empty for `count` 0 (whatever `ptr`), else `ptr` must not be NULL.
-///
-/// # Safety
-/// `ptr` is NULL or valid for `count` reads of `T` for the returned lifetime.
-unsafe fn entries<'a, T>(ptr: *const T, count: usize, what: &str) -> Outcome<&'a [T]> {
-    if count == 0 {
-        return Ok(&[]);
-    }
-    if ptr.is_null() {
-        return Err(null(what));
-    }
-    // SAFETY: non-null and valid for `count` entries by the caller's contract.
-    Ok(unsafe { std::slice::from_raw_parts(ptr, count) })
 }
 
 /// A caller's tensor in `memory`: host memory for a CPU engine, a device address on the compute

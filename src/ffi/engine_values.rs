@@ -5,7 +5,7 @@ use std::ffi::c_void;
 
 use super::handles::engine_report;
 use super::handles::{AnyEngine, on_engine, with_engine};
-use super::status::{Outcome, boundary, fsdp_status, invalid, null, put};
+use super::status::{Outcome, boundary, caller_slice, fsdp_status, invalid, null, put};
 use super::types::{dtype_of, fsdp_counters, fsdp_engine};
 use crate::backend::Input;
 use crate::types::{DType, ParamId};
@@ -48,14 +48,8 @@ pub(super) unsafe fn host_bytes<'a>(
     let len = numel
         .checked_mul(dtype.size())
         .ok_or_else(|| invalid(format!("{numel} elements of {dtype} overflow")))?;
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if data.is_null() {
-        return Err(null(what));
-    }
-    // SAFETY: non-null and valid for `len` bytes by the caller's contract.
-    Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) })
+    // SAFETY: valid for `len` bytes by the caller's contract.
+    unsafe { caller_slice(data.cast::<u8>(), len, what) }
 }
 
 /// What the engine did, as of the end of its last call: never waits for a call in progress on

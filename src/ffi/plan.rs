@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use super::handles::{destroy, handles, plan_of};
 use super::registry::Object;
-use super::status::{Outcome, boundary, file_path, fsdp_status, invalid, null, put, text};
+use super::status::{
+    Outcome, boundary, caller_slice, file_path, fsdp_status, invalid, null, put, text,
+};
 use super::types::{
     FSDP_ROOT, config_of, dtype_code, dtype_of, flag, fsdp_config, fsdp_memory, fsdp_param_info,
     fsdp_param_spec, fsdp_plan, unit_of,
@@ -93,24 +95,22 @@ pub unsafe extern "C" fn fsdp_plan_from_specs(
         if out.is_null() {
             return Err(null("out"));
         }
-        // SAFETY: non-null and valid for `count` entries by the caller's contract.
-        let specs = unsafe { std::slice::from_raw_parts(specs, count) };
+        // SAFETY: valid for `count` entries by the caller's contract.
+        let specs = unsafe { caller_slice(specs, count, "specs") }?;
         let params = specs
             .iter()
             .enumerate()
             .map(|(i, s)| {
                 // SAFETY: the caller's contract for each entry.
                 let name = unsafe { text(s.name, &format!("specs[{i}].name")) }?;
-                let shape = if s.ndim == 0 {
-                    Vec::new()
-                } else if s.shape.is_null() {
+                let shape = if s.ndim != 0 && s.shape.is_null() {
                     return Err(invalid(format!(
                         "specs[{i}].shape is NULL with ndim {}",
                         s.ndim
                     )));
                 } else {
-                    // SAFETY: non-null and valid for `ndim` entries by the caller's contract.
-                    unsafe { std::slice::from_raw_parts(s.shape, s.ndim) }.to_vec()
+                    // SAFETY: valid for `ndim` entries by the caller's contract.
+                    unsafe { caller_slice(s.shape, s.ndim, &format!("specs[{i}].shape")) }?.to_vec()
                 };
                 let unit = match unit_of(s.unit)
                     .map_err(|f| invalid(format!("specs[{i}]: {}", f.message)))?

@@ -31,7 +31,10 @@ pub enum fsdp_status {
     FSDP_COMM_ERROR = 7,
     /// A file could not be read or written.
     FSDP_IO_ERROR = 8,
-    /// The library panicked; the engine involved is poisoned and has left its group.
+    /// The library panicked. A panic inside an engine's work poisons the engine, which leaves
+    /// its group; one around it (checking the call's arguments, reporting its outcome) leaves
+    /// the engine as it was, unless it held the engine's lock, after which every call on it
+    /// returns `FSDP_PANIC`: destroy it.
     FSDP_PANIC = 9,
     /// Too little host or device memory: nothing was half-built where a call allocates up front
     /// (making an engine); a per-step gradient shard refused inside a step poisons the engine.
@@ -205,6 +208,43 @@ pub(crate) fn null(what: &str) -> Failure {
 
 pub(crate) fn invalid(message: String) -> Failure {
     Failure::new(fsdp_status::FSDP_INVALID_ARGUMENT, message)
+}
+
+/// `count` values of `T` at `ptr` from C: empty for `count` 0 (whatever `ptr`); else `ptr` must
+/// not be NULL, must be aligned for `T`, and the values must span at most `isize::MAX` bytes
+/// (what a slice can), each refused with a status rather than taken.
+///
+/// # Safety
+/// `ptr` is NULL or valid for `count` reads of `T` for the returned lifetime.
+pub(crate) unsafe fn caller_slice<'a, T>(
+    ptr: *const T,
+    count: usize,
+    what: &str,
+) -> Outcome<&'a [T]> {
+    if count == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(null(what));
+    }
+    if !ptr.is_aligned() {
+        return Err(invalid(format!(
+            "{what} is not aligned to {} bytes",
+            std::mem::align_of::<T>()
+        )));
+    }
+    let fits = count
+        .checked_mul(std::mem::size_of::<T>())
+        .is_some_and(|bytes| isize::try_from(bytes).is_ok());
+    if !fits {
+        return Err(invalid(format!(
+            "{what}: {count} values of {} bytes are more than memory holds",
+            std::mem::size_of::<T>()
+        )));
+    }
+    // SAFETY: non-null, aligned, at most isize::MAX bytes; valid for `count` reads by the
+    // caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, count) })
 }
 
 /// Writes `value` through an out-pointer checked for NULL.

@@ -282,6 +282,24 @@ fn wrong_sizes_and_values() {
                 bad,
                 "11 elements",
             );
+            // Lengths and addresses no slice can take are refused before any is read.
+            expect(
+                fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 1 << 62, FSDP_BF16),
+                bad,
+                "more than memory holds",
+            );
+            let grads = [fsdp_grad {
+                param: 1,
+                data: values.as_ptr().cast(),
+                numel: 9,
+                dtype: FSDP_F32,
+            }; 2];
+            let misaligned = grads
+                .as_ptr()
+                .cast::<u8>()
+                .wrapping_add(1)
+                .cast::<fsdp_grad>();
+            expect(fsdp_engine_grads(engine, misaligned, 1), bad, "not aligned");
             ok(fsdp_engine_pre_backward(engine, 0));
             expect(
                 fsdp_engine_load_param(engine, 0, values.as_ptr().cast(), 12, FSDP_F32),
