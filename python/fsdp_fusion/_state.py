@@ -79,10 +79,12 @@ class _StateCopies:
         self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
 
     def export(self, path: str | os.PathLike):
-        """Writes the full model into the safetensors file `path` under the module's parameter
-        names, shapes and dtypes (`safetensors.torch.load_file` and `load_state_dict` take it
-        back into a plain PyTorch model). Atomic; an existing file raises
-        `InvalidArgumentError`. World size 1, between steps."""
+        """Writes the full model's parameters into the safetensors file `path` under the
+        module's parameter names, shapes and dtypes, a tied parameter under its first name
+        (`safetensors.torch.load_file` and `load_state_dict(..., strict=False)` take it back
+        into a plain PyTorch model; it holds no buffers and no tied parameter's other names,
+        which a strict load asks for: `full_state_dict` holds those). Atomic; an existing file
+        raises `InvalidArgumentError`. World size 1, between steps."""
         self._end_evaluation()
         self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
 
@@ -164,9 +166,11 @@ class _StateCopies:
         trains from them; the module's buffers in `state` load as in PyTorch, and so does each
         module's extra state, through `set_extra_state` (its key required where the module's
         class overrides it, as PyTorch's strict load requires it), before any parameter or
-        buffer: one that raises leaves them as they were. Every rank loads
-        every parameter, between steps. Names missing from `state` or not the module's, values
-        of another shape, and a tied parameter's names holding different values raise
+        buffer: one that raises leaves them as they were. Every rank loads every parameter,
+        between steps, and checks its own `state` alone: ranks must pass equal states (one
+        file, say), or one may refuse while the others load. Names missing from `state` or not
+        the module's, values that are not tensors, of another shape, or that cannot be copied
+        (a meta tensor, say), and a tied parameter's names holding different values raise
         `InvalidArgumentError` before anything is loaded; a value of another float dtype is
         converted as `Tensor.to` converts it. The optimizer's state is unchanged. (The module's
         own `load_state_dict` is refused: it would write the engine's views or placeholders,
@@ -174,25 +178,43 @@ class _StateCopies:
         self._end_evaluation()
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         names = self._names()
-        values, problems = {}, {"missing": [], "other shapes": [], "tied names differ": []}
-        for p in self._params:
-            given = [n for n in names[p.name] if n in state]
-            if not given:
-                problems["missing"].append(p.name)
-                continue
-            value = values[p.name] = state[given[0]]
-            if any(not torch.equal(state[n], value) for n in given[1:]):
-                problems["tied names differ"].append(", ".join(given))
-        expected = {**{p.name: p.tensor.shape for p in self._params},
-                    **{name: b.shape for name, b in buffers.items()}}
-        for name, value in [*values.items(), *((n, state[n]) for n in buffers if n in state)]:
-            if value.shape != expected[name]:
-                problems["other shapes"].append(
-                    f"{name} {tuple(value.shape)}, the module's {tuple(expected[name])}")
+        problems = {"missing": [], "not tensors": [], "other shapes": [], "tied names differ": [],
+                    "not copied": []}
         extra = self._extra_states("set_extra_state")
         problems["missing"] += sorted(extra.keys() - state.keys())
         known = {n for aliases in names.values() for n in aliases} | buffers.keys() | extra.keys()
         problems["neither parameters nor buffers"] = sorted(state.keys() - known)
+        tensors = {n for n, v in state.items() if isinstance(v, torch.Tensor)}
+        problems["not tensors"] = sorted((known - extra.keys()) & (state.keys() - tensors))
+        # Every value as it loads, converted before anything is loaded.
+        hosts, copies = {}, {}
+
+        def converted(name, shape, convert):
+            if state[name].shape != shape:
+                problems["other shapes"].append(
+                    f"{name} {tuple(state[name].shape)}, the module's {tuple(shape)}")
+                return None
+            try:
+                return convert(state[name].detach())
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                problems["not copied"].append(f"{name} ({e})")
+                return None
+
+        for p in self._params:
+            given = [n for n in names[p.name] if n in tensors]
+            if not given:
+                if not any(n in state for n in names[p.name]):
+                    problems["missing"].append(p.name)
+                continue
+            if any(not torch.equal(state[n], state[given[0]]) for n in given[1:]):
+                problems["tied names differ"].append(", ".join(given))
+            hosts[p.name] = converted(
+                given[0], p.tensor.shape,
+                lambda v, dtype=p.tensor.dtype: v.to("cpu", dtype).contiguous())
+        for name, buffer in buffers.items():
+            if name in tensors:
+                copies[name] = converted(
+                    name, buffer.shape, lambda v, b=buffer: v.to(b.device, b.dtype).clone())
         found = [f"{what}: {', '.join(items)}" for what, items in problems.items() if items]
         if found:
             raise InvalidArgumentError("load_full_state_dict: " + "; ".join(found))
@@ -200,13 +222,12 @@ class _StateCopies:
         for key, module in extra.items():
             module.set_extra_state(state[key])
         for p in self._params:
-            host = values[p.name].detach().to("cpu", p.tensor.dtype).contiguous()
+            host = hosts[p.name]
             self._call("fsdp_engine_load_param", self._engine, p.id, host.data_ptr(),
                        host.numel(), DTYPE_CODES[host.dtype])
         with torch.no_grad():
-            for name, buffer in buffers.items():
-                if name in state:
-                    buffer.copy_(state[name])
+            for name, value in copies.items():
+                buffers[name].copy_(value)
 
     def _group_bytes(self, function: str, group: int, members) -> torch.Tensor:
         """The bytes `function` (`fsdp_engine_param_shard` or `fsdp_engine_gather_group`) copies

@@ -317,6 +317,29 @@ def test_a_full_state_dict_holds_the_persistent_buffers_and_loads_strictly():
     fused.close()
 
 
+def test_a_full_state_that_cannot_be_copied_is_refused_before_anything_loads():
+    """Values that are no tensors, or that cannot be copied to the host (a meta tensor), are
+    refused with the other problems, before the first parameter loads: the parameters and
+    buffers stay as they were."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1)
+    fused(torch.randn(8, 4)).sum().backward()
+    fused.step()
+    before = fused.full_state_dict()
+    zeros = {k: torch.zeros_like(v) for k, v in before.items()}
+    for name, value, words in [("1.weight", torch.zeros(4, device="meta"), r"not copied: 1\.weight"),
+                               ("1.bias", [0.0] * 4, r"not tensors: 1\.bias"),
+                               ("1.running_mean", torch.zeros(4, device="meta"),
+                                r"not copied: 1\.running_mean")]:
+        with pytest.raises(fsdp_fusion.InvalidArgumentError, match=words):
+            fused.load_full_state_dict({**zeros, name: value})
+        after = fused.full_state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items()), name
+    fused.load_full_state_dict(zeros)
+    assert all(not v.any() for v in fused.full_state_dict().values())
+    fused.close()
+
+
 class _Counted(torch.nn.Linear):
     """A layer that keeps extra state: how many forwards it ran."""
 

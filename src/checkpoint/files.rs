@@ -185,8 +185,8 @@ fn rename_new(from: &Path, path: &Path) -> Result<()> {
 
 /// Writes a new file at `path` with `write`: into a temporary file beside it, flushed to disk,
 /// then linked into place (`Error::CheckpointExists` where `path` exists, a file or a symlink)
-/// and the directory flushed. The temporary file is removed whatever happens, so a failure
-/// leaves nothing behind.
+/// and the directory flushed. The temporary file is removed whatever happens, and the linked
+/// one where the directory's flush fails, so a failure leaves nothing behind.
 pub fn write_new(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> Result<()> {
     check_path(path, "a file to write")?;
     let (temporary, mut file) = create_temporary(path)?;
@@ -195,7 +195,11 @@ pub fn write_new(path: &Path, write: impl FnOnce(&mut File) -> Result<()>) -> Re
     drop(file);
     link_new(&temporary.path, path)?;
     drop(temporary);
-    sync_parent(path)
+    sync_parent(path).inspect_err(|_| {
+        // Best effort: the flush's failure is the error to report. The file is this call's:
+        // it was linked where nothing was.
+        let _ = fs::remove_file(path);
+    })
 }
 
 /// Bytes of a window of [`Writeback`].
