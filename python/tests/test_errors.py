@@ -437,36 +437,25 @@ def test_a_unit_called_twice_once_on_inputs_needing_no_gradient_ends_its_backwar
             assert torch.allclose(state[name], value, atol=1e-6), name
 
 
-def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
-    """A KeyboardInterrupt inside a unit's forward, which torch's always-call hooks do not see
-    (they run on `Exception`): the wrapper ends the forward as the interrupt leaves it, so a
-    copy of the state, and training, go on as if the interrupted forward had never run. Master
-    storage at world size 1, where views move."""
+class _Interruptible(torch.nn.Linear):
+    """A layer whose forward raises a Ctrl-C while `interrupt` is set."""
 
-    class Interruptible(torch.nn.Linear):
-        interrupt = False
+    interrupt = False
 
-        def forward(self, x):
-            if self.interrupt:
-                raise KeyboardInterrupt("Ctrl-C")
-            return super().forward(x)
+    def forward(self, x):
+        if self.interrupt:
+            raise KeyboardInterrupt("Ctrl-C")
+        return super().forward(x)
 
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(4, 4), Interruptible(4, 4))
 
-    x = torch.randn(3, 4)
+def _as_if_never_interrupted(wrap, interrupt, x):
+    """Two training steps on `x` of a fresh `wrap()`, once as they are and once after
+    `interrupt(fused)`: the states end equal."""
     states = []
     for interrupted in (False, True):
-        module = model()
-        fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
-                          param_storage="master")
+        fused = wrap()
         if interrupted:
-            module[1].interrupt = True
-            with pytest.raises(KeyboardInterrupt):
-                fused(x)
-            module[1].interrupt = False
-            fused.full_state_dict()
+            interrupt(fused)
         for _ in range(2):
             fused(x).square().sum().backward()
             fused.step()
@@ -474,6 +463,29 @@ def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
         fused.close()
     for name, value in states[0].items():
         assert torch.equal(states[1][name], value), name
+
+
+def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
+    """A KeyboardInterrupt inside a unit's forward, which torch's always-call hooks do not see
+    (they run on `Exception`): the wrapper ends the forward as the interrupt leaves it, so a
+    copy of the state, and training, go on as if the interrupted forward had never run. Master
+    storage at world size 1, where views move."""
+    x = torch.randn(3, 4)
+
+    def wrap():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interruptible(4, 4))
+        return FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
+                         param_storage="master")
+
+    def interrupt(fused):
+        fused.module[1].interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            fused(x)
+        fused.module[1].interrupt = False
+        fused.full_state_dict()
+
+    _as_if_never_interrupted(wrap, interrupt, x)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -485,19 +497,11 @@ def test_a_recompute_interrupted_by_a_ctrl_c_in_the_backward_is_ended_by_the_nex
     forward, and training goes on as if the interrupted pass had never run (it had handed over
     no gradient yet)."""
 
-    class Interruptible(torch.nn.Linear):
-        interrupt = False
-
-        def forward(self, x):
-            if self.interrupt:
-                raise KeyboardInterrupt("Ctrl-C")
-            return super().forward(x)
-
     class Checkpointed(torch.nn.Module):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), Interruptible(4, 4)])
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), _Interruptible(4, 4)])
 
         def forward(self, x):
             for block in self.blocks:
@@ -505,22 +509,18 @@ def test_a_recompute_interrupted_by_a_ctrl_c_in_the_backward_is_ended_by_the_nex
             return x
 
     x = torch.randn(3, 4, requires_grad=True)
-    states = []
-    for interrupted in (False, True):
+
+    def wrap():
         module = Checkpointed()
-        fused = FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.1)
-        if interrupted:
-            loss = fused(x).square().sum()
-            module.blocks[1].interrupt = True
-            with pytest.raises(KeyboardInterrupt):
-                loss.backward()
-            module.blocks[1].interrupt = False
-            if then == "step":
-                fused.step()
-        for _ in range(2):
-            fused(x).square().sum().backward()
+        return FusedFSDP(module, list(module.blocks), optimizer="sgd", lr=0.1)
+
+    def interrupt(fused):
+        loss = fused(x).square().sum()
+        fused.module.blocks[1].interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            loss.backward()
+        fused.module.blocks[1].interrupt = False
+        if then == "step":
             fused.step()
-        states.append(fused.full_state_dict())
-        fused.close()
-    for name, value in states[0].items():
-        assert torch.equal(states[1][name], value), name
+
+    _as_if_never_interrupted(wrap, interrupt, x)
