@@ -214,7 +214,7 @@ class _StateCopies:
         for name, buffer in buffers.items():
             if name in tensors:
                 copies[name] = converted(
-                    name, buffer.shape, lambda v, b=buffer: v.to(b.device, b.dtype).clone())
+                    name, buffer.shape, lambda v, b=buffer: v.to(b.device, b.dtype))
         found = [f"{what}: {', '.join(items)}" for what, items in problems.items() if items]
         if found:
             raise InvalidArgumentError("load_full_state_dict: " + "; ".join(found))

@@ -73,9 +73,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// both saves' ids. A rank whose part failed returns its error, the others
     /// `Error::PeerRefused` naming it; a rank whose upload fails after the ranks agreed (its
     /// device) is poisoned, its state half loaded, while the others have loaded. The optimizer
-    /// continues from the saved step with the
-    /// saved learning rate and weight decay. Allowed at a step boundary only; holds this rank's
-    /// state in host memory while it reads; blocks until the state is on the device.
+    /// continues from the saved step with the saved learning rate and weight decay. Allowed at
+    /// a step boundary only; holds this rank's state in host memory while it reads; blocks until
+    /// the state is on the device.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("loading a checkpoint")?;

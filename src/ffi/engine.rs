@@ -75,8 +75,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cpu(
 /// `stream` is the compute stream: a `CUstream` / `cudaStream_t` of the device's primary context,
 /// e.g. `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream. The caller
 /// keeps it alive until the engine has gone (as `fsdp_device_allocator.context` says) and
-/// launches the model's work on it: the engine
-/// makes it wait for gathers, reads gradients and runs the optimizer on it. The engine creates its
+/// launches the model's work on it: the engine makes it wait for gathers, reads gradients and
+/// runs the optimizer on it. The engine creates its
 /// own gather and reduce streams, and two NCCL communicators (one for gathers, one for
 /// reductions, so that neither waits behind the other), and for each process group of the plan
 /// two more, split from those (`ncclCommSplit`, a collective of every rank: ranks whose plans
