@@ -30,6 +30,16 @@ constexpr int kBlock = 256;
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
 
+// Chunks a thread takes in the one round of a `_wave` kernel: the twin of an op that loads one
+// operand, launched (`one_wave` on the host) where the op's own round would take more than one
+// wave of resident blocks but this one fits in a single wave. Every load of the launch is then in
+// flight at once, where a second wave of blocks would start only as the first ends. On an H100 at
+// 16 MiB, in the crate's bench: the copies at 1.03-1.05 of the driver's copy with it against
+// 0.98-1.00, the casts into f32 and `f32 = bf16` at 0.98-1.01 against 0.90-0.92; at 1 GiB no
+// launch runs it. An op that also loads its destination lost 1-3% with four chunks at 16 MiB
+// (BENCHMARKS.md, "one wave").
+constexpr int kWaveRound = 4;
+
 // Chunks in a round of an arithmetic op that loads `loaded` operands: two where it loads one and
 // converts to or from a 16-bit type (the conversions' instructions hide behind a second chunk's
 // loads), else one (more loads of a round in flight cost more than they hide).

@@ -23,7 +23,7 @@ struct CastOp {
   }
 };
 
-template <class S, class D>
+template <class S, class D, int U>
 __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bits* dst,
                                      uint64_t n) {
   // A chunk is one vector of the wider type (see `elementwise`): the fewer elements per vector.
@@ -32,8 +32,8 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<(kS < kD ? kS : kD), kRound>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
-                                                grid_threads());
+  elementwise<(kS < kD ? kS : kD), U>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
+                                           grid_threads());
 }
 
 }  // namespace fsdp
@@ -47,24 +47,26 @@ extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* ds
 
 // `copy_<name>`, and `move_many_<name>`: the spans of a batch on blocks of their own, each
 // copied, or zero-filled when it has no source (pack and unpack, whose params can be of any
-// sizes side by side).
-#define FSDP_MOVES(name, T)                                                                       \
-  extern "C" __global__ void __launch_bounds__(kBlock)                                            \
-      copy_##name(const T::Bits* src, T::Bits* dst, uint64_t n) {                                 \
-    fsdp::copy_range<T::Bits, fsdp::kMoveRound>(src, dst, n, fsdp::grid_thread(),                \
-                                                 fsdp::grid_threads());                           \
+// sizes side by side); each with its `_wave` twin (see `kWaveRound`), compiled for a full SM so
+// that its wave is as large as the copy's.
+#define FSDP_MOVES_ROUND(prefix, T, U, bounds)                                                    \
+  extern "C" __global__ void bounds copy_##prefix(const T::Bits* src, T::Bits* dst, uint64_t n) { \
+    fsdp::copy_range<T::Bits, U>(src, dst, n, fsdp::grid_thread(), fsdp::grid_threads());         \
   }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(kBlock)                                            \
-      move_many_##name(const fsdp::SpanBatch batch) {                                             \
+  extern "C" __global__ void bounds move_many_##prefix(const fsdp::SpanBatch batch) {             \
     const fsdp::SpanPart part = fsdp::span_part(batch);                                           \
     T::Bits* dst = reinterpret_cast<T::Bits*>(part.span.dst);                                     \
     if (part.span.src != 0) {                                                                     \
-      fsdp::copy_range<T::Bits, fsdp::kMoveRound>(reinterpret_cast<const T::Bits*>(part.span.src), \
-                                                   dst, part.span.n, part.thread, part.threads);  \
+      fsdp::copy_range<T::Bits, U>(reinterpret_cast<const T::Bits*>(part.span.src), dst,         \
+                                   part.span.n, part.thread, part.threads);                       \
     } else {                                                                                      \
-      fsdp::zero_range<T::Bits, fsdp::kMoveRound>(dst, part.span.n, part.thread, part.threads);  \
+      fsdp::zero_range<T::Bits, U>(dst, part.span.n, part.thread, part.threads);                 \
     }                                                                                             \
   }
+
+#define FSDP_MOVES(name, T)                                                          \
+  FSDP_MOVES_ROUND(name, T, fsdp::kMoveRound, __launch_bounds__(kBlock))             \
+  FSDP_MOVES_ROUND(wave_##name, T, fsdp::kWaveRound, __launch_bounds__(kBlock, fsdp::kFullSm))
 
 FSDP_MOVES(bf16, fsdp::Bf16)
 FSDP_MOVES(f16, fsdp::F16)
@@ -73,7 +75,11 @@ FSDP_MOVES(f32, fsdp::F32)
 #define FSDP_CAST(sname, S, dname, D)                                                  \
   extern "C" __global__ void __launch_bounds__(kBlock)                                 \
       cast_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) {          \
-    fsdp::cast<S, D>(src, dst, n);                                                     \
+    fsdp::cast<S, D, fsdp::kRound>(src, dst, n);                                       \
+  }                                                                                    \
+  extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)                  \
+      cast_wave_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) {     \
+    fsdp::cast<S, D, fsdp::kWaveRound>(src, dst, n);                                   \
   }
 
 FSDP_CAST(bf16, fsdp::Bf16, f16, fsdp::F16)

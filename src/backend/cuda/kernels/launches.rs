@@ -44,17 +44,21 @@ impl Kernels {
         }
         check_aligned(src, dtype.size())?;
         check_aligned(dst, dtype.size())?;
-        let kernel = self.copy[dtype_index(dtype)];
-        let n64 = n as u64;
-        // SAFETY: copy_<dtype>(const T* src, T* dst, uint64_t n); the caller's contract.
-        unsafe {
-            self.launch(
-                stream,
-                kernel,
+        let d = dtype_index(dtype);
+        let (kernel, grid) = tuned_or_wave(
+            (
+                self.copy[d],
                 elementwise_grid(n, round_elements(MOVE_ROUND, dtype.size())),
-                &mut [arg(&src), arg(&dst), arg(&n64)],
-            )
-        }
+            ),
+            (
+                self.copy_wave[d],
+                elementwise_grid(n, round_elements(WAVE_ROUND, dtype.size())),
+            ),
+        );
+        let n64 = n as u64;
+        // SAFETY: copy_<dtype> and copy_wave_<dtype>(const T* src, T* dst, uint64_t n); the
+        // caller's contract.
+        unsafe { self.launch(stream, kernel, grid, &mut [arg(&src), arg(&dst), arg(&n64)]) }
     }
 
     /// `dst = scale * src` or `dst = dst + scale * src` computed in f32 and rounded to
@@ -78,9 +82,9 @@ impl Kernels {
         }
         check_aligned(src, src_dtype.size())?;
         check_aligned(dst, dst_dtype.size())?;
-        let kernel = match dst_dtype {
-            DType::F32 => self.accumulate_to_f32[dtype_index(src_dtype)],
-            DType::Bf16 => self.accumulate_to_bf16[dtype_index(src_dtype)],
+        let (kernels, waves) = match dst_dtype {
+            DType::F32 => (&self.accumulate_to_f32, &self.accumulate_wave_to_f32),
+            DType::Bf16 => (&self.accumulate_to_bf16, &self.accumulate_wave_to_bf16),
             DType::F16 => {
                 return Err(Error::Unsupported {
                     backend: "cuda",
@@ -88,16 +92,37 @@ impl Kernels {
                 });
             }
         };
+        let s = dtype_index(src_dtype);
         let n64 = n as u64;
-        let round = accumulate_round_elements((src_dtype, dst_dtype), add);
+        let tuned = (
+            kernels[s],
+            elementwise_grid(n, accumulate_round_elements((src_dtype, dst_dtype), add)),
+        );
+        let widest = src_dtype.size().max(dst_dtype.size());
+        let wave = (
+            waves[s],
+            elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
+        );
+        if !add && one_wave(tuned, wave) {
+            // SAFETY: accumulate_wave_<src>_<dst>(const S* src, D* dst, uint64_t n, float
+            // scale); the caller's contract.
+            return unsafe {
+                self.launch(
+                    stream,
+                    wave.0,
+                    wave.1,
+                    &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale)],
+                )
+            };
+        }
         let add = u32::from(add);
         // SAFETY: accumulate_<src>_<dst>(const S* src, D* dst, uint64_t n, float scale,
         // uint32_t add); the caller's contract.
         unsafe {
             self.launch(
                 stream,
-                kernel,
-                elementwise_grid(n, round),
+                tuned.0,
+                tuned.1,
                 &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale), arg(&add)],
             )
         }
@@ -118,9 +143,15 @@ impl Kernels {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let kernels = match dst_dtype {
-            DType::F32 => &self.accumulate_many_to_f32,
-            DType::Bf16 => &self.accumulate_many_to_bf16,
+        let (kernels, waves) = match dst_dtype {
+            DType::F32 => (
+                &self.accumulate_many_to_f32,
+                &self.accumulate_many_wave_to_f32,
+            ),
+            DType::Bf16 => (
+                &self.accumulate_many_to_bf16,
+                &self.accumulate_many_wave_to_bf16,
+            ),
             DType::F16 => {
                 return Err(Error::Unsupported {
                     backend: "cuda",
@@ -128,9 +159,20 @@ impl Kernels {
                 });
             }
         };
-        let kernel = kernels[dtype_index(src_dtype)];
-        let round = accumulate_round_elements((src_dtype, dst_dtype), add);
-        let add = u32::from(add);
+        let s = dtype_index(src_dtype);
+        let add_flag = u32::from(add);
+        let tuned_args = [arg(&scale), arg(&add_flag)];
+        let tuned = SpanKernel {
+            kernel: kernels[s],
+            per_thread: accumulate_round_elements((src_dtype, dst_dtype), add),
+            args: &tuned_args,
+        };
+        let wave_args = [arg(&scale)];
+        let wave = SpanKernel {
+            kernel: waves[s],
+            per_thread: round_elements(WAVE_ROUND, src_dtype.size().max(dst_dtype.size())),
+            args: &wave_args,
+        };
         let spans = || {
             entries.iter().map(|e| {
                 check_aligned(e.src, src_dtype.size())?;
@@ -142,43 +184,37 @@ impl Kernels {
                 })
             })
         };
-        // SAFETY: accumulate_many_<src>_<dst>(SpanBatch batch, float scale, uint32_t add); the
-        // caller's contract.
-        unsafe { self.launch_spans(stream, kernel, spans, round, &[arg(&scale), arg(&add)]) }
+        // SAFETY: accumulate_many_<src>_<dst>(SpanBatch batch, float scale, uint32_t add) and
+        // accumulate_many_wave_<src>_<dst>(SpanBatch batch, float scale), the twin only for
+        // `dst = scale * src`; the caller's contract.
+        unsafe { self.launch_spans(stream, spans, tuned, (!add).then_some(wave)) }
     }
 
-    /// Launches `kernel` over the spans `spans()` gives, in batches of [`BATCH_SPANS`], each span
-    /// on blocks of its own, as many as its length asks for at `per_thread` elements a thread (a
-    /// round's, or for pack and unpack two rounds'); the batch by value, then `args`, are the
-    /// kernel's parameters. Every span is checked before
-    /// the first launch: a span that is an error launches nothing.
+    /// Launches `tuned.kernel` over the spans `spans()` gives, in batches of [`BATCH_SPANS`], each
+    /// span on blocks of its own, as many as its length asks for at the kernel's elements a
+    /// thread; a batch runs as the `wave` twin instead where [`one_wave`] says. Every span is
+    /// checked before the first launch: a span that is an error launches nothing.
     ///
     /// # Safety
-    /// `kernel` takes `(SpanBatch, args...)`, and each span is valid for it.
+    /// Each kernel takes `(SpanBatch, args...)` with its own `args`, and each span is valid for
+    /// both.
     unsafe fn launch_spans<I: Iterator<Item = Result<Span>>>(
         &self,
         stream: &CudaStream,
-        kernel: Kernel,
         spans: impl Fn() -> I,
-        per_thread: usize,
-        args: &[*mut c_void],
+        tuned: SpanKernel<'_>,
+        wave: Option<SpanKernel<'_>>,
     ) -> Result<()> {
         spans().try_for_each(|span| span.map(drop))?;
         let mut spans = spans();
-        // A span's share of a grid that every span's could fill: the kernel strides over the rest
-        // of a longer one.
-        let most_blocks = MAX_GRID / BATCH_SPANS as u32;
-        let blocks = |n: u64| {
-            let n = usize::try_from(n).unwrap_or(usize::MAX);
-            elementwise_grid(n, per_thread).min(most_blocks)
-        };
         let mut params = [std::ptr::null_mut(); 3];
-        let Some(count) = args.len().checked_add(1).filter(|&c| c <= params.len()) else {
+        let most_args = params.len() - 1;
+        if tuned.args.len() > most_args || wave.is_some_and(|w| w.args.len() > most_args) {
             return Err(Error::Unsupported {
                 backend: "cuda",
                 what: "a batched kernel with more than two parameters after its batch",
             });
-        };
+        }
         loop {
             let mut batch = SpanBatch {
                 spans: [Span::default(); BATCH_SPANS],
@@ -194,22 +230,55 @@ impl Kernels {
                     None => break,
                 }
             }
-            batch.first_block =
-                first_blocks(&batch.spans[..taken], blocks).ok_or(Error::Unsupported {
-                    backend: "cuda",
-                    what: "a batch of spans past the largest grid",
-                })?;
-            let grid = batch.first_block[BATCH_SPANS];
+            let spans_taken = &batch.spans[..taken];
+            let tuned_first = tuned.first_blocks(spans_taken)?;
+            let (chosen, first) = match wave {
+                Some(wave) => {
+                    let wave_first = wave.first_blocks(spans_taken)?;
+                    let grid = |first: &[u32; BATCH_SPANS + 1]| first[BATCH_SPANS];
+                    if one_wave(
+                        (tuned.kernel, grid(&tuned_first)),
+                        (wave.kernel, grid(&wave_first)),
+                    ) {
+                        (wave, wave_first)
+                    } else {
+                        (tuned, tuned_first)
+                    }
+                }
+                None => (tuned, tuned_first),
+            };
+            batch.first_block = first;
+            let grid = first[BATCH_SPANS];
             if grid > 0 {
+                let count = chosen.args.len() + 1;
                 params[0] = arg(&batch);
-                params[1..count].copy_from_slice(args);
+                params[1..count].copy_from_slice(chosen.args);
                 // SAFETY: the caller's contract; the batch outlives the launch, which copies it.
-                unsafe { self.launch(stream, kernel, grid, &mut params[..count]) }?;
+                unsafe { self.launch(stream, chosen.kernel, grid, &mut params[..count]) }?;
             }
             if taken < BATCH_SPANS {
                 return Ok(());
             }
         }
+    }
+
+    /// Pack's and unpack's kernel over spans, and its `_wave` twin.
+    pub(super) fn moves_over_spans(
+        &self,
+        dtype: DType,
+    ) -> (SpanKernel<'static>, SpanKernel<'static>) {
+        let d = dtype_index(dtype);
+        let tuned = SpanKernel {
+            kernel: self.move_many[d],
+            per_thread: MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
+            args: &[],
+        };
+        let wave = SpanKernel {
+            kernel: self.move_many_wave[d],
+            per_thread: round_elements(WAVE_ROUND, dtype.size()),
+            args: &[],
+        };
+        (tuned, wave)
     }
 
     /// `dst[i] = convert(src[i])`, rounding to nearest even when narrowing.
@@ -225,7 +294,7 @@ impl Kernels {
         dst: u64,
         n: usize,
     ) -> Result<()> {
-        let Some(kernel) = self.cast[dtype_index(src_dtype)][dtype_index(dst_dtype)] else {
+        let Some((kernel, wave)) = self.cast[dtype_index(src_dtype)][dtype_index(dst_dtype)] else {
             // SAFETY: the caller's contract, with one dtype.
             return unsafe { self.copy(stream, src_dtype, src, dst, n) };
         };
@@ -235,16 +304,17 @@ impl Kernels {
         check_aligned(src, src_dtype.size())?;
         check_aligned(dst, dst_dtype.size())?;
         let n64 = n as u64;
-        let round = round_elements(ROUND, src_dtype.size().max(dst_dtype.size()));
-        // SAFETY: cast_<src>_<dst>(const S* src, D* dst, uint64_t n); the caller's contract.
-        unsafe {
-            self.launch(
-                stream,
-                kernel,
-                elementwise_grid(n, round),
-                &mut [arg(&src), arg(&dst), arg(&n64)],
-            )
-        }
+        let widest = src_dtype.size().max(dst_dtype.size());
+        let (kernel, grid) = tuned_or_wave(
+            (kernel, elementwise_grid(n, round_elements(ROUND, widest))),
+            (
+                wave,
+                elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
+            ),
+        );
+        // SAFETY: cast_<src>_<dst> and cast_wave_<src>_<dst>(const S* src, D* dst, uint64_t n);
+        // the caller's contract.
+        unsafe { self.launch(stream, kernel, grid, &mut [arg(&src), arg(&dst), arg(&n64)]) }
     }
 
     /// `*dst = values`, in stream order.
@@ -496,16 +566,10 @@ impl Kernels {
         flat: u64,
     ) -> Result<()> {
         let spans = || pack_spans(dtype, entries, flat);
-        // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
-        unsafe {
-            self.launch_spans(
-                stream,
-                self.move_many[dtype_index(dtype)],
-                spans,
-                MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
-                &[],
-            )
-        }
+        let (tuned, wave) = self.moves_over_spans(dtype);
+        // SAFETY: move_many_<dtype> and move_many_wave_<dtype>(SpanBatch batch); the caller's
+        // contract.
+        unsafe { self.launch_spans(stream, spans, tuned, Some(wave)) }
     }
 
     /// The reverse of `pack`: each entry's `numel` elements copied out of `flat`.
@@ -520,16 +584,10 @@ impl Kernels {
         flat: u64,
     ) -> Result<()> {
         let spans = || unpack_spans(dtype, entries, flat);
-        // SAFETY: move_many_<dtype>(SpanBatch batch); the caller's contract.
-        unsafe {
-            self.launch_spans(
-                stream,
-                self.move_many[dtype_index(dtype)],
-                spans,
-                MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
-                &[],
-            )
-        }
+        let (tuned, wave) = self.moves_over_spans(dtype);
+        // SAFETY: move_many_<dtype> and move_many_wave_<dtype>(SpanBatch batch); the caller's
+        // contract.
+        unsafe { self.launch_spans(stream, spans, tuned, Some(wave)) }
     }
 
     /// `dst[i] = ((s * src0[i] + s * src1[i]) + s * src2[i]) + ...` in f32 (`s` = `scale`), in

@@ -75,6 +75,32 @@ fn first_blocks(spans: &[Span], blocks: impl Fn(u64) -> u32) -> Option<[u32; BAT
     Some(first)
 }
 
+/// A kernel over batches of spans, the elements a thread of it takes (a round's, or for pack and
+/// unpack two rounds'), and its parameters after the batch.
+#[derive(Clone, Copy)]
+struct SpanKernel<'a> {
+    kernel: Kernel,
+    per_thread: usize,
+    args: &'a [*mut c_void],
+}
+
+impl SpanKernel<'_> {
+    /// Each span's first block, and the grid's size, at this kernel's elements a thread.
+    fn first_blocks(&self, spans: &[Span]) -> Result<[u32; BATCH_SPANS + 1]> {
+        // A span's share of a grid that every span's could fill: the kernel strides over the rest
+        // of a longer one.
+        let most_blocks = MAX_GRID / BATCH_SPANS as u32;
+        let blocks = |n: u64| {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            elementwise_grid(n, self.per_thread).min(most_blocks)
+        };
+        first_blocks(spans, blocks).ok_or(Error::Unsupported {
+            backend: "cuda",
+            what: "a batch of spans past the largest grid",
+        })
+    }
+}
+
 /// The fatbin that build.rs compiled; empty when nvcc was not found.
 static FATBIN: &Aligned<[u8]> =
     &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));
@@ -99,6 +125,10 @@ const ROUND: usize = 2;
 /// Rounds a thread of a pack or an unpack runs, one after the other (why: beside `SpanBatch` in
 /// kernels/common.cuh).
 const MOVE_SPAN_ROUNDS: usize = 2;
+
+/// Chunks a thread of a `_wave` kernel takes in its one round: `kWaveRound` in
+/// kernels/common.cuh, which says when and why these twins run.
+const WAVE_ROUND: usize = 4;
 
 /// Chunks a thread of an arithmetic op that loads `loaded` operands takes in its round:
 /// `arithmetic_round` in kernels/common.cuh.
@@ -143,6 +173,34 @@ const MAX_GRID: u32 = i32::MAX as u32;
 /// Kernel names by dtype, in the order of [`dtype_index`].
 const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
 const MOVE_MANY: [&CStr; 3] = [c"move_many_bf16", c"move_many_f16", c"move_many_f32"];
+/// The `_wave` twins (see [`one_wave`]) of copy, move_many, the accumulations without an
+/// addition, and the casts, in the same orders.
+const COPY_WAVE: [&CStr; 3] = [c"copy_wave_bf16", c"copy_wave_f16", c"copy_wave_f32"];
+const MOVE_MANY_WAVE: [&CStr; 3] = [
+    c"move_many_wave_bf16",
+    c"move_many_wave_f16",
+    c"move_many_wave_f32",
+];
+const ACCUMULATE_WAVE_TO_F32: [&CStr; 3] = [
+    c"accumulate_wave_bf16_f32",
+    c"accumulate_wave_f16_f32",
+    c"accumulate_wave_f32_f32",
+];
+const ACCUMULATE_WAVE_TO_BF16: [&CStr; 3] = [
+    c"accumulate_wave_bf16_bf16",
+    c"accumulate_wave_f16_bf16",
+    c"accumulate_wave_f32_bf16",
+];
+const ACCUMULATE_MANY_WAVE_TO_F32: [&CStr; 3] = [
+    c"accumulate_many_wave_bf16_f32",
+    c"accumulate_many_wave_f16_f32",
+    c"accumulate_many_wave_f32_f32",
+];
+const ACCUMULATE_MANY_WAVE_TO_BF16: [&CStr; 3] = [
+    c"accumulate_many_wave_bf16_bf16",
+    c"accumulate_many_wave_f16_bf16",
+    c"accumulate_many_wave_f32_bf16",
+];
 /// By source dtype, into f32 and into bf16.
 const ACCUMULATE_TO_F32: [&CStr; 3] = [
     c"accumulate_bf16_f32",
@@ -174,6 +232,24 @@ const CAST: [[Option<&CStr>; 3]; 3] = [
     [Some(c"cast_f16_bf16"), None, Some(c"cast_f16_f32")],
     [Some(c"cast_f32_bf16"), Some(c"cast_f32_f16"), None],
 ];
+/// The casts' `_wave` twins, where `CAST` has a cast.
+const CAST_WAVE: [[Option<&CStr>; 3]; 3] = [
+    [
+        None,
+        Some(c"cast_wave_bf16_f16"),
+        Some(c"cast_wave_bf16_f32"),
+    ],
+    [
+        Some(c"cast_wave_f16_bf16"),
+        None,
+        Some(c"cast_wave_f16_f32"),
+    ],
+    [
+        Some(c"cast_wave_f32_bf16"),
+        Some(c"cast_wave_f32_f16"),
+        None,
+    ],
+];
 
 fn dtype_index(dtype: DType) -> usize {
     match dtype {
@@ -200,6 +276,19 @@ fn blocks(units: usize, per_block: usize, most: u32) -> u32 {
 /// element-wise ops nearest the memory's bandwidth (see `kRound`).
 fn elementwise_grid(n: usize, round_elements: usize) -> u32 {
     blocks(n, BLOCK as usize * round_elements, MAX_GRID)
+}
+
+/// Whether a launch runs as its `_wave` twin: `tuned` is the kernel and grid at the op's own
+/// round, `wave` the twin's at [`WAVE_ROUND`] chunks a thread. The twin runs where the op's own
+/// grid would take more than one wave of its resident blocks and the twin's fits in one wave of
+/// its own (why: `kWaveRound` in kernels/common.cuh).
+fn one_wave(tuned: (Kernel, u32), wave: (Kernel, u32)) -> bool {
+    tuned.1 > tuned.0.full_grid && wave.1 <= wave.0.full_grid
+}
+
+/// The kernel and grid a launch runs: its `_wave` twin's where [`one_wave`] says, else its own.
+fn tuned_or_wave(tuned: (Kernel, u32), wave: (Kernel, u32)) -> (Kernel, u32) {
+    if one_wave(tuned, wave) { wave } else { tuned }
 }
 
 impl Kernel {
@@ -259,6 +348,12 @@ pub struct Kernels {
     accumulate_to_bf16: [Kernel; 3],
     accumulate_many_to_f32: [Kernel; 3],
     accumulate_many_to_bf16: [Kernel; 3],
+    copy_wave: [Kernel; 3],
+    move_many_wave: [Kernel; 3],
+    accumulate_wave_to_f32: [Kernel; 3],
+    accumulate_wave_to_bf16: [Kernel; 3],
+    accumulate_many_wave_to_f32: [Kernel; 3],
+    accumulate_many_wave_to_bf16: [Kernel; 3],
     adamw: [Kernel; 3],
     adamw_bf16_moments: [Kernel; 3],
     sgd: [Kernel; 3],
@@ -266,7 +361,8 @@ pub struct Kernels {
     clip_step_values: Kernel,
     skip_nonfinite_step: Kernel,
     correct_step_values: Kernel,
-    cast: [[Option<Kernel>; 3]; 3],
+    /// Each cast and its `_wave` twin.
+    cast: [[Option<(Kernel, Kernel)>; 3]; 3],
     reduce_sum_f32: Kernel,
     reduce_sum_bf16: Kernel,
     count_nonfinite: Kernel,
@@ -364,9 +460,14 @@ impl Kernels {
             ])
         };
         let mut cast = [[None; 3]; 3];
-        for (row, names) in cast.iter_mut().zip(CAST) {
-            for (slot, name) in row.iter_mut().zip(names) {
-                *slot = name.map(|name| module.kernel(name, sm_count)).transpose()?;
+        for (row, (names, wave_names)) in cast.iter_mut().zip(CAST.iter().zip(&CAST_WAVE)) {
+            for (slot, pair) in row.iter_mut().zip(names.iter().zip(wave_names)) {
+                if let (Some(name), Some(wave_name)) = pair {
+                    *slot = Some((
+                        module.kernel(name, sm_count)?,
+                        module.kernel(wave_name, sm_count)?,
+                    ));
+                }
             }
         }
         Ok(Kernels {
@@ -379,6 +480,12 @@ impl Kernels {
             accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
             accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32)?,
             accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16)?,
+            copy_wave: each(&COPY_WAVE)?,
+            move_many_wave: each(&MOVE_MANY_WAVE)?,
+            accumulate_wave_to_f32: each(&ACCUMULATE_WAVE_TO_F32)?,
+            accumulate_wave_to_bf16: each(&ACCUMULATE_WAVE_TO_BF16)?,
+            accumulate_many_wave_to_f32: each(&ACCUMULATE_MANY_WAVE_TO_F32)?,
+            accumulate_many_wave_to_bf16: each(&ACCUMULATE_MANY_WAVE_TO_BF16)?,
             adamw: each(&ADAMW)?,
             adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
             sgd: each(&SGD)?,

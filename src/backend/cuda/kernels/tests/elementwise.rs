@@ -161,11 +161,13 @@ fn cast_case(gpu: &Gpu, from: DType, to: DType, pattern: &[u64], n: u64) {
 
 /// How an accumulation is launched: whole, or cut into pieces of many lengths (each starting
 /// at an element offset of its own) that one `accumulate_many` call runs, in several launches
-/// when the pieces are more than a launch takes.
+/// when the pieces are more than a launch takes, or into seven pieces of about a seventh each
+/// (one launch).
 #[derive(Clone, Copy, Debug)]
 enum Launch {
     Whole,
     Pieces,
+    Sevenths,
 }
 
 /// The pieces of `0..n`, as `(first element, length)`.
@@ -182,6 +184,17 @@ fn pieces(n: u64) -> Vec<(u64, u64)> {
         at += length;
     }
     out
+}
+
+/// Seven pieces of `0..n` of about `n / 7` each, every other one starting an element late.
+fn sevenths(n: u64) -> Vec<(u64, u64)> {
+    let starts: Vec<u64> = (0..7).map(|k| (k * n / 7 + k % 2).min(n)).collect();
+    let ends = starts.iter().skip(1).copied().chain([n]);
+    starts
+        .iter()
+        .zip(ends)
+        .map(|(&start, end)| (start, end - start))
+        .collect()
 }
 
 fn accumulate_case(
@@ -210,8 +223,12 @@ fn accumulate_case(
             gpu.kernels
                 .accumulate(&gpu.stream, (src, dst), s[0], s[1], n as usize, scale, add)
         },
-        Launch::Pieces => {
-            let entries: Vec<AccumulateEntry> = pieces(n)
+        Launch::Pieces | Launch::Sevenths => {
+            let parts = match launch {
+                Launch::Sevenths => sevenths(n),
+                _ => pieces(n),
+            };
+            let entries: Vec<AccumulateEntry> = parts
                 .into_iter()
                 .map(|(at, len)| AccumulateEntry {
                     src: s[0] + at * src.size() as u64,
@@ -494,6 +511,50 @@ fn accumulate_many_matches_the_host() {
                 for_small_cases(|pattern, n| {
                     accumulate_case(&gpu, (src, dst), (add, Launch::Pieces), pattern, n)
                 });
+            }
+        }
+    }
+}
+
+/// The `_wave` twins compute what their ops do, at sizes where the launches run them (which
+/// `one_wave` decides from the grids asserted here): copies, casts, and accumulations without an
+/// addition, whole and as seven pieces of one batched launch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_wave_twins_match_the_host() {
+    let gpu = gpu();
+    let k = &gpu.kernels;
+    for dtype in DTYPES {
+        let d = dtype_index(dtype);
+        let n = runs_as_one_wave(
+            (k.copy[d], round_elements(MOVE_ROUND, dtype.size())),
+            (k.copy_wave[d], dtype.size()),
+        );
+        for pattern in ONE_WAVE_OFFSETS {
+            copy_case(&gpu, dtype, pattern, n);
+        }
+        for to in DTYPES.into_iter().filter(|&to| to != dtype) {
+            let (tuned, wave) = k.cast[d][dtype_index(to)].expect("a cast between two dtypes");
+            let widest = dtype.size().max(to.size());
+            let n = runs_as_one_wave((tuned, round_elements(ROUND, widest)), (wave, widest));
+            for pattern in ONE_WAVE_OFFSETS {
+                cast_case(&gpu, dtype, to, pattern, n);
+            }
+        }
+        for dst in ACCUMULATORS {
+            let (tuned, wave) = match dst {
+                DType::F32 => (k.accumulate_to_f32[d], k.accumulate_wave_to_f32[d]),
+                _ => (k.accumulate_to_bf16[d], k.accumulate_wave_to_bf16[d]),
+            };
+            let tuned_elements = accumulate_round_elements((dtype, dst), false);
+            let n = runs_as_one_wave(
+                (tuned, tuned_elements),
+                (wave, dtype.size().max(dst.size())),
+            );
+            for pattern in ONE_WAVE_OFFSETS {
+                for launch in [Launch::Whole, Launch::Sevenths] {
+                    accumulate_case(&gpu, (dtype, dst), (false, launch), pattern, n);
+                }
             }
         }
     }

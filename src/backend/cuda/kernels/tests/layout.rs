@@ -282,6 +282,22 @@ fn pack_and_unpack_round_trip() {
     }
 }
 
+/// Pack and unpack as their `_wave` twin: one param, then three beside each other.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pack_and_unpack_run_as_one_wave() {
+    let gpu = gpu();
+    for dtype in DTYPES {
+        let (tuned, wave) = gpu.kernels.moves_over_spans(dtype);
+        let n = runs_as_one_wave(
+            (tuned.kernel, tuned.per_thread),
+            (wave.kernel, dtype.size()),
+        );
+        pack_case(&gpu, dtype, &[n]);
+        pack_case(&gpu, dtype, &[n / 2 + 1, 7, n / 2 - 9]);
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pack_and_unpack_one_gib() {

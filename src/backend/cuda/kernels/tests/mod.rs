@@ -66,6 +66,9 @@ fn rounds_are_the_kernels_own() {
     assert_eq!(round_elements(MOVE_ROUND, 1), 16);
     // Pack and unpack: two rounds of one chunk, one after the other.
     assert_eq!(MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, 2), 16);
+    // The `_wave` twins: four chunks, 16 f32 or 32 bf16.
+    assert_eq!(round_elements(WAVE_ROUND, 4), 16);
+    assert_eq!(round_elements(WAVE_ROUND, 2), 32);
 }
 
 #[test]
@@ -82,6 +85,26 @@ fn a_batch_of_spans_gives_each_span_the_blocks_of_its_own_length() {
     // Blocks past the largest grid are refused, not wrapped.
     let huge = |_: u64| MAX_GRID / 2 + 1;
     assert_eq!(first_blocks(&[span(1), span(1)], huge), None);
+}
+
+#[test]
+fn a_launch_runs_as_one_wave_where_its_own_grid_takes_more_and_its_twin_s_fits_in_one() {
+    let kernel = |full_grid| Kernel {
+        function: std::ptr::null_mut(),
+        full_grid,
+    };
+    let (tuned, wave) = (kernel(1056), kernel(1056));
+    // 16 MiB of f32 copied: 4096 blocks at one chunk a thread, 1024 at four.
+    assert!(one_wave((tuned, 4096), (wave, 1024)));
+    assert_eq!(tuned_or_wave((tuned, 4096), (wave, 1024)).1, 1024);
+    assert!(one_wave((tuned, 1057), (wave, 1056)));
+    // One wave already at the op's own round.
+    assert!(!one_wave((tuned, 1056), (wave, 264)));
+    // The twin would take more than a wave too.
+    assert!(!one_wave((tuned, 8192), (wave, 2048)));
+    assert_eq!(tuned_or_wave((tuned, 8192), (wave, 2048)).1, 8192);
+    // The twin's own resident blocks count.
+    assert!(!one_wave((tuned, 4096), (kernel(792), 1024)));
 }
 
 #[test]
@@ -203,6 +226,30 @@ const ACCUMULATORS: [DType; 2] = [DType::F32, DType::Bf16];
 /// Element offsets of the operands, by operand (cycling): shared phases take the vector path
 /// with a scalar head and tail, different phases take the scalar path.
 const OFFSETS: [&[u64]; 7] = [&[0], &[3], &[5], &[1, 0], &[0, 5], &[4, 0], &[2, 7]];
+/// The offsets the `_wave` twins are checked at: the vector path without and with a head and a
+/// tail, and the scalar path.
+const ONE_WAVE_OFFSETS: [&[u64]; 3] = [&[0], &[3], &[0, 5]];
+
+/// Elements of an op that runs as its `_wave` twin: `tuned` is the op's own kernel and its
+/// elements a thread, `wave` the twin and the op's widest operand's bytes. The twin's grid
+/// fills its wave but for eight blocks (room for the extra blocks of a batch's spans), and the
+/// count is odd; asserted to run as one wave.
+fn runs_as_one_wave(tuned: (Kernel, usize), wave: (Kernel, usize)) -> u64 {
+    let per_block = BLOCK as usize * round_elements(WAVE_ROUND, wave.1);
+    let blocks = (wave.0.full_grid as usize)
+        .checked_sub(8)
+        .expect("a GPU of more than 8 resident blocks");
+    let n = blocks * per_block - 3;
+    let tuned_grid = elementwise_grid(n, tuned.1);
+    let wave_grid = elementwise_grid(n, round_elements(WAVE_ROUND, wave.1));
+    assert!(
+        one_wave((tuned.0, tuned_grid), (wave.0, wave_grid)),
+        "{n} elements: {tuned_grid} blocks of {} resident, {wave_grid} of {}",
+        tuned.0.full_grid,
+        wave.0.full_grid
+    );
+    n as u64
+}
 /// Poisoned elements checked after each operand.
 const GUARD: u64 = 16;
 /// Elements per upload, download and check.
