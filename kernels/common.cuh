@@ -13,20 +13,20 @@ namespace fsdp {
 // Threads per block of every kernel; the host launches with the same number.
 constexpr int kBlock = 256;
 
-// Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise
-// op; the host launches one round per thread (`elementwise_grid`; pack and unpack two, see
-// `SpanBatch`). A copy or a fill takes one
-// (`kMoveRound`), the casts two (`kRound`), the accumulations and the optimizers as many as
-// `arithmetic_round` gives, the sums as many as `kSumRound` (kernels/grad.cu). On an H200 at 1
-// GiB, against `cudaMemcpyAsync` in the same program: a copy at 0.98 with one, 0.94 with two; a
-// cast from bf16 into f32 at 0.965 with two, 0.936 with one, 0.946 with four; `f32 = bf16`
-// likewise, and `bf16 = bf16` at 0.941 with two, 0.895 with one; but `f32 += bf16` at 0.990 with
-// one, 0.946 with two; `f32 = f32` at 0.978 with one, 0.928 with two; AdamW at 0.977 with one,
-// 0.937 with two, 0.934 with four, and lower again when registers were capped for more blocks; SGD
-// at 0.978 with one, 0.944 with two. Four chunks a round on a grid that fills the GPU once and
-// strides over the rest (an earlier launch) ran them at 0.90-0.92, and so did a thread that loads
-// its next round before it stores the last on such a grid (0.89-0.94 for copies, casts and
-// accumulations). (BENCHMARKS.md has the crate's own bench.)
+// Chunks (16-byte vectors of the widest operand) a thread takes in one round of an element-wise op;
+// the host launches one round per thread (`elementwise_grid`; pack and unpack two, see `SpanBatch`;
+// a small launch may run its op's `_wave` twin instead, see `kWaveRound`). A copy or a fill takes
+// one (`kMoveRound`), the casts two (`kRound`), the accumulations and the optimizers as many as
+// `arithmetic_round` gives, the sums as many as `kSumRound` (kernels/grad.cu). On an H200 at 1 GiB,
+// against `cudaMemcpyAsync` in the same program: a copy at 0.98 with one, 0.94 with two; a cast
+// from bf16 into f32 at 0.965 with two, 0.936 with one, 0.946 with four; `f32 = bf16` likewise, and
+// `bf16 = bf16` at 0.941 with two, 0.895 with one; but `f32 += bf16` at 0.990 with one, 0.946 with
+// two; `f32 = f32` at 0.978 with one, 0.928 with two; AdamW at 0.977 with one, 0.937 with two,
+// 0.934 with four, and lower again when registers were capped for more blocks; SGD at 0.978 with
+// one, 0.944 with two. Four chunks a round on a grid that fills the GPU once and strides over the
+// rest (an earlier launch) ran them at 0.90-0.92, and so did a thread that loads its next round
+// before it stores the last on such a grid (0.89-0.94 for copies, casts and accumulations).
+// (BENCHMARKS.md has the crate's own bench.)
 constexpr int kMoveRound = 1;
 constexpr int kRound = 2;
 
@@ -289,8 +289,8 @@ struct Span {
 // length asks for, so that a small span beside a large one leaves no block idle and every block
 // has work: a round a thread, or for pack and unpack two, one after the other
 // (`MOVE_SPAN_ROUNDS` on the host: a block's search for its span then serves twice the bytes,
-// and they ran at 0.97 of the copy at 1 GiB rather than 0.94). `kBatchSpans` is `BATCH_SPANS` on
-// the host.
+// and they ran at 0.97 of the copy at 1 GiB rather than 0.94); a `_wave` twin's blocks one round
+// of `kWaveRound` chunks. `kBatchSpans` is `BATCH_SPANS` on the host.
 constexpr int kBatchSpans = 32;
 struct SpanBatch {
   Span spans[kBatchSpans];

@@ -103,7 +103,7 @@ impl Kernels {
             waves[s],
             elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
         );
-        if !add && one_wave(tuned, wave) {
+        if !add && one_wave(tuned.1, wave) {
             // SAFETY: accumulate_wave_<src>_<dst>(const S* src, D* dst, uint64_t n, float
             // scale); the caller's contract.
             return unsafe {
@@ -236,10 +236,7 @@ impl Kernels {
                 Some(wave) => {
                     let wave_first = wave.first_blocks(spans_taken)?;
                     let grid = |first: &[u32; BATCH_SPANS + 1]| first[BATCH_SPANS];
-                    if one_wave(
-                        (tuned.kernel, grid(&tuned_first)),
-                        (wave.kernel, grid(&wave_first)),
-                    ) {
+                    if one_wave(grid(&tuned_first), (wave.kernel, grid(&wave_first))) {
                         (wave, wave_first)
                     } else {
                         (tuned, tuned_first)

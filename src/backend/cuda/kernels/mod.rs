@@ -173,8 +173,8 @@ const MAX_GRID: u32 = i32::MAX as u32;
 /// Kernel names by dtype, in the order of [`dtype_index`].
 const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
 const MOVE_MANY: [&CStr; 3] = [c"move_many_bf16", c"move_many_f16", c"move_many_f32"];
-/// The `_wave` twins (see [`one_wave`]) of copy, move_many, the accumulations without an
-/// addition, and the casts, in the same orders.
+/// The `_wave` twins (see [`one_wave`]) of copy, move_many and the accumulations without an
+/// addition, in the same orders (the casts' are beside them in `CAST`).
 const COPY_WAVE: [&CStr; 3] = [c"copy_wave_bf16", c"copy_wave_f16", c"copy_wave_f32"];
 const MOVE_MANY_WAVE: [&CStr; 3] = [
     c"move_many_wave_bf16",
@@ -226,27 +226,21 @@ const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
 const ADAMW_BF16_MOMENTS: [&CStr; 3] =
     [c"adamw_bf16m_bf16", c"adamw_bf16m_f16", c"adamw_bf16m_f32"];
 const SGD: [&CStr; 3] = [c"sgd_bf16", c"sgd_f16", c"sgd_f32"];
-/// `CAST[src][dst]`; a same-dtype cast is a copy.
-const CAST: [[Option<&CStr>; 3]; 3] = [
-    [None, Some(c"cast_bf16_f16"), Some(c"cast_bf16_f32")],
-    [Some(c"cast_f16_bf16"), None, Some(c"cast_f16_f32")],
-    [Some(c"cast_f32_bf16"), Some(c"cast_f32_f16"), None],
-];
-/// The casts' `_wave` twins, where `CAST` has a cast.
-const CAST_WAVE: [[Option<&CStr>; 3]; 3] = [
+/// `CAST[src][dst]`: each cast and its `_wave` twin; a same-dtype cast is a copy.
+const CAST: [[Option<(&CStr, &CStr)>; 3]; 3] = [
     [
         None,
-        Some(c"cast_wave_bf16_f16"),
-        Some(c"cast_wave_bf16_f32"),
+        Some((c"cast_bf16_f16", c"cast_wave_bf16_f16")),
+        Some((c"cast_bf16_f32", c"cast_wave_bf16_f32")),
     ],
     [
-        Some(c"cast_wave_f16_bf16"),
+        Some((c"cast_f16_bf16", c"cast_wave_f16_bf16")),
         None,
-        Some(c"cast_wave_f16_f32"),
+        Some((c"cast_f16_f32", c"cast_wave_f16_f32")),
     ],
     [
-        Some(c"cast_wave_f32_bf16"),
-        Some(c"cast_wave_f32_f16"),
+        Some((c"cast_f32_bf16", c"cast_wave_f32_bf16")),
+        Some((c"cast_f32_f16", c"cast_wave_f32_f16")),
         None,
     ],
 ];
@@ -278,17 +272,19 @@ fn elementwise_grid(n: usize, round_elements: usize) -> u32 {
     blocks(n, BLOCK as usize * round_elements, MAX_GRID)
 }
 
-/// Whether a launch runs as its `_wave` twin: `tuned` is the kernel and grid at the op's own
-/// round, `wave` the twin's at [`WAVE_ROUND`] chunks a thread. The twin runs where the op's own
-/// grid would take more than one wave of its resident blocks and the twin's fits in one wave of
-/// its own (why: `kWaveRound` in kernels/common.cuh).
-fn one_wave(tuned: (Kernel, u32), wave: (Kernel, u32)) -> bool {
-    tuned.1 > tuned.0.full_grid && wave.1 <= wave.0.full_grid
+/// Whether a launch runs as its `_wave` twin: `tuned_grid` is its grid at the op's own round,
+/// `wave` the twin and its grid at [`WAVE_ROUND`] chunks a thread. The twin runs where the op's
+/// own grid would take more than one wave of the twin's resident blocks (a full SM's, as the op's
+/// own kernels hold) and the twin's grid fits in one (why: `kWaveRound` in kernels/common.cuh).
+/// One wave size decides both, so that a twin never runs on a grid of less than a quarter of its
+/// wave (a half for the ops of two chunks), whatever the op's own kernel holds.
+fn one_wave(tuned_grid: u32, wave: (Kernel, u32)) -> bool {
+    tuned_grid > wave.0.full_grid && wave.1 <= wave.0.full_grid
 }
 
 /// The kernel and grid a launch runs: its `_wave` twin's where [`one_wave`] says, else its own.
 fn tuned_or_wave(tuned: (Kernel, u32), wave: (Kernel, u32)) -> (Kernel, u32) {
-    if one_wave(tuned, wave) { wave } else { tuned }
+    if one_wave(tuned.1, wave) { wave } else { tuned }
 }
 
 impl Kernel {
@@ -460,9 +456,9 @@ impl Kernels {
             ])
         };
         let mut cast = [[None; 3]; 3];
-        for (row, (names, wave_names)) in cast.iter_mut().zip(CAST.iter().zip(&CAST_WAVE)) {
-            for (slot, pair) in row.iter_mut().zip(names.iter().zip(wave_names)) {
-                if let (Some(name), Some(wave_name)) = pair {
+        for (row, names) in cast.iter_mut().zip(CAST) {
+            for (slot, pair) in row.iter_mut().zip(names) {
+                if let Some((name, wave_name)) = pair {
                     *slot = Some((
                         module.kernel(name, sm_count)?,
                         module.kernel(wave_name, sm_count)?,

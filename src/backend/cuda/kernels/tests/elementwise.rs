@@ -527,29 +527,46 @@ fn one_wave_twins_match_the_host() {
     for dtype in DTYPES {
         let d = dtype_index(dtype);
         let n = runs_as_one_wave(
-            (k.copy[d], round_elements(MOVE_ROUND, dtype.size())),
+            round_elements(MOVE_ROUND, dtype.size()),
             (k.copy_wave[d], dtype.size()),
         );
         for pattern in ONE_WAVE_OFFSETS {
             copy_case(&gpu, dtype, pattern, n);
         }
         for to in DTYPES.into_iter().filter(|&to| to != dtype) {
-            let (tuned, wave) = k.cast[d][dtype_index(to)].expect("a cast between two dtypes");
+            let (_, wave) = k.cast[d][dtype_index(to)].expect("a cast between two dtypes");
             let widest = dtype.size().max(to.size());
-            let n = runs_as_one_wave((tuned, round_elements(ROUND, widest)), (wave, widest));
+            let n = runs_as_one_wave(round_elements(ROUND, widest), (wave, widest));
             for pattern in ONE_WAVE_OFFSETS {
                 cast_case(&gpu, dtype, to, pattern, n);
             }
         }
         for dst in ACCUMULATORS {
-            let (tuned, wave) = match dst {
-                DType::F32 => (k.accumulate_to_f32[d], k.accumulate_wave_to_f32[d]),
-                _ => (k.accumulate_to_bf16[d], k.accumulate_wave_to_bf16[d]),
+            let (wave, many_wave) = match dst {
+                DType::F32 => (
+                    k.accumulate_wave_to_f32[d],
+                    k.accumulate_many_wave_to_f32[d],
+                ),
+                _ => (
+                    k.accumulate_wave_to_bf16[d],
+                    k.accumulate_many_wave_to_bf16[d],
+                ),
             };
             let tuned_elements = accumulate_round_elements((dtype, dst), false);
-            let n = runs_as_one_wave(
-                (tuned, tuned_elements),
-                (wave, dtype.size().max(dst.size())),
+            let widest = dtype.size().max(dst.size());
+            let n = runs_as_one_wave(tuned_elements, (wave, widest));
+            // The seven pieces, one batch, run as the batched twin too.
+            let pieces_grid = |per_thread| -> u32 {
+                sevenths(n)
+                    .iter()
+                    .map(|&(_, len)| elementwise_grid(len as usize, per_thread))
+                    .sum()
+            };
+            let many_wave_grid = pieces_grid(round_elements(WAVE_ROUND, widest));
+            assert!(
+                one_wave(pieces_grid(tuned_elements), (many_wave, many_wave_grid)),
+                "{n} elements in seven pieces: {many_wave_grid} blocks of the twin's {}",
+                many_wave.full_grid
             );
             for pattern in ONE_WAVE_OFFSETS {
                 for launch in [Launch::Whole, Launch::Sevenths] {

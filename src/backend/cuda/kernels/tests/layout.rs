@@ -289,10 +289,7 @@ fn pack_and_unpack_run_as_one_wave() {
     let gpu = gpu();
     for dtype in DTYPES {
         let (tuned, wave) = gpu.kernels.moves_over_spans(dtype);
-        let n = runs_as_one_wave(
-            (tuned.kernel, tuned.per_thread),
-            (wave.kernel, dtype.size()),
-        );
+        let n = runs_as_one_wave(tuned.per_thread, (wave.kernel, dtype.size()));
         pack_case(&gpu, dtype, &[n]);
         pack_case(&gpu, dtype, &[n / 2 + 1, 7, n / 2 - 9]);
     }

@@ -95,16 +95,19 @@ fn a_launch_runs_as_one_wave_where_its_own_grid_takes_more_and_its_twin_s_fits_i
     };
     let (tuned, wave) = (kernel(1056), kernel(1056));
     // 16 MiB of f32 copied: 4096 blocks at one chunk a thread, 1024 at four.
-    assert!(one_wave((tuned, 4096), (wave, 1024)));
+    assert!(one_wave(4096, (wave, 1024)));
     assert_eq!(tuned_or_wave((tuned, 4096), (wave, 1024)).1, 1024);
-    assert!(one_wave((tuned, 1057), (wave, 1056)));
+    assert!(one_wave(1057, (wave, 1056)));
     // One wave already at the op's own round.
-    assert!(!one_wave((tuned, 1056), (wave, 264)));
+    assert!(!one_wave(1056, (wave, 264)));
     // The twin would take more than a wave too.
-    assert!(!one_wave((tuned, 8192), (wave, 2048)));
+    assert!(!one_wave(8192, (wave, 2048)));
     assert_eq!(tuned_or_wave((tuned, 8192), (wave, 2048)).1, 8192);
-    // The twin's own resident blocks count.
-    assert!(!one_wave((tuned, 4096), (kernel(792), 1024)));
+    // The twin's wave decides both sides: fewer resident blocks of it, no twin on a grid of
+    // less than a quarter of its wave.
+    assert!(!one_wave(4096, (kernel(792), 1024)));
+    assert!(!one_wave(792, (kernel(792), 198)));
+    assert!(one_wave(793, (kernel(792), 199)));
 }
 
 #[test]
@@ -230,22 +233,22 @@ const OFFSETS: [&[u64]; 7] = [&[0], &[3], &[5], &[1, 0], &[0, 5], &[4, 0], &[2, 
 /// tail, and the scalar path.
 const ONE_WAVE_OFFSETS: [&[u64]; 3] = [&[0], &[3], &[0, 5]];
 
-/// Elements of an op that runs as its `_wave` twin: `tuned` is the op's own kernel and its
-/// elements a thread, `wave` the twin and the op's widest operand's bytes. The twin's grid
-/// fills its wave but for eight blocks (room for the extra blocks of a batch's spans), and the
-/// count is odd; asserted to run as one wave.
-fn runs_as_one_wave(tuned: (Kernel, usize), wave: (Kernel, usize)) -> u64 {
+/// Elements of an op that runs as its `_wave` twin: `tuned` is the op's own elements a thread,
+/// `wave` the twin and the op's widest operand's bytes. The twin's grid fills its wave but for
+/// eight blocks (room for the extra blocks of a batch's spans), and the count is odd; asserted
+/// to run as one wave, by the decision and the grids of the launches (the launch itself does not
+/// say which kernel ran).
+fn runs_as_one_wave(tuned: usize, wave: (Kernel, usize)) -> u64 {
     let per_block = BLOCK as usize * round_elements(WAVE_ROUND, wave.1);
     let blocks = (wave.0.full_grid as usize)
         .checked_sub(8)
         .expect("a GPU of more than 8 resident blocks");
     let n = blocks * per_block - 3;
-    let tuned_grid = elementwise_grid(n, tuned.1);
+    let tuned_grid = elementwise_grid(n, tuned);
     let wave_grid = elementwise_grid(n, round_elements(WAVE_ROUND, wave.1));
     assert!(
-        one_wave((tuned.0, tuned_grid), (wave.0, wave_grid)),
-        "{n} elements: {tuned_grid} blocks of {} resident, {wave_grid} of {}",
-        tuned.0.full_grid,
+        one_wave(tuned_grid, (wave.0, wave_grid)),
+        "{n} elements: {tuned_grid} blocks, {wave_grid} of the twin's {}",
         wave.0.full_grid
     );
     n as u64
