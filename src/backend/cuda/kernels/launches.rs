@@ -44,16 +44,9 @@ impl Kernels {
         }
         check_aligned(src, dtype.size())?;
         check_aligned(dst, dtype.size())?;
-        let d = dtype_index(dtype);
-        let (kernel, grid) = tuned_or_wave(
-            (
-                self.copy[d],
-                elementwise_grid(n, round_elements(MOVE_ROUND, dtype.size())),
-            ),
-            (
-                self.copy_wave[d],
-                elementwise_grid(n, round_elements(WAVE_ROUND, dtype.size())),
-            ),
+        let (kernel, grid) = self.copy[dtype_index(dtype)].pick(
+            elementwise_grid(n, round_elements(MOVE_ROUND, dtype.size())),
+            elementwise_grid(n, round_elements(WAVE_ROUND, dtype.size())),
         );
         let n64 = n as u64;
         // SAFETY: copy_<dtype> and copy_wave_<dtype>(const T* src, T* dst, uint64_t n); the
@@ -82,9 +75,9 @@ impl Kernels {
         }
         check_aligned(src, src_dtype.size())?;
         check_aligned(dst, dst_dtype.size())?;
-        let (kernels, waves) = match dst_dtype {
-            DType::F32 => (&self.accumulate_to_f32, &self.accumulate_wave_to_f32),
-            DType::Bf16 => (&self.accumulate_to_bf16, &self.accumulate_wave_to_bf16),
+        let kernels = match dst_dtype {
+            DType::F32 => &self.accumulate_to_f32,
+            DType::Bf16 => &self.accumulate_to_bf16,
             DType::F16 => {
                 return Err(Error::Unsupported {
                     backend: "cuda",
@@ -92,25 +85,19 @@ impl Kernels {
                 });
             }
         };
-        let s = dtype_index(src_dtype);
+        let twins = kernels[dtype_index(src_dtype)];
         let n64 = n as u64;
-        let tuned = (
-            kernels[s],
-            elementwise_grid(n, accumulate_round_elements((src_dtype, dst_dtype), add)),
-        );
+        let grid = elementwise_grid(n, accumulate_round_elements((src_dtype, dst_dtype), add));
         let widest = src_dtype.size().max(dst_dtype.size());
-        let wave = (
-            waves[s],
-            elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
-        );
-        if !add && one_wave(tuned.1, wave) {
+        let wave_grid = elementwise_grid(n, round_elements(WAVE_ROUND, widest));
+        if !add && one_wave(grid, (twins.wave, wave_grid)) {
             // SAFETY: accumulate_wave_<src>_<dst>(const S* src, D* dst, uint64_t n, float
             // scale); the caller's contract.
             return unsafe {
                 self.launch(
                     stream,
-                    wave.0,
-                    wave.1,
+                    twins.wave,
+                    wave_grid,
                     &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale)],
                 )
             };
@@ -121,8 +108,8 @@ impl Kernels {
         unsafe {
             self.launch(
                 stream,
-                tuned.0,
-                tuned.1,
+                twins.tuned,
+                grid,
                 &mut [arg(&src), arg(&dst), arg(&n64), arg(&scale), arg(&add)],
             )
         }
@@ -143,15 +130,9 @@ impl Kernels {
         scale: f32,
         add: bool,
     ) -> Result<()> {
-        let (kernels, waves) = match dst_dtype {
-            DType::F32 => (
-                &self.accumulate_many_to_f32,
-                &self.accumulate_many_wave_to_f32,
-            ),
-            DType::Bf16 => (
-                &self.accumulate_many_to_bf16,
-                &self.accumulate_many_wave_to_bf16,
-            ),
+        let kernels = match dst_dtype {
+            DType::F32 => &self.accumulate_many_to_f32,
+            DType::Bf16 => &self.accumulate_many_to_bf16,
             DType::F16 => {
                 return Err(Error::Unsupported {
                     backend: "cuda",
@@ -159,17 +140,17 @@ impl Kernels {
                 });
             }
         };
-        let s = dtype_index(src_dtype);
+        let twins = kernels[dtype_index(src_dtype)];
         let add_flag = u32::from(add);
         let tuned_args = [arg(&scale), arg(&add_flag)];
         let tuned = SpanKernel {
-            kernel: kernels[s],
+            kernel: twins.tuned,
             per_thread: accumulate_round_elements((src_dtype, dst_dtype), add),
             args: &tuned_args,
         };
         let wave_args = [arg(&scale)];
         let wave = SpanKernel {
-            kernel: waves[s],
+            kernel: twins.wave,
             per_thread: round_elements(WAVE_ROUND, src_dtype.size().max(dst_dtype.size())),
             args: &wave_args,
         };
@@ -264,14 +245,14 @@ impl Kernels {
         &self,
         dtype: DType,
     ) -> (SpanKernel<'static>, SpanKernel<'static>) {
-        let d = dtype_index(dtype);
+        let twins = self.move_many[dtype_index(dtype)];
         let tuned = SpanKernel {
-            kernel: self.move_many[d],
+            kernel: twins.tuned,
             per_thread: MOVE_SPAN_ROUNDS * round_elements(MOVE_ROUND, dtype.size()),
             args: &[],
         };
         let wave = SpanKernel {
-            kernel: self.move_many_wave[d],
+            kernel: twins.wave,
             per_thread: round_elements(WAVE_ROUND, dtype.size()),
             args: &[],
         };
@@ -291,7 +272,7 @@ impl Kernels {
         dst: u64,
         n: usize,
     ) -> Result<()> {
-        let Some((kernel, wave)) = self.cast[dtype_index(src_dtype)][dtype_index(dst_dtype)] else {
+        let Some(twins) = self.cast[dtype_index(src_dtype)][dtype_index(dst_dtype)] else {
             // SAFETY: the caller's contract, with one dtype.
             return unsafe { self.copy(stream, src_dtype, src, dst, n) };
         };
@@ -302,12 +283,9 @@ impl Kernels {
         check_aligned(dst, dst_dtype.size())?;
         let n64 = n as u64;
         let widest = src_dtype.size().max(dst_dtype.size());
-        let (kernel, grid) = tuned_or_wave(
-            (kernel, elementwise_grid(n, round_elements(ROUND, widest))),
-            (
-                wave,
-                elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
-            ),
+        let (kernel, grid) = twins.pick(
+            elementwise_grid(n, round_elements(ROUND, widest)),
+            elementwise_grid(n, round_elements(WAVE_ROUND, widest)),
         );
         // SAFETY: cast_<src>_<dst> and cast_wave_<src>_<dst>(const S* src, D* dst, uint64_t n);
         // the caller's contract.

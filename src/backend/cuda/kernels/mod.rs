@@ -170,57 +170,50 @@ const REDUCTION_ELEMENTS_PER_THREAD: usize = 16;
 /// The most blocks of a launch's row (`gridDim.x`); the kernels stride over what lies past it.
 const MAX_GRID: u32 = i32::MAX as u32;
 
-/// Kernel names by dtype, in the order of [`dtype_index`].
-const COPY: [&CStr; 3] = [c"copy_bf16", c"copy_f16", c"copy_f32"];
-const MOVE_MANY: [&CStr; 3] = [c"move_many_bf16", c"move_many_f16", c"move_many_f32"];
-/// The `_wave` twins (see [`one_wave`]) of copy, move_many and the accumulations without an
-/// addition, in the same orders (the casts' are beside them in `CAST`).
-const COPY_WAVE: [&CStr; 3] = [c"copy_wave_bf16", c"copy_wave_f16", c"copy_wave_f32"];
-const MOVE_MANY_WAVE: [&CStr; 3] = [
-    c"move_many_wave_bf16",
-    c"move_many_wave_f16",
-    c"move_many_wave_f32",
+/// Kernel names by dtype, in the order of [`dtype_index`]; an op with a `_wave` twin (see
+/// [`one_wave`]) beside it.
+const COPY: [(&CStr, &CStr); 3] = [
+    (c"copy_bf16", c"copy_wave_bf16"),
+    (c"copy_f16", c"copy_wave_f16"),
+    (c"copy_f32", c"copy_wave_f32"),
 ];
-const ACCUMULATE_WAVE_TO_F32: [&CStr; 3] = [
-    c"accumulate_wave_bf16_f32",
-    c"accumulate_wave_f16_f32",
-    c"accumulate_wave_f32_f32",
+const MOVE_MANY: [(&CStr, &CStr); 3] = [
+    (c"move_many_bf16", c"move_many_wave_bf16"),
+    (c"move_many_f16", c"move_many_wave_f16"),
+    (c"move_many_f32", c"move_many_wave_f32"),
 ];
-const ACCUMULATE_WAVE_TO_BF16: [&CStr; 3] = [
-    c"accumulate_wave_bf16_bf16",
-    c"accumulate_wave_f16_bf16",
-    c"accumulate_wave_f32_bf16",
+/// By source dtype, into f32 and into bf16; the twins compute `dst = scale * src` only.
+const ACCUMULATE_TO_F32: [(&CStr, &CStr); 3] = [
+    (c"accumulate_bf16_f32", c"accumulate_wave_bf16_f32"),
+    (c"accumulate_f16_f32", c"accumulate_wave_f16_f32"),
+    (c"accumulate_f32_f32", c"accumulate_wave_f32_f32"),
 ];
-const ACCUMULATE_MANY_WAVE_TO_F32: [&CStr; 3] = [
-    c"accumulate_many_wave_bf16_f32",
-    c"accumulate_many_wave_f16_f32",
-    c"accumulate_many_wave_f32_f32",
+const ACCUMULATE_TO_BF16: [(&CStr, &CStr); 3] = [
+    (c"accumulate_bf16_bf16", c"accumulate_wave_bf16_bf16"),
+    (c"accumulate_f16_bf16", c"accumulate_wave_f16_bf16"),
+    (c"accumulate_f32_bf16", c"accumulate_wave_f32_bf16"),
 ];
-const ACCUMULATE_MANY_WAVE_TO_BF16: [&CStr; 3] = [
-    c"accumulate_many_wave_bf16_bf16",
-    c"accumulate_many_wave_f16_bf16",
-    c"accumulate_many_wave_f32_bf16",
+const ACCUMULATE_MANY_TO_F32: [(&CStr, &CStr); 3] = [
+    (
+        c"accumulate_many_bf16_f32",
+        c"accumulate_many_wave_bf16_f32",
+    ),
+    (c"accumulate_many_f16_f32", c"accumulate_many_wave_f16_f32"),
+    (c"accumulate_many_f32_f32", c"accumulate_many_wave_f32_f32"),
 ];
-/// By source dtype, into f32 and into bf16.
-const ACCUMULATE_TO_F32: [&CStr; 3] = [
-    c"accumulate_bf16_f32",
-    c"accumulate_f16_f32",
-    c"accumulate_f32_f32",
-];
-const ACCUMULATE_TO_BF16: [&CStr; 3] = [
-    c"accumulate_bf16_bf16",
-    c"accumulate_f16_bf16",
-    c"accumulate_f32_bf16",
-];
-const ACCUMULATE_MANY_TO_F32: [&CStr; 3] = [
-    c"accumulate_many_bf16_f32",
-    c"accumulate_many_f16_f32",
-    c"accumulate_many_f32_f32",
-];
-const ACCUMULATE_MANY_TO_BF16: [&CStr; 3] = [
-    c"accumulate_many_bf16_bf16",
-    c"accumulate_many_f16_bf16",
-    c"accumulate_many_f32_bf16",
+const ACCUMULATE_MANY_TO_BF16: [(&CStr, &CStr); 3] = [
+    (
+        c"accumulate_many_bf16_bf16",
+        c"accumulate_many_wave_bf16_bf16",
+    ),
+    (
+        c"accumulate_many_f16_bf16",
+        c"accumulate_many_wave_f16_bf16",
+    ),
+    (
+        c"accumulate_many_f32_bf16",
+        c"accumulate_many_wave_f32_bf16",
+    ),
 ];
 const ADAMW: [&CStr; 3] = [c"adamw_bf16", c"adamw_f16", c"adamw_f32"];
 const ADAMW_BF16_MOMENTS: [&CStr; 3] =
@@ -260,6 +253,13 @@ struct Kernel {
     full_grid: u32,
 }
 
+/// An op's kernel and its `_wave` twin.
+#[derive(Clone, Copy)]
+struct Twins {
+    tuned: Kernel,
+    wave: Kernel,
+}
+
 /// Blocks for `units` units of work at `per_block` units per block: at least one, at most `most`.
 fn blocks(units: usize, per_block: usize, most: u32) -> u32 {
     let wanted = units.div_ceil(per_block.max(1)).max(1);
@@ -282,9 +282,16 @@ fn one_wave(tuned_grid: u32, wave: (Kernel, u32)) -> bool {
     tuned_grid > wave.0.full_grid && wave.1 <= wave.0.full_grid
 }
 
-/// The kernel and grid a launch runs: its `_wave` twin's where [`one_wave`] says, else its own.
-fn tuned_or_wave(tuned: (Kernel, u32), wave: (Kernel, u32)) -> (Kernel, u32) {
-    if one_wave(tuned.1, wave) { wave } else { tuned }
+impl Twins {
+    /// The kernel and grid a launch runs, given its grid at the op's own round and at the twin's:
+    /// the twin's where [`one_wave`] says, else the op's own.
+    fn pick(self, tuned_grid: u32, wave_grid: u32) -> (Kernel, u32) {
+        if one_wave(tuned_grid, (self.wave, wave_grid)) {
+            (self.wave, wave_grid)
+        } else {
+            (self.tuned, tuned_grid)
+        }
+    }
 }
 
 impl Kernel {
@@ -338,18 +345,12 @@ pub struct Kernels {
     ctx: Arc<CudaContext>,
     sm_count: u32,
     fill_zero: Kernel,
-    copy: [Kernel; 3],
-    move_many: [Kernel; 3],
-    accumulate_to_f32: [Kernel; 3],
-    accumulate_to_bf16: [Kernel; 3],
-    accumulate_many_to_f32: [Kernel; 3],
-    accumulate_many_to_bf16: [Kernel; 3],
-    copy_wave: [Kernel; 3],
-    move_many_wave: [Kernel; 3],
-    accumulate_wave_to_f32: [Kernel; 3],
-    accumulate_wave_to_bf16: [Kernel; 3],
-    accumulate_many_wave_to_f32: [Kernel; 3],
-    accumulate_many_wave_to_bf16: [Kernel; 3],
+    copy: [Twins; 3],
+    move_many: [Twins; 3],
+    accumulate_to_f32: [Twins; 3],
+    accumulate_to_bf16: [Twins; 3],
+    accumulate_many_to_f32: [Twins; 3],
+    accumulate_many_to_bf16: [Twins; 3],
     adamw: [Kernel; 3],
     adamw_bf16_moments: [Kernel; 3],
     sgd: [Kernel; 3],
@@ -357,8 +358,7 @@ pub struct Kernels {
     clip_step_values: Kernel,
     skip_nonfinite_step: Kernel,
     correct_step_values: Kernel,
-    /// Each cast and its `_wave` twin.
-    cast: [[Option<(Kernel, Kernel)>; 3]; 3],
+    cast: [[Option<Twins>; 3]; 3],
     reduce_sum_f32: Kernel,
     reduce_sum_bf16: Kernel,
     count_nonfinite: Kernel,
@@ -455,33 +455,31 @@ impl Kernels {
                 module.kernel(names[2], sm_count)?,
             ])
         };
+        let twins = |(tuned, wave): (&CStr, &CStr)| -> Result<Twins> {
+            Ok(Twins {
+                tuned: module.kernel(tuned, sm_count)?,
+                wave: module.kernel(wave, sm_count)?,
+            })
+        };
+        let each_twins = |names: &[(&CStr, &CStr); 3]| -> Result<[Twins; 3]> {
+            Ok([twins(names[0])?, twins(names[1])?, twins(names[2])?])
+        };
         let mut cast = [[None; 3]; 3];
         for (row, names) in cast.iter_mut().zip(CAST) {
             for (slot, pair) in row.iter_mut().zip(names) {
-                if let Some((name, wave_name)) = pair {
-                    *slot = Some((
-                        module.kernel(name, sm_count)?,
-                        module.kernel(wave_name, sm_count)?,
-                    ));
-                }
+                *slot = pair.map(twins).transpose()?;
             }
         }
         Ok(Kernels {
             ctx: Arc::clone(ctx),
             sm_count,
             fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
-            copy: each(&COPY)?,
-            move_many: each(&MOVE_MANY)?,
-            accumulate_to_f32: each(&ACCUMULATE_TO_F32)?,
-            accumulate_to_bf16: each(&ACCUMULATE_TO_BF16)?,
-            accumulate_many_to_f32: each(&ACCUMULATE_MANY_TO_F32)?,
-            accumulate_many_to_bf16: each(&ACCUMULATE_MANY_TO_BF16)?,
-            copy_wave: each(&COPY_WAVE)?,
-            move_many_wave: each(&MOVE_MANY_WAVE)?,
-            accumulate_wave_to_f32: each(&ACCUMULATE_WAVE_TO_F32)?,
-            accumulate_wave_to_bf16: each(&ACCUMULATE_WAVE_TO_BF16)?,
-            accumulate_many_wave_to_f32: each(&ACCUMULATE_MANY_WAVE_TO_F32)?,
-            accumulate_many_wave_to_bf16: each(&ACCUMULATE_MANY_WAVE_TO_BF16)?,
+            copy: each_twins(&COPY)?,
+            move_many: each_twins(&MOVE_MANY)?,
+            accumulate_to_f32: each_twins(&ACCUMULATE_TO_F32)?,
+            accumulate_to_bf16: each_twins(&ACCUMULATE_TO_BF16)?,
+            accumulate_many_to_f32: each_twins(&ACCUMULATE_MANY_TO_F32)?,
+            accumulate_many_to_bf16: each_twins(&ACCUMULATE_MANY_TO_BF16)?,
             adamw: each(&ADAMW)?,
             adamw_bf16_moments: each(&ADAMW_BF16_MOMENTS)?,
             sgd: each(&SGD)?,

@@ -528,13 +528,15 @@ fn one_wave_twins_match_the_host() {
         let d = dtype_index(dtype);
         let n = runs_as_one_wave(
             round_elements(MOVE_ROUND, dtype.size()),
-            (k.copy_wave[d], dtype.size()),
+            (k.copy[d].wave, dtype.size()),
         );
         for pattern in ONE_WAVE_OFFSETS {
             copy_case(&gpu, dtype, pattern, n);
         }
         for to in DTYPES.into_iter().filter(|&to| to != dtype) {
-            let (_, wave) = k.cast[d][dtype_index(to)].expect("a cast between two dtypes");
+            let wave = k.cast[d][dtype_index(to)]
+                .expect("a cast between two dtypes")
+                .wave;
             let widest = dtype.size().max(to.size());
             let n = runs_as_one_wave(round_elements(ROUND, widest), (wave, widest));
             for pattern in ONE_WAVE_OFFSETS {
@@ -544,12 +546,12 @@ fn one_wave_twins_match_the_host() {
         for dst in ACCUMULATORS {
             let (wave, many_wave) = match dst {
                 DType::F32 => (
-                    k.accumulate_wave_to_f32[d],
-                    k.accumulate_many_wave_to_f32[d],
+                    k.accumulate_to_f32[d].wave,
+                    k.accumulate_many_to_f32[d].wave,
                 ),
                 _ => (
-                    k.accumulate_wave_to_bf16[d],
-                    k.accumulate_many_wave_to_bf16[d],
+                    k.accumulate_to_bf16[d].wave,
+                    k.accumulate_many_to_bf16[d].wave,
                 ),
             };
             let tuned_elements = accumulate_round_elements((dtype, dst), false);

@@ -93,16 +93,20 @@ fn a_launch_runs_as_one_wave_where_its_own_grid_takes_more_and_its_twin_s_fits_i
         function: std::ptr::null_mut(),
         full_grid,
     };
-    let (tuned, wave) = (kernel(1056), kernel(1056));
+    let wave = kernel(1056);
+    let twins = Twins {
+        tuned: kernel(1056),
+        wave,
+    };
     // 16 MiB of f32 copied: 4096 blocks at one chunk a thread, 1024 at four.
     assert!(one_wave(4096, (wave, 1024)));
-    assert_eq!(tuned_or_wave((tuned, 4096), (wave, 1024)).1, 1024);
+    assert_eq!(twins.pick(4096, 1024).1, 1024);
     assert!(one_wave(1057, (wave, 1056)));
     // One wave already at the op's own round.
     assert!(!one_wave(1056, (wave, 264)));
     // The twin would take more than a wave too.
     assert!(!one_wave(8192, (wave, 2048)));
-    assert_eq!(tuned_or_wave((tuned, 8192), (wave, 2048)).1, 8192);
+    assert_eq!(twins.pick(8192, 2048).1, 8192);
     // The twin's wave decides both sides: fewer resident blocks of it, no twin on a grid of
     // less than a quarter of its wave.
     assert!(!one_wave(4096, (kernel(792), 1024)));
