@@ -299,20 +299,18 @@ struct SpanBatch {
 static_assert(sizeof(SpanBatch) == 904, "the layout of the host's SpanBatch");
 
 // The span block `block` runs: the last whose first block is at or before it (a span with no
-// block shares its next one's first block, so it is never the last). A binary search: a block
-// reads five of the table's places rather than up to all of them.
+// block shares its next one's first block, so it is never the last; the places past the batch's
+// spans hold the grid's size). The table's places are counted rather than searched: each
+// comparison takes its place from the parameters directly and none waits for another, where a
+// binary search reads five places one after the other, each read waiting for the last, before
+// the block's first load. The blocks of a one-wave launch (`kWaveRound`) all start at once and
+// pay that wait together.
+// Four partial counts keep the additions' chain short too.
 __device__ __forceinline__ int span_of(const SpanBatch& batch, uint32_t block) {
-  int lo = 0;
-  int hi = kBatchSpans;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (batch.first_block[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
+  int counts[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 1; k < kBatchSpans; ++k) counts[k % 4] += batch.first_block[k] <= block ? 1 : 0;
+  return (counts[0] + counts[1]) + (counts[2] + counts[3]);
 }
 
 // The block's span of `batch`, with the block's thread and the span's threads in its blocks.
