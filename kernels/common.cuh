@@ -276,6 +276,22 @@ __device__ __forceinline__ uint64_t grid_threads() {
   return static_cast<uint64_t>(gridDim.x) * blockDim.x;
 }
 
+// The pieces of an element-wise range (see `elementwise`) a thread takes part in: its unaligned
+// edges (head and tail, one element at a time), its aligned body, or the whole range.
+enum class Piece { kWhole, kEdges, kBody };
+
+// A thread's place among the threads that stride over a range's pieces P.
+template <Piece P>
+struct Stride {
+  uint64_t thread;
+  uint64_t threads;
+};
+
+// The whole range over the grid: a kernel of one range.
+__device__ __forceinline__ Stride<Piece::kWhole> grid_stride() {
+  return {grid_thread(), grid_threads()};
+}
+
 // One span of a batch: `n` elements from `src` to `dst` (`fsdp_fusion`'s `Span`); a move with
 // no source writes zeros.
 struct Span {
@@ -284,48 +300,66 @@ struct Span {
   uint64_t n;
 };
 
-// The spans of one launch, passed by value (904 bytes of the 4 KiB of parameters): span s runs on
-// blocks `first_block[s]` up to `first_block[s + 1]` of a one-dimensional grid, as many as its
-// length asks for, so that a small span beside a large one leaves no block idle and every block
-// has work: a round a thread, or for pack and unpack two, one after the other
-// (`MOVE_SPAN_ROUNDS` on the host: a block's search for its span then serves twice the bytes,
-// and they ran at 0.97 of the copy at 1 GiB rather than 0.94); a `_wave` twin's blocks one round
-// of `kWaveRound` chunks. `kBatchSpans` is `BATCH_SPANS` on the host.
+// The spans of one launch, passed by value (904 bytes of the 4 KiB of parameters). The grid's
+// first `first_block[0]` blocks take the spans' unaligned edges, a warp a span (span w of block b
+// on warp `b * kEdgeSpans + w`); span s's body runs on blocks `first_block[s]` up to
+// `first_block[s + 1]`, as many as its length asks for, so that a small span beside a large one
+// leaves no block idle and every block has work: a round a thread, or for pack and unpack two,
+// one after the other (`MOVE_SPAN_ROUNDS` on the host: a block's lookup of its span then serves
+// twice the bytes, and they ran at 0.97 of the copy at 1 GiB rather than 0.94); a `_wave` twin's
+// blocks one round of `kWaveRound` chunks. With a span's edges taken by the first threads of its
+// own blocks, those threads began their chunks' loads a memory latency after every other: on an
+// H100 the layer's batched one-wave accumulation at 16 MiB ran 0.1-0.4 us longer (of 13).
+// `kBatchSpans` is `BATCH_SPANS` on the host, `kEdgeSpans` `EDGE_SPANS_PER_BLOCK`.
 constexpr int kBatchSpans = 32;
+constexpr int kEdgeSpans = kBlock / 32;
 struct SpanBatch {
   Span spans[kBatchSpans];
   uint32_t first_block[kBatchSpans + 1];
 };
 static_assert(sizeof(SpanBatch) == 904, "the layout of the host's SpanBatch");
 
-// The span block `block` runs: the last whose first block is at or before it (a span with no
-// block shares its next one's first block, so it is never the last; the places past the batch's
-// spans hold the grid's size). The table's places are counted rather than searched: each
-// comparison takes its place from the parameters directly and none waits for another, where a
-// binary search reads five places one after the other, each read waiting for the last, before
-// the block's first load. The blocks of a one-wave launch (`kWaveRound`) all start at once and
-// pay that wait together: on an H100 the batched one-wave accumulation of a layer ran 3-5%
-// shorter this way (BENCHMARKS.md, "a batch's span counted").
-// Four partial counts keep the additions' chain short too.
+// The span whose body block `block` runs: the last whose first block is at or before it (a span
+// with no block shares its next one's first block, so it is never the last; the places past the
+// batch's spans hold the grid's size). Every warp of a block looks it up before its first load,
+// at once with every other warp of the SM, so the lookup's instructions are what it costs: the
+// group of kSpanGroup places first, by comparing the groups' first places, then the place within
+// it, each comparison with a place of the parameters read into uniform registers. Counting all 31
+// places, every warp issued three times the instructions: on an H100 the layer's batched one-wave
+// accumulation at 16 MiB ran 0.2-0.4 us longer (of 13); a binary search reads five places one
+// after the other, and ran longer still (BENCHMARKS.md, "a batch's span counted").
+constexpr int kSpanGroup = 8;
+static_assert(kBatchSpans % kSpanGroup == 0, "whole groups");
 __device__ __forceinline__ int span_of(const SpanBatch& batch, uint32_t block) {
-  int counts[4] = {0, 0, 0, 0};
+  int group = 0;
 #pragma unroll
-  for (int k = 1; k < kBatchSpans; ++k) counts[k % 4] += batch.first_block[k] <= block ? 1 : 0;
-  return (counts[0] + counts[1]) + (counts[2] + counts[3]);
+  for (int k = kSpanGroup; k < kBatchSpans; k += kSpanGroup) {
+    group += batch.first_block[k] <= block ? 1 : 0;
+  }
+  const uint32_t* places = batch.first_block + group * kSpanGroup;
+  int counts[2] = {0, 0};
+#pragma unroll
+  for (int k = 1; k < kSpanGroup; ++k) counts[k % 2] += places[k] <= block ? 1 : 0;
+  return group * kSpanGroup + counts[0] + counts[1];
 }
 
-// The block's span of `batch`, with the block's thread and the span's threads in its blocks.
-struct SpanPart {
-  Span span;
-  uint64_t thread;
-  uint64_t threads;
-};
-
-__device__ __forceinline__ SpanPart span_part(const SpanBatch& batch) {
+// Runs `run(span, at)` for the thread's part of `batch`: on the grid's first blocks, the edges
+// of span `blockIdx.x * kEdgeSpans + warp` with `at` a lane of 32; on the rest, the body of the
+// block's span with `at` the thread's place in the span's blocks. The two are separate
+// instantiations of `run`, so that neither holds the other's registers: the `_wave` twins have
+// 32 a thread.
+template <class Run>
+__device__ __forceinline__ void for_span_part(const SpanBatch& batch, const Run& run) {
+  if (blockIdx.x < batch.first_block[0]) {
+    const uint32_t s = blockIdx.x * kEdgeSpans + threadIdx.x / 32;
+    if (s < kBatchSpans) run(batch.spans[s], Stride<Piece::kEdges>{threadIdx.x % 32, 32});
+    return;
+  }
   const int s = span_of(batch, blockIdx.x);
   const uint64_t first = batch.first_block[s];
   const uint64_t blocks = batch.first_block[s + 1] - first;
-  return {batch.spans[s], (blockIdx.x - first) * blockDim.x + threadIdx.x, blocks * blockDim.x};
+  run(batch.spans[s],
+      Stride<Piece::kBody>{(blockIdx.x - first) * blockDim.x + threadIdx.x, blocks * blockDim.x});
 }
 
 // One round of a thread: chunks c0, c0 + 32, ... (U of them) of N elements from element `start`,
@@ -370,16 +404,19 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
   const uint64_t full = chunks / round * round;
   const uint64_t lane = thread % 32;
   const uint64_t first = (thread - lane) * U + lane;
-  for (uint64_t c0 = first; c0 < full; c0 += round) {
+  // The last round starts where the loop stopped, `full + first`: the one value held across the
+  // loop, which kept the one-wave twins of the batches from spilling at 32 registers.
+  uint64_t c0 = first;
+  for (; c0 < full; c0 += round) {
     run_round<N, U, false>(op, start, chunks, c0);
   }
-  if (full < chunks) run_round<N, U, true>(op, start, chunks, full + first);
+  if (full < chunks) run_round<N, U, true>(op, start, chunks, c0);
 }
 
 // Runs `op` over elements [0, n): the 16-byte aligned body in chunks of E elements, U chunks in
-// flight per thread, and the unaligned head and tail one element at a time; everything one element
-// at a time when the operands' alignment phases differ. `thread` of `threads` is the caller's
-// position in the grid (grid-stride) or in its block (block-stride).
+// flight per thread, and the unaligned head and tail (the edges) one element at a time;
+// everything one element at a time, as the body, when the operands' alignment phases differ.
+// `at` is the caller's place among the threads that take the pieces `at.piece`.
 //
 // E is one 16-byte vector of the op's widest operand (kChunk), so that a narrower operand moves 8
 // bytes per chunk. Each load or store instruction of a warp then covers one contiguous span of an
@@ -387,23 +424,27 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
 // f32 vectors per 16 bytes of bf16) make each store instruction of a warp write half of every
 // sector over 1 KiB, the other half coming from the next instruction; on an H200 the kernels that
 // wrote f32 that way without reading it first ran at 53-78% of a copy.
-template <int E, int U, class Op>
+template <int E, int U, class Op, Piece P>
 __device__ __forceinline__ void elementwise(const Op& op, uint64_t n, const Phase& phase,
-                                            uint64_t thread, uint64_t threads) {
+                                            const Stride<P>& at) {
+  constexpr bool kEdges = P != Piece::kBody;
+  constexpr bool kBody = P != Piece::kEdges;
   if (!phase.ok) {
-    run_chunks<1, kScalarUnroll>(op, 0, n, thread, threads);
+    if constexpr (kBody) run_chunks<1, kScalarUnroll>(op, 0, n, at.thread, at.threads);
     return;
   }
   const uint64_t head = phase.head < n ? phase.head : n;
   const uint64_t chunks = (n - head) / E;
   const uint64_t tail = head + chunks * E;
-  for (uint64_t k = thread; k < head + (n - tail); k += threads) {
-    const uint64_t i = k < head ? k : tail + (k - head);
-    typename Op::template Regs<1> r;
-    for (int s = 0; s < op.steps(); ++s) op.template load<1>(s, i, r);
-    op.template store<1>(i, r);
+  if constexpr (kEdges) {
+    for (uint64_t k = at.thread; k < head + (n - tail); k += at.threads) {
+      const uint64_t i = k < head ? k : tail + (k - head);
+      typename Op::template Regs<1> r;
+      for (int s = 0; s < op.steps(); ++s) op.template load<1>(s, i, r);
+      op.template store<1>(i, r);
+    }
   }
-  run_chunks<E, U>(op, head, chunks, thread, threads);
+  if constexpr (kBody) run_chunks<E, U>(op, head, chunks, at.thread, at.threads);
 }
 
 // Copies elements: the op of copy, pack and unpack.
@@ -441,21 +482,20 @@ struct ZeroOp {
   }
 };
 
-template <class Bits, int U>
-__device__ __forceinline__ void copy_range(const Bits* src, Bits* dst, uint64_t n, uint64_t thread,
-                                           uint64_t threads) {
+template <class Bits, int U, Piece P>
+__device__ __forceinline__ void copy_range(const Bits* src, Bits* dst, uint64_t n,
+                                           const Stride<P>& at) {
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<kChunk<Bits>, U>(CopyOp<Bits>{src, dst}, n, phase, thread, threads);
+  elementwise<kChunk<Bits>, U>(CopyOp<Bits>{src, dst}, n, phase, at);
 }
 
-template <class Bits, int U>
-__device__ __forceinline__ void zero_range(Bits* dst, uint64_t n, uint64_t thread,
-                                           uint64_t threads) {
+template <class Bits, int U, Piece P>
+__device__ __forceinline__ void zero_range(Bits* dst, uint64_t n, const Stride<P>& at) {
   Phase phase;
   phase.add(dst);
-  elementwise<kChunk<Bits>, U>(ZeroOp<Bits>{dst}, n, phase, thread, threads);
+  elementwise<kChunk<Bits>, U>(ZeroOp<Bits>{dst}, n, phase, at);
 }
 
 }  // namespace fsdp

@@ -50,11 +50,10 @@ struct AccumulateOp {
   }
 };
 
-// Thread `thread` of `threads` (which stride over the range) does its part.
-template <class S, class D>
+// The thread's part, at `at`.
+template <class S, class D, Piece P>
 __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename D::Bits* dst,
-                                           uint64_t n, float scale, bool add, uint64_t thread,
-                                           uint64_t threads) {
+                                           uint64_t n, float scale, bool add, const Stride<P>& at) {
   Phase phase;
   phase.add(src);
   phase.add(dst);
@@ -63,22 +62,21 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
   constexpr bool kConverts = sizeof(typename S::Bits) == 2 || sizeof(typename D::Bits) == 2;
   const AccumulateOp<S, D> op{src, dst, scale, add};
   if (add) {
-    elementwise<kE, arithmetic_round(2, kConverts)>(op, n, phase, thread, threads);
+    elementwise<kE, arithmetic_round(2, kConverts)>(op, n, phase, at);
   } else {
-    elementwise<kE, arithmetic_round(1, kConverts)>(op, n, phase, thread, threads);
+    elementwise<kE, arithmetic_round(1, kConverts)>(op, n, phase, at);
   }
 }
 
 // `dst = scale * src` (no addition) at kWaveRound chunks a thread: the `_wave` twin's work.
-template <class S, class D>
+template <class S, class D, Piece P>
 __device__ __forceinline__ void accumulate_wave(const typename S::Bits* src, typename D::Bits* dst,
-                                                uint64_t n, float scale, uint64_t thread,
-                                                uint64_t threads) {
+                                                uint64_t n, float scale, const Stride<P>& at) {
   Phase phase;
   phase.add(src);
   phase.add(dst);
   elementwise<kChunk<typename Wider<S, D>::Bits>, kWaveRound>(
-      AccumulateOp<S, D>{src, dst, scale, false}, n, phase, thread, threads);
+      AccumulateOp<S, D>{src, dst, scale, false}, n, phase, at);
 }
 
 // `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
@@ -130,7 +128,7 @@ __device__ __forceinline__ void reduce_sum(const typename T::Bits* const* srcs, 
   phase.add(dst);
   for (int k = 0; k < count; ++k) phase.add(srcs[k]);
   elementwise<kChunk<typename T::Bits>, kSumRound<T>>(SumOp<T>{srcs, count, dst, scale}, n, phase,
-                                                      grid_thread(), grid_threads());
+                                                      grid_stride());
 }
 
 }  // namespace fsdp
@@ -140,8 +138,7 @@ using fsdp::kBlock;
 #define FSDP_ACCUMULATE(name, S, D)                                                        \
   extern "C" __global__ void __launch_bounds__(kBlock) accumulate_##name(                  \
       const S::Bits* src, D::Bits* dst, uint64_t n, float scale, uint32_t add) {           \
-    fsdp::accumulate<S, D>(src, dst, n, scale, add != 0, fsdp::grid_thread(),              \
-                           fsdp::grid_threads());                                          \
+    fsdp::accumulate<S, D>(src, dst, n, scale, add != 0, fsdp::grid_stride());             \
   }
 
 // Many accumulations of one dtype pair in one launch, each as `accumulate_<name>` computes it,
@@ -149,10 +146,11 @@ using fsdp::kBlock;
 #define FSDP_ACCUMULATE_MANY(name, S, D)                                                   \
   extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm) accumulate_many_##name( \
       const fsdp::SpanBatch batch, float scale, uint32_t add) {                            \
-    const fsdp::SpanPart part = fsdp::span_part(batch);                                    \
-    fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(part.span.src),                \
-                           reinterpret_cast<D::Bits*>(part.span.dst), part.span.n, scale,   \
-                           add != 0, part.thread, part.threads);                           \
+    fsdp::for_span_part(batch, [&](const fsdp::Span& span, const auto& at) {               \
+      fsdp::accumulate<S, D>(reinterpret_cast<const S::Bits*>(span.src),                   \
+                             reinterpret_cast<D::Bits*>(span.dst), span.n, scale, add != 0, \
+                             at);                                                          \
+    });                                                                                    \
   }
 
 // The `_wave` twins (see `kWaveRound`) of both, for `dst = scale * src` only: an addition also
@@ -160,14 +158,14 @@ using fsdp::kBlock;
 #define FSDP_ACCUMULATE_WAVE(name, S, D)                                                      \
   extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm) accumulate_wave_##name( \
       const S::Bits* src, D::Bits* dst, uint64_t n, float scale) {                          \
-    fsdp::accumulate_wave<S, D>(src, dst, n, scale, fsdp::grid_thread(), fsdp::grid_threads()); \
+    fsdp::accumulate_wave<S, D>(src, dst, n, scale, fsdp::grid_stride());                    \
   }                                                                                          \
   extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)                        \
       accumulate_many_wave_##name(const fsdp::SpanBatch batch, float scale) {                \
-    const fsdp::SpanPart part = fsdp::span_part(batch);                                      \
-    fsdp::accumulate_wave<S, D>(reinterpret_cast<const S::Bits*>(part.span.src),             \
-                                reinterpret_cast<D::Bits*>(part.span.dst), part.span.n, scale, \
-                                part.thread, part.threads);                                  \
+    fsdp::for_span_part(batch, [&](const fsdp::Span& span, const auto& at) {                 \
+      fsdp::accumulate_wave<S, D>(reinterpret_cast<const S::Bits*>(span.src),                \
+                                  reinterpret_cast<D::Bits*>(span.dst), span.n, scale, at);  \
+    });                                                                                      \
   }
 
 FSDP_ACCUMULATE_WAVE(bf16_f32, fsdp::Bf16, fsdp::F32)

@@ -267,8 +267,8 @@ __device__ __forceinline__ void adamw(float* master, float* m, float* v, const f
   phase.add(grad);
   phase.add(param);
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
-  elementwise<kChunk<uint32_t>, kOptimizerRound>(AdamwOp<P>{master, m, v, grad, param, c, aliased}, n, phase,
-                                   grid_thread(), grid_threads());
+  elementwise<kChunk<uint32_t>, kOptimizerRound>(AdamwOp<P>{master, m, v, grad, param, c, aliased},
+                                                 n, phase, grid_stride());
 }
 
 template <class P>
@@ -290,7 +290,7 @@ __device__ __forceinline__ void adamw_bf16_moments(float* master, Bf16::Bits* m,
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
   elementwise<kChunk<uint32_t>, kOptimizerRound>(
       AdamwBf16MomentsOp<P>{master, m, v, grad, param, c, seed, first_index, aliased}, n, phase,
-      grid_thread(), grid_threads());
+      grid_stride());
 }
 
 // `crate::optim::GroupUpdate::coefficients` for SGD, then the update.
@@ -309,7 +309,7 @@ __device__ __forceinline__ void sgd(float* master, const float* grad, typename P
   const bool aliased = static_cast<void*>(param) == static_cast<void*>(master);
   elementwise<kChunk<uint32_t>, kOptimizerRound>(
       SgdOp<P>{master, grad, param, lr, weight_decay, grad_scale, aliased}, n, phase,
-      grid_thread(), grid_threads());
+      grid_stride());
 }
 
 }  // namespace fsdp

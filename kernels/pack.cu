@@ -32,8 +32,7 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<(kS < kD ? kS : kD), U>(CastOp<S, D>{src, dst}, n, phase, grid_thread(),
-                                           grid_threads());
+  elementwise<(kS < kD ? kS : kD), U>(CastOp<S, D>{src, dst}, n, phase, grid_stride());
 }
 
 }  // namespace fsdp
@@ -41,8 +40,7 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
 using fsdp::kBlock;
 
 extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* dst, uint64_t bytes) {
-  fsdp::zero_range<uint8_t, fsdp::kMoveRound>(dst, bytes, fsdp::grid_thread(),
-                                               fsdp::grid_threads());
+  fsdp::zero_range<uint8_t, fsdp::kMoveRound>(dst, bytes, fsdp::grid_stride());
 }
 
 // `copy_<name>`, and `move_many_<name>`: the spans of a batch on blocks of their own, each
@@ -51,17 +49,17 @@ extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* ds
 // that its wave is as large as the copy's.
 #define FSDP_MOVES_ROUND(prefix, T, U, bounds)                                                    \
   extern "C" __global__ void bounds copy_##prefix(const T::Bits* src, T::Bits* dst, uint64_t n) { \
-    fsdp::copy_range<T::Bits, U>(src, dst, n, fsdp::grid_thread(), fsdp::grid_threads());         \
+    fsdp::copy_range<T::Bits, U>(src, dst, n, fsdp::grid_stride());                                 \
   }                                                                                               \
   extern "C" __global__ void bounds move_many_##prefix(const fsdp::SpanBatch batch) {             \
-    const fsdp::SpanPart part = fsdp::span_part(batch);                                           \
-    T::Bits* dst = reinterpret_cast<T::Bits*>(part.span.dst);                                     \
-    if (part.span.src != 0) {                                                                     \
-      fsdp::copy_range<T::Bits, U>(reinterpret_cast<const T::Bits*>(part.span.src), dst,         \
-                                   part.span.n, part.thread, part.threads);                       \
-    } else {                                                                                      \
-      fsdp::zero_range<T::Bits, U>(dst, part.span.n, part.thread, part.threads);                 \
-    }                                                                                             \
+    fsdp::for_span_part(batch, [&](const fsdp::Span& span, const auto& at) {                      \
+      T::Bits* dst = reinterpret_cast<T::Bits*>(span.dst);                                        \
+      if (span.src != 0) {                                                                        \
+        fsdp::copy_range<T::Bits, U>(reinterpret_cast<const T::Bits*>(span.src), dst, span.n, at); \
+      } else {                                                                                    \
+        fsdp::zero_range<T::Bits, U>(dst, span.n, at);                                            \
+      }                                                                                           \
+    });                                                                                           \
   }
 
 #define FSDP_MOVES(name, T)                                                          \

@@ -51,7 +51,8 @@ struct Span {
 }
 
 /// The launch's table, passed by value as `fsdp::SpanBatch`: the spans, and the first block of
-/// each of them in a one-dimensional grid (the grid's size after the last).
+/// each of them in a one-dimensional grid (the grid's size after the last); the blocks before
+/// the first span's take the spans' unaligned edges, [`EDGE_SPANS_PER_BLOCK`] spans a block.
 #[repr(C)]
 struct SpanBatch {
     spans: [Span; BATCH_SPANS],
@@ -60,12 +61,21 @@ struct SpanBatch {
 
 const _: () = assert!(std::mem::size_of::<SpanBatch>() == 904);
 
-/// Each span's first block when span `s` takes `blocks(spans[s].n)` blocks, the grid's size
-/// after the last used span and in every unused place; `None` when the blocks of `spans` (at
-/// most [`BATCH_SPANS`]) do not fit in a grid.
+/// Spans whose unaligned edges one block of a batched kernel takes, a warp each:
+/// `fsdp::kEdgeSpans`.
+const EDGE_SPANS_PER_BLOCK: usize = BLOCK as usize / 32;
+
+/// Each span's first block when span `s` takes `blocks(spans[s].n)` blocks after the blocks of
+/// the spans' edges, the grid's size after the last used span and in every unused place; all
+/// zeros (no launch) when no span has an element; `None` when the blocks of `spans` (at most
+/// [`BATCH_SPANS`]) do not fit in a grid.
 fn first_blocks(spans: &[Span], blocks: impl Fn(u64) -> u32) -> Option<[u32; BATCH_SPANS + 1]> {
     let mut first = [0u32; BATCH_SPANS + 1];
-    let mut next = 0u32;
+    if spans.iter().all(|s| s.n == 0) {
+        return Some(first);
+    }
+    let edge_blocks = spans.len().min(BATCH_SPANS).div_ceil(EDGE_SPANS_PER_BLOCK);
+    let mut next = u32::try_from(edge_blocks).ok()?;
     for (place, s) in first.iter_mut().zip(spans) {
         *place = next;
         let taken = if s.n == 0 { 0 } else { blocks(s.n) };

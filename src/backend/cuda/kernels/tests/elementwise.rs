@@ -557,12 +557,15 @@ fn one_wave_twins_match_the_host() {
             let tuned_elements = accumulate_round_elements((dtype, dst), false);
             let widest = dtype.size().max(dst.size());
             let n = runs_as_one_wave(tuned_elements, (wave, widest));
-            // The seven pieces, one batch, run as the batched twin too.
+            // The seven pieces, one batch, run as the batched twin too: a block for their edges,
+            // then the blocks of each piece.
             let pieces_grid = |per_thread| -> u32 {
-                sevenths(n)
+                let edge_blocks = sevenths(n).len().div_ceil(EDGE_SPANS_PER_BLOCK) as u32;
+                let bodies: u32 = sevenths(n)
                     .iter()
                     .map(|&(_, len)| elementwise_grid(len as usize, per_thread))
-                    .sum()
+                    .sum();
+                edge_blocks + bodies
             };
             let many_wave_grid = pieces_grid(round_elements(WAVE_ROUND, widest));
             assert!(

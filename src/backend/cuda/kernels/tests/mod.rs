@@ -77,9 +77,14 @@ fn a_batch_of_spans_gives_each_span_the_blocks_of_its_own_length() {
     // A block per 100 elements.
     let blocks = |n: u64| n.div_ceil(100) as u32;
     let first = first_blocks(&[span(1), span(0), span(250), span(100)], blocks).unwrap();
-    assert_eq!(first[..5], [0, 1, 1, 4, 5]);
-    // The grid's size in every unused place, where the kernel's search stops.
-    assert!(first[5..].iter().all(|&b| b == 5), "{first:?}");
+    // One block ahead of the bodies takes the four spans' edges.
+    assert_eq!(first[..5], [1, 2, 2, 5, 6]);
+    // The grid's size in every unused place, where the kernel's lookup stops.
+    assert!(first[5..].iter().all(|&b| b == 6), "{first:?}");
+    // Nine spans' edges take two blocks.
+    let nine = first_blocks(&[span(100); 9], blocks).unwrap();
+    assert_eq!(nine[..10], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
+    // No element, no block: nothing is launched.
     let nothing = first_blocks(&[span(0), span(0)], blocks).unwrap();
     assert!(nothing.iter().all(|&b| b == 0));
     // Blocks past the largest grid are refused, not wrapped.
