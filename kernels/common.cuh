@@ -396,7 +396,7 @@ __device__ __forceinline__ void run_round(const Op& op, uint64_t start, uint64_t
 // are one address plus constant offsets, so that a round holds one address per operand in
 // registers rather than U. `threads` is a multiple of 32 (blocks of kBlock threads), and all lanes
 // of a warp run the same rounds: a round is full for all of them or for none.
-template <int N, int U, class Op>
+template <int N, int U, bool kResume, class Op>
 __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_t chunks,
                                            uint64_t thread, uint64_t threads) {
   static_assert(kBlock % 32 == 0, "whole warps");
@@ -404,19 +404,22 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
   const uint64_t full = chunks / round * round;
   const uint64_t lane = thread % 32;
   const uint64_t first = (thread - lane) * U + lane;
-  // The last round starts where the loop stopped, `full + first`: the one value held across the
-  // loop, which kept the one-wave twins of the batches from spilling at 32 registers.
+  // The last round starts at `full + first`, where the loop's counter stops too. Which of the two
+  // ptxas is given decides what it holds across the loop, and at 32 registers (the `_wave`
+  // twins) that decides whether a thread spills: the counter (`kResume`) keeps a batch's body
+  // from spilling, the sum a single range (each spilled 4-8 bytes a thread the other way; the
+  // one-wave copy of 16 MiB ran 5% longer on an H100).
   uint64_t c0 = first;
   for (; c0 < full; c0 += round) {
     run_round<N, U, false>(op, start, chunks, c0);
   }
-  if (full < chunks) run_round<N, U, true>(op, start, chunks, c0);
+  if (full < chunks) run_round<N, U, true>(op, start, chunks, kResume ? c0 : full + first);
 }
 
 // Runs `op` over elements [0, n): the 16-byte aligned body in chunks of E elements, U chunks in
 // flight per thread, and the unaligned head and tail (the edges) one element at a time;
 // everything one element at a time, as the body, when the operands' alignment phases differ.
-// `at` is the caller's place among the threads that take the pieces `at.piece`.
+// `at` is the caller's place among the threads that take the pieces P.
 //
 // E is one 16-byte vector of the op's widest operand (kChunk), so that a narrower operand moves 8
 // bytes per chunk. Each load or store instruction of a warp then covers one contiguous span of an
@@ -429,8 +432,9 @@ __device__ __forceinline__ void elementwise(const Op& op, uint64_t n, const Phas
                                             const Stride<P>& at) {
   constexpr bool kEdges = P != Piece::kBody;
   constexpr bool kBody = P != Piece::kEdges;
+  constexpr bool kResume = P == Piece::kBody;
   if (!phase.ok) {
-    if constexpr (kBody) run_chunks<1, kScalarUnroll>(op, 0, n, at.thread, at.threads);
+    if constexpr (kBody) run_chunks<1, kScalarUnroll, kResume>(op, 0, n, at.thread, at.threads);
     return;
   }
   const uint64_t head = phase.head < n ? phase.head : n;
@@ -444,7 +448,7 @@ __device__ __forceinline__ void elementwise(const Op& op, uint64_t n, const Phas
       op.template store<1>(i, r);
     }
   }
-  if constexpr (kBody) run_chunks<E, U>(op, head, chunks, at.thread, at.threads);
+  if constexpr (kBody) run_chunks<E, U, kResume>(op, head, chunks, at.thread, at.threads);
 }
 
 // Copies elements: the op of copy, pack and unpack.

@@ -49,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* ds
 // that its wave is as large as the copy's.
 #define FSDP_MOVES_ROUND(prefix, T, U, bounds)                                                    \
   extern "C" __global__ void bounds copy_##prefix(const T::Bits* src, T::Bits* dst, uint64_t n) { \
-    fsdp::copy_range<T::Bits, U>(src, dst, n, fsdp::grid_stride());                                 \
+    fsdp::copy_range<T::Bits, U>(src, dst, n, fsdp::grid_stride());                              \
   }                                                                                               \
   extern "C" __global__ void bounds move_many_##prefix(const fsdp::SpanBatch batch) {             \
     fsdp::for_span_part(batch, [&](const fsdp::Span& span, const auto& at) {                      \
