@@ -173,9 +173,9 @@ impl Kernels {
 
     /// Launches `tuned.kernel` over the spans `spans()` gives, in batches of [`BATCH_SPANS`], each
     /// span's body on blocks of its own, as many as its length asks for at the kernel's elements
-    /// a thread, after the blocks of the batch's edges ([`first_blocks`]); a batch runs as the
-    /// `wave` twin instead where [`one_wave`] says. Every span is
-    /// checked before the first launch: a span that is an error launches nothing.
+    /// a thread, after the blocks of the batch's edges (`first_blocks`); a batch runs as the
+    /// `wave` twin instead where [`one_wave`] says. Every span is checked before the first
+    /// launch: a span that is an error launches nothing.
     ///
     /// # Safety
     /// Each kernel takes `(SpanBatch, args...)` with its own `args`, and each span is valid for
