@@ -1,5 +1,5 @@
 // Shared by every kernel family: element types with exact conversions, 16-byte vector access, the
-// alignment phase of an element-wise range, and the grid- (or block-) stride driver.
+// alignment phase of an element-wise range, the grid-stride driver, and the batches' table.
 //
 // Every size and index is 64-bit: buffers of several GiB are ordinary here.
 #pragma once
@@ -277,7 +277,8 @@ __device__ __forceinline__ uint64_t grid_threads() {
 }
 
 // The pieces of an element-wise range (see `elementwise`) a thread takes part in: its unaligned
-// edges (head and tail, one element at a time), its aligned body, or the whole range.
+// edges (head and tail, one element at a time), its aligned body (all of it, one element at a
+// time, where the operands' alignment phases differ), or the whole range.
 enum class Piece { kWhole, kEdges, kBody };
 
 // A thread's place among the threads that stride over a range's pieces P.
@@ -301,15 +302,16 @@ struct Span {
 };
 
 // The spans of one launch, passed by value (904 bytes of the 4 KiB of parameters). The grid's
-// first `first_block[0]` blocks take the spans' unaligned edges, a warp a span (span w of block b
-// on warp `b * kEdgeSpans + w`); span s's body runs on blocks `first_block[s]` up to
+// first `first_block[0]` blocks take the spans' unaligned edges, a warp a span (warp w of block b
+// takes span `b * kEdgeSpans + w`); span s's body runs on blocks `first_block[s]` up to
 // `first_block[s + 1]`, as many as its length asks for, so that a small span beside a large one
 // leaves no block idle and every block has work: a round a thread, or for pack and unpack two,
 // one after the other (`MOVE_SPAN_ROUNDS` on the host: a block's lookup of its span then serves
 // twice the bytes, and they ran at 0.97 of the copy at 1 GiB rather than 0.94); a `_wave` twin's
 // blocks one round of `kWaveRound` chunks. With a span's edges taken by the first threads of its
 // own blocks, those threads began their chunks' loads a memory latency after every other: on an
-// H100 the layer's batched one-wave accumulation at 16 MiB ran 0.1-0.4 us longer (of 13).
+// H100 the layer's batched one-wave accumulation at 16 MiB ran up to 0.45 us longer (of 13), 0.2
+// on average (BENCHMARKS.md, "a batch's edges on blocks of their own").
 // `kBatchSpans` is `BATCH_SPANS` on the host, `kEdgeSpans` `EDGE_SPANS_PER_BLOCK`.
 constexpr int kBatchSpans = 32;
 constexpr int kEdgeSpans = kBlock / 32;
@@ -326,8 +328,9 @@ static_assert(sizeof(SpanBatch) == 904, "the layout of the host's SpanBatch");
 // group of kSpanGroup places first, by comparing the groups' first places, then the place within
 // it, each comparison with a place of the parameters read into uniform registers. Counting all 31
 // places, every warp issued three times the instructions: on an H100 the layer's batched one-wave
-// accumulation at 16 MiB ran 0.2-0.4 us longer (of 13); a binary search reads five places one
-// after the other, and ran longer still (BENCHMARKS.md, "a batch's span counted").
+// accumulation at 16 MiB ran 0.1-0.4 us longer (of 13) in the same runs (BENCHMARKS.md, "a
+// batch's edges on blocks of their own"); a binary search reads five places one after the
+// other, and ran longer still ("a batch's span counted").
 constexpr int kSpanGroup = 8;
 static_assert(kBatchSpans % kSpanGroup == 0, "whole groups");
 __device__ __forceinline__ int span_of(const SpanBatch& batch, uint32_t block) {
@@ -346,8 +349,8 @@ __device__ __forceinline__ int span_of(const SpanBatch& batch, uint32_t block) {
 // Runs `run(span, at)` for the thread's part of `batch`: on the grid's first blocks, the edges
 // of span `blockIdx.x * kEdgeSpans + warp` with `at` a lane of 32; on the rest, the body of the
 // block's span with `at` the thread's place in the span's blocks. The two are separate
-// instantiations of `run`, so that neither holds the other's registers: the `_wave` twins have
-// 32 a thread.
+// instantiations of `run`, so that neither holds the other's registers: the batched kernels are
+// compiled for a full SM, 32 a thread.
 template <class Run>
 __device__ __forceinline__ void for_span_part(const SpanBatch& batch, const Run& run) {
   if (blockIdx.x < batch.first_block[0]) {
@@ -405,10 +408,10 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
   const uint64_t lane = thread % 32;
   const uint64_t first = (thread - lane) * U + lane;
   // The last round starts at `full + first`, where the loop's counter stops too. Which of the two
-  // ptxas is given decides what it holds across the loop, and at 32 registers (the `_wave`
-  // twins) that decides whether a thread spills: the counter (`kResume`) keeps a batch's body
-  // from spilling, the sum a single range (each spilled 4-8 bytes a thread the other way; the
-  // one-wave copy of 16 MiB ran 5% longer on an H100).
+  // ptxas is given decides what it holds across the loop, and at 32 registers (the kernels
+  // compiled for a full SM) that decides whether a thread spills: the counter (`kResume`) keeps
+  // a batch's body from spilling, the sum a single range (each spilled 4-8 bytes a thread the
+  // other way; the one-wave copy of 16 MiB ran 5% longer on an H100).
   uint64_t c0 = first;
   for (; c0 < full; c0 += round) {
     run_round<N, U, false>(op, start, chunks, c0);

@@ -51,7 +51,7 @@ struct Span {
 }
 
 /// The launch's table, passed by value as `fsdp::SpanBatch`: the spans, and the first block of
-/// each of them in a one-dimensional grid (the grid's size after the last); the blocks before
+/// each one's body in a one-dimensional grid (the grid's size after the last); the blocks before
 /// the first span's take the spans' unaligned edges, [`EDGE_SPANS_PER_BLOCK`] spans a block.
 #[repr(C)]
 struct SpanBatch {

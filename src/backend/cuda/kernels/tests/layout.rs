@@ -286,12 +286,47 @@ fn pack_and_unpack_round_trip() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn pack_and_unpack_run_as_one_wave() {
+    use crate::backend::cuda::kernels::Span as S;
+    use crate::backend::cuda::kernels::launches::{pack_spans, unpack_spans};
     let gpu = gpu();
     for dtype in DTYPES {
         let (tuned, wave) = gpu.kernels.moves_over_spans(dtype);
         let n = runs_as_one_wave(tuned.per_thread, (wave.kernel, dtype.size()));
-        pack_case(&gpu, dtype, &[n]);
-        pack_case(&gpu, dtype, &[n / 2 + 1, 7, n / 2 - 9]);
+        for numels in [vec![n], vec![n / 2 + 1, 7, n / 2 - 9]] {
+            // The most spans `pack_case` can give these params (every one padded), through the
+            // launch's own choice, then the case.
+            let entries: Vec<PackEntry> = numels
+                .iter()
+                .scan(0, |offset, &numel| {
+                    let entry = PackEntry {
+                        ptr: 1 << 20,
+                        offset: *offset,
+                        numel,
+                        padded: numel + 8,
+                    };
+                    *offset += numel + 8;
+                    Some(entry)
+                })
+                .collect();
+            let flat = 1 << 30;
+            let packs: Vec<S> = pack_spans(dtype, &entries, flat)
+                .collect::<Result<_>>()
+                .expect("pack spans");
+            let unpacks: Vec<S> = unpack_spans(dtype, &entries, flat)
+                .collect::<Result<_>>()
+                .expect("unpack spans");
+            for spans in [packs, unpacks] {
+                let grid =
+                    |k: &SpanKernel<'_>| k.first_blocks(&spans).expect("a grid")[BATCH_SPANS];
+                assert!(
+                    one_wave(grid(&tuned), (wave.kernel, grid(&wave))),
+                    "{dtype} {numels:?}: {} blocks of the twin's {}",
+                    grid(&wave),
+                    wave.kernel.full_grid
+                );
+            }
+            pack_case(&gpu, dtype, &numels);
+        }
     }
 }
 
