@@ -212,20 +212,7 @@ impl Kernels {
                     None => break,
                 }
             }
-            let spans_taken = &batch.spans[..taken];
-            let tuned_first = tuned.first_blocks(spans_taken)?;
-            let (chosen, first) = match wave {
-                Some(wave) => {
-                    let wave_first = wave.first_blocks(spans_taken)?;
-                    let grid = |first: &[u32; BATCH_SPANS + 1]| first[BATCH_SPANS];
-                    if one_wave(grid(&tuned_first), (wave.kernel, grid(&wave_first))) {
-                        (wave, wave_first)
-                    } else {
-                        (tuned, tuned_first)
-                    }
-                }
-                None => (tuned, tuned_first),
-            };
+            let (chosen, first) = batch_kernel(tuned, wave, &batch.spans[..taken])?;
             batch.first_block = first;
             let grid = first[BATCH_SPANS];
             if grid > 0 {

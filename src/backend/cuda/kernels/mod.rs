@@ -111,6 +111,28 @@ impl SpanKernel<'_> {
     }
 }
 
+/// The kernel a batch of `spans` runs and its table: the `wave` twin where [`one_wave`] says,
+/// else `tuned`.
+fn batch_kernel<'a>(
+    tuned: SpanKernel<'a>,
+    wave: Option<SpanKernel<'a>>,
+    spans: &[Span],
+) -> Result<(SpanKernel<'a>, [u32; BATCH_SPANS + 1])> {
+    let tuned_first = tuned.first_blocks(spans)?;
+    let Some(wave) = wave else {
+        return Ok((tuned, tuned_first));
+    };
+    let wave_first = wave.first_blocks(spans)?;
+    if one_wave(
+        tuned_first[BATCH_SPANS],
+        (wave.kernel, wave_first[BATCH_SPANS]),
+    ) {
+        Ok((wave, wave_first))
+    } else {
+        Ok((tuned, tuned_first))
+    }
+}
+
 /// The fatbin that build.rs compiled; empty when nvcc was not found.
 static FATBIN: &Aligned<[u8]> =
     &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin")));

@@ -544,34 +544,34 @@ fn one_wave_twins_match_the_host() {
             }
         }
         for dst in ACCUMULATORS {
-            let (wave, many_wave) = match dst {
-                DType::F32 => (
-                    k.accumulate_to_f32[d].wave,
-                    k.accumulate_many_to_f32[d].wave,
-                ),
-                _ => (
-                    k.accumulate_to_bf16[d].wave,
-                    k.accumulate_many_to_bf16[d].wave,
-                ),
+            let (wave, many) = match dst {
+                DType::F32 => (k.accumulate_to_f32[d].wave, k.accumulate_many_to_f32[d]),
+                _ => (k.accumulate_to_bf16[d].wave, k.accumulate_many_to_bf16[d]),
             };
             let tuned_elements = accumulate_round_elements((dtype, dst), false);
             let widest = dtype.size().max(dst.size());
             let n = runs_as_one_wave(tuned_elements, (wave, widest));
-            // The seven pieces, one batch, run as the batched twin too: a block for their edges,
-            // then the blocks of each piece.
-            let pieces_grid = |per_thread| -> u32 {
-                let edge_blocks = sevenths(n).len().div_ceil(EDGE_SPANS_PER_BLOCK) as u32;
-                let bodies: u32 = sevenths(n)
-                    .iter()
-                    .map(|&(_, len)| elementwise_grid(len as usize, per_thread))
-                    .sum();
-                edge_blocks + bodies
+            // The seven pieces, one batch, run as the batched twin too.
+            let pieces: Vec<crate::backend::cuda::kernels::Span> = sevenths(n)
+                .into_iter()
+                .map(|(_, len)| crate::backend::cuda::kernels::Span {
+                    src: 0,
+                    dst: 0,
+                    n: len,
+                })
+                .collect();
+            let span_kernel = |kernel, per_thread| SpanKernel {
+                kernel,
+                per_thread,
+                args: &[],
             };
-            let many_wave_grid = pieces_grid(round_elements(WAVE_ROUND, widest));
             assert!(
-                one_wave(pieces_grid(tuned_elements), (many_wave, many_wave_grid)),
-                "{n} elements in seven pieces: {many_wave_grid} blocks of the twin's {}",
-                many_wave.full_grid
+                batch_runs_as_twin(
+                    span_kernel(many.tuned, tuned_elements),
+                    span_kernel(many.wave, round_elements(WAVE_ROUND, widest)),
+                    &pieces
+                ),
+                "{n} elements in seven pieces, {dtype} into {dst}"
             );
             for pattern in ONE_WAVE_OFFSETS {
                 for launch in [Launch::Whole, Launch::Sevenths] {

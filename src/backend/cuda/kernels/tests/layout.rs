@@ -316,13 +316,9 @@ fn pack_and_unpack_run_as_one_wave() {
                 .collect::<Result<_>>()
                 .expect("unpack spans");
             for spans in [packs, unpacks] {
-                let grid =
-                    |k: &SpanKernel<'_>| k.first_blocks(&spans).expect("a grid")[BATCH_SPANS];
                 assert!(
-                    one_wave(grid(&tuned), (wave.kernel, grid(&wave))),
-                    "{dtype} {numels:?}: {} blocks of the twin's {}",
-                    grid(&wave),
-                    wave.kernel.full_grid
+                    batch_runs_as_twin(tuned, wave, &spans),
+                    "{dtype} {numels:?}"
                 );
             }
             pack_case(&gpu, dtype, &numels);

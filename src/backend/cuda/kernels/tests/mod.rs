@@ -120,6 +120,39 @@ fn a_launch_runs_as_one_wave_where_its_own_grid_takes_more_and_its_twin_s_fits_i
 }
 
 #[test]
+fn a_batch_runs_as_its_twin_where_its_table_with_the_edge_blocks_fits_one_wave() {
+    let span_kernel = |per_thread| SpanKernel {
+        kernel: Kernel {
+            function: std::ptr::null_mut(),
+            full_grid: 1056,
+        },
+        per_thread,
+        args: &[],
+    };
+    // 1024 elements a block for the op's own kernel, 4096 for its twin.
+    let (tuned, wave) = (span_kernel(4), span_kernel(16));
+    let spans = |count, blocks: u64| -> Vec<super::Span> {
+        let span = super::Span {
+            src: 0,
+            dst: 0,
+            n: blocks * 4096,
+        };
+        vec![span; count]
+    };
+    // Seven spans of 150 twin blocks, after one block of their edges.
+    let (chosen, first) = batch_kernel(tuned, Some(wave), &spans(7, 150)).unwrap();
+    assert_eq!(chosen.per_thread, 16);
+    assert_eq!(first[..8], [1, 151, 301, 451, 601, 751, 901, 1051]);
+    // Eight spans of 132: 1056 blocks of bodies fill the wave, and the edges' block is one more.
+    let (chosen, first) = batch_kernel(tuned, Some(wave), &spans(8, 132)).unwrap();
+    assert_eq!(chosen.per_thread, 4);
+    assert_eq!(first[BATCH_SPANS], 1 + 8 * 528);
+    // No twin: the op's own kernel.
+    let (chosen, _) = batch_kernel(tuned, None, &spans(7, 150)).unwrap();
+    assert_eq!(chosen.per_thread, 4);
+}
+
+#[test]
 fn pack_spans_copy_each_param_zero_its_padding_and_refuse_what_cannot_be_packed() {
     use super::Span as S;
     use super::launches::{pack_spans, unpack_spans};
@@ -241,6 +274,12 @@ const OFFSETS: [&[u64]; 7] = [&[0], &[3], &[5], &[1, 0], &[0, 5], &[4, 0], &[2, 
 /// The offsets the `_wave` twins are checked at: the vector path without and with a head and a
 /// tail, and the scalar path.
 const ONE_WAVE_OFFSETS: [&[u64]; 3] = [&[0], &[3], &[0, 5]];
+
+/// Whether a batch of `spans` runs as `wave`: the launch's own choice ([`batch_kernel`]).
+fn batch_runs_as_twin(tuned: SpanKernel<'_>, wave: SpanKernel<'_>, spans: &[super::Span]) -> bool {
+    let (chosen, _) = batch_kernel(tuned, Some(wave), spans).expect("a batch's grid");
+    chosen.kernel.function == wave.kernel.function
+}
 
 /// Elements of an op that runs as its `_wave` twin: `tuned` is the op's own elements a thread,
 /// `wave` the twin and the op's widest operand's bytes. The twin's grid fills its wave but for
