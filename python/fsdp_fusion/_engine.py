@@ -22,6 +22,14 @@ def _choice(what: str, value, codes: dict) -> int:
     return codes[value]
 
 
+def _count(what: str, value) -> int:
+    """`value` as a count of at least 1: ctypes would wrap a negative one into the C field's
+    largest value, which reads as no limit at all."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{what} {value!r} is not a positive integer")
+    return value
+
+
 def _membership(device: torch.device) -> tuple[int, int]:
     """This process's rank and the world size: torch.distributed's when initialized. A CPU
     model among several processes is refused: the CPU engine's ranks are threads of one process
@@ -93,8 +101,8 @@ class _EngineCreation:
         if weight_decay is None:
             weight_decay = 0.01 if optimizer == "adamw" else 0.0
         config.eps, config.weight_decay = eps, weight_decay
-        config.double_buffer_limit = double_buffer_limit
-        config.max_reduces_in_flight = max_reduces_in_flight
+        config.double_buffer_limit = _count("double_buffer_limit", double_buffer_limit)
+        config.max_reduces_in_flight = _count("max_reduces_in_flight", max_reduces_in_flight)
         config.overlap = int(bool(overlap))
         config.timeout_seconds = timeout
         config.verify_collectives = int(bool(verify_collectives))

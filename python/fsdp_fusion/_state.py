@@ -24,6 +24,14 @@ def _value(p: _Param, info: ParamInfo, group_bytes: torch.Tensor) -> torch.Tenso
     return values.view(p.tensor.dtype).view(p.tensor.shape).clone()
 
 
+def _c_path(path: str | os.PathLike) -> bytes:
+    """`path` as the C API takes it: a NUL byte would end it there, naming another file."""
+    encoded = os.fsencode(path)
+    if b"\0" in encoded:
+        raise InvalidArgumentError(f"the path {path!r} holds a NUL byte")
+    return encoded
+
+
 def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
                       library: str | os.PathLike | None = None):
     """Writes the full model of the sharded checkpoint in `directory` (saved by `FusedFSDP.save`
@@ -31,8 +39,8 @@ def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
     parameter names, as `FusedFSDP.export` does at world size 1. No engine and no communication:
     one process calls it once every rank saved. A missing, incomplete or corrupted checkpoint
     raises `IoError`; an existing `path` raises `InvalidArgumentError`."""
-    _capi.library(library).call("fsdp_checkpoint_export_safetensors", os.fsencode(directory),
-                                os.fsencode(path))
+    _capi.library(library).call("fsdp_checkpoint_export_safetensors", _c_path(directory),
+                                _c_path(path))
 
 
 class _StateCopies:
@@ -52,9 +60,10 @@ class _StateCopies:
         gradient since the last step, an evaluation, end their step first). `wait=False` copies
         the state into host memory and returns while a thread writes the files; `wait_save()`
         gives the outcome (one save pending at a time, until then)."""
-        self._end_evaluation()
+        encoded = _c_path(directory)
         name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
-        self._call(name, self._engine, os.fsencode(directory))
+        self._end_evaluation()
+        self._call(name, self._engine, encoded)
 
     def wait_save(self):
         """The outcome of `save(wait=False)`, a collective: every rank calls it, between steps.
@@ -75,8 +84,9 @@ class _StateCopies:
         `InvalidArgumentError` listing the differences, as do ranks that read node-local copies
         of two saves (on every rank, naming both); a rank whose own part was fine raises the
         failing rank's error, naming it."""
+        encoded = _c_path(directory)
         self._end_evaluation()
-        self._call("fsdp_engine_load", self._engine, os.fsencode(directory))
+        self._call("fsdp_engine_load", self._engine, encoded)
 
     def export(self, path: str | os.PathLike):
         """Writes the full model's parameters into the safetensors file `path` under the
@@ -85,8 +95,9 @@ class _StateCopies:
         into a plain PyTorch model; it holds no buffers and no tied parameter's other names,
         which a strict load asks for: `full_state_dict` holds those). Atomic; an existing file
         raises `InvalidArgumentError`. World size 1, between steps."""
+        encoded = _c_path(path)
         self._end_evaluation()
-        self._call("fsdp_engine_export_safetensors", self._engine, os.fsencode(path))
+        self._call("fsdp_engine_export_safetensors", self._engine, encoded)
 
     def import_(self, path: str | os.PathLike):
         """Loads every parameter's values from the safetensors file `path` (an export, or a
@@ -95,8 +106,9 @@ class _StateCopies:
         difference. A collective: nothing is loaded on any rank unless every rank read its
         part, and ranks whose files differ (node-local copies of two models) in their length,
         header or the first 4 KiB of a tensor raise `InvalidArgumentError` alike. The optimizer's state is unchanged. Between steps."""
+        encoded = _c_path(path)
         self._end_evaluation()
-        self._call("fsdp_engine_import_safetensors", self._engine, os.fsencode(path))
+        self._call("fsdp_engine_import_safetensors", self._engine, encoded)
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """A host copy of parameter `name` from this rank's shard, at world size 1 (where the

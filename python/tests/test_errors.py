@@ -70,6 +70,27 @@ def test_settings_the_engine_refuses_raise_value_errors():
     with pytest.raises(fsdp_fusion.InvalidArgumentError,
                        match="local_group 2 is not a LocalGroup or a LoopbackGroup"):
         FusedFSDP(module, list(module.blocks), local_group=2)
+    # ctypes would wrap -1 into the C field's largest value: no limit at all.
+    for field in ("double_buffer_limit", "max_reduces_in_flight"):
+        for bad in (-1, 0, 1.5, True):
+            with pytest.raises(ValueError, match=f"{field} {bad!r} is not a positive integer"):
+                FusedFSDP(module, list(module.blocks), **{field: bad})
+
+
+def test_a_path_holding_a_nul_byte_is_refused_before_anything_is_written(tmp_path):
+    _, module = models()
+    fused = FusedFSDP(module, list(module.blocks))
+    cut = tmp_path / "checkpoint"
+    given = str(cut) + "\0.tmp"
+    for call in (fused.save, fused.load, fused.export, fused.import_,
+                 lambda p: fsdp_fusion.export_checkpoint(p, tmp_path / "model.safetensors"),
+                 lambda p: fsdp_fusion.export_checkpoint(tmp_path, p)):
+        with pytest.raises(ValueError, match="holds a NUL byte"):
+            call(given)
+    # The C API, given the path, would have read it up to the NUL: the checkpoint directory.
+    assert not cut.exists() and list(tmp_path.iterdir()) == []
+    fused.save(cut)
+    assert any(cut.iterdir())
 
 
 def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):
