@@ -123,8 +123,10 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// under the call gives an error or the bytes it held when read, never a fault). The file
     /// must hold exactly the model's parameters, by name, shape and dtype; otherwise
     /// `Error::CheckpointMismatch` lists every difference. A collective: every rank calls it,
-    /// and nothing changes on any rank unless every rank read its part (a rank that failed
-    /// returns its error, the others `Error::PeerRefused` naming it). Ranks whose files differ
+    /// and nothing changes on any rank unless every rank read its part and has the host memory
+    /// to widen it for the fp32 masters (a rank that failed returns its error, the others
+    /// `Error::PeerRefused` naming it); a rank whose upload fails after the ranks agreed (its
+    /// device) is poisoned, its parameters half loaded. Ranks whose files differ
     /// (node-local copies of two models, say) in their length, header or the first 4 KiB of a
     /// tensor are refused alike, nothing changed (`Error::CheckpointMismatch` naming the
     /// differing ranks' digests of those bytes); files that differ only past those bytes are
@@ -135,11 +137,19 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     pub fn import_safetensors(&mut self, path: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("importing a model")?;
-        let read = self.read_import(path);
-        let (held, identities) = self.agree(path, read)?;
+        // The room to widen the largest parameter for its master is made before the ranks
+        // agree, so that too little memory for it is refused with nothing changed on any rank.
+        let read = self.read_import(path).and_then(|(held, identity)| {
+            let most = (0..held.len()).try_fold(0, |most, i| {
+                Ok::<_, Error>(most.max(self.held_master_bytes(ParamId(i))?))
+            })?;
+            let wide = crate::fallible::with_capacity(most, "a master")?;
+            Ok(((held, wide), identity))
+        });
+        let ((held, mut wide), identities) = self.agree(path, read)?;
         check_one_source(&identities, "files")?;
         for (i, values) in held.into_iter().enumerate() {
-            self.store_held(ParamId(i), &values)?;
+            self.store_held(ParamId(i), &values, &mut wide)?;
         }
         Ok(())
     }

@@ -470,7 +470,11 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         let held = self.held_elements(param)?;
         let size = dtype.size();
-        self.store_held(param, &bytes[held.start * size..held.end * size])
+        self.store_held(
+            param,
+            &bytes[held.start * size..held.end * size],
+            &mut Vec::new(),
+        )
     }
 
     /// The elements of parameter `param` that this rank's shard holds (empty when none).
@@ -487,9 +491,27 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
     }
 
+    /// Bytes of the fp32 master of the elements of `param` that this rank holds: 0 where its
+    /// group has no master.
+    pub(super) fn held_master_bytes(&self, param: ParamId) -> Result<usize> {
+        let group = self.plan.param(param)?.group;
+        match self.optimizer.groups[group].master.is_some() {
+            true => Ok(self.held_elements(param)?.len() * DType::F32.size()),
+            false => Ok(0),
+        }
+    }
+
     /// Writes `values` (the elements [`Engine::held_elements`] names, in the parameter's dtype)
-    /// into this rank's shard and master; between steps, where no group is gathered.
-    pub(super) fn store_held(&mut self, param: ParamId, values: &[u8]) -> Result<()> {
+    /// into this rank's shard and master; between steps, where no group is gathered. `wide`
+    /// takes the values widened for the master, growing first where it is shorter than
+    /// [`Engine::held_master_bytes`]: too little memory for that changes nothing, and where it
+    /// has the room only the device can fail the call, which poisons the engine.
+    pub(super) fn store_held(
+        &mut self,
+        param: ParamId,
+        values: &[u8],
+        wide: &mut Vec<u8>,
+    ) -> Result<()> {
         let layout = self.plan.param(param)?;
         let held = self.held_elements(param)?;
         if held.is_empty() {
@@ -500,13 +522,12 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let at = layout.offset + held.start - self.plan.shard_range(group, self.rank).start;
         let master_only = self.policy.master_only(group.index);
         // Exactly what the shard holds, widened: only this parameter's range, so the fp32
-        // progress of the group's other parameters stays. Made before anything changes, so
-        // too little memory for it changes nothing.
+        // progress of the group's other parameters stays.
         let wide = match self.optimizer.groups[index].master.is_some() {
             true => {
-                let mut wide = crate::fallible::filled(held.len() * 4, 0u8, "a master")?;
-                convert((&mut wide, DType::F32), (values, dtype));
-                Some(wide)
+                crate::fallible::refill(wide, held.len() * DType::F32.size(), "a master")?;
+                convert((wide.as_mut_slice(), DType::F32), (values, dtype));
+                Some(wide.as_slice())
             }
             false => None,
         };
@@ -516,7 +537,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 e.backend
                     .upload(&mut e.param_shards[index], region, values)?;
             }
-            if let (Some(master), Some(wide)) = (e.optimizer.groups[index].master.as_mut(), &wide) {
+            if let (Some(master), Some(wide)) = (e.optimizer.groups[index].master.as_mut(), wide) {
                 e.backend
                     .upload(master, Region::new(at, held.len(), DType::F32), wide)?;
             }
