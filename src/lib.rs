@@ -87,6 +87,7 @@ mod schedule;
 pub mod spec;
 mod state;
 mod sync;
+mod threads;
 pub mod trace;
 pub mod types;
 pub mod watch;

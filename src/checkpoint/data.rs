@@ -9,6 +9,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::{Saved, data_path, unreadable};
 use crate::error::Result;
+use crate::threads::spawn_scoped;
 
 /// The chunk a save checksums: large enough that a digest per chunk is nothing beside the bytes,
 /// small enough that a load of part of a file reads little more than that part.
@@ -297,10 +298,10 @@ pub fn read_ranges(saved: &Saved, ranges: &[FileRange], out: &mut [u8]) -> Resul
         Ok(())
     };
     std::thread::scope(|s| {
-        let handles: Vec<_> = runs
+        let handles = runs
             .into_iter()
-            .map(|run| s.spawn(move || read_run(run)))
-            .collect();
+            .map(|run| spawn_scoped(s, "a checkpoint reader", move || read_run(run)))
+            .collect::<Result<Vec<_>>>()?;
         handles
             .into_iter()
             .map(|h| {

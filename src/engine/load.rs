@@ -12,6 +12,7 @@ use crate::checkpoint::{self, FileRange, SaveId, Saved};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::OptimizerConfig;
+use crate::threads::spawn_scoped;
 use crate::types::{DType, Stream};
 
 /// Bytes of each page-locked buffer a load uploads through, two of them.
@@ -19,7 +20,7 @@ const UPLOAD_PIECE: usize = 64 << 20;
 
 /// Copies `src` into `dst` (as long), on several threads where it is large: one thread does not
 /// reach the host memory's bandwidth.
-fn parallel_copy(dst: &mut [u8], src: &[u8]) {
+fn parallel_copy(dst: &mut [u8], src: &[u8]) -> Result<()> {
     let threads = match src.len() < 8 << 20 {
         true => 1,
         false => std::thread::available_parallelism().map_or(1, |n| n.get().min(8)),
@@ -27,9 +28,12 @@ fn parallel_copy(dst: &mut [u8], src: &[u8]) {
     let part = src.len().div_ceil(threads).max(1);
     std::thread::scope(|s| {
         for (d, from) in dst.chunks_mut(part).zip(src.chunks(part)) {
-            s.spawn(move || d.copy_from_slice(from));
+            spawn_scoped(s, "a thread of a load's copy", move || {
+                d.copy_from_slice(from)
+            })?;
         }
-    });
+        Ok(())
+    })
 }
 
 /// The host memory a load reads this rank's state into.
@@ -245,7 +249,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 parallel_copy(
                     &mut unsafe { B::host_bytes_mut(buffer) }[..from.len()],
                     from,
-                );
+                )?;
                 let state = (&mut self.param_shards[..], &mut self.optimizer.groups[..]);
                 let target = state_buffer_mut::<B>(state, p)?;
                 // SAFETY: on the compute stream, after every stream's work (joined above); the

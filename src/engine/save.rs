@@ -152,14 +152,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let _ = empty.send(buffer);
         }
         std::thread::scope(|s| {
-            let writer = s.spawn(move || -> Result<()> {
+            let writer = spawn_scoped(s, "the checkpoint writer", move || -> Result<()> {
                 for (buffer, bytes) in to_write {
                     // SAFETY: the copy into the buffer completed before it was sent.
                     write(&unsafe { B::host_bytes(&buffer) }[..bytes])?;
                     let _ = empty.send(buffer);
                 }
                 Ok(())
-            });
+            })?;
             let copied = self.join_streams_on_compute().and_then(|()| {
                 for p in parts {
                     let source = self.state_buffer(p)?;
