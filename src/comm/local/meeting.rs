@@ -84,6 +84,8 @@ impl Meeting<'_> {
         &'a self,
         mut round: MutexGuard<'a, Round>,
     ) -> Result<MutexGuard<'a, Round>> {
+        // An abort (which leaves too) is the rank's own error to give.
+        self.watch.check()?;
         if self.watch.has_left() {
             return Err(self.gone(self.rank));
         }

@@ -251,6 +251,14 @@ fn outcome(b: &CpuBackend, issued: Result<()>) -> Result<(), Arc<Error>> {
         .map_err(cause)
 }
 
+/// The outcome of a reduce-scatter of 2 f32 for group 0, the first collective of step 0.
+fn reduce_scatter_once(c: &mut LocalComm, b: &CpuBackend) -> Result<(), Arc<Error>> {
+    let mut buf = b.alloc(8).unwrap();
+    // SAFETY: the buffer is used on the reduce stream only.
+    let issued = unsafe { c.reduce_scatter(b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
+    outcome(b, issued)
+}
+
 #[test]
 fn mismatched_collectives_are_reported_on_every_rank() {
     let runs = run(2, |mut c, b| {
@@ -279,11 +287,7 @@ fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
             drop(c);
             return Ok(());
         }
-        let mut buf = b.alloc(8).unwrap();
-        // SAFETY: the buffer is used on the reduce stream only.
-        let issued =
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
-        outcome(&b, issued)
+        reduce_scatter_once(&mut c, &b)
     });
     for out in runs {
         let left = out[0].as_ref().map_err(|e| &**e);
@@ -342,11 +346,7 @@ fn a_peer_that_never_comes_is_a_timeout_and_an_abort_ends_the_wait() {
             return Ok(());
         }
         c.set_watch(&Watch::new(Duration::from_millis(50)));
-        let mut buf = b.alloc(8).unwrap();
-        // SAFETY: the buffer is used on the reduce stream only.
-        let issued =
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
-        outcome(&b, issued)
+        reduce_scatter_once(&mut c, &b)
     });
     for out in runs {
         let waited = out[0].as_ref().map_err(|e| &**e);
@@ -355,31 +355,42 @@ fn a_peer_that_never_comes_is_a_timeout_and_an_abort_ends_the_wait() {
             "{out:?}"
         );
     }
-    let runs = run(2, |mut c, b| {
-        if c.rank() == 1 {
-            std::thread::sleep(Duration::from_millis(300));
-            return Ok(());
-        }
-        let watch = Watch::default();
-        c.set_watch(&watch);
-        let aborter = watch.clone();
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(30));
-            aborter.abort();
+    // An abort while the collective waits ends the wait; one before the collective is its
+    // error too, not the departure from the group that an abort also marks.
+    for delay in [Some(Duration::from_millis(30)), None] {
+        let runs = run(2, |mut c, b| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                return Ok(());
+            }
+            let watch = Watch::default();
+            c.set_watch(&watch);
+            let aborter = watch.clone();
+            let abort = move || {
+                if let Some(delay) = delay {
+                    std::thread::sleep(delay);
+                }
+                aborter.abort();
+            };
+            let during = match delay {
+                Some(_) => Some(std::thread::spawn(abort)),
+                None => {
+                    abort();
+                    None
+                }
+            };
+            let r = reduce_scatter_once(&mut c, &b);
+            if let Some(during) = during {
+                during.join().unwrap();
+            }
+            r
         });
-        let mut buf = b.alloc(8).unwrap();
-        // SAFETY: the buffer is used on the reduce stream only.
-        let issued =
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
-        let r = outcome(&b, issued);
-        t.join().unwrap();
-        r
-    });
-    for out in runs {
-        assert!(
-            matches!(out[0].as_ref().map_err(|e| &**e), Err(Error::Aborted)),
-            "{out:?}"
-        );
+        for out in runs {
+            assert!(
+                matches!(out[0].as_ref().map_err(|e| &**e), Err(Error::Aborted)),
+                "{delay:?}: {out:?}"
+            );
+        }
     }
 }
 
@@ -393,11 +404,7 @@ fn a_rank_whose_watch_left_fails_its_peers_at_once() {
             std::thread::sleep(Duration::from_millis(200));
             return Ok(());
         }
-        let mut buf = b.alloc(8).unwrap();
-        // SAFETY: the buffer is used on the reduce stream only.
-        let issued =
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
-        outcome(&b, issued)
+        reduce_scatter_once(&mut c, &b)
     });
     for out in runs {
         let gone = out[0].as_ref().map_err(|e| &**e);
@@ -424,11 +431,7 @@ fn a_rank_that_leaves_ends_its_own_collective_at_once() {
             leaver.leave();
         });
         let start = std::time::Instant::now();
-        let mut buf = b.alloc(8).unwrap();
-        // SAFETY: the buffer is used on the reduce stream only.
-        let issued =
-            unsafe { c.reduce_scatter(&b, Stream::Reduce, tag(0, 0), &mut buf, f32s(2), 1.0) };
-        let r = outcome(&b, issued);
+        let r = reduce_scatter_once(&mut c, &b);
         t.join().unwrap();
         assert!(start.elapsed() < Duration::from_secs(10), "{r:?}");
         r

@@ -73,6 +73,8 @@ impl<T: Clone> Rendezvous<T> {
             rank,
             op: op.to_string(),
         };
+        // An abort (which leaves too) is the rank's own error to give.
+        watch.check()?;
         if watch.has_left() {
             return Err(gone(rank));
         }
@@ -217,6 +219,25 @@ mod tests {
         });
         assert!(matches!(r, Err(Error::PeerGone { rank: 0, .. })), "{r:?}");
         assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    #[test]
+    fn an_aborted_or_failed_rank_gives_its_own_error_not_its_departure() {
+        let rv = Rendezvous::<u8>::new(2).unwrap();
+        let aborted = Watch::default();
+        aborted.abort();
+        let r = rv.exchange(0, &aborted, "x", 0);
+        assert!(matches!(r, Err(Error::Aborted)), "{r:?}");
+        let failed = Watch::default();
+        failed.fail(Error::Timeout {
+            op: "a watchdog's".into(),
+            waited: std::time::Duration::ZERO,
+        });
+        let r = rv.exchange(0, &failed, "x", 0);
+        assert!(
+            matches!(&r, Err(Error::Timeout { op, .. }) if op == "a watchdog's"),
+            "{r:?}"
+        );
     }
 
     #[test]
