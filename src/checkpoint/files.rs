@@ -46,7 +46,8 @@ pub fn sync_parent(path: &Path) -> Result<()> {
 }
 
 /// Refuses (`Error::CheckpointExists`) a directory that holds a rank file of any checkpoint, of
-/// this world size or another, and a path that is not a directory; a missing one is free.
+/// this world size or another; a path that is not a directory, or cannot be listed, is
+/// `Error::Write`; a missing one is free.
 pub fn check_free(dir: &Path) -> Result<()> {
     check_path(dir, "a checkpoint directory")?;
     let entries = match fs::read_dir(dir) {

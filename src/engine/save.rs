@@ -14,6 +14,7 @@ use crate::backend::{Backend, Region};
 use crate::checkpoint::{self, RankManifest, SaveId, Section};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
+use crate::threads::spawn_scoped;
 use crate::types::Stream;
 
 /// How often [`Engine::wait_save`] looks at the writer.
@@ -90,13 +91,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// AdamW's moments, the optimizer's step count and settings and the plan's layout. A
     /// collective: every rank calls it with the same `dir`, and the ranks agree first on the
     /// save's id, which every manifest records, and that `dir` holds no rank file of any
-    /// checkpoint (`Error::CheckpointExists` on every rank, nothing written, otherwise). Each
+    /// checkpoint (otherwise nothing is written: `Error::CheckpointExists` on the ranks that
+    /// found one, `Error::PeerRefused` carrying it on the others). Each
     /// rank then writes its data and its manifest, each under a unique temporary name, flushed
     /// and linked into place, and the directory flushed: a part that a crash interrupts is never
     /// taken for a whole one, and no existing file is replaced. Then the ranks agree on the
     /// outcome: `Ok` on every rank once every rank's files are on disk; where a rank's write
     /// failed, its error there, `Error::PeerRefused` naming it on the others, and no rank's
-    /// file of the save left (a rank that wrote removes its files). The ranks' writes end
+    /// file of the save left (a rank that wrote removes its files); a failure that poisons a
+    /// rank while it writes (its device, an abort) fails the agreement instead, on every rank,
+    /// and the files already written stay (a load refuses them: the save is incomplete). The
+    /// ranks' writes end
     /// within the engine's timeout of each other; under hybrid sharding the ranks of later
     /// replicas write nothing and wait for the writers' outcome within the timeout, so a rank's
     /// whole write must take less ([`Engine::save_async`] has no such bound: its

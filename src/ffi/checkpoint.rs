@@ -18,7 +18,9 @@ use super::types::fsdp_engine;
 /// complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
 /// files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
 /// others naming that rank), and no rank's file of the save left (the ranks that wrote remove
-/// theirs). The ranks' writes end within the engine's timeout of each other; under hybrid
+/// theirs); a failure that poisons a rank while it writes (its device, an abort) fails the
+/// agreement instead, on every rank, and the files already written stay (a load refuses them:
+/// the save is incomplete). The ranks' writes end within the engine's timeout of each other; under hybrid
 /// sharding only the first replica's ranks write, and the others wait for their outcome within
 /// the timeout, so a rank's whole write must take less (`fsdp_engine_save_async` has no such
 /// bound: `fsdp_engine_wait_save` reports a write still under way).
@@ -83,8 +85,9 @@ pub extern "C" fn fsdp_engine_wait_save(engine: *mut fsdp_engine) -> fsdp_status
 /// optimizer continues from the saved step, learning rate and weight decay. A collective:
 /// nothing changes on any rank unless every rank's part checked out, and every rank returns
 /// the same status for the failures named here (a rank whose own part was fine names the
-/// failing rank in its message); a rank that failed otherwise before the ranks agreed (its host
-/// memory, say) returns its own status, the others `FSDP_IO_ERROR` naming it; a rank whose
+/// failing rank in its message); a rank that failed otherwise before the ranks agreed (a thread
+/// the system refused it, say) returns its own status, the others `FSDP_IO_ERROR` naming it; a
+/// rank whose
 /// upload fails after they agreed (its device) is poisoned, its state half loaded, while the
 /// others return `FSDP_OK`.
 /// `FSDP_IO_ERROR` naming the file and field for a checkpoint that is missing, incomplete (a
@@ -131,7 +134,9 @@ pub unsafe extern "C" fn fsdp_engine_export_safetensors(
 /// model's) at any world size: each rank reads only its shard's elements, with plain reads (no
 /// memory map: a file changed meanwhile gives an error or the bytes read, never a crash). A
 /// collective: every rank calls it, and nothing is loaded on any rank unless every rank read
-/// its part. The file must hold exactly the model's parameters by name, shape and dtype:
+/// its part and has the host memory to widen it for the fp32 masters; a rank whose upload
+/// fails after the ranks agreed (its device) is poisoned, its parameters half loaded. The file
+/// must hold exactly the model's parameters by name, shape and dtype:
 /// `FSDP_INVALID_ARGUMENT` lists every difference. Ranks whose files differ (node-local copies
 /// of two models, say) in their length, header or the first 4 KiB of a tensor get
 /// `FSDP_INVALID_ARGUMENT` alike, nothing loaded; files that differ only past those bytes are
