@@ -767,7 +767,8 @@ enum fsdp_status fsdp_engine_memory(struct fsdp_engine *engine, size_t *current,
 // Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
 // host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
 // done (on a GPU, after the work already queued on the engine's streams). A `capacity` below
-// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched.
+// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched;
+// `out` may be NULL where `capacity` is 0 (asking the size, or copying an empty shard).
 //
 // # Safety
 // `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -781,9 +782,11 @@ enum fsdp_status fsdp_engine_param_shard(struct fsdp_engine *engine,
 // shard (of a process group's group, from the shards of this rank's copy), into `out`, host
 // memory of `capacity` bytes; `*written` gets its size. A collective: every rank calls it for
 // the same groups in the same order, between steps (`FSDP_MISUSE` inside one), and with a
-// non-NULL `out` (one rank's NULL leaves the others to their deadline). Blocks until the bytes
+// non-NULL `out` or a `capacity` of 0 (one rank's NULL `out` of a `capacity` above 0 is
+// refused before the gather, which leaves the others to their deadline). Blocks until the bytes
 // are there. A `capacity` below the size is `FSDP_INVALID_ARGUMENT` after the gather, with
-// `*written` the size needed and `out` untouched.
+// `*written` the size needed and `out` untouched; `out` may be NULL where `capacity` is 0
+// (asking the size, or copying an empty group).
 //
 // # Safety
 // `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.

@@ -96,7 +96,8 @@ pub unsafe extern "C" fn fsdp_engine_memory(
 /// Copies this rank's parameter shard of group `group` (bytes in the group's dtype) into `out`,
 /// host memory of `capacity` bytes; `*written` gets the shard's size. Blocks until the copy is
 /// done (on a GPU, after the work already queued on the engine's streams). A `capacity` below
-/// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched.
+/// the size is `FSDP_INVALID_ARGUMENT`, with `*written` the size needed and `out` untouched;
+/// `out` may be NULL where `capacity` is 0 (asking the size, or copying an empty shard).
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -116,9 +117,11 @@ pub unsafe extern "C" fn fsdp_engine_param_shard(
 /// shard (of a process group's group, from the shards of this rank's copy), into `out`, host
 /// memory of `capacity` bytes; `*written` gets its size. A collective: every rank calls it for
 /// the same groups in the same order, between steps (`FSDP_MISUSE` inside one), and with a
-/// non-NULL `out` (one rank's NULL leaves the others to their deadline). Blocks until the bytes
+/// non-NULL `out` or a `capacity` of 0 (one rank's NULL `out` of a `capacity` above 0 is
+/// refused before the gather, which leaves the others to their deadline). Blocks until the bytes
 /// are there. A `capacity` below the size is `FSDP_INVALID_ARGUMENT` after the gather, with
-/// `*written` the size needed and `out` untouched.
+/// `*written` the size needed and `out` untouched; `out` may be NULL where `capacity` is 0
+/// (asking the size, or copying an empty group).
 ///
 /// # Safety
 /// `out` is NULL or valid for `capacity` bytes; `written` is NULL or valid for a write.
@@ -146,7 +149,7 @@ unsafe fn group_bytes(
     written: *mut usize,
 ) -> fsdp_status {
     boundary(|| {
-        if out.is_null() || written.is_null() {
+        if (out.is_null() && capacity > 0) || written.is_null() {
             return Err(null("out or written"));
         }
         let bytes = on_engine(engine, |any| {
@@ -164,7 +167,8 @@ unsafe fn group_bytes(
 /// Copies `bytes` into the caller's `out` of `capacity` bytes and their count into `written`.
 ///
 /// # Safety
-/// `out` is valid for `capacity` bytes and `written` for a write, both non-null.
+/// `out` is valid for `capacity` bytes (non-null where that is above 0) and `written` for a
+/// write, non-null.
 unsafe fn copy_out(
     bytes: &[u8],
     (out, capacity): (*mut c_void, usize),
@@ -179,8 +183,12 @@ unsafe fn copy_out(
             bytes.len()
         )));
     }
-    // SAFETY: non-null, valid for `capacity` >= `bytes.len()` bytes by the caller's contract.
-    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
+    // A copy of nothing leaves `out` alone: it may be NULL.
+    if !bytes.is_empty() {
+        // SAFETY: non-null, valid for `capacity` >= `bytes.len()` > 0 bytes by the caller's
+        // contract.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.cast::<u8>(), bytes.len()) };
+    }
     // SAFETY: the caller's contract.
     unsafe { put(written, "written", bytes.len()) }
 }

@@ -206,6 +206,14 @@ fn null_for_every_pointer_argument() {
                 "out holds 1",
             );
             assert_eq!(small, [7]);
+            // A NULL `out` of no bytes asks the size.
+            let mut asked = 0usize;
+            expect(
+                fsdp_engine_param_shard(engine, 0, null_mut(), 0, &mut asked),
+                fsdp_status::FSDP_INVALID_ARGUMENT,
+                "out holds 0",
+            );
+            assert_eq!(asked, needed);
             let mut whole = vec![0u8; needed];
             ok(fsdp_engine_param_shard(
                 engine,
