@@ -59,9 +59,8 @@ def device_index(device: torch.device) -> int:
 
 
 def tensor_at(address: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-copy 1-D tensor over `numel` elements of `dtype` at `address` on `device`."""
-    if numel == 0:
-        return torch.empty(0, dtype=dtype, device=device)
+    """A zero-copy 1-D tensor over `numel` (at least 1) elements of `dtype` at `address` on
+    `device`."""
     export = _Export(shape=numel, stride=1)
     base = ctypes.addressof(export)
     t = export.managed.dl_tensor

@@ -490,8 +490,12 @@ class _Hooks:
 
     def _view(self, p: _Param, address: int | None) -> torch.Tensor:
         numel = p.tensor.numel()
+        if numel == 0:
+            # No memory to view. (A view of an empty tensor, kept in the cache, makes torch abort
+            # the interpreter's exit while the wrapper lives.)
+            return torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device=self._device)
         view = tensor_at(address or 0, numel, p.tensor.dtype, self._device)
-        if address and numel:
+        if address:
             # Kept to see, at `close`, whether a tensor outside still holds the memory.
             self._storages.append((p.name, view.untyped_storage()))
         return view.view(p.tensor.shape)

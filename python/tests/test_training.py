@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from ctypes import c_void_p
 
 import pytest
@@ -739,6 +741,45 @@ def test_a_full_state_dict_is_every_parameter_whole_on_every_rank(world):
     plain.load_state_dict(states[0])
     for name, value in plain.state_dict().items():
         assert torch.equal(value, states[0][name]), name
+
+
+_EMPTY_PARAMETERS = """
+import sys
+import torch
+from fsdp_fusion import FusedFSDP
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.frozen = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.trained = torch.nn.Parameter(torch.empty(0, 3))
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+torch.manual_seed(0)
+model = Model()
+fused = FusedFSDP(model, [model.first, model.second])
+fused(torch.randn(2, 4)).sum().backward()
+fused.step()
+state = fused.full_state_dict()
+assert state["frozen"].shape == (0,) and state["trained"].shape == (0, 3), state
+fused.load_full_state_dict(state)
+assert fused.full_parameter("trained").shape == (0, 3)
+print("trained, gathered and loaded")
+"""
+
+
+def test_parameters_of_no_elements_train_gather_load_and_leave_a_clean_exit():
+    """Parameters of no elements (a group of 0 bytes where alone) come back empty from every
+    copy, and the process ends cleanly with the wrapper alive, as a script's last line leaves
+    it: in a process of its own, as torch aborted the interpreter's exit over a cached view of
+    an empty tensor."""
+    run = subprocess.run([sys.executable, "-c", _EMPTY_PARAMETERS], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "trained, gathered and loaded", run.stdout
 
 
 def test_each_units_gradients_are_reduced_in_its_own_backward():
