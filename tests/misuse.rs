@@ -722,7 +722,7 @@ fn a_parameter_is_loaded_between_steps_only() {
 /// Host bytes that are not a whole number of the gradient's elements are refused as the
 /// caller's mistake, alone or in a batch, before anything changes.
 #[test]
-fn a_gradient_of_a_partial_element_is_refused() {
+fn a_gradient_or_a_value_of_a_partial_element_is_refused() {
     let ragged = |e: &mut CpuEngine| {
         let bytes = vec![0u8; 9 * 4 + 1];
         e.grad(id(e, "w"), Input::host_bytes(&bytes, DType::F32))
@@ -734,9 +734,14 @@ fn a_gradient_of_a_partial_element_is_refused() {
             (id(e, "w"), Input::host_bytes(&bytes, DType::F32)),
         ])
     };
+    let ragged_value = |e: &mut CpuEngine| {
+        let bytes = vec![0u8; 9 * 4 + 1];
+        e.load_param(id(e, "w"), Input::host_bytes(&bytes, DType::F32))
+    };
     let refused = |err: &Error| matches!(err, Error::PartialElement { name, bytes: 37, dtype: DType::F32 } if name == "w");
     assert_harmless(nothing, ragged, refused, step);
     assert_harmless(nothing, ragged_in_a_batch, refused, step);
+    assert_harmless(nothing, ragged_value, refused, step);
 }
 
 #[test]

@@ -461,7 +461,14 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 requested: dtype,
             });
         }
-        if data.numel() != layout.numel || bytes.len() != layout.numel * dtype.size() {
+        if bytes.len() % dtype.size() != 0 {
+            return Err(Error::PartialElement {
+                name: layout.name.clone(),
+                bytes: bytes.len(),
+                dtype,
+            });
+        }
+        if data.numel() != layout.numel {
             return Err(Error::DataLength {
                 name: layout.name.clone(),
                 expected: layout.numel,
@@ -634,9 +641,9 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         Ok(out)
     }
 
-    /// This rank's fp32 gradient shard of trainable `group`, once the step's gradients are
-    /// synced (or between steps; zeros where a per-step shard is not made, or was freed: at the
-    /// step's end, or after its update in the backward). Refused while gradients are arriving:
+    /// This rank's fp32 gradient shard of `group`, once the step's gradients are synced (or
+    /// between steps; zeros for a frozen group, which takes none, and where a per-step shard is
+    /// not made, or was freed: at the step's end, or after its update in the backward). Refused while gradients are arriving:
     /// part of the shard is not written yet.
     pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
         self.healthy()?;
