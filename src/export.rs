@@ -26,6 +26,9 @@ pub(crate) struct TensorHeader {
 
 impl TensorHeader {
     fn bytes(&self) -> Result<usize> {
+        if self.shape.contains(&0) {
+            return Ok(0);
+        }
         self.shape
             .iter()
             .try_fold(self.dtype.size(), |n, &d| n.checked_mul(d))

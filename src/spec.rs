@@ -88,8 +88,12 @@ impl ParamSpec {
         self
     }
 
-    /// The element count, or `None` when it overflows.
+    /// The element count, or `None` when it overflows (a shape with a 0 has none, whatever its
+    /// other dimensions).
     pub fn numel(&self) -> Option<usize> {
+        if self.shape.contains(&0) {
+            return Some(0);
+        }
         self.shape.iter().try_fold(1usize, |acc, &d| {
             usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
         })
@@ -448,6 +452,10 @@ mod tests {
             ModelSpec::new(vec![huge]),
             Err(Error::NumelOverflow { name, .. }) if name == "h"
         ));
+        // No elements, whichever dimension is 0.
+        for shape in [[1 << 32, 1 << 32, 0], [0, 1 << 32, 1 << 32]] {
+            assert_eq!(ParamSpec::new("e", &shape, DType::F32).numel(), Some(0));
+        }
     }
 
     #[test]
