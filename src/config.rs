@@ -78,8 +78,10 @@ impl GradReduction {
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Most gathered (syncing, in use or ready) buffers kept at once; a required gather may exceed
-    /// it when no ready buffer can be evicted, a prefetch never does. At least 1; a limit above
-    /// the plan's group count acts as that count.
+    /// it when no ready buffer can be evicted, a prefetch never does. The engine makes a gather
+    /// slot for each group of the root and of the unit of most groups where the limit is lower,
+    /// so that hooks one unit at a time gather into slots made with it. At least 1; a limit
+    /// above the plan's group count acts as that count.
     pub double_buffer_limit: usize,
     /// Most gradient reduce-scatters in flight before the oldest is retired. At least 1; a value
     /// above the plan's trainable group count acts as that count.

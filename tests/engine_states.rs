@@ -207,25 +207,35 @@ fn in_steady_state_every_gather_after_the_first_is_a_prefetch() {
 }
 
 #[test]
-fn a_required_gather_at_the_limit_proceeds() {
+fn a_unit_of_more_groups_than_the_limit_gathers_into_slots_made_with_the_engine() {
     for_each_mode(|mode| {
-        // Unit 0 has two groups (trainable f32, frozen bf16) and the limit is 1.
+        // The root has one group, each unit two (trainable f32, frozen bf16), and the limit is
+        // 1: the engine makes a slot for each group of the root and of one unit.
         let config = EngineConfig {
             double_buffer_limit: 1,
             overlap: false,
             ..EngineConfig::default()
         };
-        on_two_ranks(mode, stack(1, true), config, |mut e| {
+        on_two_ranks(mode, stack(2, true), config, |mut e| {
             let predicted = e.policy().memory.peak;
+            let slot = e.plan().gather_slot_bytes();
+            assert_eq!(e.policy().memory.gathered_slots, 3 * slot);
             assert_eq!(e.memory().current, predicted);
+            e.pre_forward(Unit::Root).unwrap();
             e.pre_forward(Unit::Layer(0)).unwrap();
-            assert_eq!(e.gathered_count(), 2);
+            assert_eq!(e.gathered_count(), 3);
             let c = e.counters();
-            assert_eq!((c.all_gathers, c.extra_slots), (2, 1));
-            assert_eq!(e.memory().current, predicted + e.plan().gather_slot_bytes());
+            assert_eq!((c.all_gathers, c.extra_slots), (3, 0));
+            assert_eq!(e.memory().current, predicted);
             for g in groups_of(&e, Unit::Layer(0)) {
                 assert_eq!(e.buffer_state(g).unwrap(), BufferState::Using);
             }
+            // A second unit open at once (hooks the plan does not foresee) still gathers,
+            // into slots of its own made then and counted.
+            e.pre_forward(Unit::Layer(1)).unwrap();
+            assert_eq!(e.gathered_count(), 5);
+            assert_eq!(e.counters().extra_slots, 2);
+            assert_eq!(e.memory().current, predicted + 2 * slot);
         });
     });
 }

@@ -89,7 +89,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     (`optimizer="sgd"`, `lr` and `weight_decay`, by default 0, as `torch.optim.SGD` without
     momentum), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
     `double_buffer_limit` counts gathered parameter groups: the root's stay gathered throughout,
-    so leave room for them plus the unit in use and the one prefetched.
+    so leave room for them plus the unit in use and the one prefetched (a lower limit still
+    gathers the root's and the running unit's, into memory planned with the wrapper, but
+    prefetches nothing).
 
     A module on a GPU trains on the CUDA backend with NCCL (world size and rank from
     `torch.distributed` when it is initialized, else 1); forward and backward must run on the

@@ -55,12 +55,14 @@ impl Policy {
                 "none: at world size 1 each shard is its group's view".to_string()
             }
             (1, _) => format!(
-                "master-only groups cast into slots, at most {} gathered at once",
+                "master-only groups cast into slots, at most {} gathered at once, or the \
+                 root's and one unit's where more",
                 limits.gathered
             ),
             (_, Accumulation::KeepGathered) => "every group stays gathered for the step".into(),
             _ => format!(
-                "double_buffer_limit: {} of {} groups gathered at once",
+                "double_buffer_limit: {} of {} groups gathered at once, or the root's and one \
+                 unit's where more",
                 limits.gathered, self.groups
             ),
         };
@@ -313,6 +315,27 @@ mod tests {
         let policy = Policy::new(&Plan::new(&m, 1).unwrap(), &scaled).unwrap();
         assert_eq!(policy.layout.grad_slots, 2);
         assert_eq!(policy.memory.grad_shards, (320 + 192 + 320) * 4);
+    }
+
+    #[test]
+    fn a_config_an_engine_refuses_has_no_prediction() {
+        let m = model(vec![ParamSpec::new("w", &[64], DType::F32)]);
+        let plan = Plan::new(&m, 1).unwrap();
+        let f16_sums = EngineConfig {
+            reduce_dtype: DType::F16,
+            ..EngineConfig::default()
+        };
+        let refused = Policy::new(&plan, &f16_sums).err();
+        assert!(
+            matches!(
+                &refused,
+                Some(Error::InvalidConfig {
+                    field: "reduce_dtype",
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
     }
 
     #[test]

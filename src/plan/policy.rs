@@ -47,9 +47,11 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// Resolves `config` on `plan`; `Error::SizeOverflow` when a buffer's or the total's size
+    /// Resolves `config` on `plan`; `Error::InvalidConfig` for a config that an engine refuses
+    /// ([`EngineConfig::validate`]), `Error::SizeOverflow` when a buffer's or the total's size
     /// does not fit in a `usize`.
     pub fn new(plan: &Plan, config: &EngineConfig) -> Result<Policy> {
+        config.validate()?;
         let groups = plan.groups();
         let trainable = groups.iter().filter(|g| g.trainable).count();
         let gathered = match config.accumulation {
@@ -71,7 +73,15 @@ impl Policy {
             false => DType::F32,
         };
         // At world size 1 a shard is its whole buffer and serves as the gathered view: only the
-        // groups without a shard (master-only) need slots to be gathered into.
+        // groups without a shard (master-only) need slots to be gathered into. Beyond the limit,
+        // a slot for each group gathered at once (the root's and one unit's) where units' hooks
+        // come one after another: their gathers are required, and the slots are made with the
+        // engine rather than at the first step.
+        let takes_slot = |g: usize| plan.world_size() > 1 || master_only[g];
+        let gathered_at_once = {
+            let (root, unit) = groups_at_once(plan, takes_slot);
+            root.saturating_add(unit)
+        };
         let gather_slots = match plan.world_size() {
             1 => master_only
                 .iter()
@@ -79,7 +89,8 @@ impl Policy {
                 .count()
                 .min(limits.gathered),
             _ => limits.gathered,
-        };
+        }
+        .max(gathered_at_once);
         // One slot being filled beside each reduction in flight; none where gradients go
         // straight into the shards or fp32 accumulators are reduced in place. Where each pass
         // reduces across ranks, a group holds its slot until its unit's backward ends, so every
@@ -87,7 +98,7 @@ impl Policy {
         // reduced in part, which would depend on the gradients a rank got.
         let in_place = grad_accumulators && grad_slot_dtype == DType::F32;
         let filled_at_once = {
-            let (root, unit) = groups_taking_gradients_at_once(plan);
+            let (root, unit) = groups_at_once(plan, |g| groups[g].trainable);
             root.saturating_add(unit)
         };
         let grad_slots = match trainable > 0 && !grads_direct && !in_place {
@@ -136,17 +147,17 @@ impl Policy {
     }
 }
 
-/// The trainable groups of the root, and the most of any other unit: the groups that take
-/// gradients at once where units' backwards come one after another.
-fn groups_taking_gradients_at_once(plan: &Plan) -> (usize, usize) {
+/// The root's groups that `counts`, and the most of any other unit's: the groups held at once
+/// where units' hooks come one after another (gathered, or taking gradients).
+fn groups_at_once(plan: &Plan, counts: impl Fn(usize) -> bool) -> (usize, usize) {
     let (mut root, mut most) = (0, 0);
     for (u, &unit) in plan.units().iter().enumerate() {
-        let trainable = (plan.unit_groups(u).unwrap_or_default().iter())
-            .filter(|&&g| plan.groups()[g].trainable)
+        let counted = (plan.unit_groups(u).unwrap_or_default().iter())
+            .filter(|&&g| counts(g))
             .count();
         match unit {
-            Unit::Root => root = trainable,
-            _ => most = most.max(trainable),
+            Unit::Root => root = counted,
+            _ => most = most.max(counted),
         }
     }
     (root, most)
@@ -185,7 +196,7 @@ fn grad_shards_in_flight(
             _ => largest_unit = largest_unit.max(bytes),
         }
     }
-    let (root_groups, most_unit_groups) = groups_taking_gradients_at_once(plan);
+    let (root_groups, most_unit_groups) = groups_at_once(plan, |g| plan.groups()[g].trainable);
     let open_units = root.checked_add(largest_unit).ok_or_else(overflow)?;
     let bound = match reductions {
         None => open_units,
