@@ -188,6 +188,10 @@ class _StateCopies:
         own `load_state_dict` is refused: it would write the engine's views or placeholders,
         not its state.)"""
         self._end_evaluation()
+        if self._forwards:
+            # The engine would refuse the parameters once the extra states changed.
+            raise MisuseError("load_full_state_dict between steps: this step's gradients wait "
+                              "for step()")
         buffers = dict(self.module.named_buffers(remove_duplicate=False))
         names = self._names()
         problems = {"missing": [], "not tensors": [], "other shapes": [], "tied names differ": [],

@@ -508,6 +508,12 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
                                   "parameters stay where the engine holds them")
         return super()._apply(fn, recurse)
 
+    def share_memory(self):
+        """Refused (`MisuseError`): it would copy the parameters into shared memory in place,
+        away from the engine's, which `_apply`'s check cannot see without doing it."""
+        raise MisuseError("share_memory would move the wrapper's parameters out of the engine's "
+                          "memory: the engine holds them")
+
     def abort(self):
         """Makes every wait of the engine under way end with `AbortedError` (from any thread),
         and every later call raise `PoisonedError`: a rank that must give up without hanging

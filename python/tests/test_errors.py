@@ -215,9 +215,9 @@ def test_a_cpu_model_among_several_processes_is_refused(monkeypatch):
 
 
 def test_a_move_or_cast_of_the_wrapper_that_changes_a_parameter_is_refused():
-    """The engine holds the parameters' memory: `half()` or `to(float64)` would train a copy.
-    One that changes nothing goes through; a refused one changes nothing, and training goes
-    on. A gradient on another device than the engine's memory is refused before the engine
+    """The engine holds the parameters' memory: `half()`, `to(float64)` or `share_memory()`
+    would train a copy. One that changes nothing goes through; a refused one changes nothing,
+    and training goes on. A gradient on another device than the engine's memory is refused before the engine
     reads its address."""
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))
     fused = FusedFSDP(module, [module[0]], optimizer="sgd", lr=0.1)
@@ -230,6 +230,14 @@ def test_a_move_or_cast_of_the_wrapper_that_changes_a_parameter_is_refused():
     fused(torch.ones(2, 4)).sum().backward()
     fused.step()
     assert fused.counters().steps == 1
+    # Into shared memory in place: the module would train a copy the engine never updates.
+    with pytest.raises(fsdp_fusion.MisuseError, match="share_memory"):
+        fused.share_memory()
+    fused(torch.ones(2, 4)).sum().backward()
+    fused.step()
+    with torch.no_grad():
+        fused(torch.ones(2, 4))
+    assert torch.equal(module[0].weight.detach(), fused.full_parameter("0.weight"))
     unit = fused._unit_of[0]
     with pytest.raises(fsdp_fusion.MisuseError, match="a gradient on meta"):
         fused._batch_of(unit, [torch.zeros(4, 4, device="meta")], torch.device("cpu"))
@@ -412,6 +420,12 @@ def test_a_full_state_dict_holds_extra_states_and_loads_them_back():
     assert all(torch.equal(after[name], value) for name, value in before.items())
     fused.load_full_state_dict(state)
     assert (module[0].calls, module[2].calls) == (3, 3)
+    # Mid-step (gradients not yet stepped) the load is refused before any extra state changes.
+    fused(torch.randn(8, 4)).sum().backward()
+    with pytest.raises(fsdp_fusion.MisuseError):
+        fused.load_full_state_dict({**state, "0._extra_state": {"calls": 42}})
+    assert module[0].calls == 4
+    fused.step()
     fused.close()
 
 
