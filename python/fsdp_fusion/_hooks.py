@@ -245,8 +245,9 @@ class _Hooks:
         self._close_backwards()
         self._backward_began = False
         if self._views_move:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self._saved_hooks.append(hooks)
         self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
         self._root_forwards_open += 1
@@ -256,9 +257,8 @@ class _Hooks:
         """Ends a forward of the wrapper that a `BaseException` (a Ctrl-C) interrupted, which
         torch's always-call hooks do not see: its saved-tensor hooks go, and the forwards of its
         units and of the root end in the engine, as their post hooks would have ended them."""
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        while self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
         for u in self._units:
             while u.forward_opens:
                 u.forward_opens -= 1
@@ -281,9 +281,8 @@ class _Hooks:
                 self._close(u, self._lib.fsdp_engine_post_forward)
 
     def _root_post_forward(self, _module, _args, output):
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
         self._close(self._root, self._lib.fsdp_engine_post_forward)
         # None where the pre hook failed before it opened the root (torch runs this all the same).
         self._root_forwards_open = max(self._root_forwards_open - 1, 0)

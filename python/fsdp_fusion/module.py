@@ -286,7 +286,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._open_units: list[_Unit] = []
         # Whether a unit's backward began since the last forward of the whole module.
         self._backward_began = False
-        self._saved_hooks = None
+        # The saved-tensor hooks of each forward of the module under way, innermost last.
+        self._saved_hooks: list = []
         # The module's own forwards under way (a forward calling itself nests them).
         self._root_forwards_open = 0
         # Whether the step so far had forward passes, and gradients: a step of forwards only

@@ -116,6 +116,42 @@ def test_a_unit_changing_its_input_in_place_trains_as_torch(world):
             assert torch.allclose(state[name], value.detach(), atol=1e-6), (rank, name)
 
 
+class _CallsItself(torch.nn.Module):
+    """A module whose forward calls the module once more: the wrapper's forwards nest."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Linear(8, 8)
+
+    def forward(self, x, depth=1):
+        x = torch.tanh(self.block(x))
+        return self(x, depth=depth - 1) if depth else x
+
+
+def test_a_forward_calling_itself_trains_as_torch_and_leaves_no_saved_tensor_hooks():
+    """Each nested forward installs its saved-tensor hooks (master storage moves the views) and
+    takes its own off as it ends: none stays installed after the outer one, and the steps
+    equal plain PyTorch's."""
+    torch.manual_seed(0)
+    reference = _CallsItself()
+    module = copy.deepcopy(reference)
+    fused = FusedFSDP(module, [module.block], optimizer="sgd", lr=0.1, param_storage="master")
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=g)
+        reference(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = fused(x).square().mean()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        loss.backward()
+        fused.step()
+    state = fused.full_state_dict()
+    for name, value in reference.named_parameters():
+        assert torch.allclose(state[name], value.detach(), atol=1e-6), name
+
+
 class Experts(torch.nn.Module):
     """A block of two experts of which each pass may skip one (`skip`): left out, the skipped
     expert gets no gradient, as an expert no token was routed to; with `zero_gate` it takes
