@@ -106,11 +106,7 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, wrapper, unit, *inputs):
         ctx.wrapper, ctx.unit = wrapper, unit
-        # Aliases that are no views: autograd forbids an in-place change of a custom Function's
-        # view (a unit opening with an in-place ReLU, say), which plain PyTorch allows. An
-        # alias shares its input's version counter, so a change of a tensor a backward needs is
-        # still found, as in plain PyTorch.
-        return tuple(t.detach() for t in inputs)
+        return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -124,6 +124,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     parameter only as its fp32 master, cast into a gather slot at every gather: the memory of
     one bf16 copy of the model less, for a cast per gather and moving views.
 
+    A unit must not change its input in place (an in-place ReLU as its first layer, say) where
+    its inputs pass through the hook that ends its backward (above world size 1, with
+    `param_storage="master"` or `step_in_backward`): torch refuses it there, as it does under
+    FSDP2, rather than compute wrong gradients for a use of the input after the unit.
+
     Weight decay applies to every trainable parameter, as `torch.optim.AdamW` given
     `module.parameters()` applies it, except those `no_weight_decay` names: a collection of
     names, or a function of the module that returns them. The LLM recipe's exemptions (parameters

@@ -214,6 +214,24 @@ def test_a_cpu_model_among_several_processes_is_refused(monkeypatch):
     fused.close()
 
 
+def test_a_unit_changing_its_input_in_place_is_refused_where_its_inputs_pass_its_hook():
+    """Torch refuses an in-place change of a unit's input that passed the hook ending the unit's
+    backward (master storage here), and the wrapper trains on: an alias in place of the view
+    would let the change through, with wrong gradients where the input is used after the
+    unit."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(
+        torch.nn.ReLU(inplace=True), torch.nn.Linear(4, 4)))
+    fused = FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
+                      param_storage="master")
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        fused(torch.randn(3, 4))
+    module[1][0].inplace = False
+    fused(torch.randn(3, 4)).sum().backward()
+    fused.step()
+    assert fused.counters().steps == 1
+    fused.close()
+
+
 def test_a_move_or_cast_of_the_wrapper_that_changes_a_parameter_is_refused():
     """The engine holds the parameters' memory: `half()`, `to(float64)` or `share_memory()`
     would train a copy. One that changes nothing goes through; a refused one changes nothing,

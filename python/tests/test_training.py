@@ -83,39 +83,6 @@ def test_a_gradient_missing_from_a_pass_trains_as_a_zero_gradient():
     assert not torch.equal(runs[True]["0.side.weight"], blocks[0].side.weight.detach())
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_unit_changing_its_input_in_place_trains_as_torch(world):
-    """A unit whose first op changes its input in place (an in-place ReLU) trains as in plain
-    PyTorch where the wrapper passes the unit's inputs through its backward's hook (above world
-    size 1, and with master storage at 1): the same parameters after each step."""
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(
-        torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.ReLU(inplace=True),
-                                                   torch.nn.Linear(8, 8)))
-    modules = [copy.deepcopy(reference) for _ in range(world)]
-    group = fsdp_fusion.LocalGroup(world) if world > 1 else None
-    fused = on_ranks(world, lambda rank: FusedFSDP(
-        modules[rank], list(modules[rank]), optimizer="sgd", lr=0.1, param_storage="master",
-        local_group=group, rank=rank))
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(4, 8, generator=g)
-        reference(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-        def step(rank):
-            fused[rank](x).square().mean().backward()
-            fused[rank].step()
-
-        on_ranks(world, step)
-    states = on_ranks(world, lambda rank: fused[rank].full_state_dict())
-    for rank, state in enumerate(states):
-        for name, value in reference.named_parameters():
-            assert torch.allclose(state[name], value.detach(), atol=1e-6), (rank, name)
-
-
 class _CallsItself(torch.nn.Module):
     """A module whose forward calls the module once more: the wrapper's forwards nest."""
 
