@@ -88,15 +88,21 @@ impl ParamSpec {
         self
     }
 
-    /// The element count, or `None` when it overflows (a shape with a 0 has none, whatever its
-    /// other dimensions).
+    /// The element count (none where a dimension is 0), or `None` when the other dimensions
+    /// multiply past a `usize`: whatever their order, so that a file's reader never overflows
+    /// on the shape.
     pub fn numel(&self) -> Option<usize> {
-        if self.shape.contains(&0) {
-            return Some(0);
+        let others = self
+            .shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |acc, &d| {
+                usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+            })?;
+        match self.shape.contains(&0) {
+            true => Some(0),
+            false => Some(others),
         }
-        self.shape.iter().try_fold(1usize, |acc, &d| {
-            usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
-        })
     }
 }
 
@@ -452,8 +458,12 @@ mod tests {
             ModelSpec::new(vec![huge]),
             Err(Error::NumelOverflow { name, .. }) if name == "h"
         ));
-        // No elements, whichever dimension is 0.
+        // A 0 makes no elements, and the other dimensions still multiply within a usize,
+        // whatever the order.
         for shape in [[1 << 32, 1 << 32, 0], [0, 1 << 32, 1 << 32]] {
+            assert_eq!(ParamSpec::new("e", &shape, DType::F32).numel(), None);
+        }
+        for shape in [[1 << 62, 0], [0, 1 << 62]] {
             assert_eq!(ParamSpec::new("e", &shape, DType::F32).numel(), Some(0));
         }
     }
