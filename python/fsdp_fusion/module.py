@@ -102,7 +102,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     GPU, for tests), each rank on its own current stream.
 
     Every forward goes through the wrapper (`model(...)`, or the module itself): the root's
-    hooks tell the engine where a pass begins. The parameters' `.grad` belong to the wrapper:
+    hooks tell the engine where a pass begins. A `KeyboardInterrupt` (any `BaseException` that
+    is no `Exception`, which torch's hooks do not see) inside a forward ends that forward as it
+    leaves the wrapper's call; inside a direct call of the module, at the next call of the
+    wrapper, `step` or copy of the state (a direct call of the module before those fails once,
+    with `MisuseError`). The parameters' `.grad` belong to the wrapper:
     it clears them when wrapping, and takes each unit's when the unit's backward ends (autograd
     accumulates them first); the step holds the gradients, not `.grad`. At world size 1 with
     shard storage nothing moves or travels, and the wrapper takes the whole model's `.grad` in
@@ -318,6 +322,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
 
     def forward(self, *args, **kwargs):
         _refuse_compiling(torch.compiler.is_compiling())
+        self._end_forwards_left_open()
         try:
             return self.module(*args, **kwargs)
         except BaseException as interrupted:
@@ -360,6 +365,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
             raise MisuseError(f"requires_grad of {', '.join(changed)} changed since wrapping, "
                               "which fixed the parameters that train: set it back (or wrap a "
                               "fresh copy of the model); the step is left to take")
+        self._end_forwards_left_open()
         self._end_interrupted_recomputes()
         self._close_backwards()
         for u in self._unit_of.values():
@@ -464,10 +470,18 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
             raise
         self._call("fsdp_engine_replayed", self._engine)
 
+    def _end_forwards_left_open(self):
+        """Ends the module's forwards that an interrupt left open inside a direct call of the
+        module, which no hook sees: the wrapper's own call, `step` and the copies of the state
+        never run inside a forward."""
+        if self._root_forwards_open:
+            self._end_interrupted_forward()
+
     def _end_evaluation(self):
         """Ends a step of forward passes only (an evaluation under `no_grad`), which would
         otherwise hold the engine inside a step; a step with gradients (handed over, or in a
         backward still open) is left to `step`."""
+        self._end_forwards_left_open()
         backward = any(u.backward_open for u in self._unit_of.values())
         if self._forwards and not self._gradients and not backward:
             self._call("fsdp_engine_end_step", self._engine)

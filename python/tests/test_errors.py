@@ -541,6 +541,33 @@ def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
     _as_if_never_interrupted(wrap, interrupt, x)
 
 
+@pytest.mark.parametrize("then", ["the wrapper", "a copy", "the module"])
+def test_a_forward_of_the_module_itself_interrupted_is_ended_by_the_next_call(then):
+    """A KeyboardInterrupt inside a direct call of the module, which no hook sees: the next call
+    of the wrapper (or a copy of the state) ends the forward left open, and training goes on
+    as if it had never run; a direct call of the module first fails once."""
+    x = torch.randn(3, 4)
+
+    def wrap():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interruptible(4, 4))
+        return FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
+                         param_storage="master")
+
+    def interrupt(fused):
+        fused.module[1].interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            fused.module(x)
+        fused.module[1].interrupt = False
+        if then == "a copy":
+            fused.full_state_dict()
+        elif then == "the module":
+            with pytest.raises(fsdp_fusion.MisuseError):
+                fused.module(x)
+
+    _as_if_never_interrupted(wrap, interrupt, x)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("then", ["forward", "step"])
 def test_a_recompute_interrupted_by_a_ctrl_c_in_the_backward_is_ended_by_the_next_call(
