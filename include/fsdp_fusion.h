@@ -430,11 +430,10 @@ enum fsdp_status fsdp_engine_wait_save(struct fsdp_engine *engine);
 // optimizer continues from the saved step, learning rate and weight decay. A collective:
 // nothing changes on any rank unless every rank's part checked out, and every rank returns
 // the same status for the failures named here (a rank whose own part was fine names the
-// failing rank in its message); a rank that failed otherwise before the ranks agreed (a thread
-// the system refused it, say) returns its own status, the others `FSDP_IO_ERROR` naming it; a
-// rank whose
-// upload fails after they agreed (its device) is poisoned, its state half loaded, while the
-// others return `FSDP_OK`.
+// failing rank in its message); a rank that failed otherwise before the ranks agreed (a reader
+// thread the system refused it, say) returns its own status, the others `FSDP_IO_ERROR` naming
+// it; a rank whose upload fails after they agreed (its device, or a thread of its copy that the
+// system refused) is poisoned, its state half loaded, while the others return `FSDP_OK`.
 // `FSDP_IO_ERROR` naming the file and field for a checkpoint that is missing, incomplete (a
 // rank's manifest absent), truncated, corrupted (a chunk's checksum), changed (a manifest's
 // own checksum, or fields that disagree with the layout they describe) or made of two saves'

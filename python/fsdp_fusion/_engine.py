@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from ctypes import byref, c_uint8, c_uint64, c_void_p
 
 import torch
@@ -25,9 +26,13 @@ def _choice(what: str, value, codes: dict) -> int:
 def _count(what: str, value) -> int:
     """`value` as a count of at least 1: ctypes would wrap a negative one into the C field's
     largest value, which reads as no limit at all."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    try:
+        count = operator.index(value)
+    except TypeError:
+        count = None
+    if isinstance(value, bool) or count is None or count < 1:
         raise InvalidArgumentError(f"{what} {value!r} is not a positive integer")
-    return value
+    return count
 
 
 def _membership(device: torch.device) -> tuple[int, int]:

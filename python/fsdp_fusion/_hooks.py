@@ -23,7 +23,9 @@ class _Views:
     def __init__(self, tensors: list[torch.Tensor], addresses: tuple):
         self.tensors = tensors
         self.addresses = addresses
-        self.position = {address: i for i, address in enumerate(addresses) if address}
+        # A parameter of no elements holds no memory: its address may be another's start.
+        self.position = {address: i for i, (address, t) in enumerate(zip(addresses, tensors))
+                         if address and t.numel()}
 
 
 _GRAD_WORDS = sizeof(Grad) // sizeof(c_uint64)

@@ -90,8 +90,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     momentum), over every trainable parameter, with fp32 master weights for bf16/f16 parameters.
     `double_buffer_limit` counts gathered parameter groups: the root's stay gathered throughout,
     so leave room for them plus the unit in use and the one prefetched (a lower limit still
-    gathers the root's and the running unit's, into memory planned with the wrapper, but
-    prefetches nothing).
+    gathers the root's and the running unit's, into slots planned and made with the wrapper).
 
     A module on a GPU trains on the CUDA backend with NCCL (world size and rank from
     `torch.distributed` when it is initialized, else 1); forward and backward must run on the
@@ -128,10 +127,11 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     parameter only as its fp32 master, cast into a gather slot at every gather: the memory of
     one bf16 copy of the model less, for a cast per gather and moving views.
 
-    A unit must not change its input in place (an in-place ReLU as its first layer, say) where
-    its inputs pass through the hook that ends its backward (above world size 1, with
-    `param_storage="master"` or `step_in_backward`): torch refuses it there, as it does under
-    FSDP2, rather than compute wrong gradients for a use of the input after the unit.
+    The module's forward must not change its input in place, nor a unit its input (an in-place
+    ReLU as its first layer, say) where its inputs pass through the hook that ends its backward
+    (above world size 1, with `param_storage="master"` or `step_in_backward`): torch refuses it
+    there, as it does under FSDP2, rather than compute wrong gradients for a use of the input
+    after it.
 
     Weight decay applies to every trainable parameter, as `torch.optim.AdamW` given
     `module.parameters()` applies it, except those `no_weight_decay` names: a collection of
@@ -505,7 +505,8 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
     def memory(self) -> tuple[int, int]:
         """The engine's device (or host) bytes now and at their peak: between steps
         `planned_memory().between_steps`, at the peak `planned_memory().peak` (more only where a
-        gather needed a slot beyond the limit). Never waits for a call in progress."""
+        gather needed a slot beyond the planned ones: the root's and one unit's, where several
+        units' forwards or backwards were open at once). Never waits for a call in progress."""
         current, peak = c_size_t(), c_size_t()
         self._call("fsdp_engine_memory", self._engine, byref(current), byref(peak))
         return current.value, peak.value

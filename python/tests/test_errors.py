@@ -7,6 +7,7 @@ import gc
 import re
 import threading
 
+import numpy
 import pytest
 import torch
 from conftest import CHECKOUT
@@ -75,6 +76,13 @@ def test_settings_the_engine_refuses_raise_value_errors():
         for bad in (-1, 0, 1.5, True):
             with pytest.raises(ValueError, match=f"{field} {bad!r} is not a positive integer"):
                 FusedFSDP(module, list(module.blocks), **{field: bad})
+    # An integer of another type (numpy's, torch's) is a count as Python's is.
+    memories = []
+    for limit in (1, numpy.int64(1), torch.tensor(1)):
+        _, fresh = models()
+        memories.append(bytes(FusedFSDP(fresh, list(fresh.blocks),
+                                        double_buffer_limit=limit).planned_memory()))
+    assert memories[1:] == memories[:1] * 2
 
 
 def test_a_path_holding_a_nul_byte_is_refused_before_anything_is_written(tmp_path):

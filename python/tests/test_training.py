@@ -794,15 +794,16 @@ class Model(torch.nn.Module):
     def forward(self, x):
         return self.second(self.first(x))
 
-torch.manual_seed(0)
-model = Model()
-fused = FusedFSDP(model, [model.first, model.second])
-fused(torch.randn(2, 4)).sum().backward()
-fused.step()
-state = fused.full_state_dict()
-assert state["frozen"].shape == (0,) and state["trained"].shape == (0, 3), state
-fused.load_full_state_dict(state)
-assert fused.full_parameter("trained").shape == (0, 3)
+for storage in ("shard", "master"):
+    torch.manual_seed(0)
+    model = Model()
+    fused = FusedFSDP(model, [model.first, model.second], param_storage=storage)
+    fused(torch.randn(2, 4)).sum().backward()
+    fused.step()
+    state = fused.full_state_dict()
+    assert state["frozen"].shape == (0,) and state["trained"].shape == (0, 3), state
+    fused.load_full_state_dict(state)
+    assert fused.full_parameter("trained").shape == (0, 3)
 print("trained, gathered and loaded")
 """
 

@@ -251,7 +251,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             None => {
                 let index = self.gathering.slots.len();
                 let buffer = alloc(&self.backend, self.plan.gather_slot_bytes(), || {
-                    format!("gather slot {index}, beyond the limit")
+                    format!("gather slot {index}, beyond the planned ones")
                 })?;
                 self.gathering.slots.push(buffer);
                 self.counters.extra_slots += 1;

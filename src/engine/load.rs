@@ -76,7 +76,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     /// checkpoint); copies of two saves are `Error::CheckpointMismatch` on every rank, naming
     /// both saves' ids. A rank whose part failed returns its error, the others
     /// `Error::PeerRefused` naming it; a rank whose upload fails after the ranks agreed (its
-    /// device) is poisoned, its state half loaded, while the others have loaded. The optimizer
+    /// device, or a thread of its copy that the system refused) is poisoned, its state half loaded, while the others have loaded. The optimizer
     /// continues from the saved step with the saved learning rate and weight decay. Allowed at
     /// a step boundary only; holds this rank's state in host memory while it reads; blocks until
     /// the state is on the device.
