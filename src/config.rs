@@ -125,7 +125,11 @@ pub struct EngineConfig {
     /// bit. Everything that needs every gradient before the update is refused: several backward
     /// passes a step (so `accumulation` stays `ReduceEveryPass`, and a second forward in a step
     /// is an error), clipping by the global norm, the norm, the non-finite count, and changing
-    /// the learning rate or weight decay once the step's gradients began.
+    /// the learning rate or weight decay once the step's gradients began. The plan's peak of
+    /// per-step gradient shards in this mode takes each unit's backward as ended by its
+    /// `post_backward` (as the PyTorch package's hooks end it): above world size 1, gradients
+    /// handed over with no backward hooks fill every unit's gradient slots at once, and the
+    /// groups reduced in part then hold more shards than planned.
     pub step_in_backward: bool,
     /// Make the host memory that [`crate::Engine::save_async`] copies the rank's state into
     /// (page-locked on a GPU, the state's size) with the engine, so that even the first
