@@ -168,7 +168,10 @@ typedef struct fsdp_config {
   // ordinary step, bit for bit; `fsdp_engine_optimizer_step` then only ends the updates).
   // One backward pass a step (`FSDP_REDUCE_EVERY_PASS`; a second forward in a step is
   // `FSDP_MISUSE`); the gradient norm, clipping, the non-finite count and changing the
-  // learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`.
+  // learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`. The
+  // plan's peak of per-step shards in this mode takes each unit's backward as ended by
+  // `fsdp_engine_post_backward`: above world size 1, gradients handed over with no backward
+  // hooks may hold more shards at once.
   uint8_t step_in_backward;
 } fsdp_config;
 

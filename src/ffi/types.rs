@@ -153,7 +153,10 @@ pub struct fsdp_config {
     /// ordinary step, bit for bit; `fsdp_engine_optimizer_step` then only ends the updates).
     /// One backward pass a step (`FSDP_REDUCE_EVERY_PASS`; a second forward in a step is
     /// `FSDP_MISUSE`); the gradient norm, clipping, the non-finite count and changing the
-    /// learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`.
+    /// learning rate or weight decay once the step's gradients began are `FSDP_MISUSE`. The
+    /// plan's peak of per-step shards in this mode takes each unit's backward as ended by
+    /// `fsdp_engine_post_backward`: above world size 1, gradients handed over with no backward
+    /// hooks may hold more shards at once.
     pub step_in_backward: u8,
 }
 
