@@ -234,6 +234,12 @@ class _Hooks:
         return hook
 
     def _root_pre_forward(self, _module, args, kwargs):
+        # First, so that the post hook, which torch runs after a failure here too, takes off
+        # this forward's hooks and no outer forward's.
+        if self._views_move:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            hooks.__enter__()
+            self._saved_hooks.append(hooks)
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
@@ -242,10 +248,6 @@ class _Hooks:
         # when the next forward starts: every gradient of that pass has arrived by then.
         self._close_backwards()
         self._backward_began = False
-        if self._views_move:
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            hooks.__enter__()
-            self._saved_hooks.append(hooks)
         self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
         self._root_forwards_open += 1
