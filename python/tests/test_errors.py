@@ -526,27 +526,34 @@ def _as_if_never_interrupted(wrap, interrupt, x):
         assert torch.equal(states[1][name], value), name
 
 
+def _interruptible() -> FusedFSDP:
+    """A fresh wrapper of a layer and an `_Interruptible` one, with master storage at world
+    size 1, where views move."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interruptible(4, 4))
+    return FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
+                     param_storage="master")
+
+
+def _interrupted(fused, call, x):
+    """`call(x)` (the wrapper, or its module) with a Ctrl-C inside its second layer."""
+    fused.module[1].interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        call(x)
+    fused.module[1].interrupt = False
+
+
 def test_a_forward_interrupted_by_a_ctrl_c_is_ended_as_it_leaves_the_wrapper():
     """A KeyboardInterrupt inside a unit's forward, which torch's always-call hooks do not see
     (they run on `Exception`): the wrapper ends the forward as the interrupt leaves it, so a
-    copy of the state, and training, go on as if the interrupted forward had never run. Master
-    storage at world size 1, where views move."""
+    copy of the state, and training, go on as if the interrupted forward had never run."""
     x = torch.randn(3, 4)
 
-    def wrap():
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interruptible(4, 4))
-        return FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
-                         param_storage="master")
-
     def interrupt(fused):
-        fused.module[1].interrupt = True
-        with pytest.raises(KeyboardInterrupt):
-            fused(x)
-        fused.module[1].interrupt = False
+        _interrupted(fused, fused, x)
         fused.full_state_dict()
 
-    _as_if_never_interrupted(wrap, interrupt, x)
+    _as_if_never_interrupted(_interruptible, interrupt, x)
 
 
 @pytest.mark.parametrize("then", ["the wrapper", "a copy", "the module"])
@@ -556,24 +563,15 @@ def test_a_forward_of_the_module_itself_interrupted_is_ended_by_the_next_call(th
     as if it had never run; a direct call of the module first fails once."""
     x = torch.randn(3, 4)
 
-    def wrap():
-        torch.manual_seed(0)
-        module = torch.nn.Sequential(torch.nn.Linear(4, 4), _Interruptible(4, 4))
-        return FusedFSDP(module, [module[0], module[1]], optimizer="sgd", lr=0.1,
-                         param_storage="master")
-
     def interrupt(fused):
-        fused.module[1].interrupt = True
-        with pytest.raises(KeyboardInterrupt):
-            fused.module(x)
-        fused.module[1].interrupt = False
+        _interrupted(fused, fused.module, x)
         if then == "a copy":
             fused.full_state_dict()
         elif then == "the module":
             with pytest.raises(fsdp_fusion.MisuseError):
                 fused.module(x)
 
-    _as_if_never_interrupted(wrap, interrupt, x)
+    _as_if_never_interrupted(_interruptible, interrupt, x)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
