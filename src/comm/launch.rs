@@ -72,10 +72,10 @@ impl LaunchEnv {
         };
         let rank = number("RANK")?;
         let world_size = number("WORLD_SIZE")?;
-        if world_size == 0 {
+        if world_size == 0 || u32::try_from(world_size).is_err() {
             return Err(Error::LaunchEnv {
                 variable: "WORLD_SIZE",
-                reason: "is 0".into(),
+                reason: format!("is {world_size}, not 1 to {}", u32::MAX),
             });
         }
         if rank >= world_size {
@@ -145,7 +145,7 @@ impl LaunchEnv {
             serve_id(&listener, self.world_size, &id, deadline)?;
             Ok(id)
         } else {
-            let addrs = resolve(&self.master_addr, port)?;
+            let addrs = resolve_by(&self.master_addr, port, deadline)?;
             fetch_id(&addrs, self.rank, self.world_size, deadline)
         }
     }
@@ -226,6 +226,27 @@ fn dual_stack_listener(port: u16) -> std::io::Result<TcpListener> {
     // SAFETY: listen(2) takes no pointers.
     check(unsafe { libc::listen(raw, libc::SOMAXCONN) })?;
     Ok(TcpListener::from(socket))
+}
+
+/// Every address `host:port` names, looked up again until `deadline` while the lookup fails:
+/// rank 0's name may not be published yet (a service that starts with its pod, say). Each
+/// lookup is the system's, which may itself block for the resolver's own timeout.
+fn resolve_by(host: &str, port: u16, deadline: Instant) -> Result<Vec<SocketAddr>> {
+    let started = Instant::now();
+    loop {
+        match resolve(host, port) {
+            Ok(addrs) => return Ok(addrs),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(Error::Timeout {
+                    op: format!("looking up MASTER_ADDR {host} ({e})"),
+                    waited: started.elapsed(),
+                });
+            }
+            Err(_) => {
+                std::thread::sleep(RETRY.min(deadline.saturating_duration_since(Instant::now())))
+            }
+        }
+    }
 }
 
 /// Every address `host:port` names.
@@ -492,6 +513,12 @@ pub fn fetch_id(
             TcpStream::connect_timeout(addr, left.min(Duration::from_secs(5)))
                 .map_err(|e| last = format!("{addr}: {e}"))
                 .ok()
+                // A connect to a local port no one listens on yet may pick that port as its
+                // own and meet itself (a simultaneous open): no rank 0 there, try again.
+                .filter(|s| match (s.local_addr(), s.peer_addr()) {
+                    (Ok(local), Ok(peer)) => local != peer,
+                    _ => false,
+                })
         });
         // Rank 0 may not listen yet: then try again.
         if let Some(mut stream) = connected {
@@ -600,6 +627,8 @@ mod tests {
         assert_eq!(refused(&[("RANK", "three")]).0, "RANK");
         assert_eq!(refused(&[("RANK", "8")]).0, "RANK");
         assert_eq!(refused(&[("WORLD_SIZE", "0")]).0, "WORLD_SIZE");
+        // The ranks' hello carries 32 bits.
+        assert_eq!(refused(&[("WORLD_SIZE", "4294967296")]).0, "WORLD_SIZE");
         assert_eq!(refused(&[("MASTER_PORT", "70000")]).0, "MASTER_PORT");
         assert_eq!(refused(&[("MASTER_PORT", "0")]).0, "MASTER_PORT");
         assert_eq!(refused(&[("MASTER_ADDR", " ")]).0, "MASTER_ADDR");
@@ -799,6 +828,28 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_master_addr_that_does_not_resolve_is_looked_up_again_until_the_deadline() {
+        // `.invalid` never resolves (RFC 2606).
+        let env = LaunchEnv::from_vars(vars(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "rank0.invalid"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap();
+        let timeout = Duration::from_millis(300);
+        let started = Instant::now();
+        match env.share_id(|| panic!("only rank 0 makes the id"), timeout) {
+            Err(Error::Timeout { op, .. }) => {
+                assert!(op.contains("MASTER_ADDR rank0.invalid"), "{op}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(started.elapsed() >= timeout);
     }
 
     #[test]
