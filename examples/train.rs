@@ -107,7 +107,7 @@ struct Args {
     #[arg(long, default_value_t = 20)]
     steps: u64,
     /// Micro-batches (backward passes) per step, accumulated.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..))]
     passes: u64,
     #[arg(long, value_enum, default_value = "f32")]
     dtype: Dtype,
@@ -343,10 +343,24 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         Some(dir) => (dir.clone(), false),
         None => (file.with_extension("checkpoint"), true),
     });
-    if let (Some(file), Some((dir, true))) = (&args.export, &export_dir) {
-        if file.exists() || dir.exists() {
+    // Refused before training, rather than after it: the export is a new file beside the
+    // checkpoint it is made from (a temporary one new too).
+    if let (Some(file), Some((dir, temporary))) = (&args.export, &export_dir) {
+        if file == dir {
+            return Err(fsdp_fusion::Error::InvalidConfig {
+                field: "export",
+                reason: format!(
+                    "is the checkpoint directory {}: name another file",
+                    dir.display()
+                ),
+            });
+        }
+        let taken = [(file, true), (dir, *temporary)]
+            .into_iter()
+            .find(|(path, new)| *new && path.exists());
+        if let Some((path, _)) = taken {
             return Err(fsdp_fusion::Error::CheckpointExists {
-                path: if file.exists() { file } else { dir }.display().to_string(),
+                path: path.display().to_string(),
             });
         }
     }

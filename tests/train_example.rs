@@ -1,7 +1,8 @@
 //! The main job's checkpoints as a user runs them: a 4-rank run saved after 3 steps, resumed at 3
 //! ranks (no step left) and exported, writes the 4-rank run's own export bit for bit; a save
 //! into a folder that holds a checkpoint is refused before training; a run with `--capture` prints
-//! the eager run's losses.
+//! the eager run's losses; exports that would fail after training, and steps of no backward
+//! pass, are refused before it.
 
 use std::process::Command;
 
@@ -65,6 +66,25 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
     );
     let (ok, err) = run(&["--ranks", "2", "--steps", "1", "--save", &path(&dir)]);
     assert!(!ok && err.contains("exists"), "{err}");
+    // An export over a file, or onto the checkpoint it is made from, is refused before training
+    // (nothing saved), and so are steps of no backward pass.
+    let (other, onto) = (scratch.join("other"), scratch.join("x.checkpoint"));
+    let (ok, err) = run(&[
+        "--steps",
+        "1",
+        "--save",
+        &path(&other),
+        "--export",
+        &path(&four),
+    ]);
+    assert!(!ok && err.contains("exists") && !other.exists(), "{err}");
+    let (ok, err) = run(&["--steps", "1", "--export", &path(&onto)]);
+    assert!(
+        !ok && err.contains("checkpoint directory") && !onto.exists(),
+        "{err}"
+    );
+    let (ok, err) = run(&["--steps", "1", "--passes", "0"]);
+    assert!(!ok && err.contains("--passes"), "{err}");
 }
 
 #[test]
