@@ -128,7 +128,8 @@ impl LaunchEnv {
     }
 
     /// Every rank's copy of the id: rank 0 makes it with `make`, serves it and returns it once
-    /// every rank has it; the others fetch it. At most `timeout` in all.
+    /// every rank has it; the others fetch it, looking `MASTER_ADDR` up again while it does not
+    /// resolve. At most `timeout` in all.
     pub fn share_id(
         &self,
         make: impl FnOnce() -> Result<[u8; ID_BYTES]>,
