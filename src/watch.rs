@@ -206,8 +206,10 @@ impl AbortHandle {
         self.0.abort();
     }
 
-    /// Takes the rank out of its group without aborting its engine: its peers' waits for it
-    /// fail, and so do its own later collectives.
+    /// Takes the rank out of its group without aborting its engine, on the local and loopback
+    /// communicators: its peers' waits for it fail, and so do its own later collectives. NCCL
+    /// has no such signal: there its peers see the rank gone only once it aborts
+    /// ([`AbortHandle::abort`]).
     pub fn leave(&self) {
         self.0.leave();
     }
