@@ -208,8 +208,8 @@ impl AbortHandle {
 
     /// Takes the rank out of its group without aborting its engine, on the local and loopback
     /// communicators: its peers' waits for it fail, and so do its own later collectives. NCCL
-    /// has no such signal: there its peers see the rank gone only once it aborts
-    /// ([`AbortHandle::abort`]).
+    /// has no such signal: there the rank's collectives go on, and a peer's wait for one it
+    /// never issues ends at the peer's deadline.
     pub fn leave(&self) {
         self.0.leave();
     }
