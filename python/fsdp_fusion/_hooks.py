@@ -33,6 +33,15 @@ _GRAD_WORDS = sizeof(Grad) // sizeof(c_uint64)
 assert _GRAD_WORDS * sizeof(c_uint64) == sizeof(Grad) and Grad.data.offset == sizeof(c_uint64)
 
 
+@dataclass
+class _RootForward:
+    """One forward of the module under way: its saved-tensor hooks (where views move), and
+    whether it opened the root in the engine."""
+
+    hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+    opened: bool = False
+
+
 def _in_backward() -> bool:
     """Whether this thread runs inside an autograd backward (a recompute's forward does)."""
     return torch._C._current_graph_task_id() != -1
@@ -234,12 +243,13 @@ class _Hooks:
         return hook
 
     def _root_pre_forward(self, _module, args, kwargs):
-        # First, so that the post hook, which torch runs after a failure here too, takes off
-        # this forward's hooks and no outer forward's.
+        # First, so that the post hook, which torch runs after a failure here too, ends this
+        # forward and no outer one, and so that an interrupt from here on is seen.
+        forward = _RootForward()
+        self._root_forwards.append(forward)
         if self._views_move:
-            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            hooks.__enter__()
-            self._saved_hooks.append(hooks)
+            forward.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            forward.hooks.__enter__()
         if self._stream is not None and torch.cuda.current_stream(self._device) != self._stream:
             raise MisuseError("run forward and backward on the stream current when the wrapper "
                               "was made: the engine's compute stream")
@@ -250,23 +260,25 @@ class _Hooks:
         self._backward_began = False
         self._forwards = True
         self._open(self._root, self._lib.fsdp_engine_pre_forward)
-        self._root_forwards_open += 1
+        forward.opened = True
         return self._wrap_inputs(ROOT, args, kwargs)
 
     def _end_interrupted_forward(self):
         """Ends a forward of the wrapper that a `BaseException` (a Ctrl-C) interrupted, which
         torch's always-call hooks do not see: its saved-tensor hooks go, and the forwards of its
         units and of the root end in the engine, as their post hooks would have ended them."""
-        while self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
+        forwards, self._root_forwards = self._root_forwards, []
+        for forward in reversed(forwards):
+            if forward.hooks is not None:
+                forward.hooks.__exit__(None, None, None)
         for u in self._units:
             while u.forward_opens:
                 u.forward_opens -= 1
                 self._close(u, self._lib.fsdp_engine_post_forward)
             u.recompute_opens = 0
-        while self._root_forwards_open:
-            self._close(self._root, self._lib.fsdp_engine_post_forward)
-            self._root_forwards_open -= 1
+        for forward in reversed(forwards):
+            if forward.opened:
+                self._close(self._root, self._lib.fsdp_engine_post_forward)
 
     def _end_interrupted_recomputes(self):
         """Ends the units' forwards that a recompute in a backward (activation checkpointing)
@@ -281,11 +293,12 @@ class _Hooks:
                 self._close(u, self._lib.fsdp_engine_post_forward)
 
     def _root_post_forward(self, _module, _args, output):
-        if self._saved_hooks:
-            self._saved_hooks.pop().__exit__(None, None, None)
-        self._close(self._root, self._lib.fsdp_engine_post_forward)
-        # None where the pre hook failed before it opened the root (torch runs this all the same).
-        self._root_forwards_open = max(self._root_forwards_open - 1, 0)
+        forward = self._root_forwards.pop() if self._root_forwards else _RootForward()
+        if forward.hooks is not None:
+            forward.hooks.__exit__(None, None, None)
+        # Not where the pre hook failed before it opened the root (torch runs this all the same).
+        if forward.opened:
+            self._close(self._root, self._lib.fsdp_engine_post_forward)
         self._hook_outputs(ROOT, output)
         self._drop_unit_hooks_once_mapped()
 

@@ -28,7 +28,7 @@ from ._capi import ROOT, Counters, Memory, GradNorm, Releasing
 from ._allocator import TorchAllocator
 from ._dlpack import device_index
 from ._engine import _EngineCreation, _choice, _membership
-from ._hooks import _Hooks, _Unit
+from ._hooks import _Hooks, _RootForward, _Unit
 from .errors import InvalidArgumentError, MisuseError
 from ._params import (
     DTYPE_CODES,
@@ -295,10 +295,9 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         self._open_units: list[_Unit] = []
         # Whether a unit's backward began since the last forward of the whole module.
         self._backward_began = False
-        # The saved-tensor hooks of each forward of the module under way, innermost last.
-        self._saved_hooks: list = []
-        # The module's own forwards under way (a forward calling itself nests them).
-        self._root_forwards_open = 0
+        # The module's own forwards under way, innermost last (a forward calling itself nests
+        # them).
+        self._root_forwards: list[_RootForward] = []
         # Whether the step so far had forward passes, and gradients: a step of forwards only
         # (an evaluation) is ended before a save or a load.
         self._forwards, self._gradients = False, False
@@ -474,7 +473,7 @@ class FusedFSDP(_EngineCreation, _Hooks, _StateCopies, Releasing, torch.nn.Modul
         """Ends the module's forwards that an interrupt left open inside a direct call of the
         module, which no hook sees: the wrapper's own call, `step` and the copies of the state
         never run inside a forward."""
-        if self._root_forwards_open:
+        if self._root_forwards:
             self._end_interrupted_forward()
 
     def _end_evaluation(self):

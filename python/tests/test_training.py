@@ -119,6 +119,53 @@ def test_a_forward_calling_itself_trains_as_torch_and_leaves_no_saved_tensor_hoo
         assert torch.allclose(state[name], value.detach(), atol=1e-6), name
 
 
+class _Injected(Exception):
+    """A failure a test makes a hook raise."""
+
+
+class _NestingCatching(torch.nn.Module):
+    """A module whose forward first calls the module once more, catching `_Injected`, then uses
+    a parameter of its own (the root's) and a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.full((8,), 0.5))
+
+    def forward(self, x, nested=True):
+        if nested:
+            try:
+                self(x, nested=False)
+            except _Injected:
+                pass
+        return self.block(x) * self.scale
+
+
+def test_a_nested_forward_failing_before_it_opens_leaves_the_outer_forward_open(monkeypatch):
+    """The post hook that torch runs after a nested forward's pre hook failed ends that forward
+    alone: the outer forward's root parameters stay gathered (with master storage they would be
+    NaN placeholders once closed), and the step goes on."""
+    torch.manual_seed(0)
+    module = _NestingCatching()
+    expected = module(torch.ones(2, 8), nested=False).detach()
+    fused = FusedFSDP(module, [module.block], optimizer="sgd", lr=0.1, param_storage="master")
+    forwards = []
+    close_backwards = fused._close_backwards
+
+    def failing_in_the_nested_forward():
+        forwards.append(None)
+        if len(forwards) == 2:
+            raise _Injected("the nested forward's pre hook")
+        close_backwards()
+
+    monkeypatch.setattr(fused, "_close_backwards", failing_in_the_nested_forward)
+    out = fused(torch.ones(2, 8))
+    assert torch.equal(out.detach(), expected)
+    out.sum().backward()
+    fused.step()
+    assert fused.counters().steps == 1
+
+
 class Experts(torch.nn.Module):
     """A block of two experts of which each pass may skip one (`skip`): left out, the skipped
     expert gets no gradient, as an expert no token was routed to; with `zero_gate` it takes
