@@ -129,7 +129,8 @@ impl LaunchEnv {
 
     /// Every rank's copy of the id: rank 0 makes it with `make`, serves it and returns it once
     /// every rank has it; the others fetch it, looking `MASTER_ADDR` up again while it does not
-    /// resolve. At most `timeout` in all.
+    /// resolve (a name that never does is `Error::Timeout` at the deadline). At most `timeout`
+    /// in all, but for a lookup that the system's resolver holds past it.
     pub fn share_id(
         &self,
         make: impl FnOnce() -> Result<[u8; ID_BYTES]>,
@@ -517,8 +518,11 @@ pub fn fetch_id(
                 // A connect to a local port no one listens on yet may pick that port as its
                 // own and meet itself (a simultaneous open): no rank 0 there, try again.
                 .filter(|s| match (s.local_addr(), s.peer_addr()) {
-                    (Ok(local), Ok(peer)) => local != peer,
-                    _ => false,
+                    (Ok(local), Ok(peer)) if local != peer => true,
+                    _ => {
+                        last = format!("{addr}: the connection met itself");
+                        false
+                    }
                 })
         });
         // Rank 0 may not listen yet: then try again.

@@ -133,7 +133,8 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
 /// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
 /// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
 /// other rank fetches it, looking `MASTER_ADDR` up and connecting again until rank 0's name
-/// resolves and rank 0 listens. Each exchange waits at most
+/// resolves and rank 0 listens (a name that never resolves is `FSDP_TIMEOUT` at the deadline).
+/// Each exchange waits at most
 /// `config->timeout_seconds` (`FSDP_TIMEOUT`). A variable missing or malformed, or a world size
 /// other than the plan's, is `FSDP_INVALID_ARGUMENT` naming it; ranks whose `WORLD_SIZE`
 /// differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming both values. `stream` and
