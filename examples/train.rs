@@ -338,15 +338,21 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
         }
         Ok(())
     };
-    // An export without a save goes through a checkpoint of its own.
+    // An export without a save goes through a checkpoint of its own, named after it.
     let export_dir = args.export.as_ref().map(|file| match &args.save {
         Some(dir) => (dir.clone(), false),
-        None => (file.with_extension("checkpoint"), true),
+        None => {
+            let mut name = file.clone().into_os_string();
+            name.push(".checkpoint");
+            (PathBuf::from(name), true)
+        }
     });
     // Refused before training, rather than after it: the export is a new file beside the
     // checkpoint it is made from (a temporary one new too).
     if let (Some(file), Some((dir, temporary))) = (&args.export, &export_dir) {
-        if file == dir {
+        fsdp_fusion::checkpoint::check_path(file, "the exported file")?;
+        let absolute = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        if absolute(file) == absolute(dir) {
             return Err(fsdp_fusion::Error::InvalidConfig {
                 field: "export",
                 reason: format!(
@@ -355,9 +361,10 @@ fn run(args: &Args) -> fsdp_fusion::Result<()> {
                 ),
             });
         }
+        // A link counts, dangling or not: the export never writes through one.
         let taken = [(file, true), (dir, *temporary)]
             .into_iter()
-            .find(|(path, new)| *new && path.exists());
+            .find(|(path, new)| *new && std::fs::symlink_metadata(path).is_ok());
         if let Some((path, _)) = taken {
             return Err(fsdp_fusion::Error::CheckpointExists {
                 path: path.display().to_string(),

@@ -68,7 +68,7 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
     assert!(!ok && err.contains("exists"), "{err}");
     // An export over a file, or onto the checkpoint it is made from, is refused before training
     // (nothing saved), and so are steps of no backward pass.
-    let (other, onto) = (scratch.join("other"), scratch.join("x.checkpoint"));
+    let other = scratch.join("other");
     let (ok, err) = run(&[
         "--steps",
         "1",
@@ -78,11 +78,21 @@ fn a_run_saved_at_4_ranks_exports_bit_for_bit_from_3() {
         &path(&four),
     ]);
     assert!(!ok && err.contains("exists") && !other.exists(), "{err}");
-    let (ok, err) = run(&["--steps", "1", "--export", &path(&onto)]);
+    let onto = format!("{}/./", path(&other));
+    let (ok, err) = run(&["--steps", "1", "--save", &path(&other), "--export", &onto]);
     assert!(
-        !ok && err.contains("checkpoint directory") && !onto.exists(),
+        !ok && err.contains("checkpoint directory") && !other.exists(),
         "{err}"
     );
+    // A dangling link where the export goes is taken too.
+    let link = scratch.join("link.safetensors");
+    std::os::unix::fs::symlink(scratch.join("nowhere"), &link).unwrap();
+    let (ok, err) = run(&["--steps", "1", "--export", &path(&link)]);
+    assert!(!ok && err.contains("exists"), "{err}");
+    // A name ending in .checkpoint is a file like any other: its checkpoint is named after it.
+    let named = scratch.join("x.checkpoint");
+    let (ok, err) = run(&["--steps", "1", "--export", &path(&named)]);
+    assert!(ok && named.is_file(), "{err}");
     let (ok, err) = run(&["--steps", "1", "--passes", "0"]);
     assert!(!ok && err.contains("--passes"), "{err}");
 }
