@@ -11,10 +11,11 @@ from ctypes import byref, c_uint8, c_uint64, c_void_p
 
 import torch
 
+from . import errors
 from ._capi import ROOT, UNIQUE_ID_BYTES, Config, ParamSpec
 from ._dlpack import device_index
 from ._params import _PLACEHOLDERS, DTYPE_CODES, DTYPE_NAMES
-from .errors import InvalidArgumentError
+from .errors import FsdpError, InvalidArgumentError
 
 
 def _choice(what: str, value, codes: dict) -> int:
@@ -145,14 +146,28 @@ class _EngineCreation:
 
     def _unique_id(self):
         """Rank 0's fresh NCCL id, sent to the others through torch.distributed (whose current
-        device each rank has set)."""
+        device each rank has set). Rank 0's failure to make it is sent instead, and raised on
+        every rank (its class, naming rank 0): the others would otherwise wait for an id until
+        torch.distributed's own timeout."""
         uid = (c_uint8 * UNIQUE_ID_BYTES)()
+        failure = None
         if self._rank == 0:
-            self._lib.call("fsdp_nccl_unique_id", uid, len(uid))
+            try:
+                self._lib.call("fsdp_nccl_unique_id", uid, len(uid))
+            except FsdpError as e:
+                failure = e
         if self._world > 1:
-            shared = [bytes(uid)]
+            shared = [bytes(uid) if failure is None else (type(failure).__name__, str(failure))]
             torch.distributed.broadcast_object_list(shared, src=0)
+            if isinstance(shared[0], tuple):
+                if failure is not None:
+                    raise failure
+                name, message = shared[0]
+                raise getattr(errors, name, FsdpError)(f"rank 0 could not make the NCCL id: "
+                                                       f"{message}")
             uid = (c_uint8 * UNIQUE_ID_BYTES).from_buffer_copy(shared[0])
+        elif failure is not None:
+            raise failure
         return uid
 
     def _load_and_release(self):

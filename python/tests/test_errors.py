@@ -6,6 +6,7 @@ import copy
 import gc
 import re
 import threading
+import types
 
 import numpy
 import pytest
@@ -15,6 +16,7 @@ from training import models, on_ranks
 
 import fsdp_fusion
 from fsdp_fusion import FusedFSDP, LocalGroup, LoopbackGroup, _capi
+from fsdp_fusion._engine import _EngineCreation
 from fsdp_fusion.errors import STATUS_ERRORS
 
 
@@ -99,6 +101,30 @@ def test_a_path_holding_a_nul_byte_is_refused_before_anything_is_written(tmp_pat
     assert not cut.exists() and list(tmp_path.iterdir()) == []
     fused.save(cut)
     assert any(cut.iterdir())
+
+
+def test_rank_0_failing_to_make_the_nccl_id_fails_every_rank_with_its_error(monkeypatch):
+    """Rank 0's failure goes through the broadcast that would carry the id, so that the other
+    ranks raise it (its class, naming rank 0) at once rather than wait for an id."""
+    sent = []
+
+    def broadcast(objects, src):
+        assert src == 0
+        if not sent:
+            sent.extend(objects)
+        objects[:] = sent
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+
+    class NoNccl:
+        def call(self, name, *_args):
+            raise fsdp_fusion.UnavailableError(f"{name}: NCCL is missing")
+
+    for rank in (0, 1):
+        creation = types.SimpleNamespace(_rank=rank, _world=2, _lib=NoNccl())
+        with pytest.raises(fsdp_fusion.UnavailableError, match="NCCL is missing") as raised:
+            _EngineCreation._unique_id(creation)
+        assert ("rank 0" in str(raised.value)) == (rank == 1)
 
 
 def test_a_missing_library_names_every_place_tried(tmp_path, monkeypatch):
