@@ -110,6 +110,15 @@ impl CpuBuffer {
         Ok(buffer)
     }
 
+    /// A buffer over `memory`, freed by an earlier one, counted by `tracker` again.
+    pub(crate) fn reusing(memory: Arc<Memory>, tracker: &Arc<Tracker>) -> CpuBuffer {
+        tracker.add(memory.layout.size());
+        CpuBuffer {
+            memory,
+            tracker: Arc::clone(tracker),
+        }
+    }
+
     /// The size in bytes.
     pub fn len(&self) -> usize {
         self.memory.layout.size()

@@ -19,9 +19,10 @@ mod math;
 mod memory;
 mod streams;
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
@@ -82,6 +83,9 @@ impl HostCall {
 #[derive(Debug, Default)]
 pub struct CpuBackend {
     tracker: Arc<Tracker>,
+    /// Memory of freed buffers by size, for the next unfilled allocations (kept until the
+    /// backend goes).
+    freed: Mutex<HashMap<usize, Vec<Arc<Memory>>>>,
     host_waits: AtomicU64,
     /// The stream workers; none when eager.
     streams: Option<Streams>,
@@ -391,9 +395,17 @@ impl Backend for CpuBackend {
     }
 
     /// Every byte 0xFF: a NaN in every element, so that a read before the first write shows.
+    /// The memory of a freed buffer of the size where there is one, as a GPU's stream-ordered
+    /// allocator hands it on at once: its fill is still queued on the compute stream then.
     fn alloc_unfilled(&self, bytes: usize) -> Result<CpuBuffer> {
         self.check_not_capturing("an allocation")?;
-        CpuBuffer::poisoned(bytes, &self.tracker)
+        let reused = crate::sync::lock(&self.freed)
+            .get_mut(&bytes)
+            .and_then(Vec::pop);
+        match reused {
+            Some(memory) => Ok(CpuBuffer::reusing(memory, &self.tracker)),
+            None => CpuBuffer::poisoned(bytes, &self.tracker),
+        }
     }
 
     /// Orders the compute stream after the other streams' work so far, then frees the buffers
@@ -409,9 +421,10 @@ impl Backend for CpuBackend {
         unsafe { self.free_after_compute(buffers) }
     }
 
-    /// Fills each buffer with 0xFF on the compute stream, then drops it: as a GPU hands freed
-    /// memory to its next user, so that a use on another stream not ordered before the free
-    /// reads NaNs here (and fails the parity suites) instead of passing unseen.
+    /// Fills each buffer with 0xFF on the compute stream and keeps its memory for the next
+    /// unfilled allocation of its size, as a GPU hands freed memory to its next user: a read on
+    /// another stream not ordered before the free reads NaNs here, and a write lands in the next
+    /// owner's bytes (and fails the parity suites) instead of passing unseen.
     unsafe fn free_after_compute(
         &self,
         buffers: impl IntoIterator<Item = CpuBuffer>,
@@ -420,12 +433,16 @@ impl Backend for CpuBackend {
         for buffer in buffers {
             let memory = Arc::clone(buffer.memory());
             let len = buffer.len();
+            let filled = Arc::clone(&memory);
             self.run(Stream::Compute, move || {
                 // SAFETY: the buffer is freed: every use of it so far is ordered before this job
-                // (the caller's contract), and nothing queued later uses it.
-                unsafe { memory.bytes_mut(0..len) }.fill(0xFF);
+                // (the caller's contract), and its next owner's work follows it on the stream.
+                unsafe { filled.bytes_mut(0..len) }.fill(0xFF);
                 Ok(())
             })?;
+            if len > 0 {
+                (crate::sync::lock(&self.freed).entry(len).or_default()).push(memory);
+            }
         }
         Ok(())
     }

@@ -46,6 +46,46 @@ fn memory_is_counted_while_buffers_live_and_starts_zeroed() {
 }
 
 #[test]
+fn freed_memory_goes_to_the_next_unfilled_buffer_of_its_size_where_a_late_write_lands() {
+    let b = CpuBackend::asynchronous(1).unwrap();
+    let x = b.alloc_unfilled(16).unwrap();
+    let at = |buf: &CpuBuffer| buf.addr(Region::new(0, 4, DType::F32)).unwrap();
+    let freed_at = at(&x);
+    // A write on the reduce stream that the free is not ordered after (a missing wait): it
+    // waits for the next owner's fill before it writes.
+    let (memory, gate) = (
+        Arc::clone(x.memory()),
+        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
+    let opened = Arc::clone(&gate);
+    b.run(Stream::Reduce, move || {
+        while !opened.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        // SAFETY: nothing else touches the bytes now (the test orders them by hand).
+        unsafe { memory.bytes_mut(0..4) }.copy_from_slice(&1.0f32.to_le_bytes());
+        Ok(())
+    })
+    .unwrap();
+    // SAFETY: deliberately not after the reduce stream's write: the case the reuse shows.
+    unsafe { b.free_after_compute([x]) }.unwrap();
+    assert_eq!(b.memory().current, 0);
+    let y = b.alloc_unfilled(16).unwrap();
+    assert_eq!((at(&y), b.memory().current), (freed_at, 16));
+    b.synchronize(&b.record(Stream::Compute).unwrap()).unwrap();
+    gate.store(true, std::sync::atomic::Ordering::SeqCst);
+    b.synchronize(&b.record(Stream::Reduce).unwrap()).unwrap();
+    let values = download_f32(&b, &y, 4);
+    assert_eq!(
+        values[0], 1.0,
+        "the late write is in the next owner's bytes"
+    );
+    assert!(values[1..].iter().all(|v| v.is_nan()), "{values:?}");
+    // Another size takes fresh memory.
+    assert_ne!(at(&b.alloc_unfilled(32).unwrap()), freed_at);
+}
+
+#[test]
 fn an_unfilled_buffer_is_counted_and_holds_nan_until_written_and_free_drops_buffers() {
     let b = CpuBackend::new();
     let x = b.alloc_unfilled(16).unwrap();
