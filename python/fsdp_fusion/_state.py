@@ -46,6 +46,13 @@ def export_checkpoint(directory: str | os.PathLike, path: str | os.PathLike,
 class _StateCopies:
     """`FusedFSDP`'s copies of its state in and out: checkpoints, safetensors, whole parameters."""
 
+    def _call_on_path(self, function: str, path: str | os.PathLike):
+        """The engine's `function` on `path`, once a step of forwards only ended; a path the C
+        API cannot take is refused first, with nothing changed."""
+        encoded = _c_path(path)
+        self._end_evaluation()
+        self._call(function, self._engine, encoded)
+
     def save(self, directory: str | os.PathLike, *, wait: bool = True):
         """Writes this rank's part of a sharded checkpoint into `directory`: shards, fp32
         masters, AdamW moments, the optimizer's step and settings; not the module's buffers
@@ -60,10 +67,7 @@ class _StateCopies:
         gradient since the last step, an evaluation, end their step first). `wait=False` copies
         the state into host memory and returns while a thread writes the files; `wait_save()`
         gives the outcome (one save pending at a time, until then)."""
-        encoded = _c_path(directory)
-        name = "fsdp_engine_save" if wait else "fsdp_engine_save_async"
-        self._end_evaluation()
-        self._call(name, self._engine, encoded)
+        self._call_on_path("fsdp_engine_save" if wait else "fsdp_engine_save_async", directory)
 
     def wait_save(self):
         """The outcome of `save(wait=False)`, a collective: every rank calls it, between steps.
@@ -84,9 +88,7 @@ class _StateCopies:
         `InvalidArgumentError` listing the differences, as do ranks that read node-local copies
         of two saves (on every rank, naming both); a rank whose own part was fine raises the
         failing rank's error, naming it."""
-        encoded = _c_path(directory)
-        self._end_evaluation()
-        self._call("fsdp_engine_load", self._engine, encoded)
+        self._call_on_path("fsdp_engine_load", directory)
 
     def export(self, path: str | os.PathLike):
         """Writes the full model's parameters into the safetensors file `path` under the
@@ -95,9 +97,7 @@ class _StateCopies:
         into a plain PyTorch model; it holds no buffers and no tied parameter's other names,
         which a strict load asks for: `full_state_dict` holds those). Atomic; an existing file
         raises `InvalidArgumentError`. World size 1, between steps."""
-        encoded = _c_path(path)
-        self._end_evaluation()
-        self._call("fsdp_engine_export_safetensors", self._engine, encoded)
+        self._call_on_path("fsdp_engine_export_safetensors", path)
 
     def import_(self, path: str | os.PathLike):
         """Loads every parameter's values from the safetensors file `path` (an export, or a
@@ -106,9 +106,7 @@ class _StateCopies:
         difference. A collective: nothing is loaded on any rank unless every rank read its
         part, and ranks whose files differ (node-local copies of two models) in their length,
         header or the first 4 KiB of a tensor raise `InvalidArgumentError` alike. The optimizer's state is unchanged. Between steps."""
-        encoded = _c_path(path)
-        self._end_evaluation()
-        self._call("fsdp_engine_import_safetensors", self._engine, encoded)
+        self._call_on_path("fsdp_engine_import_safetensors", path)
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """A host copy of parameter `name` from this rank's shard, at world size 1 (where the
