@@ -370,32 +370,30 @@ enum fsdp_status fsdp_engine_end_capture(struct fsdp_engine *engine);
 // during a capture, and between `fsdp_engine_before_replay` and `fsdp_engine_replayed`.
 enum fsdp_status fsdp_engine_replay(struct fsdp_engine *engine);
 
-// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
-// (a trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
-// settings and the plan's layout. A collective: every rank calls it with the same `dir`. The
-// ranks first agree on the save's id, which every manifest records, and that `dir` holds no
-// rank file of any checkpoint: `FSDP_INVALID_ARGUMENT` on every rank otherwise (the failing
-// rank's message naming the file, the others naming that rank), and nothing written. Each
-// rank then writes its data and then its manifest, each under a unique temporary name (created
-// new: no existing file or symlink is written through), flushed to disk, linked into place
-// (never over an existing file) and the directory flushed: an interrupted save never looks
-// complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
-// files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
-// others naming that rank), and no rank's file of the save left (the ranks that wrote remove
-// theirs); a failure that poisons a rank while it writes (its device, an abort) fails the
-// agreement instead, on every rank, and the files already written stay (a load refuses them:
-// the save is incomplete). The ranks' writes end within the engine's timeout of each other; under hybrid
-// sharding only the first replica's ranks write, and the others wait for their outcome within
-// the timeout, so a rank's whole write must take less (`fsdp_engine_save_async` has no such
-// bound: `fsdp_engine_wait_save` reports a write still under way).
-// `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
+// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards (a
+// trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
+// settings and the plan's layout. A collective: every rank calls it with the same `dir`. The ranks
+// first agree on the save's id, which every manifest records, and that `dir` holds no rank file of
+// any checkpoint: `FSDP_INVALID_ARGUMENT` on every rank otherwise (the failing rank's message
+// naming the file, the others naming that rank), and nothing written. Each rank then writes its
+// data and then its manifest, each under a unique temporary name (created new: no existing file or
+// symlink is written through), flushed to disk, linked into place (never over an existing file)
+// and the directory flushed: an interrupted save never looks complete. Then the ranks agree on the
+// outcome: `FSDP_OK` on every rank once every rank's files are on disk; where a rank could not
+// write a file, `FSDP_IO_ERROR` on every rank (the others naming that rank), and no rank's file of
+// the save left (the ranks that wrote remove theirs); a failure that poisons a rank while it
+// writes (its device, an abort) fails the agreement instead, on every rank, and the files already
+// written stay (a load refuses them: the save is incomplete). The ranks' writes end within the
+// engine's timeout of each other; under hybrid sharding only the first replica's ranks write, and
+// the others wait for their outcome within the timeout, so a rank's whole write must take less
+// (`fsdp_engine_save_async` has no such bound: `fsdp_engine_wait_save` reports a write still under
+// way). `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
 // `fsdp_engine_end_step`, and while an asynchronous save's outcome was not given
 // (`fsdp_engine_wait_save`). Blocks until every byte is on disk.
 //
 // # Safety
 // `dir` is NULL or NUL-terminated.
-enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine,
-                                  const char *dir);
+enum fsdp_status fsdp_engine_save(struct fsdp_engine *engine, const char *dir);
 
 // As `fsdp_engine_save` (a collective, with the same agreement first), with the files written
 // on a thread of the library's while training goes on: the call copies this rank's state on
@@ -554,18 +552,17 @@ enum fsdp_status fsdp_engine_create_cuda_nccl(const struct fsdp_plan *plan,
                                               const struct fsdp_device_allocator *allocator,
                                               struct fsdp_engine **out);
 
-// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size
-// and device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
-// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
-// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
-// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
-// other rank fetches it, looking `MASTER_ADDR` up and connecting again until rank 0's name
-// resolves and rank 0 listens (a name that never resolves is `FSDP_TIMEOUT` at the deadline).
-// Each exchange waits at most
-// `config->timeout_seconds` (`FSDP_TIMEOUT`). A variable missing or malformed, or a world size
-// other than the plan's, is `FSDP_INVALID_ARGUMENT` naming it; ranks whose `WORLD_SIZE`
-// differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming both values. `stream` and
-// `allocator` as for `fsdp_engine_create_cuda_nccl`.
+// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size and
+// device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
+// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id
+// and serves it over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when
+// `TORCHELASTIC_USE_AGENT_STORE` is `True`: torchrun's own store holds `MASTER_PORT` then) until
+// every rank fetched it; each other rank fetches it, looking `MASTER_ADDR` up and connecting again
+// until rank 0's name resolves and rank 0 listens (a name that never resolves is `FSDP_TIMEOUT` at
+// the deadline). Each exchange waits at most `config->timeout_seconds` (`FSDP_TIMEOUT`). A
+// variable missing or malformed, or a world size other than the plan's, is `FSDP_INVALID_ARGUMENT`
+// naming it; ranks whose `WORLD_SIZE` differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming
+// both values. `stream` and `allocator` as for `fsdp_engine_create_cuda_nccl`.
 //
 // # Safety
 // As `fsdp_engine_create_cuda_nccl`, for `config`, `allocator` and `out`.

@@ -64,22 +64,22 @@ impl<B: Backend> LoadMemory<B> {
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
-    /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same
-    /// model (the same parameters, declared in the same order) and optimizer, at this world size
-    /// or another: each rank takes its shard of every group from the saved ranks' parts that
-    /// hold it, reading only those bytes, each once. A collective: every rank calls it, and
-    /// nothing changes on any rank unless every rank's part checked out: every saved rank's
-    /// manifest present, unchanged (its own checksum) and of one save (one save id), its
-    /// fields consistent with the layout they describe; each chunk of data read of its
-    /// manifest's checksum; the parameters equal to the plan's (`Error::CheckpointMismatch`
-    /// lists what differs). Ranks may read different directories (node-local copies of one
-    /// checkpoint); copies of two saves are `Error::CheckpointMismatch` on every rank, naming
-    /// both saves' ids. A rank whose part failed returns its error, the others
-    /// `Error::PeerRefused` naming it; a rank whose upload fails after the ranks agreed (its
-    /// device, or a thread of its copy that the system refused) is poisoned, its state half loaded, while the others have loaded. The optimizer
-    /// continues from the saved step with the saved learning rate and weight decay. Allowed at
-    /// a step boundary only; holds this rank's state in host memory while it reads; blocks until
-    /// the state is on the device.
+    /// Restores this rank's state from the checkpoint in `dir`, saved by engines of the same model
+    /// (the same parameters, declared in the same order) and optimizer, at this world size or
+    /// another: each rank takes its shard of every group from the saved ranks' parts that hold it,
+    /// reading only those bytes, each once. A collective: every rank calls it, and nothing changes
+    /// on any rank unless every rank's part checked out: every saved rank's manifest present,
+    /// unchanged (its own checksum) and of one save (one save id), its fields consistent with the
+    /// layout they describe; each chunk of data read of its manifest's checksum; the parameters
+    /// equal to the plan's (`Error::CheckpointMismatch` lists what differs). Ranks may read
+    /// different directories (node-local copies of one checkpoint); copies of two saves are
+    /// `Error::CheckpointMismatch` on every rank, naming both saves' ids. A rank whose part failed
+    /// returns its error, the others `Error::PeerRefused` naming it; a rank whose upload fails
+    /// after the ranks agreed (its device, or a thread of its copy that the system refused) is
+    /// poisoned, its state half loaded, while the others have loaded. The optimizer continues from
+    /// the saved step with the saved learning rate and weight decay. Allowed at a step boundary
+    /// only; holds this rank's state in host memory while it reads; blocks until the state is on
+    /// the device.
     pub fn load(&mut self, dir: &Path) -> Result<()> {
         self.healthy()?;
         self.check_step_boundary("loading a checkpoint")?;

@@ -86,29 +86,27 @@ impl<H> Drop for PendingSave<H> {
 }
 
 impl<B: Backend, C: Communicator<B>> Engine<B, C> {
-    /// Writes this rank's state into `dir` (made if missing): each group's values in its dtype
-    /// (a trainable bf16/f16 group's fp32 master instead, which the values are rounded from),
-    /// AdamW's moments, the optimizer's step count and settings and the plan's layout. A
-    /// collective: every rank calls it with the same `dir`, and the ranks agree first on the
-    /// save's id, which every manifest records, and that `dir` holds no rank file of any
-    /// checkpoint (otherwise nothing is written: `Error::CheckpointExists` on the ranks that
-    /// found one, `Error::PeerRefused` carrying it on the others). Each
-    /// rank then writes its data and its manifest, each under a unique temporary name, flushed
-    /// and linked into place, and the directory flushed: a part that a crash interrupts is never
-    /// taken for a whole one, and no existing file is replaced. Then the ranks agree on the
-    /// outcome: `Ok` on every rank once every rank's files are on disk; where a rank's write
-    /// failed, its error there, `Error::PeerRefused` naming it on the others, and no rank's
-    /// file of the save left (a rank that wrote removes its files); a failure that poisons a
-    /// rank while it writes (its device, an abort) fails the agreement instead, on every rank,
-    /// and the files already written stay (a load refuses them: the save is incomplete). The
-    /// ranks' writes end
-    /// within the engine's timeout of each other; under hybrid sharding the ranks of later
-    /// replicas write nothing and wait for the writers' outcome within the timeout, so a rank's
-    /// whole write must take less ([`Engine::save_async`] has no such bound: its
-    /// [`Engine::wait_save`] reports a write still under way). Refused between a step's first hook and its
-    /// `end_step` (`Error::MidStep`), and while an asynchronous save is pending
-    /// (`Error::SavePending`). Blocks until every byte is on disk. Under hybrid sharding only
-    /// the first replica's ranks write: every replica holds the same state.
+    /// Writes this rank's state into `dir` (made if missing): each group's values in its dtype (a
+    /// trainable bf16/f16 group's fp32 master instead, which the values are rounded from), AdamW's
+    /// moments, the optimizer's step count and settings and the plan's layout. A collective: every
+    /// rank calls it with the same `dir`, and the ranks agree first on the save's id, which every
+    /// manifest records, and that `dir` holds no rank file of any checkpoint (otherwise nothing is
+    /// written: `Error::CheckpointExists` on the ranks that found one, `Error::PeerRefused`
+    /// carrying it on the others). Each rank then writes its data and its manifest, each under a
+    /// unique temporary name, flushed and linked into place, and the directory flushed: a part that
+    /// a crash interrupts is never taken for a whole one, and no existing file is replaced. Then
+    /// the ranks agree on the outcome: `Ok` on every rank once every rank's files are on disk;
+    /// where a rank's write failed, its error there, `Error::PeerRefused` naming it on the others,
+    /// and no rank's file of the save left (a rank that wrote removes its files); a failure that
+    /// poisons a rank while it writes (its device, an abort) fails the agreement instead, on every
+    /// rank, and the files already written stay (a load refuses them: the save is incomplete). The
+    /// ranks' writes end within the engine's timeout of each other; under hybrid sharding the ranks
+    /// of later replicas write nothing and wait for the writers' outcome within the timeout, so a
+    /// rank's whole write must take less ([`Engine::save_async`] has no such bound: its
+    /// [`Engine::wait_save`] reports a write still under way). Refused between a step's first hook
+    /// and its `end_step` (`Error::MidStep`), and while an asynchronous save is pending
+    /// (`Error::SavePending`). Blocks until every byte is on disk. Under hybrid sharding only the
+    /// first replica's ranks write: every replica holds the same state.
     pub fn save(&mut self, dir: &Path) -> Result<()> {
         let parts = self.parts();
         let total: usize = parts.iter().map(bytes_of).sum();

@@ -643,8 +643,8 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
 
     /// This rank's fp32 gradient shard of `group`, once the step's gradients are synced (or
     /// between steps; zeros for a frozen group, which takes none, and where a per-step shard is
-    /// not made, or was freed: at the step's end, or after its update in the backward). Refused while gradients are arriving:
-    /// part of the shard is not written yet.
+    /// not made, or was freed: at the step's end, or after its update in the backward). Refused
+    /// while gradients are arriving: part of the shard is not written yet.
     pub fn grad_shard(&self, group: usize) -> Result<Vec<f32>> {
         self.healthy()?;
         self.check_not_capturing("reading a gradient shard")?;

@@ -6,25 +6,24 @@ use super::handles::{AnyEngine, on_engine, with_engine};
 use super::status::{boundary, file_path, fsdp_status};
 use super::types::fsdp_engine;
 
-/// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards
-/// (a trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
-/// settings and the plan's layout. A collective: every rank calls it with the same `dir`. The
-/// ranks first agree on the save's id, which every manifest records, and that `dir` holds no
-/// rank file of any checkpoint: `FSDP_INVALID_ARGUMENT` on every rank otherwise (the failing
-/// rank's message naming the file, the others naming that rank), and nothing written. Each
-/// rank then writes its data and then its manifest, each under a unique temporary name (created
-/// new: no existing file or symlink is written through), flushed to disk, linked into place
-/// (never over an existing file) and the directory flushed: an interrupted save never looks
-/// complete. Then the ranks agree on the outcome: `FSDP_OK` on every rank once every rank's
-/// files are on disk; where a rank could not write a file, `FSDP_IO_ERROR` on every rank (the
-/// others naming that rank), and no rank's file of the save left (the ranks that wrote remove
-/// theirs); a failure that poisons a rank while it writes (its device, an abort) fails the
-/// agreement instead, on every rank, and the files already written stay (a load refuses them:
-/// the save is incomplete). The ranks' writes end within the engine's timeout of each other; under hybrid
-/// sharding only the first replica's ranks write, and the others wait for their outcome within
-/// the timeout, so a rank's whole write must take less (`fsdp_engine_save_async` has no such
-/// bound: `fsdp_engine_wait_save` reports a write still under way).
-/// `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
+/// Writes this rank's part of a checkpoint into directory `dir` (made if missing): its shards (a
+/// trainable bf16/f16 group's fp32 master instead), AdamW moments, the optimizer's step and
+/// settings and the plan's layout. A collective: every rank calls it with the same `dir`. The ranks
+/// first agree on the save's id, which every manifest records, and that `dir` holds no rank file of
+/// any checkpoint: `FSDP_INVALID_ARGUMENT` on every rank otherwise (the failing rank's message
+/// naming the file, the others naming that rank), and nothing written. Each rank then writes its
+/// data and then its manifest, each under a unique temporary name (created new: no existing file or
+/// symlink is written through), flushed to disk, linked into place (never over an existing file)
+/// and the directory flushed: an interrupted save never looks complete. Then the ranks agree on the
+/// outcome: `FSDP_OK` on every rank once every rank's files are on disk; where a rank could not
+/// write a file, `FSDP_IO_ERROR` on every rank (the others naming that rank), and no rank's file of
+/// the save left (the ranks that wrote remove theirs); a failure that poisons a rank while it
+/// writes (its device, an abort) fails the agreement instead, on every rank, and the files already
+/// written stay (a load refuses them: the save is incomplete). The ranks' writes end within the
+/// engine's timeout of each other; under hybrid sharding only the first replica's ranks write, and
+/// the others wait for their outcome within the timeout, so a rank's whole write must take less
+/// (`fsdp_engine_save_async` has no such bound: `fsdp_engine_wait_save` reports a write still under
+/// way). `FSDP_INVALID_ARGUMENT` for an empty `dir`; `FSDP_MISUSE` between a step's first hook and
 /// `fsdp_engine_end_step`, and while an asynchronous save's outcome was not given
 /// (`fsdp_engine_wait_save`). Blocks until every byte is on disk.
 ///

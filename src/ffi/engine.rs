@@ -127,18 +127,17 @@ pub unsafe extern "C" fn fsdp_engine_create_cuda_nccl(
     })
 }
 
-/// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size
-/// and device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
-/// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id and serves it
-/// over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when `TORCHELASTIC_USE_AGENT_STORE` is
-/// `True`: torchrun's own store holds `MASTER_PORT` then) until every rank fetched it; each
-/// other rank fetches it, looking `MASTER_ADDR` up and connecting again until rank 0's name
-/// resolves and rank 0 listens (a name that never resolves is `FSDP_TIMEOUT` at the deadline).
-/// Each exchange waits at most
-/// `config->timeout_seconds` (`FSDP_TIMEOUT`). A variable missing or malformed, or a world size
-/// other than the plan's, is `FSDP_INVALID_ARGUMENT` naming it; ranks whose `WORLD_SIZE`
-/// differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming both values. `stream` and
-/// `allocator` as for `fsdp_engine_create_cuda_nccl`.
+/// Creates this process's engine as `fsdp_engine_create_cuda_nccl` does, its rank, world size and
+/// device read from the environment a launcher such as torchrun sets: `RANK`, `WORLD_SIZE`,
+/// `LOCAL_RANK` (the CUDA device), `MASTER_ADDR` and `MASTER_PORT`. Rank 0 makes the NCCL unique id
+/// and serves it over TCP on `MASTER_ADDR:MASTER_PORT` (the next port when
+/// `TORCHELASTIC_USE_AGENT_STORE` is `True`: torchrun's own store holds `MASTER_PORT` then) until
+/// every rank fetched it; each other rank fetches it, looking `MASTER_ADDR` up and connecting again
+/// until rank 0's name resolves and rank 0 listens (a name that never resolves is `FSDP_TIMEOUT` at
+/// the deadline). Each exchange waits at most `config->timeout_seconds` (`FSDP_TIMEOUT`). A
+/// variable missing or malformed, or a world size other than the plan's, is `FSDP_INVALID_ARGUMENT`
+/// naming it; ranks whose `WORLD_SIZE` differ, or two with one `RANK`, are `FSDP_COMM_ERROR` naming
+/// both values. `stream` and `allocator` as for `fsdp_engine_create_cuda_nccl`.
 ///
 /// # Safety
 /// As `fsdp_engine_create_cuda_nccl`, for `config`, `allocator` and `out`.
