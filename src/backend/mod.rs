@@ -381,6 +381,12 @@ pub trait Backend: Send {
     /// Copies `region` of `buf` to the host, after every stream's earlier work; blocks until done.
     fn download(&self, buf: &Self::Buffer, region: Region, out: &mut [u8]) -> Result<()>;
 
+    /// Copies `region` of `buf` to the host as the compute stream's work, after that stream's
+    /// earlier work only, as a model's kernel reads it; blocks until done. The caller made the
+    /// compute stream wait for every other stream's writes of the region.
+    fn download_on_compute(&self, buf: &Self::Buffer, region: Region, out: &mut [u8])
+    -> Result<()>;
+
     /// `dst = scale * src` (or `dst += scale * src` when `add`) computed in f32 and rounded to
     /// `dst`'s dtype, f32 or bf16 (`Error::Unsupported` for f16), `src` a caller's tensor of any
     /// dtype with `dst.len` elements. Host input is copied before the call returns.

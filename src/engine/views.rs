@@ -43,14 +43,17 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
     }
 
     /// A copy of the gathered values of `param`, as bytes in its dtype; allowed while one of its
-    /// unit's hooks is open. Blocks the host until the copy is done.
+    /// unit's hooks is open. The copy is the compute stream's work, as a model's kernel reading
+    /// the parameter would be: it blocks the host until the compute stream's work so far and the
+    /// copy are done, not the other streams' (a reduction or a prefetch still queued does not
+    /// hold it).
     pub fn param_bytes(&self, param: ParamId) -> Result<Vec<u8>> {
         self.check_not_capturing("reading a parameter")?;
         let (layout, slot) = self.gathered_view(param)?;
         let bytes = layout.numel * layout.dtype.size();
         let mut out = crate::fallible::filled(bytes, 0u8, "a parameter's copy")?;
         let region = Region::new(layout.offset, layout.numel, layout.dtype);
-        self.observe(self.backend.download(slot, region, &mut out))?;
+        self.observe(self.backend.download_on_compute(slot, region, &mut out))?;
         Ok(out)
     }
 }

@@ -605,13 +605,20 @@ impl Backend for CpuBackend {
     }
 
     fn download(&self, buf: &CpuBuffer, region: Region, out: &mut [u8]) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
+        self.join_on_compute()?;
+        self.download_on_compute(buf, region, out)
+    }
+
+    fn download_on_compute(&self, buf: &CpuBuffer, region: Region, out: &mut [u8]) -> Result<()> {
         let range = region.byte_range(buf.len())?;
         if range.len() != out.len() {
             return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
         }
-        self.quiesce()?;
-        // SAFETY: no queued work touches the buffer any more (quiesced), and writing to it needs
-        // `&mut buf`, which the caller's `&buf` excludes.
+        self.drain(Stream::Compute)?;
+        // SAFETY: the compute stream completed its work so far, which the caller ordered after
+        // every other stream's writes of the region; writing to it from the host needs `&mut
+        // buf`, which the caller's `&buf` excludes.
         out.copy_from_slice(unsafe { buf.memory().bytes(range) });
         Ok(())
     }

@@ -325,6 +325,58 @@ fn without_a_wait_the_streams_run_apart() {
 }
 
 #[test]
+fn a_download_on_compute_waits_for_the_compute_stream_and_what_it_waited_for_only() {
+    for seed in 0..8 {
+        let b = CpuBackend::asynchronous(seed).unwrap();
+        let mut x = b.alloc(64 * 4).unwrap();
+        let ones = [1f32; 64];
+        // The reduce stream is held until the download returned: a download that waited for it
+        // would never return, and the release's deadline fails the test instead.
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = std::sync::Mutex::new(held);
+        b.run(Stream::Reduce, move || {
+            let held = crate::sync::lock(&held);
+            held.recv_timeout(std::time::Duration::from_secs(10))
+                .map_err(|_| Error::Panicked {
+                    message: "the download waited for the reduce stream".into(),
+                })
+        })
+        .unwrap();
+        // SAFETY: the compute stream writes x only after the gather stream's event for its write.
+        unsafe {
+            for _ in 0..4 {
+                b.accumulate_input(
+                    Stream::Gather,
+                    Input::host(&ones),
+                    &mut x,
+                    f32_region(64),
+                    1.0,
+                    true,
+                )
+                .unwrap();
+            }
+            let gathered = b.record(Stream::Gather).unwrap();
+            b.wait(Stream::Compute, &gathered).unwrap();
+            b.accumulate_input(
+                Stream::Compute,
+                Input::host(&ones),
+                &mut x,
+                f32_region(64),
+                0.5,
+                true,
+            )
+            .unwrap();
+        }
+        let mut out = vec![0f32; 64];
+        b.download_on_compute(&x, f32_region(64), bytemuck::cast_slice_mut(&mut out))
+            .unwrap();
+        assert_eq!(out, [4.5f32; 64], "seed {seed}");
+        release.send(()).unwrap();
+        assert_eq!(download_f32(&b, &x, 64), [4.5f32; 64], "seed {seed}");
+    }
+}
+
+#[test]
 fn a_failed_operation_fails_every_later_call_and_skips_queued_work() {
     let b = CpuBackend::asynchronous(3).unwrap();
     let mut x = b.alloc(16).unwrap();

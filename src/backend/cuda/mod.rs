@@ -503,6 +503,13 @@ impl Backend for CudaBackend {
     /// Copies on the compute stream after every stream's earlier work, and blocks until done.
     fn download(&self, buf: &CudaBuffer, region: Region, out: &mut [u8]) -> Result<()> {
         self.check_not_capturing("a host wait")?;
+        bind(&self.ctx)?;
+        self.join_on_compute()?;
+        self.download_on_compute(buf, region, out)
+    }
+
+    fn download_on_compute(&self, buf: &CudaBuffer, region: Region, out: &mut [u8]) -> Result<()> {
+        self.check_not_capturing("a host wait")?;
         let range = region.byte_range(buf.bytes())?;
         if range.len() != out.len() {
             return Err(length_mismatch(region.len, out.len() / region.dtype.size()));
@@ -511,7 +518,6 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         bind(&self.ctx)?;
-        self.join_on_compute()?;
         let src = buf.ptr() + range.start as u64;
         // SAFETY: `src` holds `out.len()` bytes; `out` outlives the copy (synchronized below).
         unsafe { result::memcpy_dtoh_async(out, src, self.compute.cu_stream()) }
