@@ -143,13 +143,25 @@ fn a_plan_places_expert_groups_on_blocks_of_consecutive_ranks() {
     assert_eq!(plan.process_groups()[0].name, EXPERT_GROUP);
     assert_eq!((plan.copies(expert), plan.copies(dense)), (3, 1));
     for rank in 0..6 {
-        assert_eq!(plan.shard_index(expert, rank), rank % 2);
-        assert_eq!(plan.copy(expert, rank), rank / 2);
+        assert_eq!(plan.shard_index(expert, rank).unwrap(), rank % 2);
+        assert_eq!(plan.copy(expert, rank).unwrap(), rank / 2);
         assert_eq!(
-            plan.shard_range(expert, rank),
+            plan.shard_range(expert, rank).unwrap(),
             expert.shard_numel() * (rank % 2)..expert.shard_numel() * (rank % 2 + 1)
         );
-        assert_eq!(plan.shard_index(dense, rank), rank);
+        assert_eq!(plan.shard_index(dense, rank).unwrap(), rank);
+    }
+    // A rank outside the world holds no shard and no copy.
+    for outside in [6, usize::MAX] {
+        let refused = |r: fsdp_fusion::Result<_>| {
+            matches!(
+                r,
+                Err(fsdp_fusion::Error::RankOutOfRange { rank, world_size: 6 }) if rank == outside
+            )
+        };
+        assert!(refused(plan.shard_index(dense, outside).map(drop)));
+        assert!(refused(plan.copy(expert, outside).map(drop)));
+        assert!(refused(plan.shard_range(expert, outside).map(drop)));
     }
     // The expert's buffer splits into 2 shards of 256-byte multiples, the dense one into 6.
     assert_eq!(expert.padded_numel() % (2 * 128), 0);

@@ -231,7 +231,7 @@ pub fn saved_block(
             )],
         });
     }
-    let first = plan.copy(group, rank) * size;
+    let first = plan.copy(group, rank)? * size;
     Ok(first..first + size)
 }
 

@@ -78,7 +78,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             return self.param_shard(group);
         }
         let own = Region::new(
-            self.plan.shard_index(&g, self.rank) * g.shard_numel,
+            self.plan.shard_index(&g, self.rank)? * g.shard_numel,
             g.shard_numel,
             g.dtype,
         );

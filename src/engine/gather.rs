@@ -300,7 +300,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let result = match (master_only, self.optimizer.groups[g].master.as_ref()) {
             (true, Some(master)) => {
                 let own = Region::new(
-                    plan.shard_index(group, self.rank) * group.shard_numel,
+                    plan.shard_index(group, self.rank)? * group.shard_numel,
                     group.shard_numel,
                     group.dtype,
                 );

@@ -185,7 +185,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
             let size = p.region.dtype.size();
             let group = &self.plan.groups()[p.group];
             let block = checkpoint::saved_block(&saved.manifests[0], &self.plan, group, self.rank)?;
-            let mine = self.plan.shard_range(group, self.rank);
+            let mine = self.plan.shard_range(group, self.rank)?;
             for &id in &group.params {
                 let layout = &self.plan.params()[id.0];
                 let held = self.held_elements(id)?;

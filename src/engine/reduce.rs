@@ -533,7 +533,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let world = self.plan.world_size();
         let g = &self.plan.groups()[group];
         let (padded, shard_numel) = (g.padded_numel, g.shard_numel);
-        let (own_place, process_group) = (self.plan.shard_index(g, self.rank), g.process_group);
+        let (own_place, process_group) = (self.plan.shard_index(g, self.rank)?, g.process_group);
         let dtype = self.place_dtype(place);
         let written = self.backend.record(Stream::Compute)?;
         self.backend.wait(Stream::Reduce, &written)?;

@@ -310,6 +310,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         // gradients got a zeroed one).
         let grad = self.reducing.groups[i].shard.as_ref().ok_or(missing)?;
         let master_only = self.policy.master_only(g.index);
+        let first_index = (self.plan.shard_index(g, self.rank)? * g.shard_numel) as u64;
         // A master-only group steps its master as an f32 parameter that is its own master.
         let GroupOptimizerState { master, moments } = &mut self.optimizer.groups[i];
         let (param, dtype, master) = match (master_only, master.as_mut()) {
@@ -328,7 +329,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 storage: match self.config.moment_dtype {
                     DType::Bf16 => MomentStorage::Bf16Stochastic {
                         group: i as u32,
-                        first_index: (self.plan.shard_index(g, self.rank) * g.shard_numel) as u64,
+                        first_index,
                     },
                     _ => MomentStorage::F32,
                 },
@@ -489,7 +490,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         let layout = self.plan.param(param)?;
         let shard = self
             .plan
-            .shard_range(&self.plan.groups()[layout.group], self.rank);
+            .shard_range(&self.plan.groups()[layout.group], self.rank)?;
         let start = layout.offset.max(shard.start);
         let end = (layout.offset + layout.numel).min(shard.end);
         match start < end {
@@ -526,7 +527,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
         }
         let (index, dtype) = (layout.group, layout.dtype);
         let group = &self.plan.groups()[index];
-        let at = layout.offset + held.start - self.plan.shard_range(group, self.rank).start;
+        let at = layout.offset + held.start - self.plan.shard_range(group, self.rank)?.start;
         let master_only = self.policy.master_only(group.index);
         // Exactly what the shard holds, widened: only this parameter's range, so the fp32
         // progress of the group's other parameters stays.

@@ -88,7 +88,7 @@ impl ParamLayout {
 /// fn no_shards(plan: &fsdp_fusion::Plan) -> usize {
 ///     let mut group = plan.groups()[0].clone();
 ///     group.shards = 0;
-///     plan.shard_index(&group, 1)
+///     plan.shard_index(&group, 1).unwrap_or(0)
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq)]
@@ -377,14 +377,27 @@ impl Plan {
     }
 
     /// Which shard of `group` rank `rank` holds: its index among the ranks that shard the group.
-    pub fn shard_index(&self, group: &Group, rank: usize) -> usize {
-        rank % group.shards
+    /// `Error::RankOutOfRange` for a rank outside the world.
+    pub fn shard_index(&self, group: &Group, rank: usize) -> Result<usize> {
+        Ok(self.rank_of_world(rank)? % group.shards)
     }
 
     /// Which copy of `group` rank `rank` holds: its process group's index among the world's
-    /// (0 for a group of the data-parallel world, which has one copy).
-    pub fn copy(&self, group: &Group, rank: usize) -> usize {
-        rank / group.shards
+    /// (0 for a group of the data-parallel world, which has one copy). `Error::RankOutOfRange`
+    /// for a rank outside the world.
+    pub fn copy(&self, group: &Group, rank: usize) -> Result<usize> {
+        Ok(self.rank_of_world(rank)? / group.shards)
+    }
+
+    /// `rank`, checked to be one of the world's.
+    fn rank_of_world(&self, rank: usize) -> Result<usize> {
+        match rank < self.world_size {
+            true => Ok(rank),
+            false => Err(Error::RankOutOfRange {
+                rank,
+                world_size: self.world_size,
+            }),
+        }
     }
 
     /// Copies of `group` in the world: one per group of ranks of its process group.
@@ -448,10 +461,11 @@ impl Plan {
         })
     }
 
-    /// The elements of group `group`'s buffer that rank `rank` holds.
-    pub fn shard_range(&self, group: &Group, rank: usize) -> Range<usize> {
-        let place = self.shard_index(group, rank);
-        group.shard_numel * place..group.shard_numel * (place + 1)
+    /// The elements of group `group`'s buffer that rank `rank` holds. `Error::RankOutOfRange`
+    /// for a rank outside the world.
+    pub fn shard_range(&self, group: &Group, rank: usize) -> Result<Range<usize>> {
+        let place = self.shard_index(group, rank)?;
+        Ok(group.shard_numel * place..group.shard_numel * (place + 1))
     }
 
     /// Reassembles parameter `param` (bytes in its dtype) from the shards of one copy of its
@@ -565,7 +579,7 @@ mod tests {
         assert_eq!(layout, vec![(0, 384), (384, 384), (768, 384)]);
         let g = &plan.groups()[0];
         assert_eq!((g.padded_numel, g.shard_numel), (1152, 384));
-        assert_eq!(plan.shard_range(g, 2), 768..1152);
+        assert_eq!(plan.shard_range(g, 2).unwrap(), 768..1152);
     }
 
     #[test]
