@@ -267,26 +267,28 @@ fn accumulation_rounds_into_bf16_once_and_refuses_f16() {
     }
 }
 
+/// Queues on `stream` `times` additions of `scale` to each of the 64 f32 of `x`.
+///
+/// # Safety
+/// As [`Backend::accumulate_input`]: the caller orders `x`'s uses on other streams with events.
+unsafe fn add_ones(b: &CpuBackend, stream: Stream, x: &mut CpuBuffer, scale: f32, times: usize) {
+    let ones = [1f32; 64];
+    for _ in 0..times {
+        // SAFETY: the caller's contract.
+        unsafe { b.accumulate_input(stream, Input::host(&ones), x, f32_region(64), scale, true) }
+            .unwrap();
+    }
+}
+
 #[test]
 fn an_event_wait_orders_work_across_streams() {
     for seed in 0..16 {
         let b = CpuBackend::asynchronous(seed).unwrap();
         let mut x = b.alloc(64 * 4).unwrap();
         let mut y = b.alloc(64 * 4).unwrap();
-        let ones = [1f32; 64];
         // SAFETY: the reduce stream reads x only after the compute stream's event for its write.
         unsafe {
-            for _ in 0..8 {
-                b.accumulate_input(
-                    Stream::Compute,
-                    Input::host(&ones),
-                    &mut x,
-                    f32_region(64),
-                    1.0,
-                    true,
-                )
-                .unwrap();
-            }
+            add_ones(&b, Stream::Compute, &mut x, 1.0, 8);
             let written = b.record(Stream::Compute).unwrap();
             b.wait(Stream::Reduce, &written).unwrap();
             b.accumulate(
@@ -329,7 +331,6 @@ fn a_download_on_compute_waits_for_the_compute_stream_and_what_it_waited_for_onl
     for seed in 0..8 {
         let b = CpuBackend::asynchronous(seed).unwrap();
         let mut x = b.alloc(64 * 4).unwrap();
-        let ones = [1f32; 64];
         // The reduce stream is held until the download returned: a download that waited for it
         // would never return, and the release's deadline fails the test instead.
         let (release, held) = std::sync::mpsc::channel::<()>();
@@ -344,28 +345,10 @@ fn a_download_on_compute_waits_for_the_compute_stream_and_what_it_waited_for_onl
         .unwrap();
         // SAFETY: the compute stream writes x only after the gather stream's event for its write.
         unsafe {
-            for _ in 0..4 {
-                b.accumulate_input(
-                    Stream::Gather,
-                    Input::host(&ones),
-                    &mut x,
-                    f32_region(64),
-                    1.0,
-                    true,
-                )
-                .unwrap();
-            }
+            add_ones(&b, Stream::Gather, &mut x, 1.0, 4);
             let gathered = b.record(Stream::Gather).unwrap();
             b.wait(Stream::Compute, &gathered).unwrap();
-            b.accumulate_input(
-                Stream::Compute,
-                Input::host(&ones),
-                &mut x,
-                f32_region(64),
-                0.5,
-                true,
-            )
-            .unwrap();
+            add_ones(&b, Stream::Compute, &mut x, 0.5, 1);
         }
         let mut out = vec![0f32; 64];
         b.download_on_compute(&x, f32_region(64), bytemuck::cast_slice_mut(&mut out))
