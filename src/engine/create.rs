@@ -223,12 +223,7 @@ impl<B: Backend, C: Communicator<B>> Engine<B, C> {
                 comm: world,
             });
         }
-        if rank >= world {
-            return Err(Error::RankOutOfRange {
-                rank,
-                world_size: world,
-            });
-        }
+        plan.rank_of_world(rank)?;
         let replicas = comm.replica().count;
         if replicas != plan.replicas() {
             return Err(Error::ReplicasMismatch {

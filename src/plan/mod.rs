@@ -389,8 +389,8 @@ impl Plan {
         Ok(self.rank_of_world(rank)? / group.shards)
     }
 
-    /// `rank`, checked to be one of the world's.
-    fn rank_of_world(&self, rank: usize) -> Result<usize> {
+    /// `rank`, checked to be one of the world's (`Error::RankOutOfRange`).
+    pub(crate) fn rank_of_world(&self, rank: usize) -> Result<usize> {
         match rank < self.world_size {
             true => Ok(rank),
             false => Err(Error::RankOutOfRange {
