@@ -60,7 +60,9 @@ constexpr int kScalarUnroll = 4;
 
 // Element types carry raw bits: moves never touch the values, and the conversions below follow
 // Rust's `half` crate bit for bit, NaN payloads included (the hardware conversions return a
-// canonical NaN, `half` keeps sign and payload and sets the quiet bit).
+// canonical NaN, `half` keeps sign and payload and sets the quiet bit). The 16-bit types also
+// convert the two elements of a word at once with the hardware's conversions, exact but for a
+// NaN: a chunk converts that way where it holds no NaN (`to_floats`, `from_floats_paired`).
 struct Bf16 {
   using Bits = uint16_t;
   static __device__ __forceinline__ float to_f32(uint32_t b) {
@@ -73,6 +75,19 @@ struct Bf16 {
       return (u >> 16) | 0x0040u;
     }
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+  // What a NaN's magnitude plus this carries into the half's top bit, and nothing else does (see
+  // `words_hold_nan`): its exponent is all ones and its mantissa not zero.
+  static constexpr uint32_t kNanCarry = 0x007F007Fu;
+  // The two elements of a word (the first in its low half) as floats: exact but for a NaN.
+  static __device__ __forceinline__ float2 pair_to_f32(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  }
+  // Two floats rounded into a word (the first in its low half): exact but for a NaN.
+  static __device__ __forceinline__ uint32_t pair_from_f32(float first, float second) {
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(second), "f"(first));
+    return w;
   }
 };
 
@@ -90,6 +105,16 @@ struct F16 {
       return ((u >> 16) & 0x8000u) | 0x7E00u | ((u & 0x007FFFFFu) >> 13);
     }
     return __half_as_ushort(__float2half_rn(x));
+  }
+  static constexpr uint32_t kNanCarry = 0x03FF03FFu;
+  static __device__ __forceinline__ float2 pair_to_f32(uint32_t w) {
+    return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu))),
+                       __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16))));
+  }
+  static __device__ __forceinline__ uint32_t pair_from_f32(float first, float second) {
+    uint32_t w;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(second), "f"(first));
+    return w;
   }
 };
 
@@ -203,19 +228,55 @@ struct Raw<Bits, 1> {
   __device__ __forceinline__ void store(Bits* p) const { *p = x; }
 };
 
-// The N elements of `r`, of type T, as floats.
-template <class T, int N>
+// Whether any element of the W words of a 16-bit type T is a NaN: its magnitude plus
+// `T::kNanCarry` carries into the top bit of its half, where no other value's does. Three
+// instructions a word, and only the words live: a test of the converted floats holds every float
+// of the chunk until the test is done (at 32 registers, the `_wave` twins spilled).
+template <class T, int W>
+__device__ __forceinline__ bool words_hold_nan(const uint32_t (&w)[W]) {
+  uint32_t carries = 0;
+#pragma unroll
+  for (int k = 0; k < W; ++k) carries |= (w[k] & 0x7FFF7FFFu) + T::kNanCarry;
+  return (carries & 0x80008000u) != 0;
+}
+
+// Whether any of the N floats is a NaN: one unordered comparison a pair.
+template <int N>
+__device__ __forceinline__ bool any_nan(const float (&x)[N]) {
+  bool nan = N % 2 == 1 && x[N - 1] != x[N - 1];
+#pragma unroll
+  for (int k = 0; k + 1 < N; k += 2) nan |= (x[k] != x[k]) | (x[k + 1] != x[k + 1]);
+  return nan;
+}
+
+// How a kernel converts a chunk of a 16-bit type: two elements at a time where the chunk holds no
+// NaN, else one at a time (kPairs), or always one at a time (kEach). One at a time, the NaN
+// tests took more instructions than the conversions, and the casts between the 16-bit types and
+// the bf16 sum were bound by their instructions on an H200 (BENCHMARKS.md, "paired
+// conversions"). The `_wave` twins convert one at a time: with both ways in a round of four
+// chunks at 32 registers, ptxas spilled 32-40 bytes a thread in their loop.
+enum class Convert { kPairs, kEach };
+
+// The N elements of `r`, of type T, as floats, exact.
+template <class T, int N, Convert C = Convert::kPairs>
 __device__ __forceinline__ void to_floats(const Raw<typename T::Bits, N>& r, float (&x)[N]) {
   if constexpr (N == 1) {
     x[0] = T::to_f32(r.x);
   } else if constexpr (sizeof(typename T::Bits) == 4) {
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = T::to_f32(r.w[k]);
-  } else {
+  } else if (C == Convert::kEach || words_hold_nan<T>(r.w)) {
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {
       x[2 * k] = T::to_f32(r.w[k] & 0xFFFFu);
       x[2 * k + 1] = T::to_f32(r.w[k] >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) {
+      const float2 pair = T::pair_to_f32(r.w[k]);
+      x[2 * k] = pair.x;
+      x[2 * k + 1] = pair.y;
     }
   }
 }
@@ -233,6 +294,22 @@ __device__ __forceinline__ void from_floats(const float (&x)[N], Raw<typename T:
     for (int k = 0; k < N / 2; ++k) {
       r.w[k] = T::from_f32(x[2 * k]) | (T::from_f32(x[2 * k + 1]) << 16);
     }
+  }
+}
+
+// As `from_floats`, a 16-bit type's two floats at a time where none of the N is a NaN: for
+// floats that are all live at once anyway (a sum's accumulators), since the test holds every one
+// of them until it is done.
+template <class T, int N>
+__device__ __forceinline__ void from_floats_paired(const float (&x)[N],
+                                                   Raw<typename T::Bits, N>& r) {
+  if constexpr (N == 1 || sizeof(typename T::Bits) == 4) {
+    from_floats<T>(x, r);
+  } else if (any_nan(x)) {
+    from_floats<T>(x, r);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N / 2; ++k) r.w[k] = T::pair_from_f32(x[2 * k], x[2 * k + 1]);
   }
 }
 

@@ -16,7 +16,7 @@ using Wider = typename std::conditional<(sizeof(typename A::Bits) >= sizeof(type
 
 // `dst = scale * src`, or `dst = dst + scale * src` when `add`, as `accumulate_element`, computed
 // in f32 and rounded to D once.
-template <class S, class D>
+template <class S, class D, Convert C>
 struct AccumulateOp {
   const typename S::Bits* src;
   typename D::Bits* dst;
@@ -36,10 +36,10 @@ struct AccumulateOp {
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
     float s[N];
-    to_floats<S>(r.s, s);
+    to_floats<S, N, C>(r.s, s);
     float out[N];
     if (add) {
-      to_floats<D>(r.d, out);
+      to_floats<D, N, C>(r.d, out);
 #pragma unroll
       for (int k = 0; k < N; ++k) out[k] = __fadd_rn(out[k], __fmul_rn(scale, s[k]));
     } else {
@@ -60,7 +60,7 @@ __device__ __forceinline__ void accumulate(const typename S::Bits* src, typename
   // A chunk is one vector of the wider type; an addition also loads the destination.
   constexpr int kE = kChunk<typename Wider<S, D>::Bits>;
   constexpr bool kConverts = sizeof(typename S::Bits) == 2 || sizeof(typename D::Bits) == 2;
-  const AccumulateOp<S, D> op{src, dst, scale, add};
+  const AccumulateOp<S, D, Convert::kPairs> op{src, dst, scale, add};
   if (add) {
     elementwise<kE, arithmetic_round(2, kConverts)>(op, n, phase, at);
   } else {
@@ -76,7 +76,7 @@ __device__ __forceinline__ void accumulate_wave(const typename S::Bits* src, typ
   phase.add(src);
   phase.add(dst);
   elementwise<kChunk<typename Wider<S, D>::Bits>, kWaveRound>(
-      AccumulateOp<S, D>{src, dst, scale, false}, n, phase, at);
+      AccumulateOp<S, D, Convert::kEach>{src, dst, scale, false}, n, phase, at);
 }
 
 // `dst = ((scale * src0 + scale * src1) + scale * src2) + ...` in f32, rounded to T once: step k
@@ -109,7 +109,9 @@ struct SumOp {
   }
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
-    store_floats<T>(dst + i, r.acc);
+    Raw<typename T::Bits, N> out;
+    from_floats_paired<T>(r.acc, out);
+    out.store(dst + i);
   }
 };
 

@@ -4,7 +4,7 @@
 
 namespace fsdp {
 
-template <class S, class D>
+template <class S, class D, Convert C>
 struct CastOp {
   const typename S::Bits* src;
   typename D::Bits* dst;
@@ -15,15 +15,30 @@ struct CastOp {
   __device__ __forceinline__ void load(int, uint64_t i, Regs<N>& r) const {
     r.load(src + i);
   }
+  // Between the 16-bit types a chunk with no NaN converts a word at a time, with no test of the
+  // floats: none of them is a NaN.
   template <int N>
   __device__ __forceinline__ void store(uint64_t i, const Regs<N>& r) const {
+    constexpr bool kBetween16Bit = sizeof(typename S::Bits) == 2 && sizeof(typename D::Bits) == 2;
+    if constexpr (N > 1 && kBetween16Bit && C == Convert::kPairs) {
+      if (!words_hold_nan<S>(r.w)) {
+        Raw<typename D::Bits, N> out;
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) {
+          const float2 pair = S::pair_to_f32(r.w[k]);
+          out.w[k] = D::pair_from_f32(pair.x, pair.y);
+        }
+        out.store(dst + i);
+        return;
+      }
+    }
     float x[N];
-    to_floats<S>(r, x);
+    to_floats<S, N, C>(r, x);
     store_floats<D>(dst + i, x);
   }
 };
 
-template <class S, class D, int U>
+template <class S, class D, int U, Convert C>
 __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bits* dst,
                                      uint64_t n) {
   // A chunk is one vector of the wider type (see `elementwise`): the fewer elements per vector.
@@ -32,15 +47,21 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
   Phase phase;
   phase.add(src);
   phase.add(dst);
-  elementwise<(kS < kD ? kS : kD), U>(CastOp<S, D>{src, dst}, n, phase, grid_stride());
+  elementwise<(kS < kD ? kS : kD), U>(CastOp<S, D, C>{src, dst}, n, phase, grid_stride());
 }
 
 }  // namespace fsdp
 
 using fsdp::kBlock;
 
+// The fill and its `_wave` twin (see `kWaveRound`).
 extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* dst, uint64_t bytes) {
   fsdp::zero_range<uint8_t, fsdp::kMoveRound>(dst, bytes, fsdp::grid_stride());
+}
+
+extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)
+    fill_zero_wave_bytes(uint8_t* dst, uint64_t bytes) {
+  fsdp::zero_range<uint8_t, fsdp::kWaveRound>(dst, bytes, fsdp::grid_stride());
 }
 
 // `copy_<name>`, and `move_many_<name>`: the spans of a batch on blocks of their own, each
@@ -70,14 +91,14 @@ FSDP_MOVES(bf16, fsdp::Bf16)
 FSDP_MOVES(f16, fsdp::F16)
 FSDP_MOVES(f32, fsdp::F32)
 
-#define FSDP_CAST(sname, S, dname, D)                                                  \
-  extern "C" __global__ void __launch_bounds__(kBlock)                                 \
-      cast_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) {          \
-    fsdp::cast<S, D, fsdp::kRound>(src, dst, n);                                       \
-  }                                                                                    \
-  extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)                  \
-      cast_wave_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) {     \
-    fsdp::cast<S, D, fsdp::kWaveRound>(src, dst, n);                                   \
+#define FSDP_CAST(sname, S, dname, D)                                             \
+  extern "C" __global__ void __launch_bounds__(kBlock)                            \
+      cast_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) {      \
+    fsdp::cast<S, D, fsdp::kRound, fsdp::Convert::kPairs>(src, dst, n);           \
+  }                                                                               \
+  extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)             \
+      cast_wave_##sname##_##dname(const S::Bits* src, D::Bits* dst, uint64_t n) { \
+    fsdp::cast<S, D, fsdp::kWaveRound, fsdp::Convert::kEach>(src, dst, n);        \
   }
 
 FSDP_CAST(bf16, fsdp::Bf16, f16, fsdp::F16)
