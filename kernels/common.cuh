@@ -249,15 +249,25 @@ __device__ __forceinline__ bool any_nan(const float (&x)[N]) {
   return nan;
 }
 
-// How a kernel converts a chunk of a 16-bit type: two elements at a time where the chunk holds no
-// NaN, else one at a time (kPairs), or always one at a time (kEach). One at a time, the NaN
+// How a kernel converts a chunk of a 16-bit type into floats. One element at a time, the NaN
 // tests took more instructions than the conversions, and the casts between the 16-bit types and
 // the bf16 sum were bound by their instructions on an H200 (BENCHMARKS.md, "paired
-// conversions"). The `_wave` twins convert one at a time: with both ways in a round of four
-// chunks at 32 registers, ptxas spilled 32-40 bytes a thread in their loop.
-enum class Convert { kPairs, kEach };
+// conversions").
+enum class Convert {
+  // Two elements at a time where the chunk holds no NaN, else one at a time: exact.
+  kPairs,
+  // One at a time: exact. The `_wave` twins: with both ways in a round of four chunks at 32
+  // registers, ptxas spilled 32-40 bytes a thread in their loop.
+  kEach,
+  // Two at a time, untested: exact but for a NaN's payload and quiet bit, for operands of
+  // arithmetic, whose result of a NaN is a NaN, quiet, either way. A sum's sources, converted as
+  // they arrive between the round's loads: a test there branches, and each load after it waited
+  // for the data before it (on an H100 the bf16 sum of two ran at 0.944 of the copy with it,
+  // 1.031 without).
+  kOperands,
+};
 
-// The N elements of `r`, of type T, as floats, exact.
+// The N elements of `r`, of type T, as floats, as `C` says.
 template <class T, int N, Convert C = Convert::kPairs>
 __device__ __forceinline__ void to_floats(const Raw<typename T::Bits, N>& r, float (&x)[N]) {
   if constexpr (N == 1) {
@@ -265,7 +275,7 @@ __device__ __forceinline__ void to_floats(const Raw<typename T::Bits, N>& r, flo
   } else if constexpr (sizeof(typename T::Bits) == 4) {
 #pragma unroll
     for (int k = 0; k < N; ++k) x[k] = T::to_f32(r.w[k]);
-  } else if (C == Convert::kEach || words_hold_nan<T>(r.w)) {
+  } else if (C == Convert::kEach || (C == Convert::kPairs && words_hold_nan<T>(r.w))) {
 #pragma unroll
     for (int k = 0; k < N / 2; ++k) {
       x[2 * k] = T::to_f32(r.w[k] & 0xFFFFu);

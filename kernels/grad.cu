@@ -100,7 +100,7 @@ struct SumOp {
     Raw<typename T::Bits, N> raw;
     raw.load(srcs[step] + i);
     float x[N];
-    to_floats<T>(raw, x);
+    to_floats<T, N, Convert::kOperands>(raw, x);
 #pragma unroll
     for (int k = 0; k < N; ++k) {
       const float scaled = __fmul_rn(scale, x[k]);

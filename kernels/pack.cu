@@ -54,14 +54,8 @@ __device__ __forceinline__ void cast(const typename S::Bits* src, typename D::Bi
 
 using fsdp::kBlock;
 
-// The fill and its `_wave` twin (see `kWaveRound`).
 extern "C" __global__ void __launch_bounds__(kBlock) fill_zero_bytes(uint8_t* dst, uint64_t bytes) {
   fsdp::zero_range<uint8_t, fsdp::kMoveRound>(dst, bytes, fsdp::grid_stride());
-}
-
-extern "C" __global__ void __launch_bounds__(kBlock, fsdp::kFullSm)
-    fill_zero_wave_bytes(uint8_t* dst, uint64_t bytes) {
-  fsdp::zero_range<uint8_t, fsdp::kWaveRound>(dst, bytes, fsdp::grid_stride());
 }
 
 // `copy_<name>`, and `move_many_<name>`: the spans of a batch on blocks of their own, each

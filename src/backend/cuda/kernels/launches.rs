@@ -14,14 +14,17 @@ impl Kernels {
         if bytes == 0 {
             return Ok(());
         }
-        let (kernel, grid) = self.fill_zero.pick(
-            elementwise_grid(bytes, round_elements(MOVE_ROUND, 1)),
-            elementwise_grid(bytes, round_elements(WAVE_ROUND, 1)),
-        );
+        let kernel = self.fill_zero;
         let n = bytes as u64;
-        // SAFETY: fill_zero_bytes and fill_zero_wave_bytes(uint8_t* dst, uint64_t bytes); the
-        // caller's contract.
-        unsafe { self.launch(stream, kernel, grid, &mut [arg(&dst), arg(&n)]) }
+        // SAFETY: fill_zero_bytes(uint8_t* dst, uint64_t bytes); the caller's contract.
+        unsafe {
+            self.launch(
+                stream,
+                kernel,
+                elementwise_grid(bytes, round_elements(MOVE_ROUND, 1)),
+                &mut [arg(&dst), arg(&n)],
+            )
+        }
     }
 
     /// `dst[i] = src[i]` for `i < n`, any alignment of either address.

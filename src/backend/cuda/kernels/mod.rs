@@ -376,7 +376,7 @@ impl Drop for Module {
 pub struct Kernels {
     ctx: Arc<CudaContext>,
     sm_count: u32,
-    fill_zero: Twins,
+    fill_zero: Kernel,
     copy: [Twins; 3],
     move_many: [Twins; 3],
     accumulate_to_f32: [Twins; 3],
@@ -505,7 +505,7 @@ impl Kernels {
         Ok(Kernels {
             ctx: Arc::clone(ctx),
             sm_count,
-            fill_zero: twins((c"fill_zero_bytes", c"fill_zero_wave_bytes"))?,
+            fill_zero: module.kernel(c"fill_zero_bytes", sm_count)?,
             copy: each_twins(&COPY)?,
             move_many: each_twins(&MOVE_MANY)?,
             accumulate_to_f32: each_twins(&ACCUMULATE_TO_F32)?,

@@ -152,20 +152,6 @@ fn fill_zero_writes_exactly_its_bytes() {
     }
 }
 
-/// The fill's `_wave` twin writes what the fill does, at a size where the launch runs it.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn fill_zero_as_one_wave_writes_exactly_its_bytes() {
-    let gpu = gpu();
-    let bytes = runs_as_one_wave(
-        round_elements(MOVE_ROUND, 1),
-        (gpu.kernels.fill_zero.wave, 1),
-    );
-    for offset in [0, 3, 8] {
-        fill_zero_case(&gpu, offset, bytes);
-    }
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fill_zero_one_gib() {
