@@ -230,8 +230,9 @@ struct Raw<Bits, 1> {
 
 // Whether any element of the W words of a 16-bit type T is a NaN: its magnitude plus
 // `T::kNanCarry` carries into the top bit of its half, where no other value's does. Three
-// instructions a word, and only the words live: a test of the converted floats holds every float
-// of the chunk until the test is done (at 32 registers, the `_wave` twins spilled).
+// instructions a word, and only the words live: a test of the converted floats held every float
+// of the chunk until it was done, and took the casts between the 16-bit types from 32 registers
+// to 36-40 (6 blocks an SM).
 template <class T, int W>
 __device__ __forceinline__ bool words_hold_nan(const uint32_t (&w)[W]) {
   uint32_t carries = 0;
@@ -257,7 +258,7 @@ enum class Convert {
   // Two elements at a time where the chunk holds no NaN, else one at a time: exact.
   kPairs,
   // One at a time: exact. The `_wave` twins: with both ways in a round of four chunks at 32
-  // registers, ptxas spilled 32-40 bytes a thread in their loop.
+  // registers, ptxas spilled 16-40 bytes a thread in their loop.
   kEach,
   // Two at a time, untested: exact but for a NaN's payload and quiet bit, for operands of
   // arithmetic, whose result of a NaN is a NaN, quiet, either way. A sum's sources, converted as
