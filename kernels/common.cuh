@@ -61,8 +61,9 @@ constexpr int kScalarUnroll = 4;
 // Element types carry raw bits: moves never touch the values, and the conversions below follow
 // Rust's `half` crate bit for bit, NaN payloads included (the hardware conversions return a
 // canonical NaN, `half` keeps sign and payload and sets the quiet bit). The 16-bit types also
-// convert the two elements of a word at once with the hardware's conversions, exact but for a
-// NaN: a chunk converts that way where it holds no NaN (`to_floats`, `from_floats_paired`).
+// convert a word's two elements together, exact but for a NaN: into floats by shifts (bf16) or
+// the hardware's conversion of each (f16), from floats by the hardware's paired conversion (see
+// `Convert`).
 struct Bf16 {
   using Bits = uint16_t;
   static __device__ __forceinline__ float to_f32(uint32_t b) {
@@ -231,8 +232,8 @@ struct Raw<Bits, 1> {
 // Whether any element of the W words of a 16-bit type T is a NaN: its magnitude plus
 // `T::kNanCarry` carries into the top bit of its half, where no other value's does. Three
 // instructions a word, and only the words live: a test of the converted floats held every float
-// of the chunk until it was done, and took the casts between the 16-bit types from 32 registers
-// to 36-40 (6 blocks an SM).
+// of the chunk until it was done, and took `cast_bf16_f16` on sm_90 from 32 registers to 36 (6
+// blocks an SM).
 template <class T, int W>
 __device__ __forceinline__ bool words_hold_nan(const uint32_t (&w)[W]) {
   uint32_t carries = 0;
@@ -244,27 +245,29 @@ __device__ __forceinline__ bool words_hold_nan(const uint32_t (&w)[W]) {
 // Whether any of the N floats is a NaN: one unordered comparison a pair.
 template <int N>
 __device__ __forceinline__ bool any_nan(const float (&x)[N]) {
-  bool nan = N % 2 == 1 && x[N - 1] != x[N - 1];
+  static_assert(N % 2 == 0, "whole pairs");
+  bool nan = false;
 #pragma unroll
-  for (int k = 0; k + 1 < N; k += 2) nan |= (x[k] != x[k]) | (x[k + 1] != x[k + 1]);
+  for (int k = 0; k < N; k += 2) nan |= (x[k] != x[k]) | (x[k + 1] != x[k + 1]);
   return nan;
 }
 
-// How a kernel converts a chunk of a 16-bit type into floats. One element at a time, the NaN
-// tests took more instructions than the conversions, and the casts between the 16-bit types and
-// the bf16 sum were bound by their instructions on an H200 (BENCHMARKS.md, "paired
+// How a kernel converts a chunk of a 16-bit type to and from floats. One element at a time,
+// the NaN tests took more instructions than the conversions, and the casts between the 16-bit
+// types and the bf16 sum were bound by their instructions on an H200 (BENCHMARKS.md, "paired
 // conversions").
 enum class Convert {
   // Two elements at a time where the chunk holds no NaN, else one at a time: exact.
   kPairs,
   // One at a time: exact. The `_wave` twins: with both ways in a round of four chunks at 32
-  // registers, ptxas spilled 16-40 bytes a thread in their loop.
+  // registers, ptxas spilled 16-40 bytes a thread in the loops of those that write a 16-bit
+  // type (those that write f32 did not, and were not measured with it).
   kEach,
   // Two at a time, untested: exact but for a NaN's payload and quiet bit, for operands of
   // arithmetic, whose result of a NaN is a NaN, quiet, either way. A sum's sources, converted as
   // they arrive between the round's loads: a test there branches, and each load after it waited
   // for the data before it (on an H100 the bf16 sum of two ran at 0.944 of the copy with it,
-  // 1.031 without).
+  // 1.026 without).
   kOperands,
 };
 
