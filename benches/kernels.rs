@@ -441,6 +441,7 @@ fn items(size: usize) -> Vec<Item> {
         items.push(accumulate(size, (src, DType::Bf16), false));
     }
     items.push(accumulate_layer(size));
+    items.push(accumulate_one_span(size));
     for param in DTYPES {
         items.push(adamw(size, param));
     }
@@ -535,18 +536,41 @@ fn accumulate(size: usize, (src, dst): (DType, DType), add: bool) -> Item {
 /// into an f32 shard by one `accumulate_many` call, as a unit's gradients are handed over.
 fn accumulate_layer(size: usize) -> Item {
     let layer = Layer::new(size / DType::F32.size(), DType::Bf16);
-    let operands = vec![layer.arena_numel * 2, layer.flat_numel * 4];
-    let moved = layer.numel() * (2 + 4);
-    let params = layer.params.clone();
+    let spans = layer
+        .params
+        .iter()
+        .map(|&(at, offset, numel, _)| (at, offset, numel))
+        .collect();
+    accumulate_batch("f32 = bf16, a layer", spans)
+}
+
+/// The same bytes as one span of one `accumulate_many` call: what a batch's table and its span
+/// lookup cost beside [`accumulate`] of the same pair, apart from the layer's many spans.
+fn accumulate_one_span(size: usize) -> Item {
+    let numel = size / DType::F32.size();
+    accumulate_batch("f32 = bf16, one span", vec![(0, 0, numel)])
+}
+
+/// One `accumulate_many` call of bf16 gradients into f32, `dst = 0.5 * src`, over `spans`:
+/// (element in the bf16 arena, element in the f32 flat buffer, elements), each destination apart.
+fn accumulate_batch(what: &str, spans: Vec<(usize, usize, usize)>) -> Item {
+    let arena_numel = spans.iter().map(|&(at, _, n)| at + n).max().unwrap_or(0);
+    let flat_numel = spans
+        .iter()
+        .map(|&(_, offset, n)| offset + n)
+        .max()
+        .unwrap_or(0);
+    let moved = spans.iter().map(|&(_, _, n)| n).sum::<usize>() * (2 + 4);
+    let operands = vec![arena_numel * 2, flat_numel * 4];
     Item::new(
         "accumulate_many",
-        "f32 = bf16, a layer".into(),
+        what.into(),
         operands,
         moved,
         move |gpu, a| {
-            let entries: Vec<AccumulateEntry> = params
+            let entries: Vec<AccumulateEntry> = spans
                 .iter()
-                .map(|&(at, offset, numel, _)| AccumulateEntry {
+                .map(|&(at, offset, numel)| AccumulateEntry {
                     src: a[0] + (at * 2) as u64,
                     dst: a[1] + (offset * 4) as u64,
                     n: numel as u64,
