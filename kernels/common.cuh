@@ -317,14 +317,14 @@ __device__ __forceinline__ void from_floats(const float (&x)[N], Raw<typename T:
 template <class T, int N>
 __device__ __forceinline__ void from_floats_paired(const float (&x)[N],
                                                    Raw<typename T::Bits, N>& r) {
-  if constexpr (N == 1 || sizeof(typename T::Bits) == 4) {
-    from_floats<T>(x, r);
-  } else if (any_nan(x)) {
-    from_floats<T>(x, r);
-  } else {
+  if constexpr (N > 1 && sizeof(typename T::Bits) == 2) {
+    if (!any_nan(x)) {
 #pragma unroll
-    for (int k = 0; k < N / 2; ++k) r.w[k] = T::pair_from_f32(x[2 * k], x[2 * k + 1]);
+      for (int k = 0; k < N / 2; ++k) r.w[k] = T::pair_from_f32(x[2 * k], x[2 * k + 1]);
+      return;
+    }
   }
+  from_floats<T>(x, r);
 }
 
 // Stores N floats at `p` as elements of T.
