@@ -9,18 +9,19 @@
 //! the bars: 0.97 of the copy at 1 GiB, 0.90 at 16 MiB.
 //!
 //! A size is the bytes of a kernel's output: the flat buffer for pack, the params for unpack, the
-//! f32 destination for accumulate and reduce_sum, the param for the optimizers. Each figure is
-//! the median of its repetitions, each timed alone between two CUDA events after a warm-up;
-//! bandwidth counts the bytes the kernel must read plus those it writes, and the last column is
-//! that bandwidth over the copy's. At 16 MiB, where a launch's fixed cost is a fifth of the copy's
-//! time, a kernel that moves fewer or more bytes than the copy pays that cost on fewer or more:
-//! the last column there is the bandwidth over a copy's that moves the kernel's own bytes (half
-//! read, half written, rounded down to 256 bytes), timed in the same run. Repetitions rotate over buffer sets that together far exceed
-//! the L2 cache, so that the 16 MiB figures measure memory, not cache, as in training. Every
-//! measurement carves its buffers from one allocation made at the start, so that every kernel
-//! runs on the same memory: on an H200, with buffers allocated for each measurement after others
-//! of different sizes were freed, one kernel ran at 0.87 of the copy in one measurement and at
-//! 0.97 in another of the same run.
+//! f32 destination for accumulate and reduce_sum, the param for the optimizers. Each figure is the
+//! median of its repetitions, each timed alone between two CUDA events after a warm-up; bandwidth
+//! counts the bytes the kernel must read plus those it writes, and the last column is that
+//! bandwidth over the copy's. At 16 MiB, where a launch's fixed cost is a quarter to a third of the
+//! copy's time (an empty launch of a full wave takes 4.2 us between two events on an H100), a
+//! kernel that moves fewer or more bytes than the copy pays that cost on fewer or more: the last
+//! column there is the bandwidth over a copy's that moves the kernel's own bytes (half read, half
+//! written, rounded down to 256 bytes), timed in the same run. Repetitions rotate over buffer sets
+//! that together far exceed the L2 cache, so that the 16 MiB figures measure memory, not cache, as
+//! in training. Every measurement carves its buffers from one allocation made at the start, so that
+//! every kernel runs on the same memory: on an H200, with buffers allocated for each measurement
+//! after others of different sizes were freed, one kernel ran at 0.87 of the copy in one
+//! measurement and at 0.97 in another of the same run.
 //! Without a GPU (or without kernels in the build) it says so and exits 0.
 
 use std::collections::HashMap;
