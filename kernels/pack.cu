@@ -32,8 +32,10 @@ struct CastOp {
         return;
       }
     }
+    // Else one element at a time: the chunk's NaN test, if any, is done.
+    constexpr Convert kRest = kBetween16Bit ? Convert::kEach : C;
     float x[N];
-    to_floats<S, N, C>(r, x);
+    to_floats<S, N, kRest>(r, x);
     store_floats<D>(dst + i, x);
   }
 };
