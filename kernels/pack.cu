@@ -32,7 +32,8 @@ struct CastOp {
         return;
       }
     }
-    // Else one element at a time: the chunk's NaN test, if any, is done.
+    // A cast between the 16-bit types that gets here has a NaN in its chunk (or is a one-wave
+    // twin): one element at a time, with no second test.
     constexpr Convert kRest = kBetween16Bit ? Convert::kEach : C;
     float x[N];
     to_floats<S, N, kRest>(r, x);
