@@ -500,7 +500,7 @@ __device__ __forceinline__ void run_chunks(const Op& op, uint64_t start, uint64_
     // by the grid's threads before a thread's first access (a call into the 64-bit division, or
     // its 32-bit path through a reciprocal), which a one-chunk round pays on every thread: on an
     // H100 the fill of 16 MiB (4096 blocks) issued 2.59 M instructions with it, 2.03 M without,
-    // and ran at 0.890-0.909 of the copy against 0.900-0.929 (BENCHMARKS.md, "one chunk a round
+    // and ran at 0.890-0.909 of the copy against 0.900-0.933 (BENCHMARKS.md, "one chunk a round
     // without a division"). With more chunks a round the split stays: this loop gave the one-wave
     // twins, compiled to 32 registers, 8-116 bytes of spills a thread.
     const uint64_t lane = thread % 32;
